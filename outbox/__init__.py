@@ -1,0 +1,34 @@
+"""outbox: a transactional-outbox dispatcher for PostgreSQL.
+
+The producer API, for applications that record operations inside their own transactions::
+
+    with conn.transaction():
+        conn.execute("INSERT INTO invoices ...")
+        outbox.enqueue(conn, tenant_id="acme", operation_type="invoice.charge",
+                       operation_key="invoice-42-charge", provider="stripe",
+                       action="payment_intents.create", payload={"amount": 1000, ...})
+"""
+
+from importlib.metadata import version as _version
+
+from outbox.errors import InvalidOperation, OperationConflict, OutboxError
+from outbox.model import EnqueueOutcome, EnqueueResult, FailureClass, Operation, Status
+from outbox.producer import enqueue, enqueue_async, get_operation, get_operation_async
+
+__version__ = _version("outbox")
+
+__all__ = [
+    "EnqueueOutcome",
+    "EnqueueResult",
+    "FailureClass",
+    "InvalidOperation",
+    "Operation",
+    "OperationConflict",
+    "OutboxError",
+    "Status",
+    "__version__",
+    "enqueue",
+    "enqueue_async",
+    "get_operation",
+    "get_operation_async",
+]

@@ -1,0 +1,1 @@
+"""Database access: every SQL statement outbox issues (statements), and the migration runner."""

@@ -1,0 +1,174 @@
+"""Applies the numbered migrations of ``sql/`` in order, once each, under an advisory lock.
+
+Safe to run twice (applied files are skipped) and from many processes at once (they queue on the
+lock, and the later ones find nothing to do). Each file runs in its own transaction, so a failure
+leaves the database at the previous version. Statements wait at most ``lock_timeout`` for a lock,
+so a migration never queues for long behind live traffic, and behind it the traffic.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Final
+
+import psycopg
+from psycopg.rows import tuple_row
+
+from outbox.db import statements
+from outbox.durations import format_duration, to_postgres_interval
+from outbox.errors import OutboxError
+
+# Long enough to outlast another process applying the same migrations, short enough that a
+# deploy stuck behind a hung migrator fails instead of hanging.
+DEFAULT_LOCK_WAIT: Final = timedelta(minutes=2)
+# A DDL statement queued behind a long transaction blocks every query behind it: give up soon.
+DEFAULT_LOCK_TIMEOUT: Final = timedelta(seconds=5)
+
+_FILE_NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
+
+
+class MigrationError(OutboxError):
+    """A migration could not be applied, or the files and the database disagree."""
+
+
+@dataclass(frozen=True, slots=True)
+class Migration:
+    """One numbered file of ``sql/``."""
+
+    version: int
+    name: str
+    sql: bytes
+
+    @property
+    def checksum(self) -> str:
+        return hashlib.sha256(self.sql).hexdigest()
+
+    @property
+    def label(self) -> str:
+        return f"{self.version:04d}_{self.name}"
+
+
+@dataclass
+class MigrationReport:
+    """What a run did: the migrations it applied, and how many were already there."""
+
+    applied: list[Migration] = field(default_factory=list)
+    already_applied: int = 0
+    # Versions the database has that these files do not: a newer outbox migrated it.
+    unknown_versions: list[int] = field(default_factory=list)
+
+
+def default_sql_dir() -> Path:
+    """The migrations: inside the installed package (a wheel), or at the top of a checkout."""
+    here = Path(__file__).resolve()
+    for candidate in (here.parents[1] / "sql", here.parents[2] / "sql"):
+        if candidate.is_dir():
+            return candidate
+    raise MigrationError(f"cannot find the sql/ migrations next to {here.parents[1]}")
+
+
+def load_migrations(directory: Path | None = None) -> list[Migration]:
+    """The migrations in ``directory`` (default: :func:`default_sql_dir`), ordered by version."""
+    found: dict[int, Migration] = {}
+    for path in sorted((directory or default_sql_dir()).iterdir()):
+        match = _FILE_NAME.match(path.name)
+        if not match:
+            continue
+        version = int(match.group(1))
+        if version in found:
+            raise MigrationError(f"two migrations share version {version}: {path.name}")
+        found[version] = Migration(version, match.group(2), path.read_bytes())
+    return [found[v] for v in sorted(found)]
+
+
+def migrate(
+    conn: psycopg.Connection[Any],
+    *,
+    target: int | None = None,
+    migrations: Sequence[Migration] | None = None,
+    lock_wait: timedelta = DEFAULT_LOCK_WAIT,
+    lock_timeout: timedelta = DEFAULT_LOCK_TIMEOUT,
+    on_apply: Callable[[Migration], None] | None = None,
+) -> MigrationReport:
+    """Apply pending migrations up to ``target`` (default: all) on an autocommit connection."""
+    if not conn.autocommit:
+        raise MigrationError(
+            "migrate needs an autocommit connection: it runs one transaction per file"
+        )
+    todo = list(migrations if migrations is not None else load_migrations())
+    cur = conn.cursor(row_factory=tuple_row)
+    _set_lock_timeout(cur, lock_wait)
+    try:
+        cur.execute(statements.ACQUIRE_MIGRATION_LOCK, (statements.MIGRATION_LOCK_KEY,))
+    except psycopg.errors.LockNotAvailable:
+        raise MigrationError(
+            f"another outbox migrate held the migration lock for over {format_duration(lock_wait)}"
+        ) from None
+    try:
+        _set_lock_timeout(cur, lock_timeout)
+        cur.execute(statements.CREATE_SCHEMA)
+        cur.execute(statements.CREATE_MIGRATIONS_TABLE)
+        return _apply_pending(cur, todo, target, lock_timeout, on_apply)
+    finally:
+        if not conn.broken:
+            cur.execute(statements.RELEASE_MIGRATION_LOCK, (statements.MIGRATION_LOCK_KEY,))
+            cur.execute(statements.RESET_LOCK_TIMEOUT)
+
+
+def _apply_pending(
+    cur: psycopg.Cursor[tuple[Any, ...]],
+    todo: list[Migration],
+    target: int | None,
+    lock_timeout: timedelta,
+    on_apply: Callable[[Migration], None] | None,
+) -> MigrationReport:
+    applied = {row[0]: row[2] for row in cur.execute(statements.APPLIED_MIGRATIONS)}
+    report = MigrationReport(unknown_versions=sorted(set(applied) - {m.version for m in todo}))
+    for migration in todo:
+        if target is not None and migration.version > target:
+            break
+        if migration.version in applied:
+            if applied[migration.version] != migration.checksum:
+                raise MigrationError(
+                    f"migration {migration.label} was changed after it was applied; "
+                    "add a new numbered file instead of editing an applied one"
+                )
+            report.already_applied += 1
+            continue
+        _apply_one(cur, migration, lock_timeout)
+        report.applied.append(migration)
+        if on_apply is not None:
+            on_apply(migration)
+    return report
+
+
+def _apply_one(
+    cur: psycopg.Cursor[tuple[Any, ...]], migration: Migration, lock_timeout: timedelta
+) -> None:
+    try:
+        with cur.connection.transaction():
+            # No parameters: psycopg sends the file as one simple query, several statements and all.
+            cur.execute(migration.sql)
+            cur.execute(
+                statements.RECORD_MIGRATION,
+                (migration.version, migration.name, migration.checksum),
+            )
+    except psycopg.errors.LockNotAvailable:
+        raise MigrationError(
+            f"migration {migration.label} waited over {format_duration(lock_timeout)} for a lock "
+            "held by live traffic and was rolled back; retry when the database is quieter, or "
+            "raise --lock-timeout"
+        ) from None
+    except psycopg.Error as exc:
+        raise MigrationError(
+            f"migration {migration.label} failed and was rolled back: {exc}"
+        ) from exc
+
+
+def _set_lock_timeout(cur: psycopg.Cursor[tuple[Any, ...]], value: timedelta) -> None:
+    cur.execute(statements.SET_LOCK_TIMEOUT, (to_postgres_interval(value),))

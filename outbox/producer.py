@@ -1,0 +1,192 @@
+"""The producer API: record an operation in the caller's transaction, and read it back.
+
+Every function runs on the caller's psycopg connection and never commits or rolls back: the
+operation becomes visible to the dispatcher when, and only if, the caller's transaction commits.
+Validation lives in the SQL function ``outbox.enqueue`` so that Python and every other language
+get the same rules; this module checks only what cannot reach SQL intact (NUL characters, values
+that are not JSON).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any, NoReturn
+
+import psycopg
+from psycopg.rows import kwargs_row, tuple_row
+
+from outbox.db import statements
+from outbox.errors import (
+    SQLSTATE_INVALID_OPERATION,
+    SQLSTATE_OPERATION_CONFLICT,
+    InvalidOperation,
+    OperationConflict,
+)
+from outbox.model import EnqueueOutcome, EnqueueResult, Operation
+
+Params = dict[str, Any]
+
+
+def enqueue(
+    conn: psycopg.Connection[Any],
+    *,
+    tenant_id: str,
+    operation_type: str,
+    operation_key: str,
+    provider: str,
+    action: str,
+    payload: Mapping[str, Any],
+    correlation_id: str | None = None,
+    idempotency_key: str | None = None,
+    available_at: datetime | None = None,
+    max_attempts: int | None = None,
+    traceparent: str | None = None,
+) -> EnqueueResult:
+    """Record an operation inside the caller's open transaction.
+
+    Returns ``accepted`` for a new operation, ``duplicate`` (with the existing id) when the same
+    identity was recorded with the same provider, action and payload. Raises
+    :class:`OperationConflict` when the identity exists with other content and
+    :class:`InvalidOperation` for malformed arguments; either way nothing is written.
+    ``available_at`` delays the first attempt; ``idempotency_key`` replaces the derived key when
+    the application already has one from its own client.
+    """
+    params = _enqueue_params(locals())
+    try:
+        with conn.cursor(row_factory=tuple_row) as cur:
+            cur.execute(statements.ENQUEUE, params)
+            row = cur.fetchone()
+    except psycopg.Error as exc:
+        _raise_translated(exc, params)
+    return _enqueue_result(row)
+
+
+async def enqueue_async(
+    conn: psycopg.AsyncConnection[Any],
+    *,
+    tenant_id: str,
+    operation_type: str,
+    operation_key: str,
+    provider: str,
+    action: str,
+    payload: Mapping[str, Any],
+    correlation_id: str | None = None,
+    idempotency_key: str | None = None,
+    available_at: datetime | None = None,
+    max_attempts: int | None = None,
+    traceparent: str | None = None,
+) -> EnqueueResult:
+    """The asyncio twin of :func:`enqueue`, on a psycopg ``AsyncConnection``."""
+    params = _enqueue_params(locals())
+    try:
+        async with conn.cursor(row_factory=tuple_row) as cur:
+            await cur.execute(statements.ENQUEUE, params)
+            row = await cur.fetchone()
+    except psycopg.Error as exc:
+        _raise_translated(exc, params)
+    return _enqueue_result(row)
+
+
+def get_operation(
+    conn: psycopg.Connection[Any], tenant_id: str, operation_type: str, operation_key: str
+) -> Operation | None:
+    """The persisted state of the operation with this identity, or None if there is none.
+
+    Reads within the caller's transaction, so it sees the caller's own uncommitted enqueue.
+    """
+    params = {
+        "tenant_id": tenant_id,
+        "operation_type": operation_type,
+        "operation_key": operation_key,
+    }
+    with conn.cursor(row_factory=kwargs_row(Operation.from_row)) as cur:
+        cur.execute(statements.GET_OPERATION, params)
+        return cur.fetchone()
+
+
+async def get_operation_async(
+    conn: psycopg.AsyncConnection[Any], tenant_id: str, operation_type: str, operation_key: str
+) -> Operation | None:
+    """The asyncio twin of :func:`get_operation`."""
+    params = {
+        "tenant_id": tenant_id,
+        "operation_type": operation_type,
+        "operation_key": operation_key,
+    }
+    async with conn.cursor(row_factory=kwargs_row(Operation.from_row)) as cur:
+        await cur.execute(statements.GET_OPERATION, params)
+        return await cur.fetchone()
+
+
+_TEXT_FIELDS = (
+    "tenant_id",
+    "operation_type",
+    "operation_key",
+    "provider",
+    "action",
+    "correlation_id",
+    "idempotency_key",
+    "traceparent",
+)
+
+
+def _enqueue_params(arguments: Mapping[str, Any]) -> Params:
+    """The bound parameters of ENQUEUE, after the checks SQL cannot make itself."""
+    params = {name: value for name, value in arguments.items() if name != "conn"}
+    for field in _TEXT_FIELDS:
+        value = params[field]
+        if value is not None and not isinstance(value, str):
+            raise InvalidOperation(field, f"{field} must be a string, not {type(value).__name__}")
+        if value is not None and "\x00" in value:
+            raise InvalidOperation(field, f"{field} must not contain NUL characters")
+    params["payload"] = _payload_json(params["payload"])
+    return params
+
+
+def _payload_json(payload: object) -> str:
+    """The payload as JSON text, or InvalidOperation saying why it cannot be one."""
+    if not isinstance(payload, Mapping):
+        raise InvalidOperation(
+            "payload", f"payload must be a JSON object (a mapping), not {type(payload).__name__}"
+        )
+    if _contains_nul(payload):
+        raise InvalidOperation("payload", "payload must not contain NUL characters")
+    try:
+        # allow_nan=False: NaN and Infinity are not JSON, and PostgreSQL would refuse them.
+        return json.dumps(payload, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        raise InvalidOperation("payload", f"payload is not valid JSON: {exc}") from None
+
+
+def _contains_nul(value: object) -> bool:
+    # PostgreSQL text and jsonb cannot hold U+0000, in keys or in values.
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, Mapping):
+        return any(_contains_nul(k) or _contains_nul(v) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return any(_contains_nul(item) for item in value)
+    return False
+
+
+def _enqueue_result(row: tuple[Any, ...] | None) -> EnqueueResult:
+    if row is None:  # the SQL function always returns one row
+        raise RuntimeError("outbox.enqueue returned no row")
+    return EnqueueResult(operation_id=row[0], outcome=EnqueueOutcome(row[1]))
+
+
+def _raise_translated(exc: psycopg.Error, params: Params) -> NoReturn:
+    """Re-raise a database error as the public exception it stands for."""
+    message = exc.diag.message_primary or str(exc)
+    if exc.sqlstate == SQLSTATE_OPERATION_CONFLICT:
+        raise OperationConflict(
+            message,
+            tenant_id=params["tenant_id"],
+            operation_type=params["operation_type"],
+            operation_key=params["operation_key"],
+        ) from exc
+    if exc.sqlstate == SQLSTATE_INVALID_OPERATION:
+        raise InvalidOperation(exc.diag.column_name or "unknown", message) from exc
+    raise exc
