@@ -1,0 +1,3 @@
+from outbox.cli import main
+
+main()

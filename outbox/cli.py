@@ -1,0 +1,240 @@
+"""The ``outbox`` command: thin click commands that parse, call the library, and print.
+
+Exit codes: 0 success; 1 failure (database unreachable, migration failed); 2 bad input (usage,
+an invalid operation); 3 conflict (the identity exists with other content).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import IO, Any, TypeVar
+
+import click
+import psycopg
+from click.core import ParameterSource
+from psycopg.conninfo import conninfo_to_dict
+
+from outbox import producer
+from outbox.db import dsn as dsn_util
+from outbox.db import migrations, statements
+from outbox.durations import format_duration, parse_duration
+from outbox.errors import InvalidOperation, OperationConflict
+from outbox.model import Status
+from outbox.tables import render_table
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+EXIT_CONFLICT = 3
+CONNECT_TIMEOUT_SECONDS = 10  # a CLI that hangs on a dead host is worse than one that says so
+
+
+# click 8.5 made ParamType generic; the older releases we also support cannot be subscripted.
+class Duration(click.ParamType):  # type: ignore[type-arg]
+    """A click parameter for durations such as 500ms, 30s or 10m."""
+
+    name = "duration"
+
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> timedelta:
+        if isinstance(value, timedelta):
+            return value
+        try:
+            return parse_duration(str(value))
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+class BadInput(click.ClickException):
+    exit_code = 2
+
+
+class Conflict(click.ClickException):
+    exit_code = EXIT_CONFLICT
+
+
+def _check_dsn(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is None:
+        return None
+    try:
+        with_password = dsn_util.has_password(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    if (
+        with_password
+        and ctx.get_parameter_source(param.name or "dsn") is ParameterSource.COMMANDLINE
+    ):
+        raise click.BadParameter(
+            "a password on the command line is visible to every user of this machine; "
+            "set OUTBOX_DATABASE_URL, PGPASSWORD or a ~/.pgpass file instead"
+        )
+    return value
+
+
+def dsn_option(command: F) -> F:
+    """``--dsn``, defaulting to $OUTBOX_DATABASE_URL; passwords only from the environment."""
+    return click.option(
+        "--dsn",
+        envvar="OUTBOX_DATABASE_URL",
+        show_envvar=True,
+        required=True,
+        callback=_check_dsn,
+        help="PostgreSQL connection string (URL or key=value); no password on the command line.",
+    )(command)
+
+
+def json_option(command: F) -> F:
+    return click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")(command)
+
+
+@contextlib.contextmanager
+def connect(dsn: str, *, autocommit: bool = False) -> Iterator[psycopg.Connection[Any]]:
+    """A connection for one command, with database errors turned into clean messages."""
+    options: dict[str, Any] = {"application_name": "outbox-cli", "autocommit": autocommit}
+    if "connect_timeout" not in conninfo_to_dict(dsn):
+        options["connect_timeout"] = CONNECT_TIMEOUT_SECONDS
+    try:
+        with psycopg.connect(dsn, **options) as conn:
+            yield conn
+    except (
+        psycopg.errors.UndefinedTable,
+        psycopg.errors.UndefinedFunction,
+        psycopg.errors.InvalidSchemaName,
+    ):
+        raise click.ClickException(
+            "the outbox schema is missing or out of date: run `outbox migrate` first"
+        ) from None
+    except psycopg.Error as exc:
+        raise click.ClickException(dsn_util.scrub(str(exc).strip(), dsn)) from None
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="outbox")
+def main() -> None:
+    """outbox: transactional-outbox dispatcher for PostgreSQL."""
+
+
+@main.command()
+@dsn_option
+@click.option("--target", type=click.IntRange(min=1), help="Stop after this migration version.")
+@click.option(
+    "--lock-timeout",
+    type=Duration(),
+    default="5s",
+    show_default=True,
+    help="How long one statement may wait for a table lock before the migration gives up.",
+)
+@click.option(
+    "--lock-wait",
+    type=Duration(),
+    default="2m",
+    show_default=True,
+    help="How long to wait for another `outbox migrate` to finish.",
+)
+def migrate(dsn: str, target: int | None, lock_timeout: timedelta, lock_wait: timedelta) -> None:
+    """Apply pending schema migrations, in order, under an advisory lock."""
+
+    def applied(m: migrations.Migration) -> None:
+        click.echo(f"applied {m.label}")
+
+    with connect(dsn, autocommit=True) as conn:
+        try:
+            report = migrations.migrate(
+                conn,
+                target=target,
+                lock_timeout=lock_timeout,
+                lock_wait=lock_wait,
+                on_apply=applied,
+            )
+        except migrations.MigrationError as exc:
+            raise click.ClickException(dsn_util.scrub(str(exc), dsn)) from None
+    if report.unknown_versions:
+        versions = ", ".join(f"{v:04d}" for v in report.unknown_versions)
+        click.echo(
+            f"warning: the database has migrations this outbox does not know: {versions}", err=True
+        )
+    if report.applied:
+        click.echo(f"{len(report.applied)} applied, {report.already_applied} already applied")
+    else:
+        click.echo(f"up to date: {report.already_applied} migrations applied, nothing to do")
+
+
+@main.command()
+@dsn_option
+@click.option("--tenant-id", required=True)
+@click.option("--operation-type", required=True)
+@click.option("--operation-key", required=True, help="The application's key for this intent.")
+@click.option("--provider", required=True, help="A configured provider name.")
+@click.option("--action", required=True, help="What to ask of the provider.")
+@click.option("--payload", "payload_text", help="The payload, a JSON object.")
+@click.option(
+    "--payload-file", type=click.File("r"), help="Read the payload from a file ('-': stdin)."
+)
+@click.option("--correlation-id")
+@click.option("--idempotency-key", help="Use this key instead of deriving one from the identity.")
+@click.option("--max-attempts", type=click.IntRange(min=1))
+@json_option
+def enqueue(
+    dsn: str, payload_text: str | None, payload_file: IO[str] | None, as_json: bool, **fields: Any
+) -> None:
+    """Record one operation, in a transaction of its own."""
+    payload = _read_payload(payload_text, payload_file)
+    with connect(dsn) as conn:
+        try:
+            result = producer.enqueue(conn, payload=payload, **fields)
+        except InvalidOperation as exc:
+            raise BadInput(str(exc)) from None
+        except OperationConflict as exc:
+            raise Conflict(str(exc)) from None
+    if as_json:
+        click.echo(
+            json.dumps({"operation_id": result.operation_id, "outcome": result.outcome.value})
+        )
+    else:
+        click.echo(f"{result.outcome.value}: operation {result.operation_id}")
+
+
+def _read_payload(text: str | None, file: IO[str] | None) -> Any:
+    if text is not None and file is None:
+        source = text
+    elif file is not None and text is None:
+        source = file.read()
+    else:
+        raise click.UsageError("give the payload with exactly one of --payload or --payload-file")
+    try:
+        return json.loads(source)
+    except json.JSONDecodeError as exc:
+        # The message gives the position only: the payload itself is never echoed.
+        raise BadInput(f"the payload is not valid JSON: {exc}") from None
+
+
+@main.command()
+@dsn_option
+@json_option
+def status(dsn: str, as_json: bool) -> None:
+    """Operations per status, and the age of the oldest pending operation that is due."""
+    with connect(dsn) as conn:
+        counts = {Status.parse(s): n for s, n in conn.execute(statements.COUNT_BY_STATUS)}
+        row = conn.execute(statements.OLDEST_DUE_PENDING_AGE).fetchone()
+    oldest: float | None = row[0] if row else None
+    if as_json:
+        click.echo(
+            json.dumps(
+                {
+                    "operations": {s.value: counts.get(s, 0) for s in Status},
+                    "oldest_due_pending_age_seconds": oldest,
+                }
+            )
+        )
+        return
+    click.echo(render_table(["status", "count"], [(s.value, counts.get(s, 0)) for s in Status]))
+    age = "none due" if oldest is None else format_duration(timedelta(seconds=oldest))
+    click.echo(f"\noldest due pending: {age}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
