@@ -1,0 +1,67 @@
+"""Fixtures: a real PostgreSQL server per run, and a fresh database per test."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from tests.support import postgres
+
+
+@pytest.fixture(scope="session")
+def pg_server_info(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> postgres.Server:
+    """The server every test of this run uses."""
+    base = tmp_path_factory.getbasetemp()
+    # xdist workers each get a subdirectory; their parent is shared by the whole run.
+    shared: Path = base.parent if worker_id != "master" else base
+    return postgres.find_server(shared)
+
+
+@pytest.fixture(scope="session")
+def pg_server(pg_server_info: postgres.Server) -> str:
+    """The maintenance-database URL of that server."""
+    return pg_server_info.url
+
+
+@pytest.fixture(scope="session")
+def template_db(pg_server: str) -> str:
+    return postgres.ensure_template(pg_server)
+
+
+@pytest.fixture
+def db_url(pg_server: str, template_db: str) -> Iterator[str]:
+    """A fresh database with every migration applied, dropped after the test."""
+    name = postgres.create_database(pg_server, template_db)
+    yield postgres.with_dbname(pg_server, name)
+    postgres.drop_database(pg_server, name)
+
+
+@pytest.fixture
+def empty_db_url(pg_server: str) -> Iterator[str]:
+    """A fresh database with nothing in it, for migration tests."""
+    name = postgres.create_database(pg_server, None)
+    yield postgres.with_dbname(pg_server, name)
+    postgres.drop_database(pg_server, name)
+
+
+@pytest.fixture
+def conn(db_url: str) -> Iterator[psycopg.Connection[Any]]:
+    with psycopg.connect(db_url) as connection:
+        yield connection
+
+
+@pytest.fixture
+async def aconn(db_url: str) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+    async with await psycopg.AsyncConnection.connect(db_url) as connection:
+        yield connection
+
+
+@pytest.fixture
+def cli_env(db_url: str) -> dict[str, str]:
+    """The environment of an `outbox` subprocess pointed at this test's database."""
+    return {**os.environ, "OUTBOX_DATABASE_URL": db_url}

@@ -1,0 +1,160 @@
+"""Bad input at enqueue: a clear error that names the field, and no row, in SQL and Python alike."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import psycopg
+import pytest
+
+import outbox
+from outbox import InvalidOperation
+from tests.support.producers import charge, count
+
+# (field, bad value, what the message must say)
+BAD_TEXT = [
+    ("tenant_id", "", "tenant_id must not be empty"),
+    ("tenant_id", "   ", "tenant_id must not be empty"),
+    ("tenant_id", "t" * 129, "tenant_id is 129 characters long; at most 128"),
+    ("operation_type", "", "operation_type must not be empty"),
+    ("operation_type", "x" * 129, "operation_type is 129 characters long"),
+    ("operation_key", "", "operation_key must not be empty"),
+    ("operation_key", "k" * 10_000, "operation_key is 10000 characters long; at most 255"),
+    ("operation_key", "line\nbreak", "operation_key must not contain control characters"),
+    ("provider", "", "provider must not be empty"),
+    ("provider", "p" * 65, "provider is 65 characters long"),
+    ("action", "", "action must not be empty"),
+    ("correlation_id", "c" * 256, "correlation_id is 256 characters long"),
+    ("idempotency_key", "has space", "idempotency_key must be 1 to 255 visible ASCII"),
+    ("idempotency_key", "k" * 256, "idempotency_key must be 1 to 255 visible ASCII"),
+    ("idempotency_key", "ключ", "idempotency_key must be 1 to 255 visible ASCII"),
+    ("traceparent", "not-a-trace", "traceparent must be a W3C trace context"),
+]
+BAD_PAYLOAD_JSON = [
+    ("[1, 2]", "payload must be a JSON object, not array"),
+    ('"text"', "payload must be a JSON object, not string"),
+    ("null", "payload must be a JSON object, not null"),
+]
+
+
+@pytest.mark.parametrize(("field", "value", "message"), BAD_TEXT)
+def test_python_names_the_field_and_writes_nothing(
+    conn: psycopg.Connection[Any], db_url: str, field: str, value: str, message: str
+) -> None:
+    with pytest.raises(InvalidOperation, match=message) as caught:
+        outbox.enqueue(conn, **charge(**{field: value}))
+    assert caught.value.field == field
+    conn.rollback()
+    assert count(db_url) == 0
+
+
+@pytest.mark.parametrize(("field", "value", "message"), BAD_TEXT)
+def test_sql_names_the_field_with_its_sqlstate_and_writes_nothing(
+    conn: psycopg.Connection[Any], db_url: str, field: str, value: str, message: str
+) -> None:
+    args = charge(**{field: value})
+    args["payload"] = json.dumps(args["payload"])
+    names = ", ".join(f"{name} => %({name})s" for name in args)
+    with pytest.raises(psycopg.Error, match=message) as caught:
+        conn.execute(f"SELECT * FROM outbox.enqueue({names})", args)  # noqa: S608 (fixed names)
+    assert caught.value.sqlstate == "OB002"
+    assert caught.value.diag.column_name == field
+    conn.rollback()
+    assert count(db_url) == 0
+
+
+@pytest.mark.parametrize(("payload", "message"), BAD_PAYLOAD_JSON)
+def test_sql_refuses_a_payload_that_is_not_an_object(
+    conn: psycopg.Connection[Any], db_url: str, payload: str, message: str
+) -> None:
+    with pytest.raises(psycopg.Error, match=message) as caught:
+        conn.execute(
+            "SELECT * FROM outbox.enqueue(tenant_id => 'a', operation_type => 't', "
+            "operation_key => 'k', provider => 'p', action => 'x', payload => %s::jsonb)",
+            (payload,),
+        )
+    assert (caught.value.sqlstate, caught.value.diag.column_name) == ("OB002", "payload")
+    conn.rollback()
+    assert count(db_url) == 0
+
+
+def test_sql_requires_every_identity_field(conn: psycopg.Connection[Any]) -> None:
+    with pytest.raises(psycopg.Error, match="operation_key is required") as caught:
+        conn.execute(
+            "SELECT * FROM outbox.enqueue(tenant_id => 'a', operation_type => 't', "
+            "operation_key => NULL, provider => 'p', action => 'x', payload => '{}')"
+        )
+    assert caught.value.diag.column_name == "operation_key"
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        ([1, 2], "payload must be a JSON object \\(a mapping\\), not list"),
+        ("{}", "payload must be a JSON object \\(a mapping\\), not str"),
+        ({"amount": float("nan")}, "payload is not valid JSON"),
+        ({"when": object()}, "payload is not valid JSON"),
+        ({"note": "nul\x00byte"}, "payload must not contain NUL characters"),
+        ({"nul\x00key": 1}, "payload must not contain NUL characters"),
+        ({"nested": [{"deep": "\x00"}]}, "payload must not contain NUL characters"),
+    ],
+    ids=["list", "str", "nan", "object", "nul-value", "nul-key", "nul-nested"],
+)
+def test_python_refuses_a_payload_that_cannot_be_a_json_object(
+    conn: psycopg.Connection[Any], db_url: str, payload: Any, message: str
+) -> None:
+    with pytest.raises(InvalidOperation, match=message) as caught:
+        outbox.enqueue(conn, **charge(payload=payload))
+    assert caught.value.field == "payload"
+    conn.rollback()
+    assert count(db_url) == 0
+
+
+@pytest.mark.parametrize("field", ["tenant_id", "operation_key", "provider", "correlation_id"])
+def test_python_refuses_nul_characters_in_text_fields(
+    conn: psycopg.Connection[Any], db_url: str, field: str
+) -> None:
+    with pytest.raises(InvalidOperation, match=f"{field} must not contain NUL") as caught:
+        outbox.enqueue(conn, **charge(**{field: "a\x00b"}))
+    assert caught.value.field == field
+    assert count(db_url) == 0
+
+
+def test_a_payload_over_the_configured_limit_is_refused(
+    conn: psycopg.Connection[Any], db_url: str
+) -> None:
+    conn.execute("SET outbox.max_payload_bytes = 1000")
+    outbox.enqueue(conn, **charge(payload={"note": "x" * 900}))
+    with pytest.raises(InvalidOperation, match=r"payload is 1[0-9]{3} bytes of JSON; at most 1000"):
+        outbox.enqueue(conn, **charge(operation_key="big", payload={"note": "x" * 1000}))
+    conn.rollback()
+    assert count(db_url) == 0
+
+
+def test_the_default_payload_limit_refuses_ten_megabytes(
+    conn: psycopg.Connection[Any], db_url: str
+) -> None:
+    with pytest.raises(InvalidOperation, match="at most 1048576 are allowed"):
+        outbox.enqueue(conn, **charge(payload={"blob": "x" * 10_000_000}))
+    conn.rollback()
+    assert count(db_url) == 0
+
+
+def test_sql_metacharacters_are_data(conn: psycopg.Connection[Any], db_url: str) -> None:
+    nasty = "'; DROP TABLE outbox.operations; --"
+    outbox.enqueue(
+        conn,
+        **charge(
+            tenant_id=nasty, operation_key=nasty, correlation_id=nasty, payload={nasty: nasty}
+        ),
+    )
+    conn.commit()
+    op = outbox.get_operation(conn, nasty, "invoice.charge", nasty)
+    assert op is not None and op.correlation_id == nasty
+    assert count(db_url) == 1
+
+
+def test_max_attempts_below_one_is_refused(conn: psycopg.Connection[Any]) -> None:
+    with pytest.raises(InvalidOperation, match="max_attempts must be at least 1, not 0"):
+        outbox.enqueue(conn, **charge(max_attempts=0))

@@ -1,0 +1,157 @@
+"""The real `outbox` CLI in a subprocess: enqueue, status, and what it refuses."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.producers import count
+
+CHARGE = [
+    "--tenant-id",
+    "acme",
+    "--operation-type",
+    "invoice.charge",
+    "--operation-key",
+    "invoice-42-charge",
+    "--provider",
+    "stripe",
+    "--action",
+    "payment_intents.create",
+]
+PAYLOAD = '{"amount": 1000, "currency": "usd"}'
+
+
+def outbox_cli(
+    env: dict[str, str], *args: str, stdin: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "outbox", *args],
+        env=env,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_enqueue_prints_the_outcome_and_a_second_one_is_a_duplicate(
+    cli_env: dict[str, str], db_url: str
+) -> None:
+    first = outbox_cli(cli_env, "enqueue", *CHARGE, "--payload", PAYLOAD)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.startswith("accepted: operation ")
+    second = outbox_cli(cli_env, "enqueue", *CHARGE, "--payload", PAYLOAD, "--json")
+    assert second.returncode == 0, second.stderr
+    result = json.loads(second.stdout)
+    assert result["outcome"] == "duplicate"
+    assert first.stdout.split()[-1] == str(result["operation_id"])
+    assert count(db_url) == 1
+
+
+def test_enqueue_reads_the_payload_from_a_file_or_stdin(
+    cli_env: dict[str, str], db_url: str, tmp_path: Path
+) -> None:
+    payload_file = tmp_path / "payload.json"
+    payload_file.write_text(PAYLOAD)
+    from_file = outbox_cli(cli_env, "enqueue", *CHARGE, "--payload-file", str(payload_file))
+    assert from_file.returncode == 0, from_file.stderr
+    stdin_args = [*CHARGE[:5], "invoice-43-charge", *CHARGE[6:]]
+    from_stdin = outbox_cli(cli_env, "enqueue", *stdin_args, "--payload-file", "-", stdin=PAYLOAD)
+    assert from_stdin.returncode == 0, from_stdin.stderr
+    assert count(db_url) == 2
+
+
+def test_a_conflict_exits_3_and_changes_nothing(cli_env: dict[str, str], db_url: str) -> None:
+    assert outbox_cli(cli_env, "enqueue", *CHARGE, "--payload", PAYLOAD).returncode == 0
+    conflict = outbox_cli(cli_env, "enqueue", *CHARGE, "--payload", '{"amount": 1}')
+    assert conflict.returncode == 3
+    assert "already exists with another provider, action or payload" in conflict.stderr
+    assert count(db_url) == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--payload", "[1]"], "payload must be a JSON object"),
+        (["--payload", '{"amount": '], "the payload is not valid JSON"),
+        (["--payload", PAYLOAD, "--idempotency-key", "a b"], "idempotency_key must be"),
+        ([], "exactly one of --payload or --payload-file"),
+    ],
+    ids=["array", "broken-json", "bad-key", "no-payload"],
+)
+def test_bad_input_exits_2_with_a_clear_message_and_writes_nothing(
+    cli_env: dict[str, str], db_url: str, args: list[str], message: str
+) -> None:
+    done = outbox_cli(cli_env, "enqueue", *CHARGE, *args)
+    assert done.returncode == 2
+    assert message in done.stderr
+    assert count(db_url) == 0
+
+
+def test_status_counts_every_status_as_table_and_json(cli_env: dict[str, str]) -> None:
+    for key in ("a", "b", "c"):
+        args = [*CHARGE[:5], key, *CHARGE[6:]]
+        assert outbox_cli(cli_env, "enqueue", *args, "--payload", PAYLOAD).returncode == 0
+
+    table = outbox_cli(cli_env, "status")
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    assert lines[0].split() == ["STATUS", "COUNT"]
+    assert lines[1].split() == ["pending", "3"]
+    assert lines[2].split() == ["in_flight", "0"]
+    assert "oldest due pending:" in table.stdout
+
+    as_json = json.loads(outbox_cli(cli_env, "status", "--json").stdout)
+    assert as_json["operations"] == {
+        "pending": 3,
+        "in_flight": 0,
+        "succeeded": 0,
+        "quarantined": 0,
+        "reconciling": 0,
+        "cancelled": 0,
+    }
+    assert as_json["oldest_due_pending_age_seconds"] >= 0
+
+
+def test_status_says_none_due_when_nothing_is_pending(cli_env: dict[str, str]) -> None:
+    done = outbox_cli(cli_env, "status", "--json")
+    assert json.loads(done.stdout)["oldest_due_pending_age_seconds"] is None
+
+
+def test_a_password_on_the_command_line_is_refused_and_never_echoed() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "OUTBOX_DATABASE_URL"}
+    done = outbox_cli(env, "status", "--dsn", "postgresql://app:s3cret-pw@127.0.0.1:1/app")
+    assert done.returncode == 2
+    assert "password on the command line" in done.stderr
+    assert "s3cret-pw" not in done.stdout + done.stderr
+
+
+def test_a_failed_connection_never_prints_the_password(db_url: str) -> None:
+    env = {
+        **os.environ,
+        "OUTBOX_DATABASE_URL": "postgresql://app:s3cret-pw@127.0.0.1:1/app?connect_timeout=2",
+    }
+    done = outbox_cli(env, "status")
+    assert done.returncode == 1
+    assert "connection" in done.stderr
+    assert "s3cret-pw" not in done.stdout + done.stderr
+
+
+def test_commands_on_an_unmigrated_database_say_to_migrate(empty_db_url: str) -> None:
+    done = outbox_cli({**os.environ, "OUTBOX_DATABASE_URL": empty_db_url}, "status")
+    assert done.returncode == 1
+    assert "run `outbox migrate` first" in done.stderr
+
+
+def test_no_dsn_at_all_is_a_usage_error() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "OUTBOX_DATABASE_URL"}
+    done = outbox_cli(env, "status")
+    assert done.returncode == 2
+    assert "--dsn" in done.stderr and "OUTBOX_DATABASE_URL" in done.stderr

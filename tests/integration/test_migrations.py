@@ -1,0 +1,155 @@
+"""`outbox migrate`: in order, once, under a lock, never queuing long behind live traffic."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from typing import Any
+
+import psycopg
+import pytest
+
+from outbox.db import migrations
+from outbox.model import Status
+from tests.support.schema import snapshot
+
+ALL = migrations.load_migrations()
+
+
+def run_migrate(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OUTBOX_DATABASE_URL": url}
+    return subprocess.run(
+        [sys.executable, "-m", "outbox", "migrate", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def applied_rows(url: str) -> list[tuple[Any, ...]]:
+    with psycopg.connect(url) as conn:
+        return conn.execute(
+            "SELECT version, name, checksum, applied_at FROM outbox.schema_migrations ORDER BY 1"
+        ).fetchall()
+
+
+def test_there_are_migrations_numbered_from_one_without_gaps() -> None:
+    assert [m.version for m in ALL] == list(range(1, len(ALL) + 1))
+
+
+def test_all_at_once_equals_one_at_a_time_equals_the_template(
+    empty_db_url: str, db_url: str, pg_server: str
+) -> None:
+    with psycopg.connect(empty_db_url, autocommit=True) as conn:
+        for version in range(1, len(ALL) + 1):
+            report = migrations.migrate(conn, target=version)
+            assert [m.version for m in report.applied] == [version]
+    stepwise = snapshot(empty_db_url)
+    assert stepwise == snapshot(db_url)
+    assert len(stepwise["functions"]) >= 4 and len(stepwise["indexes"]) >= 5
+
+
+def test_migrate_twice_changes_nothing_the_second_time(empty_db_url: str) -> None:
+    first = run_migrate(empty_db_url)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.count("applied 0") == len(ALL)
+    rows, schema = applied_rows(empty_db_url), snapshot(empty_db_url)
+
+    second = run_migrate(empty_db_url)
+    assert second.returncode == 0, second.stderr
+    assert "applied 0" not in second.stdout
+    assert "nothing to do" in second.stdout
+    assert applied_rows(empty_db_url) == rows
+    assert snapshot(empty_db_url) == schema
+
+
+def test_two_processes_at_once_apply_each_migration_once(empty_db_url: str) -> None:
+    env = {**os.environ, "OUTBOX_DATABASE_URL": empty_db_url}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "outbox", "migrate"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    outputs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    applied_lines = sum(out.count("applied 0") for out, _ in outputs)
+    assert applied_lines == len(ALL)
+    assert [row[0] for row in applied_rows(empty_db_url)] == [m.version for m in ALL]
+
+
+def test_a_migration_blocked_by_live_traffic_gives_up_and_applies_nothing(
+    empty_db_url: str,
+) -> None:
+    assert run_migrate(empty_db_url, "--target", "1").returncode == 0
+    # 0002 adds a foreign key to operations, which needs a lock that this transaction holds.
+    with psycopg.connect(empty_db_url) as holder:
+        holder.execute("LOCK TABLE outbox.operations IN ACCESS EXCLUSIVE MODE")
+        started = time.monotonic()
+        blocked = run_migrate(empty_db_url, "--lock-timeout", "300ms")
+        elapsed = time.monotonic() - started
+        holder.rollback()
+    assert blocked.returncode == 1
+    assert "0002_attempts" in blocked.stderr and "lock" in blocked.stderr
+    assert elapsed < 30  # bounded by the lock timeout, not by the holder
+    assert [row[0] for row in applied_rows(empty_db_url)] == [1]
+
+    after = run_migrate(empty_db_url)
+    assert after.returncode == 0, after.stderr
+    assert [row[0] for row in applied_rows(empty_db_url)] == [m.version for m in ALL]
+
+
+def test_a_migration_edited_after_it_was_applied_is_refused(db_url: str) -> None:
+    edited = [replace(ALL[0], sql=ALL[0].sql + b"\n-- edited\n"), *ALL[1:]]
+    with (
+        psycopg.connect(db_url, autocommit=True) as conn,
+        pytest.raises(migrations.MigrationError, match="0001_operations was changed"),
+    ):
+        migrations.migrate(conn, migrations=edited)
+
+
+def test_a_failing_migration_rolls_back_whole(db_url: str) -> None:
+    broken = migrations.Migration(
+        len(ALL) + 1, "broken", b"CREATE TABLE outbox.half (id int); SELECT 1/0;"
+    )
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        with pytest.raises(migrations.MigrationError, match="broken failed and was rolled back"):
+            migrations.migrate(conn, migrations=[*ALL, broken])
+        assert conn.execute("SELECT to_regclass('outbox.half')").fetchone() == (None,)
+        count = conn.execute("SELECT count(*) FROM outbox.schema_migrations").fetchone()
+        assert count == (len(ALL),)
+
+
+def test_status_enum_equals_the_check_constraint(conn: psycopg.Connection[Any]) -> None:
+    row = conn.execute(
+        "SELECT pg_get_constraintdef(oid) FROM pg_constraint "
+        "WHERE conname = 'operations_status_valid'"
+    ).fetchone()
+    assert row is not None
+    allowed = set(
+        row[0]
+        .split("ARRAY[")[1]
+        .split("]")[0]
+        .replace("::text", "")
+        .replace("'", "")
+        .replace(" ", "")
+        .split(",")
+    )
+    assert allowed == {s.value for s in Status}
+
+
+def test_the_claim_index_covers_only_pending_rows(conn: psycopg.Connection[Any]) -> None:
+    row = conn.execute(
+        "SELECT indexdef FROM pg_indexes WHERE indexname = 'operations_claim'"
+    ).fetchone()
+    assert row is not None
+    assert "(available_at, id)" in row[0] and "WHERE (status = 'pending'::text)" in row[0]

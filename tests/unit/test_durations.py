@@ -1,0 +1,52 @@
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from outbox.durations import format_duration, parse_duration, to_postgres_interval
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("500ms", timedelta(milliseconds=500)),
+        ("30s", timedelta(seconds=30)),
+        ("10m", timedelta(minutes=10)),
+        ("24h", timedelta(hours=24)),
+        ("1h30m", timedelta(hours=1, minutes=30)),
+        ("1.5s", timedelta(seconds=1.5)),
+        ("2d", timedelta(days=2)),
+        ("15", timedelta(seconds=15)),
+        (" 5s ", timedelta(seconds=5)),
+    ],
+)
+def test_parse(text: str, expected: timedelta) -> None:
+    assert parse_duration(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "s", "5x", "-5s", "5 s", "1h 30m", "five seconds", "5s5"])
+def test_parse_refuses_with_the_accepted_forms(text: str) -> None:
+    with pytest.raises(ValueError, match="write it like 500ms, 30s"):
+        parse_duration(text)
+
+
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [
+        (timedelta(milliseconds=250), "250ms"),
+        (timedelta(seconds=42), "42s"),
+        (timedelta(seconds=1.5), "1.5s"),
+        (timedelta(minutes=5, seconds=3), "5m3s"),
+        (timedelta(minutes=10), "10m"),
+        (timedelta(hours=26), "26h"),
+        (timedelta(hours=1, minutes=30), "1h30m"),
+    ],
+)
+def test_format(value: timedelta, text: str) -> None:
+    assert format_duration(value) == text
+
+
+def test_postgres_interval_is_whole_milliseconds_and_never_zero() -> None:
+    assert to_postgres_interval(timedelta(seconds=5)) == "5000ms"
+    assert to_postgres_interval(timedelta(0)) == "1ms"
