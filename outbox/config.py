@@ -1,0 +1,588 @@
+"""Settings for ``outbox run``: a TOML file, then environment overrides, as frozen dataclasses.
+
+The file has an optional top-level ``log_level``, a ``[dispatcher]`` table and one
+``[providers.<name>]`` table per provider. The environment is applied on top of it:
+
+* ``OUTBOX_LOG_LEVEL``
+* ``OUTBOX_DISPATCHER__<KEY>``, e.g. ``OUTBOX_DISPATCHER__LEASE=45s``
+* ``OUTBOX_PROVIDERS__<NAME>__<KEY>``: NAME matches a provider case-insensitively, with "-"
+  written as "_"; a provider that is not in the file is created when its TYPE is set.
+
+Other ``OUTBOX_*`` variables (``OUTBOX_DATABASE_URL``, ``OUTBOX_CONFIG``) belong to the CLI and are
+ignored here. Secrets are never part of the settings' text: the file names where they are
+(``{env = ...}`` or ``{file = ...}``) and providers read them with :func:`read_secret`.
+
+Pure: imports nothing from the database or provider layers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Final
+
+from outbox.durations import format_duration, parse_duration
+from outbox.errors import OutboxError
+
+# --- Defaults, and why -----------------------------------------------------------------------
+
+# Enough calls in flight to hide provider latency (at ~100 ms a call, over 600 calls a second)
+# while staying far below providers' rate limits and a database pool's size.
+DEFAULT_CONCURRENCY: Final = 64
+# One claim query per 100 rows amortises its round trip without leasing rows that the workers
+# will not reach before their lease runs out.
+DEFAULT_BATCH_SIZE: Final = 100
+# Outlives a provider call at its timeout (10-20 s) plus recording the result, yet a crashed
+# process's operations are claimed again within half a minute.
+DEFAULT_LEASE: Final = timedelta(seconds=30)
+# NOTIFY wakes the dispatcher at once; polling only covers lost notifications and retries coming
+# due, so once a second bounds their delay at a negligible cost to the database.
+DEFAULT_POLL_INTERVAL: Final = timedelta(seconds=1)
+# Lets in-flight calls finish within Kubernetes' default 30 s termination grace period, with 5 s
+# left to release leases and exit before SIGKILL.
+DEFAULT_SHUTDOWN_GRACE: Final = timedelta(seconds=25)
+# With doubling backoff from 1 s, ten attempts ride out a provider outage of several minutes
+# before the operation needs a human.
+DEFAULT_MAX_ATTEMPTS: Final = 10
+# Most transient failures (a reset connection, a 502 during a deploy) clear within a second.
+DEFAULT_BACKOFF_BASE: Final = timedelta(seconds=1)
+# A recovered provider is tried again within ten minutes, and a long outage costs each
+# operation no more than six calls an hour.
+DEFAULT_BACKOFF_MAX: Final = timedelta(minutes=10)
+# A retry after the provider forgot the idempotency key could repeat the effect, so retries stop
+# this long before that; an hour absorbs clock skew and a slow last attempt with room to spare.
+DEFAULT_RETENTION_MARGIN: Final = timedelta(hours=1)
+# Without a heartbeat setting, leases are renewed three times per lease: one late renewal still
+# leaves the lease held.
+HEARTBEATS_PER_LEASE: Final = 3
+# Stripe keeps idempotency keys for at least 24 hours; other providers must say otherwise.
+DEFAULT_KEY_RETENTION: Final = timedelta(hours=24)
+# A provider that has not answered in 10 s is probably stuck; well under the lease, so the
+# lease outlives the call.
+DEFAULT_TIMEOUT: Final = timedelta(seconds=10)
+DEFAULT_LOG_LEVEL: Final = "info"
+
+LOG_LEVELS: Final = ("debug", "info", "warning", "error")
+PROVIDER_NAME: Final = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
+# What repr() shows instead of anything that might be a secret.
+REDACTED: Final = "***"
+
+_TOP_KEYS: Final = ("dispatcher", "log_level", "providers")
+# Option names that might hold a secret, matched case-insensitively anywhere in the name.
+_SECRET_WORDS: Final = ("key", "secret", "token", "password", "authorization")
+_ENV_LOG_LEVEL: Final = "OUTBOX_LOG_LEVEL"
+_ENV_DISPATCHER: Final = "OUTBOX_DISPATCHER__"
+_ENV_PROVIDERS: Final = "OUTBOX_PROVIDERS__"
+_DURATION_FORMS: Final = "like 500ms, 30s, 10m, 24h, 1h30m or a number of seconds"
+
+
+class ConfigError(OutboxError):
+    """The settings are invalid; the message names the offending key or environment variable.
+
+    ``key`` is the dotted key (``dispatcher.lease``), or the variable's name when no key applies.
+    """
+
+    def __init__(self, message: str, *, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+@dataclass(frozen=True, slots=True)
+class _Where:
+    """Where a value came from, as error messages name it."""
+
+    key: str
+    source: str | None = None
+    env: str | None = None
+
+    def __str__(self) -> str:
+        if self.env is not None:
+            return f"{self.key} (from {self.env})"
+        return self.key if self.source is None else f"{self.key} (in {self.source})"
+
+    def error(self, message: str) -> ConfigError:
+        return ConfigError(f"{self} {message}", key=self.key)
+
+
+# --- Single values ---------------------------------------------------------------------------
+
+
+def _show(value: object) -> str:
+    """``value`` as a message quotes it: in TOML's spelling, tables and arrays by kind only."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, Mapping):
+        return "a table"
+    if isinstance(value, list | tuple):
+        return "an array"
+    if isinstance(value, timedelta):
+        return format_duration(value) if value >= timedelta(0) else f"-{format_duration(-value)}"
+    return str(value)
+
+
+def _positive_int(value: object, where: _Where) -> int:
+    """``value`` as an integer of at least 1; from the environment, its decimal text."""
+    number = value
+    # Only the environment gives integers as text: "64" in the file is a mistake worth naming.
+    if where.env is not None and isinstance(value, str) and re.fullmatch(r"[0-9]+", value.strip()):
+        number = int(value)
+    if isinstance(number, bool) or not isinstance(number, int) or number < 1:
+        raise where.error(f"must be a positive integer, not {_show(value)}")
+    return number
+
+
+def _as_timedelta(value: object) -> timedelta | None:
+    """``value`` (a duration string, seconds or a timedelta) as a timedelta, else None."""
+    if isinstance(value, timedelta):
+        return value
+    try:
+        if isinstance(value, str):
+            return parse_duration(value)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return timedelta(seconds=value)
+    except (ValueError, OverflowError):  # not a duration, NaN, or beyond timedelta's range
+        return None
+    return None
+
+
+def _duration(value: object, where: _Where, *, allow_zero: bool) -> timedelta:
+    duration = _as_timedelta(value)
+    if duration is None or duration < timedelta(0) or (not duration and not allow_zero):
+        bound = "zero or more" if allow_zero else "greater than zero"
+        raise where.error(f"must be a duration {bound} ({_DURATION_FORMS}), not {_show(value)}")
+    return duration
+
+
+def _positive_duration(value: object, where: _Where) -> timedelta:
+    """``value`` as a duration greater than zero."""
+    return _duration(value, where, allow_zero=False)
+
+
+def _nonnegative_duration(value: object, where: _Where) -> timedelta:
+    """``value`` as a duration of zero or more."""
+    return _duration(value, where, allow_zero=True)
+
+
+def _optional_positive_duration(value: object, where: _Where) -> timedelta | None:
+    """``value`` as a duration greater than zero, or None (only possible from Python code)."""
+    return None if value is None else _positive_duration(value, where)
+
+
+def _log_level(value: object, where: _Where) -> str:
+    """``value`` as one of LOG_LEVELS, in lower case."""
+    if isinstance(value, str) and value.strip().lower() in LOG_LEVELS:
+        return value.strip().lower()
+    raise where.error(f"must be one of {', '.join(LOG_LEVELS)}, not {_show(value)}")
+
+
+def _provider_type(value: object, where: _Where) -> str:
+    """``value`` as a provider type: a built-in type or a third-party entry-point name."""
+    if isinstance(value, str) and value.strip():
+        return value
+    raise where.error(
+        f'must name a provider type such as "webhook", "stripe" or "noop", not {_show(value)}'
+    )
+
+
+def _provider_name(value: object, where: _Where) -> str:
+    if isinstance(value, str) and PROVIDER_NAME.fullmatch(value):
+        return value
+    raise where.error(
+        f"is not a valid provider name: names must match ^{PROVIDER_NAME.pattern}$ (lower-case "
+        'letters, digits, "_" and "-", at most 64 characters)'
+    )
+
+
+# Every key of [dispatcher] and what its value must be: this table is the list of valid keys.
+_DISPATCHER_CHECKS: Final[Mapping[str, Callable[[Any, _Where], Any]]] = MappingProxyType(
+    {
+        "concurrency": _positive_int,
+        "batch_size": _positive_int,
+        "lease": _positive_duration,
+        "poll_interval": _positive_duration,
+        "shutdown_grace": _nonnegative_duration,
+        "max_attempts": _positive_int,
+        "backoff_base": _positive_duration,
+        "backoff_max": _positive_duration,
+        "retention_margin": _nonnegative_duration,
+        "heartbeat": _optional_positive_duration,
+    }
+)
+
+
+# --- The settings ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class DispatcherSettings:
+    """How the dispatcher claims, calls, retries and gives up; the DEFAULT_* constants say why."""
+
+    concurrency: int = DEFAULT_CONCURRENCY
+    batch_size: int = DEFAULT_BATCH_SIZE
+    lease: timedelta = DEFAULT_LEASE
+    poll_interval: timedelta = DEFAULT_POLL_INTERVAL
+    shutdown_grace: timedelta = DEFAULT_SHUTDOWN_GRACE
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS
+    backoff_base: timedelta = DEFAULT_BACKOFF_BASE
+    backoff_max: timedelta = DEFAULT_BACKOFF_MAX
+    retention_margin: timedelta = DEFAULT_RETENTION_MARGIN
+    heartbeat: timedelta | None = None
+
+    def __post_init__(self) -> None:
+        # The loader checked each value already, naming its source; this keeps settings built in
+        # Python code to the same rules.
+        for name, check in _DISPATCHER_CHECKS.items():
+            check(getattr(self, name), _Where(f"dispatcher.{name}"))
+        if self.backoff_base > self.backoff_max:
+            raise ConfigError(
+                f"dispatcher.backoff_base ({format_duration(self.backoff_base)}) must not be "
+                f"longer than dispatcher.backoff_max ({format_duration(self.backoff_max)})",
+                key="dispatcher.backoff_base",
+            )
+        if self.heartbeat is not None and self.heartbeat >= self.lease:
+            raise ConfigError(
+                f"dispatcher.heartbeat ({format_duration(self.heartbeat)}) must be shorter than "
+                f"dispatcher.lease ({format_duration(self.lease)}): a lease renewed less often "
+                "than it lasts runs out while its worker is still busy",
+                key="dispatcher.heartbeat",
+            )
+
+    @property
+    def heartbeat_interval(self) -> timedelta:
+        """How often a worker renews its leases: ``heartbeat`` if set, else a third of ``lease``."""
+        return self.heartbeat if self.heartbeat is not None else self.lease / HEARTBEATS_PER_LEASE
+
+
+def _no_options() -> Mapping[str, Any]:
+    return MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True, repr=False)
+class ProviderSettings:
+    """One ``[providers.<name>]`` table. ``options`` holds its other keys, read-only and as
+    written (tables as read-only mappings, arrays as tuples); the provider's factory checks them.
+    """
+
+    name: str
+    type: str
+    key_retention: timedelta = DEFAULT_KEY_RETENTION
+    timeout: timedelta = DEFAULT_TIMEOUT
+    options: Mapping[str, Any] = field(default_factory=_no_options)
+
+    def __post_init__(self) -> None:
+        where = _Where(_dotted("providers", self.name))
+        _provider_name(self.name, where)
+        _provider_type(self.type, _Where(f"{where.key}.type"))
+        _positive_duration(self.key_retention, _Where(f"{where.key}.key_retention"))
+        _positive_duration(self.timeout, _Where(f"{where.key}.timeout"))
+        # Frozen all the way down: a provider cannot change the settings another one sees.
+        object.__setattr__(self, "options", _freeze(self.options))
+
+    def __repr__(self) -> str:
+        return (
+            f"ProviderSettings(name={self.name!r}, type={self.type!r}, "
+            f"key_retention={format_duration(self.key_retention)!r}, "
+            f"timeout={format_duration(self.timeout)!r}, options={_redact(self.options)!r})"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Everything ``outbox run`` is configured with, apart from the database URL."""
+
+    dispatcher: DispatcherSettings
+    providers: Mapping[str, ProviderSettings]
+    log_level: str = DEFAULT_LOG_LEVEL
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "providers", MappingProxyType(dict(self.providers)))
+        object.__setattr__(self, "log_level", _log_level(self.log_level, _Where("log_level")))
+        margin = self.dispatcher.retention_margin
+        for name, provider in self.providers.items():
+            if name != provider.name:
+                raise ConfigError(
+                    f"providers.{name} holds the settings of provider {provider.name!r}",
+                    key=f"providers.{name}",
+                )
+            if margin >= provider.key_retention:
+                raise ConfigError(
+                    f"providers.{name}.key_retention ({format_duration(provider.key_retention)}) "
+                    f"must be longer than dispatcher.retention_margin ({format_duration(margin)}): "
+                    "operations go to reconciliation that long before the provider forgets a key",
+                    key=f"providers.{name}.key_retention",
+                )
+
+
+# --- Loading ---------------------------------------------------------------------------------
+
+_Values = dict[str, tuple[Any, _Where]]
+
+
+@dataclass(slots=True)
+class _RawProvider:
+    where: _Where
+    values: _Values
+
+
+@dataclass(slots=True)
+class _Raw:
+    """The values read so far, each with where it came from: the file's, then the environment's."""
+
+    top: _Values
+    dispatcher: _Values
+    providers: dict[str, _RawProvider]
+
+
+def load_settings(path: Path | None, environ: Mapping[str, str] | None = None) -> Settings:
+    """The settings in the TOML file at ``path`` (None: the defaults), with environment overrides.
+
+    ``environ`` defaults to ``os.environ``. Raises ConfigError naming the file when it cannot be
+    read or is not valid TOML, and naming the key or variable when a value is wrong.
+    """
+    if path is None:
+        return settings_from_mapping({}, environ, source="<defaults>")
+    path = Path(path)
+    try:
+        with path.open("rb") as file:
+            data = tomllib.load(file)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path} is not UTF-8 text") from None
+    except tomllib.TOMLDecodeError as exc:  # its message ends "(at line L, column C)"
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    return settings_from_mapping(data, environ, source=str(path))
+
+
+def settings_from_mapping(
+    data: Mapping[str, Any], environ: Mapping[str, str] | None = None, *, source: str = "<config>"
+) -> Settings:
+    """The settings in ``data`` (a parsed TOML document), with environment overrides.
+
+    ``source`` names ``data`` in error messages; ``environ`` defaults to ``os.environ``.
+    """
+    raw = _read_document(data, source)
+    _apply_environment(raw, os.environ if environ is None else environ)
+    log_level = raw.top.get("log_level")
+    return Settings(
+        dispatcher=_dispatcher_settings(raw.dispatcher),
+        providers={name: _provider_settings(name, table) for name, table in raw.providers.items()},
+        log_level=DEFAULT_LOG_LEVEL if log_level is None else _log_level(*log_level),
+    )
+
+
+def _dotted(*parts: str) -> str:
+    """A dotted key as TOML writes it, quoting the parts that are not bare keys."""
+    return ".".join(p if re.fullmatch(r"[A-Za-z0-9_-]+", p) else json.dumps(p) for p in parts)
+
+
+def _table(value: object, where: _Where, valid: tuple[str, ...] | None = None) -> _Values:
+    """The table ``value``, each value paired with where it is; its keys must be in ``valid``."""
+    if not isinstance(value, Mapping):
+        raise where.error(f"must be a table, not {_show(value)}")
+    values: _Values = {}
+    for key, item in value.items():
+        at = _Where(
+            f"{where.key}.{_dotted(str(key))}" if where.key else _dotted(str(key)), where.source
+        )
+        if valid is not None and key not in valid:
+            raise ConfigError(
+                f"unknown key {at}; the valid keys are {', '.join(valid)}", key=at.key
+            )
+        values[str(key)] = (item, at)
+    return values
+
+
+def _read_document(data: Mapping[str, Any], source: str) -> _Raw:
+    top = _table(data, _Where("", source), _TOP_KEYS)
+    dispatcher, at = top.pop("dispatcher", ({}, _Where("dispatcher", source)))
+    providers, at_providers = top.pop("providers", ({}, _Where("providers", source)))
+    raw = _Raw(top, _table(dispatcher, at, tuple(_DISPATCHER_CHECKS)), {})
+    for name, (table, where) in _table(providers, at_providers).items():
+        raw.providers[name] = _RawProvider(where, _table(table, where))
+    return raw
+
+
+def _dispatcher_settings(values: _Values) -> DispatcherSettings:
+    checked = {key: _DISPATCHER_CHECKS[key](value, where) for key, (value, where) in values.items()}
+    return DispatcherSettings(**checked)
+
+
+def _provider_settings(name: str, raw: _RawProvider) -> ProviderSettings:
+    _provider_name(name, raw.where)
+    values = dict(raw.values)
+    if "type" not in values:
+        if raw.where.env is not None:  # only the environment mentions this provider
+            env_name = raw.where.env.removeprefix(_ENV_PROVIDERS).split("__")[0]
+            raise raw.where.error(
+                f"is not in the config file; set {_ENV_PROVIDERS}{env_name}__TYPE to add it"
+            )
+        where = _Where(f"{raw.where.key}.type", raw.where.source)
+        raise where.error(
+            'is required: the provider\'s type, such as "webhook", "stripe" or "noop"'
+        )
+    retention = values.pop("key_retention", (DEFAULT_KEY_RETENTION, raw.where))
+    timeout = values.pop("timeout", (DEFAULT_TIMEOUT, raw.where))
+    return ProviderSettings(
+        name=name,
+        type=_provider_type(*values.pop("type")),
+        key_retention=_positive_duration(*retention),
+        timeout=_positive_duration(*timeout),
+        options={key: value for key, (value, _) in values.items()},
+    )
+
+
+# --- Environment overrides -------------------------------------------------------------------
+
+
+def _apply_environment(raw: _Raw, environ: Mapping[str, str]) -> None:
+    """Lay the OUTBOX_* overrides over ``raw``, in a fixed order so errors are reproducible."""
+    for var in sorted(environ):
+        value = environ[var]
+        if var == _ENV_LOG_LEVEL:
+            raw.top["log_level"] = (value, _Where("log_level", env=var))
+        elif var.startswith(_ENV_DISPATCHER):
+            key = var.removeprefix(_ENV_DISPATCHER).lower()
+            if key not in _DISPATCHER_CHECKS:
+                raise ConfigError(
+                    f"{var}: the dispatcher has no setting {key!r}; "
+                    f"the valid keys are {', '.join(_DISPATCHER_CHECKS)}",
+                    key=var,
+                )
+            raw.dispatcher[key] = (value, _Where(f"dispatcher.{key}", env=var))
+        elif var.startswith(_ENV_PROVIDERS):
+            _override_provider(raw, var, value)
+
+
+def _override_provider(raw: _Raw, var: str, value: str) -> None:
+    parts = var.removeprefix(_ENV_PROVIDERS).split("__")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(
+            f"{var}: write provider overrides as {_ENV_PROVIDERS}<NAME>__<KEY> "
+            "(keys inside a provider's tables cannot be set from the environment)",
+            key=var,
+        )
+    name = _provider_named(raw.providers, parts[0], var)
+    provider = raw.providers.setdefault(
+        name, _RawProvider(_Where(_dotted("providers", name), env=var), {})
+    )
+    # Match an existing option whatever its case, so REFERENCE_FIELD overrides reference_field.
+    key = next((k for k in provider.values if k.lower() == parts[1].lower()), parts[1].lower())
+    where = _Where(_dotted("providers", name, key), env=var)
+    if isinstance(provider.values.get(key, (None,))[0], Mapping):
+        raise where.error("is a table; it cannot be replaced from the environment")
+    provider.values[key] = (value, where)
+
+
+def _provider_named(providers: Mapping[str, _RawProvider], env_name: str, var: str) -> str:
+    """The provider that NAME in ``var`` means: matched ignoring case, with "-" written "_"."""
+    matches = [n for n in providers if n.upper().replace("-", "_") == env_name.upper()]
+    if len(matches) > 1:
+        raise ConfigError(
+            f"{var} could mean provider {' or '.join(matches)}: rename one of them", key=var
+        )
+    return matches[0] if matches else env_name.lower()
+
+
+# --- Secrets ---------------------------------------------------------------------------------
+
+
+def read_secret(
+    spec: Mapping[str, str] | str, *, key: str, environ: Mapping[str, str] | None = None
+) -> str:
+    """The secret that ``spec`` points at: ``{"env": "NAME"}`` or ``{"file": "/path"}``.
+
+    A relative file name is looked up in ``$CREDENTIALS_DIRECTORY`` when that is set (systemd's
+    LoadCredential=); one trailing newline is dropped. ``key`` is the dotted key of ``spec``, for
+    messages. Raises ConfigError, whose message never contains the secret, when the secret is
+    missing or empty, or when ``spec`` is anything else, such as the secret itself.
+    """
+    env = os.environ if environ is None else environ
+    kind, name = _secret_reference(spec, key)
+    if kind == "env":
+        value = env.get(name)
+        if not value:
+            state = "is not set" if value is None else "is not set (it is empty)"
+            raise ConfigError(f"{key}: environment variable {name} {state}", key=key)
+        return value
+    return _read_secret_file(name, key, env.get("CREDENTIALS_DIRECTORY"))
+
+
+def _secret_reference(spec: object, key: str) -> tuple[str, str]:
+    if isinstance(spec, Mapping) and len(spec) == 1:
+        ((kind, name),) = spec.items()
+        if kind in ("env", "file") and isinstance(name, str) and name:
+            return kind, name
+    # Never quote spec: it may well be the secret itself.
+    raise ConfigError(
+        f'{key} must be {{env = "VARIABLE"}} or {{file = "/path"}}; '
+        "secrets are never written in the config file",
+        key=key,
+    )
+
+
+def _read_secret_file(name: str, key: str, credentials_directory: str | None) -> str:
+    path = Path(name)
+    if credentials_directory and not path.is_absolute():
+        path = Path(credentials_directory) / path
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{key}: secret file {path} does not exist", key=key) from None
+    except OSError as exc:
+        raise ConfigError(
+            f"{key}: cannot read secret file {path}: {exc.strerror}", key=key
+        ) from None
+    except UnicodeDecodeError:  # from None: the exception holds the file's bytes
+        raise ConfigError(f"{key}: secret file {path} is not UTF-8 text", key=key) from None
+    # Editors and `echo` end files with a newline that is no part of the secret.
+    text = text.removesuffix("\n").removesuffix("\r") if text.endswith("\n") else text
+    if not text:
+        raise ConfigError(f"{key}: secret file {path} is empty", key=key)
+    return text
+
+
+# --- Freezing and redaction ------------------------------------------------------------------
+
+
+def _freeze(value: Any) -> Any:
+    """A read-only deep copy: tables as MappingProxyType, arrays as tuples."""
+    if isinstance(value, Mapping):
+        return MappingProxyType({key: _freeze(item) for key, item in value.items()})
+    if isinstance(value, list | tuple):
+        return tuple(_freeze(item) for item in value)
+    return value
+
+
+def _redact(options: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of ``options`` fit to print: anything that might be a secret is REDACTED."""
+    shown: dict[str, Any] = {}
+    for key, value in options.items():
+        if str(key).lower() == "secret_headers" and isinstance(value, Mapping):
+            shown[key] = dict.fromkeys(value, REDACTED)  # header names help; values never
+        elif any(word in str(key).lower() for word in _SECRET_WORDS):
+            shown[key] = REDACTED
+        else:
+            shown[key] = _redact_value(value)
+    return shown
+
+
+def _redact_value(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return _redact(value)
+    if isinstance(value, list | tuple):
+        return [_redact_value(item) for item in value]
+    if isinstance(value, str):  # a password in a URL: https://user:secret@host/
+        return re.sub(r"(://[^/@:\s]*:)[^/@\s]*@", rf"\1{REDACTED}@", value)
+    return value

@@ -1,0 +1,515 @@
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from outbox.config import (
+    DEFAULT_KEY_RETENTION,
+    DEFAULT_TIMEOUT,
+    ConfigError,
+    DispatcherSettings,
+    ProviderSettings,
+    Settings,
+    load_settings,
+    read_secret,
+    settings_from_mapping,
+)
+from outbox.errors import OutboxError
+
+EXAMPLE = """\
+log_level = "info"        # optional top-level: debug|info|warning|error
+
+[dispatcher]
+concurrency = 64          # provider calls in flight, per process
+batch_size = 100          # rows claimed per claim query
+lease = "30s"
+poll_interval = "1s"      # fallback when no NOTIFY arrives
+shutdown_grace = "25s"
+max_attempts = 10
+backoff_base = "1s"
+backoff_max = "10m"
+retention_margin = "1h"   # route to reconciliation this long before the provider forgets a key
+
+[providers.stripe]
+type = "stripe"
+api_key_env = "STRIPE_API_KEY"      # or api_key_file; never on the command line
+api_base = "https://api.stripe.com"
+key_retention = "24h"
+timeout = "20s"
+
+[providers.billing]
+type = "webhook"
+url = "https://billing.internal/outbox"
+key_retention = "24h"
+timeout = "10s"
+headers = { "X-Source" = "outbox" }                       # plain, non-secret headers
+secret_headers = { Authorization = { env = "BILLING_TOKEN" } }   # or { file = "/path" }
+reference_field = "id"
+"""
+
+
+@pytest.fixture
+def example(tmp_path: Path) -> Path:
+    path = tmp_path / "outbox.toml"
+    path.write_text(EXAMPLE, encoding="utf-8")
+    return path
+
+
+def load(data: dict[str, Any], **environ: str) -> Settings:
+    return settings_from_mapping(data, environ)
+
+
+def config_error(data: dict[str, Any], **environ: str) -> ConfigError:
+    with pytest.raises(ConfigError) as caught:
+        settings_from_mapping(data, environ)
+    return caught.value
+
+
+# --- Defaults and the example ------------------------------------------------------------------
+
+
+def test_no_file_means_the_defaults() -> None:
+    settings = load_settings(None, environ={})
+    assert settings == Settings(dispatcher=DispatcherSettings(), providers={})
+    dispatcher = settings.dispatcher
+    assert (dispatcher.concurrency, dispatcher.batch_size, dispatcher.max_attempts) == (64, 100, 10)
+    assert dispatcher.lease == timedelta(seconds=30)
+    assert dispatcher.poll_interval == timedelta(seconds=1)
+    assert dispatcher.shutdown_grace == timedelta(seconds=25)
+    assert dispatcher.backoff_base == timedelta(seconds=1)
+    assert dispatcher.backoff_max == timedelta(minutes=10)
+    assert dispatcher.retention_margin == timedelta(hours=1)
+    assert dispatcher.heartbeat is None
+    assert dispatcher.heartbeat_interval == timedelta(seconds=10)
+    assert settings.log_level == "info"
+    assert dict(settings.providers) == {}
+
+
+def test_no_file_still_takes_environment_overrides() -> None:
+    settings = load_settings(None, environ={"OUTBOX_DISPATCHER__CONCURRENCY": "8"})
+    assert settings.dispatcher.concurrency == 8
+
+
+def test_the_example_parses_to_typed_values(example: Path) -> None:
+    settings = load_settings(example, environ={})
+    assert settings.log_level == "info"
+    assert settings.dispatcher == DispatcherSettings()
+    assert list(settings.providers) == ["stripe", "billing"]
+    stripe = settings.providers["stripe"]
+    assert stripe == ProviderSettings(
+        name="stripe",
+        type="stripe",
+        key_retention=timedelta(hours=24),
+        timeout=timedelta(seconds=20),
+        options={"api_key_env": "STRIPE_API_KEY", "api_base": "https://api.stripe.com"},
+    )
+    billing = settings.providers["billing"]
+    assert (billing.type, billing.timeout) == ("webhook", timedelta(seconds=10))
+    assert billing.options == {
+        "url": "https://billing.internal/outbox",
+        "headers": {"X-Source": "outbox"},
+        "secret_headers": {"Authorization": {"env": "BILLING_TOKEN"}},
+        "reference_field": "id",
+    }
+
+
+def test_settings_are_read_only_all_the_way_down(example: Path) -> None:
+    settings = load_settings(example, environ={})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.log_level = "debug"  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        settings.providers["x"] = settings.providers["stripe"]  # type: ignore[index]
+    with pytest.raises(TypeError):
+        settings.providers["billing"].options["headers"]["X-Source"] = "other"
+
+
+def test_provider_defaults_and_numbers_as_seconds() -> None:
+    settings = load(
+        {"dispatcher": {"lease": 45, "poll_interval": 0.5}, "providers": {"n": {"type": "noop"}}}
+    )
+    assert settings.dispatcher.lease == timedelta(seconds=45)
+    assert settings.dispatcher.poll_interval == timedelta(milliseconds=500)
+    provider = settings.providers["n"]
+    assert (provider.key_retention, provider.timeout) == (DEFAULT_KEY_RETENTION, DEFAULT_TIMEOUT)
+    assert provider.options == {}
+
+
+def test_zero_is_allowed_where_it_means_something() -> None:
+    dispatcher = load({"dispatcher": {"shutdown_grace": "0s", "retention_margin": 0}}).dispatcher
+    assert dispatcher.shutdown_grace == dispatcher.retention_margin == timedelta(0)
+
+
+def test_heartbeat_sets_the_interval() -> None:
+    dispatcher = load({"dispatcher": {"heartbeat": "5s"}}).dispatcher
+    assert dispatcher.heartbeat == dispatcher.heartbeat_interval == timedelta(seconds=5)
+
+
+def test_log_level_is_case_insensitive() -> None:
+    assert load({"log_level": "WARNING"}).log_level == "warning"
+
+
+# --- Environment overrides ---------------------------------------------------------------------
+
+
+def test_environment_overrides_the_file(example: Path) -> None:
+    settings = load_settings(
+        example,
+        environ={
+            "OUTBOX_LOG_LEVEL": "debug",
+            "OUTBOX_DISPATCHER__CONCURRENCY": "128",
+            "OUTBOX_DISPATCHER__LEASE": "45s",
+            "OUTBOX_PROVIDERS__BILLING__TIMEOUT": "3s",
+            "OUTBOX_PROVIDERS__BILLING__URL": "https://other.internal/hook",
+            "OUTBOX_PROVIDERS__stripe__key_retention": "12h",
+        },
+    )
+    assert settings.log_level == "debug"
+    assert settings.dispatcher.concurrency == 128
+    assert settings.dispatcher.lease == timedelta(seconds=45)
+    assert settings.providers["billing"].timeout == timedelta(seconds=3)
+    assert settings.providers["billing"].options["url"] == "https://other.internal/hook"
+    assert settings.providers["stripe"].key_retention == timedelta(hours=12)
+
+
+@pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(DispatcherSettings)])
+def test_every_dispatcher_setting_can_come_from_the_environment(field: str) -> None:
+    value = "2" if field in ("concurrency", "batch_size", "max_attempts") else "2s"
+    settings = load({}, **{f"OUTBOX_DISPATCHER__{field.upper()}": value})
+    expected = 2 if value == "2" else timedelta(seconds=2)
+    assert getattr(settings.dispatcher, field) == expected
+
+
+def test_a_provider_name_matches_ignoring_case_with_dashes_as_underscores() -> None:
+    data = {"providers": {"billing-eu": {"type": "webhook", "url": "https://a"}}}
+    settings = load(data, OUTBOX_PROVIDERS__BILLING_EU__URL="https://b")
+    assert list(settings.providers) == ["billing-eu"]
+    assert settings.providers["billing-eu"].options["url"] == "https://b"
+
+
+def test_an_option_matches_ignoring_case_and_type_can_be_replaced() -> None:
+    data = {"providers": {"pay": {"type": "webhook", "Reference_Field": "id"}}}
+    settings = load(
+        data, OUTBOX_PROVIDERS__PAY__REFERENCE_FIELD="ref", OUTBOX_PROVIDERS__PAY__TYPE="x"
+    )
+    assert settings.providers["pay"].type == "x"
+    assert settings.providers["pay"].options == {"Reference_Field": "ref"}
+
+
+def test_the_environment_can_add_a_provider_that_sets_its_type() -> None:
+    settings = load({}, OUTBOX_PROVIDERS__AUDIT__TYPE="noop", OUTBOX_PROVIDERS__AUDIT__TIMEOUT="2s")
+    assert settings.providers["audit"] == ProviderSettings(
+        name="audit", type="noop", timeout=timedelta(seconds=2)
+    )
+
+
+def test_the_environment_cannot_add_a_provider_without_a_type() -> None:
+    error = config_error({}, OUTBOX_PROVIDERS__AUDIT__TIMEOUT="2s")
+    assert "OUTBOX_PROVIDERS__AUDIT__TIMEOUT" in str(error)
+    assert "OUTBOX_PROVIDERS__AUDIT__TYPE" in str(error)
+
+
+def test_other_outbox_variables_are_ignored() -> None:
+    settings = load(
+        {}, OUTBOX_DATABASE_URL="postgresql://x", OUTBOX_CONFIG="/etc/outbox.toml", PATH="/bin"
+    )
+    assert settings == Settings(dispatcher=DispatcherSettings(), providers={})
+
+
+def test_an_unknown_dispatcher_variable_is_named() -> None:
+    error = config_error({}, OUTBOX_DISPATCHER__LEESE="45s")
+    assert str(error).startswith("OUTBOX_DISPATCHER__LEESE")
+    assert "lease" in str(error) and error.key == "OUTBOX_DISPATCHER__LEESE"
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [
+        ("OUTBOX_DISPATCHER__CONCURRENCY", "many", 'must be a positive integer, not "many"'),
+        ("OUTBOX_DISPATCHER__BATCH_SIZE", "0", "must be a positive integer"),
+        ("OUTBOX_DISPATCHER__LEASE", "soon", "must be a duration greater than zero"),
+        ("OUTBOX_LOG_LEVEL", "loud", "must be one of debug, info, warning, error"),
+        ("OUTBOX_PROVIDERS__BILLING__TIMEOUT", "-1s", "must be a duration greater than zero"),
+        ("OUTBOX_PROVIDERS__BILLING__HEADERS", "X=1", "is a table"),
+        ("OUTBOX_PROVIDERS__BILLING", "x", "OUTBOX_PROVIDERS__<NAME>__<KEY>"),
+        ("OUTBOX_PROVIDERS__BILLING__A__B", "x", "OUTBOX_PROVIDERS__<NAME>__<KEY>"),
+    ],
+)
+def test_a_bad_environment_value_names_its_variable(
+    example: Path, variable: str, value: str, message: str
+) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)) as caught:
+        load_settings(example, environ={variable: value})
+    assert variable in str(caught.value)
+
+
+def test_an_ambiguous_provider_variable_is_refused() -> None:
+    data = {"providers": {"a-b": {"type": "noop"}, "a_b": {"type": "noop"}}}
+    error = config_error(data, OUTBOX_PROVIDERS__A_B__TIMEOUT="1s")
+    assert "OUTBOX_PROVIDERS__A_B__TIMEOUT" in str(error) and "a-b or a_b" in str(error)
+
+
+# --- Errors in the file ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("data", "key", "message"),
+    [
+        ({"loglevel": "info"}, "loglevel", "valid keys are dispatcher, log_level, providers"),
+        ({"dispatcher": {"leese": "30s"}}, "dispatcher.leese", "valid keys are concurrency"),
+        ({"dispatcher": "fast"}, "dispatcher", 'must be a table, not "fast"'),
+        ({"providers": {"a": "webhook"}}, "providers.a", 'must be a table, not "webhook"'),
+        (
+            {"dispatcher": {"concurrency": "many"}},
+            "dispatcher.concurrency",
+            'dispatcher.concurrency (in <config>) must be a positive integer, not "many"',
+        ),
+        ({"dispatcher": {"concurrency": "64"}}, "dispatcher.concurrency", 'not "64"'),
+        ({"dispatcher": {"concurrency": True}}, "dispatcher.concurrency", "not true"),
+        ({"dispatcher": {"batch_size": 0}}, "dispatcher.batch_size", "positive integer, not 0"),
+        ({"dispatcher": {"max_attempts": 2.5}}, "dispatcher.max_attempts", "not 2.5"),
+        ({"dispatcher": {"lease": "-5s"}}, "dispatcher.lease", "greater than zero"),
+        ({"dispatcher": {"lease": -5}}, "dispatcher.lease", "not -5"),
+        ({"dispatcher": {"lease": 0}}, "dispatcher.lease", "greater than zero"),
+        ({"dispatcher": {"poll_interval": "1 second"}}, "dispatcher.poll_interval", "like 500ms"),
+        ({"dispatcher": {"backoff_max": True}}, "dispatcher.backoff_max", "not true"),
+        ({"dispatcher": {"lease": float("inf")}}, "dispatcher.lease", "not inf"),
+        ({"dispatcher": {"lease": [1]}}, "dispatcher.lease", "not an array"),
+        ({"dispatcher": {"shutdown_grace": "-1s"}}, "dispatcher.shutdown_grace", "zero or more"),
+        ({"dispatcher": {"retention_margin": -1}}, "dispatcher.retention_margin", "zero or more"),
+        ({"log_level": "verbose"}, "log_level", 'not "verbose"'),
+        ({"providers": {"a": {"type": 5}}}, "providers.a.type", "not 5"),
+        ({"providers": {"a": {"type": " "}}}, "providers.a.type", "provider type"),
+        ({"providers": {"a": {"type": "noop", "timeout": "0s"}}}, "providers.a.timeout", "zero"),
+        (
+            {"providers": {"a": {"type": "noop", "key_retention": "1d2"}}},
+            "providers.a.key_retention",
+            'not "1d2"',
+        ),
+    ],
+)
+def test_a_bad_value_names_its_key(data: dict[str, Any], key: str, message: str) -> None:
+    error = config_error(data)
+    assert error.key == key
+    assert str(error).startswith((key, f"unknown key {key}")) and message in str(error)
+
+
+@pytest.mark.parametrize("name", ["Billing", "-x", "_x", "a.b", "a b", "", "x" * 65])
+def test_a_bad_provider_name_is_refused(name: str) -> None:
+    error = config_error({"providers": {name: {"type": "noop"}}})
+    assert "is not a valid provider name" in str(error) and "[a-z0-9]" in str(error)
+
+
+def test_the_longest_provider_name_is_accepted() -> None:
+    assert list(load({"providers": {"x" * 64: {"type": "noop"}}}).providers) == ["x" * 64]
+
+
+def test_a_provider_needs_a_type() -> None:
+    error = config_error({"providers": {"billing": {"url": "https://a"}}})
+    assert error.key == "providers.billing.type" and "is required" in str(error)
+
+
+def test_backoff_base_may_not_exceed_backoff_max() -> None:
+    error = config_error({"dispatcher": {"backoff_base": "5m", "backoff_max": "1m"}})
+    assert "dispatcher.backoff_base (5m)" in str(error) and "dispatcher.backoff_max (1m)" in str(
+        error
+    )
+    assert load({"dispatcher": {"backoff_base": "1m", "backoff_max": "1m"}})
+
+
+@pytest.mark.parametrize("heartbeat", ["30s", "1m"])
+def test_heartbeat_must_be_shorter_than_the_lease(heartbeat: str) -> None:
+    error = config_error({"dispatcher": {"heartbeat": heartbeat, "lease": "30s"}})
+    assert error.key == "dispatcher.heartbeat" and "dispatcher.lease (30s)" in str(error)
+
+
+def test_retention_margin_must_be_shorter_than_every_key_retention() -> None:
+    providers = {"a": {"type": "noop"}, "b": {"type": "noop", "key_retention": "1h"}}
+    error = config_error({"providers": providers})
+    assert error.key == "providers.b.key_retention"
+    assert "providers.b.key_retention (1h)" in str(error)
+    assert "dispatcher.retention_margin (1h)" in str(error)
+    error = config_error(
+        {"providers": {"a": {"type": "noop"}}}, OUTBOX_DISPATCHER__RETENTION_MARGIN="2d"
+    )
+    assert "providers.a.key_retention (24h)" in str(error)
+
+
+def test_config_error_is_an_outbox_error() -> None:
+    assert issubclass(ConfigError, OutboxError)
+
+
+# --- Reading the file --------------------------------------------------------------------------
+
+
+def test_a_missing_file_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "nope.toml"
+    with pytest.raises(ConfigError, match="does not exist") as caught:
+        load_settings(path, environ={})
+    assert str(path) in str(caught.value)
+
+
+def test_an_unreadable_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config file") as caught:
+        load_settings(tmp_path, environ={})  # a directory
+    assert str(tmp_path) in str(caught.value)
+
+
+def test_a_toml_syntax_error_gives_file_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "outbox.toml"
+    path.write_text('log_level = "info"\n[dispatcher]\nlease = 30s\n', encoding="utf-8")
+    with pytest.raises(ConfigError, match="not valid TOML") as caught:
+        load_settings(path, environ={})
+    assert str(path) in str(caught.value) and "line 3" in str(caught.value)
+
+
+def test_a_file_that_is_not_utf8_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "outbox.toml"
+    path.write_bytes(b'log_level = "\xff"\n')
+    with pytest.raises(ConfigError, match="not UTF-8") as caught:
+        load_settings(path, environ={})
+    assert str(path) in str(caught.value)
+
+
+def test_value_errors_name_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "outbox.toml"
+    path.write_text("[dispatcher]\nlease = 0\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match=rf"^dispatcher\.lease \(in {re.escape(str(path))}\)"):
+        load_settings(path, environ={})
+
+
+# --- Settings built in Python ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("build", "key"),
+    [
+        (lambda: DispatcherSettings(concurrency=0), "dispatcher.concurrency"),
+        (lambda: DispatcherSettings(lease=timedelta(seconds=-1)), "dispatcher.lease"),
+        (lambda: ProviderSettings(name="Bad", type="noop"), "providers.Bad"),
+        (
+            lambda: ProviderSettings(name="a", type="noop", timeout=timedelta(0)),
+            "providers.a.timeout",
+        ),
+        (
+            lambda: Settings(DispatcherSettings(), {"b": ProviderSettings(name="a", type="noop")}),
+            "providers.b",
+        ),
+        (lambda: Settings(DispatcherSettings(), {}, log_level="loud"), "log_level"),
+    ],
+)
+def test_settings_built_in_code_follow_the_same_rules(
+    build: Callable[[], object], key: str
+) -> None:
+    with pytest.raises(ConfigError) as caught:
+        build()
+    assert caught.value.key == key and str(caught.value).startswith(key)
+
+
+# --- Secrets -----------------------------------------------------------------------------------
+
+KEY = "providers.billing.secret_headers.Authorization"
+
+
+def test_a_secret_from_the_environment() -> None:
+    assert read_secret({"env": "TOKEN"}, key=KEY, environ={"TOKEN": "s3cr3t"}) == "s3cr3t"
+
+
+@pytest.mark.parametrize("environ", [{}, {"BILLING_TOKEN": ""}])
+def test_a_missing_environment_secret_names_key_and_variable(environ: dict[str, str]) -> None:
+    with pytest.raises(ConfigError) as caught:
+        read_secret({"env": "BILLING_TOKEN"}, key=KEY, environ=environ)
+    assert str(caught.value).startswith(f"{KEY}: environment variable BILLING_TOKEN is not set")
+
+
+@pytest.mark.parametrize(
+    ("content", "secret"),
+    [
+        ("s3cr3t\n", "s3cr3t"),
+        ("s3cr3t\r\n", "s3cr3t"),
+        ("s3cr3t\n\n", "s3cr3t\n"),
+        ("s3cr3t", "s3cr3t"),
+    ],
+)
+def test_a_secret_from_a_file_loses_one_trailing_newline(
+    tmp_path: Path, content: str, secret: str
+) -> None:
+    path = tmp_path / "token"
+    path.write_text(content, encoding="utf-8", newline="")
+    assert read_secret({"file": str(path)}, key=KEY, environ={}) == secret
+
+
+def test_a_relative_secret_file_is_found_in_the_credentials_directory(tmp_path: Path) -> None:
+    (tmp_path / "billing-token").write_text("s3cr3t\n", encoding="utf-8")
+    environ = {"CREDENTIALS_DIRECTORY": str(tmp_path)}
+    assert read_secret({"file": "billing-token"}, key=KEY, environ=environ) == "s3cr3t"
+
+
+def test_an_absolute_secret_file_ignores_the_credentials_directory(tmp_path: Path) -> None:
+    (tmp_path / "token").write_text("s3cr3t", encoding="utf-8")
+    environ = {"CREDENTIALS_DIRECTORY": "/nonexistent"}
+    assert read_secret({"file": str(tmp_path / "token")}, key=KEY, environ=environ) == "s3cr3t"
+
+
+def test_a_missing_secret_file_names_key_and_path(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist") as caught:
+        read_secret({"file": "token"}, key=KEY, environ={"CREDENTIALS_DIRECTORY": str(tmp_path)})
+    assert str(caught.value).startswith(KEY) and str(tmp_path / "token") in str(caught.value)
+
+
+def test_an_unreadable_or_empty_secret_file_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read secret file"):
+        read_secret({"file": str(tmp_path)}, key=KEY, environ={})
+    (tmp_path / "empty").write_text("\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match="is empty"):
+        read_secret({"file": str(tmp_path / "empty")}, key=KEY, environ={})
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["sk_live_123", {"value": "sk_live_123"}, {"env": "A", "file": "sk_live_123"}, {"env": ""}],
+)
+def test_a_secret_written_in_the_config_is_refused_without_repeating_it(spec: Any) -> None:
+    with pytest.raises(ConfigError, match="secrets are never written in the config file") as caught:
+        read_secret(spec, key=KEY, environ={})
+    assert str(caught.value).startswith(f"{KEY} must be {{env = ")
+    assert "sk_live_123" not in str(caught.value)
+
+
+# --- Redaction ---------------------------------------------------------------------------------
+
+
+def test_repr_never_shows_a_secret() -> None:
+    data = {
+        "providers": {
+            "pay": {
+                "type": "stripe",
+                "api_key": "sk_live_123",
+                "url": "https://user:hunter2@pay.example/hook",
+                "headers": {"X-Api-Key": "abc987", "X-Source": "outbox"},
+                "secret_headers": {"Authorization": "Bearer tok_456"},
+                "nested": [{"Password": "pw789"}],
+                "reference_field": "id",
+            }
+        }
+    }
+    settings = load(data)
+    for text in (repr(settings), str(settings), repr(settings.providers["pay"])):
+        for secret in ("sk_live_123", "hunter2", "abc987", "tok_456", "pw789"):
+            assert secret not in text
+        assert "'reference_field': 'id'" in text and "'X-Source': 'outbox'" in text
+        assert "'secret_headers': {'Authorization': '***'}" in text
+    assert settings.providers["pay"].options["api_key"] == "sk_live_123"  # redacted only in repr
+
+
+def test_loading_leaves_the_callers_mapping_alone() -> None:
+    data: dict[str, Any] = {"providers": {"pay": {"type": "webhook", "retries": 3}}}
+    settings = load(data, OUTBOX_PROVIDERS__PAY__RETRIES="5", OUTBOX_PROVIDERS__NEW__TYPE="noop")
+    assert data == {"providers": {"pay": {"type": "webhook", "retries": 3}}}
+    # Options from the environment stay text: the provider's factory parses its own options.
+    assert settings.providers["pay"].options["retries"] == "5"
