@@ -1,0 +1,340 @@
+"""The fake webhook provider keeps the promises the dispatcher's tests rely on.
+
+Every test talks real HTTP to a receiver on loopback and counts the effects it applied.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support.fake_webhook import (
+    FakeWebhookReceiver,
+    Fault,
+    Received,
+    parse_idempotency_key,
+)
+
+BODY = {"amount": 1000, "currency": "usd"}
+
+
+@pytest.fixture
+def receiver() -> Iterator[FakeWebhookReceiver]:
+    with FakeWebhookReceiver() as running:
+        yield running
+
+
+@pytest.fixture
+def client() -> Iterator[httpx.Client]:
+    with httpx.Client(timeout=5.0) as c:
+        yield c
+
+
+def post(
+    client: httpx.Client,
+    receiver: FakeWebhookReceiver,
+    key: str | None,
+    body: Any = BODY,
+    *,
+    quoted: bool = True,
+) -> httpx.Response:
+    """POST ``body`` with ``key`` as a structured-field string (or bare, or no header)."""
+    headers = {} if key is None else {"Idempotency-Key": f'"{key}"' if quoted else key}
+    return client.post(receiver.url, json=body, headers=headers)
+
+
+def statuses(received: list[Received]) -> list[int | None]:
+    return [r.status for r in received]
+
+
+# --- idempotency --------------------------------------------------------------------------
+
+
+def test_the_first_request_applies_one_effect_and_answers_201(
+    receiver: FakeWebhookReceiver, client: httpx.Client
+) -> None:
+    response = post(client, receiver, "ob1_a")
+    assert response.status_code == 201
+    assert response.headers["content-type"] == "application/json"
+    assert response.json() == {"id": "wh_1", "key": "ob1_a"}
+    assert "idempotent-replayed" not in response.headers
+    [effect] = receiver.effects
+    assert (effect.effect_id, effect.key, effect.body) == ("wh_1", "ob1_a", BODY)
+    assert effect.headers["idempotency-key"] == '"ob1_a"'
+    assert receiver.effect_count() == 1
+
+
+def test_a_replay_returns_the_saved_response_and_applies_nothing(
+    receiver: FakeWebhookReceiver, client: httpx.Client
+) -> None:
+    first = post(client, receiver, "ob1_a")
+    again = post(client, receiver, "ob1_a")
+    assert again.status_code == 201
+    assert again.json() == first.json() == {"id": "wh_1", "key": "ob1_a"}
+    assert again.headers["idempotent-replayed"] == "true"
+    assert receiver.effect_count("ob1_a") == 1
+    assert [r.replayed for r in receiver.received] == [False, True]
+
+
+def test_each_key_gets_its_own_effect(receiver: FakeWebhookReceiver, client: httpx.Client) -> None:
+    assert post(client, receiver, "k1").json()["id"] == "wh_1"
+    assert post(client, receiver, "k2").json()["id"] == "wh_2"
+    assert receiver.effect_count() == 2
+    assert [e.effect_id for e in receiver.effects_for("k2")] == ["wh_2"]
+
+
+def test_the_same_key_with_another_body_is_422(
+    receiver: FakeWebhookReceiver, client: httpx.Client
+) -> None:
+    post(client, receiver, "k1")
+    response = post(client, receiver, "k1", {**BODY, "amount": 999})
+    assert response.status_code == 422
+    assert response.json() == {"error": "idempotency key reused with another body"}
+    assert receiver.effect_count() == 1
+
+
+def test_a_missing_key_is_400_and_recorded(
+    receiver: FakeWebhookReceiver, client: httpx.Client
+) -> None:
+    response = post(client, receiver, None)
+    assert response.status_code == 400
+    assert "Idempotency-Key" in response.json()["error"]
+    assert receiver.effect_count() == 0
+    assert [(r.key, r.status) for r in receiver.received] == [(None, 400)]
+
+
+def test_quoted_and_bare_keys_are_the_same_key(
+    receiver: FakeWebhookReceiver, client: httpx.Client
+) -> None:
+    assert post(client, receiver, "ob1_abc", quoted=False).status_code == 201
+    replay = post(client, receiver, "ob1_abc", quoted=True)
+    assert replay.headers["idempotent-replayed"] == "true"
+    assert receiver.effect_count("ob1_abc") == 1
+    assert [r.key for r in receiver.received] == ["ob1_abc", "ob1_abc"]
+
+
+@pytest.mark.parametrize(
+    ("header", "key"),
+    [('"ob1_abc"', "ob1_abc"), ("ob1_abc", "ob1_abc"), (r'"a\"b\\c"', 'a"b\\c'), ('""', None)],
+)
+def test_header_values_are_parsed_as_sf_strings_or_bare(header: str, key: str | None) -> None:
+    assert parse_idempotency_key(header) == key
+
+
+def test_a_request_while_the_first_is_held_is_409(
+    receiver: FakeWebhookReceiver, client: httpx.Client
+) -> None:
+    with receiver.hold("k1") as hold, ThreadPoolExecutor(1) as pool:
+        first = pool.submit(post, client, receiver, "k1")
+        assert hold.arrived.wait(5)
+        assert receiver.effect_count("k1") == 1  # applied before the answer
+        with httpx.Client(timeout=5.0) as other:
+            during = post(other, receiver, "k1")
+        assert during.status_code == 409
+        assert during.json() == {"error": "in progress"}
+        assert receiver.received[0].status is None  # the held request has no answer yet
+        hold.release()
+        assert first.result(5).status_code == 201
+    assert receiver.effect_count() == 1
+    assert statuses(receiver.received) == [201, 409]
+
+
+def test_stop_releases_a_held_request(client: httpx.Client) -> None:
+    with FakeWebhookReceiver() as receiver, ThreadPoolExecutor(1) as pool:
+        hold = receiver.hold("k1")
+        first = pool.submit(post, client, receiver, "k1")
+        assert hold.arrived.wait(5)
+        receiver.stop()
+        assert first.result(5).status_code == 201
+    assert receiver.effect_count() == 1
+
+
+def test_keys_expire_after_the_retention(client: httpx.Client) -> None:
+    with FakeWebhookReceiver(key_retention=0.1) as receiver:
+        post(client, receiver, "k1")
+        assert post(client, receiver, "k1").headers["idempotent-replayed"] == "true"
+        # Past the retention the key is new again: a second effect, which outbox must prevent.
+        time.sleep(0.15)
+        assert post(client, receiver, "k1").json()["id"] == "wh_2"
+        assert receiver.effect_count("k1") == 2
+
+
+def test_forget_keys_makes_a_retry_a_second_effect(
+    receiver: FakeWebhookReceiver, client: httpx.Client
+) -> None:
+    post(client, receiver, "k1")
+    receiver.forget_keys()
+    again = post(client, receiver, "k1")
+    assert again.status_code == 201
+    assert "idempotent-replayed" not in again.headers
+    assert again.json()["id"] == "wh_2"
+    assert receiver.effect_count("k1") == 2
+
+
+def test_keep_alive_serves_many_requests_on_one_connection(
+    receiver: FakeWebhookReceiver, client: httpx.Client
+) -> None:
+    for n in range(3):
+        assert post(client, receiver, f"k{n}").status_code == 201
+    assert receiver.connections_accepted == 1
+    assert receiver.effect_count() == 3
+
+
+def test_a_wrong_path_is_404_without_effect(
+    receiver: FakeWebhookReceiver, client: httpx.Client
+) -> None:
+    response = client.post(receiver.url + "x", json=BODY, headers={"Idempotency-Key": '"k"'})
+    assert response.status_code == 404
+    assert receiver.effect_count() == 0
+
+
+def test_a_chunked_body_is_read_whole_and_keep_alive_survives(
+    receiver: FakeWebhookReceiver, client: httpx.Client
+) -> None:
+    parts = iter([b'{"amount": ', b"1000, ", b'"currency": "usd"}'])
+    response = client.post(receiver.url, content=parts, headers={"Idempotency-Key": '"k1"'})
+    assert response.status_code == 201
+    assert receiver.received[0].headers["transfer-encoding"] == "chunked"
+    assert post(client, receiver, "k1").headers["idempotent-replayed"] == "true"
+    assert receiver.effect_count() == 1
+    assert receiver.connections_accepted == 1
+
+
+def test_a_body_that_is_not_json_is_400(
+    receiver: FakeWebhookReceiver, client: httpx.Client
+) -> None:
+    response = client.post(receiver.url, content=b"{nope", headers={"Idempotency-Key": "k1"})
+    assert response.status_code == 400
+    assert [(r.body, r.status) for r in receiver.received_for("k1")] == [("{nope", 400)]
+    assert receiver.effect_count() == 0
+
+
+def test_wait_for_effects_sees_effects_applied_by_another_thread(
+    receiver: FakeWebhookReceiver, client: httpx.Client
+) -> None:
+    with ThreadPoolExecutor(1) as pool:
+        sent = pool.submit(post, client, receiver, "k1")
+        [effect] = receiver.wait_for_effects(1)
+        assert sent.result(5).status_code == 201
+    assert effect.key == "k1"
+    with pytest.raises(TimeoutError):
+        receiver.wait_for_effects(2, timeout=0.05)
+
+
+# --- faults -------------------------------------------------------------------------------
+
+
+def test_delay_after_apply_times_the_client_out_but_the_effect_exists(
+    receiver: FakeWebhookReceiver, client: httpx.Client
+) -> None:
+    receiver.inject(Fault.delay_after_apply(0.7))
+    with httpx.Client(timeout=0.2) as impatient, pytest.raises(httpx.ReadTimeout):
+        post(impatient, receiver, "k1")
+    assert receiver.effect_count("k1") == 1
+    # The first request is still being processed: the draft's answer is 409.
+    assert post(client, receiver, "k1").status_code == 409
+    receiver.wait_idle()
+    replay = post(client, receiver, "k1")
+    assert (replay.status_code, replay.json()["id"]) == (201, "wh_1")
+    assert replay.headers["idempotent-replayed"] == "true"
+    assert receiver.effect_count() == 1
+
+
+def test_500_after_apply_is_saved_and_replayed(
+    receiver: FakeWebhookReceiver, client: httpx.Client
+) -> None:
+    receiver.inject(Fault.error_500_after_apply())
+    first = post(client, receiver, "k1")
+    assert first.status_code == 500
+    assert "idempotent-replayed" not in first.headers
+    replay = post(client, receiver, "k1")
+    assert replay.status_code == 500
+    assert replay.json() == first.json()
+    assert replay.headers["idempotent-replayed"] == "true"
+    assert receiver.effect_count() == 1
+
+
+@pytest.mark.parametrize(
+    ("fault", "status", "retry_after"),
+    [
+        (Fault.status(503, retry_after=7), 503, "7"),
+        (Fault.status(429, retry_after=2), 429, "2"),
+        (Fault.status(502), 502, None),
+        (Fault.status(400), 400, None),
+        (Fault.error_500_before_apply(), 500, None),
+    ],
+)
+def test_a_status_before_apply_is_not_saved_so_the_retry_applies_once(
+    receiver: FakeWebhookReceiver,
+    client: httpx.Client,
+    fault: Fault,
+    status: int,
+    retry_after: str | None,
+) -> None:
+    receiver.inject(fault)
+    refused = post(client, receiver, "k1")
+    assert refused.status_code == status
+    assert refused.headers.get("retry-after") == retry_after
+    assert receiver.effect_count() == 0
+    assert post(client, receiver, "k1").status_code == 201
+    assert post(client, receiver, "k1").headers["idempotent-replayed"] == "true"
+    assert receiver.effect_count() == 1
+    assert statuses(receiver.received) == [status, 201, 201]
+
+
+def test_reset_before_apply_is_a_transport_error_and_applies_nothing(
+    receiver: FakeWebhookReceiver, client: httpx.Client
+) -> None:
+    receiver.inject(Fault.reset_before_apply())
+    with pytest.raises(httpx.TransportError):
+        post(client, receiver, "k1")
+    assert receiver.effect_count() == 0
+    assert post(client, receiver, "k1").status_code == 201
+    assert receiver.effect_count() == 1
+    assert statuses(receiver.received) == [None, 201]
+
+
+def test_reset_after_apply_loses_the_answer_not_the_effect(
+    receiver: FakeWebhookReceiver, client: httpx.Client
+) -> None:
+    receiver.inject(Fault.reset_after_apply())
+    with pytest.raises(httpx.TransportError):
+        post(client, receiver, "k1")
+    assert receiver.effect_count("k1") == 1
+    replay = post(client, receiver, "k1")
+    assert (replay.status_code, replay.json()["id"]) == (201, "wh_1")
+    assert replay.headers["idempotent-replayed"] == "true"
+    assert receiver.effect_count() == 1
+    assert statuses(receiver.received) == [None, 201]
+
+
+def test_a_fault_for_one_key_spares_the_others_and_is_used_up(
+    receiver: FakeWebhookReceiver, client: httpx.Client
+) -> None:
+    receiver.inject(Fault.status(503), key="k2", times=2)
+    assert post(client, receiver, "k1").status_code == 201
+    assert post(client, receiver, "k2").status_code == 503
+    assert post(client, receiver, "k2").status_code == 503
+    assert post(client, receiver, "k2").status_code == 201
+    assert receiver.effect_count() == 2
+
+
+def test_refused_connections_then_accepted_on_the_same_port(
+    receiver: FakeWebhookReceiver, client: httpx.Client
+) -> None:
+    url = receiver.url
+    assert post(client, receiver, "k1").status_code == 201  # leaves a pooled connection
+    receiver.refuse_connections()
+    with pytest.raises(httpx.ConnectError):
+        post(client, receiver, "k2")
+    assert receiver.effect_count() == 1
+    receiver.accept_connections()
+    assert receiver.url == url
+    assert post(client, receiver, "k2").status_code == 201
+    assert post(client, receiver, "k1").headers["idempotent-replayed"] == "true"
+    assert receiver.effect_count() == 2
