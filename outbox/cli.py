@@ -6,11 +6,13 @@ an invalid operation); 3 conflict (the identity exists with other content).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import sys
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import IO, Any, TypeVar
 
 import click
@@ -18,17 +20,21 @@ import psycopg
 from click.core import ParameterSource
 from psycopg.conninfo import conninfo_to_dict
 
-from outbox import producer
+from outbox import daemon, logs, producer
+from outbox.config import ConfigError, load_settings
 from outbox.db import dsn as dsn_util
 from outbox.db import migrations, statements
 from outbox.durations import format_duration, parse_duration
 from outbox.errors import InvalidOperation, OperationConflict
 from outbox.model import Status
+from outbox.providers.registry import build_providers
 from outbox.tables import render_table
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 EXIT_CONFLICT = 3
+# Loopback: metrics say how many operations of which tenants flow where; expose them on purpose.
+DEFAULT_METRICS_ADDR = "127.0.0.1:9464"
 CONNECT_TIMEOUT_SECONDS = 10  # a CLI that hangs on a dead host is worse than one that says so
 
 
@@ -234,6 +240,39 @@ def status(dsn: str, as_json: bool) -> None:
     click.echo(render_table(["status", "count"], [(s.value, counts.get(s, 0)) for s in Status]))
     age = "none due" if oldest is None else format_duration(timedelta(seconds=oldest))
     click.echo(f"\noldest due pending: {age}")
+
+
+@main.command()
+@dsn_option
+@click.option(
+    "--config",
+    "config_path",
+    envvar="OUTBOX_CONFIG",
+    show_envvar=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="TOML settings file; without one, defaults and OUTBOX_* variables only.",
+)
+@click.option(
+    "--metrics-addr",
+    default=DEFAULT_METRICS_ADDR,
+    show_default=True,
+    envvar="OUTBOX_METRICS_ADDR",
+    show_envvar=True,
+    help="HOST:PORT for /metrics, /healthz and /readyz; 'off' for none.",
+)
+def run(dsn: str, config_path: Path | None, metrics_addr: str) -> None:
+    """Dispatch operations to their providers until SIGTERM or SIGINT."""
+    try:
+        addr = daemon.parse_addr(metrics_addr)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--metrics-addr") from None
+    try:
+        settings = load_settings(config_path)
+        logs.configure(settings.log_level)
+        providers = build_providers(settings.providers)
+    except ConfigError as exc:
+        raise BadInput(str(exc)) from None
+    sys.exit(asyncio.run(daemon.serve(dsn, settings, providers, metrics_addr=addr)))
 
 
 if __name__ == "__main__":  # pragma: no cover

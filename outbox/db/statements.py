@@ -84,3 +84,152 @@ APPLIED_MIGRATIONS: Final = (
 RECORD_MIGRATION: Final = (
     "INSERT INTO outbox.schema_migrations (version, name, checksum) VALUES (%s, %s, %s)"
 )
+
+# --- dispatcher ---------------------------------------------------------------------------------
+# The claim protocol: claim (one short transaction) -> call the provider with no transaction
+# open -> record (one short transaction, fenced by the lease token and attempt number).
+
+# Lease due pending rows to this worker.
+CLAIM: Final = """
+WITH due AS MATERIALIZED (
+    -- The oldest due pending rows, served by the partial index operations_claim, which keeps
+    -- finished rows out of the scan. SKIP LOCKED: concurrent dispatchers take the next rows
+    -- instead of queueing behind these. MATERIALIZED fences the LIMIT, so the UPDATE below can
+    -- never touch more rows than were locked here.
+    SELECT id
+    FROM outbox.operations
+    WHERE status = 'pending' AND available_at <= now()
+    ORDER BY available_at, id
+    LIMIT %(limit)s::integer
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE outbox.operations AS o
+SET status = 'in_flight',
+    lease_owner = %(worker)s,
+    -- A fresh token per claim fences every later write to this attempt.
+    lease_token = gen_random_uuid(),
+    lease_expires_at = now() + %(lease)s::interval,
+    attempts = o.attempts + 1,
+    last_attempt_at = now(),
+    updated_at = now(),
+    status_changed_at = now()
+FROM due
+WHERE o.id = due.id
+RETURNING o.id, o.tenant_id, o.operation_type, o.operation_key, o.provider, o.action, o.payload,
+          o.idempotency_key, o.correlation_id, o.attempts, o.max_attempts, o.lease_token,
+          o.first_sent_at, o.created_at, now() AS claimed_at
+"""
+
+# Record an attempt's outcome and the operation's next status, only if this worker still holds
+# the lease of this attempt: a worker whose lease expired matches no row and changes nothing.
+RECORD: Final = """
+WITH recorded AS (
+    UPDATE outbox.operations AS o
+    SET status = %(status)s::text,
+        status_reason = %(reason)s::text,
+        available_at = CASE WHEN %(status)s::text = 'pending'
+                            THEN now() + %(retry_in)s::interval ELSE o.available_at END,
+        lease_owner = NULL,
+        lease_token = NULL,
+        lease_expires_at = NULL,
+        -- The key window counts from the first attempt that may have reached the provider;
+        -- the claim time is a safe (early) stand-in for the moment of sending.
+        first_sent_at = CASE WHEN %(sent)s::boolean
+                             THEN coalesce(o.first_sent_at, o.last_attempt_at)
+                             ELSE o.first_sent_at END,
+        provider_ref = coalesce(%(provider_ref)s::text, o.provider_ref),
+        result = coalesce(%(result)s::jsonb, o.result),
+        last_error = %(error)s::text,
+        last_error_class = %(failure)s::text,
+        updated_at = now(),
+        status_changed_at = now(),
+        finished_at = CASE WHEN %(status)s::text IN ('succeeded', 'cancelled') THEN now() END
+    WHERE o.id = %(id)s
+      AND o.lease_token = %(lease_token)s
+      AND o.attempts = %(attempt)s
+      AND o.status = 'in_flight'
+    RETURNING o.id, o.idempotency_key, o.last_attempt_at
+)
+INSERT INTO outbox.attempts (operation_id, attempt, idempotency_key, worker, started_at, outcome,
+                             sent, error_class, error_message, http_status, provider_request_id)
+SELECT id, %(attempt)s, idempotency_key, %(worker)s, last_attempt_at, %(outcome)s::text,
+       %(sent)s::boolean, %(error_class)s::text, %(error)s::text, %(http_status)s::integer,
+       %(request_id)s::text
+FROM recorded
+RETURNING operation_id
+"""
+
+# Give a claimed row back without an attempt having been made: released at shutdown (to
+# pending) or routed to reconciliation by the key-window rule before sending.
+UNCLAIM: Final = """
+UPDATE outbox.operations AS o
+SET status = %(status)s::text,
+    status_reason = %(reason)s::text,
+    attempts = o.attempts - 1,
+    lease_owner = NULL,
+    lease_token = NULL,
+    lease_expires_at = NULL,
+    updated_at = now(),
+    status_changed_at = now()
+WHERE o.id = %(id)s AND o.lease_token = %(lease_token)s AND o.status = 'in_flight'
+RETURNING o.id
+"""
+
+# Renew the leases of calls still in flight, so a slow but live call is never rescued.
+HEARTBEAT: Final = """
+UPDATE outbox.operations AS o
+SET lease_expires_at = now() + %(lease)s::interval
+FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS held(id, token)
+WHERE o.id = held.id AND o.lease_token = held.token AND o.status = 'in_flight'
+RETURNING o.id
+"""
+
+# Take back rows whose dispatcher stopped renewing its lease. Its attempt may have reached the
+# provider, so it is recorded as unknown and the key window starts from it.
+RESCUE: Final = """
+WITH expired AS MATERIALIZED (
+    -- Served by the partial index operations_lease; SKIP LOCKED so that rescuers in several
+    -- processes split the work and never wait on a row a dispatcher is recording right now.
+    SELECT id, lease_owner, last_attempt_at, idempotency_key, attempts
+    FROM outbox.operations
+    WHERE status = 'in_flight' AND lease_expires_at < now()
+    ORDER BY lease_expires_at
+    LIMIT %(limit)s::integer
+    FOR UPDATE SKIP LOCKED
+),
+rescued AS (
+    UPDATE outbox.operations AS o
+    SET status = CASE WHEN o.attempts >= coalesce(o.max_attempts, %(max_attempts)s::integer)
+                      THEN 'quarantined' ELSE 'pending' END,
+        status_reason = CASE WHEN o.attempts >= coalesce(o.max_attempts, %(max_attempts)s::integer)
+                             THEN 'attempts_exhausted' END,
+        available_at = now(),
+        lease_owner = NULL,
+        lease_token = NULL,
+        lease_expires_at = NULL,
+        first_sent_at = coalesce(o.first_sent_at, o.last_attempt_at),
+        last_error = 'lease expired: the dispatcher stopped renewing it during the attempt',
+        last_error_class = 'unknown',
+        updated_at = now(),
+        status_changed_at = now()
+    FROM expired AS e
+    -- Re-checked under the row lock: a row recorded since the scan is left alone.
+    WHERE o.id = e.id AND o.status = 'in_flight' AND o.lease_expires_at < now()
+    RETURNING o.id, o.status, o.provider
+),
+history AS (
+    INSERT INTO outbox.attempts (operation_id, attempt, idempotency_key, worker, started_at,
+                                 outcome, sent, error_class, error_message)
+    SELECT e.id, e.attempts, e.idempotency_key, e.lease_owner, e.last_attempt_at, 'unknown', true,
+           'lease_expired',
+           'lease expired: the dispatcher stopped renewing it during the attempt'
+    FROM rescued AS r JOIN expired AS e ON e.id = r.id
+)
+SELECT id, status, provider FROM rescued
+"""
+
+# Wake-ups: dispatchers LISTEN on the channel enqueue notifies.
+LISTEN: Final = "LISTEN outbox_enqueue"
+
+# Is this connection still alive? Sent on the LISTEN connection after a quiet spell.
+PROBE: Final = "SELECT 1"

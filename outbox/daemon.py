@@ -1,0 +1,176 @@
+"""`outbox run`: wires the dispatcher, the LISTEN wake-ups, signals and the HTTP listener."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Final
+
+import prometheus_client
+import structlog
+from psycopg_pool import AsyncConnectionPool
+
+import outbox
+from outbox import metrics, wakeup
+from outbox.config import Settings
+from outbox.db.connect import connection_options
+from outbox.db.store import Store
+from outbox.dispatcher import Dispatcher
+from outbox.providers.base import Provider
+
+# Enough connections for claims, heartbeats, rescues and bursts of records; more would only
+# queue inside PostgreSQL. Each replica holds at most this many plus one for LISTEN.
+POOL_MAX_SIZE: Final = 10
+# /healthz fails when the event loop has not ticked for this long (a hung process).
+LOOP_STALL_LIMIT: Final = 10.0
+
+log = structlog.get_logger("outbox.daemon")
+
+
+class Health:
+    """What /healthz and /readyz report; read from the HTTP thread, written by the loop."""
+
+    def __init__(self, dispatcher: Dispatcher) -> None:
+        self.dispatcher = dispatcher
+        self.draining = False
+        self.last_tick = time.monotonic()
+
+    def alive(self) -> bool:
+        return time.monotonic() - self.last_tick < LOOP_STALL_LIMIT
+
+    def ready(self) -> bool:
+        return self.alive() and not self.draining and self.dispatcher.database_ok
+
+
+def worker_id() -> str:
+    """Unique per process run, readable in lease_owner: host, pid and a random suffix."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+async def serve(
+    dsn: str,
+    settings: Settings,
+    providers: Mapping[str, Provider],
+    *,
+    metrics_addr: tuple[str, int] | None,
+) -> int:
+    """Run until SIGTERM or SIGINT, then drain; returns the exit code."""
+    metrics.BUILD_INFO.info({"version": outbox.__version__})
+    pool = AsyncConnectionPool(
+        dsn, min_size=2, max_size=POOL_MAX_SIZE, open=False, name="outbox",
+        kwargs={"autocommit": True, **connection_options(dsn, "outbox-run")},
+    )  # fmt: skip
+    await pool.open(wait=False)  # an unreachable database is retried, not fatal
+    timeouts = {name: ps.timeout for name, ps in settings.providers.items()}
+    dispatcher = Dispatcher(
+        Store(pool), providers, settings.dispatcher, worker_id=worker_id(), call_timeouts=timeouts
+    )
+    health = Health(dispatcher)
+    http = _start_http(metrics_addr, health) if metrics_addr else None
+    helpers = [
+        asyncio.create_task(wakeup.listen_forever(dsn, dispatcher.wake), name="outbox-listen"),
+        asyncio.create_task(_tick(health), name="outbox-tick"),
+    ]
+    _install_signal_handlers(dispatcher, health)
+    log.info(
+        "outbox run started",
+        providers=sorted(providers),
+        concurrency=settings.dispatcher.concurrency,
+    )
+    try:
+        await dispatcher.run()
+    finally:
+        for task in helpers:
+            task.cancel()
+        await asyncio.gather(*helpers, return_exceptions=True)
+        for provider in providers.values():
+            await provider.aclose()
+        await pool.close()
+        if http is not None:
+            http.shutdown()
+            http.server_close()
+    log.info("outbox run stopped")
+    return 0
+
+
+def _install_signal_handlers(dispatcher: Dispatcher, health: Health) -> None:
+    loop = asyncio.get_running_loop()
+    signals_seen = 0
+
+    def on_signal(signum: int) -> None:
+        nonlocal signals_seen
+        signals_seen += 1
+        if signals_seen > 1:
+            # Leases of unfinished calls expire and are rescued; nothing is marked succeeded.
+            log.warning("second signal: exiting now", signal=signal.Signals(signum).name)
+            os._exit(1)
+        log.info("draining", signal=signal.Signals(signum).name)
+        health.draining = True
+        dispatcher.request_stop()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+
+
+async def _tick(health: Health) -> None:
+    while True:
+        health.last_tick = time.monotonic()
+        await asyncio.sleep(1.0)
+
+
+def _start_http(addr: tuple[str, int], health: Health) -> ThreadingHTTPServer:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path == "/metrics":
+                self._answer(
+                    200, prometheus_client.generate_latest(), prometheus_client.CONTENT_TYPE_LATEST
+                )
+            elif self.path == "/healthz":
+                self._answer(
+                    200 if health.alive() else 503, b"ok\n" if health.alive() else b"stalled\n"
+                )
+            elif self.path == "/readyz":
+                self._answer(
+                    200 if health.ready() else 503, b"ready\n" if health.ready() else b"not ready\n"
+                )
+            else:
+                self._answer(404, b"not found\n")
+
+        def _answer(self, status: int, body: bytes, content_type: str = "text/plain") -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:
+            """Scrapes are not worth a log line each."""
+
+    server_class = _V6Server if ":" in addr[0] else ThreadingHTTPServer
+    server = server_class(addr, Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="outbox-http", daemon=True).start()
+    host, port = server.server_address[:2]
+    log.info("HTTP listener started", metrics_addr=f"{host!s}:{port}")
+    return server
+
+
+class _V6Server(ThreadingHTTPServer):
+    address_family = socket.AF_INET6
+
+
+def parse_addr(text: str) -> tuple[str, int] | None:
+    """HOST:PORT or [V6]:PORT; "off" disables the listener."""
+    if text.strip().lower() == "off":
+        return None
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"invalid address {text!r}: write HOST:PORT, e.g. 127.0.0.1:9464")
+    return host.strip("[]") or "127.0.0.1", int(port)

@@ -1,0 +1,484 @@
+"""The dispatcher: claim -> send (no transaction open) -> record (fenced by the lease).
+
+One asyncio task per leased operation, at most ``concurrency`` at a time. A claim tops up the
+free slots; a heartbeat renews the leases of calls still running; a rescuer takes back the rows of
+dead dispatchers. Times that decide anything come from the database clock: the claim returns it,
+and only durations are measured locally.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import random
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, Final
+
+import psycopg
+import structlog
+from tenacity import AsyncRetrying, retry_if_exception_type, wait_random_exponential
+
+from outbox import failpoints, metrics
+from outbox.config import DispatcherSettings
+from outbox.db.store import Claimed, Record, Store
+from outbox.model import Status
+from outbox.policy import REASON_KEY_WINDOW, Backoff, KeyWindow, after_failure
+from outbox.providers.base import (
+    InvalidRequest,
+    Provider,
+    SendRequest,
+    SendResult,
+    Succeeded,
+    permanent,
+    unknown,
+)
+
+# Records still running when the shutdown grace ends get this long to reach the database.
+RECORD_GRACE: Final = 5.0
+# A provider call that outlives its own timeout by this much is cut off: a hung plug-in must
+# not hold a lease forever.
+CALL_GUARD_MARGIN: Final = 5.0
+# Back-off after a failed claim, so a database outage is not met with a busy loop.
+CLAIM_RETRY_MIN: Final = 0.1
+CLAIM_RETRY_MAX: Final = 5.0
+RESCUE_BATCH: Final = 500
+
+log = structlog.get_logger("outbox.dispatcher")
+
+
+class Phase(enum.Enum):
+    CLAIMED = "claimed"  # leased, not sent: may be released untouched
+    SENDING = "sending"
+    RECORDING = "recording"
+
+
+@dataclass(eq=False)
+class InFlight:
+    """A leased operation and what this process knows of its lease."""
+
+    row: Claimed
+    claimed_mono: float
+    lease_deadline: float  # local monotonic estimate, never later than the database's
+    phase: Phase = Phase.CLAIMED
+    task: asyncio.Task[None] | None = None
+    send_task: asyncio.Task[SendResult] | None = None
+    log: Any = field(default=None)
+
+    def db_now(self) -> datetime:
+        """The database clock now: its reading at the claim plus the time elapsed since."""
+        return self.row.claimed_at + timedelta(seconds=time.monotonic() - self.claimed_mono)
+
+
+class Dispatcher:
+    """Delivers operations to providers for one process."""
+
+    def __init__(
+        self,
+        store: Store,
+        providers: Mapping[str, Provider],
+        settings: DispatcherSettings,
+        *,
+        worker_id: str,
+        call_timeouts: Mapping[str, timedelta] | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._store = store
+        self._providers = providers
+        self._settings = settings
+        self._worker = worker_id
+        self._call_timeouts = call_timeouts or {}
+        self._rng = rng or random.Random()  # noqa: S311 (jitter, not cryptography)
+        self._backoff = Backoff(settings.backoff_base, settings.backoff_max)
+        self._inflight: dict[int, InFlight] = {}
+        self._wake = asyncio.Event()
+        self._slot_freed = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._stopping = False
+        self._claim_retry = CLAIM_RETRY_MIN
+        self.database_ok = False  # the last claim reached the database (readiness)
+
+    # --- control ------------------------------------------------------------------------------
+
+    def wake(self) -> None:
+        """Something was enqueued: claim now instead of at the next poll."""
+        self._wake.set()
+
+    def request_stop(self) -> None:
+        """Stop claiming; in-flight calls finish within the shutdown grace."""
+        self._stop.set()
+        self._wake.set()
+        self._slot_freed.set()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._inflight)
+
+    async def run(self) -> None:
+        """Claim and dispatch until ``request_stop``, then drain."""
+        background = [
+            asyncio.create_task(self._heartbeat_loop(), name="outbox-heartbeat"),
+            asyncio.create_task(self._rescue_loop(), name="outbox-rescuer"),
+        ]
+        try:
+            await self._claim_loop()
+        finally:
+            await self._drain()
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
+
+    async def run_once(self) -> int:
+        """Claim one batch, dispatch it and record every outcome; returns how many were claimed."""
+        claimed = await self._claim(min(self._settings.batch_size, self._settings.concurrency))
+        for row in claimed:
+            self._start(row)
+        await self.wait_idle()
+        return len(claimed)
+
+    async def rescue_once(self) -> int:
+        """Take back expired leases once; returns how many rows were rescued."""
+        try:
+            rescued = await self._store.rescue(RESCUE_BATCH, self._settings.max_attempts)
+        except psycopg.Error as exc:
+            metrics.DB_ERRORS.labels("rescue").inc()
+            log.warning("rescue failed", error_class=type(exc).__name__)
+            return 0
+        for operation_id, status, provider in rescued:
+            metrics.LEASE_EXPIRED.inc()
+            if status is Status.QUARANTINED:
+                metrics.QUARANTINED.labels(provider, "attempts_exhausted").inc()
+            log.warning(
+                "lease expired; rescued",
+                operation_id=operation_id,
+                provider=provider,
+                outcome="unknown",
+                status=status.value,
+            )
+        return len(rescued)
+
+    async def wait_idle(self) -> None:
+        """Wait until every leased operation has been recorded or released."""
+        tasks = [f.task for f in self._inflight.values() if f.task is not None]
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    # --- the claim loop -----------------------------------------------------------------------
+
+    async def _claim_loop(self) -> None:
+        # Top up in chunks: claiming for every freed slot would cost one query per operation.
+        chunk = max(1, min(self._settings.batch_size, self._settings.concurrency) // 4)
+        while not self._stop.is_set():
+            free = self._settings.concurrency - len(self._inflight)
+            if free < chunk and self._inflight:
+                self._slot_freed.clear()
+                await self._slot_freed.wait()
+                continue
+            # Cleared before claiming: a NOTIFY that arrives during the claim still wakes us.
+            self._wake.clear()
+            want = min(self._settings.batch_size, free)
+            claimed = await self._claim(want)
+            for row in claimed:
+                self._start(row)
+            if len(claimed) < want and not self._stop.is_set():
+                await self._sleep_until_woken(self._settings.poll_interval.total_seconds())
+
+    async def _sleep_until_woken(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), seconds)
+
+    async def _claim(self, limit: int) -> list[Claimed]:
+        started = time.perf_counter()
+        try:
+            claimed = await self._store.claim(self._worker, limit, self._settings.lease)
+        except psycopg.Error as exc:
+            self.database_ok = False
+            metrics.DB_ERRORS.labels("claim").inc()
+            log.warning(
+                "claim failed; retrying",
+                error_class=type(exc).__name__,
+                retry_in_s=round(self._claim_retry, 2),
+            )
+            await self._sleep_until_woken(self._claim_retry)
+            self._claim_retry = min(self._claim_retry * 2, CLAIM_RETRY_MAX)
+            return []
+        self.database_ok = True
+        self._claim_retry = CLAIM_RETRY_MIN
+        metrics.CLAIM_DURATION.observe(time.perf_counter() - started)
+        return claimed
+
+    def _start(self, row: Claimed) -> None:
+        now = time.monotonic()
+        flight = InFlight(
+            row, claimed_mono=now, lease_deadline=now + self._settings.lease.total_seconds()
+        )
+        flight.log = log.bind(
+            operation_id=row.id, tenant_id=row.tenant_id, operation_type=row.operation_type,
+            operation_key=row.operation_key, provider=row.provider, action=row.action,
+            attempt=row.attempts, correlation_id=row.correlation_id,
+        )  # fmt: skip
+        self._inflight[row.id] = flight
+        metrics.IN_FLIGHT.inc()
+        flight.task = asyncio.create_task(self._process(flight), name=f"outbox-op-{row.id}")
+        flight.task.add_done_callback(lambda task: self._finished(flight, task))
+
+    def _finished(self, flight: InFlight, task: asyncio.Task[None]) -> None:
+        self._inflight.pop(flight.row.id, None)
+        metrics.IN_FLIGHT.dec()
+        self._slot_freed.set()
+        if not task.cancelled() and task.exception() is not None:
+            # A bug in outbox itself; the lease expires and the rescuer takes the row back.
+            flight.log.error("dispatch task failed", exc_info=task.exception())
+
+    # --- one operation ------------------------------------------------------------------------
+
+    async def _process(self, flight: InFlight) -> None:
+        row = flight.row
+        await failpoints.hit(failpoints.AFTER_CLAIM)
+        provider = self._providers.get(row.provider)
+        if provider is None:
+            failure = permanent(
+                "unknown_provider", f"no provider named {row.provider!r} is configured"
+            )
+            await self._finish(flight, failure, sent=False)
+            return
+        if self._window(provider).has_passed(row.first_sent_at, flight.db_now()):
+            await self._unclaim(flight, Status.RECONCILING, REASON_KEY_WINDOW)
+            return
+        problem = _check(provider, row)
+        if problem is not None:
+            await self._finish(flight, permanent("invalid_request", problem), sent=False)
+            return
+        if self._stopping:
+            await self._unclaim(flight, Status.PENDING, None)
+            return
+        result = await self._send(flight, provider)
+        await failpoints.hit(failpoints.BEFORE_RECORD)
+        await self._finish(flight, result)
+
+    async def _send(self, flight: InFlight, provider: Provider) -> SendResult:
+        row = flight.row
+        request = SendRequest(
+            operation_id=row.id, tenant_id=row.tenant_id, operation_type=row.operation_type,
+            operation_key=row.operation_key, action=row.action, payload=row.payload,
+            idempotency_key=row.idempotency_key, correlation_id=row.correlation_id,
+            attempt=row.attempts,
+        )  # fmt: skip
+        flight.phase = Phase.SENDING
+        flight.send_task = asyncio.create_task(provider.send(request))
+        started = time.perf_counter()
+        try:
+            return await asyncio.wait_for(flight.send_task, self._call_limit(provider))
+        except TimeoutError:
+            return unknown("call_guard", "the provider call outlived its timeout and was cut off")
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise
+            return unknown("shutdown", "the call was cut off at shutdown")
+        except Exception as exc:  # noqa: BLE001 (a provider must not raise; if it does, it may have sent)
+            return unknown("provider_error", f"the provider raised {type(exc).__name__}")
+        finally:
+            metrics.DISPATCH_DURATION.labels(row.provider, row.action).observe(
+                time.perf_counter() - started
+            )
+
+    async def _finish(
+        self, flight: InFlight, result: SendResult, *, sent: bool | None = None
+    ) -> None:
+        rec = self._record_for(flight, result, sent)
+        recorded = await self._with_lease(flight, "record", lambda: self._store.record(rec))
+        row = flight.row
+        metrics.DISPATCH.labels(row.provider, row.action, rec.outcome).inc()
+        flight.log.info(
+            "attempt recorded" if recorded else "attempt not recorded",
+            outcome=rec.outcome, status=rec.status.value, reason=rec.reason,
+            error_class=rec.error_class, http_status=rec.http_status,
+            duration_ms=round((time.monotonic() - flight.claimed_mono) * 1000, 1),
+        )  # fmt: skip
+        if recorded:
+            self._count(flight, rec)
+
+    def _record_for(self, flight: InFlight, result: SendResult, sent: bool | None) -> Record:
+        row = flight.row
+        base: dict[str, Any] = {
+            "id": row.id,
+            "lease_token": row.lease_token,
+            "attempt": row.attempts,
+            "worker": self._worker,
+            "http_status": result.http_status,
+            "request_id": result.request_id,
+        }
+        if isinstance(result, Succeeded):
+            return Record(
+                status=Status.SUCCEEDED,
+                outcome="succeeded",
+                sent=True,
+                provider_ref=result.reference,
+                result=result.result,
+                **base,
+            )
+        reached = result.may_have_reached_provider if sent is None else sent
+        provider = self._providers.get(row.provider)
+        window = self._window(provider) if provider else KeyWindow(timedelta.max, timedelta(0))
+        nxt = after_failure(
+            result.failure, attempt=row.attempts,
+            max_attempts=row.max_attempts or self._settings.max_attempts,
+            first_sent_at=row.first_sent_at or (row.claimed_at if reached else None),
+            now=flight.db_now(), window=window, backoff=self._backoff,
+            retry_after=result.retry_after, rng=self._rng,
+        )  # fmt: skip
+        return Record(
+            status=nxt.status,
+            reason=nxt.reason,
+            retry_in=nxt.retry_in,
+            outcome=result.failure.value,
+            sent=reached,
+            error=result.message,
+            error_class=result.error_class,
+            **base,
+        )
+
+    def _count(self, flight: InFlight, rec: Record) -> None:
+        provider = flight.row.provider
+        if rec.status is Status.SUCCEEDED:
+            age = (flight.db_now() - flight.row.created_at).total_seconds()
+            metrics.END_TO_END.labels(provider).observe(max(age, 0.0))
+        elif rec.status is Status.PENDING:
+            metrics.RETRIES.labels(provider).inc()
+        elif rec.status is Status.QUARANTINED:
+            metrics.QUARANTINED.labels(provider, rec.reason or "").inc()
+        elif rec.status is Status.RECONCILING:
+            metrics.RECONCILIATION_ROUTED.labels(provider, rec.reason or "").inc()
+
+    async def _unclaim(self, flight: InFlight, status: Status, reason: str | None) -> None:
+        done = await self._with_lease(
+            flight, "unclaim", lambda: self._store.unclaim(flight.row, status, reason)
+        )
+        if done and status is Status.RECONCILING:
+            metrics.RECONCILIATION_ROUTED.labels(flight.row.provider, reason or "").inc()
+        flight.log.info(
+            "returned without sending",
+            status=status.value,
+            reason=reason,
+            outcome="not_sent",
+            done=bool(done),
+        )
+
+    async def _with_lease(self, flight: InFlight, what: str, write: Any) -> bool | None:
+        """Run a fenced write, retrying connection failures while the lease lasts.
+
+        True: written. False: the lease was lost (a newer attempt owns the row; nothing changed).
+        None: the database could not be reached in time; the lease will expire and the row be
+        rescued, and its retry carries the same idempotency key.
+        """
+        flight.phase = Phase.RECORDING
+        try:
+            written: bool | None = await write()
+        except psycopg.OperationalError:
+            written = await self._retry_while_leased(flight, what, write)
+        if written is None:
+            return None
+        if not written:
+            metrics.LEASE_LOST.inc()
+            flight.log.warning(f"{what} found the lease taken; nothing was changed")
+        return written
+
+    async def _retry_while_leased(self, flight: InFlight, what: str, write: Any) -> bool | None:
+        """The write again, with backoff (tenacity), until it succeeds or the lease runs out."""
+        metrics.DB_ERRORS.labels(what).inc()
+        retrying = AsyncRetrying(
+            retry=retry_if_exception_type(psycopg.OperationalError),
+            wait=wait_random_exponential(multiplier=0.05, max=2.0),
+            stop=lambda _: time.monotonic() >= flight.lease_deadline,
+            before_sleep=lambda _: metrics.DB_ERRORS.labels(what).inc(),
+            reraise=True,
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    written: bool = await write()
+                    return written
+        except psycopg.Error as exc:
+            metrics.DB_ERRORS.labels(what).inc()
+            # An expected outage, not a bug: no traceback.
+            flight.log.error(  # noqa: TRY400
+                f"{what} failed; the lease will expire and the row be rescued",
+                error_class=type(exc).__name__,
+            )
+            return None
+        return None  # pragma: no cover (the loop returns or raises)
+
+    # --- leases -------------------------------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        interval = self._settings.heartbeat_interval.total_seconds()
+        while True:
+            await asyncio.sleep(interval)
+            await self.heartbeat_once()
+
+    async def heartbeat_once(self) -> None:
+        """Renew the lease of every operation this process still holds."""
+        held = [f for f in self._inflight.values() if f.phase is not Phase.RECORDING]
+        if not held:
+            return
+        sent_at = time.monotonic()
+        try:
+            alive = await self._store.heartbeat([f.row for f in held], self._settings.lease)
+        except psycopg.Error as exc:
+            metrics.DB_ERRORS.labels("heartbeat").inc()
+            log.warning("heartbeat failed", error_class=type(exc).__name__)
+            return
+        for flight in held:
+            if flight.row.id in alive:
+                flight.lease_deadline = sent_at + self._settings.lease.total_seconds()
+            elif flight.phase is not Phase.RECORDING:
+                flight.log.warning("lease lost during the call; its record will change nothing")
+
+    async def _rescue_loop(self) -> None:
+        # Often enough that a dead worker's rows come back within about one lease.
+        interval = max(self._settings.lease.total_seconds() / 4, 0.05)
+        while True:
+            rescued = await self.rescue_once()
+            if rescued < RESCUE_BATCH:
+                await asyncio.sleep(interval)
+
+    # --- shutdown -----------------------------------------------------------------------------
+
+    async def _drain(self) -> None:
+        """Let calls finish within the grace; cut off the rest and record them as unknown."""
+        self._stopping = True
+        tasks = [f.task for f in self._inflight.values() if f.task is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=self._settings.shutdown_grace.total_seconds())
+        for flight in list(self._inflight.values()):
+            if flight.send_task is not None and not flight.send_task.done():
+                flight.send_task.cancel()
+        remaining = [f.task for f in self._inflight.values() if f.task is not None]
+        if remaining:
+            await asyncio.wait(remaining, timeout=RECORD_GRACE)
+
+    # --- helpers ------------------------------------------------------------------------------
+
+    def _window(self, provider: Provider) -> KeyWindow:
+        return KeyWindow(provider.key_retention, self._settings.retention_margin)
+
+    def _call_limit(self, provider: Provider) -> float | None:
+        timeout = self._call_timeouts.get(provider.name)
+        return None if timeout is None else timeout.total_seconds() + CALL_GUARD_MARGIN
+
+
+def _check(provider: Provider, row: Claimed) -> str | None:
+    """Why this row can never be sent, or None. Never raises."""
+    if not isinstance(row.payload, dict):
+        return f"the payload is a JSON {type(row.payload).__name__}, not an object"
+    try:
+        provider.check(row.action, row.payload)
+    except InvalidRequest as exc:
+        return str(exc)
+    except Exception as exc:  # noqa: BLE001 (a bad row must not stop the line)
+        return f"the provider's check raised {type(exc).__name__}"
+    return None

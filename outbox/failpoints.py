@@ -1,0 +1,33 @@
+"""Fault-injection points for the fault tests: a pause at a named point of the dispatch path.
+
+Set ``OUTBOX_FAILPOINTS="after_claim=30"`` to sleep 30 seconds right after a claim commits; a test
+then SIGKILLs the process inside that exact window. Unset (always, in production), a failpoint
+costs one dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Final
+
+AFTER_CLAIM: Final = "after_claim"  # leased, nothing sent yet
+BEFORE_RECORD: Final = "before_record"  # the provider answered; nothing recorded yet
+
+
+def _parse(spec: str) -> dict[str, float]:
+    points: dict[str, float] = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, _, seconds = item.partition("=")
+        points[name.strip()] = float(seconds or "0")
+    return points
+
+
+_ACTIVE: Final = _parse(os.environ.get("OUTBOX_FAILPOINTS", ""))
+
+
+async def hit(name: str) -> None:
+    """Pause here if the failpoint ``name`` is set."""
+    seconds = _ACTIVE.get(name)
+    if seconds:
+        await asyncio.sleep(seconds)

@@ -1,0 +1,43 @@
+"""Every metric outbox exports, defined once. Names follow DESIGN.md and Prometheus conventions."""
+
+from __future__ import annotations
+
+from typing import Final
+
+from prometheus_client import Counter, Gauge, Histogram, Info
+
+# Provider calls take from a few milliseconds (loopback) to the longest configured timeout.
+_CALL_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60)
+# Enqueue to success spans a NOTIFY wake-up (milliseconds) to retries over a day.
+_END_TO_END_BUCKETS: Final = (
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600, 4 * 3600, 86400,
+)  # fmt: skip
+_CLAIM_BUCKETS: Final = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
+
+DISPATCH: Final = Counter(
+    "outbox_dispatch", "Attempts by outcome.", ["provider", "action", "outcome"]
+)
+DISPATCH_DURATION: Final = Histogram(
+    "outbox_dispatch_duration_seconds", "Provider call time.", ["provider", "action"],
+    buckets=_CALL_BUCKETS,
+)  # fmt: skip
+END_TO_END: Final = Histogram(
+    "outbox_end_to_end_seconds", "Enqueue to success.", ["provider"], buckets=_END_TO_END_BUCKETS
+)
+IN_FLIGHT: Final = Gauge("outbox_in_flight", "Operations this process holds a lease on.")
+RETRIES: Final = Counter("outbox_retries", "Attempts scheduled for retry.", ["provider"])
+QUARANTINED: Final = Counter(
+    "outbox_quarantined", "Operations sent to quarantine.", ["provider", "reason"]
+)
+RECONCILIATION_ROUTED: Final = Counter(
+    "outbox_reconciliation_routed", "Operations routed to reconciliation.", ["provider", "reason"]
+)
+LEASE_EXPIRED: Final = Counter("outbox_lease_expired", "Expired leases this process rescued.")
+LEASE_LOST: Final = Counter(
+    "outbox_lease_lost", "Records or renewals that found the lease taken: nothing was changed."
+)
+CLAIM_DURATION: Final = Histogram(
+    "outbox_claim_duration_seconds", "Time of one claim query.", buckets=_CLAIM_BUCKETS
+)
+DB_ERRORS: Final = Counter("outbox_db_errors", "Database errors, by operation.", ["operation"])
+BUILD_INFO: Final = Info("outbox_build", "The running outbox version.")

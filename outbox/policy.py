@@ -1,0 +1,96 @@
+"""Pure decisions of the dispatcher: what an attempt's result leads to, and when to retry.
+
+Every time here is the database clock's, passed in: no function reads a local clock.
+Pure: imports nothing from the database layer.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from outbox.model import FailureClass, Status
+
+
+@dataclass(frozen=True, slots=True)
+class Backoff:
+    """Capped exponential backoff with full jitter (the AWS architecture blog's "full jitter"):
+    spreading retries uniformly keeps many operations that failed together from retrying
+    together."""
+
+    base: timedelta
+    cap: timedelta
+
+    def delay(self, attempt: int, rng: random.Random | None = None) -> timedelta:
+        """A random delay in [0, min(cap, base * 2**(attempt-1))]."""
+        exponent = min(max(attempt - 1, 0), 62)  # beyond this the cap always wins
+        ceiling = min(self.cap.total_seconds(), self.base.total_seconds() * 2.0**exponent)
+        return timedelta(seconds=(rng or random).uniform(0.0, ceiling))
+
+
+@dataclass(frozen=True, slots=True)
+class KeyWindow:
+    """The span in which a retry with the stored key is safe: the provider still remembers it.
+
+    It closes ``margin`` before the provider forgets the key, counted from the first attempt
+    that may have reached the provider. Before any such attempt there is no window to close.
+    """
+
+    retention: timedelta
+    margin: timedelta
+
+    def closes_at(self, first_sent_at: datetime | None) -> datetime | None:
+        return None if first_sent_at is None else first_sent_at + self.retention - self.margin
+
+    def has_passed(self, first_sent_at: datetime | None, now: datetime) -> bool:
+        closes = self.closes_at(first_sent_at)
+        return closes is not None and now >= closes
+
+
+@dataclass(frozen=True, slots=True)
+class Next:
+    """Where a failed attempt sends its operation."""
+
+    status: Status
+    reason: str | None = None
+    retry_in: timedelta | None = None  # for PENDING: delay before the next attempt
+
+
+# Reasons are stable words: operators filter on them and metrics label by them.
+REASON_PERMANENT = "permanent_failure"
+REASON_EXHAUSTED = "attempts_exhausted"
+REASON_KEY_WINDOW = "key_window_passed"
+
+
+def after_failure(
+    failure: FailureClass,
+    *,
+    attempt: int,
+    max_attempts: int,
+    first_sent_at: datetime | None,
+    now: datetime,
+    window: KeyWindow,
+    backoff: Backoff,
+    retry_after: timedelta | None = None,
+    rng: random.Random | None = None,
+) -> Next:
+    """Decide the next status after a failed attempt.
+
+    ``first_sent_at`` must already include this attempt if it may have reached the provider.
+    """
+    if failure is FailureClass.PERMANENT:
+        return Next(Status.QUARANTINED, REASON_PERMANENT)
+    if attempt >= max_attempts:
+        return Next(Status.QUARANTINED, REASON_EXHAUSTED)
+    delay = backoff.delay(attempt, rng)
+    if retry_after is not None:
+        delay = max(delay, retry_after)
+    closes = window.closes_at(first_sent_at)
+    if closes is None:
+        return Next(Status.PENDING, retry_in=delay)
+    if now >= closes:
+        return Next(Status.RECONCILING, REASON_KEY_WINDOW)
+    # Never schedule an automatic retry past the window's end. Halfway to it leaves the retry
+    # time to be claimed and sent while the provider still remembers the key.
+    return Next(Status.PENDING, retry_in=min(delay, (closes - now) / 2))

@@ -1,0 +1,97 @@
+"""The provider interface: what the dispatcher asks of Stripe, a webhook, or a third-party plug-in.
+
+Results are named for what they lead to, not for where they came from: ``Succeeded``,
+``Transient`` (the provider did not act: retry), ``Permanent`` (another attempt will not help:
+quarantine), ``Unknown`` (the provider may have acted: retry only within the key window).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Protocol, runtime_checkable
+
+from outbox.model import FailureClass
+
+
+@dataclass(frozen=True, slots=True)
+class SendRequest:
+    """One attempt to deliver one operation."""
+
+    operation_id: int
+    tenant_id: str
+    operation_type: str
+    operation_key: str
+    action: str
+    payload: Mapping[str, Any]
+    idempotency_key: str
+    correlation_id: str | None
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class Succeeded:
+    """The provider accepted the request; ``reference`` identifies the effect there."""
+
+    reference: str
+    result: Mapping[str, Any] | None = None
+    http_status: int | None = None
+    request_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """The provider did not confirm the effect. ``failure`` says what that leads to."""
+
+    failure: FailureClass
+    error_class: str  # short and stable, e.g. "http_503", "timeout", "connect_refused"
+    message: str  # for operators; never the payload or a secret
+    http_status: int | None = None
+    request_id: str | None = None
+    retry_after: timedelta | None = None  # the provider's own hint, honoured by the backoff
+
+    @property
+    def may_have_reached_provider(self) -> bool:
+        # A transient failure means the provider did not act, so its key window has not begun.
+        return self.failure is not FailureClass.TRANSIENT
+
+
+def transient(error_class: str, message: str, **details: Any) -> Failed:
+    return Failed(FailureClass.TRANSIENT, error_class, message, **details)
+
+
+def permanent(error_class: str, message: str, **details: Any) -> Failed:
+    return Failed(FailureClass.PERMANENT, error_class, message, **details)
+
+
+def unknown(error_class: str, message: str, **details: Any) -> Failed:
+    return Failed(FailureClass.UNKNOWN, error_class, message, **details)
+
+
+SendResult = Succeeded | Failed
+
+
+class InvalidRequest(Exception):
+    """Raised by ``Provider.check`` for an operation this provider can never send."""
+
+
+@runtime_checkable
+class Provider(Protocol):
+    """A configured external system. ``send`` must not raise: every outcome is a result."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def key_retention(self) -> timedelta:
+        """How long the provider remembers an idempotency key."""
+        ...
+
+    def check(self, action: str, payload: Mapping[str, Any]) -> None:
+        """Raise InvalidRequest if this operation cannot be sent, before anything is sent."""
+        ...
+
+    async def send(self, request: SendRequest) -> SendResult: ...
+
+    async def aclose(self) -> None: ...

@@ -1,0 +1,90 @@
+"""Builds the configured providers: the built-in types, and plug-ins from the entry point group
+``outbox.providers`` (a callable taking ProviderSettings and returning a Provider)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from importlib.metadata import entry_points
+from typing import Any, Final
+
+from outbox.config import ConfigError, ProviderSettings, read_secret
+from outbox.providers.base import Provider
+from outbox.providers.noop import NoopProvider
+from outbox.providers.webhook import DEFAULT_REFERENCE_FIELD, WebhookOptions, WebhookProvider
+
+ENTRY_POINT_GROUP: Final = "outbox.providers"
+Factory = Callable[[ProviderSettings], Provider]
+
+_WEBHOOK_KEYS: Final = ("url", "headers", "secret_headers", "reference_field")
+
+
+def build_providers(
+    settings: Mapping[str, ProviderSettings], environ: Mapping[str, str] | None = None
+) -> dict[str, Provider]:
+    """One provider per configured name; ConfigError names the key of any problem."""
+    return {name: _build(ps, environ) for name, ps in settings.items()}
+
+
+def _build(ps: ProviderSettings, environ: Mapping[str, str] | None) -> Provider:
+    if ps.type == "webhook":
+        return WebhookProvider(ps.name, webhook_options(ps, environ))
+    if ps.type == "noop":
+        _reject_unknown(ps, ())
+        return NoopProvider(ps.name, ps.key_retention)
+    if ps.type == "stripe":
+        raise ConfigError(f"providers.{ps.name}.type: the stripe provider is not available yet")
+    return _plugin(ps.type, ps.name)(ps)
+
+
+def webhook_options(
+    ps: ProviderSettings, environ: Mapping[str, str] | None = None
+) -> WebhookOptions:
+    """The webhook settings of ``ps``, checked, with secret headers read from their source."""
+    _reject_unknown(ps, _WEBHOOK_KEYS)
+    where = f"providers.{ps.name}"
+    url = ps.options.get("url")
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise ConfigError(f"{where}.url must be an http:// or https:// URL")
+    secrets = _string_map(
+        ps.options.get("secret_headers", {}), f"{where}.secret_headers", allow_tables=True
+    )
+    return WebhookOptions(
+        url=url,
+        timeout=ps.timeout,
+        key_retention=ps.key_retention,
+        headers=_string_map(ps.options.get("headers", {}), f"{where}.headers"),
+        secret_headers={
+            name: read_secret(spec, key=f"{where}.secret_headers.{name}", environ=environ)
+            for name, spec in secrets.items()
+        },
+        reference_field=str(ps.options.get("reference_field", DEFAULT_REFERENCE_FIELD)),
+    )
+
+
+def _string_map(value: object, where: str, *, allow_tables: bool = False) -> dict[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where} must be a table")
+    for key, item in value.items():
+        if not (isinstance(item, str) or (allow_tables and isinstance(item, Mapping))):
+            raise ConfigError(f"{where}.{key} must be a string")
+    return dict(value)
+
+
+def _reject_unknown(ps: ProviderSettings, valid: tuple[str, ...]) -> None:
+    for key in ps.options:
+        if key not in valid:
+            allowed = ", ".join(("type", "key_retention", "timeout", *valid))
+            raise ConfigError(
+                f"providers.{ps.name}.{key} is not a {ps.type} provider setting; valid: {allowed}"
+            )
+
+
+def _plugin(type_name: str, provider_name: str) -> Factory:
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name == type_name:
+            factory: Factory = ep.load()
+            return factory
+    raise ConfigError(
+        f"providers.{provider_name}.type: unknown provider type {type_name!r}; built in: "
+        f"webhook, stripe, noop; plug-ins register in the entry point group {ENTRY_POINT_GROUP}"
+    )

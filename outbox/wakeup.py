@@ -1,0 +1,66 @@
+"""LISTEN for enqueue notifications on a dedicated connection, and wake the dispatcher.
+
+Polling is the fallback: while this connection is down, the dispatcher still claims every
+``poll_interval``. A dead connection is noticed by a probe after each quiet spell (and by TCP
+keepalives) and re-established with backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Final
+
+import psycopg
+import structlog
+
+from outbox import metrics
+from outbox.db import statements
+from outbox.db.connect import connection_options
+
+# How long the connection may stay quiet before a probe checks that it still works.
+PROBE_INTERVAL: Final = 5.0
+RECONNECT_MIN: Final = 0.2
+RECONNECT_MAX: Final = 10.0
+
+log = structlog.get_logger("outbox.wakeup")
+
+
+async def listen_forever(
+    dsn: str, wake: Callable[[], None], *, probe_interval: float = PROBE_INTERVAL
+) -> None:
+    """Call ``wake`` on every notification, until cancelled; survives lost connections."""
+    delay = RECONNECT_MIN
+
+    def connected() -> None:
+        nonlocal delay
+        delay = RECONNECT_MIN
+
+    while True:
+        try:
+            await _listen(dsn, wake, probe_interval, connected)
+        except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+            metrics.DB_ERRORS.labels("listen").inc()
+            log.warning(
+                "LISTEN connection lost; reconnecting",
+                error_class=type(exc).__name__,
+                retry_in_s=round(delay, 2),
+            )
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, RECONNECT_MAX)
+
+
+async def _listen(
+    dsn: str, wake: Callable[[], None], probe_interval: float, connected: Callable[[], None]
+) -> None:
+    options = connection_options(dsn, "outbox-listen")
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True, **options) as conn:
+        await conn.execute(statements.LISTEN)
+        connected()
+        log.info("listening for enqueue notifications", channel=statements.ENQUEUE_CHANNEL)
+        # Anything committed while we were not listening sent its NOTIFY to nobody.
+        wake()
+        while True:
+            async for _ in conn.notifies(timeout=probe_interval):
+                wake()
+            await conn.execute(statements.PROBE)

@@ -1,0 +1,329 @@
+"""The dispatcher in the test's event loop against a real HTTP receiver on loopback.
+
+Each test counts rows and the receiver's effects afterwards. Time moves in the data: retries are
+made due, and first_sent_at and leases back-dated, instead of sleeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg_pool import AsyncConnectionPool
+
+from outbox import metrics
+from outbox.db.store import Store
+from outbox.providers.base import Provider
+from tests.support.dispatch import (
+    dispatcher,
+    enqueue_many,
+    key_of,
+    make_due,
+    rows,
+    statuses,
+    webhook,
+)
+from tests.support.fake_webhook import FakeWebhookReceiver, Fault
+
+
+@pytest.fixture
+async def pool(db_url: str) -> AsyncIterator[AsyncConnectionPool[Any]]:
+    async with AsyncConnectionPool(db_url, min_size=1, max_size=6,
+                                   kwargs={"autocommit": True}) as p:  # fmt: skip
+        yield p
+
+
+@pytest.fixture
+def receiver() -> Iterator[FakeWebhookReceiver]:
+    with FakeWebhookReceiver() as r:
+        yield r
+
+
+@pytest.fixture
+async def hook(receiver: FakeWebhookReceiver) -> AsyncIterator[Provider]:
+    provider = webhook("hook", receiver.url, timeout=2.0)
+    yield provider
+    await provider.aclose()
+
+
+def attempts_of(url: str, operation_id: int) -> list[tuple[Any, ...]]:
+    return rows(url, "SELECT attempt, outcome, sent, error_class, http_status FROM outbox.attempts "
+                     "WHERE operation_id = %s ORDER BY attempt", (operation_id,))  # fmt: skip
+
+
+async def test_each_operation_makes_one_effect_and_keeps_its_reference(
+    db_url: str, pool: AsyncConnectionPool[Any], receiver: FakeWebhookReceiver, hook: Provider
+) -> None:
+    ids = enqueue_many(db_url, 25)
+    d = dispatcher(pool, {"hook": hook})
+    assert await d.run_once() == 25
+    assert statuses(db_url) == {"succeeded": 25}
+    assert receiver.effect_count() == 25
+    refs = dict(rows(db_url, "SELECT idempotency_key, provider_ref FROM outbox.operations"))
+    for effect in receiver.effects:
+        assert refs[effect.key] == effect.effect_id
+        assert effect.headers["outbox-operation-id"] in {str(i) for i in ids}
+
+
+async def test_transient_failures_retry_with_bounded_jittered_delays_then_succeed(
+    db_url: str, pool: AsyncConnectionPool[Any], receiver: FakeWebhookReceiver, hook: Provider
+) -> None:
+    (op,) = enqueue_many(db_url, 1)
+    key = key_of(db_url, op)
+    receiver.inject(Fault.status(429, retry_after=3), key=key)
+    receiver.inject(Fault.status(409), key=key)
+    receiver.inject(Fault.status(503), key=key)
+    d = dispatcher(
+        pool, {"hook": hook}, backoff_base=timedelta(seconds=10), backoff_max=timedelta(minutes=5)
+    )
+    delays = []
+    for _ in range(3):
+        assert await d.run_once() == 1
+        ((delay, first_sent),) = rows(db_url, "SELECT extract(epoch FROM available_at - now()), "
+                                              "first_sent_at FROM outbox.operations")  # fmt: skip
+        delays.append(float(delay))
+        assert first_sent is None  # nothing reached the provider: no key window yet
+        make_due(db_url)
+    assert await d.run_once() == 1
+    # Attempt n waits at most base * 2**(n-1); a Retry-After of 3 s is honoured as a minimum.
+    assert 2.5 <= delays[0] <= 10.5
+    assert -0.5 <= delays[1] <= 20.5
+    assert -0.5 <= delays[2] <= 40.5
+    assert attempts_of(db_url, op) == [
+        (1, "transient", False, "http_429", 429),
+        (2, "transient", False, "http_409", 409),
+        (3, "transient", False, "http_503", 503),
+        (4, "succeeded", True, None, 201),
+    ]
+    assert statuses(db_url) == {"succeeded": 1}
+    assert receiver.effect_count(key) == 1
+
+
+async def test_an_operation_that_never_succeeds_is_quarantined_with_every_attempt(
+    db_url: str, pool: AsyncConnectionPool[Any], receiver: FakeWebhookReceiver, hook: Provider
+) -> None:
+    (op,) = enqueue_many(db_url, 1)
+    receiver.inject(Fault.status(503), times=100)
+    d = dispatcher(pool, {"hook": hook}, max_attempts=4)
+    for _ in range(4):
+        assert await d.run_once() == 1
+        make_due(db_url)
+    assert await d.run_once() == 0
+    ((status, reason, attempts),) = rows(db_url, "SELECT status, status_reason, attempts "
+                                                 "FROM outbox.operations")  # fmt: skip
+    assert (status, reason, attempts) == ("quarantined", "attempts_exhausted", 4)
+    assert [a[1] for a in attempts_of(db_url, op)] == ["transient"] * 4
+    assert len(receiver.received) == 4
+    assert receiver.effect_count() == 0
+
+
+@pytest.mark.parametrize("code", [400, 404, 422])
+async def test_a_permanent_answer_quarantines_after_one_attempt(
+    db_url: str,
+    pool: AsyncConnectionPool[Any],
+    receiver: FakeWebhookReceiver,
+    hook: Provider,
+    code: int,
+) -> None:
+    (op,) = enqueue_many(db_url, 1)
+    receiver.inject(Fault.status(code), times=10)
+    d = dispatcher(pool, {"hook": hook})
+    assert await d.run_once() == 1
+    make_due(db_url)
+    assert await d.run_once() == 0
+    assert rows(
+        db_url, "SELECT status, status_reason, last_error_class FROM outbox.operations"
+    ) == [("quarantined", "permanent_failure", "permanent")]
+    assert attempts_of(db_url, op) == [(1, "permanent", True, f"http_{code}", code)]
+    assert len(receiver.received) == 1
+
+
+async def test_a_timeout_after_the_provider_acted_is_retried_with_the_same_key_once(
+    db_url: str, pool: AsyncConnectionPool[Any], receiver: FakeWebhookReceiver
+) -> None:
+    (op,) = enqueue_many(db_url, 1)
+    key = key_of(db_url, op)
+    receiver.inject(Fault.delay_after_apply(1.5), key=key)
+    slow = webhook("hook", receiver.url, timeout=0.3)
+    try:
+        d = dispatcher(pool, {"hook": slow})
+        assert await d.run_once() == 1
+        ((status, first_sent),) = rows(
+            db_url, "SELECT status, first_sent_at FROM outbox.operations"
+        )
+        assert status == "pending"
+        assert first_sent is not None  # it may have reached the provider: the window has begun
+        receiver.wait_idle(timeout=5)
+        make_due(db_url)
+        assert await d.run_once() == 1
+    finally:
+        await slow.aclose()
+    (effect,) = receiver.effects_for(key)
+    assert rows(db_url, "SELECT status, provider_ref, attempts FROM outbox.operations") == [
+        ("succeeded", effect.effect_id, 2)
+    ]
+    assert [a[1] for a in attempts_of(db_url, op)] == ["unknown", "succeeded"]
+    assert [r.replayed for r in receiver.received] == [False, True]
+
+
+async def test_refused_connections_are_transient_and_start_no_key_window(
+    db_url: str, pool: AsyncConnectionPool[Any], receiver: FakeWebhookReceiver, hook: Provider
+) -> None:
+    (op,) = enqueue_many(db_url, 1)
+    receiver.refuse_connections()
+    d = dispatcher(pool, {"hook": hook})
+    assert await d.run_once() == 1
+    assert rows(db_url, "SELECT status, first_sent_at FROM outbox.operations") == [
+        ("pending", None)
+    ]
+    receiver.accept_connections()
+    make_due(db_url)
+    assert await d.run_once() == 1
+    assert [a[1:4] for a in attempts_of(db_url, op)] == [
+        ("transient", False, "connect_failed"),
+        ("succeeded", True, None),
+    ]
+    assert receiver.effect_count() == 1
+
+
+@pytest.mark.parametrize(
+    ("back_by", "expected_status", "requests"),
+    [
+        # retention 24 h, margin 1 h: the window closes 23 h after the first send.
+        (timedelta(hours=22, minutes=59), "succeeded", 1),
+        (timedelta(hours=23, minutes=1), "reconciling", 0),
+    ],
+    ids=["just-inside", "just-past"],
+)
+async def test_the_key_window_decides_between_resending_and_reconciling(
+    db_url: str,
+    pool: AsyncConnectionPool[Any],
+    receiver: FakeWebhookReceiver,
+    hook: Provider,
+    back_by: timedelta,
+    expected_status: str,
+    requests: int,
+) -> None:
+    (op,) = enqueue_many(db_url, 1)
+    with psycopg.connect(db_url) as conn:
+        # An earlier attempt whose outcome is unknown, back-dated.
+        conn.execute("UPDATE outbox.operations SET attempts = 1, first_sent_at = now() - %s, "
+                     "last_error_class = 'unknown' WHERE id = %s", (back_by, op))  # fmt: skip
+    before = metrics.RECONCILIATION_ROUTED.labels("hook", "key_window_passed")._value.get()
+    d = dispatcher(pool, {"hook": hook})
+    assert await d.run_once() == 1
+    assert rows(db_url, "SELECT status FROM outbox.operations") == [(expected_status,)]
+    assert len(receiver.received) == requests
+    if expected_status == "reconciling":
+        assert rows(db_url, "SELECT status_reason, attempts FROM outbox.operations") == [
+            ("key_window_passed", 1)
+        ]  # routing is not an attempt
+        after = metrics.RECONCILIATION_ROUTED.labels("hook", "key_window_passed")._value.get()
+        assert after == before + 1
+
+
+async def test_an_operation_that_never_reached_the_provider_is_sent_at_any_age(
+    db_url: str, pool: AsyncConnectionPool[Any], receiver: FakeWebhookReceiver, hook: Provider
+) -> None:
+    enqueue_many(db_url, 1)
+    with psycopg.connect(db_url) as conn:
+        conn.execute("UPDATE outbox.operations SET created_at = now() - interval '30 days', "
+                     "attempts = 3, last_error_class = 'transient'")  # fmt: skip
+    assert await dispatcher(pool, {"hook": hook}).run_once() == 1
+    assert statuses(db_url) == {"succeeded": 1}
+    assert receiver.effect_count() == 1
+
+
+async def test_poison_rows_are_quarantined_and_the_rest_of_the_batch_goes_on(
+    db_url: str, pool: AsyncConnectionPool[Any], receiver: FakeWebhookReceiver, hook: Provider
+) -> None:
+    good = enqueue_many(db_url, 6)
+    (unknown_provider,) = enqueue_many(db_url, 1, provider="nobody", prefix="poison-a")
+    (not_an_object,) = enqueue_many(db_url, 1, prefix="poison-b")
+    with psycopg.connect(db_url) as conn:
+        conn.execute("UPDATE outbox.operations SET payload = '[1, 2]' WHERE id = %s",
+                     (not_an_object,))  # fmt: skip
+    d = dispatcher(pool, {"hook": hook})
+    assert await d.run_once() == 8
+    quarantined = rows(db_url, "SELECT id, status_reason, last_error FROM outbox.operations "
+                               "WHERE status = 'quarantined' ORDER BY id")  # fmt: skip
+    assert quarantined == [
+        (unknown_provider, "permanent_failure", "no provider named 'nobody' is configured"),
+        (not_an_object, "permanent_failure", "the payload is a JSON list, not an object"),
+    ]
+    assert statuses(db_url) == {"succeeded": 6, "quarantined": 2}
+    assert receiver.effect_count() == len(good)
+    # The poison rows' history says they were never sent.
+    assert rows(db_url, "SELECT DISTINCT outcome, sent FROM outbox.attempts "
+                        "WHERE operation_id IN (%s, %s)", (unknown_provider, not_an_object)) == [
+        ("permanent", False)]  # fmt: skip
+
+
+async def test_a_dead_workers_lease_is_rescued_as_unknown_and_sent_once(
+    db_url: str, pool: AsyncConnectionPool[Any], receiver: FakeWebhookReceiver, hook: Provider
+) -> None:
+    (op,) = enqueue_many(db_url, 1)
+    # A worker claims and dies: its lease is never renewed.
+    (claimed,) = await Store(pool).claim("dead-worker", 1, timedelta(seconds=30))
+    d = dispatcher(pool, {"hook": hook})
+    assert await d.rescue_once() == 0  # the lease is still live
+    with psycopg.connect(db_url) as conn:
+        conn.execute("UPDATE outbox.operations SET lease_expires_at = now() - interval '1 second'")
+    assert await d.rescue_once() == 1
+    ((status, first_sent, last_attempt),) = rows(
+        db_url, "SELECT status, first_sent_at, last_attempt_at FROM outbox.operations"
+    )
+    assert status == "pending"
+    assert first_sent == last_attempt  # the dead worker may have sent: the window starts there
+    assert await d.run_once() == 1
+    assert rows(db_url, "SELECT attempt, outcome, worker, error_class FROM outbox.attempts "
+                        "ORDER BY attempt") == [
+        (1, "unknown", "dead-worker", "lease_expired"),
+        (2, "succeeded", "test-worker", None),
+    ]  # fmt: skip
+    assert receiver.effect_count() == 1
+    # The dead worker's late record changes nothing.
+    from outbox.db.store import Record  # noqa: PLC0415
+    from outbox.model import Status  # noqa: PLC0415
+
+    late = Record(
+        id=op,
+        lease_token=claimed.lease_token,
+        attempt=1,
+        worker="dead-worker",
+        status=Status.SUCCEEDED,
+        outcome="succeeded",
+        sent=True,
+        provider_ref="stale",
+    )
+    assert await Store(pool).record(late) is False
+    assert rows(db_url, "SELECT provider_ref FROM outbox.operations") != [("stale",)]
+
+
+async def test_a_slow_live_call_keeps_its_lease_by_heartbeat(
+    db_url: str, pool: AsyncConnectionPool[Any], receiver: FakeWebhookReceiver
+) -> None:
+    (op,) = enqueue_many(db_url, 1)
+    key = key_of(db_url, op)
+    patient = webhook("hook", receiver.url, timeout=30.0)
+    d = dispatcher(pool, {"hook": patient}, lease=timedelta(seconds=1),
+                   heartbeat=timedelta(milliseconds=200))  # fmt: skip
+    other = dispatcher(pool, {"hook": patient}, worker="other")
+    try:
+        with receiver.hold(key) as held:
+            run = asyncio.create_task(d.run_once())
+            assert await asyncio.to_thread(held.arrived.wait, 10)
+            for _ in range(6):  # three leases long
+                await d.heartbeat_once()
+                assert await other.rescue_once() == 0
+                await asyncio.sleep(0.5)
+            held.release()
+            await run
+    finally:
+        await patient.aclose()
+    assert rows(db_url, "SELECT status, attempts FROM outbox.operations") == [("succeeded", 1)]
+    assert receiver.effect_count(key) == 1

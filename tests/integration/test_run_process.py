@@ -1,0 +1,273 @@
+"""The real `outbox run` in subprocesses, with real faults: SIGKILL, SIGSTOP, SIGTERM, and
+database backends terminated under it. Every test counts rows and the receiver's effects."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from tests.support.daemon import OutboxProcess, outbox_processes, wait_until, write_config
+from tests.support.dispatch import enqueue_many, key_of, rows, statuses
+from tests.support.fake_webhook import FakeWebhookReceiver, Fault
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def receiver() -> Iterator[FakeWebhookReceiver]:
+    with FakeWebhookReceiver() as r:
+        yield r
+
+
+def config(tmp_path: Path, receiver: FakeWebhookReceiver, **dispatcher: Any) -> Path:
+    settings: dict[str, Any] = {
+        "lease": "2s",
+        "poll_interval": "200ms",
+        "backoff_base": "50ms",
+        "backoff_max": "200ms",
+        "shutdown_grace": "10s",
+    }
+    settings.update(dispatcher)
+    return write_config(
+        tmp_path / "outbox.toml",
+        providers={"hook": {"type": "webhook", "url": receiver.url, "timeout": "5s"}},
+        **settings,
+    )
+
+
+def count_status(url: str, status: str) -> int:
+    return statuses(url).get(status, 0)
+
+
+def test_four_processes_dispatch_20000_operations_exactly_once(
+    db_url: str, receiver: FakeWebhookReceiver, tmp_path: Path
+) -> None:
+    enqueue_many(db_url, 20_000)
+    cfg = config(tmp_path, receiver, lease="30s", batch_size=100, concurrency=64)
+    started = time.monotonic()
+    with outbox_processes(4, db_url, cfg, tmp_path) as procs:
+        wait_until(lambda: count_status(db_url, "succeeded") == 20_000, timeout=240,
+                   what="20,000 operations to succeed")  # fmt: skip
+        elapsed = time.monotonic() - started
+        for p in procs:
+            p.signal(signal.SIGTERM)
+        assert [p.wait() for p in procs] == [0, 0, 0, 0]
+    print(f"\n4 x outbox run: 20,000 operations in {elapsed:.1f}s = {20_000 / elapsed:.0f}/s")  # noqa: T201 (the figure the closing note quotes)
+    assert statuses(db_url) == {"succeeded": 20_000}
+    assert receiver.effect_count() == 20_000
+    assert len({e.key for e in receiver.effects}) == 20_000
+    # One attempt each: no row was ever leased twice.
+    assert rows(db_url, "SELECT count(*), max(attempt), count(DISTINCT worker) "
+                        "FROM outbox.attempts") == [(20_000, 1, 4)]  # fmt: skip
+    assert rows(
+        db_url,
+        "SELECT count(*) FROM outbox.operations o JOIN outbox.attempts a "
+        "ON a.operation_id = o.id WHERE o.provider_ref IS NULL",
+    ) == [(0,)]
+
+
+def test_sigkill_after_the_provider_acted_resends_with_the_same_key_once(
+    db_url: str, receiver: FakeWebhookReceiver, tmp_path: Path
+) -> None:
+    (op,) = enqueue_many(db_url, 1)
+    key = key_of(db_url, op)
+    cfg = config(tmp_path, receiver)
+    with receiver.hold(key) as held:
+        first = OutboxProcess(db_url, cfg, tmp_path / "first.log")
+        try:
+            assert held.arrived.wait(30), first.log_text()
+            first.signal(signal.SIGKILL)
+            first.wait()
+        finally:
+            first.stop()
+        held.release()
+    (effect,) = receiver.effects_for(key)
+    with outbox_processes(1, db_url, cfg, tmp_path):
+        wait_until(lambda: count_status(db_url, "succeeded") == 1, timeout=30,
+                   what="the rescued operation to succeed")  # fmt: skip
+    assert receiver.effect_count(key) == 1
+    assert rows(db_url, "SELECT provider_ref, attempts FROM outbox.operations") == [
+        (effect.effect_id, 2)
+    ]
+    assert rows(db_url, "SELECT outcome, error_class FROM outbox.attempts ORDER BY attempt") == [
+        ("unknown", "lease_expired"),
+        ("succeeded", None),
+    ]
+    assert [r.replayed for r in receiver.received if r.key == key][-1] is True
+
+
+def test_sigkill_after_the_claim_and_before_the_send_is_rescued_and_sent_once(
+    db_url: str, receiver: FakeWebhookReceiver, tmp_path: Path
+) -> None:
+    enqueue_many(db_url, 3)
+    cfg = config(tmp_path, receiver)
+    paused = OutboxProcess(db_url, cfg, tmp_path / "paused.log",
+                           env={"OUTBOX_FAILPOINTS": "after_claim=60"})  # fmt: skip
+    try:
+        wait_until(lambda: count_status(db_url, "in_flight") == 3, timeout=30,
+                   what="the claim to commit")  # fmt: skip
+        paused.signal(signal.SIGKILL)
+        paused.wait()
+    finally:
+        paused.stop()
+    assert len(receiver.received) == 0
+    with outbox_processes(1, db_url, cfg, tmp_path):
+        wait_until(lambda: count_status(db_url, "succeeded") == 3, timeout=30,
+                   what="the rescued operations to succeed")  # fmt: skip
+    assert receiver.effect_count() == 3
+    assert len(receiver.received) == 3
+    assert rows(db_url, "SELECT DISTINCT attempts FROM outbox.operations") == [(2,)]
+
+
+def test_a_zombie_wakes_after_another_worker_finished_its_row_and_changes_nothing(
+    db_url: str, receiver: FakeWebhookReceiver, tmp_path: Path
+) -> None:
+    (op,) = enqueue_many(db_url, 1)
+    key = key_of(db_url, op)
+    cfg = config(tmp_path, receiver)
+    with receiver.hold(key) as held:
+        zombie = OutboxProcess(db_url, cfg, tmp_path / "zombie.log")
+        try:
+            assert held.arrived.wait(30)
+            zombie.signal(signal.SIGSTOP)  # mid-call, past its lease
+            held.release()  # the receiver answers a socket nobody reads
+            with outbox_processes(1, db_url, cfg, tmp_path):
+                wait_until(lambda: count_status(db_url, "succeeded") == 1, timeout=30,
+                           what="another worker to finish the row")  # fmt: skip
+            ((ref, attempts),) = rows(
+                db_url, "SELECT provider_ref, attempts FROM outbox.operations"
+            )
+            zombie.signal(signal.SIGCONT)
+            wait_until(lambda: "found the lease taken" in zombie.log_text(), timeout=30,
+                       what="the zombie to try its record")  # fmt: skip
+            zombie.signal(signal.SIGTERM)
+            assert zombie.wait() == 0
+        finally:
+            zombie.stop()
+    assert rows(db_url, "SELECT status, provider_ref, attempts FROM outbox.operations") == [
+        ("succeeded", ref, attempts)
+    ]
+    assert receiver.effect_count(key) == 1
+    assert rows(db_url, "SELECT count(*) FROM outbox.attempts WHERE outcome = 'succeeded'") == [
+        (1,)
+    ]
+
+
+def test_sigterm_releases_unsent_claims_without_counting_an_attempt(
+    db_url: str, receiver: FakeWebhookReceiver, tmp_path: Path
+) -> None:
+    enqueue_many(db_url, 5)
+    proc = OutboxProcess(db_url, config(tmp_path, receiver), tmp_path / "run.log",
+                         env={"OUTBOX_FAILPOINTS": "after_claim=2"})  # fmt: skip
+    try:
+        wait_until(lambda: count_status(db_url, "in_flight") == 5, timeout=30,
+                   what="the claim")  # fmt: skip
+        proc.signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.stop()
+    assert rows(db_url, "SELECT status, attempts, lease_token FROM outbox.operations "
+                        "GROUP BY 1, 2, 3") == [("pending", 0, None)]  # fmt: skip
+    assert rows(db_url, "SELECT count(*) FROM outbox.attempts") == [(0,)]
+    assert len(receiver.received) == 0
+
+
+def test_sigterm_lets_in_flight_calls_finish_and_records_them(
+    db_url: str, receiver: FakeWebhookReceiver, tmp_path: Path
+) -> None:
+    enqueue_many(db_url, 3)
+    receiver.inject(Fault.delay_after_apply(1.0), times=3)
+    proc = OutboxProcess(db_url, config(tmp_path, receiver), tmp_path / "run.log")
+    try:
+        wait_until(lambda: len(receiver.received) == 3, timeout=30, what="three calls")
+        proc.signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.stop()
+    assert statuses(db_url) == {"succeeded": 3}
+    assert receiver.effect_count() == 3
+
+
+def test_calls_cut_off_at_the_grace_deadline_are_unknown_never_succeeded(
+    db_url: str, receiver: FakeWebhookReceiver, tmp_path: Path
+) -> None:
+    enqueue_many(db_url, 2)
+    receiver.inject(Fault.delay_after_apply(4.0), times=2)
+    proc = OutboxProcess(db_url, config(tmp_path, receiver, shutdown_grace="500ms"),
+                         tmp_path / "run.log")  # fmt: skip
+    try:
+        wait_until(lambda: len(receiver.received) == 2, timeout=30, what="two calls")
+        proc.signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.stop()
+    assert rows(db_url, "SELECT status, last_error_class, first_sent_at IS NOT NULL "
+                        "FROM outbox.operations GROUP BY 1, 2, 3") == [
+        ("pending", "unknown", True)]  # fmt: skip
+    assert rows(db_url, "SELECT outcome, error_class FROM outbox.attempts GROUP BY 1, 2") == [
+        ("unknown", "shutdown")
+    ]
+
+
+def test_terminated_backends_do_not_lose_or_duplicate_anything(
+    db_url: str, receiver: FakeWebhookReceiver, tmp_path: Path
+) -> None:
+    enqueue_many(db_url, 2_000)
+    cfg = config(tmp_path, receiver, concurrency=32, batch_size=50)
+    with (
+        outbox_processes(2, db_url, cfg, tmp_path) as procs,
+        psycopg.connect(db_url, autocommit=True) as admin,
+    ):
+        for _ in range(5):
+            time.sleep(0.4)
+            # Every connection of the dispatchers to this database dies at once.
+            admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
+        wait_until(lambda: count_status(db_url, "succeeded") == 2_000, timeout=120,
+                   what="every operation to succeed")  # fmt: skip
+        for p in procs:
+            p.signal(signal.SIGTERM)
+        assert [p.wait() for p in procs] == [0, 0]
+    assert receiver.effect_count() == 2_000
+    assert len({e.key for e in receiver.effects}) == 2_000
+    assert rows(db_url, "SELECT count(*) FROM outbox.operations WHERE provider_ref IS NULL") == [
+        (0,)
+    ]
+
+
+def test_notify_wakes_an_idle_dispatcher_and_listen_survives_its_backend_dying(
+    db_url: str, receiver: FakeWebhookReceiver, tmp_path: Path
+) -> None:
+    # Polling every 30 s: only a NOTIFY can deliver within the waits below.
+    cfg = config(tmp_path, receiver, poll_interval="30s")
+    with (
+        outbox_processes(1, db_url, cfg, tmp_path),
+        psycopg.connect(db_url, autocommit=True) as admin,
+    ):
+
+        def listening() -> bool:
+            found = admin.execute("SELECT count(*) FROM pg_stat_activity WHERE "
+                                  "application_name = 'outbox-listen' AND datname = "
+                                  "current_database()").fetchone()  # fmt: skip
+            return found is not None and found[0] == 1
+
+        wait_until(listening, timeout=30, what="LISTEN")
+        time.sleep(0.5)  # the first poll happened; the next is 30 s away
+        enqueue_many(db_url, 1, prefix="first")
+        wait_until(lambda: receiver.effect_count() == 1, timeout=10, what="a NOTIFY wake-up")
+
+        admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE application_name = 'outbox-listen'"
+        )
+        wait_until(listening, timeout=30, what="LISTEN to come back")
+        enqueue_many(db_url, 1, prefix="second")
+        wait_until(lambda: receiver.effect_count() == 2, timeout=10, what="a wake-up after it")

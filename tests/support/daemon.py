@@ -1,0 +1,96 @@
+"""Run the real `outbox run` in a subprocess, configured by a TOML file the test writes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any
+
+
+def write_config(path: Path, *, providers: dict[str, dict[str, Any]],
+                 **dispatcher: Any) -> Path:  # fmt: skip
+    """A TOML config with a [dispatcher] table and one table per provider."""
+    lines = ["[dispatcher]"]
+    lines += [f"{key} = {_toml(value)}" for key, value in dispatcher.items()]
+    for name, table in providers.items():
+        lines.append(f"\n[providers.{name}]")
+        lines += [f"{key} = {_toml(value)}" for key, value in table.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return str(value)
+    if isinstance(value, dict):
+        return "{" + ", ".join(f'"{k}" = {_toml(v)}' for k, v in value.items()) + "}"
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+class OutboxProcess:
+    """One `outbox run` subprocess; its log goes to a file the test can read."""
+
+    def __init__(self, db_url: str, config: Path, log_path: Path,
+                 env: dict[str, str] | None = None) -> None:  # fmt: skip
+        self.log_path = log_path
+        self._log: IO[bytes] = log_path.open("ab")
+        full_env = {**os.environ, "OUTBOX_DATABASE_URL": db_url, **(env or {})}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "outbox", "run", "--config", str(config),
+             "--metrics-addr", "off"],
+            env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def signal(self, signum: signal.Signals) -> None:
+        self.proc.send_signal(signum)
+
+    def wait(self, timeout: float = 60) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    def stop(self) -> None:
+        """SIGKILL if still running; close the log."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        self._log.close()
+
+    def log_text(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+
+@contextmanager
+def outbox_processes(
+    count: int, db_url: str, config: Path, log_dir: Path, env: dict[str, str] | None = None
+) -> Iterator[list[OutboxProcess]]:
+    procs = [OutboxProcess(db_url, config, log_dir / f"outbox-{i}.log", env) for i in range(count)]
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def wait_until(predicate: Callable[[], bool], *, timeout: float, what: str,
+               interval: float = 0.05) -> None:  # fmt: skip
+    """Poll ``predicate`` until true; fail the test with ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+__all__ = ["OutboxProcess", "outbox_processes", "signal", "wait_until", "write_config"]

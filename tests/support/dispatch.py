@@ -1,0 +1,96 @@
+"""Helpers to run a dispatcher in the test's own event loop, and to read what it did."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+from psycopg_pool import AsyncConnectionPool
+
+import outbox
+from outbox.config import DispatcherSettings
+from outbox.db.store import Store
+from outbox.dispatcher import Dispatcher
+from outbox.providers.base import Provider
+
+# Fast settings for tests: time moves in the data, these only bound the waits.
+FAST = {
+    "lease": timedelta(seconds=5),
+    "poll_interval": timedelta(milliseconds=100),
+    "backoff_base": timedelta(milliseconds=10),
+    "backoff_max": timedelta(milliseconds=50),
+    "shutdown_grace": timedelta(seconds=5),
+}
+
+
+def settings(**overrides: Any) -> DispatcherSettings:
+    return DispatcherSettings(**{**FAST, **overrides})
+
+
+def dispatcher(
+    pool: AsyncConnectionPool[Any],
+    providers: Mapping[str, Provider],
+    *,
+    worker: str = "test-worker",
+    call_timeouts: Mapping[str, timedelta] | None = None,
+    **overrides: Any,
+) -> Dispatcher:
+    return Dispatcher(Store(pool), providers, settings(**overrides), worker_id=worker,
+                      call_timeouts=call_timeouts, rng=random.Random(7))  # fmt: skip
+
+
+def enqueue_many(url: str, count: int, *, provider: str = "hook", prefix: str = "op",
+                 **fields: Any) -> list[int]:  # fmt: skip
+    """Enqueue ``count`` operations in one committed transaction; returns their ids."""
+    ids = []
+    with psycopg.connect(url) as conn:
+        for i in range(count):
+            result = outbox.enqueue(
+                conn, tenant_id="acme", operation_type="invoice.charge",
+                operation_key=f"{prefix}-{i}", provider=provider, action="invoice.paid",
+                payload={"n": i}, **fields,
+            )  # fmt: skip
+            ids.append(result.operation_id)
+    return ids
+
+
+def statuses(url: str) -> dict[str, int]:
+    with psycopg.connect(url) as conn:
+        rows = conn.execute("SELECT status, count(*) FROM outbox.operations GROUP BY 1").fetchall()
+    return dict(rows)
+
+
+def rows(url: str, query: str, params: Any = None) -> list[tuple[Any, ...]]:
+    with psycopg.connect(url) as conn:
+        return conn.execute(query, params).fetchall()
+
+
+def webhook(name: str, url: str, *, timeout: float = 5.0, key_retention: float = 86400.0,
+            **options: Any) -> Provider:  # fmt: skip
+    """A real webhook provider pointed at a fake receiver."""
+    from outbox.config import ProviderSettings  # noqa: PLC0415 (keeps this helper's imports light)
+    from outbox.providers.registry import build_providers  # noqa: PLC0415
+
+    ps = ProviderSettings(
+        name,
+        "webhook",
+        key_retention=timedelta(seconds=key_retention),
+        timeout=timedelta(seconds=timeout),
+        options={"url": url, **options},
+    )
+    return build_providers({name: ps})[name]
+
+
+def key_of(url: str, operation_id: int) -> str:
+    ((key,),) = rows(url, "SELECT idempotency_key FROM outbox.operations WHERE id = %s",
+                     (operation_id,))  # fmt: skip
+    return str(key)
+
+
+def make_due(url: str) -> None:
+    """Move time in the data: every scheduled retry becomes due now."""
+    with psycopg.connect(url) as conn:
+        conn.execute("UPDATE outbox.operations SET available_at = now() WHERE status = 'pending'")
