@@ -13,6 +13,7 @@ from typing import Any
 
 import psycopg
 import pytest
+import structlog
 from psycopg_pool import AsyncConnectionPool
 
 from outbox import metrics
@@ -327,3 +328,26 @@ async def test_a_slow_live_call_keeps_its_lease_by_heartbeat(
         await patient.aclose()
     assert rows(db_url, "SELECT status, attempts FROM outbox.operations") == [("succeeded", 1)]
     assert receiver.effect_count(key) == 1
+
+
+async def test_secret_headers_reach_the_receiver_and_no_log_line(
+    db_url: str,
+    pool: AsyncConnectionPool[Any],
+    receiver: FakeWebhookReceiver,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("TEST_HOOK_TOKEN", "Bearer s3cr3t-t0ken")
+    provider = webhook("hook", receiver.url, headers={"X-Source": "outbox"},
+                       secret_headers={"Authorization": {"env": "TEST_HOOK_TOKEN"}})  # fmt: skip
+    enqueue_many(db_url, 2)
+    try:
+        with structlog.testing.capture_logs() as logs:
+            assert await dispatcher(pool, {"hook": provider}).run_once() == 2
+    finally:
+        await provider.aclose()
+    assert [e.headers["authorization"] for e in receiver.effects] == ["Bearer s3cr3t-t0ken"] * 2
+    assert {e.headers["x-source"] for e in receiver.effects} == {"outbox"}
+    assert len(logs) == 2
+    assert all(log["operation_id"] and log["outcome"] == "succeeded" for log in logs)
+    assert "s3cr3t" not in repr(logs)
+    assert '"n"' not in repr(logs)  # nor the payload
