@@ -1,0 +1,50 @@
+"""Providers are built from settings: the built-in types, plug-ins, and clear errors."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from outbox.config import ConfigError, ProviderSettings
+from outbox.providers.base import Provider
+from outbox.providers.registry import build_providers
+
+
+def test_a_plugin_registered_as_an_entry_point_is_built(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dist = tmp_path / "outbox_echo-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: outbox-echo\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(
+        "[outbox.providers]\necho = tests.support.plugin_provider:factory\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    settings = ProviderSettings("mine", "echo", key_retention=timedelta(hours=2),
+                                options={"prefix": "x"})  # fmt: skip
+    provider = build_providers({"mine": settings})["mine"]
+    assert isinstance(provider, Provider)
+    assert (provider.name, provider.key_retention) == ("mine", timedelta(hours=2))
+
+
+def test_an_unknown_type_names_the_key_and_the_entry_point_group() -> None:
+    with pytest.raises(ConfigError, match=r"providers\.x\.type: unknown provider type 'nope'"):
+        build_providers({"x": ProviderSettings("x", "nope")})
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({}, r"providers\.hook\.url must be an http"),
+        ({"url": "ftp://x"}, r"providers\.hook\.url must be an http"),
+        ({"url": "http://x", "colour": "red"}, r"providers\.hook\.colour is not a webhook"),
+        ({"url": "http://x", "headers": {"A": 1}}, r"providers\.hook\.headers\.A must be a string"),
+        ({"url": "http://x", "secret_headers": {"A": "plain"}}, r"never written in the config"),
+        ({"url": "http://x", "secret_headers": {"A": {"env": "NOPE_UNSET"}}}, "NOPE_UNSET"),
+    ],
+)
+def test_webhook_settings_errors_name_the_key(options: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        build_providers({"hook": ProviderSettings("hook", "webhook", options=options)}, environ={})
