@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import enum
 import random
 import time
@@ -46,6 +47,10 @@ CALL_GUARD_MARGIN: Final = 5.0
 CLAIM_RETRY_MIN: Final = 0.1
 CLAIM_RETRY_MAX: Final = 5.0
 RESCUE_BATCH: Final = 500
+# A row naming a provider this process does not know is handed back for this long after its
+# enqueue (a deploy adding the provider may be rolling out), then quarantined as a bad row.
+UNKNOWN_PROVIDER_GRACE: Final = timedelta(minutes=10)
+UNKNOWN_PROVIDER_RETRY: Final = timedelta(seconds=30)
 
 log = structlog.get_logger("outbox.dispatcher")
 
@@ -94,6 +99,7 @@ class Dispatcher:
         self._rng = rng or random.Random()  # noqa: S311 (jitter, not cryptography)
         self._backoff = Backoff(settings.backoff_base, settings.backoff_max)
         self._inflight: dict[int, InFlight] = {}
+        self._abandoned: set[asyncio.Task[SendResult]] = set()
         self._wake = asyncio.Event()
         self._slot_freed = asyncio.Event()
         self._stop = asyncio.Event()
@@ -240,10 +246,7 @@ class Dispatcher:
         await failpoints.hit(failpoints.AFTER_CLAIM)
         provider = self._providers.get(row.provider)
         if provider is None:
-            failure = permanent(
-                "unknown_provider", f"no provider named {row.provider!r} is configured"
-            )
-            await self._finish(flight, failure, sent=False)
+            await self._unknown_provider(flight)
             return
         if self._window(provider).has_passed(row.first_sent_at, flight.db_now()):
             await self._unclaim(flight, Status.RECONCILING, REASON_KEY_WINDOW)
@@ -259,6 +262,15 @@ class Dispatcher:
         await failpoints.hit(failpoints.BEFORE_RECORD)
         await self._finish(flight, result)
 
+    async def _unknown_provider(self, flight: InFlight) -> None:
+        row = flight.row
+        if flight.db_now() - row.created_at < UNKNOWN_PROVIDER_GRACE:
+            # Likely a rolling deploy that added the provider: a newer replica will take it.
+            await self._unclaim(flight, Status.PENDING, None, delay=UNKNOWN_PROVIDER_RETRY)
+            return
+        failure = permanent("unknown_provider", f"no provider named {row.provider!r} is configured")
+        await self._finish(flight, failure, sent=False)
+
     async def _send(self, flight: InFlight, provider: Provider) -> SendResult:
         row = flight.row
         request = SendRequest(
@@ -268,17 +280,22 @@ class Dispatcher:
             attempt=row.attempts,
         )  # fmt: skip
         flight.phase = Phase.SENDING
-        flight.send_task = asyncio.create_task(provider.send(request))
+        send = flight.send_task = asyncio.create_task(provider.send(request))
         started = time.perf_counter()
         try:
-            return await asyncio.wait_for(flight.send_task, self._call_limit(provider))
-        except TimeoutError:
-            return unknown("call_guard", "the provider call outlived its timeout and was cut off")
+            done, _ = await asyncio.wait({send}, timeout=self._call_limit(provider))
+            if not done:
+                # A call that ignores cancellation must not keep this slot or its lease: let it
+                # go (held here so it is not garbage-collected mid-flight) and move on.
+                send.cancel()
+                self._abandoned.add(send)
+                send.add_done_callback(self._abandoned.discard)
+                return unknown("call_guard", "the provider call outlived its timeout; abandoned")
+            if send.cancelled():
+                return unknown("shutdown", "the call was cut off at shutdown")
+            return send.result()
         except asyncio.CancelledError:
-            current = asyncio.current_task()
-            if current is not None and current.cancelling():
-                raise
-            return unknown("shutdown", "the call was cut off at shutdown")
+            raise
         except Exception as exc:  # noqa: BLE001 (a provider must not raise; if it does, it may have sent)
             return unknown("provider_error", f"the provider raised {type(exc).__name__}")
         finally:
@@ -290,7 +307,17 @@ class Dispatcher:
         self, flight: InFlight, result: SendResult, *, sent: bool | None = None
     ) -> None:
         rec = self._record_for(flight, result, sent)
-        recorded = await self._with_lease(flight, "record", lambda: self._store.record(rec))
+
+        async def write() -> bool:
+            try:
+                return await self._store.record(rec)
+            except psycopg.DataError:
+                # The provider's answer cannot be stored as it is (a NUL, a NaN): keep the
+                # outcome and drop what cannot be stored, rather than lose the outcome.
+                flight.log.warning("provider answer not storable; recording it without its body")
+                return await self._store.record(_storable(rec))
+
+        recorded = await self._with_lease(flight, "record", write)
         row = flight.row
         metrics.DISPATCH.labels(row.provider, row.action, rec.outcome).inc()
         flight.log.info(
@@ -354,9 +381,10 @@ class Dispatcher:
         elif rec.status is Status.RECONCILING:
             metrics.RECONCILIATION_ROUTED.labels(provider, rec.reason or "").inc()
 
-    async def _unclaim(self, flight: InFlight, status: Status, reason: str | None) -> None:
+    async def _unclaim(self, flight: InFlight, status: Status, reason: str | None,
+                       *, delay: timedelta | None = None) -> None:  # fmt: skip
         done = await self._with_lease(
-            flight, "unclaim", lambda: self._store.unclaim(flight.row, status, reason)
+            flight, "unclaim", lambda: self._store.unclaim(flight.row, status, reason, delay)
         )
         if done and status is Status.RECONCILING:
             metrics.RECONCILIATION_ROUTED.labels(flight.row.provider, reason or "").inc()
@@ -380,6 +408,8 @@ class Dispatcher:
             written: bool | None = await write()
         except psycopg.OperationalError:
             written = await self._retry_while_leased(flight, what, write)
+            if written is False and what == "record" and await self._recorded_before(flight):
+                written = True  # the first try committed; only its acknowledgement was lost
         if written is None:
             return None
         if not written:
@@ -411,6 +441,13 @@ class Dispatcher:
             )
             return None
         return None  # pragma: no cover (the loop returns or raises)
+
+    async def _recorded_before(self, flight: InFlight) -> bool:
+        try:
+            return await self._store.attempt_recorded(flight.row.id, flight.row.attempts,
+                                                      self._worker)  # fmt: skip
+        except psycopg.Error:
+            return False
 
     # --- leases -------------------------------------------------------------------------------
 
@@ -482,3 +519,15 @@ def _check(provider: Provider, row: Claimed) -> str | None:
     except Exception as exc:  # noqa: BLE001 (a bad row must not stop the line)
         return f"the provider's check raised {type(exc).__name__}"
     return None
+
+
+def _storable(rec: Record) -> Record:
+    """``rec`` without the provider's body, and without NULs, which PostgreSQL text refuses."""
+
+    def clean(text: str | None) -> str | None:
+        return None if text is None else text.replace("\x00", "")
+
+    return dataclasses.replace(
+        rec, result=None, provider_ref=clean(rec.provider_ref), error=clean(rec.error),
+        error_class=clean(rec.error_class), request_id=clean(rec.request_id),
+    )  # fmt: skip

@@ -116,8 +116,8 @@ SET status = 'in_flight',
 FROM due
 WHERE o.id = due.id
 RETURNING o.id, o.tenant_id, o.operation_type, o.operation_key, o.provider, o.action, o.payload,
-          o.idempotency_key, o.correlation_id, o.attempts, o.max_attempts, o.lease_token,
-          o.first_sent_at, o.created_at, now() AS claimed_at
+          o.idempotency_key, o.correlation_id, o.attempts, o.attempt_base, o.max_attempts,
+          o.lease_token, o.first_sent_at, o.created_at, now() AS claimed_at
 """
 
 # Record an attempt's outcome and the operation's next status, only if this worker still holds
@@ -166,6 +166,8 @@ UPDATE outbox.operations AS o
 SET status = %(status)s::text,
     status_reason = %(reason)s::text,
     attempts = o.attempts - 1,
+    -- Shutdown keeps the row's place in line; a row handed back for later waits its delay.
+    available_at = coalesce(now() + %(delay)s::interval, o.available_at),
     lease_owner = NULL,
     lease_token = NULL,
     lease_expires_at = NULL,
@@ -173,6 +175,12 @@ SET status = %(status)s::text,
     status_changed_at = now()
 WHERE o.id = %(id)s AND o.lease_token = %(lease_token)s AND o.status = 'in_flight'
 RETURNING o.id
+"""
+
+# Did this worker's record of this attempt commit? Asked when its acknowledgement was lost.
+ATTEMPT_RECORDED: Final = """
+SELECT 1 FROM outbox.attempts
+WHERE operation_id = %(id)s AND attempt = %(attempt)s AND worker = %(worker)s
 """
 
 # Renew the leases of calls still in flight, so a slow but live call is never rescued.
@@ -199,9 +207,11 @@ WITH expired AS MATERIALIZED (
 ),
 rescued AS (
     UPDATE outbox.operations AS o
-    SET status = CASE WHEN o.attempts >= coalesce(o.max_attempts, %(max_attempts)s::integer)
+    SET status = CASE WHEN o.attempts - o.attempt_base
+                           >= coalesce(o.max_attempts, %(max_attempts)s::integer)
                       THEN 'quarantined' ELSE 'pending' END,
-        status_reason = CASE WHEN o.attempts >= coalesce(o.max_attempts, %(max_attempts)s::integer)
+        status_reason = CASE WHEN o.attempts - o.attempt_base
+                                  >= coalesce(o.max_attempts, %(max_attempts)s::integer)
                              THEN 'attempts_exhausted' END,
         available_at = now(),
         lease_owner = NULL,
@@ -220,7 +230,8 @@ rescued AS (
 history AS (
     INSERT INTO outbox.attempts (operation_id, attempt, idempotency_key, worker, started_at,
                                  outcome, sent, error_class, error_message)
-    SELECT e.id, e.attempts, e.idempotency_key, e.lease_owner, e.last_attempt_at, 'unknown', true,
+    SELECT e.id, e.attempts, e.idempotency_key, coalesce(e.lease_owner, 'unknown'),
+           e.last_attempt_at, 'unknown', true,
            'lease_expired',
            'lease expired: the dispatcher stopped renewing it during the attempt'
     FROM rescued AS r JOIN expired AS e ON e.id = r.id

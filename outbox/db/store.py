@@ -34,6 +34,7 @@ class Claimed:
     idempotency_key: str
     correlation_id: str | None
     attempts: int
+    attempt_base: int  # attempts before the last operator replay: the budget counts from here
     max_attempts: int | None
     lease_token: uuid.UUID
     first_sent_at: datetime | None
@@ -90,15 +91,18 @@ class Store:
         }  # fmt: skip
         return await self._one(statements.RECORD, params)
 
-    async def unclaim(self, claimed: Claimed, status: Status, reason: str | None) -> bool:
-        """Give the row back without an attempt; False if the lease was lost meanwhile."""
-        params = {
-            "id": claimed.id,
-            "lease_token": claimed.lease_token,
-            "status": status.value,
-            "reason": reason,
-        }
+    async def unclaim(self, claimed: Claimed, status: Status, reason: str | None,
+                      delay: timedelta | None = None) -> bool:  # fmt: skip
+        """Give the row back without an attempt, due again after ``delay`` (None: keep its
+        place); False if the lease was lost meanwhile."""
+        params = {"id": claimed.id, "lease_token": claimed.lease_token,
+                  "status": status.value, "reason": reason, "delay": delay}  # fmt: skip
         return await self._one(statements.UNCLAIM, params)
+
+    async def attempt_recorded(self, operation_id: int, attempt: int, worker: str) -> bool:
+        """Whether ``worker``'s record of this attempt committed."""
+        params = {"id": operation_id, "attempt": attempt, "worker": worker}
+        return await self._one(statements.ATTEMPT_RECORDED, params)
 
     async def heartbeat(self, held: Sequence[Claimed], lease: timedelta) -> set[int]:
         """Renew these leases; returns the ids still held (the others were lost)."""

@@ -1,15 +1,17 @@
 """The webhook provider: POST the payload as JSON with the stored Idempotency-Key.
 
-Response classes follow the IETF Idempotency-Key draft: 2xx success; 409 transient (a request
-with that key is in progress); 429 and 503 transient, honouring Retry-After; 422 and other 4xx
-permanent; 500, 502, 504, timeouts and resets after sending unknown; a refused connection
-transient (nothing was sent).
+Response classes follow the IETF Idempotency-Key draft: 2xx success; 409 (a request with that
+key is in progress), 408, 425 and 429 transient, honouring Retry-After; 422 and other 4xx
+permanent; every 5xx (503 included: a gateway may answer it after the receiver acted), timeouts
+and resets after sending unknown, retried with the same key only inside the key window; a refused
+connection transient (nothing was sent).
 """
 
 from __future__ import annotations
 
 import email.utils
 import json
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -27,8 +29,10 @@ from outbox.providers.base import (
 )
 
 DEFAULT_REFERENCE_FIELD = "id"
-# Statuses that say the provider did not act and may be asked again.
-_TRANSIENT_STATUSES = frozenset({409, 429, 503})
+# Statuses that say the provider did not act and may be asked again: a request with this key is
+# in progress (409), rate limited (429), timed out waiting for the request itself (408), too early
+# (425).
+_TRANSIENT_STATUSES = frozenset({408, 409, 425, 429})
 # Longest Retry-After we honour: a misconfigured receiver must not park operations for days.
 MAX_RETRY_AFTER = timedelta(hours=1)
 
@@ -77,22 +81,20 @@ class WebhookProvider:
         """Any action is an event name and any JSON object a body: nothing to refuse locally."""
 
     async def send(self, request: SendRequest) -> SendResult:
-        headers = {
-            # The draft's structured-field string form.
-            "Idempotency-Key": f'"{request.idempotency_key}"',
-            "Outbox-Operation-Id": str(request.operation_id),
-            "Outbox-Action": request.action,
-            "Outbox-Attempt": str(request.attempt),
-        }
-        if request.correlation_id:
-            headers["Outbox-Correlation-Id"] = request.correlation_id
         try:
-            response = await self._client.post(
-                self._options.url, json=request.payload, headers=headers
-            )
+            built = self._client.build_request("POST", self._options.url, json=request.payload,
+                                               headers=_headers(request))  # fmt: skip
+        except (ValueError, TypeError) as exc:
+            # Nothing left this host: the payload or a header cannot be encoded at all.
+            return permanent("unencodable_request", f"the request cannot be built: {exc}")
+        try:
+            response = await self._client.send(built)
         except httpx.HTTPError as exc:
             return _classify_exception(exc)
-        return self._classify_response(response, request)
+        try:
+            return self._classify_response(response, request)
+        except Exception as exc:  # noqa: BLE001 (an odd answer must not lose a classified status)
+            return _fallback(response.status_code, exc)
 
     async def aclose(self) -> None:
         await self._client.aclose()
@@ -107,13 +109,51 @@ class WebhookProvider:
             # A receiver that answers without a reference still knows the effect by its key.
             ref = str(reference) if reference not in (None, "") else request.idempotency_key
             return Succeeded(ref, body, status, request_id)
+        retry_after = _retry_after(response)
         if status in _TRANSIENT_STATUSES:
-            return transient(
-                f"http_{status}", _reason(response), retry_after=_retry_after(response), **details
-            )
+            return transient(f"http_{status}", _reason(response), retry_after=retry_after,
+                             **details)  # fmt: skip
         if 400 <= status < 500 or 300 <= status < 400:
             return permanent(f"http_{status}", _reason(response), **details)
-        return unknown(f"http_{status}", _reason(response), **details)
+        # 5xx: a gateway may answer 502/503/504 after the receiver acted, so the key window
+        # starts here; Retry-After still paces the retry.
+        return unknown(f"http_{status}", _reason(response), retry_after=retry_after, **details)
+
+
+def _headers(request: SendRequest) -> dict[str, str]:
+    headers = {
+        "Idempotency-Key": _sf_string(request.idempotency_key),
+        "Outbox-Operation-Id": str(request.operation_id),
+        "Outbox-Action": _header_safe(request.action),
+        "Outbox-Attempt": str(request.attempt),
+    }
+    if request.correlation_id:
+        headers["Outbox-Correlation-Id"] = _header_safe(request.correlation_id)
+    return headers
+
+
+def _sf_string(value: str) -> str:
+    """An RFC 8941 string, as the Idempotency-Key draft wants: quoted, with \\ and \" escaped."""
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _header_safe(value: str) -> str:
+    """Header values are ASCII: anything else travels percent-encoded as UTF-8."""
+    if value.isascii() and value.isprintable():
+        return value
+    return urllib.parse.quote(value, safe="".join(chr(c) for c in range(0x21, 0x7F)))
+
+
+def _fallback(status: int, exc: Exception) -> SendResult:
+    """The class of an answer whose details could not be read."""
+    note = f"HTTP {status} (answer unreadable: {type(exc).__name__})"
+    if 200 <= status < 300:
+        return unknown("unreadable_success", note, http_status=status)
+    if status in _TRANSIENT_STATUSES:
+        return transient(f"http_{status}", note, http_status=status)
+    if 400 <= status < 500:
+        return permanent(f"http_{status}", note, http_status=status)
+    return unknown(f"http_{status}", note, http_status=status)
 
 
 def _classify_exception(exc: httpx.HTTPError) -> SendResult:
@@ -128,7 +168,7 @@ def _classify_exception(exc: httpx.HTTPError) -> SendResult:
 def _json_object(response: httpx.Response) -> dict[str, Any] | None:
     try:
         body = response.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         return None
     return body if isinstance(body, dict) else None
 
@@ -143,12 +183,15 @@ def _retry_after(response: httpx.Response) -> timedelta | None:
     if not value:
         return None
     if value.strip().isdigit():
-        delay = timedelta(seconds=int(value))
+        seconds = min(int(value), int(MAX_RETRY_AFTER.total_seconds()))
+        delay = timedelta(seconds=seconds)
     else:
         try:
             when = email.utils.parsedate_to_datetime(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             return None
+        if when.tzinfo is None:  # "-0000": UTC with no claim about the local zone
+            when = when.replace(tzinfo=UTC)
         # An HTTP date is relative to our clock, not the database's: the best we have.
         delay = when - datetime.now(UTC)
     return max(timedelta(0), min(delay, MAX_RETRY_AFTER))

@@ -16,9 +16,10 @@ import pytest
 import structlog
 from psycopg_pool import AsyncConnectionPool
 
+import outbox
 from outbox import metrics
 from outbox.db.store import Store
-from outbox.providers.base import Provider
+from outbox.providers.base import Provider, SendRequest, SendResult, Succeeded
 from tests.support.dispatch import (
     dispatcher,
     enqueue_many,
@@ -77,7 +78,7 @@ async def test_transient_failures_retry_with_bounded_jittered_delays_then_succee
     key = key_of(db_url, op)
     receiver.inject(Fault.status(429, retry_after=3), key=key)
     receiver.inject(Fault.status(409), key=key)
-    receiver.inject(Fault.status(503), key=key)
+    receiver.inject(Fault.status(408), key=key)
     d = dispatcher(
         pool, {"hook": hook}, backoff_base=timedelta(seconds=10), backoff_max=timedelta(minutes=5)
     )
@@ -97,7 +98,7 @@ async def test_transient_failures_retry_with_bounded_jittered_delays_then_succee
     assert attempts_of(db_url, op) == [
         (1, "transient", False, "http_429", 429),
         (2, "transient", False, "http_409", 409),
-        (3, "transient", False, "http_503", 503),
+        (3, "transient", False, "http_408", 408),
         (4, "succeeded", True, None, 201),
     ]
     assert statuses(db_url) == {"succeeded": 1}
@@ -108,7 +109,7 @@ async def test_an_operation_that_never_succeeds_is_quarantined_with_every_attemp
     db_url: str, pool: AsyncConnectionPool[Any], receiver: FakeWebhookReceiver, hook: Provider
 ) -> None:
     (op,) = enqueue_many(db_url, 1)
-    receiver.inject(Fault.status(503), times=100)
+    receiver.inject(Fault.status(429), times=100)
     d = dispatcher(pool, {"hook": hook}, max_attempts=4)
     for _ in range(4):
         assert await d.run_once() == 1
@@ -248,6 +249,8 @@ async def test_poison_rows_are_quarantined_and_the_rest_of_the_batch_goes_on(
     with psycopg.connect(db_url) as conn:
         conn.execute("UPDATE outbox.operations SET payload = '[1, 2]' WHERE id = %s",
                      (not_an_object,))  # fmt: skip
+        # Past the grace a rolling deploy gets to bring the provider.
+        conn.execute("UPDATE outbox.operations SET created_at = now() - interval '1 hour'")
     d = dispatcher(pool, {"hook": hook})
     assert await d.run_once() == 8
     quarantined = rows(db_url, "SELECT id, status_reason, last_error FROM outbox.operations "
@@ -351,3 +354,110 @@ async def test_secret_headers_reach_the_receiver_and_no_log_line(
     assert all(log["operation_id"] and log["outcome"] == "succeeded" for log in logs)
     assert "s3cr3t" not in repr(logs)
     assert '"n"' not in repr(logs)  # nor the payload
+
+
+async def test_a_503_may_have_acted_so_it_starts_the_key_window_and_keeps_the_key(
+    db_url: str, pool: AsyncConnectionPool[Any], receiver: FakeWebhookReceiver, hook: Provider
+) -> None:
+    (op,) = enqueue_many(db_url, 1)
+    key = key_of(db_url, op)
+    receiver.inject(Fault.status(503, retry_after=1), key=key)
+    d = dispatcher(pool, {"hook": hook})
+    assert await d.run_once() == 1
+    ((status, first_sent, delay),) = rows(db_url, "SELECT status, first_sent_at, "
+                                                  "extract(epoch FROM available_at - now()) "
+                                                  "FROM outbox.operations")  # fmt: skip
+    assert status == "pending"
+    assert first_sent is not None
+    assert float(delay) >= 0.5  # Retry-After still paces it
+    make_due(db_url)
+    assert await d.run_once() == 1
+    assert [a[1:5] for a in attempts_of(db_url, op)] == [
+        ("unknown", True, "http_503", 503),
+        ("succeeded", True, None, 201),
+    ]
+    assert {r.key for r in receiver.received} == {key}
+    assert receiver.effect_count() == 1
+
+
+async def test_a_provider_this_process_does_not_know_yet_is_handed_back_not_quarantined(
+    db_url: str, pool: AsyncConnectionPool[Any], receiver: FakeWebhookReceiver, hook: Provider
+) -> None:
+    enqueue_many(db_url, 1, provider="billing-v2")
+    assert await dispatcher(pool, {"hook": hook}).run_once() == 1
+    ((status, attempts, delay),) = rows(db_url, "SELECT status, attempts, "
+                                                "extract(epoch FROM available_at - now()) "
+                                                "FROM outbox.operations")  # fmt: skip
+    assert (status, attempts) == ("pending", 0)
+    assert 20 <= float(delay) <= 30
+    assert rows(db_url, "SELECT count(*) FROM outbox.attempts") == [(0,)]
+
+
+async def test_header_values_that_are_not_plain_ascii_are_encoded_not_lost(
+    db_url: str, pool: AsyncConnectionPool[Any], receiver: FakeWebhookReceiver, hook: Provider
+) -> None:
+    with psycopg.connect(db_url) as conn:
+        outbox.enqueue(conn, tenant_id="acme", operation_type="fee", operation_key="k1",
+                       provider="hook", action="gebühr.erstellt", payload={"a": 1},
+                       idempotency_key='key-"quoted"-\\-1', correlation_id="req-ü")  # fmt: skip
+    assert await dispatcher(pool, {"hook": hook}).run_once() == 1
+    (effect,) = receiver.effects
+    assert effect.key == 'key-"quoted"-\\-1'
+    assert effect.headers["outbox-action"] == "geb%C3%BChr.erstellt"
+    assert effect.headers["outbox-correlation-id"] == "req-%C3%BC"
+    assert statuses(db_url) == {"succeeded": 1}
+
+
+class OddProvider:
+    """An in-process provider whose behaviour a test chooses: an answer PostgreSQL cannot store,
+    or a call that shrugs off its first cancellation."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.name = "odd"
+        self.key_retention = timedelta(hours=24)
+        self.calls = 0
+
+    def check(self, action: str, payload: Any) -> None:
+        """Accepts everything."""
+
+    async def send(self, request: SendRequest) -> SendResult:
+        self.calls += 1
+        if self.mode == "nul":
+            return Succeeded("ref\x00-1", {"note": "has \x00 a NUL", "x": float("nan")})
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.3)  # ignores the first cancellation for a while
+        return Succeeded("late")
+
+    async def aclose(self) -> None:
+        """Nothing to close."""
+
+
+async def test_a_success_whose_answer_cannot_be_stored_is_still_recorded_as_success(
+    db_url: str, pool: AsyncConnectionPool[Any]
+) -> None:
+    enqueue_many(db_url, 1, provider="odd")
+    provider = OddProvider("nul")
+    assert await dispatcher(pool, {"odd": provider}).run_once() == 1
+    assert rows(db_url, "SELECT status, provider_ref, result FROM outbox.operations") == [
+        ("succeeded", "ref-1", None)
+    ]
+    assert provider.calls == 1
+
+
+async def test_a_call_that_ignores_cancellation_is_abandoned_at_its_deadline(
+    db_url: str, pool: AsyncConnectionPool[Any]
+) -> None:
+    enqueue_many(db_url, 1, provider="odd")
+    provider = OddProvider("hang")
+    d = dispatcher(pool, {"odd": provider}, call_timeouts={"odd": timedelta(0)})
+    done = await asyncio.wait_for(d.run_once(), timeout=15)  # guard: 0 s + 5 s margin
+    assert done == 1
+    assert rows(db_url, "SELECT status, last_error_class FROM outbox.operations") == [
+        ("pending", "unknown")
+    ]
+    assert rows(db_url, "SELECT error_class FROM outbox.attempts") == [("call_guard",)]
+    assert d.in_flight == 0
+    await asyncio.sleep(0.5)  # let the abandoned call finish before the loop closes
