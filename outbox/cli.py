@@ -1,121 +1,32 @@
 """The ``outbox`` command: thin click commands that parse, call the library, and print.
 
-Exit codes: 0 success; 1 failure (database unreachable, migration failed); 2 bad input (usage,
-an invalid operation); 3 conflict (the identity exists with other content).
+Exit codes are those of outbox.cli_common.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import sys
-from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import IO, Any, TypeVar
+from typing import IO, Any
 
 import click
-import psycopg
-from click.core import ParameterSource
-from psycopg.conninfo import conninfo_to_dict
 
-from outbox import daemon, logs, producer
+from outbox import cli_operator, daemon, logs, producer
+from outbox.cli_common import BadInput, Conflict, Duration, connect, dsn_option, json_option
 from outbox.config import ConfigError, load_settings
 from outbox.db import dsn as dsn_util
 from outbox.db import migrations, statements
-from outbox.durations import format_duration, parse_duration
+from outbox.durations import format_duration
 from outbox.errors import InvalidOperation, OperationConflict
 from outbox.model import Status
 from outbox.providers.registry import build_providers
 from outbox.tables import render_table
 
-F = TypeVar("F", bound=Callable[..., Any])
-
-EXIT_CONFLICT = 3
 # Loopback: metrics say how many operations of which tenants flow where; expose them on purpose.
 DEFAULT_METRICS_ADDR = "127.0.0.1:9464"
-CONNECT_TIMEOUT_SECONDS = 10  # a CLI that hangs on a dead host is worse than one that says so
-
-
-# click 8.5 made ParamType generic; the older releases we also support cannot be subscripted.
-class Duration(click.ParamType):  # type: ignore[type-arg]
-    """A click parameter for durations such as 500ms, 30s or 10m."""
-
-    name = "duration"
-
-    def convert(
-        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
-    ) -> timedelta:
-        if isinstance(value, timedelta):
-            return value
-        try:
-            return parse_duration(str(value))
-        except ValueError as exc:
-            self.fail(str(exc), param, ctx)
-
-
-class BadInput(click.ClickException):
-    exit_code = 2
-
-
-class Conflict(click.ClickException):
-    exit_code = EXIT_CONFLICT
-
-
-def _check_dsn(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
-    if value is None:
-        return None
-    try:
-        with_password = dsn_util.has_password(value)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc)) from None
-    if (
-        with_password
-        and ctx.get_parameter_source(param.name or "dsn") is ParameterSource.COMMANDLINE
-    ):
-        raise click.BadParameter(
-            "a password on the command line is visible to every user of this machine; "
-            "set OUTBOX_DATABASE_URL, PGPASSWORD or a ~/.pgpass file instead"
-        )
-    return value
-
-
-def dsn_option(command: F) -> F:
-    """``--dsn``, defaulting to $OUTBOX_DATABASE_URL; passwords only from the environment."""
-    return click.option(
-        "--dsn",
-        envvar="OUTBOX_DATABASE_URL",
-        show_envvar=True,
-        required=True,
-        callback=_check_dsn,
-        help="PostgreSQL connection string (URL or key=value); no password on the command line.",
-    )(command)
-
-
-def json_option(command: F) -> F:
-    return click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")(command)
-
-
-@contextlib.contextmanager
-def connect(dsn: str, *, autocommit: bool = False) -> Iterator[psycopg.Connection[Any]]:
-    """A connection for one command, with database errors turned into clean messages."""
-    options: dict[str, Any] = {"application_name": "outbox-cli", "autocommit": autocommit}
-    if "connect_timeout" not in conninfo_to_dict(dsn):
-        options["connect_timeout"] = CONNECT_TIMEOUT_SECONDS
-    try:
-        with psycopg.connect(dsn, **options) as conn:
-            yield conn
-    except (
-        psycopg.errors.UndefinedTable,
-        psycopg.errors.UndefinedFunction,
-        psycopg.errors.InvalidSchemaName,
-    ):
-        raise click.ClickException(
-            "the outbox schema is missing or out of date: run `outbox migrate` first"
-        ) from None
-    except psycopg.Error as exc:
-        raise click.ClickException(dsn_util.scrub(str(exc).strip(), dsn)) from None
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -273,6 +184,10 @@ def run(dsn: str, config_path: Path | None, metrics_addr: str) -> None:
     except ConfigError as exc:
         raise BadInput(str(exc)) from None
     sys.exit(asyncio.run(daemon.serve(dsn, settings, providers, metrics_addr=addr)))
+
+
+main.add_command(cli_operator.reconcile)
+main.add_command(cli_operator.quarantine)
 
 
 if __name__ == "__main__":  # pragma: no cover

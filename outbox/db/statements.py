@@ -244,3 +244,56 @@ LISTEN: Final = "LISTEN outbox_enqueue"
 
 # Is this connection still alive? Sent on the LISTEN connection after a quiet spell.
 PROBE: Final = "SELECT 1"
+
+# --- operators ----------------------------------------------------------------------------------
+
+# The operations in one status that need a person, oldest first; served by operations_attention.
+LIST_ATTENTION: Final = """
+SELECT id, tenant_id, operation_type, operation_key, provider, action, status_reason, attempts,
+       last_error_class, last_error,
+       extract(epoch FROM now() - status_changed_at)::float8 AS age_seconds,
+       checked_at, check_finding
+FROM outbox.operations
+WHERE status = %(status)s::text
+  AND (%(provider)s::text IS NULL OR provider = %(provider)s::text)
+ORDER BY status_changed_at, id
+LIMIT %(limit)s::integer
+"""
+
+# One operation, everything but the payload (shown only when asked for).
+SHOW_OPERATION: Final = """
+SELECT id, tenant_id, operation_type, operation_key, provider, action, status, status_reason,
+       attempts, attempt_base, max_attempts, idempotency_key, key_generation, correlation_id,
+       available_at, first_sent_at, last_attempt_at, provider_ref, result, last_error,
+       last_error_class, checked_at, check_finding, created_at, updated_at, finished_at,
+       extract(epoch FROM now() - status_changed_at)::float8 AS age_seconds,
+       CASE WHEN %(with_payload)s::boolean THEN payload END AS payload
+FROM outbox.operations
+WHERE id = %(id)s
+"""
+
+FIND_BY_IDENTITY: Final = """
+SELECT id FROM outbox.operations
+WHERE tenant_id = %(tenant_id)s AND operation_type = %(operation_type)s
+  AND operation_key = %(operation_key)s
+"""
+
+ATTEMPT_HISTORY: Final = """
+SELECT attempt, started_at, finished_at, worker, outcome, sent, error_class, error_message,
+       http_status, provider_request_id, idempotency_key
+FROM outbox.attempts WHERE operation_id = %(id)s ORDER BY attempt
+"""
+
+AUDIT_HISTORY: Final = """
+SELECT at, actor, action, reason, from_status, to_status, details
+FROM outbox.audit WHERE operation_id = %(id)s ORDER BY at, id
+"""
+
+# Operator actions: each a SQL function that changes the status and writes the audit at once.
+RESOLVE: Final = "SELECT outbox.resolve_operation(%(id)s, %(provider_ref)s, %(reason)s, %(actor)s)"
+CANCEL: Final = "SELECT outbox.cancel_operation(%(id)s, %(reason)s, %(actor)s)"
+REPLAY: Final = "SELECT outbox.replay_operation(%(id)s, %(reason)s, %(actor)s)"
+RETRY: Final = "SELECT outbox.retry_operation(%(id)s, %(reason)s, %(actor)s, %(force)s)"
+RECORD_CHECK: Final = (
+    "SELECT outbox.record_check(%(id)s, %(found_ref)s, %(actor)s, %(details)s::jsonb)"
+)

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.support.cli import outbox_cli
 from tests.support.producers import count
 
 CHARGE = [
@@ -25,20 +24,6 @@ CHARGE = [
     "payment_intents.create",
 ]
 PAYLOAD = '{"amount": 1000, "currency": "usd"}'
-
-
-def outbox_cli(
-    env: dict[str, str], *args: str, stdin: str | None = None
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "outbox", *args],
-        env=env,
-        input=stdin,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
 
 
 def test_enqueue_prints_the_outcome_and_a_second_one_is_a_duplicate(

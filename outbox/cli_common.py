@@ -1,0 +1,107 @@
+"""What every `outbox` command shares: the --dsn and --json options, a connection that turns
+database errors into clean messages, parameter types and exit codes.
+
+Exit codes: 0 success; 1 failure (database unreachable, migration failed, an action refused);
+2 bad input (usage, an invalid operation, a config error); 3 conflict (the identity exists with
+other content).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import click
+import psycopg
+from click.core import ParameterSource
+from psycopg.conninfo import conninfo_to_dict
+
+from outbox.db import dsn as dsn_util
+from outbox.durations import parse_duration
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+EXIT_CONFLICT = 3
+CONNECT_TIMEOUT_SECONDS = 10  # a CLI that hangs on a dead host is worse than one that says so
+
+
+# click 8.5 made ParamType generic; the older releases we also support cannot be subscripted.
+class Duration(click.ParamType):  # type: ignore[type-arg]
+    """A click parameter for durations such as 500ms, 30s or 10m."""
+
+    name = "duration"
+
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> timedelta:
+        if isinstance(value, timedelta):
+            return value
+        try:
+            return parse_duration(str(value))
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+class BadInput(click.ClickException):
+    exit_code = 2
+
+
+class Conflict(click.ClickException):
+    exit_code = EXIT_CONFLICT
+
+
+def _check_dsn(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is None:
+        return None
+    try:
+        with_password = dsn_util.has_password(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    if (
+        with_password
+        and ctx.get_parameter_source(param.name or "dsn") is ParameterSource.COMMANDLINE
+    ):
+        raise click.BadParameter(
+            "a password on the command line is visible to every user of this machine; "
+            "set OUTBOX_DATABASE_URL, PGPASSWORD or a ~/.pgpass file instead"
+        )
+    return value
+
+
+def dsn_option(command: F) -> F:
+    """``--dsn``, defaulting to $OUTBOX_DATABASE_URL; passwords only from the environment."""
+    return click.option(
+        "--dsn",
+        envvar="OUTBOX_DATABASE_URL",
+        show_envvar=True,
+        required=True,
+        callback=_check_dsn,
+        help="PostgreSQL connection string (URL or key=value); no password on the command line.",
+    )(command)
+
+
+def json_option(command: F) -> F:
+    return click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")(command)
+
+
+@contextlib.contextmanager
+def connect(dsn: str, *, autocommit: bool = False) -> Iterator[psycopg.Connection[Any]]:
+    """A connection for one command, with database errors turned into clean messages."""
+    options: dict[str, Any] = {"application_name": "outbox-cli", "autocommit": autocommit}
+    if "connect_timeout" not in conninfo_to_dict(dsn):
+        options["connect_timeout"] = CONNECT_TIMEOUT_SECONDS
+    try:
+        with psycopg.connect(dsn, **options) as conn:
+            yield conn
+    except (
+        psycopg.errors.UndefinedTable,
+        psycopg.errors.UndefinedFunction,
+        psycopg.errors.InvalidSchemaName,
+    ):
+        raise click.ClickException(
+            "the outbox schema is missing or out of date: run `outbox migrate` first"
+        ) from None
+    except psycopg.Error as exc:
+        raise click.ClickException(dsn_util.scrub(str(exc).strip(), dsn)) from None

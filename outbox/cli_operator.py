@@ -1,0 +1,222 @@
+"""`outbox reconcile` and `outbox quarantine`: the on-call engineer's commands.
+
+Both groups share list, show and cancel; reconcile adds resolve and retry (and check, which asks
+the provider), quarantine adds replay. Every action takes --reason and records --actor (default:
+the login user) in the audit.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import click
+
+from outbox import operators
+from outbox.cli_common import connect, dsn_option, json_option
+from outbox.durations import format_duration
+from outbox.model import Status
+from outbox.tables import render_table
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _actor_option(command: F) -> F:
+    option = click.option("--actor", default=getpass.getuser, show_default="the login user",
+                          help="Who is acting; recorded in the audit.")  # fmt: skip
+    return option(command)
+
+
+def _reason_option(command: F) -> F:
+    return click.option("--reason", required=True, help="Why; recorded in the audit.")(command)
+
+
+def build_group(name: str, status: Status) -> click.Group:
+    """The command group for operations in ``status``."""
+
+    @click.group(name=name, help=f"Operations in {status.value}: inspect and decide.")
+    def group() -> None:
+        pass
+
+    @group.command("list")
+    @dsn_option
+    @click.option("--provider", help="Only this provider's operations.")
+    @click.option("--limit", type=click.IntRange(1, 10_000), default=100, show_default=True)
+    @json_option
+    def list_(dsn: str, provider: str | None, limit: int, as_json: bool) -> None:
+        """List them, oldest first."""
+        with connect(dsn) as conn:
+            rows = operators.list_attention(conn, status, provider=provider, limit=limit)
+        if as_json:
+            click.echo(json.dumps(rows, default=str))
+            return
+        headers = [
+            "id",
+            "provider",
+            "action",
+            "reason",
+            "age",
+            "attempts",
+            "last error",
+            "identity",
+        ]
+        click.echo(render_table(headers, [_summary(r) for r in rows]))
+
+    @group.command()
+    @dsn_option
+    @click.argument("operation_id", type=int, required=False)
+    @click.option("--tenant-id")
+    @click.option("--operation-type")
+    @click.option("--operation-key")
+    @click.option("--payload", "with_payload", is_flag=True, help="Include the payload.")
+    @json_option
+    def show(  # noqa: PLR0917 (click passes every option)
+        dsn: str,
+        operation_id: int | None,
+        tenant_id: str | None,
+        operation_type: str | None,
+        operation_key: str | None,
+        with_payload: bool,
+        as_json: bool,
+    ) -> None:
+        """One operation by ID or identity: its attempts and its audit trail."""
+        with connect(dsn) as conn:
+            if operation_id is None:
+                if not (tenant_id and operation_type and operation_key):
+                    raise click.UsageError("give an ID, or --tenant-id, --operation-type and "
+                                           "--operation-key")  # fmt: skip
+                identity = operators.Identity(tenant_id, operation_type, operation_key)
+                operation_id = _refusing(lambda: operators.find_id(conn, identity))
+            op = _refusing(lambda: operators.show(conn, operation_id, with_payload=with_payload))
+        click.echo(json.dumps(op, default=str) if as_json else _describe(op))
+
+    @group.command()
+    @dsn_option
+    @click.argument("operation_id", type=int)
+    @_reason_option
+    @_actor_option
+    def cancel(dsn: str, operation_id: int, reason: str, actor: str) -> None:
+        """Give up: nothing more is sent."""
+        _run_action(
+            dsn,
+            operation_id,
+            lambda conn: operators.cancel(conn, operation_id, reason=reason, actor=actor),
+        )
+
+    return group
+
+
+def add_reconcile_actions(group: click.Group) -> None:
+    @group.command()
+    @dsn_option
+    @click.argument("operation_id", type=int)
+    @click.option("--provider-ref", required=True, help="The provider's id of the effect.")
+    @_reason_option
+    @_actor_option
+    def resolve(dsn: str, operation_id: int, provider_ref: str, reason: str, actor: str) -> None:
+        """Mark succeeded: the effect exists at the provider under PROVIDER_REF."""
+        _run_action(
+            dsn,
+            operation_id,
+            lambda conn: operators.resolve(
+                conn, operation_id, provider_ref=provider_ref, reason=reason, actor=actor
+            ),
+        )
+
+    @group.command()
+    @dsn_option
+    @click.argument("operation_id", type=int)
+    @_reason_option
+    @_actor_option
+    @click.option(
+        "--force", is_flag=True, help="Retry even though no check found the effect missing."
+    )
+    def retry(dsn: str, operation_id: int, reason: str, actor: str, force: bool) -> None:
+        """Send again under a new key generation (a new request to the provider)."""
+        _run_action(
+            dsn,
+            operation_id,
+            lambda conn: operators.retry(
+                conn, operation_id, reason=reason, actor=actor, force=force
+            ),
+        )
+
+
+def add_quarantine_actions(group: click.Group) -> None:
+    @group.command()
+    @dsn_option
+    @click.argument("operation_id", type=int)
+    @_reason_option
+    @_actor_option
+    def replay(dsn: str, operation_id: int, reason: str, actor: str) -> None:
+        """Back to pending with the same key and a fresh attempt budget."""
+        _run_action(
+            dsn,
+            operation_id,
+            lambda conn: operators.replay(conn, operation_id, reason=reason, actor=actor),
+        )
+
+
+def _run_action(dsn: str, operation_id: int, action: Callable[[Any], Status]) -> None:
+    with connect(dsn) as conn:
+        status = _refusing(lambda: action(conn))
+    click.echo(f"operation {operation_id}: {status.value}")
+
+
+def _refusing(call: Callable[[], Any]) -> Any:
+    try:
+        return call()
+    except operators.ActionRefused as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _summary(r: dict[str, Any]) -> tuple[object, ...]:
+    identity = f"{r['tenant_id']}/{r['operation_type']}/{r['operation_key']}"
+    age = format_duration(timedelta(seconds=r["age_seconds"]))
+    return (r["id"], r["provider"], r["action"], r["status_reason"], age, r["attempts"],
+            _short(r["last_error"]), identity)  # fmt: skip
+
+
+def _short(text: str | None, width: int = 48) -> str:
+    if not text:
+        return "-"
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _describe(op: dict[str, Any]) -> str:
+    age = format_duration(timedelta(seconds=op["age_seconds"]))
+    reason = f" ({op['status_reason']})" if op["status_reason"] else ""
+    lines = [
+        f"operation {op['id']}  {op['tenant_id']} / {op['operation_type']} / {op['operation_key']}",
+        f"status       {op['status']}{reason} for {age}",
+        f"provider     {op['provider']}  {op['action']}",
+        f"key          {op['idempotency_key']} (generation {op['key_generation']})",
+        f"attempts     {op['attempts']}" + (f" ({op['attempt_base']} before the last replay)"
+                                            if op["attempt_base"] else ""),
+        f"first sent   {op['first_sent_at'] or 'never'}",
+        f"last error   {op['last_error_class'] or '-'}: {op['last_error'] or '-'}",
+        f"last check   {op['check_finding'] or 'never'}"
+        + (f" at {op['checked_at']}" if op["checked_at"] else ""),
+        f"reference    {op['provider_ref'] or '-'}",
+    ]  # fmt: skip
+    if op.get("payload") is not None:
+        lines.append(f"payload      {json.dumps(op['payload'])}")
+    history = [(a["attempt"], a["started_at"], a["outcome"], "yes" if a["sent"] else "no",
+                a["error_class"], a["http_status"], a["provider_request_id"], a["worker"])
+               for a in op["attempt_history"]]  # fmt: skip
+    lines += ["", render_table(["attempt", "started", "outcome", "sent", "error", "http",
+                                "request id", "worker"], history)]  # fmt: skip
+    audit = [(a["at"], a["actor"], a["action"], a["from_status"], a["to_status"], a["reason"])
+             for a in op["audit"]]  # fmt: skip
+    if audit:
+        lines += ["", render_table(["at", "actor", "action", "from", "to", "reason"], audit)]
+    return "\n".join(lines)
+
+
+reconcile = build_group("reconcile", Status.RECONCILING)
+add_reconcile_actions(reconcile)
+quarantine = build_group("quarantine", Status.QUARANTINED)
+add_quarantine_actions(quarantine)

@@ -1,0 +1,99 @@
+"""What on-call engineers do to operations automation could not finish: list them, look at
+one, and resolve, retry, replay or cancel it. Every action is a SQL function that changes the
+status and writes who, when and why to the append-only audit, in one transaction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, LiteralString
+
+import psycopg
+from psycopg.rows import dict_row
+
+from outbox.db import statements
+from outbox.errors import OutboxError
+from outbox.model import Status
+
+SQLSTATE_OPERATOR_REFUSED = "OB004"
+SQLSTATE_NO_DATA_FOUND = "P0002"
+
+
+class ActionRefused(OutboxError):
+    """The action does not apply to the operation as it is, or the operation does not exist."""
+
+
+@dataclass(frozen=True)
+class Identity:
+    tenant_id: str
+    operation_type: str
+    operation_key: str
+
+
+Row = dict[str, Any]
+
+
+def list_attention(conn: psycopg.Connection[Any], status: Status, *, provider: str | None = None,
+                   limit: int = 100) -> list[Row]:  # fmt: skip
+    """Operations in ``status`` (reconciling or quarantined), oldest first."""
+    params = {"status": status.value, "provider": provider, "limit": limit}
+    return _all(conn, statements.LIST_ATTENTION, params)
+
+
+def find_id(conn: psycopg.Connection[Any], identity: Identity) -> int:
+    rows = _all(conn, statements.FIND_BY_IDENTITY, vars(identity))
+    if not rows:
+        raise ActionRefused(
+            f"no operation {identity.tenant_id}/{identity.operation_type}/{identity.operation_key}"
+        )
+    return int(rows[0]["id"])
+
+
+def show(conn: psycopg.Connection[Any], operation_id: int, *, with_payload: bool = False) -> Row:
+    """The operation with its attempt history and audit trail."""
+    rows = _all(conn, statements.SHOW_OPERATION, {"id": operation_id, "with_payload": with_payload})
+    if not rows:
+        raise ActionRefused(f"no operation with id {operation_id}")
+    operation = rows[0]
+    operation["attempt_history"] = _all(conn, statements.ATTEMPT_HISTORY, {"id": operation_id})
+    operation["audit"] = _all(conn, statements.AUDIT_HISTORY, {"id": operation_id})
+    return operation
+
+
+def resolve(conn: psycopg.Connection[Any], operation_id: int, *, provider_ref: str, reason: str,
+            actor: str) -> Status:  # fmt: skip
+    """Mark succeeded with the provider's reference of the effect."""
+    return _act(conn, statements.RESOLVE, {"id": operation_id, "provider_ref": provider_ref,
+                                           "reason": reason, "actor": actor})  # fmt: skip
+
+
+def cancel(conn: psycopg.Connection[Any], operation_id: int, *, reason: str, actor: str) -> Status:
+    return _act(conn, statements.CANCEL, {"id": operation_id, "reason": reason, "actor": actor})
+
+
+def replay(conn: psycopg.Connection[Any], operation_id: int, *, reason: str, actor: str) -> Status:
+    """Quarantined back to pending, same key; the key-window rule still applies."""
+    return _act(conn, statements.REPLAY, {"id": operation_id, "reason": reason, "actor": actor})
+
+
+def retry(conn: psycopg.Connection[Any], operation_id: int, *, reason: str, actor: str,
+          force: bool = False) -> Status:  # fmt: skip
+    """Reconciling back to pending under a new key generation."""
+    params = {"id": operation_id, "reason": reason, "actor": actor, "force": force}
+    return _act(conn, statements.RETRY, params)
+
+
+def _act(conn: psycopg.Connection[Any], query: LiteralString, params: Row) -> Status:
+    try:
+        with conn.transaction():
+            row = conn.execute(query, params).fetchone()
+    except psycopg.Error as exc:
+        if exc.sqlstate in (SQLSTATE_OPERATOR_REFUSED, SQLSTATE_NO_DATA_FOUND):
+            raise ActionRefused(exc.diag.message_primary or str(exc)) from None
+        raise
+    assert row is not None  # noqa: S101 (the functions always return the new status)
+    return Status.parse(row[0])
+
+
+def _all(conn: psycopg.Connection[Any], query: LiteralString, params: Row) -> list[Row]:
+    with conn.cursor(row_factory=dict_row) as cur:
+        return cur.execute(query, params).fetchall()
