@@ -29,6 +29,7 @@ from outbox.db.store import Claimed, Record, Store
 from outbox.model import Status
 from outbox.policy import REASON_KEY_WINDOW, Backoff, KeyWindow, after_failure
 from outbox.providers.base import (
+    Failed,
     InvalidRequest,
     Provider,
     SendRequest,
@@ -51,6 +52,9 @@ RESCUE_BATCH: Final = 500
 # enqueue (a deploy adding the provider may be rolling out), then quarantined as a bad row.
 UNKNOWN_PROVIDER_GRACE: Final = timedelta(minutes=10)
 UNKNOWN_PROVIDER_RETRY: Final = timedelta(seconds=30)
+# A provider that refused our credentials is tried again this often: a fixed key or restored
+# permission resumes dispatch within it, and a still-wrong key costs one request per probe.
+PAUSE_PROBE: Final = timedelta(seconds=30)
 
 log = structlog.get_logger("outbox.dispatcher")
 
@@ -90,6 +94,7 @@ class Dispatcher:
         worker_id: str,
         call_timeouts: Mapping[str, timedelta] | None = None,
         rng: random.Random | None = None,
+        pause_probe: timedelta = PAUSE_PROBE,
     ) -> None:
         self._store = store
         self._providers = providers
@@ -100,6 +105,8 @@ class Dispatcher:
         self._backoff = Backoff(settings.backoff_base, settings.backoff_max)
         self._inflight: dict[int, InFlight] = {}
         self._abandoned: set[asyncio.Task[SendResult]] = set()
+        self._paused: dict[str, float] = {}  # provider -> when its probe is due (monotonic)
+        self._pause_probe = pause_probe
         self._wake = asyncio.Event()
         self._slot_freed = asyncio.Event()
         self._stop = asyncio.Event()
@@ -199,7 +206,8 @@ class Dispatcher:
     async def _claim(self, limit: int) -> list[Claimed]:
         started = time.perf_counter()
         try:
-            claimed = await self._store.claim(self._worker, limit, self._settings.lease)
+            claimed = await self._store.claim(self._worker, limit, self._settings.lease,
+                                              self._paused_now())  # fmt: skip
         except psycopg.Error as exc:
             self.database_ok = False
             metrics.DB_ERRORS.labels("claim").inc()
@@ -260,6 +268,11 @@ class Dispatcher:
             return
         result = await self._send(flight, provider)
         await failpoints.hit(failpoints.BEFORE_RECORD)
+        if isinstance(result, Failed) and result.pause:
+            self._pause(row.provider, result)
+            await self._unclaim(flight, Status.PENDING, None)  # keeps its attempt
+            return
+        self._resume(row.provider)
         await self._finish(flight, result)
 
     async def _unknown_provider(self, flight: InFlight) -> None:
@@ -352,11 +365,11 @@ class Dispatcher:
         provider = self._providers.get(row.provider)
         window = self._window(provider) if provider else KeyWindow(timedelta.max, timedelta(0))
         nxt = after_failure(
-            result.failure, attempt=row.attempts,
+            result.failure, attempt=row.attempts - row.attempt_base,
             max_attempts=row.max_attempts or self._settings.max_attempts,
             first_sent_at=row.first_sent_at or (row.claimed_at if reached else None),
             now=flight.db_now(), window=window, backoff=self._backoff,
-            retry_after=result.retry_after, rng=self._rng,
+            retry_after=result.retry_after, reconcile=result.reconcile, rng=self._rng,
         )  # fmt: skip
         return Record(
             status=nxt.status,
@@ -448,6 +461,26 @@ class Dispatcher:
                                                       self._worker)  # fmt: skip
         except psycopg.Error:
             return False
+
+    # --- paused providers ---------------------------------------------------------------------
+
+    def _pause(self, provider: str, result: Failed) -> None:
+        if provider not in self._paused:
+            metrics.PROVIDER_PAUSED.labels(provider).set(1)
+            log.error("provider paused: its credentials were refused; operations wait",
+                      provider=provider, http_status=result.http_status,
+                      probe_in_s=self._pause_probe.total_seconds())  # fmt: skip
+        self._paused[provider] = time.monotonic() + self._pause_probe.total_seconds()
+
+    def _resume(self, provider: str) -> None:
+        if self._paused.pop(provider, None) is not None:
+            metrics.PROVIDER_PAUSED.labels(provider).set(0)
+            log.info("provider resumed", provider=provider)
+
+    def _paused_now(self) -> list[str]:
+        """Providers to leave unclaimed: paused, their probe not yet due."""
+        now = time.monotonic()
+        return [name for name, probe_at in self._paused.items() if probe_at > now]
 
     # --- leases -------------------------------------------------------------------------------
 

@@ -40,4 +40,8 @@ CLAIM_DURATION: Final = Histogram(
     "outbox_claim_duration_seconds", "Time of one claim query.", buckets=_CLAIM_BUCKETS
 )
 DB_ERRORS: Final = Counter("outbox_db_errors", "Database errors, by operation.", ["operation"])
+PROVIDER_PAUSED: Final = Gauge(
+    "outbox_provider_paused", "1 while a provider is paused (its credentials were refused).",
+    ["provider"],
+)  # fmt: skip
 BUILD_INFO: Final = Info("outbox_build", "The running outbox version.")

@@ -61,6 +61,7 @@ class Next:
 REASON_PERMANENT = "permanent_failure"
 REASON_EXHAUSTED = "attempts_exhausted"
 REASON_KEY_WINDOW = "key_window_passed"
+REASON_INDETERMINATE = "indeterminate_provider_error"
 
 
 def after_failure(
@@ -73,6 +74,7 @@ def after_failure(
     window: KeyWindow,
     backoff: Backoff,
     retry_after: timedelta | None = None,
+    reconcile: bool = False,
     rng: random.Random | None = None,
 ) -> Next:
     """Decide the next status after a failed attempt.
@@ -81,6 +83,8 @@ def after_failure(
     """
     if failure is FailureClass.PERMANENT:
         return Next(Status.QUARANTINED, REASON_PERMANENT)
+    if reconcile:
+        return Next(Status.RECONCILING, REASON_INDETERMINATE)
     if attempt >= max_attempts:
         return Next(Status.QUARANTINED, REASON_EXHAUSTED)
     delay = backoff.delay(attempt, rng)

@@ -99,6 +99,8 @@ WITH due AS MATERIALIZED (
     SELECT id
     FROM outbox.operations
     WHERE status = 'pending' AND available_at <= now()
+      -- Providers paused in this process (credentials refused) are left for later.
+      AND provider <> ALL (%(paused)s::text[])
     ORDER BY available_at, id
     LIMIT %(limit)s::integer
     FOR UPDATE SKIP LOCKED

@@ -69,8 +69,10 @@ class Store:
     def __init__(self, pool: AsyncConnectionPool[Any]) -> None:
         self._pool = pool
 
-    async def claim(self, worker: str, limit: int, lease: timedelta) -> list[Claimed]:
-        params = {"worker": worker, "limit": limit, "lease": lease}
+    async def claim(self, worker: str, limit: int, lease: timedelta,
+                    paused: Sequence[str] = ()) -> list[Claimed]:  # fmt: skip
+        """Lease up to ``limit`` due rows, skipping the ``paused`` providers'."""
+        params = {"worker": worker, "limit": limit, "lease": lease, "paused": list(paused)}
         async with self._pool.connection() as conn:
             cur = conn.cursor(row_factory=dict_row)
             rows = await (await cur.execute(statements.CLAIM, params)).fetchall()

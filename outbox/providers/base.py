@@ -50,6 +50,12 @@ class Failed:
     http_status: int | None = None
     request_id: str | None = None
     retry_after: timedelta | None = None  # the provider's own hint, honoured by the backoff
+    # The provider will only ever repeat this answer for this key (a saved indeterminate error):
+    # retrying burns attempts, so the operation goes to reconciliation.
+    reconcile: bool = False
+    # The provider refuses our credentials (401/403): every operation would fail the same way,
+    # so the whole provider pauses and this operation keeps its attempt.
+    pause: bool = False
 
     @property
     def may_have_reached_provider(self) -> bool:

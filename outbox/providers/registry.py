@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from importlib.metadata import entry_points
 from typing import Any, Final
@@ -10,12 +11,15 @@ from typing import Any, Final
 from outbox.config import ConfigError, ProviderSettings, read_secret
 from outbox.providers.base import Provider
 from outbox.providers.noop import NoopProvider
+from outbox.providers.stripe import StripeOptions, StripeProvider
 from outbox.providers.webhook import DEFAULT_REFERENCE_FIELD, WebhookOptions, WebhookProvider
 
 ENTRY_POINT_GROUP: Final = "outbox.providers"
 Factory = Callable[[ProviderSettings], Provider]
 
 _WEBHOOK_KEYS: Final = ("url", "headers", "secret_headers", "reference_field")
+_STRIPE_KEYS: Final = ("api_key_env", "api_key_file", "api_base", "stripe_account")
+DEFAULT_STRIPE_API: Final = "https://api.stripe.com"
 
 
 def build_providers(
@@ -32,7 +36,7 @@ def _build(ps: ProviderSettings, environ: Mapping[str, str] | None) -> Provider:
         _reject_unknown(ps, ())
         return NoopProvider(ps.name, ps.key_retention)
     if ps.type == "stripe":
-        raise ConfigError(f"providers.{ps.name}.type: the stripe provider is not available yet")
+        return StripeProvider(ps.name, stripe_options(ps, environ))
     return _plugin(ps.type, ps.name)(ps)
 
 
@@ -59,6 +63,30 @@ def webhook_options(
         },
         reference_field=str(ps.options.get("reference_field", DEFAULT_REFERENCE_FIELD)),
     )
+
+
+def stripe_options(ps: ProviderSettings, environ: Mapping[str, str] | None = None) -> StripeOptions:
+    """The Stripe settings of ``ps``, the API key read from the environment or a file."""
+    _reject_unknown(ps, _STRIPE_KEYS)
+    where = f"providers.{ps.name}"
+    env = os.environ if environ is None else environ
+    if "api_key_env" in ps.options:
+        spec: Mapping[str, str] = {"env": str(ps.options["api_key_env"])}
+    elif "api_key_file" in ps.options:
+        spec = {"file": str(ps.options["api_key_file"])}
+    elif env.get("CREDENTIALS_DIRECTORY"):  # systemd LoadCredential=<provider name>:...
+        spec = {"file": ps.name}
+    else:
+        raise ConfigError(f"{where} needs api_key_env or api_key_file (never the key itself)")
+    api_base = str(ps.options.get("api_base", DEFAULT_STRIPE_API))
+    if not api_base.startswith(("http://", "https://")):
+        raise ConfigError(f"{where}.api_base must be an http:// or https:// URL")
+    account = ps.options.get("stripe_account")
+    return StripeOptions(
+        api_key=read_secret(spec, key=f"{where}.api_key", environ=env), api_base=api_base,
+        timeout=ps.timeout, key_retention=ps.key_retention,
+        stripe_account=None if account is None else str(account),
+    )  # fmt: skip
 
 
 def _string_map(value: object, where: str, *, allow_tables: bool = False) -> dict[str, Any]:

@@ -36,10 +36,12 @@ def dispatcher(
     *,
     worker: str = "test-worker",
     call_timeouts: Mapping[str, timedelta] | None = None,
+    pause_probe: timedelta = timedelta(seconds=30),
     **overrides: Any,
 ) -> Dispatcher:
     return Dispatcher(Store(pool), providers, settings(**overrides), worker_id=worker,
-                      call_timeouts=call_timeouts, rng=random.Random(7))  # fmt: skip
+                      call_timeouts=call_timeouts, rng=random.Random(7),
+                      pause_probe=pause_probe)  # fmt: skip
 
 
 def enqueue_many(url: str, count: int, *, provider: str = "hook", prefix: str = "op",
@@ -94,3 +96,30 @@ def make_due(url: str) -> None:
     """Move time in the data: every scheduled retry becomes due now."""
     with psycopg.connect(url) as conn:
         conn.execute("UPDATE outbox.operations SET available_at = now() WHERE status = 'pending'")
+
+
+def stripe_provider(name: str, url: str, *, api_key: str = "sk_test_fake", timeout: float = 5.0,
+                    key_retention: float = 86400.0) -> Provider:  # fmt: skip
+    """The real Stripe provider pointed at a fake Stripe, its key read from a variable."""
+    from outbox.config import ProviderSettings  # noqa: PLC0415
+    from outbox.providers.registry import build_providers  # noqa: PLC0415
+
+    ps = ProviderSettings(name, "stripe", key_retention=timedelta(seconds=key_retention),
+                          timeout=timedelta(seconds=timeout),
+                          options={"api_key_env": "TEST_STRIPE_KEY", "api_base": url})  # fmt: skip
+    return build_providers({name: ps}, environ={"TEST_STRIPE_KEY": api_key})[name]
+
+
+def enqueue_charges(url: str, count: int, *, provider: str = "stripe", prefix: str = "inv",
+                    action: str = "payment_intents.create") -> list[int]:  # fmt: skip
+    ids = []
+    with psycopg.connect(url) as conn:
+        for i in range(count):
+            result = outbox.enqueue(
+                conn, tenant_id="acme", operation_type="invoice.charge",
+                operation_key=f"{prefix}-{i}", provider=provider, action=action,
+                payload={"amount": 1000 + i, "currency": "usd", "customer": "cus_123",
+                         "metadata": {"invoice": f"{prefix}-{i}"}},
+            )  # fmt: skip
+            ids.append(result.operation_id)
+    return ids
