@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -33,6 +34,8 @@ DEFAULT_METRICS_ADDR = "127.0.0.1:9464"
 @click.version_option(package_name="outbox")
 def main() -> None:
     """outbox: transactional-outbox dispatcher for PostgreSQL."""
+    # Log lines go to stderr, so stdout stays the command's output; `run` sets its own level.
+    logs.configure(os.environ.get("OUTBOX_LOG_LEVEL", "warning"))
 
 
 @main.command()

@@ -7,18 +7,24 @@ the login user) in the audit.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import getpass
 import json
+import sys
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, TypeVar
 
 import click
 
-from outbox import operators
-from outbox.cli_common import connect, dsn_option, json_option
+from outbox import operators, reconciler
+from outbox.cli_common import BadInput, connect, dsn_option, json_option
+from outbox.config import ConfigError, load_settings
 from outbox.durations import format_duration
 from outbox.model import Status
+from outbox.providers.registry import build_providers
 from outbox.tables import render_table
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -73,7 +79,7 @@ def build_group(name: str, status: Status) -> click.Group:
     @click.option("--operation-key")
     @click.option("--payload", "with_payload", is_flag=True, help="Include the payload.")
     @json_option
-    def show(  # noqa: PLR0917 (click passes every option)
+    def show(
         dsn: str,
         operation_id: int | None,
         tenant_id: str | None,
@@ -143,6 +149,52 @@ def add_reconcile_actions(group: click.Group) -> None:
                 conn, operation_id, reason=reason, actor=actor, force=force
             ),
         )
+
+
+def add_reconcile_check(group: click.Group) -> None:
+    @group.command()
+    @dsn_option
+    @click.argument("operation_id", type=int, required=False)
+    @click.option("--all", "check_all", is_flag=True, help="Check every reconciling operation.")
+    @click.option("--dry-run", is_flag=True, help="Look, but record nothing.")
+    @click.option("--config", "config_path", envvar="OUTBOX_CONFIG", show_envvar=True,
+                  type=click.Path(dir_okay=False, path_type=Path),
+                  help="The providers' settings (as for outbox run).")  # fmt: skip
+    @json_option
+    def check(dsn: str, operation_id: int | None, check_all: bool, dry_run: bool,
+              config_path: Path | None, as_json: bool) -> None:  # fmt: skip
+        """Ask the provider whether the effect exists: found -> succeeded; not found -> recorded."""
+        if (operation_id is None) != check_all:
+            raise click.UsageError("give an operation ID or --all")
+        try:
+            providers = build_providers(load_settings(config_path).providers)
+        except ConfigError as exc:
+            raise BadInput(str(exc)) from None
+        with click.progressbar(length=0, label="checking", file=sys.stderr,
+                               hidden=as_json or not check_all) as bar:  # fmt: skip
+
+            def total(n: int) -> None:
+                bar.length = n
+
+            results = asyncio.run(reconciler.run_checks(
+                dsn, providers, operation_id, dry_run=dry_run, on_total=total,
+                on_result=lambda _: bar.update(1)))  # fmt: skip
+        if as_json:
+            click.echo(json.dumps([dataclasses.asdict(r) for r in results]))
+            return
+        click.echo(render_table(["id", "provider", "finding", "reference", "note"], [
+            (r.operation_id, r.provider, r.finding, r.reference,
+             _check_note(r, dry_run)) for r in results]))  # fmt: skip
+
+
+def _check_note(result: reconciler.CheckResult, dry_run: bool) -> str:
+    if result.finding == "no_lookup":
+        return "this provider cannot be asked: a person decides"
+    if result.finding == "error":
+        return f"the look-up failed ({result.error}); nothing recorded"
+    if result.duplicates:
+        return f"more effects carry this id: {', '.join(result.duplicates)}"
+    return "dry run: nothing recorded" if dry_run else ""
 
 
 def add_quarantine_actions(group: click.Group) -> None:
@@ -218,5 +270,6 @@ def _describe(op: dict[str, Any]) -> str:
 
 reconcile = build_group("reconcile", Status.RECONCILING)
 add_reconcile_actions(reconcile)
+add_reconcile_check(reconcile)
 quarantine = build_group("quarantine", Status.QUARANTINED)
 add_quarantine_actions(quarantine)

@@ -59,6 +59,12 @@ DEFAULT_BACKOFF_MAX: Final = timedelta(minutes=10)
 # A retry after the provider forgot the idempotency key could repeat the effect, so retries stop
 # this long before that; an hour absorbs clock skew and a slow last attempt with room to spare.
 DEFAULT_RETENTION_MARGIN: Final = timedelta(hours=1)
+# The reconciler asks providers about reconciling operations on its own; only a person's
+# decision is needed for what it cannot find.
+DEFAULT_AUTO_RECONCILE: Final = True
+# A lookup lists a page or two of objects per operation: every few minutes finds an effect soon
+# after it appears (Stripe may roll a 500 forward) without loading the provider's API.
+DEFAULT_RECONCILE_INTERVAL: Final = timedelta(minutes=5)
 # Without a heartbeat setting, leases are renewed three times per lease: one late renewal still
 # leaves the lease held.
 HEARTBEATS_PER_LEASE: Final = 3
@@ -140,6 +146,19 @@ def _positive_int(value: object, where: _Where) -> int:
     return number
 
 
+def _boolean(value: object, where: _Where) -> bool:
+    """``value`` as a boolean; from the environment, true/false/1/0/yes/no."""
+    if where.env is not None and isinstance(value, str):
+        text = value.strip().lower()
+        if text in ("true", "1", "yes", "on"):
+            return True
+        if text in ("false", "0", "no", "off"):
+            return False
+    if not isinstance(value, bool):
+        raise where.error(f"must be true or false, not {_show(value)}")
+    return value
+
+
 def _as_timedelta(value: object) -> timedelta | None:
     """``value`` (a duration string, seconds or a timedelta) as a timedelta, else None."""
     if isinstance(value, timedelta):
@@ -215,6 +234,8 @@ _DISPATCHER_CHECKS: Final[Mapping[str, Callable[[Any, _Where], Any]]] = MappingP
         "backoff_max": _positive_duration,
         "retention_margin": _nonnegative_duration,
         "heartbeat": _optional_positive_duration,
+        "auto_reconcile": _boolean,
+        "reconcile_interval": _positive_duration,
     }
 )
 
@@ -236,6 +257,8 @@ class DispatcherSettings:
     backoff_max: timedelta = DEFAULT_BACKOFF_MAX
     retention_margin: timedelta = DEFAULT_RETENTION_MARGIN
     heartbeat: timedelta | None = None
+    auto_reconcile: bool = DEFAULT_AUTO_RECONCILE
+    reconcile_interval: timedelta = DEFAULT_RECONCILE_INTERVAL
 
     def __post_init__(self) -> None:
         # The loader checked each value already, naming its source; this keeps settings built in

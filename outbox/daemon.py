@@ -24,6 +24,7 @@ from outbox.db.connect import connection_options
 from outbox.db.store import Store
 from outbox.dispatcher import Dispatcher
 from outbox.providers.base import Provider
+from outbox.reconciler import Reconciler
 
 # Enough connections for claims, heartbeats, rescues and bursts of records; more would only
 # queue inside PostgreSQL. Each replica holds at most this many plus one for LISTEN.
@@ -78,6 +79,10 @@ async def serve(
         asyncio.create_task(wakeup.listen_forever(dsn, dispatcher.wake), name="outbox-listen"),
         asyncio.create_task(_tick(health), name="outbox-tick"),
     ]
+    if settings.dispatcher.auto_reconcile:
+        checker = Reconciler(pool, providers)
+        interval = settings.dispatcher.reconcile_interval
+        helpers.append(asyncio.create_task(checker.run_forever(interval), name="outbox-reconcile"))
     _install_signal_handlers(dispatcher, health)
     log.info(
         "outbox run started",

@@ -44,4 +44,8 @@ PROVIDER_PAUSED: Final = Gauge(
     "outbox_provider_paused", "1 while a provider is paused (its credentials were refused).",
     ["provider"],
 )  # fmt: skip
+RECONCILE_CHECKS: Final = Counter(
+    "outbox_reconcile_checks", "Reconciliation look-ups, by what they found.",
+    ["provider", "finding"],
+)  # fmt: skip
 BUILD_INFO: Final = Info("outbox_build", "The running outbox version.")

@@ -299,3 +299,19 @@ RETRY: Final = "SELECT outbox.retry_operation(%(id)s, %(reason)s, %(actor)s, %(f
 RECORD_CHECK: Final = (
     "SELECT outbox.record_check(%(id)s, %(found_ref)s, %(actor)s, %(details)s::jsonb)"
 )
+
+# --- reconciler ---------------------------------------------------------------------------------
+
+# Reconciling operations to look up at their provider: one by id, or every one not checked since
+# ``recheck_after`` (NULL: all), oldest first.
+RECONCILING_TO_CHECK: Final = """
+SELECT id, provider, action, coalesce(first_sent_at, created_at) AS first_sent_at,
+       coalesce(last_attempt_at, created_at) AS last_attempt_at
+FROM outbox.operations
+WHERE status = 'reconciling'
+  AND (%(id)s::bigint IS NULL OR id = %(id)s::bigint)
+  AND (%(recheck_after)s::interval IS NULL OR checked_at IS NULL
+       OR checked_at < now() - %(recheck_after)s::interval)
+ORDER BY status_changed_at, id
+LIMIT %(limit)s::integer
+"""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, Protocol, runtime_checkable
 
 from outbox.model import FailureClass
@@ -78,6 +78,14 @@ def unknown(error_class: str, message: str, **details: Any) -> Failed:
 SendResult = Succeeded | Failed
 
 
+@dataclass(frozen=True, slots=True)
+class Found:
+    """The effect of an operation, found at its provider by the reconciler."""
+
+    reference: str
+    duplicates: tuple[str, ...] = ()  # more objects that carry the same operation id
+
+
 class InvalidRequest(Exception):
     """Raised by ``Provider.check`` for an operation this provider can never send."""
 
@@ -101,3 +109,13 @@ class Provider(Protocol):
     async def send(self, request: SendRequest) -> SendResult: ...
 
     async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class Lookup(Protocol):
+    """A provider that can tell whether an operation's effect exists (for reconciliation)."""
+
+    async def lookup(self, action: str, operation_id: int, first_sent_at: datetime,
+                     last_attempt_at: datetime) -> Found | None:  # fmt: skip
+        """The effect, or None if the provider has none; raises if it cannot tell."""
+        ...

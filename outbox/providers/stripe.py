@@ -20,6 +20,7 @@ import stripe
 
 from outbox.providers.base import (
     Failed,
+    Found,
     InvalidRequest,
     SendRequest,
     SendResult,
@@ -65,14 +66,6 @@ class StripeOptions:
 
     def __repr__(self) -> str:
         return f"StripeOptions(api_base={self.api_base!r}, stripe_account={self.stripe_account!r})"
-
-
-@dataclass(frozen=True, slots=True)
-class Found:
-    """The effect of an operation, found at the provider."""
-
-    reference: str
-    duplicates: tuple[str, ...] = ()  # more than one object carries the operation id
 
 
 class StripeProvider:
@@ -144,7 +137,8 @@ class StripeProvider:
         page = await service.list_async(params={"created": created, "limit": LOOKUP_PAGE})
         matches: list[str] = []
         async for obj in page.auto_paging_iter():
-            if (obj.get("metadata") or {}).get(METADATA_OPERATION_ID) == str(operation_id):
+            metadata = obj.to_dict().get("metadata") or {}
+            if metadata.get(METADATA_OPERATION_ID) == str(operation_id):
                 matches.append(str(obj.id))
         if not matches:
             return None

@@ -179,10 +179,18 @@ def test_environment_overrides_the_file(example: Path) -> None:
 
 @pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(DispatcherSettings)])
 def test_every_dispatcher_setting_can_come_from_the_environment(field: str) -> None:
-    value = "2" if field in ("concurrency", "batch_size", "max_attempts") else "2s"
+    value, expected = {
+        "concurrency": ("2", 2), "batch_size": ("2", 2), "max_attempts": ("2", 2),
+        "auto_reconcile": ("false", False),
+    }.get(field, ("2s", timedelta(seconds=2)))  # fmt: skip
     settings = load({}, **{f"OUTBOX_DISPATCHER__{field.upper()}": value})
-    expected = 2 if value == "2" else timedelta(seconds=2)
     assert getattr(settings.dispatcher, field) == expected
+
+
+@pytest.mark.parametrize("value", ["yes", 1, "true"])
+def test_a_boolean_in_the_file_must_be_a_toml_boolean(value: object) -> None:
+    with pytest.raises(ConfigError, match=r"dispatcher\.auto_reconcile .*must be true or false"):
+        load({"dispatcher": {"auto_reconcile": value}})
 
 
 def test_a_provider_name_matches_ignoring_case_with_dashes_as_underscores() -> None:

@@ -1,0 +1,147 @@
+"""The reconciler: asks providers whether a reconciling operation's effect exists.
+
+Found: the operation becomes succeeded with the provider's reference (and an audit entry). Not
+found: it stays reconciling with "not found as of <time>", for a person to decide (`outbox
+reconcile retry` or `cancel`). A provider without a lookup leaves every decision to a person.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Final
+
+import psycopg
+import structlog
+from psycopg.rows import dict_row
+from psycopg_pool import AsyncConnectionPool
+
+from outbox import metrics
+from outbox.db import statements
+from outbox.db.connect import connection_options
+from outbox.operators import SQLSTATE_OPERATOR_REFUSED
+from outbox.providers.base import Found, Lookup, Provider
+
+ACTOR: Final = "outbox-reconciler"
+# A check rereads an operation at most this often: not-found is the usual answer, and each look
+# costs the provider a list call or two.
+RECHECK_AFTER: Final = timedelta(hours=1)
+BATCH: Final = 100
+MANUAL_LIMIT: Final = 100_000
+
+log = structlog.get_logger("outbox.reconciler")
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    operation_id: int
+    provider: str
+    finding: str  # found | not_found | no_lookup | error
+    reference: str | None = None
+    duplicates: tuple[str, ...] = ()
+    error: str | None = None
+
+
+class Reconciler:
+    def __init__(self, pool: AsyncConnectionPool[Any], providers: Mapping[str, Provider],
+                 *, actor: str = ACTOR) -> None:  # fmt: skip
+        self._pool = pool
+        self._providers = providers
+        self._actor = actor
+
+    async def candidates(self, operation_id: int | None = None, *,
+                         recheck_after: timedelta | None = None,
+                         limit: int = BATCH) -> list[dict[str, Any]]:  # fmt: skip
+        params = {"id": operation_id, "recheck_after": recheck_after, "limit": limit}
+        async with self._pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            rows: list[dict[str, Any]] = await (
+                await cur.execute(statements.RECONCILING_TO_CHECK, params)
+            ).fetchall()
+        return rows
+
+    async def check(self, row: Mapping[str, Any], *, dry_run: bool = False) -> CheckResult:
+        """Look one operation up at its provider and, unless ``dry_run``, record the finding."""
+        result = await self._look(row)
+        if not dry_run and result.finding in ("found", "not_found"):
+            await self._record(result)
+        metrics.RECONCILE_CHECKS.labels(result.provider, result.finding).inc()
+        log.info("reconciliation check", operation_id=result.operation_id,
+                 provider=result.provider, outcome=result.finding, dry_run=dry_run)  # fmt: skip
+        return result
+
+    async def run_once(self, *, recheck_after: timedelta | None = RECHECK_AFTER,
+                       on_result: Callable[[CheckResult], None] | None = None) -> int:  # fmt: skip
+        """Check every reconciling operation not checked since ``recheck_after``."""
+        rows = await self.candidates(recheck_after=recheck_after, limit=BATCH)
+        for row in rows:
+            result = await self.check(row)
+            if on_result is not None:
+                on_result(result)
+        return len(rows)
+
+    async def run_forever(self, interval: timedelta) -> None:
+        while True:
+            try:
+                await self.run_once()
+            except psycopg.Error as exc:
+                metrics.DB_ERRORS.labels("reconcile").inc()
+                log.warning("reconciliation pass failed", error_class=type(exc).__name__)
+            await asyncio.sleep(interval.total_seconds())
+
+    async def _look(self, row: Mapping[str, Any]) -> CheckResult:
+        base = {"operation_id": row["id"], "provider": row["provider"]}
+        provider = self._providers.get(row["provider"])
+        if not isinstance(provider, Lookup):
+            return CheckResult(finding="no_lookup", **base)
+        try:
+            found: Found | None = await provider.lookup(
+                row["action"], row["id"], row["first_sent_at"], row["last_attempt_at"]
+            )
+        except Exception as exc:  # noqa: BLE001 (a failed look proves nothing either way)
+            return CheckResult(finding="error", error=type(exc).__name__, **base)
+        if found is None:
+            return CheckResult(finding="not_found", **base)
+        return CheckResult(finding="found", reference=found.reference,
+                           duplicates=found.duplicates, **base)  # fmt: skip
+
+    async def _record(self, result: CheckResult) -> None:
+        details = {"duplicates": list(result.duplicates)} if result.duplicates else {}
+        params = {"id": result.operation_id, "found_ref": result.reference, "actor": self._actor,
+                  "details": json.dumps(details)}  # fmt: skip
+        async with self._pool.connection() as conn:
+            try:
+                await conn.execute(statements.RECORD_CHECK, params)
+            except psycopg.Error as exc:
+                if exc.sqlstate != SQLSTATE_OPERATOR_REFUSED:
+                    raise
+                # Resolved by someone else meanwhile: nothing left to record.
+        if result.duplicates:
+            log.error(
+                "more than one effect carries this operation id",
+                provider=result.provider,
+                operation_id=result.operation_id,
+                duplicates=list(result.duplicates),
+            )
+
+
+async def run_checks(dsn: str, providers: Mapping[str, Provider], operation_id: int | None, *,
+                     dry_run: bool, on_total: Callable[[int], None],
+                     on_result: Callable[[CheckResult], None]) -> list[CheckResult]:  # fmt: skip
+    """Check one operation (or, with None, every reconciling one) for `outbox reconcile check`."""
+    options = {"autocommit": True, **connection_options(dsn, "outbox-reconcile")}
+    async with AsyncConnectionPool(dsn, min_size=1, max_size=2, kwargs=options) as pool:
+        reconciler = Reconciler(pool, providers, actor=f"{ACTOR} (manual)")
+        rows = await reconciler.candidates(operation_id, limit=MANUAL_LIMIT)
+        on_total(len(rows))
+        results = []
+        for row in rows:
+            result = await reconciler.check(row, dry_run=dry_run)
+            on_result(result)
+            results.append(result)
+    for provider in providers.values():
+        await provider.aclose()
+    return results

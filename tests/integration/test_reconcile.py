@@ -1,0 +1,210 @@
+"""Reconciliation against the fake Stripe: an operation whose key window passed is never resent
+blindly; the reconciler finds its effect or records that there is none, and a person retries."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import AsyncIterator, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg_pool import AsyncConnectionPool
+
+from outbox.providers.base import Provider
+from outbox.reconciler import Reconciler
+from tests.support.cli import outbox_cli
+from tests.support.daemon import write_config
+from tests.support.dispatch import (
+    dispatcher,
+    enqueue_charges,
+    key_of,
+    make_due,
+    rows,
+    stripe_provider,
+)
+from tests.support.fake_stripe import FakeStripe, Fault
+
+
+@pytest.fixture
+async def pool(db_url: str) -> AsyncIterator[AsyncConnectionPool[Any]]:
+    async with AsyncConnectionPool(db_url, min_size=1, max_size=4,
+                                   kwargs={"autocommit": True}) as p:  # fmt: skip
+        yield p
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeStripe]:
+    with FakeStripe() as f:
+        yield f
+
+
+@pytest.fixture
+async def provider(fake: FakeStripe) -> AsyncIterator[Provider]:
+    p = stripe_provider("stripe", fake.url, timeout=0.3)
+    yield p
+    await p.aclose()
+
+
+@pytest.fixture
+def check_env(db_url: str, fake: FakeStripe, tmp_path: Path) -> dict[str, str]:
+    """The environment of `outbox reconcile check` pointed at the fake Stripe."""
+    config = write_config(tmp_path / "outbox.toml", providers={"stripe": {
+        "type": "stripe", "api_key_env": "TEST_STRIPE_KEY", "api_base": fake.url}})  # fmt: skip
+    return {**os.environ, "OUTBOX_DATABASE_URL": db_url, "OUTBOX_CONFIG": str(config),
+            "TEST_STRIPE_KEY": "sk_test_fake"}  # fmt: skip
+
+
+async def unknown_then_past_the_window(db_url: str, pool: AsyncConnectionPool[Any],
+                                       fake: FakeStripe, provider: Provider) -> int:  # fmt: skip
+    """An attempt with an unknown outcome, then time passes beyond the key window."""
+    (op,) = enqueue_charges(db_url, 1)
+    d = dispatcher(pool, {"stripe": provider})
+    assert await d.run_once() == 1
+    assert rows(db_url, "SELECT status, last_error_class FROM outbox.operations") == [
+        ("pending", "unknown")
+    ]
+    fake.wait_idle(timeout=5)
+    with psycopg.connect(db_url) as conn:
+        conn.execute("UPDATE outbox.operations SET first_sent_at = now() - interval '23h 30m'")
+    make_due(db_url)
+    requests = len(fake.received)
+    assert await d.run_once() == 1
+    assert rows(db_url, "SELECT status, status_reason FROM outbox.operations") == [
+        ("reconciling", "key_window_passed")
+    ]
+    assert len(fake.received) == requests  # no blind resend
+    return op
+
+
+async def test_an_effect_stripe_applied_is_found_and_the_operation_succeeds_with_its_id(
+    db_url: str,
+    pool: AsyncConnectionPool[Any],
+    fake: FakeStripe,
+    provider: Provider,
+    check_env: dict[str, str],
+) -> None:
+    fake.inject(Fault.delay_after_apply(1.0))  # applied, but the answer comes too late
+    op = await unknown_then_past_the_window(db_url, pool, fake, provider)
+    assert fake.object_count() == 1
+
+    dry = outbox_cli(check_env, "reconcile", "check", str(op), "--dry-run", "--json")
+    assert dry.returncode == 0, dry.stderr
+    assert json.loads(dry.stdout)[0]["finding"] == "found"
+    assert rows(db_url, "SELECT status FROM outbox.operations") == [("reconciling",)]
+
+    done = outbox_cli(check_env, "reconcile", "check", str(op))
+    assert done.returncode == 0, done.stderr
+    (obj,) = fake.objects()
+    assert obj["id"] in done.stdout
+    assert rows(db_url, "SELECT status, provider_ref, check_finding FROM outbox.operations") == [
+        ("succeeded", obj["id"], "found")
+    ]
+    assert rows(db_url, "SELECT actor, action, to_status, details->>'provider_ref' "
+                        "FROM outbox.audit") == [
+        ("outbox-reconciler (manual)", "check", "succeeded", obj["id"])]  # fmt: skip
+    assert fake.object_count() == 1
+
+
+async def test_an_effect_stripe_never_applied_is_recorded_missing_then_retried_once(
+    db_url: str,
+    pool: AsyncConnectionPool[Any],
+    fake: FakeStripe,
+    provider: Provider,
+    check_env: dict[str, str],
+) -> None:
+    fake.inject(Fault.reset_before_apply())  # the connection dies; nothing was created
+    op = await unknown_then_past_the_window(db_url, pool, fake, provider)
+    first_key = key_of(db_url, op)
+
+    checked = outbox_cli(check_env, "reconcile", "check", "--all")
+    assert checked.returncode == 0, checked.stderr
+    assert "not_found" in checked.stdout
+    assert rows(db_url, "SELECT status, check_finding FROM outbox.operations") == [
+        ("reconciling", "not_found")
+    ]
+
+    retried = outbox_cli(check_env, "reconcile", "retry", str(op), "--reason", "not at Stripe")
+    assert retried.returncode == 0, retried.stderr
+    assert await dispatcher(pool, {"stripe": provider}).run_once() == 1
+    (obj,) = fake.objects()
+    assert obj["metadata"]["outbox_idempotency_key"] == f"{first_key}:r2"
+    assert rows(db_url, "SELECT status, provider_ref FROM outbox.operations") == [
+        ("succeeded", obj["id"])
+    ]
+
+
+async def test_the_periodic_reconciler_finds_a_500_that_stripe_rolled_forward(
+    db_url: str, pool: AsyncConnectionPool[Any], fake: FakeStripe, provider: Provider
+) -> None:
+    enqueue_charges(db_url, 1)
+    fake.inject(Fault.error_500_after_apply())  # created, saved 500: indeterminate
+    d = dispatcher(pool, {"stripe": provider})
+    assert await d.run_once() == 1
+    make_due(db_url)
+    assert await d.run_once() == 1  # the replay answers the same saved 500
+    assert rows(db_url, "SELECT status, status_reason FROM outbox.operations") == [
+        ("reconciling", "indeterminate_provider_error")
+    ]
+    checker = Reconciler(pool, {"stripe": provider})
+    assert await checker.run_once() == 1
+    (obj,) = fake.objects()
+    assert rows(db_url, "SELECT status, provider_ref FROM outbox.operations") == [
+        ("succeeded", obj["id"])
+    ]
+    assert await checker.run_once() == 0
+
+
+async def test_a_not_found_is_audited_once_however_often_it_is_checked(
+    db_url: str, pool: AsyncConnectionPool[Any], fake: FakeStripe, provider: Provider
+) -> None:
+    fake.inject(Fault.reset_before_apply())
+    await unknown_then_past_the_window(db_url, pool, fake, provider)
+    checker = Reconciler(pool, {"stripe": provider})
+    for _ in range(3):
+        assert await checker.run_once(recheck_after=timedelta(0)) == 1
+    assert rows(db_url, "SELECT count(*) FROM outbox.audit") == [(1,)]
+    assert rows(db_url, "SELECT check_finding, checked_at > now() - interval '1 minute' "
+                        "FROM outbox.operations") == [("not_found", True)]  # fmt: skip
+
+
+def test_check_needs_an_id_or_all(check_env: dict[str, str]) -> None:
+    done = outbox_cli(check_env, "reconcile", "check")
+    assert done.returncode == 2 and "give an operation ID or --all" in done.stderr
+
+
+async def test_the_lookup_pages_through_lists_and_reports_duplicate_effects(
+    fake: FakeStripe, provider: Provider
+) -> None:
+    from datetime import UTC, datetime  # noqa: PLC0415
+
+    from outbox.providers.stripe import StripeProvider  # noqa: PLC0415
+
+    assert isinstance(provider, StripeProvider)
+    import stripe  # noqa: PLC0415
+
+    http = stripe.HTTPXClient()
+    client = stripe.StripeClient("sk_test_fake", base_addresses={"api": fake.url},
+                                 http_client=http)  # fmt: skip
+    try:
+        for n in (42, *range(1000, 1150), 42):  # the first and the last carry operation 42
+            await client.v1.payment_intents.create_async(
+                params={
+                    "amount": 100,
+                    "currency": "usd",
+                    "metadata": {"outbox_operation_id": str(n)},
+                }
+            )
+    finally:
+        await http.close_async()  # type: ignore[no-untyped-call]
+    first, *_, last = fake.objects("payment_intents")
+    now = datetime.now(UTC)
+    found = await provider.lookup("payment_intents.create", 42, now, now)
+    assert found is not None
+    assert (found.reference, found.duplicates) == (first["id"], (last["id"],))
+    assert await provider.lookup("payment_intents.create", 7, now, now) is None
+    pages = [r for r in fake.received if r.method == "GET"]
+    assert len(pages) >= 4  # 152 objects, 100 a page, twice
