@@ -66,7 +66,7 @@ class WebhookProvider:
             headers={**options.headers, **options.secret_headers},
             transport=transport,
             follow_redirects=False,  # a redirect would replay the POST somewhere unconfigured
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            limits=httpx.Limits(max_connections=100, max_keepalive_connections=100),
         )
 
     @property

@@ -271,3 +271,48 @@ def test_notify_wakes_an_idle_dispatcher_and_listen_survives_its_backend_dying(
         wait_until(listening, timeout=30, what="LISTEN to come back")
         enqueue_many(db_url, 1, prefix="second")
         wait_until(lambda: receiver.effect_count() == 2, timeout=10, what="a wake-up after it")
+
+
+def test_1000_payment_intents_through_two_processes_with_random_faults(
+    db_url: str, tmp_path: Path
+) -> None:
+    import random  # noqa: PLC0415
+
+    from tests.support.dispatch import enqueue_charges  # noqa: PLC0415
+    from tests.support.fake_stripe import FakeStripe  # noqa: PLC0415
+    from tests.support.fake_stripe import Fault as StripeFault  # noqa: PLC0415
+
+    ids = enqueue_charges(db_url, 1_000)
+    rng = random.Random(11)
+    faults = (
+        [StripeFault.delay_after_apply(1.5)] * 40
+        + [StripeFault.status(409, error_type="invalid_request_error",
+                              code_str="idempotency_key_in_use")] * 60
+        + [StripeFault.status(429, error_type="invalid_request_error", code_str="rate_limit")] * 60
+        + [StripeFault.status(503, error_type="api_error")] * 60
+    )  # fmt: skip
+    rng.shuffle(faults)
+    with FakeStripe() as fake:
+        # Spread the faults over the run: every fourth request meets one, at random.
+        for fault in faults:
+            fake.inject(fault)
+        cfg = write_config(tmp_path / "outbox.toml", providers={"stripe": {
+            "type": "stripe", "api_key_env": "TEST_STRIPE_KEY", "api_base": fake.url,
+            "timeout": "500ms"}}, lease="10s", poll_interval="200ms", backoff_base="50ms",
+            backoff_max="300ms", concurrency=32)  # fmt: skip
+        with outbox_processes(2, db_url, cfg, tmp_path,
+                              env={"TEST_STRIPE_KEY": "sk_test_fake"}) as procs:  # fmt: skip
+            wait_until(lambda: count_status(db_url, "succeeded") == 1_000, timeout=180,
+                       what="1,000 payment intents")  # fmt: skip
+            for p in procs:
+                p.signal(signal.SIGTERM)
+            assert [p.wait() for p in procs] == [0, 0]
+        objects = fake.objects("payment_intents")
+    assert len(objects) == 1_000
+    by_operation = {int(o["metadata"]["outbox_operation_id"]): o["id"] for o in objects}
+    assert sorted(by_operation) == sorted(ids)
+    refs = dict(rows(db_url, "SELECT id, provider_ref FROM outbox.operations"))
+    assert refs == by_operation
+    outcomes = dict(rows(db_url, "SELECT outcome, count(*) FROM outbox.attempts GROUP BY 1"))
+    assert outcomes["succeeded"] == 1_000
+    assert outcomes["transient"] >= 150 and outcomes["unknown"] >= 30  # the faults were met
