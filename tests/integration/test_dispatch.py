@@ -7,7 +7,6 @@ made due, and first_sent_at and leases back-dated, instead of sleeping.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -30,26 +29,6 @@ from tests.support.dispatch import (
     webhook,
 )
 from tests.support.fake_webhook import FakeWebhookReceiver, Fault
-
-
-@pytest.fixture
-async def pool(db_url: str) -> AsyncIterator[AsyncConnectionPool[Any]]:
-    async with AsyncConnectionPool(db_url, min_size=1, max_size=6,
-                                   kwargs={"autocommit": True}) as p:  # fmt: skip
-        yield p
-
-
-@pytest.fixture
-def receiver() -> Iterator[FakeWebhookReceiver]:
-    with FakeWebhookReceiver() as r:
-        yield r
-
-
-@pytest.fixture
-async def hook(receiver: FakeWebhookReceiver) -> AsyncIterator[Provider]:
-    provider = webhook("hook", receiver.url, timeout=2.0)
-    yield provider
-    await provider.aclose()
 
 
 def attempts_of(url: str, operation_id: int) -> list[tuple[Any, ...]]:

@@ -2,22 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from datetime import timedelta
 from typing import Any
 
-import pytest
 from psycopg_pool import AsyncConnectionPool
 
 from outbox.providers.noop import NoopProvider
 from tests.support.dispatch import dispatcher, enqueue_many, rows, statuses
-
-
-@pytest.fixture
-async def pool(db_url: str) -> AsyncIterator[AsyncConnectionPool[Any]]:
-    async with AsyncConnectionPool(db_url, min_size=1, max_size=4,
-                                   kwargs={"autocommit": True}) as p:  # fmt: skip
-        yield p
 
 
 async def test_run_once_dispatches_a_batch_and_records_every_attempt(

@@ -4,7 +4,6 @@ cancel. Each action changes the status, writes the audit, and the dispatcher doe
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -14,28 +13,8 @@ from psycopg_pool import AsyncConnectionPool
 
 from outbox.providers.base import Provider
 from tests.support.cli import outbox_cli
-from tests.support.dispatch import dispatcher, enqueue_many, key_of, make_due, rows, webhook
+from tests.support.dispatch import dispatcher, enqueue_many, key_of, make_due, rows
 from tests.support.fake_webhook import FakeWebhookReceiver, Fault
-
-
-@pytest.fixture
-async def pool(db_url: str) -> AsyncIterator[AsyncConnectionPool[Any]]:
-    async with AsyncConnectionPool(db_url, min_size=1, max_size=4,
-                                   kwargs={"autocommit": True}) as p:  # fmt: skip
-        yield p
-
-
-@pytest.fixture
-def receiver() -> Iterator[FakeWebhookReceiver]:
-    with FakeWebhookReceiver() as r:
-        yield r
-
-
-@pytest.fixture
-async def hook(receiver: FakeWebhookReceiver) -> AsyncIterator[Provider]:
-    provider = webhook("hook", receiver.url)
-    yield provider
-    await provider.aclose()
 
 
 async def quarantined_operation(db_url: str, pool: AsyncConnectionPool[Any],

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -27,19 +27,6 @@ from tests.support.dispatch import (
     stripe_provider,
 )
 from tests.support.fake_stripe import FakeStripe, Fault
-
-
-@pytest.fixture
-async def pool(db_url: str) -> AsyncIterator[AsyncConnectionPool[Any]]:
-    async with AsyncConnectionPool(db_url, min_size=1, max_size=4,
-                                   kwargs={"autocommit": True}) as p:  # fmt: skip
-        yield p
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeStripe]:
-    with FakeStripe() as f:
-        yield f
 
 
 @pytest.fixture

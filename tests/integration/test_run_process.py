@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,12 +16,6 @@ from tests.support.dispatch import enqueue_many, key_of, rows, statuses
 from tests.support.fake_webhook import FakeWebhookReceiver, Fault
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def receiver() -> Iterator[FakeWebhookReceiver]:
-    with FakeWebhookReceiver() as r:
-        yield r
 
 
 def config(tmp_path: Path, receiver: FakeWebhookReceiver, **dispatcher: Any) -> Path:

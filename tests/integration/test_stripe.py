@@ -4,7 +4,6 @@ the objects at the fake and the rows afterwards."""
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -28,26 +27,6 @@ from tests.support.dispatch import (
 )
 from tests.support.fake_stripe import FakeStripe, Fault
 from tests.support.fake_webhook import FakeWebhookReceiver
-
-
-@pytest.fixture
-async def pool(db_url: str) -> AsyncIterator[AsyncConnectionPool[Any]]:
-    async with AsyncConnectionPool(db_url, min_size=1, max_size=6,
-                                   kwargs={"autocommit": True}) as p:  # fmt: skip
-        yield p
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeStripe]:
-    with FakeStripe() as f:
-        yield f
-
-
-@pytest.fixture
-async def provider(fake: FakeStripe) -> AsyncIterator[Provider]:
-    p = stripe_provider("stripe", fake.url)
-    yield p
-    await p.aclose()
 
 
 def attempts(url: str) -> list[tuple[Any, ...]]:

@@ -1,0 +1,51 @@
+"""Fixtures shared by the integration tests: a pool for in-process dispatchers, and the fake
+providers on loopback with real providers pointed at them."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+from psycopg_pool import AsyncConnectionPool
+
+from outbox.providers.base import Provider
+from tests.support.dispatch import stripe_provider, webhook
+from tests.support.fake_stripe import FakeStripe
+from tests.support.fake_webhook import FakeWebhookReceiver
+
+
+@pytest.fixture
+async def pool(db_url: str) -> AsyncIterator[AsyncConnectionPool[Any]]:
+    """Autocommit connections to this test's database, as `outbox run` uses them."""
+    async with AsyncConnectionPool(db_url, min_size=1, max_size=6,
+                                   kwargs={"autocommit": True}) as p:  # fmt: skip
+        yield p
+
+
+@pytest.fixture
+def receiver() -> Iterator[FakeWebhookReceiver]:
+    with FakeWebhookReceiver() as r:
+        yield r
+
+
+@pytest.fixture
+async def hook(receiver: FakeWebhookReceiver) -> AsyncIterator[Provider]:
+    """The webhook provider named "hook", pointed at the fake receiver."""
+    provider = webhook("hook", receiver.url, timeout=2.0)
+    yield provider
+    await provider.aclose()
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeStripe]:
+    with FakeStripe() as f:
+        yield f
+
+
+@pytest.fixture
+async def provider(fake: FakeStripe) -> AsyncIterator[Provider]:
+    """The Stripe provider named "stripe", pointed at the fake Stripe."""
+    p = stripe_provider("stripe", fake.url)
+    yield p
+    await p.aclose()
