@@ -140,3 +140,27 @@ def test_no_dsn_at_all_is_a_usage_error() -> None:
     done = outbox_cli(env, "status")
     assert done.returncode == 2
     assert "--dsn" in done.stderr and "OUTBOX_DATABASE_URL" in done.stderr
+
+
+def test_run_with_a_missing_secret_exits_2_naming_the_key_before_claiming_anything(
+    cli_env: dict[str, str], db_url: str, tmp_path: Path
+) -> None:
+    assert outbox_cli(cli_env, "enqueue", *CHARGE, "--payload", PAYLOAD).returncode == 0
+    config = tmp_path / "outbox.toml"
+    config.write_text('[providers.stripe]\ntype = "stripe"\napi_key_env = "UNSET_STRIPE_KEY"\n')
+    env = {k: v for k, v in cli_env.items() if k != "UNSET_STRIPE_KEY"}
+    done = outbox_cli(env, "run", "--config", str(config), "--metrics-addr", "off")
+    assert done.returncode == 2
+    assert (
+        "providers.stripe.api_key: environment variable UNSET_STRIPE_KEY is not set" in done.stderr
+    )
+    status = json.loads(outbox_cli(cli_env, "status", "--json").stdout)
+    assert status["operations"]["pending"] == 1 and status["operations"]["in_flight"] == 0
+
+
+def test_run_refuses_an_unknown_config_key(cli_env: dict[str, str], tmp_path: Path) -> None:
+    config = tmp_path / "outbox.toml"
+    config.write_text("[dispatcher]\nconcurency = 4\n")
+    done = outbox_cli(cli_env, "run", "--config", str(config), "--metrics-addr", "off")
+    assert done.returncode == 2
+    assert "unknown key dispatcher.concurency" in done.stderr

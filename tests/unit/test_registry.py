@@ -9,7 +9,7 @@ import pytest
 
 from outbox.config import ConfigError, ProviderSettings
 from outbox.providers.base import Provider
-from outbox.providers.registry import build_providers
+from outbox.providers.registry import build_providers, stripe_options
 
 
 def test_a_plugin_registered_as_an_entry_point_is_built(
@@ -48,3 +48,28 @@ def test_an_unknown_type_names_the_key_and_the_entry_point_group() -> None:
 def test_webhook_settings_errors_name_the_key(options: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         build_providers({"hook": ProviderSettings("hook", "webhook", options=options)}, environ={})
+
+
+def test_stripe_reads_its_key_from_the_credentials_directory(tmp_path: Path) -> None:
+    (tmp_path / "payments").write_text("sk_test_from_systemd\n")
+    ps = ProviderSettings("payments", "stripe")
+    options = stripe_options(ps, {"CREDENTIALS_DIRECTORY": str(tmp_path)})
+    assert options.api_key == "sk_test_from_systemd"
+    assert "sk_test" not in repr(options)
+
+
+@pytest.mark.parametrize(
+    ("options", "environ", "message"),
+    [
+        ({}, {}, r"providers\.s needs api_key_env or api_key_file"),
+        ({"api_key_env": "NOPE"}, {}, r"providers\.s\.api_key: environment variable NOPE"),
+        ({"api_key": "sk_live_x"}, {}, r"providers\.s\.api_key is not a stripe provider setting"),
+        ({"api_key_env": "K", "api_base": "api.stripe.com"}, {"K": "x"}, r"api_base must be"),
+    ],
+)
+def test_stripe_settings_errors_name_the_key(
+    options: dict[str, object], environ: dict[str, str], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message) as caught:
+        stripe_options(ProviderSettings("s", "stripe", options=options), environ)
+    assert "sk_live_x" not in str(caught.value)
