@@ -211,6 +211,21 @@ def add_quarantine_actions(group: click.Group) -> None:
             lambda conn: operators.replay(conn, operation_id, reason=reason, actor=actor),
         )
 
+    @group.command("reconcile")
+    @dsn_option
+    @click.argument("operation_id", type=int)
+    @_reason_option
+    @_actor_option
+    def to_reconciliation(dsn: str, operation_id: int, reason: str, actor: str) -> None:
+        """Send to reconciliation: the provider is asked before anyone decides."""
+        _run_action(
+            dsn,
+            operation_id,
+            lambda conn: operators.request_reconciliation(
+                conn, operation_id, reason=reason, actor=actor
+            ),
+        )
+
 
 def _run_action(dsn: str, operation_id: int, action: Callable[[Any], Status]) -> None:
     with connect(dsn) as conn:

@@ -75,6 +75,13 @@ def replay(conn: psycopg.Connection[Any], operation_id: int, *, reason: str, act
     return _act(conn, statements.REPLAY, {"id": operation_id, "reason": reason, "actor": actor})
 
 
+def request_reconciliation(conn: psycopg.Connection[Any], operation_id: int, *, reason: str,
+                           actor: str) -> Status:  # fmt: skip
+    """Quarantined to reconciling (reason operator_request): the reconciler checks it first."""
+    params = {"id": operation_id, "reason": reason, "actor": actor}
+    return _act(conn, statements.REQUEST_RECONCILIATION, params)
+
+
 def retry(conn: psycopg.Connection[Any], operation_id: int, *, reason: str, actor: str,
           force: bool = False) -> Status:  # fmt: skip
     """Reconciling back to pending under a new key generation."""

@@ -295,6 +295,9 @@ FROM outbox.audit WHERE operation_id = %(id)s ORDER BY at, id
 RESOLVE: Final = "SELECT outbox.resolve_operation(%(id)s, %(provider_ref)s, %(reason)s, %(actor)s)"
 CANCEL: Final = "SELECT outbox.cancel_operation(%(id)s, %(reason)s, %(actor)s)"
 REPLAY: Final = "SELECT outbox.replay_operation(%(id)s, %(reason)s, %(actor)s)"
+REQUEST_RECONCILIATION: Final = (
+    "SELECT outbox.request_reconciliation(%(id)s, %(reason)s, %(actor)s)"
+)
 RETRY: Final = "SELECT outbox.retry_operation(%(id)s, %(reason)s, %(actor)s, %(force)s)"
 RECORD_CHECK: Final = (
     "SELECT outbox.record_check(%(id)s, %(found_ref)s, %(actor)s, %(details)s::jsonb)"

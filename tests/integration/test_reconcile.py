@@ -195,3 +195,35 @@ async def test_the_lookup_pages_through_lists_and_reports_duplicate_effects(
     assert await provider.lookup("payment_intents.create", 7, now, now) is None
     pages = [r for r in fake.received if r.method == "GET"]
     assert len(pages) >= 4  # 152 objects, 100 a page, twice
+
+
+async def test_an_operator_sends_a_quarantined_operation_to_the_reconciler(
+    db_url: str,
+    pool: AsyncConnectionPool[Any],
+    fake: FakeStripe,
+    provider: Provider,
+    check_env: dict[str, str],
+) -> None:
+    (op,) = enqueue_charges(db_url, 1)
+    fake.inject(Fault.delay_after_apply(1.0))  # applied; the answer comes too late
+    d = dispatcher(pool, {"stripe": provider}, max_attempts=1)
+    assert await d.run_once() == 1
+    assert rows(db_url, "SELECT status, status_reason FROM outbox.operations") == [
+        ("quarantined", "attempts_exhausted")
+    ]
+    fake.wait_idle(timeout=5)
+    sent = outbox_cli(check_env, "quarantine", "reconcile", str(op), "--reason",
+                      "did the charge happen?", "--actor", "carol")  # fmt: skip
+    assert sent.returncode == 0, sent.stderr
+    assert rows(db_url, "SELECT status, status_reason FROM outbox.operations") == [
+        ("reconciling", "operator_request")
+    ]
+    assert await Reconciler(pool, {"stripe": provider}).run_once() == 1
+    (obj,) = fake.objects()
+    assert rows(db_url, "SELECT status, provider_ref FROM outbox.operations") == [
+        ("succeeded", obj["id"])
+    ]
+    assert rows(db_url, "SELECT actor, action, to_status FROM outbox.audit ORDER BY id") == [
+        ("carol", "reconcile", "reconciling"),
+        ("outbox-reconciler", "check", "succeeded"),
+    ]
