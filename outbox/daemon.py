@@ -18,7 +18,7 @@ import structlog
 from psycopg_pool import AsyncConnectionPool
 
 import outbox
-from outbox import metrics, wakeup
+from outbox import metrics, sdnotify, wakeup
 from outbox.config import Settings
 from outbox.db.connect import connection_options
 from outbox.db.store import Store
@@ -31,6 +31,7 @@ from outbox.reconciler import Reconciler
 POOL_MAX_SIZE: Final = 10
 # /healthz fails when the event loop has not ticked for this long (a hung process).
 LOOP_STALL_LIMIT: Final = 10.0
+TICK: Final = 0.5
 
 log = structlog.get_logger("outbox.daemon")
 
@@ -117,6 +118,7 @@ def _install_signal_handlers(dispatcher: Dispatcher, health: Health) -> None:
             log.warning("second signal: exiting now", signal=signal.Signals(signum).name)
             os._exit(1)
         log.info("draining", signal=signal.Signals(signum).name)
+        sdnotify.notify(sdnotify.STOPPING)
         health.draining = True
         dispatcher.request_stop()
 
@@ -125,9 +127,20 @@ def _install_signal_handlers(dispatcher: Dispatcher, health: Health) -> None:
 
 
 async def _tick(health: Health) -> None:
+    """The event loop's heartbeat: /healthz, systemd's READY once the database answered, and
+    WATCHDOG=1 from this loop, so a stalled loop is restarted."""
+    watchdog = sdnotify.watchdog_interval()
+    last_watchdog = 0.0
+    ready_sent = False
     while True:
-        health.last_tick = time.monotonic()
-        await asyncio.sleep(1.0)
+        health.last_tick = now = time.monotonic()
+        if not ready_sent and health.dispatcher.database_ok:
+            sdnotify.notify(sdnotify.READY)
+            ready_sent = True
+        if watchdog is not None and now - last_watchdog >= watchdog:
+            sdnotify.notify(sdnotify.WATCHDOG)
+            last_watchdog = now
+        await asyncio.sleep(TICK)
 
 
 def _start_http(addr: tuple[str, int], health: Health) -> ThreadingHTTPServer:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -39,13 +40,13 @@ class OutboxProcess:
     """One `outbox run` subprocess; its log goes to a file the test can read."""
 
     def __init__(self, db_url: str, config: Path, log_path: Path,
-                 env: dict[str, str] | None = None) -> None:  # fmt: skip
+                 env: dict[str, str] | None = None, metrics_addr: str = "off") -> None:  # fmt: skip
         self.log_path = log_path
         self._log: IO[bytes] = log_path.open("ab")
         full_env = {**os.environ, "OUTBOX_DATABASE_URL": db_url, **(env or {})}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "outbox", "run", "--config", str(config),
-             "--metrics-addr", "off"],
+             "--metrics-addr", metrics_addr],
             env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
         )  # fmt: skip
 
@@ -65,6 +66,17 @@ class OutboxProcess:
             self.proc.kill()
             self.proc.wait(timeout=30)
         self._log.close()
+
+    def metrics_url(self, timeout: float = 30) -> str:
+        """The HTTP listener's base URL, read from the process's log once it started."""
+        found: list[str] = []
+
+        def started() -> bool:
+            found[:] = re.findall(r'"metrics_addr": "([^"]+)"', self.log_text())
+            return bool(found)
+
+        wait_until(started, timeout=timeout, what="the HTTP listener")
+        return f"http://{found[0]}"
 
     def log_text(self) -> str:
         self._log.flush()

@@ -1,0 +1,102 @@
+"""What production sees of `outbox run`: systemd's notify protocol, /healthz, /readyz and
+/metrics, over real sockets."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.daemon import OutboxProcess, wait_until, write_config
+from tests.support.dispatch import enqueue_many, key_of, rows
+from tests.support.fake_webhook import FakeWebhookReceiver
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def notify_socket(tmp_path: Path) -> Iterator[socket.socket]:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(tmp_path / "notify.sock"))
+    sock.settimeout(0.2)
+    yield sock
+    sock.close()
+
+
+def messages(sock: socket.socket, until: float) -> list[str]:
+    got: list[str] = []
+    while time.monotonic() < until:
+        try:
+            got.append(sock.recv(4096).decode())
+        except TimeoutError:
+            continue
+        if "STOPPING=1" in got:
+            break
+    return got
+
+
+def get(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as answer:  # noqa: S310 (loopback)
+            return int(answer.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_ready_watchdog_and_stopping_reach_systemd_s_socket(
+    db_url: str, receiver: FakeWebhookReceiver, tmp_path: Path, notify_socket: socket.socket
+) -> None:
+    cfg = write_config(tmp_path / "outbox.toml", providers={
+        "hook": {"type": "webhook", "url": receiver.url}}, poll_interval="200ms")  # fmt: skip
+    env = {"NOTIFY_SOCKET": notify_socket.getsockname(), "WATCHDOG_USEC": "1000000"}
+    proc = OutboxProcess(db_url, cfg, tmp_path / "run.log", env=env)
+    try:
+        first = messages(notify_socket, time.monotonic() + 5)
+        proc.signal(signal.SIGTERM)
+        rest = messages(notify_socket, time.monotonic() + 10)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.stop()
+    assert first.count("READY=1") == 1, first
+    assert first.count("WATCHDOG=1") >= 4  # every half of WatchdogSec=1s, for 5 s
+    assert rest[-1] == "STOPPING=1"
+
+
+def test_health_readiness_and_metrics_over_http(
+    db_url: str, receiver: FakeWebhookReceiver, tmp_path: Path
+) -> None:
+    ops = enqueue_many(db_url, 3)
+    cfg = write_config(tmp_path / "outbox.toml", providers={
+        "hook": {"type": "webhook", "url": receiver.url}}, poll_interval="200ms")  # fmt: skip
+    held_key = key_of(db_url, ops[0])
+    with receiver.hold(held_key) as held:
+        proc = OutboxProcess(db_url, cfg, tmp_path / "run.log", metrics_addr="127.0.0.1:0")
+        try:
+            base = proc.metrics_url()
+            assert held.arrived.wait(30)
+            wait_until(lambda: get(f"{base}/readyz") == 200, timeout=30, what="readiness")
+            assert get(f"{base}/healthz") == 200
+            assert get(f"{base}/nope") == 404
+            proc.signal(signal.SIGTERM)  # draining: the held call keeps it alive
+            wait_until(lambda: get(f"{base}/readyz") == 503, timeout=10, what="unready")
+            assert get(f"{base}/healthz") == 200
+            with urllib.request.urlopen(f"{base}/metrics", timeout=5) as answer:  # noqa: S310
+                scrape = answer.read().decode()
+            held.release()
+            assert proc.wait(timeout=30) == 0
+        finally:
+            proc.stop()
+    assert (
+        'outbox_dispatch_total{action="invoice.paid",outcome="succeeded",provider="hook"} 2.0'
+        in scrape
+    )
+    assert "outbox_in_flight 1.0" in scrape
+    assert rows(db_url, "SELECT count(*) FROM outbox.operations WHERE status = 'succeeded'") == [
+        (3,)
+    ]

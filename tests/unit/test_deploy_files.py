@@ -1,0 +1,85 @@
+"""The systemd units and the Containerfile say what production needs. The image cannot be built
+on these machines (no container engine), so its file is checked for the properties instead."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from outbox.config import DEFAULT_SHUTDOWN_GRACE
+from outbox.durations import parse_duration
+
+REPO = Path(__file__).resolve().parents[2]
+UNITS = ("outbox.service", "outbox-migrate.service")
+
+
+def unit(name: str) -> dict[str, list[str]]:
+    """Every Key=Value of a unit file; keys may repeat."""
+    keys: dict[str, list[str]] = defaultdict(list)
+    for line in (REPO / "systemd" / name).read_text().splitlines():
+        if "=" in line and not line.lstrip().startswith(("#", ";", "[")):
+            key, _, value = line.partition("=")
+            keys[key.strip()].append(value.strip())
+    return keys
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd is not installed")
+def test_systemd_analyze_verify_finds_nothing(tmp_path: Path) -> None:
+    outbox_bin = Path(sys.executable).parent / "outbox"
+    for name in UNITS:  # the units name the installed path; point it at this environment's
+        text = (REPO / "systemd" / name).read_text()
+        (tmp_path / name).write_text(text.replace("/usr/local/bin/outbox", str(outbox_bin)))
+    done = subprocess.run(["systemd-analyze", "verify", "--man=no",
+                           *(str(tmp_path / n) for n in UNITS)],
+                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert done.returncode == 0
+    assert done.stdout + done.stderr == ""  # unknown keys are only warnings: none allowed
+
+
+def test_the_service_notifies_drains_restarts_and_is_hardened() -> None:
+    service = unit("outbox.service")
+    assert service["Type"] == ["notify"]
+    assert parse_duration(service["WatchdogSec"][0]).total_seconds() > 0
+    assert parse_duration(service["TimeoutStopSec"][0]) > DEFAULT_SHUTDOWN_GRACE
+    assert service["Restart"] == ["on-failure"]
+    for key in ("DynamicUser", "NoNewPrivileges", "PrivateTmp", "ProtectHome"):
+        assert service[key] == ["yes"], key
+    assert service["ProtectSystem"] == ["strict"]
+    assert service["CapabilityBoundingSet"] == [""]
+    assert any(c.startswith("stripe:") for c in service["LoadCredential"])
+    assert "outbox-migrate.service" in service["After"][0]
+
+
+def test_no_secret_is_on_a_command_line() -> None:
+    for name in UNITS:
+        for command in unit(name)["ExecStart"]:
+            assert "--dsn" not in command and "password" not in command.lower()
+            assert not re.search(r"sk_(live|test)_", command)
+
+
+def test_the_migrate_unit_is_a_oneshot_before_the_service() -> None:
+    migrate = unit("outbox-migrate.service")
+    assert migrate["Type"] == ["oneshot"]
+    assert migrate["ExecStart"][0].endswith("migrate --lock-timeout 5s --lock-wait 2m")
+    assert migrate["Before"] == ["outbox.service"]
+
+
+def test_the_containerfile_is_multi_stage_non_root_and_runs_the_installed_wheel() -> None:
+    text = (REPO / "Containerfile").read_text()
+    stages = re.findall(r"^FROM\s+(\S+)(?:\s+AS\s+(\S+))?", text, re.MULTILINE)
+    assert len(stages) >= 2
+    final = text[text.rindex("\nFROM ") :]
+    assert "COPY --from=build /wheels" in final
+    assert not re.search(r"^COPY\s+(outbox|sql|\.)\b", final, re.MULTILINE)  # no source tree
+    assert re.search(r"pip install .*--no-index --find-links /wheels outbox", final)
+    user = re.findall(r"^USER\s+(\S+)", final, re.MULTILINE)
+    assert user and user[-1] not in ("root", "0")
+    assert "HEALTHCHECK" in final and "/healthz" in final
+    assert re.search(r"^EXPOSE\s+9464\b", final, re.MULTILINE)
+    assert 'ENTRYPOINT ["outbox"]' in final and '"run"' in final
