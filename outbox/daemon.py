@@ -18,7 +18,7 @@ import structlog
 from psycopg_pool import AsyncConnectionPool
 
 import outbox
-from outbox import metrics, sdnotify, wakeup
+from outbox import gauges, metrics, sdnotify, wakeup
 from outbox.config import Settings
 from outbox.db.connect import connection_options
 from outbox.db.store import Store
@@ -80,6 +80,10 @@ async def serve(
         asyncio.create_task(wakeup.listen_forever(dsn, dispatcher.wake), name="outbox-listen"),
         asyncio.create_task(_tick(health), name="outbox-tick"),
     ]
+    # When each provider's key window closes after the first send (retention less the margin).
+    windows = {name: ps.key_retention - settings.dispatcher.retention_margin
+               for name, ps in settings.providers.items()}  # fmt: skip
+    helpers.append(asyncio.create_task(gauges.refresh_forever(pool, windows), name="outbox-gauges"))
     if settings.dispatcher.auto_reconcile:
         checker = Reconciler(pool, providers)
         interval = settings.dispatcher.reconcile_interval

@@ -48,4 +48,16 @@ RECONCILE_CHECKS: Final = Counter(
     "outbox_reconcile_checks", "Reconciliation look-ups, by what they found.",
     ["provider", "finding"],
 )  # fmt: skip
+# Database-wide: every replica reports the same values, so aggregate with max(), not sum().
+OPERATIONS: Final = Gauge("outbox_operations", "Operations by status, database-wide.", ["status"])
+OLDEST_PENDING_AGE: Final = Gauge(
+    "outbox_oldest_pending_age_seconds", "Age of the oldest due pending operation (0: none)."
+)
+OLDEST_RECONCILING_AGE: Final = Gauge(
+    "outbox_oldest_reconciling_age_seconds", "Time the oldest reconciling operation has waited."
+)
+NEARING_KEY_EXPIRY: Final = Gauge(
+    "outbox_operations_nearing_key_expiry",
+    "Pending operations whose key window closes within the hour.", ["provider"],
+)  # fmt: skip
 BUILD_INFO: Final = Info("outbox_build", "The running outbox version.")

@@ -318,3 +318,38 @@ WHERE status = 'reconciling'
 ORDER BY status_changed_at, id
 LIMIT %(limit)s::integer
 """
+
+# --- gauges -------------------------------------------------------------------------------------
+
+# The database-wide gauges, one cheap statement on a timer: every count but succeeded reads a
+# partial index; succeeded is exact while the table is small and estimated from the planner's
+# row count after that (EXACT_COUNT_LIMIT in outbox.gauges).
+GAUGES: Final = """
+SELECT
+    (SELECT count(*) FROM outbox.operations WHERE status = 'pending') AS pending,
+    (SELECT count(*) FROM outbox.operations WHERE status = 'in_flight') AS in_flight,
+    (SELECT count(*) FROM outbox.operations WHERE status = 'reconciling') AS reconciling,
+    (SELECT count(*) FROM outbox.operations WHERE status = 'quarantined') AS quarantined,
+    (SELECT count(*) FROM outbox.operations WHERE status = 'cancelled') AS cancelled,
+    (SELECT CASE WHEN c.reltuples < %(exact_limit)s
+                 THEN (SELECT count(*) FROM outbox.operations WHERE status = 'succeeded')
+                 END
+     FROM pg_class c WHERE c.oid = 'outbox.operations'::regclass) AS succeeded_exact,
+    (SELECT greatest(c.reltuples, 0)::bigint FROM pg_class c
+     WHERE c.oid = 'outbox.operations'::regclass) AS estimated_rows,
+    (SELECT extract(epoch FROM now() - min(available_at))::float8 FROM outbox.operations
+     WHERE status = 'pending' AND available_at <= now()) AS oldest_pending_age,
+    (SELECT extract(epoch FROM now() - min(status_changed_at))::float8 FROM outbox.operations
+     WHERE status = 'reconciling') AS oldest_reconciling_age
+"""
+
+# Per provider: pending operations whose key window closes within the hour, so they will go to
+# reconciliation unless they succeed first.
+NEARING_KEY_EXPIRY: Final = """
+SELECT p.provider, count(o.id)
+FROM unnest(%(providers)s::text[], %(windows)s::interval[]) AS p(provider, closes_after)
+LEFT JOIN outbox.operations o
+       ON o.provider = p.provider AND o.status = 'pending' AND o.first_sent_at IS NOT NULL
+      AND o.first_sent_at + p.closes_after < now() + interval '1 hour'
+GROUP BY p.provider
+"""

@@ -1,0 +1,60 @@
+"""The database-wide gauges, refreshed by one cheap query on a timer rather than per scrape."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any, Final
+
+import psycopg
+import structlog
+from psycopg.rows import dict_row, tuple_row
+from psycopg_pool import AsyncConnectionPool
+
+from outbox import metrics
+from outbox.db import statements
+from outbox.model import Status
+
+# Counting succeeded rows reads them all; beyond this many rows the planner's estimate serves.
+EXACT_COUNT_LIMIT: Final = 100_000
+INTERVAL: Final = timedelta(seconds=15)
+
+log = structlog.get_logger("outbox.gauges")
+
+
+async def refresh(pool: AsyncConnectionPool[Any], windows: Mapping[str, timedelta]) -> None:
+    """Read the gauges' values from the database and set them."""
+    async with pool.connection() as conn:
+        cur = conn.cursor(row_factory=dict_row)
+        row = await (await cur.execute(statements.GAUGES,
+                                       {"exact_limit": EXACT_COUNT_LIMIT})).fetchone()  # fmt: skip
+        near = await (await conn.cursor(row_factory=tuple_row).execute(
+            statements.NEARING_KEY_EXPIRY,
+            {"providers": list(windows), "windows": list(windows.values())},
+        )).fetchall()  # fmt: skip
+    assert row is not None  # noqa: S101 (a SELECT of scalars returns one row)
+    active = sum(
+        row[s] for s in ("pending", "in_flight", "reconciling", "quarantined", "cancelled")
+    )
+    succeeded = row["succeeded_exact"]
+    if succeeded is None:
+        succeeded = max(row["estimated_rows"] - active, 0)
+    for status in Status:
+        value = succeeded if status is Status.SUCCEEDED else row[status.value]
+        metrics.OPERATIONS.labels(status.value).set(value)
+    metrics.OLDEST_PENDING_AGE.set(row["oldest_pending_age"] or 0)
+    metrics.OLDEST_RECONCILING_AGE.set(row["oldest_reconciling_age"] or 0)
+    for provider, count in near:
+        metrics.NEARING_KEY_EXPIRY.labels(provider).set(count)
+
+
+async def refresh_forever(pool: AsyncConnectionPool[Any], windows: Mapping[str, timedelta],
+                          interval: timedelta = INTERVAL) -> None:  # fmt: skip
+    while True:
+        try:
+            await refresh(pool, windows)
+        except psycopg.Error as exc:
+            metrics.DB_ERRORS.labels("gauges").inc()
+            log.warning("gauge refresh failed", error_class=type(exc).__name__)
+        await asyncio.sleep(interval.total_seconds())
