@@ -23,7 +23,7 @@ import psycopg
 import structlog
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_random_exponential
 
-from outbox import failpoints, metrics
+from outbox import failpoints, metrics, tracing
 from outbox.config import DispatcherSettings
 from outbox.db.store import Claimed, Record, Store
 from outbox.model import Status
@@ -266,7 +266,10 @@ class Dispatcher:
         if self._stopping:
             await self._unclaim(flight, Status.PENDING, None)
             return
-        result = await self._send(flight, provider)
+        with tracing.attempt_span(row.traceparent, _span_attributes(row)) as span:
+            result = await self._send(flight, provider)
+            if span is not None:
+                span.set_attribute("outbox.outcome", _outcome(result))
         await failpoints.hit(failpoints.BEFORE_RECORD)
         if isinstance(result, Failed) and result.pause:
             self._pause(row.provider, result)
@@ -564,3 +567,13 @@ def _storable(rec: Record) -> Record:
         rec, result=None, provider_ref=clean(rec.provider_ref), error=clean(rec.error),
         error_class=clean(rec.error_class), request_id=clean(rec.request_id),
     )  # fmt: skip
+
+
+def _span_attributes(row: Claimed) -> dict[str, Any]:
+    return {"outbox.operation_id": row.id, "outbox.attempt": row.attempts,
+            "outbox.provider": row.provider, "outbox.action": row.action,
+            "outbox.tenant_id": row.tenant_id}  # fmt: skip
+
+
+def _outcome(result: SendResult) -> str:
+    return "succeeded" if isinstance(result, Succeeded) else result.failure.value

@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 import psycopg
 from psycopg.rows import kwargs_row, tuple_row
 
+from outbox import tracing
 from outbox.db import statements
 from outbox.errors import (
     SQLSTATE_INVALID_OPERATION,
@@ -135,6 +136,8 @@ _TEXT_FIELDS = (
 def _enqueue_params(arguments: Mapping[str, Any]) -> Params:
     """The bound parameters of ENQUEUE, after the checks SQL cannot make itself."""
     params = {name: value for name, value in arguments.items() if name != "conn"}
+    if params["traceparent"] is None:
+        params["traceparent"] = tracing.current_traceparent()
     for field in _TEXT_FIELDS:
         value = params[field]
         if value is not None and not isinstance(value, str):

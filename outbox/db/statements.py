@@ -118,8 +118,8 @@ SET status = 'in_flight',
 FROM due
 WHERE o.id = due.id
 RETURNING o.id, o.tenant_id, o.operation_type, o.operation_key, o.provider, o.action, o.payload,
-          o.idempotency_key, o.correlation_id, o.attempts, o.attempt_base, o.max_attempts,
-          o.lease_token, o.first_sent_at, o.created_at, now() AS claimed_at
+          o.idempotency_key, o.correlation_id, o.traceparent, o.attempts, o.attempt_base,
+          o.max_attempts, o.lease_token, o.first_sent_at, o.created_at, now() AS claimed_at
 """
 
 # Record an attempt's outcome and the operation's next status, only if this worker still holds

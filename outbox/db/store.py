@@ -33,6 +33,7 @@ class Claimed:
     payload: Any  # a JSON object when enqueued through outbox.enqueue; checked before sending
     idempotency_key: str
     correlation_id: str | None
+    traceparent: str | None
     attempts: int
     attempt_base: int  # attempts before the last operator replay: the budget counts from here
     max_attempts: int | None
