@@ -10,9 +10,9 @@ import pytest
 from psycopg_pool import AsyncConnectionPool
 
 from outbox.providers.base import Provider
+from outbox.providers.fakes.stripe import FakeStripe
+from outbox.providers.fakes.webhook import FakeWebhookReceiver
 from tests.support.dispatch import stripe_provider, webhook
-from tests.support.fake_stripe import FakeStripe
-from tests.support.fake_webhook import FakeWebhookReceiver
 
 
 @pytest.fixture

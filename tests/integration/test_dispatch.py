@@ -19,6 +19,7 @@ import outbox
 from outbox import metrics
 from outbox.db.store import Store
 from outbox.providers.base import Provider, SendRequest, SendResult, Succeeded
+from outbox.providers.fakes.webhook import FakeWebhookReceiver, Fault
 from tests.support.dispatch import (
     dispatcher,
     enqueue_many,
@@ -28,7 +29,6 @@ from tests.support.dispatch import (
     statuses,
     webhook,
 )
-from tests.support.fake_webhook import FakeWebhookReceiver, Fault
 
 
 def attempts_of(url: str, operation_id: int) -> list[tuple[Any, ...]]:

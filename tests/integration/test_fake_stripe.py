@@ -16,7 +16,7 @@ import requests
 import stripe
 from stripe.params import PaymentIntentCreateParams
 
-from tests.support.fake_stripe import (
+from outbox.providers.fakes.stripe import (
     DEFAULT_API_KEY,
     FakeStripe,
     Fault,

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.fake_webhook import (
+from outbox.providers.fakes.webhook import (
     FakeWebhookReceiver,
     Fault,
     Received,

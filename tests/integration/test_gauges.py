@@ -10,8 +10,8 @@ from psycopg_pool import AsyncConnectionPool
 
 from outbox import gauges, metrics
 from outbox.providers.base import Provider
+from outbox.providers.fakes.webhook import FakeWebhookReceiver, Fault
 from tests.support.dispatch import dispatcher, enqueue_many, key_of, rows
-from tests.support.fake_webhook import FakeWebhookReceiver, Fault
 
 
 def gauge(status: str) -> float:

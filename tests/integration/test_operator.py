@@ -12,9 +12,9 @@ import pytest
 from psycopg_pool import AsyncConnectionPool
 
 from outbox.providers.base import Provider
+from outbox.providers.fakes.webhook import FakeWebhookReceiver, Fault
 from tests.support.cli import outbox_cli
 from tests.support.dispatch import dispatcher, enqueue_many, key_of, make_due, rows
-from tests.support.fake_webhook import FakeWebhookReceiver, Fault
 
 
 async def quarantined_operation(db_url: str, pool: AsyncConnectionPool[Any],

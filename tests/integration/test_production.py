@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from outbox.providers.fakes.webhook import FakeWebhookReceiver
 from tests.support.daemon import OutboxProcess, wait_until, write_config
 from tests.support.dispatch import enqueue_many, key_of, rows
-from tests.support.fake_webhook import FakeWebhookReceiver
 
 pytestmark = pytest.mark.slow
 

@@ -15,6 +15,7 @@ import pytest
 from psycopg_pool import AsyncConnectionPool
 
 from outbox.providers.base import Provider
+from outbox.providers.fakes.stripe import FakeStripe, Fault
 from outbox.reconciler import Reconciler
 from tests.support.cli import outbox_cli
 from tests.support.daemon import write_config
@@ -26,7 +27,6 @@ from tests.support.dispatch import (
     rows,
     stripe_provider,
 )
-from tests.support.fake_stripe import FakeStripe, Fault
 
 
 @pytest.fixture

@@ -11,9 +11,9 @@ from typing import Any
 import psycopg
 import pytest
 
+from outbox.providers.fakes.webhook import FakeWebhookReceiver, Fault
 from tests.support.daemon import OutboxProcess, outbox_processes, wait_until, write_config
 from tests.support.dispatch import enqueue_many, key_of, rows, statuses
-from tests.support.fake_webhook import FakeWebhookReceiver, Fault
 
 pytestmark = pytest.mark.slow
 
@@ -271,9 +271,9 @@ def test_1000_payment_intents_through_two_processes_with_random_faults(
 ) -> None:
     import random  # noqa: PLC0415
 
+    from outbox.providers.fakes.stripe import FakeStripe  # noqa: PLC0415
+    from outbox.providers.fakes.stripe import Fault as StripeFault  # noqa: PLC0415
     from tests.support.dispatch import enqueue_charges  # noqa: PLC0415
-    from tests.support.fake_stripe import FakeStripe  # noqa: PLC0415
-    from tests.support.fake_stripe import Fault as StripeFault  # noqa: PLC0415
 
     ids = enqueue_charges(db_url, 1_000)
     rng = random.Random(11)

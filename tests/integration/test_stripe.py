@@ -14,6 +14,8 @@ from psycopg_pool import AsyncConnectionPool
 
 from outbox import metrics
 from outbox.providers.base import Provider
+from outbox.providers.fakes.stripe import FakeStripe, Fault
+from outbox.providers.fakes.webhook import FakeWebhookReceiver
 from tests.support.dispatch import (
     dispatcher,
     enqueue_charges,
@@ -25,8 +27,6 @@ from tests.support.dispatch import (
     stripe_provider,
     webhook,
 )
-from tests.support.fake_stripe import FakeStripe, Fault
-from tests.support.fake_webhook import FakeWebhookReceiver
 
 
 def attempts(url: str) -> list[tuple[Any, ...]]:

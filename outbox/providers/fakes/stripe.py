@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
-from tests.support.fake_http import (
+from outbox.providers.fakes.loopback import (
     HOST,
     Headers,
     Hold,

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from tests.support.fake_http import (
+from outbox.providers.fakes.loopback import (
     HOST,
     Connections,
     Hold,
@@ -272,7 +272,7 @@ class _Handler(JsonHandler):
         rejection = self._validate(key, body)
         if rejection is not None:
             return rejection
-        assert key is not None  # _validate rejected the request otherwise
+        assert key is not None  # noqa: S101 (_validate rejected the request otherwise)
         plan = self.server.ledger.admit(key, body, headers)
         self._sit_out(plan)
         return plan.reply
