@@ -16,7 +16,16 @@ from typing import IO, Any
 import click
 
 from outbox import cli_operator, daemon, logs, producer
-from outbox.cli_common import BadInput, Conflict, Duration, connect, dsn_option, json_option
+from outbox import demo as demo_module
+from outbox.cli_common import (
+    BadInput,
+    Conflict,
+    Duration,
+    _check_dsn,
+    connect,
+    dsn_option,
+    json_option,
+)
 from outbox.config import ConfigError, load_settings
 from outbox.db import dsn as dsn_util
 from outbox.db import migrations, statements
@@ -187,6 +196,22 @@ def run(dsn: str, config_path: Path | None, metrics_addr: str) -> None:
     except ConfigError as exc:
         raise BadInput(str(exc)) from None
     sys.exit(asyncio.run(daemon.serve(dsn, settings, providers, metrics_addr=addr)))
+
+
+@main.command()
+@click.option(
+    "--dsn",
+    callback=_check_dsn,
+    help="Use this database instead of an embedded one (the demo adds rows to it).",
+)
+@click.option("--keep", is_flag=True, help="Leave the embedded database running afterwards.")
+def demo(dsn: str | None, keep: bool) -> None:
+    """Watch outbox work: an embedded PostgreSQL, fake Stripe and webhook, a real dispatcher."""
+    try:
+        code = asyncio.run(demo_module.run(dsn, keep=keep, say=click.echo))
+    except RuntimeError as exc:
+        raise click.ClickException(str(exc)) from None
+    sys.exit(code)
 
 
 main.add_command(cli_operator.reconcile)

@@ -75,7 +75,7 @@ async def serve(
         Store(pool), providers, settings.dispatcher, worker_id=worker_id(), call_timeouts=timeouts
     )
     health = Health(dispatcher)
-    http = _start_http(metrics_addr, health) if metrics_addr else None
+    http = start_http(metrics_addr, health) if metrics_addr else None
     helpers = [
         asyncio.create_task(wakeup.listen_forever(dsn, dispatcher.wake), name="outbox-listen"),
         asyncio.create_task(_tick(health), name="outbox-tick"),
@@ -147,7 +147,7 @@ async def _tick(health: Health) -> None:
         await asyncio.sleep(TICK)
 
 
-def _start_http(addr: tuple[str, int], health: Health) -> ThreadingHTTPServer:
+def start_http(addr: tuple[str, int], health: Health) -> ThreadingHTTPServer:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             if self.path == "/metrics":

@@ -353,3 +353,15 @@ LEFT JOIN outbox.operations o
       AND o.first_sent_at + p.closes_after < now() + interval '1 hour'
 GROUP BY p.provider
 """
+
+# --- demo ---------------------------------------------------------------------------------------
+
+DEMO_COUNTS: Final = """
+SELECT status, count(*) FROM outbox.operations WHERE tenant_id = %(tenant)s
+GROUP BY status ORDER BY status
+"""
+
+DEMO_REPORT: Final = """
+SELECT id, operation_key, provider, status, attempts, provider_ref, status_reason
+FROM outbox.operations WHERE tenant_id = %(tenant)s ORDER BY id
+"""

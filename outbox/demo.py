@@ -1,0 +1,218 @@
+"""`outbox demo`: the whole product in under a minute, on loopback.
+
+It starts an embedded PostgreSQL (unless given --dsn), migrates it, starts the fake Stripe and the
+fake webhook receiver, enqueues a realistic mix of operations with faults planted in some of
+them, runs a real dispatcher with its metrics endpoint, lets the reconciler resolve what it can,
+and prints what happened to each operation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import tempfile
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Final
+
+import psycopg
+from psycopg_pool import AsyncConnectionPool
+
+import outbox
+from outbox import daemon
+from outbox.config import DispatcherSettings, ProviderSettings
+from outbox.db import migrations, statements
+from outbox.db.store import Store
+from outbox.dispatcher import Dispatcher
+from outbox.providers.fakes.stripe import FakeStripe
+from outbox.providers.fakes.stripe import Fault as StripeFault
+from outbox.providers.fakes.webhook import FakeWebhookReceiver
+from outbox.providers.fakes.webhook import Fault as HookFault
+from outbox.providers.registry import build_providers
+from outbox.reconciler import Reconciler
+from outbox.tables import render_table
+
+DEMO_STRIPE_KEY: Final = "sk_test_outbox_demo"
+_KEY_VARIABLE: Final = "OUTBOX_DEMO_STRIPE_KEY"
+# Short enough to watch: retries in a fraction of a second, and a Stripe key window that closes
+# two seconds after a send (real Stripe: 24 hours), so the timeout below goes to reconciliation.
+_SETTINGS: Final = DispatcherSettings(
+    concurrency=16, batch_size=20, lease=timedelta(seconds=10),
+    poll_interval=timedelta(milliseconds=200), backoff_base=timedelta(milliseconds=200),
+    backoff_max=timedelta(seconds=1), retention_margin=timedelta(seconds=1),
+    max_attempts=5, shutdown_grace=timedelta(seconds=5), auto_reconcile=False,
+)  # fmt: skip
+DEADLINE: Final = 45.0
+
+Say = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One operation of the demo and what should become of it."""
+
+    key: str
+    provider: str
+    action: str
+    payload: dict[str, Any]
+    story: str
+
+
+def plan() -> list[Planned]:
+    charges = [Planned(f"invoice-{n}-charge", "stripe", "payment_intents.create",
+                       {"amount": 1000 * n, "currency": "usd", "customer": f"cus_{n:03d}"},
+                       "charged once") for n in range(1, 5)]  # fmt: skip
+    events = [Planned(f"invoice-{n}-paid", "billing", "invoice.paid", {"invoice": n},
+                      "delivered") for n in range(1, 5)]  # fmt: skip
+    return [
+        *charges,
+        *events,
+        Planned("invoice-5-paid", "billing", "invoice.paid", {"invoice": 5},
+                "rate limited twice (429), then delivered"),
+        Planned("invoice-6-charge", "stripe", "payment_intents.create",
+                {"amount": 600, "currency": "usd", "customer": "cus_006"},
+                "card declined (402): quarantined for a person"),
+        Planned("invoice-7-charge", "stripe", "payment_intents.create",
+                {"amount": 700, "currency": "usd", "customer": "cus_007"},
+                "timed out after Stripe acted: reconciled, not resent"),
+    ]  # fmt: skip
+
+
+async def run(dsn: str | None, *, keep: bool, say: Say) -> int:
+    """The demo; returns the exit code."""
+    with contextlib.ExitStack() as stack:
+        if dsn is None:
+            dsn = stack.enter_context(_embedded_postgres(keep, say))
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            migrations.migrate(conn)
+        stripe_fake = stack.enter_context(FakeStripe(api_key=DEMO_STRIPE_KEY))
+        receiver = stack.enter_context(FakeWebhookReceiver())
+        tenant = f"demo-{uuid.uuid4().hex[:6]}"
+        ids = _enqueue(dsn, tenant, plan(), stripe_fake, receiver)
+        say(f"enqueued {len(ids)} operations for tenant {tenant} "
+            f"(fake Stripe at {stripe_fake.url}, fake webhook at {receiver.url})")  # fmt: skip
+        await _dispatch_and_reconcile(dsn, stripe_fake, receiver, tenant, say)
+        _report(dsn, tenant, stripe_fake=stripe_fake, receiver=receiver, say=say)
+        _next_steps(dsn, keep, say)
+    return 0
+
+
+def _enqueue(dsn: str, tenant: str, planned: list[Planned], stripe_fake: FakeStripe,
+             receiver: FakeWebhookReceiver) -> dict[str, int]:  # fmt: skip
+    ids: dict[str, int] = {}
+    with psycopg.connect(dsn) as conn:
+        for p in planned:
+            result = outbox.enqueue(conn, tenant_id=tenant, operation_type="demo",
+                                    operation_key=p.key, provider=p.provider, action=p.action,
+                                    payload=p.payload, correlation_id=f"req-{p.key}")  # fmt: skip
+            ids[p.key] = result.operation_id
+        conn.commit()
+        keys = {p.key: _key(conn, tenant, p.key) for p in planned}
+    receiver.inject(HookFault.status(429, retry_after=0), key=keys["invoice-5-paid"], times=2)
+    stripe_fake.inject(StripeFault.status(402, error_type="card_error", code_str="card_declined"),
+                       key=keys["invoice-6-charge"])  # fmt: skip
+    stripe_fake.inject(StripeFault.delay_after_apply(1.5), key=keys["invoice-7-charge"])
+    return ids
+
+
+def _key(conn: psycopg.Connection[Any], tenant: str, key: str) -> str:
+    op = outbox.get_operation(conn, tenant, "demo", key)
+    assert op is not None  # noqa: S101 (just enqueued)
+    return op.idempotency_key
+
+
+async def _dispatch_and_reconcile(dsn: str, stripe_fake: FakeStripe,
+                                  receiver: FakeWebhookReceiver, tenant: str,
+                                  say: Say) -> None:  # fmt: skip
+    providers = build_providers({
+        "stripe": ProviderSettings("stripe", "stripe", key_retention=timedelta(seconds=2),
+                                   timeout=timedelta(seconds=1), options={
+                                       "api_key_env": _KEY_VARIABLE, "api_base": stripe_fake.url}),
+        "billing": ProviderSettings("billing", "webhook", options={"url": receiver.url}),
+    }, environ={_KEY_VARIABLE: DEMO_STRIPE_KEY})  # fmt: skip
+    async with AsyncConnectionPool(dsn, min_size=1, max_size=4,
+                                   kwargs={"autocommit": True}) as pool:  # fmt: skip
+        dispatcher = Dispatcher(Store(pool), providers, _SETTINGS, worker_id=daemon.worker_id())
+        http = daemon.start_http(("127.0.0.1", 0), daemon.Health(dispatcher))
+        host, port = http.server_address[:2]
+        say(f"dispatching; metrics at http://{host!s}:{port}/metrics")
+        running = asyncio.create_task(dispatcher.run())
+        try:
+            await _watch(dsn, tenant, say)
+        finally:
+            dispatcher.request_stop()
+            await running
+            http.shutdown()
+            http.server_close()
+        found = await Reconciler(pool, providers, actor="outbox demo").run_once(recheck_after=None)
+        say(f"reconciler: checked {found} operation(s) at Stripe")
+    for provider in providers.values():
+        await provider.aclose()
+
+
+async def _watch(dsn: str, tenant: str, say: Say) -> None:
+    """Print the counts per status until nothing is pending or in flight."""
+    deadline = time.monotonic() + DEADLINE
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        while time.monotonic() < deadline:
+            cur = await conn.execute(statements.DEMO_COUNTS, {"tenant": tenant})
+            counts: dict[str, int] = dict(await cur.fetchall())
+            say("  " + "  ".join(f"{s} {n}" for s, n in counts.items()))
+            if not counts.get("pending") and not counts.get("in_flight"):
+                return
+            await asyncio.sleep(0.5)
+
+
+def _report(dsn: str, tenant: str, *, stripe_fake: FakeStripe, receiver: FakeWebhookReceiver,
+            say: Say) -> None:  # fmt: skip
+    stories = {p.key: p.story for p in plan()}
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(statements.DEMO_REPORT, {"tenant": tenant}).fetchall()
+    headers = ["id", "operation", "provider", "status", "attempts", "reference", "story"]
+    say("")
+    say(render_table(headers, [(*r[:5], r[5] or r[6], stories[r[1]]) for r in rows]))
+    charges = sum(p.provider == "stripe" for p in plan())
+    events = sum(p.provider == "billing" for p in plan())
+    say("")
+    say(
+        f"effects at the providers: {stripe_fake.object_count()} Stripe objects for {charges} "
+        f"charges, {receiver.effect_count()} webhook deliveries for {events} events"
+    )
+
+
+def _next_steps(dsn: str, keep: bool, say: Say) -> None:
+    say("")
+    if keep:
+        say("the database is still running; look deeper with:")
+        say(f"  export OUTBOX_DATABASE_URL='{dsn}'")
+        say("  outbox status; outbox quarantine list; outbox reconcile show <id>")
+    else:
+        say(
+            "look deeper next time with `outbox demo --keep`, then `outbox quarantine list`, "
+            "`outbox quarantine show <id>`, `outbox status`"
+        )
+
+
+@contextlib.contextmanager
+def _embedded_postgres(keep: bool, say: Say) -> Iterator[str]:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # platformdirs' note about XDG_RUNTIME_DIR
+            import pgserver  # noqa: PLC0415 (the demo extra)
+    except ImportError:
+        raise RuntimeError("outbox demo needs an embedded PostgreSQL: pip install "
+                           "'outbox[demo]', or pass --dsn") from None  # fmt: skip
+    directory = tempfile.mkdtemp(prefix="outbox-demo-")
+    say(f"starting an embedded PostgreSQL in {directory}")
+    server = pgserver.get_server(  # type: ignore[attr-defined]
+        directory, cleanup_mode=None if keep else "delete"
+    )
+    try:
+        yield str(server.get_uri())
+    finally:
+        if not keep:
+            server.cleanup()
