@@ -1,0 +1,76 @@
+"""The alert rules load and fire as their unit tests say, every alert's runbook link lands on a
+section, and the dashboard asks only for metrics outbox exports."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import prometheus_client
+import pytest
+
+from outbox import metrics
+
+REPO = Path(__file__).resolve().parents[2]
+RULES = REPO / "deploy" / "prometheus"
+needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None,
+                                    reason="promtool is not installed")  # fmt: skip
+
+
+def promtool(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["promtool", *args], cwd=RULES, input=stdin, capture_output=True,
+                          text=True, timeout=60, check=False)  # fmt: skip
+
+
+@needs_promtool
+def test_the_rules_check_and_their_unit_tests_pass() -> None:
+    checked = promtool("check", "rules", "outbox-alerts.yml")
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    tested = promtool("test", "rules", "outbox-alerts.test.yml")
+    assert tested.returncode == 0, tested.stdout + tested.stderr
+
+
+def test_every_alert_has_a_unit_test_and_a_runbook_section() -> None:
+    rules = (RULES / "outbox-alerts.yml").read_text()
+    alerts = re.findall(r"- alert: (\w+)", rules)
+    assert len(alerts) >= 6
+    tests = (RULES / "outbox-alerts.test.yml").read_text()
+    runbook_sections = {
+        heading.lower() for heading in re.findall(r"^## (\S+)", (REPO / "docs" / "runbook.md")
+                                                  .read_text(), re.MULTILINE)}  # fmt: skip
+    for alert in alerts:
+        assert f"alertname: {alert}" in tests, alert
+        assert f"runbook.md#{alert.lower()}" in rules, alert
+        assert alert.lower() in runbook_sections, alert
+
+
+SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
+            "info": ("_info",), "gauge": ("",)}  # fmt: skip
+
+
+def exported_names() -> set[str]:
+    """Every series name outbox's metrics can export, with or without samples yet."""
+    return {metric.name + suffix for metric in prometheus_client.REGISTRY.collect()
+            if metric.name.startswith("outbox_") for suffix in SUFFIXES[metric.type]}  # fmt: skip
+
+
+def test_the_dashboard_asks_only_for_exported_metrics() -> None:
+    dashboard = json.loads((REPO / "deploy" / "grafana" / "outbox-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    used = {name for expr in exprs for name in re.findall(r"\boutbox_\w+", expr)}
+    assert used <= exported_names(), used - exported_names()
+    titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
+    for topic in ("throughput", "latency", "status", "oldest", "paused"):
+        assert topic in titles
+
+
+@needs_promtool
+def test_a_scrape_passes_promtool_check_metrics() -> None:
+    metrics.DISPATCH.labels("p", "a", "succeeded").inc()
+    metrics.BUILD_INFO.info({"version": "test"})
+    checked = promtool("check", "metrics", stdin=prometheus_client.generate_latest().decode())
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert checked.stdout + checked.stderr == ""
