@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from collections.abc import MutableMapping
-from typing import Any, Final
+from typing import Any, Final, TextIO
 
 import structlog
 
@@ -16,17 +17,38 @@ _SECRET_KEYS: Final = frozenset(
 REDACTED: Final = "[redacted]"
 
 
+# Secrets that can hide inside any text: a password in a connection URL or key=value string,
+# and Stripe-style API keys.
+_SECRET_PATTERNS: Final = (
+    (re.compile(r"(://[^/:@\s]*:)[^@\s]+@"), rf"\1{REDACTED}@"),
+    (re.compile(r"(password\s*=\s*)('[^']*'|\S+)", re.IGNORECASE), rf"\1{REDACTED}"),
+    (re.compile(r"\b(sk|rk|pk)_(live|test)_[A-Za-z0-9]{6,}"), REDACTED),
+)
+
+
 def redact_secrets(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
-    """A structlog processor that masks the values of secret-bearing keys."""
-    for key in event:
+    """A structlog processor that masks secret-bearing keys, and secrets inside any text."""
+    for key, value in event.items():
         if key.lower() in _SECRET_KEYS:
             event[key] = REDACTED
+        elif isinstance(value, str):
+            event[key] = scrub_text(value)
     return event
 
 
-def configure(level: str = "info", *, json: bool | None = None) -> None:
-    """Configure structlog for the process. ``json=None``: JSON unless stderr is a terminal."""
-    use_json = (not sys.stderr.isatty()) if json is None else json
+def scrub_text(text: str) -> str:
+    """``text`` with connection-string passwords and API keys masked."""
+    for pattern, replacement in _SECRET_PATTERNS:
+        text = pattern.sub(replacement, text)
+    return text
+
+
+def configure(level: str = "info", *, json: bool | None = None,
+              stream: TextIO | None = None) -> None:  # fmt: skip
+    """Configure structlog for the process: lines to ``stream`` (default stderr), as JSON
+    unless ``json`` is False or (``json=None``) the stream is a terminal."""
+    out = sys.stderr if stream is None else stream
+    use_json = (not out.isatty()) if json is None else json
     renderer: Any = (
         structlog.processors.JSONRenderer() if use_json else structlog.dev.ConsoleRenderer()
     )
@@ -42,6 +64,6 @@ def configure(level: str = "info", *, json: bool | None = None) -> None:
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.getLevelNamesMapping()[level.upper()]
         ),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(out),
         cache_logger_on_first_use=True,
     )

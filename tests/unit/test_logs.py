@@ -1,0 +1,49 @@
+"""Log lines: JSON when not on a terminal, and no payload, API key or password in any of them."""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Iterator
+
+import pytest
+import structlog
+
+from outbox import logs
+
+
+@pytest.fixture
+def lines() -> Iterator[io.StringIO]:
+    stream = io.StringIO()
+    logs.configure("debug", json=True, stream=stream)
+    yield stream
+    structlog.reset_defaults()
+
+
+def test_lines_are_json_and_secrets_never_appear(lines: io.StringIO) -> None:
+    log = structlog.get_logger("test")
+    log.info("attempt recorded", operation_id=7, outcome="succeeded",
+             payload={"card": "4242424242424242"}, api_key="sk_live_abcdefgh12345678",
+             dsn="postgresql://app:hunter2@db/app",
+             error="connect to postgresql://app:hunter2@db/app failed; key sk_test_zyxw98765432",
+             detail="host=db password=hunter2 dbname=app")  # fmt: skip
+    (line,) = lines.getvalue().strip().splitlines()
+    event = json.loads(line)
+    assert event["event"] == "attempt recorded" and event["operation_id"] == 7
+    assert event["level"] == "info" and "timestamp" in event
+    for secret in ("4242424242424242", "sk_live_abcdefgh12345678", "hunter2",
+                   "sk_test_zyxw98765432"):  # fmt: skip
+        assert secret not in line, secret
+    assert "db/app failed" in event["error"]  # the rest of the message survives
+
+
+def test_levels_filter() -> None:
+    stream = io.StringIO()
+    logs.configure("warning", json=True, stream=stream)
+    try:
+        log = structlog.get_logger("test")
+        log.info("hidden")
+        log.warning("shown")
+    finally:
+        structlog.reset_defaults()
+    assert "shown" in stream.getvalue() and "hidden" not in stream.getvalue()
