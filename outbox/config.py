@@ -65,6 +65,8 @@ DEFAULT_AUTO_RECONCILE: Final = True
 # A lookup lists a page or two of objects per operation: every few minutes finds an effect soon
 # after it appears (Stripe may roll a 500 forward) without loading the provider's API.
 DEFAULT_RECONCILE_INTERVAL: Final = timedelta(minutes=5)
+# The database-wide gauges: a scrape interval's worth of staleness, one cheap query per period.
+DEFAULT_GAUGE_INTERVAL: Final = timedelta(seconds=15)
 # Without a heartbeat setting, leases are renewed three times per lease: one late renewal still
 # leaves the lease held.
 HEARTBEATS_PER_LEASE: Final = 3
@@ -236,6 +238,7 @@ _DISPATCHER_CHECKS: Final[Mapping[str, Callable[[Any, _Where], Any]]] = MappingP
         "heartbeat": _optional_positive_duration,
         "auto_reconcile": _boolean,
         "reconcile_interval": _positive_duration,
+        "gauge_interval": _positive_duration,
     }
 )
 
@@ -259,6 +262,7 @@ class DispatcherSettings:
     heartbeat: timedelta | None = None
     auto_reconcile: bool = DEFAULT_AUTO_RECONCILE
     reconcile_interval: timedelta = DEFAULT_RECONCILE_INTERVAL
+    gauge_interval: timedelta = DEFAULT_GAUGE_INTERVAL
 
     def __post_init__(self) -> None:
         # The loader checked each value already, naming its source; this keeps settings built in

@@ -83,7 +83,8 @@ async def serve(
     # When each provider's key window closes after the first send (retention less the margin).
     windows = {name: ps.key_retention - settings.dispatcher.retention_margin
                for name, ps in settings.providers.items()}  # fmt: skip
-    helpers.append(asyncio.create_task(gauges.refresh_forever(pool, windows), name="outbox-gauges"))
+    refresh = gauges.refresh_forever(pool, windows, settings.dispatcher.gauge_interval)
+    helpers.append(asyncio.create_task(refresh, name="outbox-gauges"))
     if settings.dispatcher.auto_reconcile:
         checker = Reconciler(pool, providers)
         interval = settings.dispatcher.reconcile_interval

@@ -18,7 +18,6 @@ from outbox.model import Status
 
 # Counting succeeded rows reads them all; beyond this many rows the planner's estimate serves.
 EXACT_COUNT_LIMIT: Final = 100_000
-INTERVAL: Final = timedelta(seconds=15)
 
 log = structlog.get_logger("outbox.gauges")
 
@@ -50,7 +49,7 @@ async def refresh(pool: AsyncConnectionPool[Any], windows: Mapping[str, timedelt
 
 
 async def refresh_forever(pool: AsyncConnectionPool[Any], windows: Mapping[str, timedelta],
-                          interval: timedelta = INTERVAL) -> None:  # fmt: skip
+                          interval: timedelta) -> None:  # fmt: skip
     while True:
         try:
             await refresh(pool, windows)

@@ -100,3 +100,77 @@ def test_health_readiness_and_metrics_over_http(
     assert rows(db_url, "SELECT count(*) FROM outbox.operations WHERE status = 'succeeded'") == [
         (3,)
     ]
+
+
+def scrape(base: str) -> str:
+    with urllib.request.urlopen(f"{base}/metrics", timeout=5) as answer:  # noqa: S310 (loopback)
+        return str(answer.read().decode())
+
+
+def sample(text: str, name: str, **labels: str) -> float:
+    """The value of one series in a Prometheus text scrape (0 when absent)."""
+    for line in text.splitlines():
+        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            series = line.split(" ")[0]
+            if series == name or series.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_scrape_after_a_run_matches_the_rows(
+    db_url: str, receiver: FakeWebhookReceiver, tmp_path: Path
+) -> None:
+    from outbox.providers.fakes.webhook import Fault  # noqa: PLC0415
+
+    ids = enqueue_many(db_url, 10)
+    for op in ids[:2]:
+        receiver.inject(Fault.status(422), key=key_of(db_url, op))
+    receiver.inject(Fault.status(429), key=key_of(db_url, ids[2]))
+    cfg = write_config(tmp_path / "outbox.toml", providers={
+        "hook": {"type": "webhook", "url": receiver.url}}, poll_interval="100ms",
+        backoff_base="50ms", backoff_max="100ms", gauge_interval="200ms")  # fmt: skip
+    proc = OutboxProcess(db_url, cfg, tmp_path / "run.log", metrics_addr="127.0.0.1:0")
+    try:
+        base = proc.metrics_url()
+        wait_until(lambda: sample(scrape(base), "outbox_operations", status="succeeded") == 8,
+                   timeout=30, what="the gauges to catch up")  # fmt: skip
+        text = scrape(base)
+        proc.signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.stop()
+    outcomes = dict(rows(db_url, "SELECT outcome, count(*) FROM outbox.attempts GROUP BY 1"))
+    for outcome, count in outcomes.items():
+        got = sample(text, "outbox_dispatch_total", provider="hook", outcome=outcome)
+        assert got == count, outcome
+    for status, count in rows(db_url, "SELECT status, count(*) FROM outbox.operations GROUP BY 1"):
+        assert sample(text, "outbox_operations", status=status) == count, status
+    assert sample(text, "outbox_quarantined_total", provider="hook",
+                  reason="permanent_failure") == 2  # fmt: skip
+    assert sample(text, "outbox_retries_total", provider="hook") == 1
+    assert sample(text, "outbox_build_info") == 1
+
+
+def test_readyz_follows_the_database_going_away_and_coming_back(
+    db_url: str, receiver: FakeWebhookReceiver, tmp_path: Path
+) -> None:
+    from tests.support.tcp_proxy import TcpProxy  # noqa: PLC0415
+
+    cfg = write_config(tmp_path / "outbox.toml", providers={
+        "hook": {"type": "webhook", "url": receiver.url}}, poll_interval="100ms")  # fmt: skip
+    with TcpProxy(db_url) as proxy:
+        proc = OutboxProcess(proxy.dsn, cfg, tmp_path / "run.log", metrics_addr="127.0.0.1:0")
+        try:
+            base = proc.metrics_url()
+            wait_until(lambda: get(f"{base}/readyz") == 200, timeout=30, what="ready")
+            proxy.cut()
+            wait_until(lambda: get(f"{base}/readyz") == 503, timeout=30, what="unready")
+            assert get(f"{base}/healthz") == 200  # alive all the same
+            proxy.heal()
+            wait_until(lambda: get(f"{base}/readyz") == 200, timeout=60, what="ready again")
+            enqueue_many(db_url, 1)  # and it dispatches again
+            wait_until(lambda: receiver.effect_count() == 1, timeout=30, what="a dispatch")
+            proc.signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == 0
+        finally:
+            proc.stop()

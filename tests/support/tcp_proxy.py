@@ -1,0 +1,90 @@
+"""A TCP proxy in front of PostgreSQL that a test can cut and heal (psycopg's test suite has one
+like it): real connection failures for the dispatcher, while the server itself keeps running for
+every other test."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+from typing import Self
+
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+
+class TcpProxy:
+    """Listens on 127.0.0.1 and relays each connection to the server of ``dsn``."""
+
+    def __init__(self, dsn: str) -> None:
+        params = conninfo_to_dict(dsn)
+        host = str(params.get("host") or "127.0.0.1")
+        port = int(params.get("port") or 5432)
+        # pgserver's throwaway server listens on a unix socket in its data directory.
+        self._target: str | tuple[str, int] = (
+            f"{host}/.s.PGSQL.{port}" if host.startswith("/") else (host, port))  # fmt: skip
+        self._dsn = dsn
+        self._lock = threading.Lock()
+        self._sockets: set[socket.socket] = set()
+        self._listener: socket.socket | None = None
+        self.port = 0
+
+    @property
+    def dsn(self) -> str:
+        """The connection string that goes through the proxy."""
+        return make_conninfo(self._dsn, host="127.0.0.1", port=str(self.port))
+
+    def start(self) -> Self:
+        listener = socket.create_server(("127.0.0.1", self.port))
+        self.port = listener.getsockname()[1]
+        self._listener = listener
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+        return self
+
+    def cut(self) -> None:
+        """Stop listening and drop every relayed connection."""
+        with self._lock:
+            listener, self._listener = self._listener, None
+            doomed = list(self._sockets)
+            self._sockets.clear()
+        if listener is not None:
+            listener.close()
+        for sock in doomed:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    def heal(self) -> None:
+        """Listen again, on the same port."""
+        self.start()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *_: object) -> None:
+        self.cut()
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return  # cut
+            family = socket.AF_UNIX if isinstance(self._target, str) else socket.AF_INET
+            server = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                server.connect(self._target)
+            except OSError:
+                client.close()
+                server.close()
+                continue
+            with self._lock:
+                self._sockets.update((client, server))
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    def _pipe(self, source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                sink.sendall(data)
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_WR)
