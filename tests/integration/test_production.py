@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import shutil
 import signal
 import socket
+import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -149,6 +151,10 @@ def test_a_scrape_after_a_run_matches_the_rows(
                   reason="permanent_failure") == 2  # fmt: skip
     assert sample(text, "outbox_retries_total", provider="hook") == 1
     assert sample(text, "outbox_build_info") == 1
+    if shutil.which("promtool"):  # the scrape itself passes Prometheus's own lint
+        linted = subprocess.run(["promtool", "check", "metrics"], input=text, text=True,
+                                capture_output=True, timeout=60, check=False)  # fmt: skip
+        assert linted.returncode == 0, linted.stdout + linted.stderr
 
 
 def test_readyz_follows_the_database_going_away_and_coming_back(
