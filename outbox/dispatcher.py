@@ -160,17 +160,17 @@ class Dispatcher:
             metrics.DB_ERRORS.labels("rescue").inc()
             log.warning("rescue failed", error_class=type(exc).__name__)
             return 0
-        for operation_id, status, provider in rescued:
+        for row in rescued:
             metrics.LEASE_EXPIRED.inc()
-            if status is Status.QUARANTINED:
-                metrics.QUARANTINED.labels(provider, "attempts_exhausted").inc()
+            if row["status"] is Status.QUARANTINED:
+                metrics.QUARANTINED.labels(row["provider"], "attempts_exhausted").inc()
             log.warning(
-                "lease expired; rescued",
-                operation_id=operation_id,
-                provider=provider,
-                outcome="unknown",
-                status=status.value,
-            )
+                "lease expired; rescued", operation_id=row["id"], tenant_id=row["tenant_id"],
+                operation_type=row["operation_type"], operation_key=row["operation_key"],
+                provider=row["provider"], action=row["action"], attempt=row["attempts"],
+                correlation_id=row["correlation_id"], outcome="unknown",
+                error_class="lease_expired", duration_ms=None, status=row["status"].value,
+            )  # fmt: skip
         return len(rescued)
 
     async def wait_idle(self) -> None:
@@ -405,12 +405,10 @@ class Dispatcher:
         if done and status is Status.RECONCILING:
             metrics.RECONCILIATION_ROUTED.labels(flight.row.provider, reason or "").inc()
         flight.log.info(
-            "returned without sending",
-            status=status.value,
-            reason=reason,
-            outcome="not_sent",
-            done=bool(done),
-        )
+            "returned without sending", status=status.value, reason=reason, outcome="not_sent",
+            error_class=reason, done=bool(done),
+            duration_ms=round((time.monotonic() - flight.claimed_mono) * 1000, 1),
+        )  # fmt: skip
 
     async def _with_lease(self, flight: InFlight, what: str, write: Any) -> bool | None:
         """Run a fenced write, retrying connection failures while the lease lasts.

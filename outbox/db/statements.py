@@ -227,7 +227,8 @@ rescued AS (
     FROM expired AS e
     -- Re-checked under the row lock: a row recorded since the scan is left alone.
     WHERE o.id = e.id AND o.status = 'in_flight' AND o.lease_expires_at < now()
-    RETURNING o.id, o.status, o.provider
+    RETURNING o.id, o.status, o.provider, o.tenant_id, o.operation_type, o.operation_key,
+              o.action, o.attempts, o.correlation_id
 ),
 history AS (
     INSERT INTO outbox.attempts (operation_id, attempt, idempotency_key, worker, started_at,
@@ -238,7 +239,9 @@ history AS (
            'lease expired: the dispatcher stopped renewing it during the attempt'
     FROM rescued AS r JOIN expired AS e ON e.id = r.id
 )
-SELECT id, status, provider FROM rescued
+SELECT id, status, provider, tenant_id, operation_type, operation_key, action, attempts,
+       correlation_id
+FROM rescued
 """
 
 # Wake-ups: dispatchers LISTEN on the channel enqueue notifies.

@@ -121,13 +121,17 @@ class Store:
             rows = await (await cur.execute(statements.HEARTBEAT, params)).fetchall()
         return {row[0] for row in rows}
 
-    async def rescue(self, limit: int, max_attempts: int) -> list[tuple[int, Status, str]]:
-        """Take back expired leases; returns each rescued id with its new status and provider."""
+    async def rescue(self, limit: int, max_attempts: int) -> list[dict[str, Any]]:
+        """Take back expired leases; returns each rescued row's identity and new status."""
         params = {"limit": limit, "max_attempts": max_attempts}
         async with self._pool.connection() as conn:
-            cur = conn.cursor(row_factory=tuple_row)
-            rows = await (await cur.execute(statements.RESCUE, params)).fetchall()
-        return [(row[0], Status(row[1]), row[2]) for row in rows]
+            cur = conn.cursor(row_factory=dict_row)
+            rows: list[dict[str, Any]] = await (
+                await cur.execute(statements.RESCUE, params)
+            ).fetchall()
+        for row in rows:
+            row["status"] = Status(row["status"])
+        return rows
 
     async def _one(self, query: LiteralString, params: Mapping[str, Any]) -> bool:
         async with self._pool.connection() as conn:

@@ -440,3 +440,38 @@ async def test_a_call_that_ignores_cancellation_is_abandoned_at_its_deadline(
     assert rows(db_url, "SELECT error_class FROM outbox.attempts") == [("call_guard",)]
     assert d.in_flight == 0
     await asyncio.sleep(0.5)  # let the abandoned call finish before the loop closes
+
+
+DESIGN_FIELDS = {
+    "operation_id", "tenant_id", "operation_type", "operation_key", "provider", "action",
+    "attempt", "correlation_id", "outcome", "duration_ms", "error_class",
+}  # fmt: skip
+
+
+async def test_every_log_line_about_an_operation_carries_the_design_fields(
+    db_url: str, pool: AsyncConnectionPool[Any], receiver: FakeWebhookReceiver, hook: Provider
+) -> None:
+    ids = enqueue_many(db_url, 3, correlation_id="req-1")
+    receiver.inject(Fault.status(422), key=key_of(db_url, ids[0]))
+    with psycopg.connect(db_url) as conn:  # one past its key window: routed, not sent
+        conn.execute("UPDATE outbox.operations SET attempts = 1, first_sent_at = now() - "
+                     "interval '30 hours' WHERE id = %s", (ids[1],))  # fmt: skip
+    d = dispatcher(pool, {"hook": hook})
+    with structlog.testing.capture_logs() as logs:
+        assert await d.run_once() == 3
+        enqueue_many(db_url, 1, prefix="late")
+        await Store(pool).claim("dead-worker", 1, timedelta(seconds=30))
+        with psycopg.connect(db_url) as conn:
+            conn.execute("UPDATE outbox.operations SET lease_expires_at = now() - "
+                         "interval '1 second' WHERE status = 'in_flight'")  # fmt: skip
+        assert await d.rescue_once() == 1
+    about_operations = [e for e in logs if "operation_id" in e]
+    assert {e["event"] for e in about_operations} == {
+        "attempt recorded",
+        "returned without sending",
+        "lease expired; rescued",
+    }
+    for event in about_operations:
+        assert set(event) >= DESIGN_FIELDS, (event["event"], DESIGN_FIELDS - set(event))
+    assert all(e["correlation_id"] == "req-1" for e in about_operations
+               if e["operation_key"].startswith("op-"))  # fmt: skip
