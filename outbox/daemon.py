@@ -15,12 +15,11 @@ from typing import Final
 
 import prometheus_client
 import structlog
-from psycopg_pool import AsyncConnectionPool
 
 import outbox
 from outbox import gauges, metrics, sdnotify, wakeup
 from outbox.config import Settings
-from outbox.db.connect import connection_options
+from outbox.db.connect import dispatcher_pool
 from outbox.db.store import Store
 from outbox.dispatcher import Dispatcher
 from outbox.providers.base import Provider
@@ -65,10 +64,7 @@ async def serve(
 ) -> int:
     """Run until SIGTERM or SIGINT, then drain; returns the exit code."""
     metrics.BUILD_INFO.info({"version": outbox.__version__})
-    pool = AsyncConnectionPool(
-        dsn, min_size=2, max_size=POOL_MAX_SIZE, open=False, name="outbox",
-        kwargs={"autocommit": True, **connection_options(dsn, "outbox-run")},
-    )  # fmt: skip
+    pool = dispatcher_pool(dsn, max_size=POOL_MAX_SIZE)
     await pool.open(wait=False)  # an unreachable database is retried, not fatal
     timeouts = {name: ps.timeout for name, ps in settings.providers.items()}
     dispatcher = Dispatcher(

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from typing import Any, Final
 
+import psycopg
 from psycopg.conninfo import conninfo_to_dict
+from psycopg_pool import AsyncConnectionPool
+
+from outbox.db import statements
 
 # A silent network partition is noticed within about 30 s instead of the kernel's two hours.
 _NETWORK_DEFAULTS: Final = {
@@ -24,3 +28,30 @@ def connection_options(dsn: str, application_name: str) -> dict[str, Any]:
     if "application_name" not in given:
         options["application_name"] = application_name
     return options
+
+
+# Session limits for every connection of `outbox run`:
+# - lock_timeout: a claim or record stuck behind a migration's ACCESS EXCLUSIVE lock fails fast
+#   (a transient claim error) instead of holding a pool connection and queueing more traffic;
+# - statement_timeout: no statement of ours should take seconds; a stuck one is cut off;
+# - idle_in_transaction_session_timeout: a transaction left open (a bug) frees its row locks.
+SESSION_LIMITS: Final = {
+    "lock_timeout": "2s",
+    "statement_timeout": "30s",
+    "idle_in_transaction_session_timeout": "60s",
+}
+
+
+async def configure_session(conn: psycopg.AsyncConnection[Any]) -> None:
+    """Run once per new pool connection (psycopg_pool's ``configure``)."""
+    for name, value in SESSION_LIMITS.items():
+        await conn.execute(statements.SET_SESSION_LIMIT, (name, value))
+
+
+def dispatcher_pool(dsn: str, *, max_size: int, name: str = "outbox") -> AsyncConnectionPool[Any]:
+    """The pool `outbox run` uses: autocommit connections with the session limits, not opened."""
+    return AsyncConnectionPool(
+        dsn, min_size=min(2, max_size), max_size=max_size, open=False, name=name,
+        kwargs={"autocommit": True, **connection_options(dsn, "outbox-run")},
+        configure=configure_session,
+    )  # fmt: skip

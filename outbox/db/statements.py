@@ -244,6 +244,9 @@ SELECT id, status, provider, tenant_id, operation_type, operation_key, action, a
 FROM rescued
 """
 
+# A session setting for this connection (set_config with is_local = false).
+SET_SESSION_LIMIT: Final = "SELECT set_config(%s, %s, false)"
+
 # Wake-ups: dispatchers LISTEN on the channel enqueue notifies.
 LISTEN: Final = "LISTEN outbox_enqueue"
 

@@ -1,0 +1,63 @@
+"""Real faults under the dispatcher: locks held by a migration, and connections cut under it.
+Each test counts rows and provider effects afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg_pool import AsyncConnectionPool
+
+from outbox import metrics
+from outbox.db.connect import dispatcher_pool
+from outbox.providers.base import Provider
+from outbox.providers.fakes.webhook import FakeWebhookReceiver
+from tests.support.dispatch import dispatcher, enqueue_many, statuses
+
+
+@pytest.fixture
+async def run_pool(db_url: str) -> AsyncIterator[AsyncConnectionPool[Any]]:
+    """The pool exactly as `outbox run` builds it (session limits included)."""
+    pool = dispatcher_pool(db_url, max_size=4)
+    await pool.open(wait=True)
+    yield pool
+    await pool.close()
+
+
+async def test_a_migration_holding_the_table_makes_claims_fail_fast_and_lease_nothing(
+    db_url: str,
+    run_pool: AsyncConnectionPool[Any],
+    receiver: FakeWebhookReceiver,
+    hook: Provider,
+) -> None:
+    enqueue_many(db_url, 5)
+    d = dispatcher(run_pool, {"hook": hook})
+    errors_before = metrics.DB_ERRORS.labels("claim")._value.get()
+    with psycopg.connect(db_url) as migration:
+        migration.execute("LOCK TABLE outbox.operations IN ACCESS EXCLUSIVE MODE")
+        started = time.monotonic()
+        assert await asyncio.wait_for(d.run_once(), timeout=20) == 0
+        waited = time.monotonic() - started
+        assert not d.database_ok
+        migration.rollback()
+    assert waited < 10  # the session's lock_timeout (2 s) plus the claim's back-off
+    assert metrics.DB_ERRORS.labels("claim")._value.get() == errors_before + 1
+    assert statuses(db_url) == {"pending": 5}
+    assert len(receiver.received) == 0
+    assert await d.run_once() == 5  # the lock is gone: dispatch resumes
+    assert statuses(db_url) == {"succeeded": 5}
+    assert receiver.effect_count() == 5
+
+
+async def test_every_dispatcher_connection_carries_the_session_limits(
+    run_pool: AsyncConnectionPool[Any],
+) -> None:
+    async with run_pool.connection() as conn:
+        cur = await conn.execute(
+            "SELECT current_setting('lock_timeout'), current_setting('statement_timeout'), "
+            "current_setting('idle_in_transaction_session_timeout')")  # fmt: skip
+        assert await cur.fetchone() == ("2s", "30s", "1min")
