@@ -42,9 +42,18 @@ SESSION_LIMITS: Final = {
 }
 
 
+# PostgreSQL 14+: a backend checks that its client is still there while a statement runs, so a
+# claim whose connection died while it waited (on a lock, say) is rolled back, not committed
+# for a worker that will never learn of its leases.
+CLIENT_CHECK: Final = ("client_connection_check_interval", "1s")
+
+
 async def configure_session(conn: psycopg.AsyncConnection[Any]) -> None:
     """Run once per new pool connection (psycopg_pool's ``configure``)."""
-    for name, value in SESSION_LIMITS.items():
+    limits = list(SESSION_LIMITS.items())
+    if conn.info.server_version >= 140000:
+        limits.append(CLIENT_CHECK)
+    for name, value in limits:
         await conn.execute(statements.SET_SESSION_LIMIT, (name, value))
 
 

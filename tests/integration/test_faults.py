@@ -61,3 +61,31 @@ async def test_every_dispatcher_connection_carries_the_session_limits(
             "SELECT current_setting('lock_timeout'), current_setting('statement_timeout'), "
             "current_setting('idle_in_transaction_session_timeout')")  # fmt: skip
         assert await cur.fetchone() == ("2s", "30s", "1min")
+
+
+async def test_a_claim_cut_off_while_it_waits_is_rolled_back_and_leases_nothing(
+    db_url: str, receiver: FakeWebhookReceiver, hook: Provider
+) -> None:
+    from tests.support.tcp_proxy import TcpProxy  # noqa: PLC0415
+
+    enqueue_many(db_url, 4)
+    with TcpProxy(db_url) as proxy:
+        pool = dispatcher_pool(proxy.dsn, max_size=2)
+        await pool.open(wait=True)
+        try:
+            d = dispatcher(pool, {"hook": hook})
+            with psycopg.connect(db_url) as migration:
+                migration.execute("LOCK TABLE outbox.operations IN SHARE MODE")
+                claim = asyncio.create_task(d.run_once())
+                await asyncio.sleep(0.3)  # the claim waits on the lock
+                proxy.cut()  # the dispatcher's connection dies mid-statement
+                # Released before the claim's lock_timeout (2 s) could end it: only the server's
+                # client check (1 s) stops the claim from committing for a vanished worker.
+                await asyncio.sleep(1.5)
+                migration.rollback()
+            assert await asyncio.wait_for(claim, timeout=20) == 0
+        finally:
+            await pool.close()
+    await asyncio.sleep(0.5)
+    assert statuses(db_url) == {"pending": 4}  # rolled back: nothing leased to a dead worker
+    assert len(receiver.received) == 0
