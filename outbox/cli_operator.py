@@ -77,7 +77,12 @@ def build_group(name: str, status: Status) -> click.Group:
     @click.option("--tenant-id")
     @click.option("--operation-type")
     @click.option("--operation-key")
-    @click.option("--payload", "with_payload", is_flag=True, help="Include the payload.")
+    @click.option(
+        "--payload",
+        "with_payload",
+        is_flag=True,
+        help="Include the payload and the provider's answer (they may hold secrets).",
+    )
     @json_option
     def show(
         dsn: str,
@@ -97,6 +102,10 @@ def build_group(name: str, status: Status) -> click.Group:
                 identity = operators.Identity(tenant_id, operation_type, operation_key)
                 operation_id = _refusing(lambda: operators.find_id(conn, identity))
             op = _refusing(lambda: operators.show(conn, operation_id, with_payload=with_payload))
+        if not with_payload:
+            # The provider's answer can hold secrets (a PaymentIntent's client_secret) and echo
+            # the payload: shown only on request, like the payload.
+            op.pop("result", None)
         click.echo(json.dumps(op, default=str) if as_json else _describe(op))
 
     @group.command()

@@ -106,6 +106,7 @@ class Dispatcher:
         self._inflight: dict[int, InFlight] = {}
         self._abandoned: set[asyncio.Task[SendResult]] = set()
         self._paused: dict[str, float] = {}  # provider -> when its probe is due (monotonic)
+        self._paused_since: dict[str, float] = {}
         self._pause_probe = pause_probe
         self._wake = asyncio.Event()
         self._slot_freed = asyncio.Event()
@@ -275,7 +276,8 @@ class Dispatcher:
             self._pause(row.provider, result)
             await self._unclaim(flight, Status.PENDING, None)  # keeps its attempt
             return
-        self._resume(row.provider)
+        if isinstance(result, Succeeded):
+            self._resume(row.provider, flight)
         await self._finish(flight, result)
 
     async def _unknown_provider(self, flight: InFlight) -> None:
@@ -466,17 +468,25 @@ class Dispatcher:
     # --- paused providers ---------------------------------------------------------------------
 
     def _pause(self, provider: str, result: Failed) -> None:
+        now = time.monotonic()
         if provider not in self._paused:
             metrics.PROVIDER_PAUSED.labels(provider).set(1)
             log.error("provider paused: its credentials were refused; operations wait",
                       provider=provider, http_status=result.http_status,
                       probe_in_s=self._pause_probe.total_seconds())  # fmt: skip
-        self._paused[provider] = time.monotonic() + self._pause_probe.total_seconds()
+            self._paused_since[provider] = now
+        self._paused[provider] = now + self._pause_probe.total_seconds()
 
-    def _resume(self, provider: str) -> None:
-        if self._paused.pop(provider, None) is not None:
-            metrics.PROVIDER_PAUSED.labels(provider).set(0)
-            log.info("provider resumed", provider=provider)
+    def _resume(self, provider: str, flight: InFlight) -> None:
+        """Resume after a success, but only one claimed after the pause: an older call that
+        succeeds says nothing about the credentials now."""
+        since = self._paused_since.get(provider)
+        if since is None or flight.claimed_mono < since:
+            return
+        del self._paused_since[provider]
+        self._paused.pop(provider, None)
+        metrics.PROVIDER_PAUSED.labels(provider).set(0)
+        log.info("provider resumed", provider=provider)
 
     def _paused_now(self) -> list[str]:
         """Providers to leave unclaimed: paused, their probe not yet due."""

@@ -8,6 +8,7 @@ reconcile retry` or `cancel`). A provider without a lookup leaves every decision
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ log = structlog.get_logger("outbox.reconciler")
 class CheckResult:
     operation_id: int
     provider: str
-    finding: str  # found | not_found | no_lookup | error
+    finding: str  # found | not_found | no_lookup | error | stale (the row moved on meanwhile)
     reference: str | None = None
     duplicates: tuple[str, ...] = ()
     error: str | None = None
@@ -53,9 +54,12 @@ class Reconciler:
         self._actor = actor
 
     async def candidates(self, operation_id: int | None = None, *,
-                         recheck_after: timedelta | None = None,
-                         limit: int = BATCH) -> list[dict[str, Any]]:  # fmt: skip
-        params = {"id": operation_id, "recheck_after": recheck_after, "limit": limit}
+                         recheck_after: timedelta | None = None, limit: int = BATCH,
+                         askable_only: bool = True) -> list[dict[str, Any]]:  # fmt: skip
+        """Reconciling operations to check; ``askable_only``: of providers with a lookup."""
+        names = [n for n, p in self._providers.items() if isinstance(p, Lookup) or not askable_only]
+        params = {"id": operation_id, "recheck_after": recheck_after, "limit": limit,
+                  "providers": names}  # fmt: skip
         async with self._pool.connection() as conn:
             cur = conn.cursor(row_factory=dict_row)
             rows: list[dict[str, Any]] = await (
@@ -67,7 +71,9 @@ class Reconciler:
         """Look one operation up at its provider and, unless ``dry_run``, record the finding."""
         result = await self._look(row)
         if not dry_run and result.finding in ("found", "not_found"):
-            await self._record(result)
+            result = await self._record(result, row)
+        elif not dry_run and result.finding == "error":
+            await self._touch(result.operation_id)
         metrics.RECONCILE_CHECKS.labels(result.provider, result.finding).inc()
         log.info("reconciliation check", operation_id=result.operation_id,
                  provider=result.provider, outcome=result.finding, dry_run=dry_run)  # fmt: skip
@@ -99,7 +105,11 @@ class Reconciler:
             return CheckResult(finding="no_lookup", **base)
         try:
             found: Found | None = await provider.lookup(
-                row["action"], row["id"], row["first_sent_at"], row["last_attempt_at"]
+                row["action"],
+                row["id"],
+                row["idempotency_key"],
+                row["first_sent_at"],
+                row["last_attempt_at"],
             )
         except Exception as exc:  # noqa: BLE001 (a failed look proves nothing either way)
             return CheckResult(finding="error", error=type(exc).__name__, **base)
@@ -108,17 +118,19 @@ class Reconciler:
         return CheckResult(finding="found", reference=found.reference,
                            duplicates=found.duplicates, **base)  # fmt: skip
 
-    async def _record(self, result: CheckResult) -> None:
+    async def _record(self, result: CheckResult, row: Mapping[str, Any]) -> CheckResult:
         details = {"duplicates": list(result.duplicates)} if result.duplicates else {}
         params = {"id": result.operation_id, "found_ref": result.reference, "actor": self._actor,
-                  "details": json.dumps(details)}  # fmt: skip
+                  "details": json.dumps(details), "generation": row["key_generation"],
+                  "attempts": row["attempts"]}  # fmt: skip
         async with self._pool.connection() as conn:
             try:
-                await conn.execute(statements.RECORD_CHECK, params)
+                cur = await conn.execute(statements.RECORD_CHECK, params)
+                outcome = await cur.fetchone()
             except psycopg.Error as exc:
                 if exc.sqlstate != SQLSTATE_OPERATOR_REFUSED:
                     raise
-                # Resolved by someone else meanwhile: nothing left to record.
+                outcome = ("gone",)  # resolved or cancelled by someone meanwhile
         if result.duplicates:
             log.error(
                 "more than one effect carries this operation id",
@@ -126,6 +138,18 @@ class Reconciler:
                 operation_id=result.operation_id,
                 duplicates=list(result.duplicates),
             )
+        if outcome is not None and outcome[0] in ("stale", "gone"):
+            if result.finding == "found":
+                # An effect exists for an operation someone else settled: a person must know.
+                log.error("effect found for an operation no longer reconciling", reference=
+                          result.reference, operation_id=result.operation_id,
+                          provider=result.provider)  # fmt: skip
+            return dataclasses.replace(result, finding="stale")
+        return result
+
+    async def _touch(self, operation_id: int) -> None:
+        async with self._pool.connection() as conn:
+            await conn.execute(statements.TOUCH_CHECK, {"id": operation_id})
 
 
 async def run_checks(dsn: str, providers: Mapping[str, Provider], operation_id: int | None, *,
@@ -135,7 +159,7 @@ async def run_checks(dsn: str, providers: Mapping[str, Provider], operation_id: 
     options = {"autocommit": True, **connection_options(dsn, "outbox-reconcile")}
     async with AsyncConnectionPool(dsn, min_size=1, max_size=2, kwargs=options) as pool:
         reconciler = Reconciler(pool, providers, actor=f"{ACTOR} (manual)")
-        rows = await reconciler.candidates(operation_id, limit=MANUAL_LIMIT)
+        rows = await reconciler.candidates(operation_id, limit=MANUAL_LIMIT, askable_only=False)
         on_total(len(rows))
         results = []
         for row in rows:

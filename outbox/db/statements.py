@@ -305,20 +305,26 @@ REQUEST_RECONCILIATION: Final = (
     "SELECT outbox.request_reconciliation(%(id)s, %(reason)s, %(actor)s)"
 )
 RETRY: Final = "SELECT outbox.retry_operation(%(id)s, %(reason)s, %(actor)s, %(force)s)"
-RECORD_CHECK: Final = (
-    "SELECT outbox.record_check(%(id)s, %(found_ref)s, %(actor)s, %(details)s::jsonb)"
-)
+RECORD_CHECK: Final = """
+SELECT outbox.record_check(%(id)s, %(found_ref)s, %(actor)s, %(details)s::jsonb,
+                           %(generation)s::integer, %(attempts)s::integer)
+"""
+# A look-up failed: note the time, so the periodic reconciler moves on to other operations.
+TOUCH_CHECK: Final = "SELECT outbox.touch_check(%(id)s)"
 
 # --- reconciler ---------------------------------------------------------------------------------
 
 # Reconciling operations to look up at their provider: one by id, or every one not checked since
 # ``recheck_after`` (NULL: all), oldest first.
 RECONCILING_TO_CHECK: Final = """
-SELECT id, provider, action, coalesce(first_sent_at, created_at) AS first_sent_at,
+SELECT id, provider, action, idempotency_key, key_generation, attempts,
+       coalesce(first_sent_at, created_at) AS first_sent_at,
        coalesce(last_attempt_at, created_at) AS last_attempt_at
 FROM outbox.operations
 WHERE status = 'reconciling'
   AND (%(id)s::bigint IS NULL OR id = %(id)s::bigint)
+  -- Only providers that can be asked: the others wait for a person, and must not fill every batch.
+  AND provider = ANY (%(providers)s::text[])
   AND (%(recheck_after)s::interval IS NULL OR checked_at IS NULL
        OR checked_at < now() - %(recheck_after)s::interval)
 ORDER BY status_changed_at, id

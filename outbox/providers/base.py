@@ -115,7 +115,14 @@ class Provider(Protocol):
 class Lookup(Protocol):
     """A provider that can tell whether an operation's effect exists (for reconciliation)."""
 
-    async def lookup(self, action: str, operation_id: int, first_sent_at: datetime,
-                     last_attempt_at: datetime) -> Found | None:  # fmt: skip
-        """The effect, or None if the provider has none; raises if it cannot tell."""
+    async def lookup(
+        self,
+        action: str,
+        operation_id: int,
+        idempotency_key: str,
+        first_sent_at: datetime,
+        last_attempt_at: datetime,
+    ) -> Found | None:
+        """The effect of any key generation of the operation, or None if the provider has none;
+        raises if it cannot tell."""
         ...

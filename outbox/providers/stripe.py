@@ -10,6 +10,7 @@ map follows from that (see ``classify``).
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -52,8 +53,11 @@ SETTLE_DELAY: Final = timedelta(seconds=30)
 LOOKUP_SLACK: Final = timedelta(hours=1)
 LOOKUP_PAGE: Final = 100
 
-# The SDK logs request bodies (and so payloads) at debug level; nothing of it is ever wanted.
+# The SDK logs request bodies (and so payloads) at debug level, to its logger and, when
+# stripe.log or $STRIPE_LOG says so, straight to stderr; nothing of it is ever wanted.
 logging.getLogger("stripe").addFilter(lambda record: record.levelno >= logging.WARNING)
+stripe.log = None
+stripe._util.STRIPE_LOG = None  # read once, when the SDK was imported
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,20 +101,24 @@ class StripeProvider:
         metadata = payload.get("metadata", {})
         if not isinstance(metadata, Mapping):
             raise InvalidRequest("the payload's metadata must be an object")
-        ours = {METADATA_OPERATION_ID, METADATA_IDEMPOTENCY_KEY} - set(metadata)
-        if len(metadata) + len(ours) > _METADATA_LIMIT:
+        taken = sorted(k for k in metadata if str(k).startswith("outbox_"))
+        if taken:
+            # The reconciler finds an effect by these keys: a copied value would point it at
+            # another operation's object.
+            raise InvalidRequest(f"the payload's metadata may not set {', '.join(taken)}")
+        if len(metadata) + 2 > _METADATA_LIMIT:
             raise InvalidRequest(
                 f"the payload has {len(metadata)} metadata keys; Stripe allows {_METADATA_LIMIT} "
-                f"and outbox adds {len(ours)}"
+                "and outbox adds 2"
             )
 
     async def send(self, request: SendRequest) -> SendResult:
         service = getattr(self._client.v1, ACTIONS[request.action])
         params = dict(request.payload)
         params["metadata"] = {
+            **dict(params.get("metadata", {})),
             METADATA_OPERATION_ID: str(request.operation_id),
             METADATA_IDEMPOTENCY_KEY: request.idempotency_key,
-            **dict(params.get("metadata", {})),  # the payload's own keys win
         }
         try:
             created = await service.create_async(
@@ -126,19 +134,33 @@ class StripeProvider:
             request_id=response.request_id if response else None,
         )
 
-    async def lookup(self, action: str, operation_id: int, first_sent_at: datetime,
-                     last_attempt_at: datetime) -> Found | None:  # fmt: skip
-        """The object the operation created, found by its metadata among the objects created
-        around its attempts; None if there is none. Lists, never search: the Search API can lag
-        by an hour, so it cannot prove an absence."""
+    async def lookup(
+        self,
+        action: str,
+        operation_id: int,
+        idempotency_key: str,
+        first_sent_at: datetime,
+        last_attempt_at: datetime,
+    ) -> Found | None:
+        """The object the operation created under any of its key generations, found by its
+        metadata among the objects created around its attempts; None if there is none. Lists,
+        never search: the Search API can lag by an hour, so it cannot prove an absence."""
         service = getattr(self._client.v1, ACTIONS[action])
-        created = {"gte": int((first_sent_at - LOOKUP_SLACK).timestamp()),
-                   "lte": int((last_attempt_at + LOOKUP_SLACK).timestamp())}  # fmt: skip
-        page = await service.list_async(params={"created": created, "limit": LOOKUP_PAGE})
+        params: dict[str, Any] = {"limit": LOOKUP_PAGE, "created": {
+            "gte": int((first_sent_at - LOOKUP_SLACK).timestamp()),
+            "lte": int((last_attempt_at + LOOKUP_SLACK).timestamp())}}  # fmt: skip
+        if action == "subscriptions.create":
+            params["status"] = "all"  # canceled subscriptions are left out otherwise
+        family = _key_family(idempotency_key)
+        page = await service.list_async(params=params)
         matches: list[str] = []
         async for obj in page.auto_paging_iter():
             metadata = obj.to_dict().get("metadata") or {}
-            if metadata.get(METADATA_OPERATION_ID) == str(operation_id):
+            # The id alone could be another database's operation: the key must match too.
+            if (
+                metadata.get(METADATA_OPERATION_ID) == str(operation_id)
+                and _key_family(str(metadata.get(METADATA_IDEMPOTENCY_KEY))) == family
+            ):
                 matches.append(str(obj.id))
         if not matches:
             return None
@@ -169,8 +191,12 @@ def classify(exc: stripe.StripeError) -> Failed:  # noqa: PLR0911 (a decision ta
                        **details)  # fmt: skip
     if should_retry is False:
         return permanent(_error_class(exc), message, **details)
-    if status in (409, 429, 502, 503, 504) or isinstance(exc, stripe.RateLimitError):
+    if status in (409, 429) or isinstance(exc, stripe.RateLimitError):
         return transient(_error_class(exc), message, **details)
+    if status in (502, 503, 504):
+        # A gateway may answer these after Stripe acted: retry with the same key, but the key
+        # window starts here.
+        return unknown(_error_class(exc), message, **details)
     if should_retry is True or status is None or status >= 500:
         return unknown(_error_class(exc), message, **details)
     return permanent(_error_class(exc), message, **details)  # 400, 402, 404 and the other 4xx
@@ -202,3 +228,8 @@ def _message(exc: stripe.StripeError) -> str:
     code = getattr(exc.error, "code", None) if exc.error else None
     parts = [f"HTTP {exc.http_status}" if exc.http_status else type(exc).__name__, kind, code]
     return " ".join(p for p in parts if p)
+
+
+def _key_family(key: str) -> str:
+    """The key without its generation suffix: every generation of one operation shares it."""
+    return re.sub(r":r[0-9]+$", "", key)

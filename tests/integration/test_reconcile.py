@@ -106,6 +106,8 @@ async def test_an_effect_stripe_never_applied_is_recorded_missing_then_retried_o
     fake.inject(Fault.reset_before_apply())  # the connection dies; nothing was created
     op = await unknown_then_past_the_window(db_url, pool, fake, provider)
     first_key = key_of(db_url, op)
+    with psycopg.connect(db_url) as conn:  # a check right after an attempt proves little
+        conn.execute("UPDATE outbox.operations SET last_attempt_at = now() - interval '5 minutes'")
 
     checked = outbox_cli(check_env, "reconcile", "check", "--all")
     assert checked.returncode == 0, checked.stderr
@@ -177,22 +179,26 @@ async def test_the_lookup_pages_through_lists_and_reports_duplicate_effects(
     client = stripe.StripeClient("sk_test_fake", base_addresses={"api": fake.url},
                                  http_client=http)  # fmt: skip
     try:
-        for n in (42, *range(1000, 1150), 42):  # the first and the last carry operation 42
+        # Operation 42's key family twice (generations 1 and 2), 150 others, and an object that
+        # claims operation 42 under a foreign key (another database's operation 42).
+        for n, key in ((42, "k42"), *((n, f"k{n}") for n in range(1000, 1150)),
+                       (42, "someone-else"), (42, "k42:r2")):  # fmt: skip
             await client.v1.payment_intents.create_async(
                 params={
                     "amount": 100,
                     "currency": "usd",
-                    "metadata": {"outbox_operation_id": str(n)},
+                    "metadata": {"outbox_operation_id": str(n), "outbox_idempotency_key": key},
                 }
             )
     finally:
         await http.close_async()  # type: ignore[no-untyped-call]
-    first, *_, last = fake.objects("payment_intents")
+    objects = fake.objects("payment_intents")
+    first, last = objects[0], objects[-1]
     now = datetime.now(UTC)
-    found = await provider.lookup("payment_intents.create", 42, now, now)
+    found = await provider.lookup("payment_intents.create", 42, "k42:r2", now, now)
     assert found is not None
     assert (found.reference, found.duplicates) == (first["id"], (last["id"],))
-    assert await provider.lookup("payment_intents.create", 7, now, now) is None
+    assert await provider.lookup("payment_intents.create", 7, "k7", now, now) is None
     pages = [r for r in fake.received if r.method == "GET"]
     assert len(pages) >= 4  # 152 objects, 100 a page, twice
 
@@ -227,3 +233,53 @@ async def test_an_operator_sends_a_quarantined_operation_to_the_reconciler(
         ("carol", "reconcile", "reconciling"),
         ("outbox-reconciler", "check", "succeeded"),
     ]
+
+
+async def test_the_periodic_reconciler_skips_providers_it_cannot_ask(
+    db_url: str, pool: AsyncConnectionPool[Any], fake: FakeStripe, provider: Provider
+) -> None:
+    from tests.support.dispatch import enqueue_many  # noqa: PLC0415
+
+    hooks = enqueue_many(db_url, 150, provider="hook")  # older, and nobody can ask about them
+    (charge,) = enqueue_charges(db_url, 1)
+    with psycopg.connect(db_url) as conn:
+        conn.execute("UPDATE outbox.operations SET status = 'reconciling', attempts = 1, "
+                     "first_sent_at = now(), last_attempt_at = now()")  # fmt: skip
+    webhook_provider = stripe_provider("unused", fake.url)  # a placeholder with no effect
+    try:
+        from tests.support.dispatch import webhook  # noqa: PLC0415
+
+        hook = webhook("hook", "http://127.0.0.1:9/")
+        checker = Reconciler(pool, {"stripe": provider, "hook": hook})
+        assert await checker.run_once() == 1  # only the Stripe operation, despite 150 older
+        await hook.aclose()
+    finally:
+        await webhook_provider.aclose()
+    assert rows(db_url, "SELECT check_finding FROM outbox.operations WHERE id = %s",
+                (charge,)) == [("not_found",)]  # fmt: skip
+    assert len(hooks) == 150
+
+
+def test_sql_guards_null_force_stale_findings_blank_refs_and_audit_deletes(db_url: str) -> None:
+    from tests.support.dispatch import enqueue_many  # noqa: PLC0415
+
+    (op,) = enqueue_many(db_url, 1)
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute(
+            "UPDATE outbox.operations SET status = 'reconciling', attempts = 1, "
+            "last_attempt_at = now() - interval '1 hour' WHERE id = %s",
+            (op,),
+        )
+        with pytest.raises(psycopg.Error, match="was not checked"):
+            conn.execute("SELECT outbox.retry_operation(%s, 'r', 'me', NULL)", (op,))
+        stale = conn.execute("SELECT outbox.record_check(%s, NULL, 'r', '{}', 2, 1)", (op,))
+        assert stale.fetchone() == ("stale",)  # checked for a key generation it no longer has
+        with pytest.raises(psycopg.Error, match="must give its reference"):
+            conn.execute("SELECT outbox.record_check(%s, '  ', 'r', '{}', 1, 1)", (op,))
+        assert conn.execute("SELECT outbox.record_check(%s, NULL, 'r', NULL, 1, 1)",
+                            (op,)).fetchone() == ("reconciling",)  # fmt: skip
+        with pytest.raises(psycopg.Error, match="DELETE is refused"):
+            conn.execute("DELETE FROM outbox.audit")
+        with pytest.raises(psycopg.Error, match="TRUNCATE is refused"):
+            conn.execute("TRUNCATE outbox.audit")
+    assert rows(db_url, "SELECT count(*) FROM outbox.audit") == [(1,)]

@@ -67,7 +67,7 @@ async def test_each_operation_creates_one_object_carrying_its_id_and_key(
             "transient",
             "pending",
         ),
-        (Fault.status(503, error_type="api_error"), "transient", "pending"),
+        (Fault.status(503, error_type="api_error"), "unknown", "pending"),
         (
             Fault.status(402, error_type="card_error", code_str="card_declined"),
             "permanent",
@@ -229,3 +229,20 @@ async def test_no_api_key_or_request_body_reaches_any_log_line(
     assert secret not in captured and secret[-8:] not in captured
     assert "cus_123" not in captured and "1000" not in captured.replace("duration", "")
     assert len(logs) == 2
+
+
+async def test_a_payload_may_not_set_the_metadata_the_reconciler_matches_on(
+    db_url: str, pool: AsyncConnectionPool[Any], fake: FakeStripe, provider: Provider
+) -> None:
+    import outbox  # noqa: PLC0415
+
+    with psycopg.connect(db_url) as conn:
+        outbox.enqueue(conn, tenant_id="acme", operation_type="refund", operation_key="r1",
+                       provider="stripe", action="refunds.create",
+                       payload={"payment_intent": "pi_1", "metadata": {
+                           "outbox_operation_id": "5", "order": "o-1"}})  # fmt: skip
+    assert await dispatcher(pool, {"stripe": provider}).run_once() == 1
+    assert rows(db_url, "SELECT status, last_error FROM outbox.operations") == [
+        ("quarantined", "the payload's metadata may not set outbox_operation_id")
+    ]
+    assert fake.object_count() == 0
