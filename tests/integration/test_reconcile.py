@@ -245,16 +245,14 @@ async def test_the_periodic_reconciler_skips_providers_it_cannot_ask(
     with psycopg.connect(db_url) as conn:
         conn.execute("UPDATE outbox.operations SET status = 'reconciling', attempts = 1, "
                      "first_sent_at = now(), last_attempt_at = now()")  # fmt: skip
-    webhook_provider = stripe_provider("unused", fake.url)  # a placeholder with no effect
-    try:
-        from tests.support.dispatch import webhook  # noqa: PLC0415
+    from tests.support.dispatch import webhook  # noqa: PLC0415
 
-        hook = webhook("hook", "http://127.0.0.1:9/")
+    hook = webhook("hook", "http://127.0.0.1:9/")  # a webhook has no lookup
+    try:
         checker = Reconciler(pool, {"stripe": provider, "hook": hook})
         assert await checker.run_once() == 1  # only the Stripe operation, despite 150 older
-        await hook.aclose()
     finally:
-        await webhook_provider.aclose()
+        await hook.aclose()
     assert rows(db_url, "SELECT check_finding FROM outbox.operations WHERE id = %s",
                 (charge,)) == [("not_found",)]  # fmt: skip
     assert len(hooks) == 150
