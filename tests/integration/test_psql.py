@@ -79,3 +79,23 @@ def test_a_conflict_through_psql_reports_its_sqlstate(db_url: str) -> None:
         assert row == ("1000", 1)
         # The producer's own write went down with it.
         assert conn.execute("SELECT state FROM invoices").fetchall() == [("charging",)]
+
+
+def test_invalid_utf8_through_psql_is_refused_and_writes_nothing(db_url: str) -> None:
+    script = (
+        b"\\set ON_ERROR_STOP on\nSET client_encoding = 'UTF8';\n"
+        b"SELECT * FROM outbox.enqueue(tenant_id => 'acme', operation_type => 't', "
+        b"operation_key => 'k-\xff\xfe', provider => 'p', action => 'a', payload => '{}');\n"
+    )
+    done = subprocess.run(
+        [psql_path(), "-X", "-q"],
+        input=script,
+        env={"PATH": "/usr/bin:/bin", **libpq_env(db_url)},
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode != 0
+    assert b"invalid byte sequence for encoding" in done.stderr
+    with psycopg.connect(db_url) as conn:
+        assert conn.execute("SELECT count(*) FROM outbox.operations").fetchone() == (0,)
