@@ -368,7 +368,9 @@ class Dispatcher:
             )
         reached = result.may_have_reached_provider if sent is None else sent
         provider = self._providers.get(row.provider)
-        window = self._window(provider) if provider else KeyWindow(timedelta.max, timedelta(0))
+        # Without a provider the failure is permanent and the window is never read; an empty one
+        # would err towards reconciliation, never towards a resend.
+        window = self._window(provider) if provider else KeyWindow(timedelta(0), timedelta(0))
         nxt = after_failure(
             result.failure, attempt=row.attempts - row.attempt_base,
             max_attempts=row.max_attempts or self._settings.max_attempts,
