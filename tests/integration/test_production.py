@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import shutil
 import signal
 import socket
 import subprocess
@@ -18,6 +17,7 @@ import pytest
 from outbox.providers.fakes.webhook import FakeWebhookReceiver
 from tests.support.daemon import OutboxProcess, wait_until, write_config
 from tests.support.dispatch import enqueue_many, key_of, rows
+from tests.support.tools import require_tool
 
 pytestmark = pytest.mark.slow
 
@@ -151,10 +151,10 @@ def test_a_scrape_after_a_run_matches_the_rows(
                   reason="permanent_failure") == 2  # fmt: skip
     assert sample(text, "outbox_retries_total", provider="hook") == 1
     assert sample(text, "outbox_build_info") == 1
-    if shutil.which("promtool"):  # the scrape itself passes Prometheus's own lint
-        linted = subprocess.run(["promtool", "check", "metrics"], input=text, text=True,
-                                capture_output=True, timeout=60, check=False)  # fmt: skip
-        assert linted.returncode == 0, linted.stdout + linted.stderr
+    promtool = require_tool("promtool", "prometheus")  # the scrape passes Prometheus's own lint
+    linted = subprocess.run([promtool, "check", "metrics"], input=text, text=True,
+                            capture_output=True, timeout=60, check=False)  # fmt: skip
+    assert linted.returncode == 0, linted.stdout + linted.stderr
 
 
 def test_readyz_follows_the_database_going_away_and_coming_back(

@@ -5,27 +5,24 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import prometheus_client
-import pytest
 
 from outbox import metrics
+from tests.support.tools import require_tool
 
 REPO = Path(__file__).resolve().parents[2]
 RULES = REPO / "deploy" / "prometheus"
-needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None,
-                                    reason="promtool is not installed")  # fmt: skip
 
 
 def promtool(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["promtool", *args], cwd=RULES, input=stdin, capture_output=True,
+    path = require_tool("promtool", "prometheus")
+    return subprocess.run([path, *args], cwd=RULES, input=stdin, capture_output=True,
                           text=True, timeout=60, check=False)  # fmt: skip
 
 
-@needs_promtool
 def test_the_rules_check_and_their_unit_tests_pass() -> None:
     checked = promtool("check", "rules", "outbox-alerts.yml")
     assert checked.returncode == 0, checked.stdout + checked.stderr
@@ -67,7 +64,6 @@ def test_the_dashboard_asks_only_for_exported_metrics() -> None:
         assert topic in titles
 
 
-@needs_promtool
 def test_a_scrape_passes_promtool_check_metrics() -> None:
     metrics.DISPATCH.labels("p", "a", "succeeded").inc()
     metrics.BUILD_INFO.info({"version": "test"})
