@@ -25,7 +25,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, wait_random_exponen
 
 from outbox import failpoints, metrics, tracing
 from outbox.config import DispatcherSettings
-from outbox.db.store import Claimed, Record, Store
+from outbox.db.store import Claimed, Record, Store, assert_no_connection_held
 from outbox.model import Status
 from outbox.policy import REASON_KEY_WINDOW, Backoff, KeyWindow, after_failure
 from outbox.providers.base import (
@@ -267,6 +267,12 @@ class Dispatcher:
         if self._stopping:
             await self._unclaim(flight, Status.PENDING, None)
             return
+        leak = failpoints.take(failpoints.LEAK_TRANSACTION)
+        if leak is not None:
+            await self._store.leave_transaction_open(row.id, idle_timeout=leak)
+        # A bug that kept a transaction open here would hold row locks for the whole call:
+        # refuse to send; the lease expires and the rescuer takes the row back.
+        assert_no_connection_held()
         with tracing.attempt_span(row.traceparent, _span_attributes(row)) as span:
             result = await self._send(flight, provider)
             if span is not None:

@@ -13,6 +13,9 @@ from typing import Final
 
 AFTER_CLAIM: Final = "after_claim"  # leased, nothing sent yet
 BEFORE_RECORD: Final = "before_record"  # the provider answered; nothing recorded yet
+# A simulated bug, once per process: a transaction locking the row is left open before the send
+# (its value: the session's idle-in-transaction timeout in seconds, so a test need not wait 60).
+LEAK_TRANSACTION: Final = "leak_transaction"
 
 
 def _parse(spec: str) -> dict[str, float]:
@@ -24,6 +27,11 @@ def _parse(spec: str) -> dict[str, float]:
 
 
 _ACTIVE: Final = _parse(os.environ.get("OUTBOX_FAILPOINTS", ""))
+
+
+def take(name: str) -> float | None:
+    """The failpoint's value, once: later calls get None."""
+    return _ACTIVE.pop(name, None)
 
 
 async def hit(name: str) -> None:

@@ -247,6 +247,9 @@ FROM rescued
 # A session setting for this connection (set_config with is_local = false).
 SET_SESSION_LIMIT: Final = "SELECT set_config(%s, %s, false)"
 
+# Only the fault tests' simulated bug (failpoints.LEAK_TRANSACTION) takes a row lock like this.
+LOCK_OPERATION: Final = "SELECT id FROM outbox.operations WHERE id = %s FOR UPDATE"
+
 # Wake-ups: dispatchers LISTEN on the channel enqueue notifies.
 LISTEN: Final = "LISTEN outbox_enqueue"
 

@@ -6,18 +6,50 @@ transaction and costs one round trip.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, LiteralString
+from typing import Any, Final, LiteralString
 
+import psycopg
+from psycopg import AsyncConnection
+from psycopg.pq import TransactionStatus
 from psycopg.rows import dict_row, tuple_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from outbox.db import statements
 from outbox.model import Status
+
+# The longest any statement of ours may go unanswered: the server's statement_timeout (30 s) plus
+# a margin. A peer that went silent while the kernel still acknowledges (a hung proxy, a frozen
+# server) defeats keepalives and tcp_user_timeout; only a deadline on our side ends the wait.
+# psycopg then tries to cancel (up to 10 s more) and drops the connection: under 60 s in all.
+STATEMENT_DEADLINE: Final = 35.0
+
+# The connections the current task has checked out. A tuple, never mutated: tasks started while
+# one is held inherit it, which is exactly the bug the send guard looks for.
+_HELD: ContextVar[tuple[AsyncConnection[Any], ...]] = ContextVar("outbox_held", default=())
+
+
+class ConnectionHeldAcrossSend(RuntimeError):
+    """A bug in outbox: a database connection is checked out while a provider call starts."""
+
+
+def assert_no_connection_held() -> None:
+    """Raise if this task holds a database connection. A transaction left open across a
+    provider call holds row locks for the call's whole duration (and, were it the claim's, the
+    lease would not even be visible to the record); a merely held connection starves the pool."""
+    held = _HELD.get()
+    if held:
+        states = ", ".join(TransactionStatus(c.info.transaction_status).name for c in held)
+        raise ConnectionHeldAcrossSend(
+            f"{len(held)} database connection(s) held before a provider call ({states})"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +106,7 @@ class Store:
                     paused: Sequence[str] = ()) -> list[Claimed]:  # fmt: skip
         """Lease up to ``limit`` due rows, skipping the ``paused`` providers'."""
         params = {"worker": worker, "limit": limit, "lease": lease, "paused": list(paused)}
-        async with self._pool.connection() as conn:
+        async with self._connection() as conn:
             cur = conn.cursor(row_factory=dict_row)
             rows = await (await cur.execute(statements.CLAIM, params)).fetchall()
         return [Claimed(**row) for row in rows]
@@ -116,7 +148,7 @@ class Store:
             "tokens": [c.lease_token for c in held],
             "lease": lease,
         }
-        async with self._pool.connection() as conn:
+        async with self._connection() as conn:
             cur = conn.cursor(row_factory=tuple_row)
             rows = await (await cur.execute(statements.HEARTBEAT, params)).fetchall()
         return {row[0] for row in rows}
@@ -124,7 +156,7 @@ class Store:
     async def rescue(self, limit: int, max_attempts: int) -> list[dict[str, Any]]:
         """Take back expired leases; returns each rescued row's identity and new status."""
         params = {"limit": limit, "max_attempts": max_attempts}
-        async with self._pool.connection() as conn:
+        async with self._connection() as conn:
             cur = conn.cursor(row_factory=dict_row)
             rows: list[dict[str, Any]] = await (
                 await cur.execute(statements.RESCUE, params)
@@ -133,8 +165,33 @@ class Store:
             row["status"] = Status(row["status"])
         return rows
 
+    @asynccontextmanager
+    async def _connection(self) -> AsyncIterator[AsyncConnection[Any]]:
+        try:
+            async with asyncio.timeout(STATEMENT_DEADLINE), self._pool.connection() as conn:
+                token = _HELD.set((*_HELD.get(), conn))
+                try:
+                    yield conn
+                finally:
+                    _HELD.reset(token)
+        except TimeoutError as exc:
+            # Callers treat it as any lost connection: the statement may or may not have run.
+            raise psycopg.OperationalError(
+                f"the database did not answer within {STATEMENT_DEADLINE:.0f} s"
+            ) from exc
+
+    async def leave_transaction_open(self, operation_id: int, idle_timeout: float) -> None:
+        """The fault tests' simulated bug: lock the row in a transaction nobody commits, on a
+        connection never given back. Only the server's idle-in-transaction timeout ends it."""
+        conn = await self._pool.getconn()
+        _HELD.set((*_HELD.get(), conn))
+        await conn.set_autocommit(False)
+        await conn.execute(statements.SET_SESSION_LIMIT,
+                           ("idle_in_transaction_session_timeout", f"{idle_timeout}s"))  # fmt: skip
+        await conn.execute(statements.LOCK_OPERATION, (operation_id,))
+
     async def _one(self, query: LiteralString, params: Mapping[str, Any]) -> bool:
-        async with self._pool.connection() as conn:
+        async with self._connection() as conn:
             cur = conn.cursor(row_factory=tuple_row)
             row = await (await cur.execute(query, params)).fetchone()
         return row is not None

@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
@@ -40,12 +40,14 @@ class OutboxProcess:
     """One `outbox run` subprocess; its log goes to a file the test can read."""
 
     def __init__(self, db_url: str, config: Path, log_path: Path,
-                 env: dict[str, str] | None = None, metrics_addr: str = "off") -> None:  # fmt: skip
+                 env: dict[str, str] | None = None, metrics_addr: str = "off",
+                 wrapper: Sequence[str] = ()) -> None:  # fmt: skip
+        """``wrapper``: a command the process runs under, such as ``faketime -f +1h``."""
         self.log_path = log_path
         self._log: IO[bytes] = log_path.open("ab")
         full_env = {**os.environ, "OUTBOX_DATABASE_URL": db_url, **(env or {})}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "outbox", "run", "--config", str(config),
+            [*wrapper, sys.executable, "-m", "outbox", "run", "--config", str(config),
              "--metrics-addr", metrics_addr],
             env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
         )  # fmt: skip

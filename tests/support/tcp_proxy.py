@@ -26,6 +26,8 @@ class TcpProxy:
         self._lock = threading.Lock()
         self._sockets: set[socket.socket] = set()
         self._listener: socket.socket | None = None
+        # Relaying stops per direction while muted: "up" is client to server, "down" the reverse.
+        self._muted = {"up": threading.Event(), "down": threading.Event()}
         self.port = 0
 
     @property
@@ -47,6 +49,9 @@ class TcpProxy:
             doomed = list(self._sockets)
             self._sockets.clear()
         if listener is not None:
+            # Wakes the accept thread (close alone would not), so the port is free to listen on.
+            with contextlib.suppress(OSError):
+                listener.shutdown(socket.SHUT_RDWR)
             listener.close()
         for sock in doomed:
             with contextlib.suppress(OSError):
@@ -54,8 +59,22 @@ class TcpProxy:
             sock.close()
 
     def heal(self) -> None:
-        """Listen again, on the same port."""
+        """Listen again, on the same port; relay again; drop the connections made while deaf."""
+        if any(muted.is_set() for muted in self._muted.values()):
+            for muted in self._muted.values():
+                muted.clear()
+            self.cut()
         self.start()
+
+    def deafen(self) -> None:
+        """Keep every connection open and accept new ones, but relay nothing, either way: a
+        peer that went silent (the kernel still acknowledges, so only timeouts notice)."""
+        self.mute("up")
+        self.mute("down")
+
+    def mute(self, direction: str) -> None:
+        """Stop relaying ``"up"`` (to the server) or ``"down"`` (its answers), silently."""
+        self._muted[direction].set()
 
     def __enter__(self) -> Self:
         return self.start()
@@ -79,12 +98,14 @@ class TcpProxy:
                 continue
             with self._lock:
                 self._sockets.update((client, server))
-            for a, b in ((client, server), (server, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+            for a, b, direction in ((client, server, "up"), (server, client, "down")):
+                args = (a, b, self._muted[direction])
+                threading.Thread(target=self._pipe, args=args, daemon=True).start()
 
-    def _pipe(self, source: socket.socket, sink: socket.socket) -> None:
+    def _pipe(self, source: socket.socket, sink: socket.socket, muted: threading.Event) -> None:
         with contextlib.suppress(OSError):
             while data := source.recv(65536):
-                sink.sendall(data)
+                if not muted.is_set():
+                    sink.sendall(data)
         with contextlib.suppress(OSError):
             sink.shutdown(socket.SHUT_WR)
