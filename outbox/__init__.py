@@ -7,13 +7,23 @@ The producer API, for applications that record operations inside their own trans
         outbox.enqueue(conn, tenant_id="acme", operation_type="invoice.charge",
                        operation_key="invoice-42-charge", provider="stripe",
                        action="payment_intents.create", payload={"amount": 1000, ...})
+
+With tenant isolation on, bind the transaction to its tenant first: ``outbox.bind_tenant(conn,
+"acme")``.
 """
 
 from importlib.metadata import version as _version
 
 from outbox.errors import InvalidOperation, OperationConflict, OutboxError
 from outbox.model import EnqueueOutcome, EnqueueResult, FailureClass, Operation, Status
-from outbox.producer import enqueue, enqueue_async, get_operation, get_operation_async
+from outbox.producer import (
+    bind_tenant,
+    bind_tenant_async,
+    enqueue,
+    enqueue_async,
+    get_operation,
+    get_operation_async,
+)
 
 __version__ = _version("outbox")
 
@@ -27,6 +37,8 @@ __all__ = [
     "OutboxError",
     "Status",
     "__version__",
+    "bind_tenant",
+    "bind_tenant_async",
     "enqueue",
     "enqueue_async",
     "get_operation",

@@ -12,9 +12,10 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from datetime import datetime
-from typing import Any, NoReturn
+from typing import Any, Final, NoReturn
 
 import psycopg
+from psycopg.pq import TransactionStatus
 from psycopg.rows import kwargs_row, tuple_row
 
 from outbox import tracing
@@ -28,6 +29,45 @@ from outbox.errors import (
 from outbox.model import EnqueueOutcome, EnqueueResult, Operation
 
 Params = dict[str, Any]
+
+# Bind this transaction to a tenant: set_config's third argument (true) makes the setting end
+# with the transaction, so a pooled connection never carries it into the next one.
+# (Belongs in outbox/db/statements.py with the other statements.)
+BIND_TENANT: Final = "SELECT set_config('outbox.tenant_id', %s::text, true)"
+
+
+def bind_tenant(conn: psycopg.Connection[Any], tenant_id: str) -> None:
+    """Bind the caller's current transaction to ``tenant_id``, until it commits or rolls back.
+
+    With tenant isolation on (``outbox migrate --with-roles --tenant-rls``), :func:`enqueue` and
+    :func:`get_operation` act only for the bound tenant and refuse any other with SQLSTATE 42501
+    (``psycopg.errors.InsufficientPrivilege``); without it, binding changes nothing. Call it
+    where your application knows which tenant a request belongs to, inside the transaction of
+    the request. Raises ``psycopg.ProgrammingError`` on an autocommit connection outside
+    ``conn.transaction()``, where the binding would end with this very statement.
+    """
+    _check_binding(tenant_id, conn.autocommit, conn.info.transaction_status)
+    conn.execute(BIND_TENANT, (tenant_id,))
+
+
+async def bind_tenant_async(conn: psycopg.AsyncConnection[Any], tenant_id: str) -> None:
+    """The asyncio twin of :func:`bind_tenant`."""
+    _check_binding(tenant_id, conn.autocommit, conn.info.transaction_status)
+    await conn.execute(BIND_TENANT, (tenant_id,))
+
+
+def _check_binding(tenant_id: object, autocommit: bool, status: TransactionStatus) -> None:
+    if not isinstance(tenant_id, str):
+        raise InvalidOperation(
+            "tenant_id", f"tenant_id must be a string, not {type(tenant_id).__name__}"
+        )
+    if "\x00" in tenant_id:
+        raise InvalidOperation("tenant_id", "tenant_id must not contain NUL characters")
+    if autocommit and status == TransactionStatus.IDLE:
+        raise psycopg.ProgrammingError(
+            "bind_tenant needs an open transaction (use `with conn.transaction():`): on an "
+            "autocommit connection the binding would end with its own statement"
+        )
 
 
 def enqueue(

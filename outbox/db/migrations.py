@@ -4,12 +4,18 @@ Safe to run twice (applied files are skipped) and from many processes at once (t
 lock, and the later ones find nothing to do). Each file runs in its own transaction, so a failure
 leaves the database at the previous version. Statements wait at most ``lock_timeout`` for a lock,
 so a migration never queues for long behind live traffic, and behind it the traffic.
+
+With ``with_roles``, the role scripts of ``sql/`` (``roles.sql``, and ``roles_tenant_rls.sql``
+for tenant isolation) run after the numbered files, under the same lock. They are not numbered:
+roles are cluster-wide and need CREATEROLE, so they stay out of the migrations everyone applies,
+and they are idempotent, so they run again on every ``migrate --with-roles``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -30,6 +36,15 @@ DEFAULT_LOCK_WAIT: Final = timedelta(minutes=2)
 DEFAULT_LOCK_TIMEOUT: Final = timedelta(seconds=5)
 
 _FILE_NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
+
+# The least-privilege roles and their grants; then, optionally, tenant row-level security.
+ROLES_SCRIPT: Final = "roles.sql"
+TENANT_RLS_SCRIPT: Final = "roles_tenant_rls.sql"
+# Roles are cluster-wide: two databases' migrators creating the same role or setting the same
+# role option at the same moment collide in the shared catalogs. The script is idempotent, so
+# the loser runs it again and finds the work done.
+_ROLE_RACE_ATTEMPTS: Final = 5
+_ROLE_RACE_PAUSE_SECONDS: Final = 0.2
 
 
 class MigrationError(OutboxError):
@@ -61,6 +76,8 @@ class MigrationReport:
     already_applied: int = 0
     # Versions the database has that these files do not: a newer outbox migrated it.
     unknown_versions: list[int] = field(default_factory=list)
+    # The role scripts run after the migrations (with_roles), by file name.
+    scripts: list[str] = field(default_factory=list)
 
 
 def default_sql_dir() -> Path:
@@ -86,6 +103,15 @@ def load_migrations(directory: Path | None = None) -> list[Migration]:
     return [found[v] for v in sorted(found)]
 
 
+def load_script(name: str, directory: Path | None = None) -> bytes:
+    """The text of one role script of ``sql/`` (:data:`ROLES_SCRIPT`, :data:`TENANT_RLS_SCRIPT`)."""
+    path = (directory or default_sql_dir()) / name
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise MigrationError(f"cannot read {path}: {exc.strerror}") from None
+
+
 def migrate(
     conn: psycopg.Connection[Any],
     *,
@@ -94,12 +120,22 @@ def migrate(
     lock_wait: timedelta = DEFAULT_LOCK_WAIT,
     lock_timeout: timedelta = DEFAULT_LOCK_TIMEOUT,
     on_apply: Callable[[Migration], None] | None = None,
+    with_roles: bool = False,
+    tenant_rls: bool = False,
 ) -> MigrationReport:
-    """Apply pending migrations up to ``target`` (default: all) on an autocommit connection."""
+    """Apply pending migrations up to ``target`` (default: all) on an autocommit connection.
+
+    ``with_roles`` then applies ``roles.sql`` (needs CREATEROLE), and ``tenant_rls`` also
+    ``roles_tenant_rls.sql``; both only once every migration is applied.
+    """
     if not conn.autocommit:
         raise MigrationError(
             "migrate needs an autocommit connection: it runs one transaction per file"
         )
+    if tenant_rls and not with_roles:
+        raise MigrationError("tenant row-level security needs the roles: add --with-roles")
+    if with_roles and target is not None:
+        raise MigrationError("the roles need every migration: drop --target or --with-roles")
     todo = list(migrations if migrations is not None else load_migrations())
     cur = conn.cursor(row_factory=tuple_row)
     _set_lock_timeout(cur, lock_wait)
@@ -113,7 +149,13 @@ def migrate(
         _set_lock_timeout(cur, lock_timeout)
         cur.execute(statements.CREATE_SCHEMA)
         cur.execute(statements.CREATE_MIGRATIONS_TABLE)
-        return _apply_pending(cur, todo, target, lock_timeout, on_apply)
+        report = _apply_pending(cur, todo, target, lock_timeout, on_apply)
+        if with_roles:
+            scripts = [ROLES_SCRIPT, TENANT_RLS_SCRIPT] if tenant_rls else [ROLES_SCRIPT]
+            for name in scripts:
+                _apply_script(cur, name, load_script(name), lock_timeout)
+                report.scripts.append(name)
+        return report
     finally:
         if not conn.broken:
             cur.execute(statements.RELEASE_MIGRATION_LOCK, (statements.MIGRATION_LOCK_KEY,))
@@ -168,6 +210,39 @@ def _apply_one(
         raise MigrationError(
             f"migration {migration.label} failed and was rolled back: {exc}"
         ) from exc
+
+
+def _apply_script(
+    cur: psycopg.Cursor[tuple[Any, ...]], name: str, sql: bytes, lock_timeout: timedelta
+) -> None:
+    for attempt in range(1, _ROLE_RACE_ATTEMPTS + 1):
+        try:
+            with cur.connection.transaction():
+                cur.execute(sql)
+        except psycopg.errors.InsufficientPrivilege as exc:
+            raise MigrationError(
+                f"{name} needs a role with CREATEROLE that owns the outbox schema (or a "
+                f"superuser); nothing was changed: {exc.diag.message_primary}"
+            ) from None
+        except psycopg.errors.LockNotAvailable:
+            raise MigrationError(
+                f"{name} waited over {format_duration(lock_timeout)} for a lock held by live "
+                "traffic and was rolled back; retry when the database is quieter"
+            ) from None
+        except psycopg.Error as exc:
+            if attempt == _ROLE_RACE_ATTEMPTS or not _lost_role_race(exc):
+                raise MigrationError(f"{name} failed and was rolled back: {exc}") from exc
+            time.sleep(_ROLE_RACE_PAUSE_SECONDS * attempt)
+        else:
+            return
+
+
+def _lost_role_race(exc: psycopg.Error) -> bool:
+    """Did another database's migrator write the same shared catalog row at the same time?"""
+    if isinstance(exc, psycopg.errors.UniqueViolation | psycopg.errors.DuplicateObject):
+        return True
+    # ALTER ROLE ... SET and GRANT on a shared row that another transaction just updated.
+    return isinstance(exc, psycopg.errors.InternalError_) and "concurrently" in str(exc)
 
 
 def _set_lock_timeout(cur: psycopg.Cursor[tuple[Any, ...]], value: timedelta) -> None:

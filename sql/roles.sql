@@ -1,0 +1,108 @@
+-- roles.sql: outbox's least-privilege roles, and exactly their privileges in this database.
+--
+--   outbox_producer    (NOLOGIN; grant it to your application's login role) may call
+--                      outbox.enqueue and outbox.get_operation, and nothing else.
+--   outbox_dispatcher  (LOGIN, for `outbox run`) reads operations, updates their state, lease
+--                      and result columns, inserts attempts, and records reconciliation findings
+--                      through outbox.record_check and outbox.touch_check.
+--   outbox_operator    (NOLOGIN; grant it to each person's login role, so the audit names them)
+--                      reads operations, attempts and the audit, and changes operations only
+--                      through the SECURITY DEFINER operator functions, which write the audit.
+--
+-- Applied by `outbox migrate --with-roles` after the numbered migrations, or by hand by a DBA,
+-- after `outbox migrate`, connected to the application's database as a role with CREATEROLE
+-- that owns the outbox schema (or a superuser):
+--     psql -v ON_ERROR_STOP=1 --single-transaction -f roles.sql "dbname=app"
+-- Run it again after every upgrade: it is idempotent, and it first revokes everything these
+-- roles hold in the outbox schema, so the result is exactly what this file grants.
+--
+-- Roles are cluster-wide: they are created once, and each database gets its own grants. An
+-- existing role keeps its attributes (LOGIN, password, ...): set them with ALTER ROLE.
+
+-- Create the roles that do not exist yet. Another database's migrate may create one at the same
+-- moment: the loser of that race finds it created, which is all it wanted.
+DO $roles$
+DECLARE
+    r record;
+BEGIN
+    FOR r IN SELECT * FROM (VALUES ('outbox_producer', 'NOLOGIN'),
+                                   ('outbox_dispatcher', 'LOGIN'),
+                                   ('outbox_operator', 'NOLOGIN')) AS wanted (name, login)
+    LOOP
+        CONTINUE WHEN EXISTS (SELECT FROM pg_catalog.pg_roles WHERE rolname = r.name);
+        BEGIN
+            EXECUTE format('CREATE ROLE %I %s', r.name, r.login);
+        EXCEPTION WHEN duplicate_object OR unique_violation THEN
+            NULL;
+        END;
+    END LOOP;
+END
+$roles$;
+
+-- The dispatcher's session limits, as outbox/db/connect.py SESSION_LIMITS sets them per
+-- connection; set on the role too, because behind PgBouncer in transaction mode a connection's
+-- SET would leak into other clients' transactions, and the server enforces
+-- idle_in_transaction_session_timeout even when the client forgets. Only written when missing,
+-- so a rerun does not touch the cluster-wide catalog.
+DO $limits$
+DECLARE
+    s record;
+BEGIN
+    FOR s IN SELECT * FROM (VALUES ('lock_timeout', '2s'),
+                                   ('statement_timeout', '30s'),
+                                   ('idle_in_transaction_session_timeout', '60s')) AS l (name, value)
+    LOOP
+        CONTINUE WHEN EXISTS (SELECT FROM pg_catalog.pg_roles
+                              WHERE rolname = 'outbox_dispatcher'
+                                AND s.name || '=' || s.value = ANY (rolconfig));
+        EXECUTE format('ALTER ROLE outbox_dispatcher SET %I = %L', s.name, s.value);
+    END LOOP;
+END
+$limits$;
+
+-- Start from nothing in this database, so a rerun converges on exactly the grants below.
+-- (Revoking a table privilege revokes the same privilege on each of its columns too.)
+REVOKE ALL ON ALL TABLES IN SCHEMA outbox
+    FROM PUBLIC, outbox_producer, outbox_dispatcher, outbox_operator;
+REVOKE ALL ON ALL SEQUENCES IN SCHEMA outbox
+    FROM PUBLIC, outbox_producer, outbox_dispatcher, outbox_operator;
+REVOKE ALL ON ALL FUNCTIONS IN SCHEMA outbox
+    FROM PUBLIC, outbox_producer, outbox_dispatcher, outbox_operator;
+REVOKE ALL ON SCHEMA outbox FROM PUBLIC, outbox_producer, outbox_dispatcher, outbox_operator;
+
+GRANT USAGE ON SCHEMA outbox TO outbox_producer, outbox_dispatcher, outbox_operator;
+
+-- Producer: the two functions of the producer API.
+GRANT EXECUTE ON FUNCTION
+    outbox.enqueue(text, text, text, text, text, jsonb, text, text, timestamptz, integer, text),
+    outbox.get_operation(text, text, text)
+TO outbox_producer;
+
+-- Dispatcher: what outbox/db/statements.py's CLAIM, RECORD, UNCLAIM, HEARTBEAT, RESCUE,
+-- ATTEMPT_RECORDED, RECONCILING_TO_CHECK, GAUGES and NEARING_KEY_EXPIRY need, and no more.
+-- It reads every column (the claim returns the payload) but may change only the state, lease
+-- and result columns; identity, request, key, attempt budget and reconciliation findings are
+-- beyond its reach (0010's trigger guards the first three against everyone).
+GRANT SELECT ON outbox.operations TO outbox_dispatcher;
+GRANT UPDATE (status, status_reason, available_at, attempts, lease_owner, lease_token,
+              lease_expires_at, first_sent_at, last_attempt_at, provider_ref, result, last_error,
+              last_error_class, updated_at, status_changed_at, finished_at)
+    ON outbox.operations TO outbox_dispatcher;
+GRANT SELECT, INSERT ON outbox.attempts TO outbox_dispatcher;
+GRANT EXECUTE ON FUNCTION
+    outbox.record_check(bigint, text, text, jsonb, integer, integer),
+    outbox.touch_check(bigint)
+TO outbox_dispatcher;
+
+-- Operator: read everything (`outbox reconcile/quarantine list|show`, `outbox status`); change
+-- only through the functions that write the audit, including `outbox reconcile check`'s.
+GRANT SELECT ON outbox.operations, outbox.attempts, outbox.audit TO outbox_operator;
+GRANT EXECUTE ON FUNCTION
+    outbox.resolve_operation(bigint, text, text, text),
+    outbox.cancel_operation(bigint, text, text),
+    outbox.replay_operation(bigint, text, text),
+    outbox.request_reconciliation(bigint, text, text),
+    outbox.retry_operation(bigint, text, text, boolean),
+    outbox.record_check(bigint, text, text, jsonb, integer, integer),
+    outbox.touch_check(bigint)
+TO outbox_operator;
