@@ -175,6 +175,20 @@ def test_roles_exist_with_the_dispatchers_session_limits(roles_db: str) -> None:
             assert same == (True,), name
 
 
+def test_the_migrations_alone_leave_no_function_to_public(db_url: str) -> None:
+    """Without the roles script too: a migration that adds or replaces a function must revoke
+    PUBLIC's EXECUTE and pin search_path itself (CREATE OR REPLACE resets the SET clauses)."""
+    loose = rows(
+        db_url,
+        """
+        SELECT p.oid::regprocedure::text FROM pg_proc p
+        WHERE p.pronamespace = 'outbox'::regnamespace
+          AND (has_function_privilege('public', p.oid, 'EXECUTE')
+               OR p.proconfig IS DISTINCT FROM ARRAY['search_path=pg_catalog, pg_temp'])""",
+    )
+    assert loose == []
+
+
 def test_every_function_is_pinned_and_executable_only_by_its_roles(roles_db: str) -> None:
     functions = rows(
         roles_db,
