@@ -81,7 +81,8 @@ class OutboxProcess:
         return f"http://{found[0]}"
 
     def log_text(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text(errors="replace")
 
 
