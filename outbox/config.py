@@ -1,16 +1,20 @@
 """Settings for ``outbox run``: a TOML file, then environment overrides, as frozen dataclasses.
 
-The file has an optional top-level ``log_level``, a ``[dispatcher]`` table and one
-``[providers.<name>]`` table per provider. The environment is applied on top of it:
+The file has an optional top-level ``log_level``, a ``[dispatcher]`` table, an optional
+``[database]`` table and one ``[providers.<name>]`` table per provider. The environment is applied
+on top of it:
 
 * ``OUTBOX_LOG_LEVEL``
 * ``OUTBOX_DISPATCHER__<KEY>``, e.g. ``OUTBOX_DISPATCHER__LEASE=45s``
+* ``OUTBOX_DATABASE__<KEY>``, e.g. ``OUTBOX_DATABASE__POOL_MODE=transaction``
 * ``OUTBOX_PROVIDERS__<NAME>__<KEY>``: NAME matches a provider case-insensitively, with "-"
   written as "_"; a provider that is not in the file is created when its TYPE is set.
 
 Other ``OUTBOX_*`` variables (``OUTBOX_DATABASE_URL``, ``OUTBOX_CONFIG``) belong to the CLI and are
-ignored here. Secrets are never part of the settings' text: the file names where they are
-(``{env = ...}`` or ``{file = ...}``) and providers read them with :func:`read_secret`.
+ignored here, except ``OUTBOX_LISTEN_DATABASE_URL``, the default place of the direct connection for
+LISTEN (see :class:`DatabaseSettings`). Secrets are never written in the file: it names where they
+are (``{env = ...}``, ``{file = ...}``, ``*_env``, ``*_file``); providers read theirs with
+:func:`read_secret`, and the LISTEN URL, read while loading, never appears in a repr.
 
 Pure: imports nothing from the database or provider layers.
 """
@@ -76,17 +80,27 @@ DEFAULT_KEY_RETENTION: Final = timedelta(hours=24)
 # lease outlives the call.
 DEFAULT_TIMEOUT: Final = timedelta(seconds=10)
 DEFAULT_LOG_LEVEL: Final = "info"
+# How the database URL reaches PostgreSQL. "session": a session of our own per connection (a
+# direct connection, or a pooler in session mode), so prepared statements, session settings and
+# LISTEN all work; the default, because it is what a plain PostgreSQL URL gives. "transaction": a
+# pooler (PgBouncer's pool_mode = transaction) that lends a server session per transaction only.
+POOL_MODES: Final = ("session", "transaction")
+DEFAULT_POOL_MODE: Final = "session"
+# Where the URL of a direct connection for LISTEN is found unless the file names another place:
+# beside OUTBOX_DATABASE_URL, in the environment, and like it without a password (libpq's pgpass).
+DEFAULT_LISTEN_URL_ENV: Final = "OUTBOX_LISTEN_DATABASE_URL"
 
 LOG_LEVELS: Final = ("debug", "info", "warning", "error")
 PROVIDER_NAME: Final = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
 # What repr() shows instead of anything that might be a secret.
 REDACTED: Final = "***"
 
-_TOP_KEYS: Final = ("dispatcher", "log_level", "providers")
+_TOP_KEYS: Final = ("database", "dispatcher", "log_level", "providers")
 # Option names that might hold a secret, matched case-insensitively anywhere in the name.
 _SECRET_WORDS: Final = ("key", "secret", "token", "password", "authorization")
 _ENV_LOG_LEVEL: Final = "OUTBOX_LOG_LEVEL"
 _ENV_DISPATCHER: Final = "OUTBOX_DISPATCHER__"
+_ENV_DATABASE: Final = "OUTBOX_DATABASE__"
 _ENV_PROVIDERS: Final = "OUTBOX_PROVIDERS__"
 _DURATION_FORMS: Final = "like 500ms, 30s, 10m, 24h, 1h30m or a number of seconds"
 
@@ -223,6 +237,35 @@ def _provider_name(value: object, where: _Where) -> str:
     )
 
 
+def _pool_mode(value: object, where: _Where) -> str:
+    """``value`` as one of POOL_MODES, in lower case."""
+    text = value.strip().lower() if isinstance(value, str) else None
+    if text in POOL_MODES:
+        return text
+    if text == "statement":
+        raise where.error(
+            'cannot be "statement": statement pooling allows no transaction of more than one '
+            'statement, and outbox records each result in one; use pool_mode = "transaction" '
+            "in the pooler and here"
+        )
+    raise where.error(f"must be one of {', '.join(POOL_MODES)}, not {_show(value)}")
+
+
+def _env_name(value: object, where: _Where) -> str:
+    """``value`` as the name of an environment variable."""
+    if isinstance(value, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
+        return value
+    # Never quote it: someone may have written the URL itself here.
+    raise where.error("must name an environment variable, such as OUTBOX_LISTEN_DATABASE_URL")
+
+
+def _file_name(value: object, where: _Where) -> str:
+    """``value`` as a file name (a relative one is looked up in $CREDENTIALS_DIRECTORY)."""
+    if isinstance(value, str) and value.strip():
+        return value
+    raise where.error(f"must be a file name, not {_show(value)}")
+
+
 # Every key of [dispatcher] and what its value must be: this table is the list of valid keys.
 _DISPATCHER_CHECKS: Final[Mapping[str, Callable[[Any, _Where], Any]]] = MappingProxyType(
     {
@@ -240,6 +283,13 @@ _DISPATCHER_CHECKS: Final[Mapping[str, Callable[[Any, _Where], Any]]] = MappingP
         "reconcile_interval": _positive_duration,
         "gauge_interval": _positive_duration,
     }
+)
+
+
+# Every key of [database] and what its value must be. The LISTEN URL may carry a password, so the
+# file says only where it is: in an environment variable or a (credentials) file.
+_DATABASE_CHECKS: Final[Mapping[str, Callable[[Any, _Where], Any]]] = MappingProxyType(
+    {"pool_mode": _pool_mode, "listen_url_env": _env_name, "listen_url_file": _file_name}
 )
 
 
@@ -289,6 +339,40 @@ class DispatcherSettings:
         return self.heartbeat if self.heartbeat is not None else self.lease / HEARTBEATS_PER_LEASE
 
 
+@dataclass(frozen=True, slots=True, repr=False)
+class DatabaseSettings:
+    """How ``outbox run`` reaches PostgreSQL, beyond the database URL itself.
+
+    ``pool_mode`` "transaction" means the URL leads to a transaction-mode pooler: no prepared
+    statements, no session settings (the DBA sets them on the role), no LISTEN through it.
+    ``listen_url`` is a direct connection (bypassing the pooler) for LISTEN; it may carry a
+    password, so it is never shown. Without one, a transaction-pooled daemon polls only.
+    """
+
+    pool_mode: str = DEFAULT_POOL_MODE
+    listen_url: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "pool_mode", _pool_mode(self.pool_mode, _Where("database.pool_mode"))
+        )
+        if self.listen_url is not None and (
+            not isinstance(self.listen_url, str) or not self.listen_url.strip()
+        ):
+            raise ConfigError(
+                "database.listen_url must be a connection URL", key="database.listen_url"
+            )
+
+    @property
+    def transaction_pooling(self) -> bool:
+        """True when server sessions are lent per transaction, not held per connection."""
+        return self.pool_mode == "transaction"
+
+    def __repr__(self) -> str:
+        shown = None if self.listen_url is None else REDACTED
+        return f"DatabaseSettings(pool_mode={self.pool_mode!r}, listen_url={shown!r})"
+
+
 def _no_options() -> Mapping[str, Any]:
     return MappingProxyType({})
 
@@ -329,6 +413,7 @@ class Settings:
     dispatcher: DispatcherSettings
     providers: Mapping[str, ProviderSettings]
     log_level: str = DEFAULT_LOG_LEVEL
+    database: DatabaseSettings = field(default_factory=DatabaseSettings)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "providers", MappingProxyType(dict(self.providers)))
@@ -367,6 +452,7 @@ class _Raw:
     top: _Values
     dispatcher: _Values
     providers: dict[str, _RawProvider]
+    database: _Values = field(default_factory=dict)
 
 
 def load_settings(path: Path | None, environ: Mapping[str, str] | None = None) -> Settings:
@@ -399,13 +485,15 @@ def settings_from_mapping(
 
     ``source`` names ``data`` in error messages; ``environ`` defaults to ``os.environ``.
     """
+    env = os.environ if environ is None else environ
     raw = _read_document(data, source)
-    _apply_environment(raw, os.environ if environ is None else environ)
+    _apply_environment(raw, env)
     log_level = raw.top.get("log_level")
     return Settings(
         dispatcher=_dispatcher_settings(raw.dispatcher),
         providers={name: _provider_settings(name, table) for name, table in raw.providers.items()},
         log_level=DEFAULT_LOG_LEVEL if log_level is None else _log_level(*log_level),
+        database=_database_settings(raw.database, env),
     )
 
 
@@ -435,7 +523,11 @@ def _read_document(data: Mapping[str, Any], source: str) -> _Raw:
     top = _table(data, _Where("", source), _TOP_KEYS)
     dispatcher, at = top.pop("dispatcher", ({}, _Where("dispatcher", source)))
     providers, at_providers = top.pop("providers", ({}, _Where("providers", source)))
+    database, at_database = top.pop("database", ({}, _Where("database", source)))
+    if isinstance(database, Mapping) and "listen_url" in database:
+        raise _listen_url_written(_Where("database.listen_url", source))
     raw = _Raw(top, _table(dispatcher, at, tuple(_DISPATCHER_CHECKS)), {})
+    raw.database = _table(database, at_database, tuple(_DATABASE_CHECKS))
     for name, (table, where) in _table(providers, at_providers).items():
         raw.providers[name] = _RawProvider(where, _table(table, where))
     return raw
@@ -444,6 +536,38 @@ def _read_document(data: Mapping[str, Any], source: str) -> _Raw:
 def _dispatcher_settings(values: _Values) -> DispatcherSettings:
     checked = {key: _DISPATCHER_CHECKS[key](value, where) for key, (value, where) in values.items()}
     return DispatcherSettings(**checked)
+
+
+def _database_settings(values: _Values, environ: Mapping[str, str]) -> DatabaseSettings:
+    checked = {key: _DATABASE_CHECKS[key](value, where) for key, (value, where) in values.items()}
+    return DatabaseSettings(
+        pool_mode=checked.get("pool_mode", DEFAULT_POOL_MODE),
+        listen_url=_listen_url(values, environ),
+    )
+
+
+def _listen_url(values: _Values, environ: Mapping[str, str]) -> str | None:
+    """The direct URL for LISTEN from where the settings say it is; None when there is none."""
+    if "listen_url_env" in values and "listen_url_file" in values:
+        where = values["listen_url_file"][1]
+        raise where.error("and database.listen_url_env both say where the LISTEN URL is; keep one")
+    if "listen_url_file" in values:
+        name, where = values["listen_url_file"]
+        return read_secret({"file": name}, key=where.key, environ=environ)
+    if "listen_url_env" in values:
+        name, where = values["listen_url_env"]
+        return read_secret({"env": name}, key=where.key, environ=environ)
+    # Unset or empty (an env file's placeholder): no direct connection, so polling only.
+    return environ.get(DEFAULT_LISTEN_URL_ENV) or None
+
+
+def _listen_url_written(where: _Where) -> ConfigError:
+    # Never quote the value: a URL may carry a password.
+    return where.error(
+        f"is never written in the config file, as it may carry a password: set "
+        f"{DEFAULT_LISTEN_URL_ENV}, or name where it is with database.listen_url_env or "
+        "database.listen_url_file"
+    )
 
 
 def _provider_settings(name: str, raw: _RawProvider) -> ProviderSettings:
@@ -488,8 +612,24 @@ def _apply_environment(raw: _Raw, environ: Mapping[str, str]) -> None:
                     key=var,
                 )
             raw.dispatcher[key] = (value, _Where(f"dispatcher.{key}", env=var))
+        elif var.startswith(_ENV_DATABASE):
+            _override_database(raw, var, value)
         elif var.startswith(_ENV_PROVIDERS):
             _override_provider(raw, var, value)
+
+
+def _override_database(raw: _Raw, var: str, value: str) -> None:
+    key = var.removeprefix(_ENV_DATABASE).lower()
+    where = _Where(f"database.{key}", env=var)
+    if key == "listen_url":
+        raise where.error(f"is read from {DEFAULT_LISTEN_URL_ENV}, not from {var}")
+    if key not in _DATABASE_CHECKS:
+        raise ConfigError(
+            f"{var}: the database has no setting {key!r}; "
+            f"the valid keys are {', '.join(_DATABASE_CHECKS)}",
+            key=var,
+        )
+    raw.database[key] = (value, where)
 
 
 def _override_provider(raw: _Raw, var: str, value: str) -> None:

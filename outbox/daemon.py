@@ -14,14 +14,17 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Final
 
 import prometheus_client
+import psycopg
 import structlog
+from psycopg.conninfo import conninfo_to_dict
 
 import outbox
 from outbox import gauges, metrics, sdnotify, wakeup
-from outbox.config import Settings
-from outbox.db.connect import dispatcher_pool
+from outbox.config import DEFAULT_LISTEN_URL_ENV, Settings
+from outbox.db.connect import dispatcher_pool, shares_server_sessions
 from outbox.db.store import Store
 from outbox.dispatcher import Dispatcher
+from outbox.durations import format_duration
 from outbox.providers.base import Provider
 from outbox.reconciler import Reconciler
 
@@ -31,6 +34,12 @@ POOL_MAX_SIZE: Final = 10
 # /healthz fails when the event loop has not ticked for this long (a hung process).
 LOOP_STALL_LIMIT: Final = 10.0
 TICK: Final = 0.5
+# The CLI's exit code for settings that cannot work (cli_common's BadInput).
+EXIT_MISCONFIGURED: Final = 2
+# The pool-mode check at startup (two connections, a few queries) takes milliseconds; a database
+# that does not answer within this is checked in the background instead, every RETRY seconds.
+POOL_MODE_CHECK_TIMEOUT: Final = 2.0
+POOL_MODE_CHECK_RETRY: Final = 5.0
 
 log = structlog.get_logger("outbox.daemon")
 
@@ -64,7 +73,18 @@ async def serve(
 ) -> int:
     """Run until SIGTERM or SIGINT, then drain; returns the exit code."""
     metrics.BUILD_INFO.info({"version": outbox.__version__})
-    pool = dispatcher_pool(dsn, max_size=POOL_MAX_SIZE)
+    database = settings.database
+    if database.listen_url is not None and not _parses(database.listen_url):
+        # Never quote it: it may carry a password.
+        log.error("the LISTEN URL (database.listen_url) is not a valid connection string")
+        return EXIT_MISCONFIGURED
+    # Checked before our own pool adds traffic that could hide the pooler from the check.
+    checked = None if database.transaction_pooling else await _check_pool_mode(dsn)
+    if checked:
+        return EXIT_MISCONFIGURED
+    pool = dispatcher_pool(
+        dsn, max_size=POOL_MAX_SIZE, transaction_pooling=database.transaction_pooling
+    )
     await pool.open(wait=False)  # an unreachable database is retried, not fatal
     timeouts = {name: ps.timeout for name, ps in settings.providers.items()}
     dispatcher = Dispatcher(
@@ -72,10 +92,17 @@ async def serve(
     )
     health = Health(dispatcher)
     http = start_http(metrics_addr, health) if metrics_addr else None
-    helpers = [
-        asyncio.create_task(wakeup.listen_forever(dsn, dispatcher.wake), name="outbox-listen"),
-        asyncio.create_task(_tick(health), name="outbox-tick"),
-    ]
+    helpers = [asyncio.create_task(_tick(health), name="outbox-tick")]
+    listen_url = _wakeup_url(dsn, settings)
+    if listen_url is not None:
+        listen = wakeup.listen_forever(
+            listen_url, dispatcher.wake, expect_direct=database.transaction_pooling
+        )
+        helpers.append(asyncio.create_task(listen, name="outbox-listen"))
+    refused = asyncio.Event()
+    if checked is None and not database.transaction_pooling:
+        guard = _check_pool_mode_later(dsn, dispatcher, refused)
+        helpers.append(asyncio.create_task(guard, name="outbox-pool-mode"))
     # When each provider's key window closes after the first send (retention less the margin).
     windows = {name: ps.key_retention - settings.dispatcher.retention_margin
                for name, ps in settings.providers.items()}  # fmt: skip
@@ -90,6 +117,7 @@ async def serve(
         "outbox run started",
         providers=sorted(providers),
         concurrency=settings.dispatcher.concurrency,
+        pool_mode=database.pool_mode,
     )
     try:
         await dispatcher.run()
@@ -104,7 +132,72 @@ async def serve(
             http.shutdown()
             http.server_close()
     log.info("outbox run stopped")
-    return 0
+    return EXIT_MISCONFIGURED if refused.is_set() else 0
+
+
+def _parses(url: str) -> bool:
+    try:
+        conninfo_to_dict(url)
+    except psycopg.ProgrammingError:
+        return False
+    return True
+
+
+def _wakeup_url(dsn: str, settings: Settings) -> str | None:
+    """The URL to LISTEN on, or None to poll only; says at startup which it is."""
+    database = settings.database
+    poll_interval = format_duration(settings.dispatcher.poll_interval)
+    if database.listen_url is not None:
+        log.info(
+            "wake-ups: LISTEN on the direct listen URL, polling as a fallback",
+            wakeups="listen", listen_connection="listen_url", poll_interval=poll_interval,
+        )  # fmt: skip
+        return database.listen_url
+    if database.transaction_pooling:
+        log.info(
+            "wake-ups: polling only, since LISTEN cannot work through a transaction-mode "
+            f"pooler; set {DEFAULT_LISTEN_URL_ENV} to a direct URL for immediate wake-ups",
+            wakeups="polling", poll_interval=poll_interval,
+        )  # fmt: skip
+        return None
+    log.info(
+        "wake-ups: LISTEN on the database URL, polling as a fallback",
+        wakeups="listen", listen_connection="database_url", poll_interval=poll_interval,
+    )  # fmt: skip
+    return dsn
+
+
+async def _check_pool_mode(dsn: str) -> bool | None:
+    """Whether the database URL leads to a transaction-mode pooler although the settings say
+    session (logged as an error); None when the database did not answer in time.
+
+    In session mode psycopg prepares statements; in server sessions shared with other clients
+    those fail, or run one client's prepared statement with another's parameters.
+    """
+    try:
+        shared = await asyncio.wait_for(shares_server_sessions(dsn), POOL_MODE_CHECK_TIMEOUT)
+    except (psycopg.Error, TimeoutError) as exc:
+        log.debug("pool-mode check postponed", error_class=type(exc).__name__)
+        return None
+    if shared:
+        log.error(
+            "the database URL leads to a transaction-mode pooler (two connections ran in one "
+            'server session) but database.pool_mode is "session": set '
+            "OUTBOX_DATABASE__POOL_MODE=transaction (see docs/pgbouncer.md); stopping"
+        )
+    return shared
+
+
+async def _check_pool_mode_later(dsn: str, dispatcher: Dispatcher, refused: asyncio.Event) -> None:
+    """The startup check, retried until the database answers; stops the daemon on a pooler."""
+    while True:
+        shared = await _check_pool_mode(dsn)
+        if shared is not None:
+            break
+        await asyncio.sleep(POOL_MODE_CHECK_RETRY)
+    if shared:
+        refused.set()
+        dispatcher.request_stop()
 
 
 def _install_signal_handlers(dispatcher: Dispatcher, health: Health) -> None:

@@ -3,6 +3,10 @@
 Polling is the fallback: while this connection is down, the dispatcher still claims every
 ``poll_interval``. A dead connection is noticed by a probe after each quiet spell (and by TCP
 keepalives) and re-established with backoff.
+
+LISTEN needs a server session of its own: through a transaction-mode pooler the notifications go
+to whichever client holds the session next, that is, nowhere. The daemon then listens on a direct
+URL (``database.listen_url``), or not at all and polls.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import structlog
 
 from outbox import metrics
 from outbox.db import statements
-from outbox.db.connect import connection_options
+from outbox.db.connect import answered_by_pooler, connection_options
 
 # How long the connection may stay quiet before a probe checks that it still works.
 PROBE_INTERVAL: Final = 5.0
@@ -27,9 +31,16 @@ log = structlog.get_logger("outbox.wakeup")
 
 
 async def listen_forever(
-    dsn: str, wake: Callable[[], None], *, probe_interval: float = PROBE_INTERVAL
+    dsn: str,
+    wake: Callable[[], None],
+    *,
+    probe_interval: float = PROBE_INTERVAL,
+    expect_direct: bool = False,
 ) -> None:
-    """Call ``wake`` on every notification, until cancelled; survives lost connections."""
+    """Call ``wake`` on every notification, until cancelled; survives lost connections.
+
+    ``expect_direct``: ``dsn`` is meant to bypass a pooler; say so loudly when it does not.
+    """
     delay = RECONNECT_MIN
 
     def connected() -> None:
@@ -38,7 +49,7 @@ async def listen_forever(
 
     while True:
         try:
-            await _listen(dsn, wake, probe_interval, connected)
+            await _listen(dsn, wake, probe_interval, connected, expect_direct)
         except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
             metrics.DB_ERRORS.labels("listen").inc()
             log.warning(
@@ -51,12 +62,25 @@ async def listen_forever(
 
 
 async def _listen(
-    dsn: str, wake: Callable[[], None], probe_interval: float, connected: Callable[[], None]
+    dsn: str,
+    wake: Callable[[], None],
+    probe_interval: float,
+    connected: Callable[[], None],
+    expect_direct: bool,
 ) -> None:
     options = connection_options(dsn, "outbox-listen")
-    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True, **options) as conn:
+    # Nothing here gains from preparing, and a mistaken pooled URL must not fail on it.
+    async with await psycopg.AsyncConnection.connect(
+        dsn, autocommit=True, prepare_threshold=None, **options
+    ) as conn:
         await conn.execute(statements.LISTEN)
         connected()
+        if expect_direct and await answered_by_pooler(conn):
+            log.warning(
+                "the LISTEN URL does not reach PostgreSQL directly: through a transaction-mode "
+                "pooler notifications are lost and only polling wakes the dispatcher; point "
+                "database.listen_url at the server itself"
+            )
         log.info("listening for enqueue notifications", channel=statements.ENQUEUE_CHANNEL)
         # Anything committed while we were not listening sent its NOTIFY to nobody.
         wake()

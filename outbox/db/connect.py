@@ -1,4 +1,10 @@
-"""Connections for long-running processes: bounded waits on a dead network, named sessions."""
+"""Connections for long-running processes: bounded waits on a dead network, named sessions.
+
+Behind a transaction-mode pooler (PgBouncer's ``pool_mode = transaction``) each transaction may
+run in another server session, shared with other clients: nothing session-scoped may be relied on
+or left behind there. :func:`dispatcher_pool` then prepares nothing and sets nothing, and
+:func:`shares_server_sessions` tells whether a URL leads to such a pooler.
+"""
 
 from __future__ import annotations
 
@@ -57,10 +63,66 @@ async def configure_session(conn: psycopg.AsyncConnection[Any]) -> None:
         await conn.execute(statements.SET_SESSION_LIMIT, (name, value))
 
 
-def dispatcher_pool(dsn: str, *, max_size: int, name: str = "outbox") -> AsyncConnectionPool[Any]:
-    """The pool `outbox run` uses: autocommit connections with the session limits, not opened."""
+def dispatcher_pool(
+    dsn: str, *, max_size: int, name: str = "outbox", transaction_pooling: bool = False
+) -> AsyncConnectionPool[Any]:
+    """The pool `outbox run` uses: autocommit connections, not opened.
+
+    Direct (or session-pooled), each connection gets the session limits and psycopg prepares
+    the statements it runs often. Through a transaction pooler, neither: a statement prepared in
+    one server session is missing (or another client's) in the next, and a session setting would
+    stay behind for whichever client gets that server session next. The DBA sets the limits on
+    the role instead (``ALTER ROLE ... SET``).
+    """
+    kwargs: dict[str, Any] = {"autocommit": True, **connection_options(dsn, "outbox-run")}
+    if transaction_pooling:
+        kwargs["prepare_threshold"] = None
     return AsyncConnectionPool(
-        dsn, min_size=min(2, max_size), max_size=max_size, open=False, name=name,
-        kwargs={"autocommit": True, **connection_options(dsn, "outbox-run")},
-        configure=configure_session,
+        dsn, min_size=min(2, max_size), max_size=max_size, open=False, name=name, kwargs=kwargs,
+        configure=None if transaction_pooling else configure_session,
     )  # fmt: skip
+
+
+# The server process running this connection's statements. Unlike the backend key the client
+# received at startup, a pooler cannot make this up. (It belongs with statements.py's queries;
+# it lives here until that module's owner takes it.)
+SERVER_PID: Final = "SELECT pg_backend_pid()"
+# Each round gives a transaction pooler a chance to hand the second connection the server
+# session the first one just freed; PgBouncer reuses the most recently freed one first.
+POOLER_PROBE_ROUNDS: Final = 10
+
+
+async def shares_server_sessions(dsn: str, *, rounds: int = POOLER_PROBE_ROUNDS) -> bool:
+    """True if two connections to ``dsn`` ran statements in one server session: the URL leads
+    to a pooler in transaction (or statement) mode.
+
+    Never True for a direct connection or a session-mode pooler. A transaction pooler busy
+    enough to hand out other sessions every time may go unnoticed, so False proves nothing.
+    Raises psycopg.OperationalError when the database cannot be reached.
+    """
+    options = {"autocommit": True, "prepare_threshold": None,
+               **connection_options(dsn, "outbox-probe")}  # fmt: skip
+    async with await psycopg.AsyncConnection.connect(dsn, **options) as first:
+        pid = await _server_pid(first)
+        if pid == first.info.backend_pid:
+            return False  # PostgreSQL itself answered the startup: a session of our own
+        async with await psycopg.AsyncConnection.connect(dsn, **options) as second:
+            for _ in range(rounds):
+                if await _server_pid(second) == pid:
+                    return True
+                pid = await _server_pid(first)
+    return False
+
+
+async def answered_by_pooler(conn: psycopg.AsyncConnection[Any]) -> bool:
+    """True if a pooler, not PostgreSQL, answered this connection's startup: the backend key it
+    sent names another process than the one running our statements. (A plain TCP proxy passes
+    PostgreSQL's key through, and is not taken for a pooler.)"""
+    return await _server_pid(conn) != conn.info.backend_pid
+
+
+async def _server_pid(conn: psycopg.AsyncConnection[Any]) -> int:
+    row = await (await conn.execute(SERVER_PID)).fetchone()
+    if row is None:  # pragma: no cover (SELECT of a function always returns a row)
+        raise psycopg.InterfaceError("pg_backend_pid() returned no row")
+    return int(row[0])

@@ -13,6 +13,7 @@ from outbox.config import (
     DEFAULT_KEY_RETENTION,
     DEFAULT_TIMEOUT,
     ConfigError,
+    DatabaseSettings,
     DispatcherSettings,
     ProviderSettings,
     Settings,
@@ -268,7 +269,7 @@ def test_an_ambiguous_provider_variable_is_refused() -> None:
 @pytest.mark.parametrize(
     ("data", "key", "message"),
     [
-        ({"loglevel": "info"}, "loglevel", "valid keys are dispatcher, log_level, providers"),
+        ({"loglevel": "info"}, "loglevel", "valid keys are database, dispatcher, log_level, providers"),
         ({"dispatcher": {"leese": "30s"}}, "dispatcher.leese", "valid keys are concurrency"),
         ({"dispatcher": "fast"}, "dispatcher", 'must be a table, not "fast"'),
         ({"providers": {"a": "webhook"}}, "providers.a", 'must be a table, not "webhook"'),
@@ -487,6 +488,97 @@ def test_a_secret_written_in_the_config_is_refused_without_repeating_it(spec: An
         read_secret(spec, key=KEY, environ={})
     assert str(caught.value).startswith(f"{KEY} must be {{env = ")
     assert "sk_live_123" not in str(caught.value)
+
+
+# --- [database]: behind a transaction-mode pooler ------------------------------------------------
+
+LISTEN_URL = "postgresql://outbox:hunter2@db-primary:5432/app"
+
+
+def test_the_database_defaults_to_a_session_of_its_own_and_no_listen_url() -> None:
+    database = load({}).database
+    assert database == DatabaseSettings(pool_mode="session", listen_url=None)
+    assert not database.transaction_pooling
+
+
+def test_pool_mode_from_the_file_or_the_environment() -> None:
+    assert load({"database": {"pool_mode": "Transaction"}}).database.transaction_pooling
+    from_env = load({}, OUTBOX_DATABASE__POOL_MODE="transaction").database
+    assert from_env.pool_mode == "transaction"
+    overridden = load(
+        {"database": {"pool_mode": "transaction"}}, OUTBOX_DATABASE__POOL_MODE="session"
+    )
+    assert not overridden.database.transaction_pooling
+
+
+def test_the_listen_url_comes_from_its_variable_by_default() -> None:
+    assert load({}, OUTBOX_LISTEN_DATABASE_URL=LISTEN_URL).database.listen_url == LISTEN_URL
+    # An env file's empty placeholder means no LISTEN URL, not an empty one.
+    assert load({}, OUTBOX_LISTEN_DATABASE_URL="").database.listen_url is None
+
+
+def test_the_listen_url_from_a_named_variable_or_credentials_file(tmp_path: Path) -> None:
+    named = {"database": {"listen_url_env": "DIRECT_URL"}}
+    assert load(named, DIRECT_URL=LISTEN_URL).database.listen_url == LISTEN_URL
+    (tmp_path / "listen-url").write_text(LISTEN_URL + "\n")
+    in_file = {"database": {"listen_url_file": "listen-url"}}
+    loaded = load(in_file, CREDENTIALS_DIRECTORY=str(tmp_path), OUTBOX_LISTEN_DATABASE_URL="x")
+    assert loaded.database.listen_url == LISTEN_URL
+    from_env = load({}, OUTBOX_DATABASE__LISTEN_URL_ENV="DIRECT_URL", DIRECT_URL=LISTEN_URL)
+    assert from_env.database.listen_url == LISTEN_URL
+
+
+@pytest.mark.parametrize(
+    ("data", "environ", "key", "message"),
+    [
+        ({"database": {"pool_mode": "statement"}}, {}, "database.pool_mode",
+         'cannot be "statement"'),
+        ({"database": {"pool_mode": "pooled"}}, {}, "database.pool_mode",
+         'must be one of session, transaction, not "pooled"'),
+        ({}, {"OUTBOX_DATABASE__POOL_MODE": "tx"}, "database.pool_mode",
+         "(from OUTBOX_DATABASE__POOL_MODE) must be one of session, transaction"),
+        ({"database": {"listen_url_env": "DIRECT_URL"}}, {}, "database.listen_url_env",
+         "environment variable DIRECT_URL is not set"),
+        ({"database": {"listen_url_env": "A", "listen_url_file": "b"}}, {},
+         "database.listen_url_file", "keep one"),
+        ({"database": {"poolmode": "transaction"}}, {}, "database.poolmode",
+         "unknown key database.poolmode"),
+        ({}, {"OUTBOX_DATABASE__POOLMODE": "transaction"}, "OUTBOX_DATABASE__POOLMODE",
+         "the database has no setting 'poolmode'; the valid keys are pool_mode, listen_url_env"),
+        ({"database": "transaction"}, {}, "database", 'must be a table, not "transaction"'),
+    ],
+)  # fmt: skip
+def test_a_bad_database_setting_names_its_key(
+    data: dict[str, Any], environ: dict[str, str], key: str, message: str
+) -> None:
+    error = config_error(data, **environ)
+    assert error.key == key
+    assert message in str(error)
+
+
+@pytest.mark.parametrize(
+    ("data", "environ"),
+    [
+        ({"database": {"listen_url": LISTEN_URL}}, {}),
+        ({"database": {"listen_url_env": LISTEN_URL}}, {}),
+        ({}, {"OUTBOX_DATABASE__LISTEN_URL": LISTEN_URL}),
+    ],
+)
+def test_a_listen_url_where_a_name_belongs_is_refused_without_repeating_it(
+    data: dict[str, Any], environ: dict[str, str]
+) -> None:
+    error = config_error(data, **environ)
+    assert "hunter2" not in str(error) and "db-primary" not in str(error)
+    assert "OUTBOX_LISTEN_DATABASE_URL" in str(error)
+
+
+def test_repr_never_shows_the_listen_url() -> None:
+    settings = load(
+        {"database": {"pool_mode": "transaction"}}, OUTBOX_LISTEN_DATABASE_URL=LISTEN_URL
+    )
+    for text in (repr(settings), str(settings), repr(settings.database)):
+        assert "hunter2" not in text and "db-primary" not in text
+    assert "DatabaseSettings(pool_mode='transaction', listen_url='***')" in repr(settings)
 
 
 # --- Redaction ---------------------------------------------------------------------------------

@@ -1,0 +1,219 @@
+"""`outbox run` through a real PgBouncer in transaction mode, with 2 server sessions shared by
+every client: nothing prepared, nothing left in a session, wake-ups through a direct LISTEN URL or
+by polling. Each test counts rows and the receiver's effects."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+import outbox
+from outbox.db.connect import shares_server_sessions
+from outbox.providers.fakes.webhook import FakeWebhookReceiver
+from tests.support.daemon import OutboxProcess, outbox_processes, wait_until, write_config
+from tests.support.dispatch import rows, statuses
+from tests.support.pgbouncer import PgBouncer, pgbouncer
+
+pytestmark = pytest.mark.slow
+
+TRANSACTION_POOLING = {"OUTBOX_DATABASE__POOL_MODE": "transaction"}
+# An empty value means "no LISTEN URL", whatever the environment running the tests holds.
+NO_LISTEN_URL = {"OUTBOX_LISTEN_DATABASE_URL": ""}
+PREPARED_ERRORS = ("prepared statement", "DuplicatePreparedStatement", "InvalidSqlStatementName")
+
+
+@pytest.fixture
+def bouncer(db_url: str) -> Iterator[PgBouncer]:
+    with pgbouncer(db_url) as b:
+        yield b
+
+
+def config(tmp_path: Path, receiver: FakeWebhookReceiver, **dispatcher: Any) -> Path:
+    settings: dict[str, Any] = {"lease": "30s", "backoff_base": "50ms", "backoff_max": "200ms",
+                                "shutdown_grace": "10s", **dispatcher}  # fmt: skip
+    return write_config(
+        tmp_path / "outbox.toml",
+        providers={"hook": {"type": "webhook", "url": receiver.url, "timeout": "5s"}},
+        **settings,
+    )
+
+
+def enqueue_through(url: str, count: int, *, prefix: str = "op") -> None:
+    """A producer behind the pooler, as docs/pgbouncer.md advises: nothing prepared, and one
+    transaction per operation, so each may run in another server session."""
+    with psycopg.connect(url, autocommit=True, prepare_threshold=None) as conn:
+        for i in range(count):
+            with conn.transaction():
+                outbox.enqueue(
+                    conn, tenant_id="acme", operation_type="invoice.charge",
+                    operation_key=f"{prefix}-{i}", provider="hook", action="invoice.paid",
+                    payload={"n": i},
+                )  # fmt: skip
+
+
+def succeeded(url: str) -> int:
+    return statuses(url).get("succeeded", 0)
+
+
+def wait_for_log(proc: OutboxProcess, text: str, timeout: float = 30) -> None:
+    wait_until(lambda: text in proc.log_text(), timeout=timeout, what=repr(text))
+
+
+def assert_no_database_errors(proc: OutboxProcess) -> None:
+    """No prepared-statement error, and no warning or error of any kind, in the process's log."""
+    log = proc.log_text()
+    for text in PREPARED_ERRORS:
+        assert text not in log, log
+    levels = [json.loads(line).get("level") for line in log.splitlines() if line.startswith("{")]
+    assert not {"warning", "error", "critical"} & set(levels), log
+
+
+def test_the_pooler_really_shares_server_sessions(bouncer: PgBouncer, db_url: str) -> None:
+    """The ground the other tests stand on: psycopg's defaults fail through this PgBouncer."""
+    with (
+        psycopg.connect(bouncer.url, autocommit=True) as first,
+        psycopg.connect(bouncer.url, autocommit=True) as second,
+    ):
+        pids = {first.execute("SELECT pg_backend_pid()").fetchone(),
+                second.execute("SELECT pg_backend_pid()").fetchone()}  # fmt: skip
+        assert len(pids) == 1, "two clients, one server session"
+        for i in range(5):  # psycopg prepares a query on its 6th execution (threshold 5)
+            first.execute("SELECT %s::int", (i,))
+            second.execute("SELECT %s::text", (str(i),))
+        first.execute("SELECT %s::int", (5,))  # prepared as _pg3_0 in the shared session
+        with pytest.raises(psycopg.errors.DuplicatePreparedStatement):
+            second.execute("SELECT %s::text", ("5",))
+
+
+def test_two_processes_dispatch_300_operations_through_the_pooler_exactly_once(
+    bouncer: PgBouncer, db_url: str, receiver: FakeWebhookReceiver, tmp_path: Path
+) -> None:
+    # Small batches and few slots: many claims and records on each of the 20 pooled connections,
+    # far more than the 5 executions after which psycopg would prepare a statement.
+    cfg = config(tmp_path, receiver, poll_interval="100ms", batch_size=10, concurrency=8)
+    env = {**TRANSACTION_POOLING, **NO_LISTEN_URL}
+    with outbox_processes(2, bouncer.url, cfg, tmp_path, env) as procs:
+        for p in procs:
+            wait_for_log(p, "wake-ups: polling only")
+        enqueue_through(bouncer.url, 300)
+        wait_until(lambda: succeeded(db_url) == 300, timeout=120,
+                   what="300 operations to succeed")  # fmt: skip
+        for p in procs:
+            p.signal(signal.SIGTERM)
+        assert [p.wait() for p in procs] == [0, 0]
+        for p in procs:
+            assert '"pool_mode": "transaction"' in p.log_text()
+            assert_no_database_errors(p)
+    assert statuses(db_url) == {"succeeded": 300}
+    assert receiver.effect_count() == 300
+    assert len({e.key for e in receiver.effects}) == 300
+    assert rows(db_url, "SELECT count(*), max(attempt), count(DISTINCT worker) "
+                        "FROM outbox.attempts") == [(300, 1, 2)]  # fmt: skip
+    assert rows(db_url, "SELECT count(*) FROM outbox.operations WHERE provider_ref IS NULL") == [
+        (0,)
+    ]
+    # Nothing was left in the shared server sessions for the next client to inherit.
+    with psycopg.connect(bouncer.url, autocommit=True, prepare_threshold=None) as conn:
+        for _ in range(4):
+            assert conn.execute("SHOW lock_timeout").fetchone() == ("0",)
+            assert conn.execute("SHOW statement_timeout").fetchone() == ("0",)
+            assert conn.execute("SELECT count(*) FROM pg_prepared_statements").fetchone() == (0,)
+
+
+def test_a_direct_listen_url_wakes_the_dispatcher_at_once(
+    bouncer: PgBouncer, db_url: str, receiver: FakeWebhookReceiver, tmp_path: Path
+) -> None:
+    cfg = config(tmp_path, receiver, poll_interval="30s")
+    env = {**TRANSACTION_POOLING, "OUTBOX_LISTEN_DATABASE_URL": db_url}
+    with outbox_processes(1, bouncer.url, cfg, tmp_path, env) as (proc,):
+        wait_for_log(proc, "wake-ups: LISTEN on the direct listen URL")
+        wait_for_log(proc, "listening for enqueue notifications")
+        time.sleep(1)  # past the claims at startup: from now on only a NOTIFY or 30 s wake it
+        # The LISTEN session is PostgreSQL's own, not one the pooler lends.
+        assert rows(db_url, "SELECT count(*) FROM pg_stat_activity WHERE datname = "
+                            "current_database() AND application_name = 'outbox-listen'") == [
+            (1,)
+        ]  # fmt: skip
+        started = time.monotonic()
+        enqueue_through(bouncer.url, 1)  # its NOTIFY is sent through the pooler
+        wait_until(lambda: succeeded(db_url) == 1, timeout=10, what="the operation to succeed")
+        elapsed = time.monotonic() - started
+        proc.signal(signal.SIGTERM)
+        assert proc.wait() == 0
+        assert elapsed < 3, f"dispatched after {elapsed:.1f}s: woken by polling, not NOTIFY"
+        assert "does not reach PostgreSQL directly" not in proc.log_text()
+        assert_no_database_errors(proc)
+    assert receiver.effect_count() == 1
+
+
+def test_a_listen_url_through_the_pooler_is_called_out(
+    bouncer: PgBouncer, receiver: FakeWebhookReceiver, tmp_path: Path
+) -> None:
+    cfg = config(tmp_path, receiver, poll_interval="200ms")
+    env = {**TRANSACTION_POOLING, "OUTBOX_LISTEN_DATABASE_URL": bouncer.url}
+    with outbox_processes(1, bouncer.url, cfg, tmp_path, env) as (proc,):
+        wait_for_log(proc, "the LISTEN URL does not reach PostgreSQL directly")
+
+
+def test_without_a_listen_url_the_dispatcher_polls_and_says_so(
+    bouncer: PgBouncer, db_url: str, receiver: FakeWebhookReceiver, tmp_path: Path
+) -> None:
+    cfg = config(tmp_path, receiver, poll_interval="2s")
+    env = {**TRANSACTION_POOLING, **NO_LISTEN_URL}
+    with outbox_processes(1, bouncer.url, cfg, tmp_path, env) as (proc,):
+        wait_for_log(proc, "wake-ups: polling only")
+        time.sleep(0.5)
+        started = time.monotonic()
+        enqueue_through(bouncer.url, 3)
+        wait_until(lambda: succeeded(db_url) == 3, timeout=10, what="3 operations to succeed")
+        elapsed = time.monotonic() - started
+        proc.signal(signal.SIGTERM)
+        assert proc.wait() == 0
+        log = proc.log_text()
+    assert elapsed < 2 + 1.5, f"dispatched after {elapsed:.1f}s with a 2 s poll interval"
+    assert '"wakeups": "polling"' in log
+    assert "listening for enqueue notifications" not in log
+    assert rows(db_url, "SELECT count(*) FROM pg_stat_activity WHERE datname = "
+                        "current_database() AND application_name = 'outbox-listen'") == [
+        (0,)
+    ]  # fmt: skip
+    assert statuses(db_url) == {"succeeded": 3}
+    assert receiver.effect_count() == 3
+
+
+def test_session_settings_through_a_transaction_pooler_stop_the_daemon(
+    bouncer: PgBouncer, db_url: str, receiver: FakeWebhookReceiver, tmp_path: Path
+) -> None:
+    """Forgetting pool_mode would prepare statements in shared sessions: refused at startup."""
+    enqueue_through(bouncer.url, 5)
+    cfg = config(tmp_path, receiver, poll_interval="100ms")
+    proc = OutboxProcess(bouncer.url, cfg, tmp_path / "session.log", env=NO_LISTEN_URL)
+    try:
+        assert proc.wait(timeout=30) == 2
+        assert "leads to a transaction-mode pooler" in proc.log_text()
+        assert "OUTBOX_DATABASE__POOL_MODE=transaction" in proc.log_text()
+    finally:
+        proc.stop()
+    # Refused before the first claim.
+    assert statuses(db_url) == {"pending": 5}
+    assert len(receiver.received) == 0
+
+
+async def test_migrations_can_tell_a_transaction_pooler_from_a_direct_session(
+    bouncer: PgBouncer, db_url: str
+) -> None:
+    """What `outbox migrate` needs to refuse the pooler: its advisory lock is a session's."""
+    assert await shares_server_sessions(bouncer.url) is True
+    assert await shares_server_sessions(db_url) is False
+
+
+async def test_a_session_mode_pooler_is_not_taken_for_a_transaction_pooler(db_url: str) -> None:
+    with pgbouncer(db_url, pool_mode="session") as session_bouncer:
+        assert await shares_server_sessions(session_bouncer.url) is False
