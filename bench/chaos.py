@@ -1,0 +1,89 @@
+"""The chaos soak: `python bench/chaos.py --duration 600` from the repository root.
+
+Producers, provider faults, SIGKILLed and SIGSTOPped dispatchers and a PostgreSQL crash, all at
+once; then every operation is counted against every provider effect. Prints a table and exits 1
+if any invariant failed. The logic lives in tests/support/chaos.py, which the bounded test in
+tests/integration/test_chaos.py runs too. See bench/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# Run as a script, this file's directory is on sys.path, not the repository root that holds
+# the `tests` package.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tests.support.chaos import Settings, print_report, run_chaos
+
+
+def parse_args(argv: list[str]) -> tuple[Settings, Path | None]:
+    defaults = Settings()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--duration",
+        type=float,
+        default=600.0,
+        help="seconds of chaos before the drain (default 600)",
+    )
+    parser.add_argument("--dispatchers", type=int, default=defaults.dispatchers)
+    parser.add_argument("--producers", type=int, default=defaults.producers)
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=defaults.rate,
+        help="operations enqueued per second, all producers together",
+    )
+    parser.add_argument(
+        "--fault-rate",
+        type=float,
+        default=defaults.fault_rate,
+        help="provider faults armed per operation committed",
+    )
+    parser.add_argument(
+        "--chaos-every",
+        type=float,
+        default=defaults.chaos_every,
+        help="mean seconds between two dispatcher kills or stops",
+    )
+    parser.add_argument("--pg-restarts", type=int, default=defaults.pg_restarts)
+    parser.add_argument("--drain-timeout", type=float, default=120.0)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help="where dispatcher logs go (default: a temporary directory, kept "
+                             "only when an invariant fails)")  # fmt: skip
+    args = parser.parse_args(argv)
+    settings = Settings(
+        duration=args.duration, dispatchers=args.dispatchers, producers=args.producers,
+        rate=args.rate, fault_rate=args.fault_rate, chaos_every=args.chaos_every,
+        pg_restarts=args.pg_restarts, drain_timeout=args.drain_timeout, seed=args.seed,
+    )  # fmt: skip
+    return settings, args.workdir
+
+
+def progress(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str]) -> int:
+    settings, workdir = parse_args(argv)
+    keep = workdir is not None
+    directory = workdir or Path(tempfile.mkdtemp(prefix="outbox-chaos-"))
+    directory.mkdir(parents=True, exist_ok=True)
+    progress(f"chaos for {settings.duration:.0f} s; dispatcher logs in {directory}")
+    report = run_chaos(settings, directory, progress)
+    print_report(report)
+    if report.ok and not keep:
+        shutil.rmtree(directory, ignore_errors=True)
+    elif not report.ok:
+        print(f"dispatcher logs kept in {directory}", file=sys.stderr)
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
