@@ -1,0 +1,89 @@
+"""Bad input at the other doors: a config file `outbox run` cannot use, and command lines that
+do not parse. Each is a clear error naming what is wrong, exit code 2, no traceback, and nothing
+claimed or written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from outbox import daemon
+from tests.support.cli import outbox_cli
+from tests.support.dispatch import enqueue_many, rows, statuses
+
+BAD_CONFIGS = [
+    ("[dispatcher]\nconcurency = 4\n", "unknown key dispatcher.concurency"),
+    ('[dispatcher]\nconcurrency = "lots"\n', "dispatcher.concurrency"),
+    ("[dispatcher]\nconcurrency = 0\n", "dispatcher.concurrency"),
+    ('[dispatcher]\nlease = "soon"\n', "dispatcher.lease"),
+    ("[dispatcher]\nlease = true\n", "dispatcher.lease"),
+    ('[dispatcher\nlease = "30s"\n', "outbox.toml"),  # not TOML at all
+    ('[providers.hook]\ntype = "webhook"\n', "providers.hook.url"),
+    ('[providers.hook]\ntype = "carrier-pigeon"\n', "providers.hook.type"),
+    ('[providers.hook]\ntype = "webhook"\nurl = "http://x"\ntimeout = "fast"\n',
+     "providers.hook.timeout"),
+    ('[providers.pay]\ntype = "stripe"\napi_key_env = "NO_SUCH_VARIABLE_SET"\n',
+     "providers.pay.api_key"),
+    ('[providers.pay]\ntype = "stripe"\napi_key = "sk_test_inline"\n', "providers.pay.api_key"),
+    ('[providers.pay]\ntype = "stripe"\napi_key_file = "/nonexistent/key"\n',
+     "providers.pay.api_key"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("text", "named"), BAD_CONFIGS)
+def test_a_bad_config_exits_2_naming_the_key_before_anything_is_claimed(
+    cli_env: dict[str, str], db_url: str, tmp_path: Path, text: str, named: str
+) -> None:
+    enqueue_many(db_url, 2)
+    config = tmp_path / "outbox.toml"
+    config.write_text(text)
+    done = outbox_cli(cli_env, "run", "--config", str(config), "--metrics-addr", "off")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert named in done.stderr
+    assert "Traceback" not in done.stderr
+    assert "sk_test_inline" not in done.stderr  # a secret written inline is refused, not echoed
+    assert statuses(db_url) == {"pending": 2}
+    assert rows(db_url, "SELECT count(*) FROM outbox.attempts") == [(0,)]
+
+
+BAD_ARGS = [
+    (("frobnicate",), "No such command 'frobnicate'"),
+    (("status", "--colour"), "No such option '--colour'"),
+    (("run", "--metrics-addr", "nowhere"), "invalid address 'nowhere'"),
+    (("enqueue", "--tenant-id", "t"), "Missing option"),
+    (("enqueue", "--tenant-id", "t", "--operation-type", "x", "--operation-key", "k",
+      "--provider", "hook", "--action", "a", "--max-attempts", "zero"), "--max-attempts"),
+    (("enqueue", "--tenant-id", "t", "--operation-type", "x", "--operation-key", "k",
+      "--provider", "hook", "--action", "a", "--payload", "{not json"), "payload"),
+    (("reconcile", "resolve", "forty-two", "--provider-ref", "x", "--reason", "r"),
+     "'forty-two' is not a valid integer"),
+    (("reconcile", "resolve", "42"), "Missing option '--provider-ref'"),
+    (("quarantine", "replay", "42"), "Missing option '--reason'"),
+    (("reconcile", "list", "--limit", "-5"), "--limit"),
+    (("migrate", "--target", "0"), "--target"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("args", "says"), BAD_ARGS, ids=lambda v: " ".join(v) if isinstance(v, tuple) else None
+)
+def test_arguments_that_do_not_parse_exit_2_with_usage_and_write_nothing(
+    cli_env: dict[str, str], db_url: str, args: tuple[str, ...], says: str
+) -> None:
+    enqueue_many(db_url, 1)
+    done = outbox_cli(cli_env, *args)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert says in done.stderr
+    assert "Traceback" not in done.stderr
+    assert statuses(db_url) == {"pending": 1}
+    status = json.loads(outbox_cli(cli_env, "status", "--json").stdout)
+    assert sum(status["operations"].values()) == 1
+
+
+def test_the_metrics_listener_binds_loopback_unless_told_otherwise() -> None:
+    assert daemon.parse_addr(":9464") == ("127.0.0.1", 9464)
+    assert daemon.parse_addr("127.0.0.1:9464") == ("127.0.0.1", 9464)
+    assert daemon.parse_addr("0.0.0.0:9464") == ("0.0.0.0", 9464)  # noqa: S104 (told to)
+    assert daemon.parse_addr("off") is None
