@@ -8,6 +8,8 @@ from typing import Final
 SQLSTATE_OPERATION_CONFLICT: Final = "OB001"
 SQLSTATE_INVALID_OPERATION: Final = "OB002"
 SQLSTATE_AUDIT_APPEND_ONLY: Final = "OB003"
+# OB004 is the operator functions' refusal (outbox.operators).
+SQLSTATE_OPERATION_IMMUTABLE: Final = "OB005"  # identity, payload or key changed after enqueue
 
 
 class OutboxError(Exception):

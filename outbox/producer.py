@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from datetime import datetime
-from typing import Any, Final, NoReturn
+from typing import Any, NoReturn
 
 import psycopg
 from psycopg.pq import TransactionStatus
@@ -30,12 +30,6 @@ from outbox.model import EnqueueOutcome, EnqueueResult, Operation
 
 Params = dict[str, Any]
 
-# Bind this transaction to a tenant: set_config's third argument (true) makes the setting end
-# with the transaction, so a pooled connection never carries it into the next one.
-# (Belongs in outbox/db/statements.py with the other statements.)
-BIND_TENANT: Final = "SELECT set_config('outbox.tenant_id', %s::text, true)"
-
-
 def bind_tenant(conn: psycopg.Connection[Any], tenant_id: str) -> None:
     """Bind the caller's current transaction to ``tenant_id``, until it commits or rolls back.
 
@@ -47,13 +41,13 @@ def bind_tenant(conn: psycopg.Connection[Any], tenant_id: str) -> None:
     ``conn.transaction()``, where the binding would end with this very statement.
     """
     _check_binding(tenant_id, conn.autocommit, conn.info.transaction_status)
-    conn.execute(BIND_TENANT, (tenant_id,))
+    conn.execute(statements.BIND_TENANT, (tenant_id,))
 
 
 async def bind_tenant_async(conn: psycopg.AsyncConnection[Any], tenant_id: str) -> None:
     """The asyncio twin of :func:`bind_tenant`."""
     _check_binding(tenant_id, conn.autocommit, conn.info.transaction_status)
-    await conn.execute(BIND_TENANT, (tenant_id,))
+    await conn.execute(statements.BIND_TENANT, (tenant_id,))
 
 
 def _check_binding(tenant_id: object, autocommit: bool, status: TransactionStatus) -> None:

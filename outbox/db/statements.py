@@ -31,6 +31,10 @@ SELECT operation_id, outcome FROM outbox.enqueue(
 """
 
 # An operation's persisted state by identity, through the read API function.
+# Bind this transaction to a tenant: set_config's third argument (true) makes the setting end
+# with the transaction, so a pooled connection never carries it into the next one.
+BIND_TENANT: Final = "SELECT set_config('outbox.tenant_id', %s::text, true)"
+
 GET_OPERATION: Final = """
 SELECT operation_id, tenant_id, operation_type, operation_key, provider, action, status,
        status_reason, attempts, provider_ref, result, last_error, last_error_class,
