@@ -244,9 +244,9 @@ def _pool_mode(value: object, where: _Where) -> str:
         return text
     if text == "statement":
         raise where.error(
-            'cannot be "statement": statement pooling allows no transaction of more than one '
-            'statement, and outbox records each result in one; use pool_mode = "transaction" '
-            "in the pooler and here"
+            'cannot be "statement": statement pooling forbids the multi-statement transactions '
+            "that outbox's producers and operator commands rely on; use "
+            'pool_mode = "transaction" in the pooler and here'
         )
     raise where.error(f"must be one of {', '.join(POOL_MODES)}, not {_show(value)}")
 

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import tomllib
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -269,7 +270,11 @@ def test_an_ambiguous_provider_variable_is_refused() -> None:
 @pytest.mark.parametrize(
     ("data", "key", "message"),
     [
-        ({"loglevel": "info"}, "loglevel", "valid keys are database, dispatcher, log_level, providers"),
+        (
+            {"loglevel": "info"},
+            "loglevel",
+            "valid keys are database, dispatcher, log_level, providers",
+        ),
         ({"dispatcher": {"leese": "30s"}}, "dispatcher.leese", "valid keys are concurrency"),
         ({"dispatcher": "fast"}, "dispatcher", 'must be a table, not "fast"'),
         ({"providers": {"a": "webhook"}}, "providers.a", 'must be a table, not "webhook"'),
@@ -579,6 +584,21 @@ def test_repr_never_shows_the_listen_url() -> None:
     for text in (repr(settings), str(settings), repr(settings.database)):
         assert "hunter2" not in text and "db-primary" not in text
     assert "DatabaseSettings(pool_mode='transaction', listen_url='***')" in repr(settings)
+
+
+def test_the_pgbouncer_guide_s_settings_load() -> None:
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "pgbouncer.md").read_text()
+    env_file = re.search(r"```sh\n# /etc/outbox/outbox.env.*?```", guide, re.DOTALL)
+    assert env_file is not None
+    environ = dict(re.findall(r"^(OUTBOX_\w+)=(\S+)$", env_file.group(0), re.MULTILINE))
+    database = load({}, **environ).database
+    assert database.transaction_pooling
+    assert database.listen_url == "postgresql://outbox_dispatcher@db-primary:5432/app"
+    tables = re.findall(r"```toml\n(.*?)```", guide, re.DOTALL)
+    assert len(tables) == 2
+    for table in tables:
+        loaded = load(tomllib.loads(table), APP_DIRECT_DATABASE_URL=LISTEN_URL)
+        assert loaded.database.transaction_pooling
 
 
 # --- Redaction ---------------------------------------------------------------------------------
