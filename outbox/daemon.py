@@ -74,13 +74,16 @@ async def serve(
     """Run until SIGTERM or SIGINT, then drain; returns the exit code."""
     metrics.BUILD_INFO.info({"version": outbox.__version__})
     database = settings.database
-    if database.listen_url is not None and not _parses(database.listen_url):
-        # Never quote it: it may carry a password.
+    bad_listen_url = database.listen_url is not None and not _parses(database.listen_url)
+    if bad_listen_url:  # never quoted: it may carry a password
         log.error("the LISTEN URL (database.listen_url) is not a valid connection string")
-        return EXIT_MISCONFIGURED
     # Checked before our own pool adds traffic that could hide the pooler from the check.
-    checked = None if database.transaction_pooling else await _check_pool_mode(dsn)
-    if checked:
+    checked = None
+    if not (bad_listen_url or database.transaction_pooling):
+        checked = await _check_pool_mode(dsn)
+    if bad_listen_url or checked:
+        for provider in providers.values():
+            await provider.aclose()
         return EXIT_MISCONFIGURED
     pool = dispatcher_pool(
         dsn, max_size=POOL_MAX_SIZE, transaction_pooling=database.transaction_pooling
