@@ -1,0 +1,479 @@
+"""What every benchmark shares: a fresh database, fast bulk enqueue, `outbox run` subprocesses,
+machine facts, medians and tables.
+
+Import it from a script in bench/ as ``from _support import ...`` (a script's own directory is on
+``sys.path``); importing it also puts the repository root on ``sys.path`` so ``outbox`` and
+``tests.support`` resolve from a checkout. Only additions from here on: other scripts import it.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import psycopg  # noqa: E402 (after the path set-up above)
+from psycopg import sql  # noqa: E402
+from psycopg.conninfo import conninfo_to_dict, make_conninfo  # noqa: E402
+
+from outbox.db import migrations  # noqa: E402
+
+# The server the benchmarks use unless $OUTBOX_BENCH_DATABASE_URL names another: the same local
+# server the tests probe first.
+DEFAULT_SERVER_URL = "postgresql://postgres@127.0.0.1:5432/test"
+BENCH_DB_PREFIX = "bench_"
+# Rows per INSERT ... SELECT generate_series statement in bulk_enqueue: large enough that the
+# per-statement cost vanishes, small enough that one statement's WAL and memory stay modest.
+BULK_CHUNK = 50_000
+# The provider name bulk_enqueue writes by default; throughput configs name it with type "noop".
+NOOP_PROVIDER = "noop"
+
+
+def server_url() -> str:
+    """The maintenance connection URL of the server benchmarks run on."""
+    return os.environ.get("OUTBOX_BENCH_DATABASE_URL") or DEFAULT_SERVER_URL
+
+
+def with_dbname(url: str, dbname: str) -> str:
+    """``url`` pointing at another database of the same server."""
+    return make_conninfo(url, dbname=dbname)
+
+
+def create_database(url: str | None = None, *, migrate: bool = True, prefix: str = "") -> str:
+    """CREATE DATABASE bench_<random> (migrated unless ``migrate=False``); returns its URL."""
+    base = url or server_url()
+    name = f"{BENCH_DB_PREFIX}{prefix}{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(base, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    db_url = with_dbname(base, name)
+    if migrate:
+        with psycopg.connect(db_url, autocommit=True) as conn:
+            migrations.migrate(conn)
+    return db_url
+
+
+def drop_database(db_url: str, url: str | None = None) -> None:
+    """DROP DATABASE ... WITH (FORCE) of the database ``db_url`` names."""
+    name = str(conninfo_to_dict(db_url)["dbname"])
+    with psycopg.connect(url or server_url(), autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        )
+
+
+@contextmanager
+def fresh_database(*, migrate: bool = True, prefix: str = "",
+                   url: str | None = None) -> Iterator[str]:  # fmt: skip
+    """A new database for one benchmark, dropped at the end whatever happens; yields its URL."""
+    db_url = create_database(url, migrate=migrate, prefix=prefix)
+    try:
+        yield db_url
+    finally:
+        drop_database(db_url, url)
+
+
+# What outbox.enqueue writes for one operation (sql/0004, sql/0011), as a set operation: the
+# same fingerprint and derived idempotency key, the defaults for everything else.
+_BULK_INSERT = """
+INSERT INTO outbox.operations (
+    tenant_id, operation_type, operation_key, fingerprint, provider, action, payload,
+    idempotency_key, available_at)
+SELECT t.tenant_id, t.operation_type, t.operation_key,
+       sha256(convert_to(t.provider || E'\\n' || t.action || E'\\n' || t.payload::text, 'UTF8')),
+       t.provider, t.action, t.payload,
+       outbox.derive_idempotency_key(t.tenant_id, t.operation_type, t.operation_key),
+       coalesce(%(available_at)s, now())
+FROM (
+    SELECT %(tenant)s AS tenant_id, %(operation_type)s AS operation_type,
+           %(key_prefix)s || i AS operation_key, %(provider)s AS provider,
+           %(action)s AS action,
+           jsonb_build_object('n', i) || %(payload)s::jsonb AS payload
+    FROM generate_series(%(first)s::bigint, %(last)s::bigint) AS i
+) AS t
+"""
+
+
+def bulk_enqueue(db_url: str, count: int, *, provider: str = NOOP_PROVIDER,
+                 action: str = "bench", tenant: str = "bench",
+                 operation_type: str = "bench.op", key_prefix: str | None = None,
+                 payload: dict[str, Any] | None = None, available_at: Any = None,
+                 analyze: bool = True) -> None:  # fmt: skip
+    """Enqueue ``count`` pending operations fast, in chunks of one INSERT ... SELECT each.
+
+    Rows are what ``outbox.enqueue`` would write (same fingerprint, same derived key), except
+    that no NOTIFY is sent: start dispatchers after this returns. ``available_at`` None means
+    now(); a datetime delays them. ``payload`` keys are merged into ``{"n": i}``.
+    """
+    import json  # noqa: PLC0415 (only this helper needs it)
+
+    prefix = key_prefix if key_prefix is not None else f"op-{uuid.uuid4().hex[:8]}-"
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        for first in range(0, count, BULK_CHUNK):
+            last = min(first + BULK_CHUNK, count) - 1
+            conn.execute(
+                _BULK_INSERT,
+                {
+                    "tenant": tenant, "operation_type": operation_type, "key_prefix": prefix,
+                    "provider": provider, "action": action,
+                    "payload": json.dumps(payload or {}), "first": first, "last": last,
+                    "available_at": available_at,
+                },
+            )  # fmt: skip
+        if analyze:
+            conn.execute("ANALYZE outbox.operations")
+
+
+def count_by_status(db_url: str) -> dict[str, int]:
+    """How many operations are in each status."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT status, count(*) FROM outbox.operations GROUP BY status"
+        ).fetchall()
+    return {str(status): int(n) for status, n in rows}
+
+
+@dataclass(frozen=True)
+class DrainWindow:
+    """The database's own clock for one drain: first claim to last success."""
+
+    succeeded: int
+    seconds: float
+
+    @property
+    def per_second(self) -> float:
+        return self.succeeded / self.seconds if self.seconds > 0 else float("nan")
+
+
+def drain_window(db_url: str) -> DrainWindow:
+    """From the first attempt (claim) to the last finished row, by the rows' own timestamps.
+
+    Uses the attempt rows' start when outbox.attempts has them, else the operations'
+    ``last_attempt_at`` (each row is claimed once in a no-op drain, so both are its claim).
+    """
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        row = conn.execute(
+            """
+            SELECT count(*),
+                   extract(epoch FROM max(finished_at) - min(last_attempt_at))
+            FROM outbox.operations WHERE status = 'succeeded'
+            """
+        ).fetchone()
+    assert row is not None
+    return DrainWindow(int(row[0]), float(row[1] or 0.0))
+
+
+# --- `outbox run` subprocesses -------------------------------------------------------------
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return str(value)
+    if isinstance(value, dict):
+        return "{" + ", ".join(f'"{k}" = {_toml(v)}' for k, v in value.items()) + "}"
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def write_config(path: Path, *, providers: dict[str, dict[str, Any]] | None = None,
+                 **dispatcher: Any) -> Path:  # fmt: skip
+    """A TOML config: a [dispatcher] table of ``dispatcher`` and one table per provider.
+
+    ``providers`` defaults to one ``noop`` provider named ``noop``.
+    """
+    tables = providers if providers is not None else {NOOP_PROVIDER: {"type": "noop"}}
+    lines = ["[dispatcher]"]
+    lines += [f"{key} = {_toml(value)}" for key, value in dispatcher.items()]
+    for name, table in tables.items():
+        lines.append(f"\n[providers.{name}]")
+        lines += [f"{key} = {_toml(value)}" for key, value in table.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+class OutboxRun:
+    """One `outbox run` subprocess with its log in a file."""
+
+    def __init__(self, db_url: str, config: Path, log_path: Path, *,
+                 metrics_addr: str = "127.0.0.1:0", env: dict[str, str] | None = None,
+                 python: str | None = None) -> None:  # fmt: skip
+        """``metrics_addr`` defaults to an ephemeral loopback port: metrics on, as in production."""
+        self.log_path = log_path
+        self._log: IO[bytes] = log_path.open("ab")
+        full_env = {**os.environ, "OUTBOX_DATABASE_URL": db_url, **(env or {})}
+        full_env.setdefault("OUTBOX_LOG_LEVEL", "warning")
+        self.proc = subprocess.Popen(  # noqa: S603 (our own CLI, fixed arguments)
+            [python or sys.executable, "-m", "outbox", "run", "--config", str(config),
+             "--metrics-addr", metrics_addr],
+            env=full_env, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO,
+        )  # fmt: skip
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def terminate(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM, wait for the drain; SIGKILL if it does not end in ``timeout`` seconds."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+        if not self._log.closed:
+            self._log.close()
+        return self.proc.returncode
+
+    def log_text(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+
+@contextmanager
+def outbox_runs(db_url: str, *, processes: int = 1, log_dir: Path | None = None,
+                providers: dict[str, dict[str, Any]] | None = None,
+                metrics_addr: str = "127.0.0.1:0", env: dict[str, str] | None = None,
+                **dispatcher: Any) -> Iterator[list[OutboxRun]]:  # fmt: skip
+    """Start ``processes`` `outbox run` subprocesses with one config; SIGTERM them at the end.
+
+    ``dispatcher`` keys go into the [dispatcher] table (concurrency=..., batch_size=...).
+    Logs go to ``log_dir`` (default: a temporary directory removed afterwards).
+    """
+    own_dir = log_dir is None
+    directory = Path(tempfile.mkdtemp(prefix="outbox-bench-")) if own_dir else log_dir
+    assert directory is not None
+    config = write_config(directory / "outbox.toml", providers=providers, **dispatcher)
+    runs = [
+        OutboxRun(db_url, config, directory / f"outbox-{i}.log", metrics_addr=metrics_addr,
+                  env=env)
+        for i in range(processes)
+    ]  # fmt: skip
+    try:
+        yield runs
+    finally:
+        for run in runs:
+            run.terminate()
+        if own_dir:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def wait_until(predicate: Callable[[], bool], *, timeout: float, what: str,
+               interval: float = 0.05,
+               alive: Sequence[OutboxRun] = ()) -> float:  # fmt: skip
+    """Poll ``predicate`` until true; returns the seconds it took.
+
+    Raises TimeoutError after ``timeout`` seconds, and RuntimeError as soon as one of ``alive``
+    exited (with the tail of its log).
+    """
+    start = time.monotonic()
+    while not predicate():
+        for run in alive:
+            if not run.alive():
+                tail = run.log_text()[-2000:]
+                raise RuntimeError(f"outbox run exited {run.proc.returncode}:\n{tail}")
+        if time.monotonic() - start > timeout:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+    return time.monotonic() - start
+
+
+def wait_drained(db_url: str, expected: int, *, timeout: float,
+                 runs: Sequence[OutboxRun] = (), interval: float = 0.2) -> float:  # fmt: skip
+    """Wait until ``expected`` operations are finished (no longer pending or in flight)."""
+
+    def done() -> bool:
+        with psycopg.connect(db_url, autocommit=True) as conn:
+            row = conn.execute(
+                "SELECT count(*) FROM outbox.operations "
+                "WHERE status NOT IN ('pending', 'in_flight')"
+            ).fetchone()
+        return row is not None and int(row[0]) >= expected
+
+    return wait_until(done, timeout=timeout, what=f"{expected} operations finished",
+                      interval=interval, alive=runs)  # fmt: skip
+
+
+# --- machine facts, statistics, tables --------------------------------------------------------
+
+
+@dataclass
+class Machine:
+    """What a figure was measured on."""
+
+    cpus: int
+    cpu_model: str
+    ram_gib: float
+    kernel: str
+    python: str
+    postgres: str
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def rows(self) -> list[tuple[str, str]]:
+        base = [
+            ("CPUs (nproc)", str(self.cpus)),
+            ("CPU model", self.cpu_model),
+            ("RAM", f"{self.ram_gib:.1f} GiB"),
+            ("kernel", self.kernel),
+            ("Python", self.python),
+            ("PostgreSQL", self.postgres),
+        ]
+        return base + list(self.extra.items())
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _ram_gib() -> float:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) / (1024 * 1024)
+    except OSError:
+        pass
+    return float("nan")
+
+
+def machine_info(url: str | None = None) -> Machine:
+    """nproc, CPU model, RAM, kernel, Python and the PostgreSQL server's version."""
+    try:
+        with psycopg.connect(url or server_url(), autocommit=True) as conn:
+            row = conn.execute("SHOW server_version").fetchone()
+        postgres = str(row[0]) if row else "?"
+    except psycopg.Error as exc:
+        postgres = f"unreachable ({type(exc).__name__})"
+    return Machine(
+        cpus=os.cpu_count() or 0,
+        cpu_model=_cpu_model(),
+        ram_gib=_ram_gib(),
+        kernel=platform.release(),
+        python=platform.python_version(),
+        postgres=postgres,
+    )
+
+
+def print_machine(machine: Machine | None = None, *, title: str = "machine") -> Machine:
+    """Print the machine table; returns what it printed."""
+    info = machine or machine_info()
+    print_table(["", title], info.rows())
+    return info
+
+
+def median(values: Sequence[float]) -> float:
+    """The median, NaN for no values."""
+    return statistics.median(values) if values else float("nan")
+
+
+def repeat(fn: Callable[[], float], times: int) -> tuple[float, list[float]]:
+    """Run ``fn`` ``times`` times; returns the median of its results and all of them."""
+    results = [fn() for _ in range(times)]
+    return median(results), results
+
+
+def fmt_rate(value: float) -> str:
+    """A per-second figure for a table: 12,345."""
+    return "n/a" if value != value else f"{value:,.0f}"  # noqa: PLR0124 (NaN check)
+
+
+def fmt_ratio(value: float) -> str:
+    return "n/a" if value != value else f"{value:.2f}"  # noqa: PLR0124 (NaN check)
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *,
+                title: str | None = None) -> str:  # fmt: skip
+    """A Markdown table (pipe-separated, aligned), printed and returned.
+
+    Numbers are right-aligned; everything is turned into text with ``str``.
+    """
+    text_rows = [[str(cell) for cell in row] for row in rows]
+    widths = [len(h) for h in headers]
+    for row in text_rows:
+        for i, cell in enumerate(row):
+            widths[i] = max(widths[i], len(cell))
+
+    def numeric(cell: str) -> bool:
+        return _NUMBER.fullmatch(cell) is not None
+
+    def line(cells: Sequence[str]) -> str:
+        parts = [
+            c.rjust(widths[i]) if numeric(c) else c.ljust(widths[i]) for i, c in enumerate(cells)
+        ]
+        return "| " + " | ".join(parts) + " |"
+
+    out = []
+    if title:
+        out += [f"### {title}", ""]
+    out.append(line(list(headers)))
+    out.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    out += [line(row) for row in text_rows]
+    text = "\n".join(out)
+    print(text, flush=True)
+    print(flush=True)
+    return text
+
+
+_NUMBER = re.compile(r"-?[0-9][0-9,]*(\.[0-9]+)?( ?[%x]| s| ms)?")
+
+
+def progress(message: str) -> None:
+    """A timestamped line on stderr, so stdout keeps only the tables."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+__all__ = [
+    "BULK_CHUNK",
+    "DEFAULT_SERVER_URL",
+    "NOOP_PROVIDER",
+    "REPO",
+    "DrainWindow",
+    "Machine",
+    "OutboxRun",
+    "bulk_enqueue",
+    "count_by_status",
+    "create_database",
+    "drain_window",
+    "drop_database",
+    "fmt_rate",
+    "fmt_ratio",
+    "fresh_database",
+    "machine_info",
+    "median",
+    "outbox_runs",
+    "print_machine",
+    "print_table",
+    "progress",
+    "repeat",
+    "server_url",
+    "wait_drained",
+    "wait_until",
+    "with_dbname",
+    "write_config",
+]
