@@ -8,6 +8,7 @@ or left behind there. :func:`dispatcher_pool` then prepares nothing and sets not
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Final
 
 import psycopg
@@ -112,6 +113,28 @@ async def shares_server_sessions(dsn: str, *, rounds: int = POOLER_PROBE_ROUNDS)
                     return True
                 pid = await _server_pid(first)
     return False
+
+
+# What `outbox migrate` says when its URL leads to a transaction pooler.
+MIGRATE_THROUGH_POOLER: Final = (
+    "this URL leads to a transaction-mode pooler (two connections ran in one server session): "
+    "migrations hold a session-level advisory lock and set lock_timeout for their session, and "
+    "through the pooler other clients would share both; run `outbox migrate` with a URL that "
+    "reaches PostgreSQL directly (see docs/pgbouncer.md)"
+)
+
+
+def migration_blocker(dsn: str) -> str | None:
+    """Why migrations must not run through ``dsn`` (MIGRATE_THROUGH_POOLER), or None.
+
+    For synchronous callers such as the CLI. An unreachable database gives None: the
+    migration's own connection then reports it.
+    """
+    try:
+        shared = asyncio.run(shares_server_sessions(dsn))
+    except psycopg.OperationalError:
+        return None
+    return MIGRATE_THROUGH_POOLER if shared else None
 
 
 async def answered_by_pooler(conn: psycopg.AsyncConnection[Any]) -> bool:

@@ -16,7 +16,7 @@ import pytest
 
 import outbox
 from outbox.db import statements
-from outbox.db.connect import shares_server_sessions
+from outbox.db.connect import MIGRATE_THROUGH_POOLER, migration_blocker, shares_server_sessions
 from outbox.providers.fakes.webhook import FakeWebhookReceiver
 from tests.support.daemon import OutboxProcess, outbox_processes, wait_until, write_config
 from tests.support.dispatch import rows, statuses
@@ -207,12 +207,14 @@ def test_session_settings_through_a_transaction_pooler_stop_the_daemon(
     assert len(receiver.received) == 0
 
 
-async def test_migrations_can_tell_a_transaction_pooler_from_a_direct_session(
+def test_migrations_can_tell_a_transaction_pooler_from_a_direct_session(
     bouncer: PgBouncer, db_url: str
 ) -> None:
-    """What `outbox migrate` needs to refuse the pooler: its advisory lock is a session's."""
-    assert await shares_server_sessions(bouncer.url) is True
-    assert await shares_server_sessions(db_url) is False
+    """What `outbox migrate` checks before it takes its session-level lock."""
+    assert migration_blocker(bouncer.url) == MIGRATE_THROUGH_POOLER
+    assert migration_blocker(db_url) is None
+    # An unreachable database is left for the migration's own connection to report.
+    assert migration_blocker("postgresql://postgres@127.0.0.1:1/none?connect_timeout=2") is None
 
 
 def test_through_the_pooler_two_migrators_would_both_hold_the_migration_lock(
