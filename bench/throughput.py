@@ -1,0 +1,307 @@
+"""Throughput, dispatcher overhead: `outbox run` draining no-op operations, against the raw
+PostgreSQL limit measured in the same run.
+
+    python bench/throughput.py               # 100,000 operations, concurrency 64/256 x batch 10/100
+    python bench/throughput.py --quick       # 10,000 operations
+    python bench/throughput.py --processes 2 # two `outbox run` processes per configuration
+    python bench/throughput.py --profile DIR # py-spy each outbox run; top self-time functions
+
+The raw limit is a minimal psycopg loop in worker processes: one autocommit statement claims
+100 due rows with FOR UPDATE SKIP LOCKED and marks them succeeded (and, for comparison, one row
+at a time). `outbox run` uses the `noop` provider (succeeds at once, in process) with the attempt
+history, metrics listener and info logs on, as in production. Every rate is measured on the
+database's clock, from the first claim to the last row finished (the rows' own timestamps), so
+process start-up does not count. See bench/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import psycopg
+from _support import (
+    OutboxRun,
+    bulk_enqueue,
+    drain_window,
+    fmt_rate,
+    fmt_ratio,
+    fresh_database,
+    median,
+    outbox_runs,
+    print_machine,
+    print_table,
+    progress,
+)
+
+DEFAULT_COUNT = 100_000
+QUICK_COUNT = 10_000
+# The issue's target: the dispatcher drains no-op operations at half the raw limit or better.
+TARGET_RATIO = 0.5
+CONFIGS = ((64, 10), (64, 100), (256, 10), (256, 100))
+RAW_WORKERS = (4, 8)
+# One-row claims are ~30 times slower than 100-row ones; a tenth of the count keeps them short.
+SINGLE_ROW_SHARE = 10
+
+# The raw loop's only statement: claim a batch and finish it, in one autocommit transaction,
+# against the same table and partial index the dispatcher's claim uses.
+RAW_CLAIM_AND_FINISH = """
+WITH due AS MATERIALIZED (
+    SELECT id FROM outbox.operations
+    WHERE status = 'pending' AND available_at <= now()
+    ORDER BY available_at, id
+    LIMIT %s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE outbox.operations AS o
+SET status = 'succeeded', provider_ref = 'raw', attempts = o.attempts + 1,
+    last_attempt_at = now(), finished_at = now(), updated_at = now(), status_changed_at = now()
+FROM due WHERE o.id = due.id
+"""
+
+
+def _raw_worker(db_url: str, batch: int, start: multiprocessing.synchronize.Event) -> None:
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("SELECT 1")
+        start.wait()
+        while True:
+            cur = conn.execute(RAW_CLAIM_AND_FINISH, (batch,), prepare=True)
+            if cur.rowcount == 0:
+                return
+
+
+def raw_limit(count: int, workers: int, batch: int) -> float:
+    """Rows per second of the minimal claim-and-finish loop over ``count`` fresh rows."""
+    with fresh_database(prefix="raw_") as db_url:
+        bulk_enqueue(db_url, count)
+        ctx = multiprocessing.get_context("fork")
+        start = ctx.Event()
+        procs = [ctx.Process(target=_raw_worker, args=(db_url, batch, start))
+                 for _ in range(workers)]  # fmt: skip
+        for p in procs:
+            p.start()
+        time.sleep(0.5)  # every worker connected
+        start.set()
+        for p in procs:
+            p.join()
+            if p.exitcode != 0:
+                raise RuntimeError(f"a raw worker exited {p.exitcode}")
+        window = drain_window(db_url)
+        if window.succeeded != count:
+            raise RuntimeError(f"the raw loop finished {window.succeeded} of {count} rows")
+        return window.per_second
+
+
+@dataclass(frozen=True)
+class Drain:
+    """One `outbox run` drain of no-op operations."""
+
+    count: int
+    concurrency: int
+    batch_size: int
+    processes: int
+    seconds: float  # database clock, first claim to last finish
+    per_second: float
+    attempts: int  # attempt rows written
+    cpu_seconds: float  # user + system of every outbox run process
+    profile: Path | None = None
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process, from /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks
+
+
+def outbox_drain(count: int, concurrency: int, batch_size: int, *, processes: int = 1,
+                 log_level: str = "info", profile_dir: Path | None = None,
+                 timeout: float | None = None) -> Drain:  # fmt: skip
+    """`outbox run` (``processes`` of them) draining ``count`` pre-enqueued no-op operations.
+
+    ``profile_dir``: record the first process with py-spy (collapsed stacks) while it drains.
+    """
+    limit = timeout if timeout is not None else 120.0 + count / 100
+    with fresh_database(prefix="thr_") as db_url:
+        bulk_enqueue(db_url, count)
+        with psycopg.connect(db_url, autocommit=True) as conn:
+            conn.execute("VACUUM ANALYZE outbox.operations")
+        env = {"OUTBOX_LOG_LEVEL": log_level}
+        with outbox_runs(db_url, processes=processes, env=env, concurrency=concurrency,
+                         batch_size=batch_size) as runs:  # fmt: skip
+            spy = None
+            profile = None
+            if profile_dir is not None:
+                profile_dir.mkdir(parents=True, exist_ok=True)
+                profile = profile_dir / f"outbox-c{concurrency}-b{batch_size}.txt"
+                spy = _start_py_spy(runs[0].pid, profile)
+            try:
+                started_cpu = _wait_drained(db_url, count, limit, runs)
+                cpu = sum(_cpu_seconds(r.pid) for r in runs) - started_cpu
+            finally:
+                if spy is not None:
+                    _stop_py_spy(spy)
+        window = drain_window(db_url)
+        with psycopg.connect(db_url, autocommit=True) as conn:
+            row = conn.execute("SELECT count(*) FROM outbox.attempts").fetchone()
+        attempts = int(row[0]) if row else 0
+    if window.succeeded != count:
+        raise RuntimeError(f"outbox run succeeded {window.succeeded} of {count} operations")
+    return Drain(count, concurrency, batch_size, processes, window.seconds, window.per_second,
+                 attempts, cpu, profile)  # fmt: skip
+
+
+def _wait_drained(db_url: str, count: int, timeout: float, runs: list[OutboxRun]) -> float:
+    """Wait until nothing is pending or in flight; returns the processes' CPU seconds when the
+    first row left `pending` (start-up and imports are not the dispatcher's cost per row)."""
+    deadline = time.monotonic() + timeout
+    started_cpu: float | None = None
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        while True:
+            cpu = sum(_cpu_seconds(r.pid) for r in runs)
+            row = conn.execute(
+                "SELECT count(*) FILTER (WHERE status = 'pending'), "
+                "       count(*) FILTER (WHERE status IN ('pending', 'in_flight')) "
+                "FROM outbox.operations"
+            ).fetchone()
+            assert row is not None
+            if started_cpu is None and int(row[0]) < count:
+                started_cpu = cpu
+            if int(row[1]) == 0:
+                return started_cpu if started_cpu is not None else 0.0
+            for run in runs:
+                if not run.alive():
+                    raise RuntimeError(f"outbox run exited:\n{run.log_text()[-2000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{count} operations not drained in {timeout:.0f} s")
+            time.sleep(0.1)
+
+
+def _start_py_spy(pid: int, out: Path) -> subprocess.Popen[bytes]:
+    spy = Path(sys.executable).parent / "py-spy"
+    command = str(spy) if spy.exists() else "py-spy"
+    return subprocess.Popen(  # noqa: S603 (a fixed command line)
+        [command, "record", "--pid", str(pid), "--format", "raw", "--rate", "250",
+         "--output", str(out), "--nonblocking"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+def _stop_py_spy(spy: subprocess.Popen[bytes]) -> None:
+    spy.send_signal(signal.SIGINT)
+    try:
+        spy.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        spy.kill()
+        spy.wait()
+
+
+def top_self_time(collapsed: Path, top: int = 20) -> list[tuple[str, float]]:
+    """The functions with the most self time in py-spy's collapsed stacks, as shares of all."""
+    counts: Counter[str] = Counter()
+    total = 0
+    for line in collapsed.read_text(errors="replace").splitlines():
+        stack, _, number = line.rpartition(" ")
+        if not stack or not number.isdigit():
+            continue
+        leaf = stack.rsplit(";", 1)[-1]
+        counts[leaf] += int(number)
+        total += int(number)
+    return [(name, n / total) for name, n in counts.most_common(top)] if total else []
+
+
+def top_inclusive(collapsed: Path, needle: str, top: int = 20) -> list[tuple[str, float]]:
+    """Frames whose text contains ``needle`` (e.g. "outbox/"), by inclusive share of samples."""
+    counts: Counter[str] = Counter()
+    total = 0
+    for line in collapsed.read_text(errors="replace").splitlines():
+        stack, _, number = line.rpartition(" ")
+        if not stack or not number.isdigit():
+            continue
+        total += int(number)
+        for frame in set(stack.split(";")):
+            if needle in frame:
+                counts[frame] += int(number)
+    return [(name, n / total) for name, n in counts.most_common(top)] if total else []
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--count", type=int, default=None,
+                        help=f"operations per drain (default {DEFAULT_COUNT:,})")  # fmt: skip
+    parser.add_argument("--quick", action="store_true",
+                        help=f"--count {QUICK_COUNT:,} and one repeat of the raw loop")  # fmt: skip
+    parser.add_argument("--processes", type=int, default=1, help="`outbox run` processes")
+    parser.add_argument("--repeat", type=int, default=3, help="raw-loop runs; the median counts")
+    parser.add_argument("--configs", default=",".join(f"{c}x{b}" for c, b in CONFIGS),
+                        help="concurrency x batch_size pairs, e.g. 64x10,256x100")  # fmt: skip
+    parser.add_argument("--log-level", default="info",
+                        help="outbox run's log level (info, the production default)")  # fmt: skip
+    parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                        help="record each outbox run with py-spy into DIR")  # fmt: skip
+    args = parser.parse_args(argv)
+    count = args.count or (QUICK_COUNT if args.quick else DEFAULT_COUNT)
+    repeat = 1 if args.quick else args.repeat
+    configs = [tuple(int(x) for x in pair.split("x")) for pair in args.configs.split(",")]
+
+    print_machine()
+    raw_rows: list[list[str]] = []
+    best_raw = 0.0
+    for batch, rows in ((100, count), (1, max(count // SINGLE_ROW_SHARE, 1000))):
+        for workers in RAW_WORKERS:
+            progress(f"raw loop: {workers} workers x {batch} rows, {rows:,} rows, x{repeat}")
+            runs = [raw_limit(rows, workers, batch) for _ in range(repeat)]
+            rate = median(runs)
+            if batch == 100:
+                best_raw = max(best_raw, rate)
+            raw_rows.append([f"{workers}", f"{batch}", f"{rows:,}", fmt_rate(rate),
+                             " / ".join(fmt_rate(r) for r in runs)])  # fmt: skip
+    print_table(["workers", "rows per claim", "rows", "rows/s (median)", "runs"], raw_rows,
+                title="Raw PostgreSQL limit: claim + finish in one statement")  # fmt: skip
+
+    rows_out: list[list[str]] = []
+    profiles: list[Path] = []
+    for concurrency, batch_size in configs:
+        progress(f"outbox run: concurrency {concurrency}, batch {batch_size}, "
+                 f"{args.processes} process(es), {count:,} operations")  # fmt: skip
+        drain = outbox_drain(count, concurrency, batch_size, processes=args.processes,
+                             log_level=args.log_level, profile_dir=args.profile)  # fmt: skip
+        if drain.profile is not None:
+            profiles.append(drain.profile)
+        ratio = drain.per_second / best_raw if best_raw else float("nan")
+        rows_out.append([
+            f"{concurrency}", f"{batch_size}", f"{args.processes}", f"{count:,}",
+            f"{drain.seconds:.1f} s", fmt_rate(drain.per_second), fmt_ratio(ratio),
+            f"{1000 * drain.cpu_seconds / count:.2f} ms",
+            "yes" if ratio >= TARGET_RATIO else "no",
+        ])  # fmt: skip
+        if drain.attempts != count:
+            progress(f"note: {drain.attempts} attempt rows for {count} operations")
+    print_table(
+        ["concurrency", "batch_size", "processes", "operations", "drain", "ops/s",
+         "x raw", "CPU per op", f">= {TARGET_RATIO} x raw"],
+        rows_out,
+        title=f"outbox run, noop provider (raw limit: {fmt_rate(best_raw)} rows/s)",
+    )  # fmt: skip
+    for profile in profiles:
+        if profile.exists():
+            top = top_self_time(profile)
+            print_table(["function (file:line)", "self %"],
+                        [[name, f"{100 * share:.1f}"] for name, share in top],
+                        title=f"py-spy, top self time: {profile.name}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
