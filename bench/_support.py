@@ -56,6 +56,21 @@ def with_dbname(url: str, dbname: str) -> str:
     return make_conninfo(url, dbname=dbname)
 
 
+def as_url(dsn: str) -> str:
+    """``dsn`` (a URL or libpq key=value string) as a postgresql:// URL, for clients such as
+    asyncpg that take only URLs."""
+    from urllib.parse import quote  # noqa: PLC0415
+
+    params = conninfo_to_dict(dsn)
+    user = quote(str(params.get("user") or ""), safe="")
+    password = quote(str(params.get("password") or ""), safe="")
+    auth = f"{user}:{password}@" if password else (f"{user}@" if user else "")
+    host = str(params.get("host") or "")
+    port = f":{params['port']}" if params.get("port") else ""
+    dbname = quote(str(params.get("dbname") or ""), safe="")
+    return f"postgresql://{auth}{host}{port}/{dbname}"
+
+
 def create_database(url: str | None = None, *, migrate: bool = True, prefix: str = "") -> str:
     """CREATE DATABASE bench_<random> (migrated unless ``migrate=False``); returns its URL."""
     base = url or server_url()
@@ -456,6 +471,7 @@ __all__ = [
     "DrainWindow",
     "Machine",
     "OutboxRun",
+    "as_url",
     "bulk_enqueue",
     "count_by_status",
     "create_database",

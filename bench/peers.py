@@ -1,0 +1,221 @@
+"""Peers in the same run: pgqueuer draining no-op jobs on the same server, against `outbox run`.
+
+    python bench/peers.py                 # 100,000 jobs each: pgqueuer (psycopg, asyncpg), outbox
+    python bench/peers.py --quick         # 10,000
+    python bench/peers.py --count 50000 --outbox-config 64x100
+
+pgqueuer (pinned: PGQUEUER_VERSION) is installed by this script into its own virtual environment,
+bench/.venv-pgqueuer (gitignored), never into outbox's. Each measurement gets a fresh database.
+pgqueuer runs as its own benchmark tool runs it (tools/benchmark.py, drain strategy): one process,
+uvloop, 4 QueueManagers each on its own connection, batch 100, an async entrypoint that returns
+at once, `mode=drain`. Its rate is counted on the client's clock from the first job started to the
+last job run ("until exit", to the workers' return, is shown too). outbox's figure comes from
+throughput.py's `outbox_drain` on the same count (first claim to last record, database clock),
+its concurrency x batch configurable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+PGQUEUER_VERSION = "1.6.0"
+PGQUEUER_WORKERS = 4
+PGQUEUER_BATCH = 100
+VENV = Path(__file__).resolve().parent / ".venv-pgqueuer"
+DRIVERS = ("psycopg", "asyncpg")
+DEFAULT_COUNT = 100_000
+QUICK_COUNT = 10_000
+# The issue's target: outbox drains at least twice as fast as pgqueuer's fastest driver.
+TARGET_RATIO = 2.0
+
+
+# --- run inside pgqueuer's virtual environment (stdlib and pgqueuer only) -----------------------
+
+
+async def _pgqueuer_drain(driver: str, dsn: str, count: int, workers: int,
+                          batch: int) -> dict[str, Any]:  # fmt: skip
+    pgqueuer = importlib.import_module("pgqueuer")
+    queries_mod = importlib.import_module("pgqueuer.queries")
+    types_mod = importlib.import_module("pgqueuer.types")
+
+    async def connect() -> Any:
+        if driver == "asyncpg":
+            asyncpg = importlib.import_module("asyncpg")
+            return pgqueuer.AsyncpgDriver(await asyncpg.connect(dsn=dsn))
+        psycopg = importlib.import_module("psycopg")
+        conn = await psycopg.AsyncConnection.connect(conninfo=dsn, autocommit=True)
+        return pgqueuer.PsycopgDriver(conn)
+
+    setup = queries_mod.Queries(await connect())
+    for first in range(0, count, 50_000):
+        n = min(50_000, count - first)
+        await setup.enqueue(["noop"] * n, [None] * n, [0] * n)
+
+    first_job: list[float] = []
+    last_job = [0.0]
+
+    managers = []
+    for _ in range(workers):
+        pgq = pgqueuer.PgQueuer(await connect())
+
+        async def noop(job: Any) -> None:
+            now = time.perf_counter()
+            if not first_job:
+                first_job.append(now)
+            last_job[0] = now
+
+        pgq.entrypoint("noop")(noop)
+        managers.append(pgq)
+    started = time.perf_counter()
+    await asyncio.gather(
+        *(m.run(batch_size=batch, mode=types_mod.QueueExecutionMode.drain) for m in managers)
+    )
+    done = time.perf_counter()
+    left = sum(s.count for s in await setup.queue_size())
+    begin = first_job[0] if first_job else started
+    return {
+        "driver": driver, "count": count, "left": left,
+        "seconds": done - begin, "seconds_to_last_job": last_job[0] - begin,
+        "version": str(pgqueuer.__version__),
+    }  # fmt: skip
+
+
+def _worker_main(argv: list[str]) -> int:
+    driver, dsn, count, workers, batch = argv
+    run = _pgqueuer_drain(driver, dsn, int(count), int(workers), int(batch))
+    try:
+        uvloop = importlib.import_module("uvloop")
+        result = uvloop.run(run)
+    except ImportError:
+        result = asyncio.run(run)
+    print(json.dumps(result))
+    return 0
+
+
+# --- the benchmark (outbox's virtual environment) -----------------------------------------------
+
+
+def venv_python() -> Path:
+    return VENV / "bin" / "python"
+
+
+def ensure_pgqueuer() -> str:
+    """pgqueuer PGQUEUER_VERSION in VENV, installed if missing; returns the installed versions."""
+    python = venv_python()
+    probe = "import importlib.metadata as m; print(m.version('pgqueuer'))"
+    if python.exists():
+        found = subprocess.run([str(python), "-c", probe], capture_output=True, text=True,  # noqa: S603
+                               check=False)  # fmt: skip
+        if found.returncode == 0 and found.stdout.strip() == PGQUEUER_VERSION:
+            return _versions(python)
+    from _support import progress  # noqa: PLC0415 (not importable inside pgqueuer's venv)
+
+    progress(f"installing pgqueuer {PGQUEUER_VERSION} into {VENV}")
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(VENV)], check=True)  # noqa: S603
+    subprocess.run(  # noqa: S603 (fixed arguments)
+        [str(python), "-m", "pip", "install", "--quiet", f"pgqueuer=={PGQUEUER_VERSION}",
+         "asyncpg", "psycopg"],
+        check=True,
+    )  # fmt: skip
+    return _versions(python)
+
+
+def _versions(python: Path) -> str:
+    probe = (
+        "import importlib.metadata as m; "
+        "print(', '.join(f'{p} {m.version(p)}' for p in ('pgqueuer', 'asyncpg', 'psycopg', "
+        "'uvloop')))"
+    )
+    out = subprocess.run([str(python), "-c", probe], capture_output=True, text=True,  # noqa: S603
+                         check=True)  # fmt: skip
+    return out.stdout.strip()
+
+
+def pgqueuer_drain(driver: str, count: int, *, workers: int = PGQUEUER_WORKERS,
+                   batch: int = PGQUEUER_BATCH) -> dict[str, Any]:  # fmt: skip
+    """pgqueuer draining ``count`` no-op jobs in a fresh database; its result as a dict."""
+    from _support import as_url, fresh_database  # noqa: PLC0415
+
+    with fresh_database(migrate=False, prefix="pgq_") as conninfo:
+        db_url = as_url(conninfo)
+        env = {**os.environ, "PGDSN": db_url}
+        installed = subprocess.run([str(VENV / "bin" / "pgq"), "install"], env=env,  # noqa: S603
+                                   capture_output=True, text=True, check=False)  # fmt: skip
+        if installed.returncode != 0:
+            raise RuntimeError(f"pgq install failed:\n{installed.stdout}{installed.stderr}")
+        out = subprocess.run(  # noqa: S603 (this file, fixed arguments)
+            [str(venv_python()), __file__, "--pgqueuer-worker", driver, db_url, str(count),
+             str(workers), str(batch)],
+            capture_output=True, text=True, check=False, timeout=600 + count / 50,
+        )  # fmt: skip
+    if out.returncode != 0:
+        raise RuntimeError(f"pgqueuer ({driver}) failed:\n{out.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    if result["left"] != 0:
+        raise RuntimeError(f"pgqueuer ({driver}) left {result['left']} jobs queued")
+    return result
+
+
+def main(argv: list[str]) -> int:
+    from _support import fmt_rate, fmt_ratio, print_machine, print_table, progress  # noqa: PLC0415
+    from throughput import outbox_drain  # noqa: PLC0415
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--count", type=int, default=None,
+                        help=f"jobs per drain (default {DEFAULT_COUNT:,})")  # fmt: skip
+    parser.add_argument("--quick", action="store_true", help=f"--count {QUICK_COUNT:,}")
+    parser.add_argument("--outbox-config", default="256x100",
+                        help="outbox run's concurrency x batch_size (default 256x100)")  # fmt: skip
+    parser.add_argument("--processes", type=int, default=1, help="`outbox run` processes")
+    args = parser.parse_args(argv)
+    count = args.count or (QUICK_COUNT if args.quick else DEFAULT_COUNT)
+    concurrency, batch_size = (int(x) for x in args.outbox_config.split("x"))
+
+    machine = print_machine()
+    versions = ensure_pgqueuer()
+    rows: list[list[str]] = []
+    rates: dict[str, float] = {}
+    for driver in DRIVERS:
+        progress(f"pgqueuer {driver}: {count:,} jobs, {PGQUEUER_WORKERS} workers, "
+                 f"batch {PGQUEUER_BATCH}")  # fmt: skip
+        result = pgqueuer_drain(driver, count)
+        # To the last job run, not to the workers' return: drain mode's exit can lag by seconds
+        # (psycopg driver), which is no part of its throughput. This favours pgqueuer slightly:
+        # its last status write is not counted, where outbox's is.
+        rate = count / result["seconds_to_last_job"]
+        rates[driver] = rate
+        rows.append([f"pgqueuer {result['version']} ({driver}, uvloop)",
+                     f"{PGQUEUER_WORKERS} workers x batch {PGQUEUER_BATCH}", f"{count:,}",
+                     f"{result['seconds_to_last_job']:.1f} s", f"{result['seconds']:.1f} s",
+                     fmt_rate(rate)])  # fmt: skip
+    progress(f"outbox run: concurrency {concurrency}, batch {batch_size}, {count:,} operations")
+    drain = outbox_drain(count, concurrency, batch_size, processes=args.processes)
+    rows.append([f"outbox ({args.processes} process)", f"concurrency {concurrency} x batch "
+                 f"{batch_size}", f"{count:,}", f"{drain.seconds:.1f} s", "",
+                 fmt_rate(drain.per_second)])  # fmt: skip
+    server = machine.postgres.split()[0]
+    print_table(["queue", "configuration", "jobs", "drain", "until exit", "jobs/s"], rows,
+                title=f"No-op jobs drained on PostgreSQL {server}")  # fmt: skip
+    best = max(rates.values())
+    ratio_rows = [[f"outbox / pgqueuer ({driver})", fmt_ratio(drain.per_second / rate)]
+                  for driver, rate in rates.items()]  # fmt: skip
+    ratio_rows.append([f"target: outbox >= {TARGET_RATIO} x the fastest",
+                       "met" if drain.per_second >= TARGET_RATIO * best else "missed"])  # fmt: skip
+    print_table(["ratio", "value"], ratio_rows)
+    print(f"peers' environment: {versions}")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--pgqueuer-worker":
+        sys.exit(_worker_main(sys.argv[2:]))
+    sys.exit(main(sys.argv[1:]))
