@@ -42,6 +42,13 @@ def attempt_span(traceparent: str | None, attributes: dict[str, Any]) -> Iterato
         return
     from opentelemetry import propagate, trace  # noqa: PLC0415
 
+    if isinstance(
+        trace.get_tracer_provider(), trace.ProxyTracerProvider | trace.NoOpTracerProvider
+    ):
+        # No SDK configured: every span would be a no-op, and building one per attempt costs
+        # more than the rest of a no-op dispatch.
+        yield None
+        return
     links = []
     if traceparent:
         parent = trace.get_current_span(propagate.extract({"traceparent": traceparent}))

@@ -165,6 +165,54 @@ FROM recorded
 RETURNING operation_id
 """
 
+# RECORD for many outcomes in one statement (the dispatcher's group commit): the same fence per
+# row, one attempt row per outcome recorded. Returns (operation_id, attempt) of those recorded.
+RECORD_MANY: Final = """
+WITH input AS (
+    -- One JSON document for the whole batch: encoded in C by json.dumps, where a dozen
+    -- arrays would be encoded element by element.
+    SELECT *
+    FROM jsonb_to_recordset(%(batch)s::jsonb)
+         AS i(id bigint, lease_token uuid, attempt integer, status text, reason text,
+              retry_in_s double precision, sent boolean, provider_ref text, result jsonb,
+              error text, failure text, outcome text, error_class text, http_status integer,
+              request_id text)
+),
+recorded AS (
+    UPDATE outbox.operations AS o
+    SET status = i.status,
+        status_reason = i.reason,
+        available_at = CASE WHEN i.status = 'pending'
+                            THEN now() + make_interval(secs => i.retry_in_s)
+                            ELSE o.available_at END,
+        lease_owner = NULL,
+        lease_token = NULL,
+        lease_expires_at = NULL,
+        first_sent_at = CASE WHEN i.sent THEN coalesce(o.first_sent_at, o.last_attempt_at)
+                             ELSE o.first_sent_at END,
+        provider_ref = coalesce(i.provider_ref, o.provider_ref),
+        result = coalesce(i.result, o.result),
+        last_error = i.error,
+        last_error_class = i.failure,
+        updated_at = now(),
+        status_changed_at = now(),
+        finished_at = CASE WHEN i.status IN ('succeeded', 'cancelled') THEN now() END
+    FROM input AS i
+    WHERE o.id = i.id
+      AND o.lease_token = i.lease_token
+      AND o.attempts = i.attempt
+      AND o.status = 'in_flight'
+    RETURNING o.id, o.idempotency_key, o.last_attempt_at, i.attempt, i.outcome, i.sent,
+              i.error_class, i.error, i.http_status, i.request_id
+)
+INSERT INTO outbox.attempts (operation_id, attempt, idempotency_key, worker, started_at, outcome,
+                             sent, error_class, error_message, http_status, provider_request_id)
+SELECT id, attempt, idempotency_key, %(worker)s, last_attempt_at, outcome, sent, error_class,
+       error, http_status, request_id
+FROM recorded
+RETURNING operation_id, attempt
+"""
+
 # Give a claimed row back without an attempt having been made: released at shutdown (to
 # pending) or routed to reconciliation by the key-window rule before sending.
 UNCLAIM: Final = """

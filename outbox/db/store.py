@@ -126,6 +126,25 @@ class Store:
         }  # fmt: skip
         return await self._one(statements.RECORD, params)
 
+    async def record_many(self, recs: Sequence[Record]) -> set[tuple[int, int]]:
+        """Record many outcomes in one statement; returns (id, attempt) of those recorded (the
+        others' leases were lost). All of one worker."""
+        batch = [
+            {"id": r.id, "lease_token": str(r.lease_token), "attempt": r.attempt,
+             "status": r.status.value, "reason": r.reason,
+             "retry_in_s": (r.retry_in or timedelta(0)).total_seconds(), "sent": r.sent,
+             "provider_ref": r.provider_ref, "result": r.result, "error": r.error,
+             "failure": None if r.outcome == "succeeded" else r.outcome, "outcome": r.outcome,
+             "error_class": r.error_class, "http_status": r.http_status,
+             "request_id": r.request_id}
+            for r in recs
+        ]  # fmt: skip
+        params = {"batch": Jsonb(batch), "worker": recs[0].worker}
+        async with self._connection() as conn:
+            cur = conn.cursor(row_factory=tuple_row)
+            rows = await (await cur.execute(statements.RECORD_MANY, params)).fetchall()
+        return {(row[0], row[1]) for row in rows}
+
     async def unclaim(self, claimed: Claimed, status: Status, reason: str | None,
                       delay: timedelta | None = None) -> bool:  # fmt: skip
         """Give the row back without an attempt, due again after ``delay`` (None: keep its
