@@ -42,6 +42,8 @@ BENCH_DB_PREFIX = "bench_"
 # Rows per INSERT ... SELECT generate_series statement in bulk_enqueue: large enough that the
 # per-statement cost vanishes, small enough that one statement's WAL and memory stay modest.
 BULK_CHUNK = 50_000
+# Server settings machine_info reports next to the version.
+SERVER_SETTINGS = ("fsync", "synchronous_commit", "shared_buffers", "max_connections")
 # The provider name bulk_enqueue writes by default; throughput configs name it with type "noop".
 NOOP_PROVIDER = "noop"
 
@@ -379,12 +381,20 @@ def _ram_gib() -> float:
 
 def machine_info(url: str | None = None) -> Machine:
     """nproc, CPU model, RAM, kernel, Python and the PostgreSQL server's version."""
+    extra: dict[str, str] = {}
     try:
         with psycopg.connect(url or server_url(), autocommit=True) as conn:
             row = conn.execute("SHOW server_version").fetchone()
+            # The settings that decide a commit's cost, which dominates producer figures.
+            for name in SERVER_SETTINGS:
+                value = conn.execute("SELECT current_setting(%s, true)", (name,)).fetchone()
+                extra[f"PostgreSQL {name}"] = str(value[0]) if value else "?"
         postgres = str(row[0]) if row else "?"
     except psycopg.Error as exc:
         postgres = f"unreachable ({type(exc).__name__})"
+    load = os.getloadavg()
+    # Other work on a shared machine shows here: figures taken under load are noisier.
+    extra["load average (1, 5, 15 min)"] = ", ".join(f"{x:.2f}" for x in load)
     return Machine(
         cpus=os.cpu_count() or 0,
         cpu_model=_cpu_model(),
@@ -392,6 +402,7 @@ def machine_info(url: str | None = None) -> Machine:
         kernel=platform.release(),
         python=platform.python_version(),
         postgres=postgres,
+        extra=extra,
     )
 
 
