@@ -30,6 +30,7 @@ from outbox.model import EnqueueOutcome, EnqueueResult, Operation
 
 Params = dict[str, Any]
 
+
 def bind_tenant(conn: psycopg.Connection[Any], tenant_id: str) -> None:
     """Bind the caller's current transaction to ``tenant_id``, until it commits or rolls back.
 
