@@ -9,7 +9,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Final
 
@@ -99,8 +99,9 @@ async def serve(
     listen_url = _wakeup_url(dsn, settings)
     if listen_url is not None:
         listen = wakeup.listen_forever(
-            listen_url, dispatcher.wake, expect_direct=database.transaction_pooling
-        )
+            listen_url, dispatcher.wake, expect_direct=database.transaction_pooling,
+            on_listening=_listening_flag(dispatcher),
+        )  # fmt: skip
         helpers.append(asyncio.create_task(listen, name="outbox-listen"))
     refused = asyncio.Event()
     if checked is None and not database.transaction_pooling:
@@ -136,6 +137,16 @@ async def serve(
             http.server_close()
     log.info("outbox run stopped")
     return EXIT_MISCONFIGURED if refused.is_set() else 0
+
+
+def _listening_flag(dispatcher: Dispatcher) -> Callable[[bool], None]:
+    """Keeps ``dispatcher.listening`` true exactly while notifications can reach it: only then
+    does it ask producers to notify (sql/0012)."""
+
+    def changed(listening: bool) -> None:
+        dispatcher.listening = listening
+
+    return changed
 
 
 def _parses(url: str) -> bool:

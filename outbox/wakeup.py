@@ -30,16 +30,23 @@ RECONNECT_MAX: Final = 10.0
 log = structlog.get_logger("outbox.wakeup")
 
 
+def _ignore(listening: bool) -> None:
+    """The default ``on_listening``: nobody needs to know."""
+
+
 async def listen_forever(
     dsn: str,
     wake: Callable[[], None],
     *,
     probe_interval: float = PROBE_INTERVAL,
     expect_direct: bool = False,
+    on_listening: Callable[[bool], None] = _ignore,
 ) -> None:
     """Call ``wake`` on every notification, until cancelled; survives lost connections.
 
     ``expect_direct``: ``dsn`` is meant to bypass a pooler; say so loudly when it does not.
+    ``on_listening`` is told True once notifications can arrive, False when the connection is
+    lost or this task ends: meanwhile only polling wakes the dispatcher.
     """
     delay = RECONNECT_MIN
 
@@ -47,26 +54,35 @@ async def listen_forever(
         nonlocal delay
         delay = RECONNECT_MIN
 
-    while True:
-        try:
-            await _listen(dsn, wake, probe_interval, connected, expect_direct)
-        except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
-            metrics.DB_ERRORS.labels("listen").inc()
-            log.warning(
-                "LISTEN connection lost; reconnecting",
-                error_class=type(exc).__name__,
-                retry_in_s=round(delay, 2),
-            )
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, RECONNECT_MAX)
+    try:
+        while True:
+            try:
+                await _listen(
+                    dsn, wake, probe_interval, connected=connected,
+                    expect_direct=expect_direct, on_listening=on_listening,
+                )  # fmt: skip
+            except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+                on_listening(False)
+                metrics.DB_ERRORS.labels("listen").inc()
+                log.warning(
+                    "LISTEN connection lost; reconnecting",
+                    error_class=type(exc).__name__,
+                    retry_in_s=round(delay, 2),
+                )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RECONNECT_MAX)
+    finally:
+        on_listening(False)
 
 
 async def _listen(
     dsn: str,
     wake: Callable[[], None],
     probe_interval: float,
+    *,
     connected: Callable[[], None],
     expect_direct: bool,
+    on_listening: Callable[[bool], None],
 ) -> None:
     options = connection_options(dsn, "outbox-listen")
     # Nothing here gains from preparing, and a mistaken pooled URL must not fail on it.
@@ -81,6 +97,8 @@ async def _listen(
                 "pooler notifications are lost and only polling wakes the dispatcher; point "
                 "database.listen_url at the server itself"
             )
+        else:
+            on_listening(True)
         log.info("listening for enqueue notifications", channel=statements.ENQUEUE_CHANNEL)
         # Anything committed while we were not listening sent its NOTIFY to nobody.
         wake()
