@@ -54,6 +54,15 @@ def parse_args(argv: list[str]) -> tuple[Settings, Path | None]:
     parser.add_argument("--pg-restarts", type=int, default=defaults.pg_restarts)
     parser.add_argument("--drain-timeout", type=float, default=120.0)
     parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--key-retention", type=float, default=defaults.key_retention,
+                        help="seconds the fakes remember an idempotency key (and the providers "
+                             "are configured with)")  # fmt: skip
+    parser.add_argument(
+        "--retention-margin",
+        type=float,
+        default=defaults.retention_margin,
+        help="seconds before that when retries stop",
+    )
     parser.add_argument("--workdir", type=Path, default=None,
                         help="where dispatcher logs go (default: a temporary directory, kept "
                              "only when an invariant fails)")  # fmt: skip
@@ -62,6 +71,7 @@ def parse_args(argv: list[str]) -> tuple[Settings, Path | None]:
         duration=args.duration, dispatchers=args.dispatchers, producers=args.producers,
         rate=args.rate, fault_rate=args.fault_rate, chaos_every=args.chaos_every,
         pg_restarts=args.pg_restarts, drain_timeout=args.drain_timeout, seed=args.seed,
+        key_retention=args.key_retention, retention_margin=args.retention_margin,
     )  # fmt: skip
     return settings, args.workdir
 

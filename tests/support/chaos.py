@@ -9,7 +9,9 @@ and the fake webhook receiver on loopback (in this process, so their ledgers of 
 every dispatcher), producer threads that enqueue continuously (some transactions rolled back,
 some duplicates, some conflicts) and arm a random provider fault for about one operation in
 ``fault_rate``, and ``dispatchers`` real ``outbox run`` processes, one of which is SIGKILLed or
-SIGSTOPped (then resumed or killed) every ``chaos_every`` seconds and brought back.
+SIGSTOPped (then resumed or killed) every ``chaos_every`` seconds and brought back. The fakes
+forget idempotency keys after ``key_retention`` seconds (30 by default, and the providers are
+configured so), so the run reaches the point where a blind resend would duplicate an effect.
 
 What is checked (:func:`verify`), once producers stopped and dispatchers drained: every
 operation a producer saw commit exists and is final; a succeeded one has exactly one effect,
@@ -62,6 +64,10 @@ STRIPE_FAULTS: Final = {
     "429_rate_limit": 4, "503": 3, "409_key_in_use": 2, "reset_before": 3, "500_before_saved": 1,
     "500_after_saved": 1, "slow_after": 2, "reset_after": 4, "402_card_declined": 1,
 }  # fmt: skip
+# A third of the operations may be tried this often instead of the dispatchers' 8 times: those
+# that keep failing after their first send run into the key window (retention less margin) and
+# must go to reconciliation rather than be sent once the provider may have forgotten the key.
+PATIENT_ATTEMPTS: Final = 40
 # The fakes delay a "slow" answer past the providers' timeout, so the call ends unknown.
 PROVIDER_TIMEOUT: Final = 2.0
 SLOW_ANSWER: Final = 3.0
@@ -80,6 +86,13 @@ class Settings:
     pg_restarts: int = 1
     drain_timeout: float = 60.0
     seed: int = 1
+    # How long the fakes remember an idempotency key, and what the providers are configured
+    # with; retries stop `retention_margin` before. Short, so that the run reaches the point
+    # where a blind resend would duplicate an effect, and outbox must reconcile instead. The
+    # margin outlasts the longest SIGSTOP (4 s) plus a call's timeout (2 s) with room to spare:
+    # a frozen process could otherwise send after its last check of the window.
+    key_retention: float = 30.0
+    retention_margin: float = 10.0
 
 
 # --- what producers did --------------------------------------------------------------------
@@ -106,21 +119,24 @@ class Intent:
     provider: str
     action: str
     payload: dict[str, Any]
+    max_attempts: int | None
 
     def enqueue(self, conn: psycopg.Connection[Any], payload: dict[str, Any] | None = None) -> Any:
         return outbox.enqueue(
             conn, tenant_id=TENANT, operation_type=f"chaos.{self.provider}",
             operation_key=self.key, provider=self.provider, action=self.action,
-            payload=self.payload if payload is None else payload,
+            payload=self.payload if payload is None else payload, max_attempts=self.max_attempts,
         )  # fmt: skip
 
 
 def make_intent(key: str, rng: random.Random) -> Intent:
+    patience = PATIENT_ATTEMPTS if rng.random() < 1 / 3 else None
     if rng.random() < 0.5:
         payload = {"amount": rng.randint(100, 99_999), "currency": "usd",
                    "customer": "cus_chaos", "metadata": {"chaos_key": key}}  # fmt: skip
-        return Intent(key, STRIPE, "payment_intents.create", payload)
-    return Intent(key, HOOK, "invoice.paid", {"invoice": key, "cents": rng.randint(1, 10_000)})
+        return Intent(key, STRIPE, "payment_intents.create", payload, patience)
+    payload = {"invoice": key, "cents": rng.randint(1, 10_000)}
+    return Intent(key, HOOK, "invoice.paid", payload, patience)
 
 
 class Producer(threading.Thread):
@@ -416,6 +432,7 @@ class Report:
     settings: Settings
     operations: int = 0
     by_status: dict[str, int] = field(default_factory=dict)
+    by_reason: dict[str, int] = field(default_factory=dict)  # "status: reason" of set-aside ones
     effects_stripe: int = 0
     effects_hook: int = 0
     duplicates: int = 0
@@ -447,6 +464,7 @@ class Report:
         lines = [
             ("operations committed", f"{self.operations}"),
             ("by final status", statuses or "none"),
+            ("why set aside", ", ".join(f"{r} {n}" for r, n in sorted(self.by_reason.items()))),
             ("provider effects", f"{self.effects_stripe + self.effects_hook} "
                                  f"(Stripe {self.effects_stripe}, webhook {self.effects_hook})"),
             ("duplicates (must be 0)", f"{self.duplicates}"),
@@ -481,10 +499,11 @@ def run_chaos(settings: Settings, workdir: Path,
     ledger = Ledger()
     with ExitStack() as stack:
         cluster = stack.enter_context(private_cluster())
-        stripe = stack.enter_context(FakeStripe(api_key=STRIPE_KEY))
-        hook = stack.enter_context(FakeWebhookReceiver())
+        retention = settings.key_retention
+        stripe = stack.enter_context(FakeStripe(api_key=STRIPE_KEY, key_retention=retention))
+        hook = stack.enter_context(FakeWebhookReceiver(key_retention=retention))
         faults = FaultInjector(stripe, hook, settings.fault_rate, settings.seed)
-        config = _config(workdir / "outbox.toml", stripe, hook)
+        config = _config(workdir / "outbox.toml", stripe, hook, settings)
         dispatchers = Dispatchers(settings.dispatchers, cluster.url, config, workdir)
         stack.callback(dispatchers.stop_all)
         mayhem, drain, codes = _storm(settings, cluster, dispatchers, ledger, faults, progress)
@@ -498,20 +517,21 @@ def run_chaos(settings: Settings, workdir: Path,
     return report
 
 
-def _config(path: Path, stripe: FakeStripe, hook: FakeWebhookReceiver) -> Path:
-    timeout = f"{PROVIDER_TIMEOUT:g}s"
+def _config(path: Path, stripe: FakeStripe, hook: FakeWebhookReceiver,
+            settings: Settings) -> Path:  # fmt: skip
+    common = {"timeout": f"{PROVIDER_TIMEOUT:g}s", "key_retention": f"{settings.key_retention:g}s"}
     return write_config(
         path,
         providers={
             STRIPE: {"type": "stripe", "api_key_env": "STRIPE_API_KEY", "api_base": stripe.url,
-                     "timeout": timeout},
-            HOOK: {"type": "webhook", "url": hook.url, "timeout": timeout},
+                     **common},
+            HOOK: {"type": "webhook", "url": hook.url, **common},
         },
         # Short everything: rows of a killed dispatcher come back within seconds, retries come
         # due within a second, and the reconciler asks Stripe about saved 500s every 2 s.
         lease="2s", poll_interval="200ms", backoff_base="100ms", backoff_max="1s",
         shutdown_grace="5s", max_attempts=8, concurrency=32, batch_size=32,
-        reconcile_interval="2s",
+        reconcile_interval="2s", retention_margin=f"{settings.retention_margin:g}s",
     )  # fmt: skip
 
 
@@ -588,6 +608,7 @@ class Row:
     key: str
     idempotency_key: str
     status: str
+    reason: str | None
     provider: str
     provider_ref: str | None
     attempts: int
@@ -598,8 +619,8 @@ class Row:
 def _rows(url: str) -> list[Row]:
     with psycopg.connect(url) as conn:
         found = conn.execute("""
-            SELECT o.id, o.operation_key, o.idempotency_key, o.status, o.provider,
-                   o.provider_ref, o.attempts, count(a.attempt),
+            SELECT o.id, o.operation_key, o.idempotency_key, o.status, o.status_reason,
+                   o.provider, o.provider_ref, o.attempts, count(a.attempt),
                    count(a.attempt) FILTER (WHERE a.outcome = 'succeeded')
             FROM outbox.operations o LEFT JOIN outbox.attempts a ON a.operation_id = o.id
             GROUP BY o.id ORDER BY o.id
@@ -655,6 +676,8 @@ def verify(url: str, ledger: Ledger, stripe: FakeStripe, hook: FakeWebhookReceiv
         report.duplicate_enqueues, report.conflicts = ledger.duplicates, ledger.conflicts
     report.operations, report.attempts = len(rows), sum(r.attempts for r in rows)
     report.by_status = dict(Counter(r.status for r in rows))
+    report.by_reason = dict(Counter(f"{r.status} {r.reason}" for r in rows
+                                    if r.status in ("quarantined", "reconciling")))  # fmt: skip
     report.uncertain_commits = len(uncertain)
     _check_producers(report, committed, rolled_back, uncertain, by_key, orphans)
     for row in rows:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import shlex
 import shutil
 import socket
 import subprocess
@@ -97,7 +98,14 @@ class PrivateCluster:
         self.starts = 0
         self.crashes = 0
         if self._as_root:
-            user = pwd.getpwnam(OS_USER_WHEN_ROOT)
+            try:
+                user = pwd.getpwnam(OS_USER_WHEN_ROOT)
+            except KeyError:
+                shutil.rmtree(self.root, ignore_errors=True)
+                raise RuntimeError(
+                    f"as root, the server runs as the {OS_USER_WHEN_ROOT!r} OS user, which "
+                    "does not exist (Debian's postgresql package creates it)"
+                ) from None
             os.chown(self.root, user.pw_uid, user.pw_gid)
 
     # --- addresses ------------------------------------------------------------------------
@@ -173,7 +181,7 @@ class PrivateCluster:
     ) -> subprocess.CompletedProcess[str]:
         command = [str(self.bindir / program), *args]
         if self._as_root:
-            command = ["runuser", "-u", OS_USER_WHEN_ROOT, "--", *command]
+            command = _as_user(OS_USER_WHEN_ROOT, command)
         done = subprocess.run(command, cwd=self.root, capture_output=True, text=True,
                               check=False, timeout=START_TIMEOUT + 30)  # fmt: skip
         if check and done.returncode != 0:
@@ -182,6 +190,13 @@ class PrivateCluster:
                 f"--- server log ---\n{self.server_log()[-4000:]}"
             )
         return done
+
+
+def _as_user(user: str, command: list[str]) -> list[str]:
+    """``command`` run as ``user``: util-linux's runuser, else su (a busybox or BSD system)."""
+    if shutil.which("runuser"):
+        return ["runuser", "-u", user, "--", *command]
+    return ["su", "-s", "/bin/sh", user, "-c", shlex.join(command)]
 
 
 @contextmanager
