@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -80,7 +81,16 @@ def progress(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
+def _stop_cleanly(signum: int, frame: object) -> None:
+    # Unwinds through run_chaos's cleanup: dispatchers killed, the private cluster removed.
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str]) -> int:
+    # A shell's background job starts with SIGINT ignored, and SIGTERM would end Python
+    # without cleanup: both unwind instead.
+    signal.signal(signal.SIGINT, _stop_cleanly)
+    signal.signal(signal.SIGTERM, _stop_cleanly)
     settings, workdir = parse_args(argv)
     keep = workdir is not None
     directory = workdir or Path(tempfile.mkdtemp(prefix="outbox-chaos-"))
