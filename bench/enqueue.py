@@ -2,7 +2,7 @@
 of a row of the same shape into a table of the same shape with no trigger and no NOTIFY.
 
     python bench/enqueue.py                 # 1 and 8 producers, 10 s per measurement
-    python bench/enqueue.py --quick         # 3 s per measurement
+    python bench/enqueue.py --quick         # 3 s per measurement, one round
     python bench/enqueue.py --producers 1,4,8 --seconds 20
 
 One operation per transaction, each producer a process with its own connection (two cores: no
@@ -10,8 +10,10 @@ shared GIL). Variants: the Python API (`outbox.enqueue` on a psycopg connection)
 called directly, a plain INSERT (fingerprint and idempotency key computed in Python, as a
 hand-written outbox would) into `LIKE outbox.operations INCLUDING ALL` (same columns, defaults,
 constraints and indexes; triggers are not copied), and that INSERT followed by a pg_notify, to
-show what a notify per commit costs on its own. Whether enqueue notifies is read from the
-migrated database, not assumed. See bench/README.md.
+show what a notify per commit costs on its own. Enqueue notifies only while a dispatcher waits
+idle (sql/0012): the Python API is measured again with one registered as waiting. Whether
+enqueue notifies is measured with a bare LISTEN, not assumed. Each figure is the median of
+--repeat rounds, the variants taken round-robin. See bench/README.md.
 """
 
 from __future__ import annotations
@@ -23,12 +25,21 @@ import multiprocessing
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from multiprocessing.sharedctypes import Synchronized
 from multiprocessing.synchronize import Event
 from typing import Any
 
 import psycopg
-from _support import fmt_rate, fmt_ratio, fresh_database, print_machine, print_table, progress
+from _support import (
+    fmt_rate,
+    fmt_ratio,
+    fresh_database,
+    median,
+    print_machine,
+    print_table,
+    progress,
+)
 
 import outbox
 
@@ -68,7 +79,8 @@ FROM pg_proc p
 JOIN pg_namespace n ON n.oid = p.pronamespace
 LEFT JOIN pg_trigger t ON t.tgfoid = p.oid AND t.tgrelid = 'outbox.operations'::regclass
 WHERE n.nspname = 'outbox'
-  AND (p.prosrc ILIKE '%pg_notify%' OR p.prosrc ~* '\\mnotify\\s')
+  -- Comments removed first: "no NOTIFY here" is no notify.
+  AND regexp_replace(p.prosrc, '--[^\n]*', '', 'g') ~* '(pg_notify\\s*\\(|\\mnotify\\s)'
 GROUP BY p.oid
 ORDER BY 1
 """
@@ -114,9 +126,20 @@ def _plain_insert_notify(conn: psycopg.Connection[Any], key: str) -> None:
 VARIANTS: dict[str, tuple[str, Variant]] = {
     "python": ("outbox.enqueue (Python API)", _python_api),
     "sql": ("outbox.enqueue(...) SQL function", _sql_function),
+    "python_idle": ("outbox.enqueue (Python API), a dispatcher waiting idle", _python_api),
     "plain": ("plain INSERT, same shape, no trigger/notify", _plain_insert),
     "plain_notify": ("plain INSERT + pg_notify", _plain_insert_notify),
 }
+# Variants measured while a dispatcher is registered as waiting idle (outbox.waiting_dispatchers,
+# sql/0012), so that enqueue's commit notifies as it does whenever a dispatcher sleeps. A row is
+# written there instead of running `outbox run`, which would compete for the two cores.
+IDLE_VARIANTS = frozenset({"python_idle"})
+IDLE_WORKER = "bench-enqueue-idle"
+MARK_WAITING = (
+    "INSERT INTO outbox.waiting_dispatchers (worker, seen_at) VALUES (%s, now()) "
+    "ON CONFLICT (worker) DO UPDATE SET seen_at = now()"
+)
+UNMARK_WAITING = "DELETE FROM outbox.waiting_dispatchers WHERE worker = %s"
 
 
 def _producer(job: tuple[str, str, str, float], start: Event,
@@ -164,14 +187,38 @@ def notify_sources(db_url: str) -> list[str]:
         return [str(row[0]) for row in conn.execute(NOTIFY_SOURCES).fetchall()]
 
 
-def notifications_per_commit(db_url: str, commits: int = NOTIFY_PROBES) -> int:
+def _has_waiting_table(db_url: str) -> bool:
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        row = conn.execute("SELECT to_regclass('outbox.waiting_dispatchers')").fetchone()
+    return row is not None and row[0] is not None
+
+
+def _set_waiting(db_url: str, waiting: bool) -> None:
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute(MARK_WAITING if waiting else UNMARK_WAITING, (IDLE_WORKER,))
+
+
+def notifications_per_commit(db_url: str, commits: int = NOTIFY_PROBES, *,
+                             idle_dispatcher: bool = False) -> int:  # fmt: skip
     """How many of ``commits`` one-operation enqueue transactions a bare LISTEN on the enqueue
-    channel hears, with no dispatcher running (each in its own transaction, spaced so that
-    PostgreSQL cannot fold them)."""
+    channel hears (each in its own transaction, spaced so that PostgreSQL cannot fold them):
+    with no dispatcher, or with one registered as waiting idle."""
+    if idle_dispatcher:
+        _set_waiting(db_url, True)
+    try:
+        return _count_notifications(db_url, commits)
+    finally:
+        if idle_dispatcher:
+            _set_waiting(db_url, False)
+
+
+def _count_notifications(db_url: str, commits: int) -> int:
     with psycopg.connect(db_url, autocommit=True) as listener, psycopg.connect(db_url) as producer:
         listener.execute(f"LISTEN {ENQUEUE_CHANNEL}")
+        # New keys every call: a duplicate inserts nothing, so it would notify nothing.
+        tag = f"probe-{os.getpid()}-{time.monotonic_ns()}"
         for i in range(commits):
-            _python_api(producer, f"probe-{os.getpid()}-{i}")
+            _python_api(producer, f"{tag}-{i}")
             producer.commit()
             time.sleep(0.01)
         heard = 0
@@ -180,65 +227,121 @@ def notifications_per_commit(db_url: str, commits: int = NOTIFY_PROBES) -> int:
     return heard
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=None,
-                        help=f"per measurement (default {DEFAULT_SECONDS:.0f})")  # fmt: skip
-    parser.add_argument("--quick", action="store_true", help=f"--seconds {QUICK_SECONDS:.0f}")
-    parser.add_argument("--producers", default=",".join(map(str, DEFAULT_PRODUCERS)),
-                        help="producer counts, comma-separated (default 1,8)")  # fmt: skip
-    parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help=f"among {', '.join(VARIANTS)}")  # fmt: skip
-    args = parser.parse_args(argv)
-    seconds: float = args.seconds or (QUICK_SECONDS if args.quick else DEFAULT_SECONDS)
-    counts = [int(x) for x in args.producers.split(",")]
-    variants = [v for v in args.variants.split(",") if v]
+def _reset_tables(db_url: str) -> None:
+    """Every measurement starts from tables as small as the last one's were."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("TRUNCATE outbox.operations CASCADE")
+        conn.execute(f"TRUNCATE {PLAIN_TABLE}")
+        conn.execute("VACUUM ANALYZE outbox.operations")
+        conn.execute(f"VACUUM ANALYZE {PLAIN_TABLE}")
 
-    print_machine()
-    rates: dict[tuple[str, int], float] = {}
+
+@dataclass
+class Findings:
+    """What one run measured."""
+
+    counts: list[int]
+    variants: list[str]
+    rounds: int
+    seconds: float
+    runs: dict[tuple[str, int], list[float]] = field(default_factory=dict)
+    sources: list[str] = field(default_factory=list)
+    heard: int = 0
+    heard_idle: int | None = None  # None: this schema has no idle-dispatcher registry
+
+
+def run(findings: Findings) -> None:
+    """Measure every variant at every producer count, round-robin, in one fresh database."""
     with fresh_database(prefix="enq_") as db_url:
         with psycopg.connect(db_url, autocommit=True) as conn:
             conn.execute(CREATE_PLAIN)
-        sources = notify_sources(db_url)
-        heard = notifications_per_commit(db_url)
-        for producers in counts:
-            for variant in variants:
-                progress(f"{variant}: {producers} producer(s), {seconds:.0f} s")
-                rates[variant, producers] = measure(db_url, variant, producers, seconds)
-                with psycopg.connect(db_url, autocommit=True) as conn:
-                    # Every variant starts from a table as small as the last one's was.
-                    conn.execute("TRUNCATE outbox.operations CASCADE")
-                    conn.execute(f"TRUNCATE {PLAIN_TABLE}")
-                    conn.execute("VACUUM ANALYZE outbox.operations")
-                    conn.execute(f"VACUUM ANALYZE {PLAIN_TABLE}")
+        findings.sources = notify_sources(db_url)
+        findings.heard = notifications_per_commit(db_url)
+        if _has_waiting_table(db_url):
+            findings.heard_idle = notifications_per_commit(db_url, idle_dispatcher=True)
+        else:
+            findings.variants = [v for v in findings.variants if v not in IDLE_VARIANTS]
+        for producers in findings.counts:
+            # Round-robin: a burst of other work on a shared machine hits every variant alike.
+            for round_number in range(findings.rounds):
+                for variant in findings.variants:
+                    progress(f"{variant}: {producers} producer(s), {findings.seconds:.0f} s, "
+                             f"round {round_number + 1} of {findings.rounds}")  # fmt: skip
+                    idle = variant in IDLE_VARIANTS
+                    if idle:
+                        _set_waiting(db_url, True)
+                    try:
+                        rate = measure(db_url, variant, producers, findings.seconds)
+                    finally:
+                        if idle:
+                            _set_waiting(db_url, False)
+                    findings.runs.setdefault((variant, producers), []).append(rate)
+                    _reset_tables(db_url)
 
+
+def _verdict(heard: int) -> str:
+    return "yes" if heard == NOTIFY_PROBES else ("sometimes" if heard else "no")
+
+
+def report(findings: Findings) -> None:
+    """The table, the NOTIFY findings and the target."""
+    rates = {key: median(values) for key, values in findings.runs.items()}
     rows: list[list[str]] = []
-    for variant in variants:
+    for variant in findings.variants:
         row = [VARIANTS[variant][0]]
-        for producers in counts:
+        for producers in findings.counts:
             rate = rates[variant, producers]
             plain = rates.get(("plain", producers), float("nan"))
             row += [fmt_rate(rate), fmt_ratio(rate / plain)]
         rows.append(row)
     headers = ["producer transaction (1 operation)"]
-    for producers in counts:
+    for producers in findings.counts:
         headers += [f"{producers} producer{'s' if producers > 1 else ''}: tx/s", "x plain"]
-    print_table(headers, rows, title=f"Enqueue cost, {seconds:.0f} s per figure")
+    title = (f"Enqueue cost, {findings.seconds:.0f} s per figure, "
+             f"median of {findings.rounds}")  # fmt: skip
+    print_table(headers, rows, title=title)
 
-    every = "yes" if heard == NOTIFY_PROBES else ("sometimes" if heard else "no")
-    print(
-        f"enqueue NOTIFYs on every commit: {every} ({heard} of {NOTIFY_PROBES} one-operation "
-        f"commits heard on {ENQUEUE_CHANNEL} by a bare LISTEN, no dispatcher running)"
-    )
-    print("where it notifies: " + ("; ".join(sources) if sources else "nowhere in schema outbox"))
+    line = (f"enqueue NOTIFYs on every commit: {_verdict(findings.heard)} with no dispatcher "
+            f"waiting ({findings.heard} of {NOTIFY_PROBES} one-operation commits heard on "
+            f"{ENQUEUE_CHANNEL})")  # fmt: skip
+    if findings.heard_idle is not None:
+        line += (f"; {_verdict(findings.heard_idle)} with one waiting idle "
+                 f"({findings.heard_idle} of {NOTIFY_PROBES})")  # fmt: skip
+    print(line)
+    where = "; ".join(findings.sources) if findings.sources else "nowhere in schema outbox"
+    print(f"where it notifies: {where}")
+    baseline = rates.get(("plain", TARGET_PRODUCERS))
     for variant in ("python", "sql"):
         key = (variant, TARGET_PRODUCERS)
-        baseline = rates.get(("plain", TARGET_PRODUCERS))
         if key in rates and baseline:
             ratio = rates[key] / baseline
-            verdict = "met" if ratio >= TARGET_RATIO else "missed"
+            met = "met" if ratio >= TARGET_RATIO else "missed"
             print(f"target {TARGET_RATIO} x plain INSERT at {TARGET_PRODUCERS} producers, "
-                  f"{VARIANTS[variant][0]}: {fmt_ratio(ratio)}, {verdict}")  # fmt: skip
+                  f"{VARIANTS[variant][0]}: {fmt_ratio(ratio)}, {met}")  # fmt: skip
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=None,
+                        help=f"per measurement (default {DEFAULT_SECONDS:.0f})")  # fmt: skip
+    parser.add_argument("--quick", action="store_true",
+                        help=f"--seconds {QUICK_SECONDS:.0f}, one round")  # fmt: skip
+    parser.add_argument("--producers", default=",".join(map(str, DEFAULT_PRODUCERS)),
+                        help="producer counts, comma-separated (default 1,8)")  # fmt: skip
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"among {', '.join(VARIANTS)}")  # fmt: skip
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="rounds over the variants, round-robin; medians count")  # fmt: skip
+    args = parser.parse_args(argv)
+    findings = Findings(
+        counts=[int(x) for x in args.producers.split(",")],
+        variants=[v for v in args.variants.split(",") if v],
+        rounds=1 if args.quick else args.repeat,
+        seconds=args.seconds or (QUICK_SECONDS if args.quick else DEFAULT_SECONDS),
+    )
+    print_machine()
+    run(findings)
+    report(findings)
     return 0
 
 
