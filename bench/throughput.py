@@ -26,6 +26,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psycopg
 from _support import (
@@ -68,28 +69,49 @@ FROM due WHERE o.id = due.id
 """
 
 
-def _raw_worker(db_url: str, batch: int, start: multiprocessing.synchronize.Event) -> None:
+BACKENDS = """
+SELECT pid FROM pg_stat_activity
+WHERE datname = current_database() AND pid <> pg_backend_pid() AND backend_type = 'client backend'
+"""
+
+
+def _raw_worker(db_url: str, batch: int, start: multiprocessing.synchronize.Event,
+                done: multiprocessing.synchronize.Barrier) -> None:  # fmt: skip
     with psycopg.connect(db_url, autocommit=True) as conn:
         conn.execute("SELECT 1")
         start.wait()
         while True:
             cur = conn.execute(RAW_CLAIM_AND_FINISH, (batch,), prepare=True)
             if cur.rowcount == 0:
-                return
+                break
+        done.wait()  # connected until the parent has read its backend's CPU time
 
 
-def raw_limit(count: int, workers: int, batch: int) -> float:
-    """Rows per second of the minimal claim-and-finish loop over ``count`` fresh rows."""
+@dataclass(frozen=True)
+class Raw:
+    """One run of the raw loop."""
+
+    per_second: float
+    pg_cpu_per_row: float  # seconds of CPU in the workers' backends, per row
+
+
+def raw_limit(count: int, workers: int, batch: int) -> Raw:
+    """The minimal claim-and-finish loop over ``count`` fresh rows."""
     with fresh_database(prefix="raw_") as db_url:
         bulk_enqueue(db_url, count)
         ctx = multiprocessing.get_context("fork")
         start = ctx.Event()
-        procs = [ctx.Process(target=_raw_worker, args=(db_url, batch, start))
+        done = ctx.Barrier(workers + 1)
+        procs = [ctx.Process(target=_raw_worker, args=(db_url, batch, start, done))
                  for _ in range(workers)]  # fmt: skip
         for p in procs:
             p.start()
         time.sleep(0.5)  # every worker connected
-        start.set()
+        with psycopg.connect(db_url, autocommit=True) as conn:
+            before = {int(r[0]): _cpu_seconds(int(r[0])) for r in conn.execute(BACKENDS)}
+            start.set()
+            done.wait()
+            after = {int(r[0]): _cpu_seconds(int(r[0])) for r in conn.execute(BACKENDS)}
         for p in procs:
             p.join()
             if p.exitcode != 0:
@@ -97,7 +119,8 @@ def raw_limit(count: int, workers: int, batch: int) -> float:
         window = drain_window(db_url)
         if window.succeeded != count:
             raise RuntimeError(f"the raw loop finished {window.succeeded} of {count} rows")
-        return window.per_second
+        pg_cpu = sum(cpu - before.get(pid, 0.0) for pid, cpu in after.items())
+        return Raw(window.per_second, pg_cpu / count)
 
 
 @dataclass(frozen=True)
@@ -112,6 +135,7 @@ class Drain:
     per_second: float
     attempts: int  # attempt rows written
     cpu_seconds: float  # user + system of every outbox run process
+    pg_cpu_seconds: float  # user + system of their PostgreSQL backends
     profile: Path | None = None
 
 
@@ -147,8 +171,7 @@ def outbox_drain(count: int, concurrency: int, batch_size: int, *, processes: in
                 profile = profile_dir / f"outbox-c{concurrency}-b{batch_size}.txt"
                 spy = _start_py_spy(runs[0].pid, profile)
             try:
-                started_cpu = _wait_drained(db_url, count, limit, runs)
-                cpu = sum(_cpu_seconds(r.pid) for r in runs) - started_cpu
+                meter = _wait_drained(db_url, count, limit, runs)
             finally:
                 if spy is not None:
                     _stop_py_spy(spy)
@@ -159,27 +182,60 @@ def outbox_drain(count: int, concurrency: int, batch_size: int, *, processes: in
     if window.succeeded != count:
         raise RuntimeError(f"outbox run succeeded {window.succeeded} of {count} operations")
     return Drain(count, concurrency, batch_size, processes, window.seconds, window.per_second,
-                 attempts, cpu, profile)  # fmt: skip
+                 attempts, meter.outbox, meter.postgres, profile)  # fmt: skip
 
 
-def _wait_drained(db_url: str, count: int, timeout: float, runs: list[OutboxRun]) -> float:
-    """Wait until nothing is pending or in flight; returns the processes' CPU seconds when the
-    first row left `pending` (start-up and imports are not the dispatcher's cost per row)."""
+class _CpuMeter:
+    """CPU seconds of the outbox run processes and of their PostgreSQL backends (same host)."""
+
+    def __init__(self, runs: list[OutboxRun]) -> None:
+        self._runs = runs
+        self._outbox0: float | None = None
+        self._backends0: dict[int, float] = {}
+        self.outbox = 0.0
+        self.postgres = 0.0
+
+    def _backends(self, conn: psycopg.Connection[Any]) -> dict[int, float]:
+        pids = [int(row[0]) for row in conn.execute(BACKENDS).fetchall()]
+        return {pid: _cpu_seconds(pid) for pid in pids}
+
+    def start(self, conn: psycopg.Connection[Any]) -> None:
+        self._outbox0 = sum(_cpu_seconds(r.pid) for r in self._runs)
+        self._backends0 = self._backends(conn)
+
+    @property
+    def started(self) -> bool:
+        return self._outbox0 is not None
+
+    def stop(self, conn: psycopg.Connection[Any]) -> None:
+        if self._outbox0 is None:
+            return
+        self.outbox = sum(_cpu_seconds(r.pid) for r in self._runs) - self._outbox0
+        # A backend that started during the drain counts from zero.
+        self.postgres = sum(cpu - self._backends0.get(pid, 0.0)
+                            for pid, cpu in self._backends(conn).items())  # fmt: skip
+
+
+def _wait_drained(db_url: str, count: int, timeout: float,
+                  runs: list[OutboxRun]) -> _CpuMeter:  # fmt: skip
+    """Wait until nothing is pending or in flight; returns the CPU the drain took, counted from
+    when the first row left `pending` (start-up and imports are no cost per row)."""
     deadline = time.monotonic() + timeout
-    started_cpu: float | None = None
+    meter = _CpuMeter(runs)
     with psycopg.connect(db_url, autocommit=True) as conn:
+        meter.start(conn)  # again below, once the first claim is seen
         while True:
-            cpu = sum(_cpu_seconds(r.pid) for r in runs)
             row = conn.execute(
                 "SELECT count(*) FILTER (WHERE status = 'pending'), "
                 "       count(*) FILTER (WHERE status IN ('pending', 'in_flight')) "
                 "FROM outbox.operations"
             ).fetchone()
             assert row is not None
-            if started_cpu is None and int(row[0]) < count:
-                started_cpu = cpu
             if int(row[1]) == 0:
-                return started_cpu if started_cpu is not None else 0.0
+                meter.stop(conn)
+                return meter
+            if int(row[0]) == count:
+                meter.start(conn)
             for run in runs:
                 if not run.alive():
                     raise RuntimeError(f"outbox run exited:\n{run.log_text()[-2000:]}")
@@ -236,6 +292,26 @@ def top_inclusive(collapsed: Path, needle: str, top: int = 20) -> list[tuple[str
     return [(name, n / total) for name, n in counts.most_common(top)] if total else []
 
 
+def raw_table(count: int, repeat: int) -> float:
+    """Measure and print the raw limit; returns the best median of the 100-row claims."""
+    raw_rows: list[list[str]] = []
+    best_raw = 0.0
+    for batch, rows in ((100, count), (1, max(count // SINGLE_ROW_SHARE, 1000))):
+        for workers in RAW_WORKERS:
+            progress(f"raw loop: {workers} workers x {batch} rows, {rows:,} rows, x{repeat}")
+            runs = [raw_limit(rows, workers, batch) for _ in range(repeat)]
+            rate = median([r.per_second for r in runs])
+            if batch == 100:
+                best_raw = max(best_raw, rate)
+            raw_rows.append([f"{workers}", f"{batch}", f"{rows:,}", fmt_rate(rate),
+                             f"{median([1000 * r.pg_cpu_per_row for r in runs]):.3f} ms",
+                             " / ".join(fmt_rate(r.per_second) for r in runs)])  # fmt: skip
+    print_table(["workers", "rows per claim", "rows", "rows/s (median)", "CPU/row backends",
+                 "runs"], raw_rows,
+                title="Raw PostgreSQL limit: claim + finish in one statement")  # fmt: skip
+    return best_raw
+
+
 def _config(pair: str) -> tuple[int, int]:
     """Concurrency and batch_size from "256x100"."""
     concurrency, batch_size = pair.lower().split("x")
@@ -264,19 +340,7 @@ def main(argv: list[str]) -> int:
     configs = [_config(pair) for pair in args.configs.split(",")]
 
     print_machine()
-    raw_rows: list[list[str]] = []
-    best_raw = 0.0
-    for batch, rows in ((100, count), (1, max(count // SINGLE_ROW_SHARE, 1000))):
-        for workers in RAW_WORKERS:
-            progress(f"raw loop: {workers} workers x {batch} rows, {rows:,} rows, x{repeat}")
-            runs = [raw_limit(rows, workers, batch) for _ in range(repeat)]
-            rate = median(runs)
-            if batch == 100:
-                best_raw = max(best_raw, rate)
-            raw_rows.append([f"{workers}", f"{batch}", f"{rows:,}", fmt_rate(rate),
-                             " / ".join(fmt_rate(r) for r in runs)])  # fmt: skip
-    print_table(["workers", "rows per claim", "rows", "rows/s (median)", "runs"], raw_rows,
-                title="Raw PostgreSQL limit: claim + finish in one statement")  # fmt: skip
+    best_raw = raw_table(count, repeat)
 
     # Round-robin over the configurations, so that a burst of other work on a shared machine
     # hits every configuration alike rather than one of them.
@@ -303,12 +367,14 @@ def main(argv: list[str]) -> int:
             f"{concurrency}", f"{batch_size}", f"{args.processes}", f"{count:,}",
             f"{median([d.seconds for d in done]):.1f} s", fmt_rate(rate), fmt_ratio(ratio),
             f"{median([1000 * d.cpu_seconds / count for d in done]):.3f} ms",
+            f"{median([1000 * d.pg_cpu_seconds / count for d in done]):.3f} ms",
             "yes" if ratio >= TARGET_RATIO else "no",
             " / ".join(fmt_rate(d.per_second) for d in done),
         ])  # fmt: skip
     print_table(
         ["concurrency", "batch_size", "processes", "operations", "drain", "ops/s",
-         "x raw", "CPU per op", f">= {TARGET_RATIO} x raw", "runs (ops/s)"],
+         "x raw", "CPU/op outbox", "CPU/op backends", f">= {TARGET_RATIO} x raw",
+         "runs (ops/s)"],
         rows_out,
         title=f"outbox run, noop provider (raw limit: {fmt_rate(best_raw)} rows/s)",
     )  # fmt: skip
