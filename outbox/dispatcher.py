@@ -42,6 +42,10 @@ from outbox.providers.base import (
 
 # Records still running when the shutdown grace ends get this long to reach the database.
 RECORD_GRACE: Final = 5.0
+# An idle dispatcher renews its waiting mark this often (seconds); producers ignore marks older
+# than 10 minutes, left by a dispatcher that died while it waited.
+WAITING_REFRESH: Final = 60.0
+
 # A provider call that outlives its own timeout by this much is cut off: a hung plug-in must
 # not hold a lease forever.
 CALL_GUARD_MARGIN: Final = 5.0
@@ -116,6 +120,10 @@ class Dispatcher:
         self._stopping = False
         self._claim_retry = CLAIM_RETRY_MIN
         self.database_ok = False  # the last claim reached the database (readiness)
+        # Set by the LISTEN connection while it listens: only then is it worth asking producers
+        # to notify (sql/0012), and marking this dispatcher waiting.
+        self.listening = False
+        self._waiting_since: float | None = None  # when we last marked ourselves waiting
 
     # --- control ------------------------------------------------------------------------------
 
@@ -143,6 +151,8 @@ class Dispatcher:
             await self._claim_loop()
         finally:
             await self._drain()
+            if self._waiting_since is not None:
+                await self._unmark_waiting()
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
@@ -200,7 +210,35 @@ class Dispatcher:
             for row in claimed:
                 self._start(row)
             if len(claimed) < want and not self._stop.is_set():
+                if await self._mark_waiting():
+                    continue  # claim once more: a row committed before the mark notified no one
                 await self._sleep_until_woken(self._settings.poll_interval.total_seconds())
+            elif claimed and self._waiting_since is not None:
+                await self._unmark_waiting()  # a full claim: a backlog, no wake-ups needed
+
+    async def _mark_waiting(self) -> bool:
+        """Mark this dispatcher waiting for wake-ups, or refresh an old mark; True when it was
+        not marked before. A failure only costs wake-ups: polling goes on."""
+        now = time.monotonic()
+        if not self.listening or (
+            self._waiting_since is not None and now - self._waiting_since < WAITING_REFRESH
+        ):
+            return False
+        try:
+            await self._store.mark_waiting(self._worker, waiting=True)
+        except psycopg.Error as exc:
+            log.debug("could not mark this dispatcher waiting", error_class=type(exc).__name__)
+            return False
+        fresh = self._waiting_since is None
+        self._waiting_since = now
+        return fresh
+
+    async def _unmark_waiting(self) -> None:
+        self._waiting_since = None
+        try:
+            await self._store.mark_waiting(self._worker, waiting=False)
+        except psycopg.Error as exc:  # the mark expires on its own (sql/0012)
+            log.debug("could not unmark this dispatcher", error_class=type(exc).__name__)
 
     async def _sleep_until_woken(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):

@@ -89,6 +89,8 @@ GRANT UPDATE (status, status_reason, available_at, attempts, lease_owner, lease_
               last_error_class, updated_at, status_changed_at, finished_at)
     ON outbox.operations TO outbox_dispatcher;
 GRANT SELECT, INSERT ON outbox.attempts TO outbox_dispatcher;
+-- Its own mark while it waits idle for wake-ups (MARK_WAITING, UNMARK_WAITING; see 0012).
+GRANT SELECT, INSERT, UPDATE, DELETE ON outbox.waiting_dispatchers TO outbox_dispatcher;
 GRANT EXECUTE ON FUNCTION
     outbox.record_check(bigint, text, text, jsonb, integer, integer),
     outbox.touch_check(bigint)

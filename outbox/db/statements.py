@@ -302,6 +302,20 @@ SET_SESSION_LIMIT: Final = "SELECT set_config(%s, %s, false)"
 # Only the fault tests' simulated bug (failpoints.LEAK_TRANSACTION) takes a row lock like this.
 LOCK_OPERATION: Final = "SELECT id FROM outbox.operations WHERE id = %s FOR UPDATE"
 
+# An idle dispatcher that LISTENs marks itself waiting, so that producers' commits notify
+# (sql/0012); it refreshes the mark while idle, and clears up marks of dispatchers long dead.
+MARK_WAITING: Final = """
+WITH expired AS (
+    DELETE FROM outbox.waiting_dispatchers
+    WHERE seen_at < now() - interval '1 hour' AND worker <> %(worker)s
+)
+INSERT INTO outbox.waiting_dispatchers (worker) VALUES (%(worker)s)
+ON CONFLICT (worker) DO UPDATE SET seen_at = now()
+"""
+
+# Busy with a backlog (or stopping): producers need not notify on this dispatcher's account.
+UNMARK_WAITING: Final = "DELETE FROM outbox.waiting_dispatchers WHERE worker = %(worker)s"
+
 # Wake-ups: dispatchers LISTEN on the channel enqueue notifies.
 LISTEN: Final = "LISTEN outbox_enqueue"
 

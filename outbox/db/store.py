@@ -153,6 +153,12 @@ class Store:
                   "status": status.value, "reason": reason, "delay": delay}  # fmt: skip
         return await self._one(statements.UNCLAIM, params)
 
+    async def mark_waiting(self, worker: str, *, waiting: bool) -> None:
+        """Say whether ``worker`` now waits idle for wake-ups (producers notify only then)."""
+        query = statements.MARK_WAITING if waiting else statements.UNMARK_WAITING
+        async with self._connection() as conn:
+            await conn.execute(query, {"worker": worker})
+
     async def attempt_recorded(self, operation_id: int, attempt: int, worker: str) -> bool:
         """Whether ``worker``'s record of this attempt committed."""
         params = {"id": operation_id, "attempt": attempt, "worker": worker}

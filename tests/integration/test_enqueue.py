@@ -13,7 +13,7 @@ from psycopg import pq
 
 import outbox
 from outbox import EnqueueOutcome, OperationConflict, Status
-from outbox.db.statements import ENQUEUE_CHANNEL
+from outbox.db.statements import ENQUEUE_CHANNEL, MARK_WAITING
 from tests.support.producers import charge, count
 
 
@@ -126,6 +126,7 @@ def test_business_write_and_enqueue_commit_together_and_wake_listeners_only_then
     conn.commit()
     with psycopg.connect(db_url, autocommit=True) as listener:
         listener.execute(f"LISTEN {ENQUEUE_CHANNEL}")
+        listener.execute(MARK_WAITING, {"worker": "idle-dispatcher"})  # as an idle one does
 
         conn.execute("INSERT INTO invoices VALUES (42, 'charging')")
         outbox.enqueue(conn, **charge())
@@ -137,6 +138,29 @@ def test_business_write_and_enqueue_commit_together_and_wake_listeners_only_then
         after_commit = list(listener.notifies(timeout=10, stop_after=1))
         assert [n.channel for n in after_commit] == [ENQUEUE_CHANNEL]
     assert count(db_url, "invoices") == 1 and count(db_url) == 1
+
+
+def test_no_notification_while_no_dispatcher_waits_and_one_per_commit_while_one_does(
+    conn: psycopg.Connection[Any], db_url: str
+) -> None:
+    with psycopg.connect(db_url, autocommit=True) as listener:
+        listener.execute(f"LISTEN {ENQUEUE_CHANNEL}")
+        for n in range(3):  # every dispatcher busy: producers' commits take no notify lock
+            outbox.enqueue(conn, **charge(operation_key=f"busy-{n}"))
+            conn.commit()
+        assert list(listener.notifies(timeout=0.5)) == []
+        listener.execute(MARK_WAITING, {"worker": "idle-dispatcher"})
+        for n in range(3):  # three operations, one transaction: one notification
+            outbox.enqueue(conn, **charge(operation_key=f"idle-{n}"))
+        conn.commit()
+        assert len(list(listener.notifies(timeout=1))) == 1
+        listener.execute(
+            "UPDATE outbox.waiting_dispatchers SET seen_at = now() - interval '1 hour'"
+        )
+        outbox.enqueue(conn, **charge(operation_key="stale"))
+        conn.commit()  # a mark left by a dispatcher that died waiting is ignored
+        assert list(listener.notifies(timeout=0.5)) == []
+    assert count(db_url) == 7
 
 
 def test_get_operation_reads_the_persisted_state(conn: psycopg.Connection[Any]) -> None:
