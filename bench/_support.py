@@ -267,6 +267,36 @@ class OutboxRun:
             self._log.flush()
         return self.log_path.read_text(errors="replace")
 
+    def metrics_url(self) -> str | None:
+        """The HTTP listener's /metrics URL, from the process's log (needs log level info)."""
+        found = re.findall(r'"metrics_addr": "([^"]+)"', self.log_text())
+        return f"http://{found[0]}/metrics" if found else None
+
+    def metrics(self) -> dict[str, float]:
+        """The process's Prometheus samples summed over their labels, by sample name
+        (``outbox_claim_duration_seconds_count``...); empty if the listener is unknown."""
+        url = self.metrics_url()
+        return scrape_metrics(url) if url else {}
+
+
+def scrape_metrics(url: str, timeout: float = 5.0) -> dict[str, float]:
+    """A Prometheus text endpoint's samples, summed over their labels, by sample name."""
+    import urllib.request  # noqa: PLC0415
+
+    with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 (loopback)
+        text = response.read().decode()
+    samples: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_part, _, value = line.rpartition(" ")
+        name = name_part.split("{", 1)[0].strip()
+        try:
+            samples[name] = samples.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
+    return samples
+
 
 @contextmanager
 def outbox_runs(db_url: str, *, processes: int = 1, log_dir: Path | None = None,
@@ -498,6 +528,7 @@ __all__ = [
     "print_table",
     "progress",
     "repeat",
+    "scrape_metrics",
     "server_url",
     "wait_drained",
     "wait_until",

@@ -136,6 +136,18 @@ class Drain:
     attempts: int  # attempt rows written
     cpu_seconds: float  # user + system of every outbox run process
     pg_cpu_seconds: float  # user + system of their PostgreSQL backends
+    claims: float  # claim statements (outbox_claim_duration_seconds_count), all processes
+    claim_seconds: float  # their summed duration
+
+    @property
+    def claim_ceiling(self) -> float:
+        """Operations per second if every claim took its mean time and claims never
+        overlapped: rows per claim over the mean claim time, times the processes."""
+        if not self.claims or not self.claim_seconds:
+            return float("nan")
+        rows_per_claim = self.count / self.claims
+        return self.processes * rows_per_claim / (self.claim_seconds / self.claims)
+
     profile: Path | None = None
 
 
@@ -172,6 +184,7 @@ def outbox_drain(count: int, concurrency: int, batch_size: int, *, processes: in
                 spy = _start_py_spy(runs[0].pid, profile)
             try:
                 meter = _wait_drained(db_url, count, limit, runs)
+                claims, claim_seconds = _claim_stats(runs)
             finally:
                 if spy is not None:
                     _stop_py_spy(spy)
@@ -182,7 +195,8 @@ def outbox_drain(count: int, concurrency: int, batch_size: int, *, processes: in
     if window.succeeded != count:
         raise RuntimeError(f"outbox run succeeded {window.succeeded} of {count} operations")
     return Drain(count, concurrency, batch_size, processes, window.seconds, window.per_second,
-                 attempts, meter.outbox, meter.postgres, profile)  # fmt: skip
+                 attempts, meter.outbox, meter.postgres, claims, claim_seconds,
+                 profile)  # fmt: skip
 
 
 class _CpuMeter:
@@ -242,6 +256,23 @@ def _wait_drained(db_url: str, count: int, timeout: float,
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{count} operations not drained in {timeout:.0f} s")
             time.sleep(0.1)
+
+
+def _mean_claim_ms(drain: Drain) -> float:
+    return 1000 * drain.claim_seconds / drain.claims if drain.claims else float("nan")
+
+
+def _claim_stats(runs: list[OutboxRun]) -> tuple[float, float]:
+    """Claims made and their summed duration, from every process's /metrics."""
+    claims = seconds = 0.0
+    for run in runs:
+        try:
+            samples = run.metrics()
+        except OSError:
+            continue
+        claims += samples.get("outbox_claim_duration_seconds_count", 0.0)
+        seconds += samples.get("outbox_claim_duration_seconds_sum", 0.0)
+    return claims, seconds
 
 
 def _start_py_spy(pid: int, out: Path) -> subprocess.Popen[bytes]:
@@ -360,6 +391,7 @@ def main(argv: list[str]) -> int:
                 progress(f"note: {drain.attempts} attempt rows for {count} operations")
             drains[concurrency, batch_size].append(drain)
     rows_out: list[list[str]] = []
+    claim_rows: list[list[str]] = []
     for (concurrency, batch_size), done in drains.items():
         rate = median([d.per_second for d in done])
         ratio = rate / best_raw if best_raw else float("nan")
@@ -371,6 +403,13 @@ def main(argv: list[str]) -> int:
             "yes" if ratio >= TARGET_RATIO else "no",
             " / ".join(fmt_rate(d.per_second) for d in done),
         ])  # fmt: skip
+        claim_rows.append([
+            f"{concurrency}", f"{batch_size}",
+            f"{median([d.claims for d in done]):,.0f}",
+            f"{median([d.count / d.claims if d.claims else float('nan') for d in done]):.1f}",
+            f"{median([_mean_claim_ms(d) for d in done]):.2f} ms",
+            fmt_rate(median([d.claim_ceiling for d in done])), fmt_rate(rate),
+        ])  # fmt: skip
     print_table(
         ["concurrency", "batch_size", "processes", "operations", "drain", "ops/s",
          "x raw", "CPU/op outbox", "CPU/op backends", f">= {TARGET_RATIO} x raw",
@@ -378,6 +417,11 @@ def main(argv: list[str]) -> int:
         rows_out,
         title=f"outbox run, noop provider (raw limit: {fmt_rate(best_raw)} rows/s)",
     )  # fmt: skip
+    # One claim is in flight at a time per process: if the drain rate sits at this ceiling, the
+    # serial claim loop is what limits it.
+    print_table(["concurrency", "batch_size", "claims", "rows/claim", "mean claim",
+                 "claim ceiling (ops/s)", "ops/s"], claim_rows,
+                title="Claims (outbox_claim_duration_seconds), medians")  # fmt: skip
     for profile in profiles:
         if profile.exists():
             top = top_self_time(profile)
