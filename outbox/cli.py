@@ -29,6 +29,7 @@ from outbox.cli_common import (
 from outbox.config import ConfigError, load_settings
 from outbox.db import dsn as dsn_util
 from outbox.db import migrations, statements
+from outbox.db.connect import migration_blocker
 from outbox.durations import format_duration
 from outbox.errors import InvalidOperation, OperationConflict
 from outbox.model import Status
@@ -89,6 +90,10 @@ def migrate(
     def applied(m: migrations.Migration) -> None:
         click.echo(f"applied {m.label}")
 
+    # Its advisory lock serialises nothing through a transaction pooler: refuse, do not race.
+    blocker = migration_blocker(dsn)
+    if blocker is not None:
+        raise click.ClickException(blocker)
     with connect(dsn, autocommit=True) as conn:
         try:
             report = migrations.migrate(

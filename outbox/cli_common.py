@@ -89,7 +89,10 @@ def json_option(command: F) -> F:
 @contextlib.contextmanager
 def connect(dsn: str, *, autocommit: bool = False) -> Iterator[psycopg.Connection[Any]]:
     """A connection for one command, with database errors turned into clean messages."""
-    options: dict[str, Any] = {"application_name": "outbox-cli", "autocommit": autocommit}
+    # Nothing is prepared: a one-shot command gains nothing by it, and a transaction pooler
+    # between us and the server would lose the prepared statements (docs/pgbouncer.md).
+    options: dict[str, Any] = {"application_name": "outbox-cli", "autocommit": autocommit,
+                               "prepare_threshold": None}  # fmt: skip
     if "connect_timeout" not in conninfo_to_dict(dsn):
         options["connect_timeout"] = CONNECT_TIMEOUT_SECONDS
     try:

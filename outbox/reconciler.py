@@ -156,7 +156,9 @@ async def run_checks(dsn: str, providers: Mapping[str, Provider], operation_id: 
                      dry_run: bool, on_total: Callable[[int], None],
                      on_result: Callable[[CheckResult], None]) -> list[CheckResult]:  # fmt: skip
     """Check one operation (or, with None, every reconciling one) for `outbox reconcile check`."""
-    options = {"autocommit": True, **connection_options(dsn, "outbox-reconcile")}
+    # prepare_threshold None: `reconcile check --all` may run through a transaction pooler.
+    options = {"autocommit": True, "prepare_threshold": None,
+               **connection_options(dsn, "outbox-reconcile")}  # fmt: skip
     async with AsyncConnectionPool(dsn, min_size=1, max_size=2, kwargs=options) as pool:
         reconciler = Reconciler(pool, providers, actor=f"{ACTOR} (manual)")
         rows = await reconciler.candidates(operation_id, limit=MANUAL_LIMIT, askable_only=False)

@@ -50,8 +50,12 @@ DECLARE
 BEGIN
     FOR s IN SELECT * FROM (VALUES ('lock_timeout', '2s'),
                                    ('statement_timeout', '30s'),
-                                   ('idle_in_transaction_session_timeout', '60s')) AS l (name, value)
+                                   ('idle_in_transaction_session_timeout', '60s'),
+                                   -- PostgreSQL 14+: a claim whose client vanished is rolled back.
+                                   ('client_connection_check_interval', '1s')) AS l (name, value)
     LOOP
+        CONTINUE WHEN s.name = 'client_connection_check_interval'
+                  AND current_setting('server_version_num')::integer < 140000;
         CONTINUE WHEN EXISTS (SELECT FROM pg_catalog.pg_roles
                               WHERE rolname = 'outbox_dispatcher'
                                 AND s.name || '=' || s.value = ANY (rolconfig));

@@ -84,10 +84,6 @@ def dispatcher_pool(
     )  # fmt: skip
 
 
-# The server process running this connection's statements. Unlike the backend key the client
-# received at startup, a pooler cannot make this up. (It belongs with statements.py's queries;
-# it lives here until that module's owner takes it.)
-SERVER_PID: Final = "SELECT pg_backend_pid()"
 # Each round gives a transaction pooler a chance to hand the second connection the server
 # session the first one just freed; PgBouncer reuses the most recently freed one first.
 POOLER_PROBE_ROUNDS: Final = 10
@@ -145,7 +141,7 @@ async def answered_by_pooler(conn: psycopg.AsyncConnection[Any]) -> bool:
 
 
 async def _server_pid(conn: psycopg.AsyncConnection[Any]) -> int:
-    row = await (await conn.execute(SERVER_PID)).fetchone()
+    row = await (await conn.execute(statements.SERVER_PID)).fetchone()
     if row is None:  # pragma: no cover (SELECT of a function always returns a row)
         raise psycopg.InterfaceError("pg_backend_pid() returned no row")
     return int(row[0])

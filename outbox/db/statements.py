@@ -296,6 +296,10 @@ SELECT id, status, provider, tenant_id, operation_type, operation_key, action, a
 FROM rescued
 """
 
+# Which server session answers: two connections that get the same one go through a
+# transaction-mode pooler (outbox.db.connect's check at startup).
+SERVER_PID: Final = "SELECT pg_backend_pid()"
+
 # A session setting for this connection (set_config with is_local = false).
 SET_SESSION_LIMIT: Final = "SELECT set_config(%s, %s, false)"
 

@@ -5,6 +5,7 @@ by polling. Each test counts rows and the receiver's effects."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ import outbox
 from outbox.db import statements
 from outbox.db.connect import MIGRATE_THROUGH_POOLER, migration_blocker, shares_server_sessions
 from outbox.providers.fakes.webhook import FakeWebhookReceiver
+from tests.support.cli import outbox_cli
 from tests.support.daemon import OutboxProcess, outbox_processes, wait_until, write_config
 from tests.support.dispatch import rows, statuses
 from tests.support.pgbouncer import PgBouncer, pgbouncer
@@ -220,6 +222,16 @@ def test_migrations_can_tell_a_transaction_pooler_from_a_direct_session(
     assert migration_blocker(db_url) is None
     # An unreachable database is left for the migration's own connection to report.
     assert migration_blocker("postgresql://postgres@127.0.0.1:1/none?connect_timeout=2") is None
+
+
+def test_outbox_migrate_refuses_a_transaction_pooler_and_changes_nothing(
+    bouncer: PgBouncer, db_url: str
+) -> None:
+    before = rows(db_url, "SELECT count(*) FROM outbox.schema_migrations")
+    done = outbox_cli({**os.environ, "OUTBOX_DATABASE_URL": bouncer.url}, "migrate")
+    assert done.returncode == 1
+    assert MIGRATE_THROUGH_POOLER in done.stderr
+    assert rows(db_url, "SELECT count(*) FROM outbox.schema_migrations") == before
 
 
 def test_through_the_pooler_two_migrators_would_both_hold_the_migration_lock(

@@ -259,7 +259,7 @@ def test_notify_wakes_an_idle_dispatcher_and_listen_survives_its_backend_dying(
 
         admin.execute(
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-            "WHERE application_name = 'outbox-listen'"
+            "WHERE application_name = 'outbox-listen' AND datname = current_database()"
         )
         wait_until(listening, timeout=30, what="LISTEN to come back")
         enqueue_many(db_url, 1, prefix="second")
