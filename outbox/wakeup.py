@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Final
+from typing import Any, Final
 
 import psycopg
 import structlog
@@ -24,6 +24,7 @@ from outbox.db.connect import answered_by_pooler, connection_options
 
 # How long the connection may stay quiet before a probe checks that it still works.
 PROBE_INTERVAL: Final = 5.0
+PROBE_TIMEOUT: Final = 10.0
 RECONNECT_MIN: Final = 0.2
 RECONNECT_MAX: Final = 10.0
 
@@ -105,4 +106,16 @@ async def _listen(
         while True:
             async for _ in conn.notifies(timeout=probe_interval):
                 wake()
+            await _probe(conn)
+
+
+async def _probe(conn: psycopg.AsyncConnection[Any]) -> None:
+    """One round trip, bounded: a peer gone silent while the kernel still acknowledges (a hung
+    proxy, a frozen server) defeats keepalives, and would leave us listening to nothing."""
+    try:
+        async with asyncio.timeout(PROBE_TIMEOUT):
             await conn.execute(statements.PROBE)
+    except TimeoutError as exc:
+        raise psycopg.OperationalError(
+            f"no answer to a probe within {PROBE_TIMEOUT:.0f} s"
+        ) from exc

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from psycopg_pool import AsyncConnectionPool
 
+from outbox import wakeup
 from outbox.db.connect import dispatcher_pool
 from outbox.providers.base import Provider
 from outbox.providers.fakes.webhook import FakeWebhookReceiver
@@ -101,10 +102,15 @@ async def test_a_silent_database_is_noticed_within_a_minute_and_dispatch_resumes
 ) -> None:
     d = dispatcher(proxied_pool, {"hook": hook}, poll_interval=timedelta(milliseconds=200))
     runner = asyncio.create_task(d.run())
+    listening: list[bool] = []
+    listener = asyncio.create_task(
+        wakeup.listen_forever(proxy.dsn, d.wake, probe_interval=1.0, on_listening=listening.append)
+    )
     try:
         enqueue_many(db_url, 3, prefix="before")
         await eventually(lambda: statuses(db_url) == {"succeeded": 3}, within=15,
                          what="the first operations")  # fmt: skip
+        await eventually(lambda: listening == [True], within=15, what="LISTEN")
         # Every relayed connection stays open and is acknowledged by the kernel, so keepalives
         # and tcp_user_timeout see nothing wrong: only our own deadlines can end the wait.
         proxy.deafen()
@@ -112,12 +118,17 @@ async def test_a_silent_database_is_noticed_within_a_minute_and_dispatch_resumes
         noticed = await eventually(lambda: not d.database_ok, within=90,
                                    what="the dispatcher to notice")  # fmt: skip
         assert noticed < 60
+        await eventually(lambda: listening[-1:] == [False], within=60,
+                         what="the LISTEN connection's probe to give up")  # fmt: skip
         assert statuses(db_url) == {"succeeded": 3, "pending": 3}
         proxy.heal()
         await eventually(lambda: statuses(db_url) == {"succeeded": 6}, within=60,
                          what="dispatch to resume")  # fmt: skip
         assert d.database_ok
+        await eventually(lambda: listening[-1:] == [True], within=30,
+                         what="LISTEN to come back")  # fmt: skip
     finally:
+        listener.cancel()
         d.request_stop()
         await asyncio.wait_for(runner, timeout=60)
     assert receiver.effect_count() == 6
