@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -166,6 +167,12 @@ async def serve(port: int, hold: float, stamp: bool) -> None:
     print(f"PORT {bound}", flush=True)
     async with server:
         await stop.wait()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time a process has used so far (/proc/<pid>/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class ReceiverProcess:
