@@ -23,7 +23,7 @@ no prune yet), ``--churn-ops`` rows in all; measured as above. Then autovacuum i
 on (its server defaults), the benchmark waits until it has vacuumed outbox.operations
 (``--autovacuum-wait``) and measures once more; on a server with autovacuum off it runs the
 VACUUM autovacuum would, with autovacuum's default throttling. EXPLAIN (ANALYZE, BUFFERS) of
-the claim at the largest size and after the churn is printed.
+the claim at the largest size and after the churn is printed, and that of GAUGES.
 
 Targets: claim time at the largest size at most 1.2 times that at 0 rows; drain throughput
 loss at most 10 %. Disk: 10 million rows take about 10 GB with their attempts and indexes
@@ -189,6 +189,14 @@ def explain_claim(db_url: str) -> str:
     return "\n".join(str(row[0]) for row in rows)
 
 
+def explain_gauges(db_url: str) -> str:
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        rows = conn.execute(
+            "EXPLAIN (ANALYZE, BUFFERS) " + statements.GAUGES, {"exact_limit": EXACT_COUNT_LIMIT}
+        ).fetchall()
+    return "\n".join(str(row[0]) for row in rows)
+
+
 def time_gauges(db_url: str) -> tuple[float, float]:
     """Median times (ms) of the two gauge statements."""
     gauges: list[float] = []
@@ -242,9 +250,10 @@ def measure(db_url: str, label: str, finished: int, args: argparse.Namespace,
     bulk_enqueue(db_url, args.pending, key_prefix=f"{label.split(maxsplit=1)[0]}-{time.time_ns()}-")
     progress(f"{label}: {args.claim_runs} claims")
     claim, claim_p90, claim_first = time_claims(db_url, args.claim_runs)
-    if explain is not None:
-        explain.append((label, explain_claim(db_url)))
     gauges, nearing = time_gauges(db_url)
+    if explain is not None:
+        explain.append((f"the claim: {label}", explain_claim(db_url)))
+        explain.append((f"GAUGES: {label}", explain_gauges(db_url)))
     dead = int(scalar(db_url, VACUUM_STATS.replace("coalesce(autovacuum_count, 0), ", "")))
     progress(f"{label}: draining")
     per_s = drain(db_url, args.pending)
@@ -383,7 +392,7 @@ def main(argv: list[str]) -> int:
           "met" if loss <= THROUGHPUT_LOSS_TARGET else "missed")],
     )  # fmt: skip
     for label, plan in explains:
-        print(f"### EXPLAIN (ANALYZE, BUFFERS) of the claim: {label}\n\n```\n{plan}\n```\n")
+        print(f"### EXPLAIN (ANALYZE, BUFFERS) of {label}\n\n```\n{plan}\n```\n")
     progress(f"done in {time.monotonic() - started:.0f} s")
     return 0
 
