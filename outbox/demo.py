@@ -148,7 +148,9 @@ async def _dispatch_and_reconcile(dsn: str, stripe_fake: FakeStripe,
             await running
             http.shutdown()
             http.server_close()
-        found = await Reconciler(pool, providers, actor="outbox demo").run_once(recheck_after=None)
+        found = await Reconciler(pool, providers, actor="outbox demo").run_once(
+            recheck_after=timedelta(0)
+        )
         say(f"reconciler: checked {found} operation(s) at Stripe")
     for provider in providers.values():
         await provider.aclose()

@@ -30,6 +30,8 @@ ACTOR: Final = "outbox-reconciler"
 # A check rereads an operation at most this often: not-found is the usual answer, and each look
 # costs the provider a list call or two.
 RECHECK_AFTER: Final = timedelta(hours=1)
+# A lookup that failed (the provider down or rate limited) is tried again this much later.
+ERROR_RETRY: Final = timedelta(minutes=5)
 BATCH: Final = 100
 MANUAL_LIMIT: Final = 100_000
 
@@ -67,27 +69,41 @@ class Reconciler:
             ).fetchall()
         return rows
 
-    async def check(self, row: Mapping[str, Any], *, dry_run: bool = False) -> CheckResult:
+    async def check(self, row: Mapping[str, Any], *, dry_run: bool = False,
+                    recheck_after: timedelta = RECHECK_AFTER) -> CheckResult:  # fmt: skip
         """Look one operation up at its provider and, unless ``dry_run``, record the finding."""
         result = await self._look(row)
         if not dry_run and result.finding in ("found", "not_found"):
             result = await self._record(result, row)
         elif not dry_run and result.finding == "error":
-            await self._touch(result.operation_id)
+            await self._defer(result.operation_id, recheck_after)
         metrics.RECONCILE_CHECKS.labels(result.provider, result.finding).inc()
         log.info("reconciliation check", operation_id=result.operation_id,
-                 provider=result.provider, outcome=result.finding, dry_run=dry_run)  # fmt: skip
+                 provider=result.provider, outcome=result.finding, error_class=result.error,
+                 dry_run=dry_run)  # fmt: skip
         return result
 
-    async def run_once(self, *, recheck_after: timedelta | None = RECHECK_AFTER,
+    async def run_once(self, *, recheck_after: timedelta = RECHECK_AFTER,
                        on_result: Callable[[CheckResult], None] | None = None) -> int:  # fmt: skip
-        """Check every reconciling operation not checked since ``recheck_after``."""
-        rows = await self.candidates(recheck_after=recheck_after, limit=BATCH)
+        """Check every reconciling operation not checked since ``recheck_after`` that no other
+        replica is checking: each is claimed (marked checked) as it is taken."""
+        rows = await self.claim(recheck_after=recheck_after, limit=BATCH)
         for row in rows:
-            result = await self.check(row)
+            result = await self.check(row, recheck_after=recheck_after)
             if on_result is not None:
                 on_result(result)
         return len(rows)
+
+    async def claim(self, *, recheck_after: timedelta, limit: int) -> list[dict[str, Any]]:
+        """Due checks of providers with a lookup, marked checked as they are taken."""
+        names = [n for n, p in self._providers.items() if isinstance(p, Lookup)]
+        params = {"providers": names, "recheck_after": recheck_after, "limit": limit}
+        async with self._pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            rows: list[dict[str, Any]] = await (
+                await cur.execute(statements.CLAIM_CHECKS, params)
+            ).fetchall()
+        return rows
 
     async def run_forever(self, interval: timedelta) -> None:
         while True:
@@ -147,9 +163,12 @@ class Reconciler:
             return dataclasses.replace(result, finding="stale")
         return result
 
-    async def _touch(self, operation_id: int) -> None:
+    async def _defer(self, operation_id: int, recheck_after: timedelta) -> None:
+        """A failed lookup: due again after ERROR_RETRY, not a whole ``recheck_after``."""
+        params = {"id": operation_id, "recheck_after": recheck_after,
+                  "retry_in": min(ERROR_RETRY, recheck_after)}  # fmt: skip
         async with self._pool.connection() as conn:
-            await conn.execute(statements.TOUCH_CHECK, {"id": operation_id})
+            await conn.execute(statements.DEFER_CHECK, params)
 
 
 async def run_checks(dsn: str, providers: Mapping[str, Provider], operation_id: int | None, *,

@@ -97,7 +97,9 @@ GRANT SELECT, INSERT ON outbox.attempts TO outbox_dispatcher;
 GRANT SELECT, INSERT, UPDATE, DELETE ON outbox.waiting_dispatchers TO outbox_dispatcher;
 GRANT EXECUTE ON FUNCTION
     outbox.record_check(bigint, text, text, jsonb, integer, integer),
-    outbox.touch_check(bigint)
+    outbox.touch_check(bigint),
+    outbox.claim_checks(text[], interval, integer),
+    outbox.defer_check(bigint, interval, interval)
 TO outbox_dispatcher;
 
 -- Operator: read everything (`outbox reconcile/quarantine list|show`, `outbox status`); change
@@ -110,5 +112,6 @@ GRANT EXECUTE ON FUNCTION
     outbox.request_reconciliation(bigint, text, text),
     outbox.retry_operation(bigint, text, text, boolean),
     outbox.record_check(bigint, text, text, jsonb, integer, integer),
-    outbox.touch_check(bigint)
+    outbox.touch_check(bigint),
+    outbox.defer_check(bigint, interval, interval)
 TO outbox_operator;

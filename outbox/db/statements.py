@@ -383,7 +383,10 @@ SELECT outbox.record_check(%(id)s, %(found_ref)s, %(actor)s, %(details)s::jsonb,
                            %(generation)s::integer, %(attempts)s::integer)
 """
 # A look-up failed: note the time, so the periodic reconciler moves on to other operations.
-TOUCH_CHECK: Final = "SELECT outbox.touch_check(%(id)s)"
+# A failed lookup proves nothing: the operation is due again after retry_in (sql/0013).
+DEFER_CHECK: Final = (
+    "SELECT outbox.defer_check(%(id)s, %(recheck_after)s::interval, %(retry_in)s::interval)"
+)
 
 # --- reconciler ---------------------------------------------------------------------------------
 
@@ -402,6 +405,13 @@ WHERE status = 'reconciling'
        OR checked_at < now() - %(recheck_after)s::interval)
 ORDER BY status_changed_at, id
 LIMIT %(limit)s::integer
+"""
+
+# The daemon's passes: the due checks, marked checked as they are taken, so that each is looked
+# up by one replica (sql/0013).
+CLAIM_CHECKS: Final = """
+SELECT * FROM outbox.claim_checks(%(providers)s::text[], %(recheck_after)s::interval,
+                                  %(limit)s::integer)
 """
 
 # --- gauges -------------------------------------------------------------------------------------

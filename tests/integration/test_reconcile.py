@@ -3,6 +3,7 @@ blindly; the reconciler finds its effect or records that there is none, and a pe
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from collections.abc import AsyncIterator
@@ -12,6 +13,7 @@ from typing import Any
 
 import psycopg
 import pytest
+import structlog
 from psycopg_pool import AsyncConnectionPool
 
 from outbox.providers.base import Provider
@@ -281,3 +283,57 @@ def test_sql_guards_null_force_stale_findings_blank_refs_and_audit_deletes(db_ur
         with pytest.raises(psycopg.Error, match="TRUNCATE is refused"):
             conn.execute("TRUNCATE outbox.audit")
     assert rows(db_url, "SELECT count(*) FROM outbox.audit") == [(1,)]
+
+
+async def test_replicas_reconciling_at_once_look_each_operation_up_once(
+    db_url: str, pool: AsyncConnectionPool[Any], fake: FakeStripe, provider: Provider
+) -> None:
+    """Every replica runs a reconciler: each operation is claimed by one of them, so the
+    provider is asked once and nobody reports the others' findings as a stranger's effect."""
+    for n in range(6):
+        enqueue_charges(db_url, 1, prefix=f"race-{n}")
+        fake.inject(Fault.error_500_after_apply())  # created, saved 500: indeterminate
+    d = dispatcher(pool, {"stripe": provider})
+    assert await d.run_once() == 6
+    make_due(db_url)
+    assert await d.run_once() == 6  # the replays answer the same saved 500s
+    assert rows(db_url, "SELECT status, count(*) FROM outbox.operations GROUP BY 1") == [
+        ("reconciling", 6)
+    ]
+    gets_before = len([r for r in fake.received if r.method == "GET"])
+    replicas = [Reconciler(pool, {"stripe": provider}, actor=f"replica-{n}") for n in range(3)]
+    results: list[str] = []
+    with structlog.testing.capture_logs() as logs:
+        checked = await asyncio.gather(
+            *(r.run_once(on_result=lambda res: results.append(res.finding)) for r in replicas)
+        )
+    assert sum(checked) == 6
+    assert results == ["found"] * 6
+    assert not [e for e in logs if e["log_level"] == "error"]
+    assert rows(db_url, "SELECT status, count(*) FROM outbox.operations GROUP BY 1") == [
+        ("succeeded", 6)
+    ]
+    lookups = len([r for r in fake.received if r.method == "GET"]) - gets_before
+    assert lookups <= 6 * 2  # one lookup each (a list page or two), not one per replica
+
+
+async def test_a_failed_lookup_is_due_again_in_minutes_not_an_hour(
+    db_url: str, pool: AsyncConnectionPool[Any], fake: FakeStripe, provider: Provider
+) -> None:
+    fake.inject(Fault.error_500_after_apply())
+    (op,) = enqueue_charges(db_url, 1)
+    d = dispatcher(pool, {"stripe": provider})
+    assert await d.run_once() == 1
+    make_due(db_url)
+    assert await d.run_once() == 1
+    fake.inject(Fault.status(503, error_type="api_error"), times=5)  # the lookup fails
+    checker = Reconciler(pool, {"stripe": provider})
+    with structlog.testing.capture_logs() as logs:
+        assert await checker.run_once() == 1
+    (event,) = [e for e in logs if e["event"] == "reconciliation check"]
+    assert (event["outcome"], event["error_class"]) == ("error", "APIError")
+    ((due_in,),) = rows(db_url, "SELECT extract(epoch FROM checked_at + interval '1 hour' "
+                                "- now()) FROM outbox.operations WHERE id = %s", (op,))  # fmt: skip
+    assert 200 < due_in <= 300  # ERROR_RETRY (5 min), not RECHECK_AFTER (1 h)
+    assert await checker.run_once() == 0  # not before then
+    assert rows(db_url, "SELECT status FROM outbox.operations") == [("reconciling",)]

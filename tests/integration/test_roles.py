@@ -221,6 +221,8 @@ def test_every_function_is_pinned_and_executable_only_by_its_roles(roles_db: str
             dispatcher_and_operator,
         ),
         "outbox.touch_check(bigint)": (True, dispatcher_and_operator),
+        "outbox.claim_checks(text[],interval,integer)": (True, ["outbox_dispatcher"]),
+        "outbox.defer_check(bigint,interval,interval)": (True, dispatcher_and_operator),
     }
     # Only those entry points run as the owner, and the wake-up trigger, which fires at the
     # producer's commit, after enqueue has returned (sql/0012).
@@ -471,7 +473,15 @@ async def _reconciler_and_gauges(pool: AsyncConnectionPool[Any], url: str, hook:
     (row,) = await checker.candidates(askable_only=False)
     assert row["id"] == op
     async with pool.connection() as conn:
-        await conn.execute(statements.TOUCH_CHECK, {"id": op})
+        claimed = await conn.execute(
+            statements.CLAIM_CHECKS,
+            {"providers": ["hook"], "recheck_after": timedelta(hours=1), "limit": 10},
+        )
+        assert [r[0] for r in await claimed.fetchall()] == [op]
+        await conn.execute(
+            statements.DEFER_CHECK,
+            {"id": op, "recheck_after": timedelta(hours=1), "retry_in": timedelta(minutes=5)},
+        )
         cur = await conn.execute(
             statements.RECORD_CHECK,
             {
