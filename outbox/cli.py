@@ -15,7 +15,7 @@ from typing import IO, Any
 
 import click
 
-from outbox import cli_operator, daemon, logs, producer
+from outbox import cli_operator, daemon, logs, producer, prune
 from outbox import demo as demo_module
 from outbox.cli_common import (
     BadInput,
@@ -170,6 +170,30 @@ def _read_payload(text: str | None, file: IO[str] | None) -> Any:
     except json.JSONDecodeError as exc:
         # The message gives the position only: the payload itself is never echoed.
         raise BadInput(f"the payload is not valid JSON: {exc}") from None
+
+
+@main.command("prune")
+@dsn_option
+@click.option(
+    "--older-than",
+    type=Duration(),
+    required=True,
+    help="Prune operations finished (succeeded or cancelled) longer ago than this.",
+)
+@click.option(
+    "--batch",
+    type=click.IntRange(1, 100_000),
+    default=prune.DEFAULT_BATCH,
+    show_default=True,
+    help="Rows per transaction.",
+)
+@click.option("--dry-run", is_flag=True, help="Count what would go; delete nothing.")
+def prune_command(dsn: str, older_than: timedelta, batch: int, dry_run: bool) -> None:
+    """Delete finished operations and their attempts in short batches; the audit stays."""
+    with connect(dsn, autocommit=True) as conn:
+        count = prune.prune_finished(conn, older_than, batch=batch, dry_run=dry_run)
+    verb = "would prune" if dry_run else "pruned"
+    click.echo(f"{verb} {count} operation(s) finished more than {format_duration(older_than)} ago")
 
 
 @main.command()

@@ -414,6 +414,30 @@ SELECT * FROM outbox.claim_checks(%(providers)s::text[], %(recheck_after)s::inte
                                   %(limit)s::integer)
 """
 
+# --- pruning ------------------------------------------------------------------------------------
+
+# One batch of finished operations, oldest ids first, from just after the last batch. The scan
+# walks the primary key, so it needs no index of its own; SKIP LOCKED leaves alone a row an
+# operator is acting on. Attempts follow by ON DELETE CASCADE.
+PRUNE_BATCH: Final = """
+WITH doomed AS (
+    SELECT id FROM outbox.operations
+    WHERE id > %(after)s::bigint
+      AND status IN ('succeeded', 'cancelled')
+      AND finished_at < now() - %(older_than)s::interval
+    ORDER BY id
+    LIMIT %(batch)s::integer
+    FOR UPDATE SKIP LOCKED
+)
+DELETE FROM outbox.operations o USING doomed WHERE o.id = doomed.id
+RETURNING o.id
+"""
+
+COUNT_PRUNABLE: Final = """
+SELECT count(*) FROM outbox.operations
+WHERE status IN ('succeeded', 'cancelled') AND finished_at < now() - %(older_than)s::interval
+"""
+
 # --- gauges -------------------------------------------------------------------------------------
 
 # The database-wide gauges, one cheap statement on a timer: every count but succeeded reads a
