@@ -22,6 +22,21 @@ EXACT_COUNT_LIMIT: Final = 100_000
 log = structlog.get_logger("outbox.gauges")
 
 
+def counts(row: Mapping[str, Any]) -> dict[Status, int]:
+    """Operations per status from a GAUGES row: exact, except succeeded beyond
+    EXACT_COUNT_LIMIT rows, which is the planner's estimate less the rest (see ``estimated``)."""
+    others = {s: int(row[s.value]) for s in Status if s is not Status.SUCCEEDED}
+    succeeded = row["succeeded_exact"]
+    if succeeded is None:
+        succeeded = max(int(row["estimated_rows"]) - sum(others.values()), 0)
+    return {s: int(succeeded) if s is Status.SUCCEEDED else others[s] for s in Status}
+
+
+def estimated(row: Mapping[str, Any]) -> bool:
+    """Whether ``counts(row)``'s succeeded figure is an estimate."""
+    return row["succeeded_exact"] is None
+
+
 async def refresh(pool: AsyncConnectionPool[Any], windows: Mapping[str, timedelta]) -> None:
     """Read the gauges' values from the database and set them."""
     async with pool.connection() as conn:
@@ -33,14 +48,7 @@ async def refresh(pool: AsyncConnectionPool[Any], windows: Mapping[str, timedelt
             {"providers": list(windows), "windows": list(windows.values())},
         )).fetchall()  # fmt: skip
     assert row is not None  # noqa: S101 (a SELECT of scalars returns one row)
-    active = sum(
-        row[s] for s in ("pending", "in_flight", "reconciling", "quarantined", "cancelled")
-    )
-    succeeded = row["succeeded_exact"]
-    if succeeded is None:
-        succeeded = max(row["estimated_rows"] - active, 0)
-    for status in Status:
-        value = succeeded if status is Status.SUCCEEDED else row[status.value]
+    for status, value in counts(row).items():
         metrics.OPERATIONS.labels(status.value).set(value)
     metrics.OLDEST_PENDING_AGE.set(row["oldest_pending_age"] or 0)
     metrics.OLDEST_RECONCILING_AGE.set(row["oldest_reconciling_age"] or 0)

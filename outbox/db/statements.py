@@ -42,19 +42,6 @@ SELECT operation_id, tenant_id, operation_type, operation_key, provider, action,
 FROM outbox.get_operation(%(tenant_id)s::text, %(operation_type)s::text, %(operation_key)s::text)
 """
 
-# --- status -------------------------------------------------------------------------------------
-
-# How many operations are in each status.
-COUNT_BY_STATUS: Final = "SELECT status, count(*) FROM outbox.operations GROUP BY status"
-
-# Age of the oldest pending operation that is due now, by the database clock; served by the
-# partial claim index. NULL when none is due.
-OLDEST_DUE_PENDING_AGE: Final = """
-SELECT extract(epoch FROM now() - min(available_at))::float8
-FROM outbox.operations
-WHERE status = 'pending' AND available_at <= now()
-"""
-
 # --- migrations ---------------------------------------------------------------------------------
 
 # Serialises migrators across processes and hosts: a session-level advisory lock on a fixed key

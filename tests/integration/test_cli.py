@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from tests.support.cli import outbox_cli
@@ -103,6 +105,25 @@ def test_status_counts_every_status_as_table_and_json(cli_env: dict[str, str]) -
         "cancelled": 0,
     }
     assert as_json["oldest_due_pending_age_seconds"] >= 0
+    assert as_json["succeeded_is_estimate"] is False
+
+
+def test_status_estimates_succeeded_on_a_large_table_without_reading_it(
+    cli_env: dict[str, str], db_url: str
+) -> None:
+    with psycopg.connect(db_url, autocommit=True) as conn:  # 150,000 finished rows, analysed
+        conn.execute(
+            "INSERT INTO outbox.operations (tenant_id, operation_type, operation_key, fingerprint,"
+            " provider, action, payload, idempotency_key, status, provider_ref, finished_at) "
+            "SELECT 't', 'x', 'k' || g, '\\x00', 'p', 'a', '{}', 'key-' || g, 'succeeded', 'r',"
+            " now() FROM generate_series(1, 150000) g"
+        )
+        conn.execute("ANALYZE outbox.operations")
+    as_json = json.loads(outbox_cli(cli_env, "status", "--json").stdout)
+    assert as_json["succeeded_is_estimate"] is True
+    assert 140_000 <= as_json["operations"]["succeeded"] <= 160_000
+    table = outbox_cli(cli_env, "status").stdout
+    assert re.search(r"succeeded\s+~1[45]\d{4}", table)
 
 
 def test_status_says_none_due_when_nothing_is_pending(cli_env: dict[str, str]) -> None:
