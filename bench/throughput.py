@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -163,6 +164,7 @@ def _cpu_seconds(pid: int) -> float:
 
 def outbox_drain(count: int, concurrency: int, batch_size: int, *, processes: int = 1,
                  log_level: str = "info", profile_dir: Path | None = None,
+                 native: bool = False,
                  timeout: float | None = None) -> Drain:  # fmt: skip
     """`outbox run` (``processes`` of them) draining ``count`` pre-enqueued no-op operations.
 
@@ -180,8 +182,9 @@ def outbox_drain(count: int, concurrency: int, batch_size: int, *, processes: in
             profile = None
             if profile_dir is not None:
                 profile_dir.mkdir(parents=True, exist_ok=True)
-                profile = profile_dir / f"outbox-c{concurrency}-b{batch_size}.txt"
-                spy = _start_py_spy(runs[0].pid, profile)
+                suffix = "-native" if native else ""
+                profile = profile_dir / f"outbox-c{concurrency}-b{batch_size}{suffix}.txt"
+                spy = _start_py_spy(runs[0].pid, profile, native=native)
             try:
                 meter = _wait_drained(db_url, count, limit, runs)
                 claims, claim_seconds = _claim_stats(runs)
@@ -275,12 +278,15 @@ def _claim_stats(runs: list[OutboxRun]) -> tuple[float, float]:
     return claims, seconds
 
 
-def _start_py_spy(pid: int, out: Path) -> subprocess.Popen[bytes]:
+def _start_py_spy(pid: int, out: Path, *, native: bool = False) -> subprocess.Popen[bytes]:
     spy = Path(sys.executable).parent / "py-spy"
     command = str(spy) if spy.exists() else "py-spy"
+    # --native shows C frames (the garbage collector, libpq, system calls) but must pause the
+    # process for each sample; without it py-spy reads the process without stopping it.
+    mode = ["--native"] if native else ["--nonblocking"]
     return subprocess.Popen(  # noqa: S603 (a fixed command line)
         [command, "record", "--pid", str(pid), "--format", "raw", "--rate", "250",
-         "--output", str(out), "--nonblocking"],
+         "--output", str(out), *mode],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
 
@@ -294,15 +300,26 @@ def _stop_py_spy(spy: subprocess.Popen[bytes]) -> None:
         spy.wait()
 
 
-def top_self_time(collapsed: Path, top: int = 20) -> list[tuple[str, float]]:
-    """The functions with the most self time in py-spy's collapsed stacks, as shares of all."""
+# Stacks of threads that only wait: the metrics listener's serve_forever (seen in --native
+# profiles, which sample idle threads too).
+IDLE_STACK_MARKERS = ("serve_forever",)
+
+
+def top_self_time(collapsed: Path, top: int = 20, *,
+                  by_function: bool = False) -> list[tuple[str, float]]:  # fmt: skip
+    """The frames with the most self time in py-spy's collapsed stacks, as shares of all
+    samples (idle helper threads left out). ``by_function`` adds up a function's lines."""
     counts: Counter[str] = Counter()
     total = 0
     for line in collapsed.read_text(errors="replace").splitlines():
         stack, _, number = line.rpartition(" ")
         if not stack or not number.isdigit():
             continue
+        if any(marker in stack for marker in IDLE_STACK_MARKERS):
+            continue
         leaf = stack.rsplit(";", 1)[-1]
+        if by_function:
+            leaf = re.sub(r":\d+\)$", ")", leaf)
         counts[leaf] += int(number)
         total += int(number)
     return [(name, n / total) for name, n in counts.most_common(top)] if total else []
@@ -365,6 +382,8 @@ def main(argv: list[str]) -> int:
                         help="outbox run's log level (info, the production default)")  # fmt: skip
     parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
                         help="record each outbox run with py-spy into DIR")  # fmt: skip
+    parser.add_argument("--native", action="store_true",
+                        help="with --profile: C frames too (pauses it per sample)")  # fmt: skip
     args = parser.parse_args(argv)
     count = args.count or (QUICK_COUNT if args.quick else DEFAULT_COUNT)
     repeat = 1 if args.quick else args.repeat
@@ -384,7 +403,8 @@ def main(argv: list[str]) -> int:
                      f"round {round_number + 1} of {args.drain_repeat}")  # fmt: skip
             profile_dir = args.profile if round_number == 0 else None
             drain = outbox_drain(count, concurrency, batch_size, processes=args.processes,
-                                 log_level=args.log_level, profile_dir=profile_dir)  # fmt: skip
+                                 log_level=args.log_level, profile_dir=profile_dir,
+                                 native=args.native)  # fmt: skip
             if drain.profile is not None:
                 profiles.append(drain.profile)
             if drain.attempts != count:
@@ -424,11 +444,19 @@ def main(argv: list[str]) -> int:
                 title="Claims (outbox_claim_duration_seconds), medians")  # fmt: skip
     for profile in profiles:
         if profile.exists():
-            top = top_self_time(profile)
-            print_table(["function (file:line)", "self %"],
-                        [[name, f"{100 * share:.1f}"] for name, share in top],
-                        title=f"py-spy, top self time: {profile.name}")  # fmt: skip
+            print_profile(profile)
     return 0
+
+
+def print_profile(profile: Path) -> None:
+    """The top self-time frames of one py-spy recording, by line and by function."""
+    by_line = top_self_time(profile)
+    by_function = top_self_time(profile, by_function=True)
+    pairs = zip(by_line, by_function, strict=False)
+    rows = [[name, f"{100 * share:.1f}", fname, f"{100 * fshare:.1f}"]
+            for (name, share), (fname, fshare) in pairs]  # fmt: skip
+    print_table(["frame (file:line)", "self %", "function (its lines added up)", "self %"],
+                rows, title=f"py-spy, top self time: {profile.name}")  # fmt: skip
 
 
 if __name__ == "__main__":
