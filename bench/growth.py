@@ -14,7 +14,9 @@ One database, grown in steps. At each size:
   run sees the same rows; the median (and p90) of ``--claim-runs`` runs, client-side round trip;
 * the gauges: GAUGES and NEARING_KEY_EXPIRY (the statements outbox.gauges runs), median of 20;
 * drain: one `outbox run` (noop provider, concurrency 64, batch 100) drains the pending rows;
-  operations per second from the first claim to the last success, by the database's clock.
+  operations per second from the first claim to the last success, by the database's clock,
+  and the CPU time of its PostgreSQL backends per operation, which moves far less than the rate
+  when other work shares the machine.
 
 Then a simulated day of churn at the largest size, with autovacuum off on both tables: cycles of
 ``--churn-batch`` rows inserted pending, claimed (UPDATE to in_flight), recorded (UPDATE to
@@ -33,6 +35,7 @@ loss at most 10 %. Disk: 10 million rows take about 10 GB with their attempts an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -41,6 +44,7 @@ from datetime import timedelta
 from typing import Any, LiteralString
 
 import psycopg
+from _http_receiver import cpu_seconds
 from _support import (
     bulk_enqueue,
     fmt_rate,
@@ -140,6 +144,11 @@ VACUUM_STATS: LiteralString = """
 SELECT coalesce(autovacuum_count, 0), n_dead_tup, n_live_tup
 FROM pg_stat_user_tables WHERE schemaname = 'outbox' AND relname = 'operations'
 """
+OUTBOX_BACKENDS: LiteralString = """
+SELECT pid FROM pg_stat_activity
+WHERE datname = current_database() AND application_name LIKE 'outbox%%'
+  AND pid <> pg_backend_pid()
+"""
 SIZES_ON_DISK: LiteralString = """
 SELECT pg_size_pretty(pg_total_relation_size('outbox.operations')),
        pg_size_pretty(pg_total_relation_size('outbox.attempts')),
@@ -157,6 +166,7 @@ class Measure:
     gauges_ms: float
     nearing_ms: float
     drain_per_s: float
+    drain_pg_cpu_ms: float  # CPU of outbox run's backends per drained operation
     dead_tuples: int
     disk: str
 
@@ -220,8 +230,22 @@ def scalar(db_url: str, query: LiteralString, params: dict[str, Any] | None = No
     return row[0]
 
 
-def drain(db_url: str, pending: int) -> float:
-    """Drain the pending rows with one `outbox run`; ops/s by the database's clock."""
+def backend_cpu(db_url: str) -> float:
+    """CPU seconds used so far by outbox run's PostgreSQL backends on this database (the server
+    is on this host: /proc)."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        pids = [row[0] for row in conn.execute(OUTBOX_BACKENDS)]
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            total += cpu_seconds(pid)
+    return total
+
+
+def drain(db_url: str, pending: int) -> tuple[float, float]:
+    """Drain the pending rows with one `outbox run`; ops/s by the database's clock, and the CPU
+    time of its PostgreSQL backends per operation (ms; less noisy than the rate on a shared
+    machine, and where a growing table would cost more)."""
     after = int(scalar(db_url, MAX_ID)) - pending  # the pending rows are the newest
     with outbox_runs(db_url, concurrency=64, batch_size=CLAIM_LIMIT) as runs:
 
@@ -231,6 +255,8 @@ def drain(db_url: str, pending: int) -> float:
             return int(left) == 0
 
         wait_until(drained, timeout=1800, what="the drain", interval=0.2, alive=runs)
+        # Its backends started with it and did nothing but this drain.
+        pg_ms = backend_cpu(db_url) / pending * 1000
     with psycopg.connect(db_url, autocommit=True) as conn:
         row = conn.execute(
             "SELECT count(*), extract(epoch FROM max(finished_at) - min(last_attempt_at)) "
@@ -241,7 +267,7 @@ def drain(db_url: str, pending: int) -> float:
     done, seconds = int(row[0]), float(row[1] or 0)
     if done != pending:
         raise RuntimeError(f"{done} of {pending} pending rows succeeded")
-    return done / seconds if seconds > 0 else float("nan")
+    return (done / seconds if seconds > 0 else float("nan")), pg_ms
 
 
 def measure(db_url: str, label: str, finished: int, args: argparse.Namespace,
@@ -256,13 +282,13 @@ def measure(db_url: str, label: str, finished: int, args: argparse.Namespace,
         explain.append((f"GAUGES: {label}", explain_gauges(db_url)))
     dead = int(scalar(db_url, VACUUM_STATS.replace("coalesce(autovacuum_count, 0), ", "")))
     progress(f"{label}: draining")
-    per_s = drain(db_url, args.pending)
+    per_s, pg_ms = drain(db_url, args.pending)
     with psycopg.connect(db_url, autocommit=True) as conn:
         sizes = conn.execute(SIZES_ON_DISK).fetchone()
     assert sizes is not None
     disk = f"{sizes[0]} + {sizes[1]} attempts; claim index {sizes[2]}"
-    return Measure(label, finished, claim, claim_p90, claim_first, gauges, nearing, per_s, dead,
-                   disk)  # fmt: skip
+    return Measure(label, finished, claim, claim_p90, claim_first, gauges, nearing, per_s, pg_ms,
+                   dead, disk)  # fmt: skip
 
 
 def load_finished(db_url: str, have: int, want: int) -> None:
@@ -371,12 +397,14 @@ def main(argv: list[str]) -> int:
         (m.label, f"{m.claim_ms:.3f}", f"{m.claim_p90_ms:.3f}", f"{m.claim_first_ms:.3f}",
          fmt_ratio(m.claim_ms / base.claim_ms), fmt_rate(m.drain_per_s),
          f"{(1 - m.drain_per_s / base.drain_per_s) * 100:+.1f} %".replace("+-", "-"),
+         f"{m.drain_pg_cpu_ms:.3f}",
          f"{m.gauges_ms:.2f}", f"{m.nearing_ms:.2f}", f"{m.dead_tuples:,}", m.disk)
         for m in results
     ]  # fmt: skip
     print_table(
         ["finished rows", "claim ms (median)", "p90", "first", "x at 0", "drain ops/s",
-         "loss vs 0", "GAUGES ms", "NEARING_KEY_EXPIRY ms", "dead tuples", "size on disk"],
+         "loss vs 0", "PG CPU ms/op", "GAUGES ms", "NEARING_KEY_EXPIRY ms", "dead tuples",
+         "size on disk"],
         rows,
         title=f"Growth: claim {CLAIM_LIMIT} of {args.pending:,} pending, "
               f"{args.claim_runs} runs; drain with one outbox run (noop, 64 x 100)",
