@@ -77,7 +77,8 @@ WHERE datname = current_database() AND pid <> pg_backend_pid() AND backend_type 
 
 
 def _raw_worker(db_url: str, batch: int, start: multiprocessing.synchronize.Event,
-                done: multiprocessing.synchronize.Barrier) -> None:  # fmt: skip
+                done: multiprocessing.synchronize.Barrier,
+                release: multiprocessing.synchronize.Event) -> None:  # fmt: skip
     with psycopg.connect(db_url, autocommit=True) as conn:
         conn.execute("SELECT 1")
         start.wait()
@@ -85,7 +86,8 @@ def _raw_worker(db_url: str, batch: int, start: multiprocessing.synchronize.Even
             cur = conn.execute(RAW_CLAIM_AND_FINISH, (batch,), prepare=True)
             if cur.rowcount == 0:
                 break
-        done.wait()  # connected until the parent has read its backend's CPU time
+        done.wait()
+        release.wait()  # connected until the parent has read its backend's CPU time
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,8 @@ def raw_limit(count: int, workers: int, batch: int) -> Raw:
         ctx = multiprocessing.get_context("fork")
         start = ctx.Event()
         done = ctx.Barrier(workers + 1)
-        procs = [ctx.Process(target=_raw_worker, args=(db_url, batch, start, done))
+        release = ctx.Event()
+        procs = [ctx.Process(target=_raw_worker, args=(db_url, batch, start, done, release))
                  for _ in range(workers)]  # fmt: skip
         for p in procs:
             p.start()
@@ -113,6 +116,7 @@ def raw_limit(count: int, workers: int, batch: int) -> Raw:
             start.set()
             done.wait()
             after = {int(r[0]): _cpu_seconds(int(r[0])) for r in conn.execute(BACKENDS)}
+            release.set()
         for p in procs:
             p.join()
             if p.exitcode != 0:
