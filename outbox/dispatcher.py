@@ -42,6 +42,9 @@ from outbox.providers.base import (
 
 # Records still running when the shutdown grace ends get this long to reach the database.
 RECORD_GRACE: Final = 5.0
+# Claim loops per process at most: past two or three, claims only queue behind each other.
+MAX_CLAIMERS: Final = 3
+
 # An idle dispatcher renews its waiting mark this often (seconds); producers ignore marks older
 # than 10 minutes, left by a dispatcher that died while it waited.
 WAITING_REFRESH: Final = 60.0
@@ -124,6 +127,8 @@ class Dispatcher:
         # to notify (sql/0012), and marking this dispatcher waiting.
         self.listening = False
         self._waiting_since: float | None = None  # when we last marked ourselves waiting
+        self._reserved = 0  # slots held for claims under way
+        self._backlog = asyncio.Event()  # the last claim came back full: more claimers help
 
     # --- control ------------------------------------------------------------------------------
 
@@ -136,6 +141,7 @@ class Dispatcher:
         self._stop.set()
         self._wake.set()
         self._slot_freed.set()
+        self._backlog.set()
 
     @property
     def in_flight(self) -> int:
@@ -148,7 +154,11 @@ class Dispatcher:
             asyncio.create_task(self._rescue_loop(), name="outbox-rescuer"),
         ]
         try:
-            await self._claim_loop()
+            # Several claim loops: one claim round trip at a time caps a process at a batch per
+            # round trip, however idle its slots. Slots are reserved before claiming, so the
+            # loops together never lease more than `concurrency`.
+            loops = [self._claim_loop(primary=n == 0) for n in range(self._claimers())]
+            await asyncio.gather(*loops)
         finally:
             await self._drain()
             if self._waiting_since is not None:
@@ -194,27 +204,47 @@ class Dispatcher:
 
     # --- the claim loop -----------------------------------------------------------------------
 
-    async def _claim_loop(self) -> None:
+    def _claimers(self) -> int:
+        """How many claim loops: enough for a claim to be under way while another's rows start,
+        up to MAX_CLAIMERS, and never more than there are batches in `concurrency`."""
+        batches = -(-self._settings.concurrency // self._settings.batch_size)
+        return max(1, min(MAX_CLAIMERS, batches))
+
+    async def _claim_loop(self, *, primary: bool) -> None:
+        """Claim while there are free slots. Only the primary loop polls and waits for wake-ups;
+        the others claim only while claims come back full (a backlog)."""
         # Top up in chunks: claiming for every freed slot would cost one query per operation.
         chunk = max(1, min(self._settings.batch_size, self._settings.concurrency) // 4)
         while not self._stop.is_set():
-            free = self._settings.concurrency - len(self._inflight)
-            if free < chunk and self._inflight:
+            if not primary and not self._backlog.is_set():
+                await self._backlog.wait()
+                continue
+            free = self._settings.concurrency - len(self._inflight) - self._reserved
+            if free < chunk and (self._inflight or self._reserved):
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
                 continue
             # Cleared before claiming: a NOTIFY that arrives during the claim still wakes us.
             self._wake.clear()
             want = min(self._settings.batch_size, free)
-            claimed = await self._claim(want)
+            self._reserved += want
+            try:
+                claimed = await self._claim(want)
+            finally:
+                self._reserved -= want
             for row in claimed:
                 self._start(row)
-            if len(claimed) < want and not self._stop.is_set():
-                if await self._mark_waiting():
-                    continue  # claim once more: a row committed before the mark notified no one
-                await self._sleep_until_woken(self._settings.poll_interval.total_seconds())
-            elif claimed and self._waiting_since is not None:
-                await self._unmark_waiting()  # a full claim: a backlog, no wake-ups needed
+            if len(claimed) < want:
+                self._backlog.clear()
+                self._slot_freed.set()  # reserved slots came back unused
+                if primary and not self._stop.is_set():
+                    if await self._mark_waiting():
+                        continue  # claim again: a row committed before the mark notified no one
+                    await self._sleep_until_woken(self._settings.poll_interval.total_seconds())
+            elif claimed:
+                self._backlog.set()
+                if self._waiting_since is not None:
+                    await self._unmark_waiting()  # a backlog: no wake-ups needed
 
     async def _mark_waiting(self) -> bool:
         """Mark this dispatcher waiting for wake-ups, or refresh an old mark; True when it was
