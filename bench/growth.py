@@ -20,12 +20,12 @@ One database, grown in steps. At each size:
 
 Then a simulated day of churn at the largest size, with autovacuum off on both tables: cycles of
 ``--churn-batch`` rows inserted pending, claimed (UPDATE to in_flight), recorded (UPDATE to
-succeeded, one attempt row) and the same number of the oldest finished rows deleted (outbox has
-no prune yet), ``--churn-ops`` rows in all; measured as above. Then autovacuum is switched back
-on (its server defaults), the benchmark waits until it has vacuumed outbox.operations
-(``--autovacuum-wait``) and measures once more; on a server with autovacuum off it runs the
-VACUUM autovacuum would, with autovacuum's default throttling. EXPLAIN (ANALYZE, BUFFERS) of
-the claim at the largest size and after the churn is printed, and that of GAUGES.
+succeeded, one attempt row) and the same number of the oldest finished rows deleted (outbox
+prune's PRUNE_BATCH statement), ``--churn-ops`` rows in all; measured as above. Then
+autovacuum is switched back on (its server defaults), the benchmark waits until it has vacuumed
+outbox.operations (``--autovacuum-wait``) and measures once more; on a server with autovacuum
+off it runs the VACUUM autovacuum would, with autovacuum's default throttling. EXPLAIN (ANALYZE,
+BUFFERS) of the claim and of GAUGES at the largest size and after the churn are printed.
 
 Targets: claim time at the largest size at most 1.2 times that at 0 rows; drain throughput
 loss at most 10 %. Disk: 10 million rows take about 10 GB with their attempts and indexes
@@ -132,14 +132,6 @@ INSERT INTO outbox.attempts (operation_id, attempt, idempotency_key, worker, sta
                              sent, http_status)
 SELECT id, 1, idempotency_key, 'churn', last_attempt_at, 'succeeded', true, 200 FROM recorded
 """
-# What a prune would do: the oldest finished rows go, their attempts with them (ON DELETE
-# CASCADE).
-CHURN_PRUNE: LiteralString = """
-DELETE FROM outbox.operations
-WHERE id IN (SELECT id FROM outbox.operations WHERE status = 'succeeded'
-             ORDER BY id LIMIT %(count)s::integer)
-"""
-
 VACUUM_STATS: LiteralString = """
 SELECT coalesce(autovacuum_count, 0), n_dead_tup, n_live_tup
 FROM pg_stat_user_tables WHERE schemaname = 'outbox' AND relname = 'operations'
@@ -317,6 +309,7 @@ def set_autovacuum(db_url: str, *, enabled: bool) -> None:
 
 def churn(db_url: str, total: int, batch: int) -> None:
     """``total`` rows through enqueue, claim and record, as many oldest rows deleted."""
+    pruned_to = 0  # outbox prune walks the primary key from the last id it deleted
     with psycopg.connect(db_url, autocommit=True) as conn:
         conn.execute("SET synchronous_commit = off")
         for first in range(0, total, batch):
@@ -324,7 +317,9 @@ def churn(db_url: str, total: int, batch: int) -> None:
             ids = [row[0] for row in conn.execute(CHURN_INSERT, {"first": first, "last": last})]
             conn.execute(CHURN_CLAIM, {"ids": ids})
             conn.execute(CHURN_RECORD, {"ids": ids})
-            conn.execute(CHURN_PRUNE, {"count": len(ids)})
+            params = {"after": pruned_to, "older_than": timedelta(0), "batch": len(ids)}
+            pruned = [row[0] for row in conn.execute(statements.PRUNE_BATCH, params)]
+            pruned_to = max(pruned, default=pruned_to)
             if (last + 1) % (10 * batch) == 0:
                 progress(f"churned {last + 1:,} operations")
 
