@@ -146,8 +146,9 @@ class Drain:
 
     @property
     def claim_ceiling(self) -> float:
-        """Operations per second if every claim took its mean time and claims never
-        overlapped: rows per claim over the mean claim time, times the processes."""
+        """Operations per second if every claim took its mean time and each process had one
+        claim in flight at a time: rows per claim over the mean claim time, times the
+        processes. A dispatcher with several claim loops can pass it."""
         if not self.claims or not self.claim_seconds:
             return float("nan")
         rows_per_claim = self.count / self.claims
@@ -441,10 +442,10 @@ def main(argv: list[str]) -> int:
         rows_out,
         title=f"outbox run, noop provider (raw limit: {fmt_rate(best_raw)} rows/s)",
     )  # fmt: skip
-    # One claim is in flight at a time per process: if the drain rate sits at this ceiling, the
-    # serial claim loop is what limits it.
+    # What one claim at a time per process would allow: a drain at this ceiling is bound by the
+    # claim loop; a drain above it has claims overlapping (several claim loops).
     print_table(["concurrency", "batch_size", "claims", "rows/claim", "mean claim",
-                 "claim ceiling (ops/s)", "ops/s"], claim_rows,
+                 "one-claim-at-a-time ceiling", "ops/s"], claim_rows,
                 title="Claims (outbox_claim_duration_seconds), medians")  # fmt: skip
     for profile in profiles:
         if profile.exists():
