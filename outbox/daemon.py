@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 import socket
@@ -64,6 +65,17 @@ def worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
+def _tune_gc() -> None:
+    """Every operation allocates a few hundred short-lived objects (rows, records, tasks, log
+    contexts) that die young without cycles; with the default thresholds the collector ran so
+    often that it took a sixth of the process's time at full speed (py-spy --native). Collect
+    the young generation ten times less often, and freeze what start-up built (modules,
+    settings, providers) out of the older generations' scans."""
+    gc.freeze()
+    threshold0, threshold1, threshold2 = gc.get_threshold()
+    gc.set_threshold(threshold0 * 10, threshold1, threshold2)
+
+
 async def serve(
     dsn: str,
     settings: Settings,
@@ -73,6 +85,7 @@ async def serve(
 ) -> int:
     """Run until SIGTERM or SIGINT, then drain; returns the exit code."""
     metrics.BUILD_INFO.info({"version": outbox.__version__})
+    _tune_gc()
     database = settings.database
     bad_listen_url = database.listen_url is not None and not _parses(database.listen_url)
     if bad_listen_url:  # never quoted: it may carry a password
