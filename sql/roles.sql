@@ -51,6 +51,7 @@ BEGIN
     FOR s IN SELECT * FROM (VALUES ('lock_timeout', '2s'),
                                    ('statement_timeout', '30s'),
                                    ('idle_in_transaction_session_timeout', '60s'),
+                                   ('jit', 'off'),
                                    -- PostgreSQL 14+: a claim whose client vanished is rolled back.
                                    ('client_connection_check_interval', '1s')) AS l (name, value)
     LOOP

@@ -46,6 +46,9 @@ SESSION_LIMITS: Final = {
     "lock_timeout": "2s",
     "statement_timeout": "30s",
     "idle_in_transaction_session_timeout": "60s",
+    # Our statements are short: at ten million rows JIT compiled the gauges' query afresh every
+    # refresh (150-350 ms, bench/growth.py) for a plan that reads a few partial indexes.
+    "jit": "off",
 }
 
 

@@ -59,8 +59,9 @@ async def test_every_dispatcher_connection_carries_the_session_limits(
     async with run_pool.connection() as conn:
         cur = await conn.execute(
             "SELECT current_setting('lock_timeout'), current_setting('statement_timeout'), "
-            "current_setting('idle_in_transaction_session_timeout')")  # fmt: skip
-        assert await cur.fetchone() == ("2s", "30s", "1min")
+            "current_setting('idle_in_transaction_session_timeout'), "
+            "current_setting('jit')")  # fmt: skip
+        assert await cur.fetchone() == ("2s", "30s", "1min", "off")
 
 
 async def test_a_claim_cut_off_while_it_waits_is_rolled_back_and_leases_nothing(
