@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -50,6 +51,8 @@ class OutboxProcess:
             [*wrapper, sys.executable, "-m", "outbox", "run", "--config", str(config),
              "--metrics-addr", metrics_addr],
             env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
+            # Its own process group: stop() kills a wrapper's child (faketime forks) as well.
+            start_new_session=True,
         )  # fmt: skip
 
     @property
@@ -63,10 +66,10 @@ class OutboxProcess:
         return self.proc.wait(timeout=timeout)
 
     def stop(self) -> None:
-        """SIGKILL if still running; close the log."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
+        """SIGKILL the process and anything it started, if still running; close the log."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
         self._log.close()
 
     def metrics_url(self, timeout: float = 30) -> str:
