@@ -34,6 +34,7 @@ from psycopg import sql  # noqa: E402
 from psycopg.conninfo import conninfo_to_dict, make_conninfo  # noqa: E402
 
 from outbox.db import migrations  # noqa: E402
+from tests.support.daemon import write_config as tests_write_config  # noqa: E402
 
 # The server the benchmarks use unless $OUTBOX_BENCH_DATABASE_URL names another: the same local
 # server the tests probe first.
@@ -199,30 +200,11 @@ def drain_window(db_url: str) -> DrainWindow:
 # --- `outbox run` subprocesses -------------------------------------------------------------
 
 
-def _toml(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return str(value)
-    if isinstance(value, dict):
-        return "{" + ", ".join(f'"{k}" = {_toml(v)}' for k, v in value.items()) + "}"
-    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
 def write_config(path: Path, *, providers: dict[str, dict[str, Any]] | None = None,
                  **dispatcher: Any) -> Path:  # fmt: skip
-    """A TOML config: a [dispatcher] table of ``dispatcher`` and one table per provider.
-
-    ``providers`` defaults to one ``noop`` provider named ``noop``.
-    """
+    """The test suite's TOML writer; ``providers`` defaults to one ``noop`` provider."""
     tables = providers if providers is not None else {NOOP_PROVIDER: {"type": "noop"}}
-    lines = ["[dispatcher]"]
-    lines += [f"{key} = {_toml(value)}" for key, value in dispatcher.items()]
-    for name, table in tables.items():
-        lines.append(f"\n[providers.{name}]")
-        lines += [f"{key} = {_toml(value)}" for key, value in table.items()]
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return tests_write_config(path, providers=tables, **dispatcher)
 
 
 class OutboxRun:

@@ -13,7 +13,7 @@ import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Final
+from typing import Any, Final, LiteralString
 
 import psycopg
 import structlog
@@ -62,12 +62,7 @@ class Reconciler:
         names = [n for n, p in self._providers.items() if isinstance(p, Lookup) or not askable_only]
         params = {"id": operation_id, "recheck_after": recheck_after, "limit": limit,
                   "providers": names}  # fmt: skip
-        async with self._pool.connection() as conn:
-            cur = conn.cursor(row_factory=dict_row)
-            rows: list[dict[str, Any]] = await (
-                await cur.execute(statements.RECONCILING_TO_CHECK, params)
-            ).fetchall()
-        return rows
+        return await self._rows(statements.RECONCILING_TO_CHECK, params)
 
     async def check(self, row: Mapping[str, Any], *, dry_run: bool = False,
                     recheck_after: timedelta = RECHECK_AFTER) -> CheckResult:  # fmt: skip
@@ -98,12 +93,7 @@ class Reconciler:
         """Due checks of providers with a lookup, marked checked as they are taken."""
         names = [n for n, p in self._providers.items() if isinstance(p, Lookup)]
         params = {"providers": names, "recheck_after": recheck_after, "limit": limit}
-        async with self._pool.connection() as conn:
-            cur = conn.cursor(row_factory=dict_row)
-            rows: list[dict[str, Any]] = await (
-                await cur.execute(statements.CLAIM_CHECKS, params)
-            ).fetchall()
-        return rows
+        return await self._rows(statements.CLAIM_CHECKS, params)
 
     async def run_forever(self, interval: timedelta) -> None:
         while True:
@@ -113,6 +103,12 @@ class Reconciler:
                 metrics.DB_ERRORS.labels("reconcile").inc()
                 log.warning("reconciliation pass failed", error_class=type(exc).__name__)
             await asyncio.sleep(interval.total_seconds())
+
+    async def _rows(self, query: LiteralString, params: Mapping[str, Any]) -> list[dict[str, Any]]:
+        async with self._pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            rows: list[dict[str, Any]] = await (await cur.execute(query, params)).fetchall()
+        return rows
 
     async def _look(self, row: Mapping[str, Any]) -> CheckResult:
         base = {"operation_id": row["id"], "provider": row["provider"]}

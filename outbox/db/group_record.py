@@ -52,10 +52,6 @@ class GroupRecorder:
 
     async def _write(self, batch: list[tuple[Record, asyncio.Future[bool]]]) -> None:
         try:
-            if len(batch) == 1:
-                ((rec, future),) = batch
-                await _settle(future, self._store.record(rec))
-                return
             try:
                 written = await self._store.record_many([rec for rec, _ in batch])
             except psycopg.DataError:

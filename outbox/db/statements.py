@@ -113,47 +113,10 @@ RETURNING o.id, o.tenant_id, o.operation_type, o.operation_key, o.provider, o.ac
           o.max_attempts, o.lease_token, o.first_sent_at, o.created_at, now() AS claimed_at
 """
 
-# Record an attempt's outcome and the operation's next status, only if this worker still holds
-# the lease of this attempt: a worker whose lease expired matches no row and changes nothing.
-RECORD: Final = """
-WITH recorded AS (
-    UPDATE outbox.operations AS o
-    SET status = %(status)s::text,
-        status_reason = %(reason)s::text,
-        available_at = CASE WHEN %(status)s::text = 'pending'
-                            THEN now() + %(retry_in)s::interval ELSE o.available_at END,
-        lease_owner = NULL,
-        lease_token = NULL,
-        lease_expires_at = NULL,
-        -- The key window counts from the first attempt that may have reached the provider;
-        -- the claim time is a safe (early) stand-in for the moment of sending.
-        first_sent_at = CASE WHEN %(sent)s::boolean
-                             THEN coalesce(o.first_sent_at, o.last_attempt_at)
-                             ELSE o.first_sent_at END,
-        provider_ref = coalesce(%(provider_ref)s::text, o.provider_ref),
-        result = coalesce(%(result)s::jsonb, o.result),
-        last_error = %(error)s::text,
-        last_error_class = %(failure)s::text,
-        updated_at = now(),
-        status_changed_at = now(),
-        finished_at = CASE WHEN %(status)s::text IN ('succeeded', 'cancelled') THEN now() END
-    WHERE o.id = %(id)s
-      AND o.lease_token = %(lease_token)s
-      AND o.attempts = %(attempt)s
-      AND o.status = 'in_flight'
-    RETURNING o.id, o.idempotency_key, o.last_attempt_at
-)
-INSERT INTO outbox.attempts (operation_id, attempt, idempotency_key, worker, started_at, outcome,
-                             sent, error_class, error_message, http_status, provider_request_id)
-SELECT id, %(attempt)s, idempotency_key, %(worker)s, last_attempt_at, %(outcome)s::text,
-       %(sent)s::boolean, %(error_class)s::text, %(error)s::text, %(http_status)s::integer,
-       %(request_id)s::text
-FROM recorded
-RETURNING operation_id
-"""
-
-# RECORD for many outcomes in one statement (the dispatcher's group commit): the same fence per
-# row, one attempt row per outcome recorded. Returns (operation_id, attempt) of those recorded.
+# Record attempts' outcomes and their operations' next statuses, one or many in a statement (the
+# dispatcher's group commit), each only if this worker still holds the lease of that attempt: a
+# worker whose lease expired matches no row and changes nothing. One attempt row per outcome
+# recorded; returns (operation_id, attempt) of those recorded.
 RECORD_MANY: Final = """
 WITH input AS (
     -- One JSON document for the whole batch: encoded in C by json.dumps, where a dozen

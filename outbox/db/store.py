@@ -113,18 +113,7 @@ class Store:
 
     async def record(self, rec: Record) -> bool:
         """True if recorded; False if this worker no longer held the lease (nothing changed)."""
-        failure = None if rec.outcome == "succeeded" else rec.outcome
-        params = {
-            "id": rec.id, "lease_token": rec.lease_token, "attempt": rec.attempt,
-            "worker": rec.worker, "status": rec.status.value, "reason": rec.reason,
-            "retry_in": rec.retry_in or timedelta(0), "sent": rec.sent,
-            "provider_ref": rec.provider_ref,
-            "result": None if rec.result is None else Jsonb(rec.result),
-            "error": rec.error, "failure": failure, "outcome": rec.outcome,
-            "error_class": rec.error_class, "http_status": rec.http_status,
-            "request_id": rec.request_id,
-        }  # fmt: skip
-        return await self._one(statements.RECORD, params)
+        return (rec.id, rec.attempt) in await self.record_many([rec])
 
     async def record_many(self, recs: Sequence[Record]) -> set[tuple[int, int]]:
         """Record many outcomes in one statement; returns (id, attempt) of those recorded (the
