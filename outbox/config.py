@@ -22,6 +22,7 @@ Pure: imports nothing from the database or provider layers.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import tomllib
@@ -79,6 +80,14 @@ DEFAULT_KEY_RETENTION: Final = timedelta(hours=24)
 # A provider that has not answered in 10 s is probably stuck; well under the lease, so the
 # lease outlives the call.
 DEFAULT_TIMEOUT: Final = timedelta(seconds=10)
+# Five failures in a row (transient or unknown) are an outage, not bad luck: at a few percent of
+# random errors, five in a row happen about once in ten million calls.
+DEFAULT_BREAKER_FAILURES: Final = 5
+# An open provider is probed again after this long: a provider back after a blip resumes within
+# half a minute, and one still down costs one request per probe. Doubles while probes fail, up
+# to BREAKER_OPEN_MAX (or breaker_open_for, if longer).
+DEFAULT_BREAKER_OPEN_FOR: Final = timedelta(seconds=30)
+BREAKER_OPEN_MAX: Final = timedelta(minutes=5)
 DEFAULT_LOG_LEVEL: Final = "info"
 # How the database URL reaches PostgreSQL. "session": a session of our own per connection (a
 # direct connection, or a pooler in session mode), so prepared statements, session settings and
@@ -103,6 +112,9 @@ _ENV_DISPATCHER: Final = "OUTBOX_DISPATCHER__"
 _ENV_DATABASE: Final = "OUTBOX_DATABASE__"
 _ENV_PROVIDERS: Final = "OUTBOX_PROVIDERS__"
 _DURATION_FORMS: Final = "like 500ms, 30s, 10m, 24h, 1h30m or a number of seconds"
+# A provider's rate limit: a number of calls per second or per minute.
+_RATE: Final = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*/\s*(s|m)\s*")
+_RATE_UNITS: Final = {"s": 1.0, "m": 60.0}
 
 
 class ConfigError(OutboxError):
@@ -212,6 +224,25 @@ def _optional_positive_duration(value: object, where: _Where) -> timedelta | Non
     return None if value is None else _positive_duration(value, where)
 
 
+def _rate(value: object, where: _Where) -> float:
+    """``value``, such as "100/s" or "600/m", as calls per second (greater than zero)."""
+    match = _RATE.fullmatch(value) if isinstance(value, str) else None
+    per_second = float(match.group(1)) / _RATE_UNITS[match.group(2)] if match else 0.0
+    if not per_second > 0:
+        raise where.error(
+            f'must be a rate such as "100/s" or "600/m" (calls per second or per minute), '
+            f"not {_show(value)}"
+        )
+    return per_second
+
+
+def format_rate(per_second: float) -> str:
+    """Calls per second as a config value: "100/s", or "90/m" for a rate under one a second."""
+    if per_second >= 1 or (per_second * 60) % 1:
+        return f"{per_second:g}/s"
+    return f"{per_second * 60:g}/m"
+
+
 def _log_level(value: object, where: _Where) -> str:
     """``value`` as one of LOG_LEVELS, in lower case."""
     if isinstance(value, str) and value.strip().lower() in LOG_LEVELS:
@@ -284,6 +315,20 @@ _DISPATCHER_CHECKS: Final[Mapping[str, Callable[[Any, _Where], Any]]] = MappingP
         "gauge_interval": _positive_duration,
     }
 )
+
+
+# The keys of [providers.<name>] that set the provider's share of the dispatcher (every type has
+# them), and what each value must be.
+_LIMIT_CHECKS: Final[Mapping[str, Callable[[Any, _Where], Any]]] = MappingProxyType(
+    {
+        "max_in_flight": _positive_int,
+        "rate_limit": _rate,
+        "rate_burst": _positive_int,
+        "breaker_failures": _positive_int,
+        "breaker_open_for": _positive_duration,
+    }
+)
+LIMIT_KEYS: Final = tuple(_LIMIT_CHECKS)
 
 
 # Every key of [database] and what its value must be. The LISTEN URL may carry a password, so the
@@ -377,10 +422,33 @@ def _no_options() -> Mapping[str, Any]:
     return MappingProxyType({})
 
 
+@dataclass(frozen=True, slots=True)
+class ProviderLimits:
+    """How much of the dispatcher one provider may have (see ``outbox.provider_limits``).
+
+    ``max_in_flight``: calls in flight per process (None: up to ``dispatcher.concurrency``).
+    ``rate``: calls per second across every replica (None: no limit), with ``burst`` calls at
+    once after a quiet spell. ``breaker_failures`` failures in a row open the breaker for
+    ``breaker_open_for`` before a probe.
+    """
+
+    max_in_flight: int | None = None
+    rate: float | None = None
+    burst: int = 1
+    breaker_failures: int = DEFAULT_BREAKER_FAILURES
+    breaker_open_for: timedelta = DEFAULT_BREAKER_OPEN_FOR
+
+
+def default_burst(rate: float) -> int:
+    """One second's worth of calls, and at least one."""
+    return max(1, math.ceil(rate))
+
+
 @dataclass(frozen=True, slots=True, repr=False)
 class ProviderSettings:
     """One ``[providers.<name>]`` table. ``options`` holds its other keys, read-only and as
     written (tables as read-only mappings, arrays as tuples); the provider's factory checks them.
+    The keys every provider has are fields; ``rate_limit`` is in calls per second.
     """
 
     name: str
@@ -388,6 +456,11 @@ class ProviderSettings:
     key_retention: timedelta = DEFAULT_KEY_RETENTION
     timeout: timedelta = DEFAULT_TIMEOUT
     options: Mapping[str, Any] = field(default_factory=_no_options)
+    max_in_flight: int | None = None
+    rate_limit: float | None = None
+    rate_burst: int | None = None
+    breaker_failures: int = DEFAULT_BREAKER_FAILURES
+    breaker_open_for: timedelta = DEFAULT_BREAKER_OPEN_FOR
 
     def __post_init__(self) -> None:
         where = _Where(_dotted("providers", self.name))
@@ -395,14 +468,50 @@ class ProviderSettings:
         _provider_type(self.type, _Where(f"{where.key}.type"))
         _positive_duration(self.key_retention, _Where(f"{where.key}.key_retention"))
         _positive_duration(self.timeout, _Where(f"{where.key}.timeout"))
+        self._check_limits(where.key)
         # Frozen all the way down: a provider cannot change the settings another one sees.
         object.__setattr__(self, "options", _freeze(self.options))
 
+    def _check_limits(self, key: str) -> None:
+        if self.max_in_flight is not None:
+            _positive_int(self.max_in_flight, _Where(f"{key}.max_in_flight"))
+        rate = self.rate_limit
+        if rate is not None and (
+            isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 < rate < math.inf
+        ):
+            raise _Where(f"{key}.rate_limit").error(
+                f"must be a number of calls per second greater than zero, not {_show(rate)}"
+            )
+        if self.rate_burst is not None:
+            _positive_int(self.rate_burst, _Where(f"{key}.rate_burst"))
+            if rate is None:
+                raise _Where(f"{key}.rate_burst").error(
+                    f"applies only with {key}.rate_limit, which is not set"
+                )
+        _positive_int(self.breaker_failures, _Where(f"{key}.breaker_failures"))
+        _positive_duration(self.breaker_open_for, _Where(f"{key}.breaker_open_for"))
+
+    @property
+    def limits(self) -> ProviderLimits:
+        """The dispatcher's share for this provider, defaults filled in."""
+        burst = self.rate_burst
+        if burst is None:
+            burst = 1 if self.rate_limit is None else default_burst(self.rate_limit)
+        return ProviderLimits(
+            max_in_flight=self.max_in_flight, rate=self.rate_limit, burst=burst,
+            breaker_failures=self.breaker_failures, breaker_open_for=self.breaker_open_for,
+        )  # fmt: skip
+
     def __repr__(self) -> str:
+        rate = None if self.rate_limit is None else format_rate(self.rate_limit)
         return (
             f"ProviderSettings(name={self.name!r}, type={self.type!r}, "
             f"key_retention={format_duration(self.key_retention)!r}, "
-            f"timeout={format_duration(self.timeout)!r}, options={_redact(self.options)!r})"
+            f"timeout={format_duration(self.timeout)!r}, max_in_flight={self.max_in_flight!r}, "
+            f"rate_limit={rate!r}, rate_burst={self.rate_burst!r}, "
+            f"breaker_failures={self.breaker_failures!r}, "
+            f"breaker_open_for={format_duration(self.breaker_open_for)!r}, "
+            f"options={_redact(self.options)!r})"
         )
 
 
@@ -585,12 +694,15 @@ def _provider_settings(name: str, raw: _RawProvider) -> ProviderSettings:
         )
     retention = values.pop("key_retention", (DEFAULT_KEY_RETENTION, raw.where))
     timeout = values.pop("timeout", (DEFAULT_TIMEOUT, raw.where))
+    # Every provider has these keys; what each must be names the key (and its source).
+    limits = {key: check(*values.pop(key)) for key, check in _LIMIT_CHECKS.items() if key in values}
     return ProviderSettings(
         name=name,
         type=_provider_type(*values.pop("type")),
         key_retention=_positive_duration(*retention),
         timeout=_positive_duration(*timeout),
         options={key: value for key, (value, _) in values.items()},
+        **limits,
     )
 
 

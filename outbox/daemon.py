@@ -103,9 +103,9 @@ async def serve(
     )
     await pool.open(wait=False)  # an unreachable database is retried, not fatal
     timeouts = {name: ps.timeout for name, ps in settings.providers.items()}
-    dispatcher = Dispatcher(
-        Store(pool), providers, settings.dispatcher, worker_id=worker_id(), call_timeouts=timeouts
-    )
+    limits = {name: ps.limits for name, ps in settings.providers.items()}
+    dispatcher = Dispatcher(Store(pool), providers, settings.dispatcher, worker_id=worker_id(),
+                            call_timeouts=timeouts, limits=limits)  # fmt: skip
     health = Health(dispatcher)
     http = start_http(metrics_addr, health) if metrics_addr else None
     helpers = [asyncio.create_task(_tick(health), name="outbox-tick")]

@@ -24,11 +24,12 @@ import structlog
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_random_exponential
 
 from outbox import failpoints, metrics, tracing
-from outbox.config import DispatcherSettings
+from outbox.config import DispatcherSettings, ProviderLimits
 from outbox.db.group_record import GroupRecorder
 from outbox.db.store import Claimed, Record, Store, assert_no_connection_held
 from outbox.model import Status
 from outbox.policy import REASON_KEY_WINDOW, Backoff, KeyWindow, after_failure
+from outbox.provider_limits import Limits, over_caps
 from outbox.providers.base import (
     Failed,
     InvalidRequest,
@@ -60,9 +61,6 @@ RESCUE_BATCH: Final = 500
 # enqueue (a deploy adding the provider may be rolling out), then quarantined as a bad row.
 UNKNOWN_PROVIDER_GRACE: Final = timedelta(minutes=10)
 UNKNOWN_PROVIDER_RETRY: Final = timedelta(seconds=30)
-# A provider that refused our credentials is tried again this often: a fixed key or restored
-# permission resumes dispatch within it, and a still-wrong key costs one request per probe.
-PAUSE_PROBE: Final = timedelta(seconds=30)
 
 log = structlog.get_logger("outbox.dispatcher")
 
@@ -102,7 +100,7 @@ class Dispatcher:
         worker_id: str,
         call_timeouts: Mapping[str, timedelta] | None = None,
         rng: random.Random | None = None,
-        pause_probe: timedelta = PAUSE_PROBE,
+        limits: Mapping[str, ProviderLimits] | None = None,
     ) -> None:
         self._store = store
         self._recorder = GroupRecorder(store)
@@ -114,9 +112,9 @@ class Dispatcher:
         self._backoff = Backoff(settings.backoff_base, settings.backoff_max)
         self._inflight: dict[int, InFlight] = {}
         self._abandoned: set[asyncio.Task[SendResult]] = set()
-        self._paused: dict[str, float] = {}  # provider -> when its probe is due (monotonic)
-        self._paused_since: dict[str, float] = {}
-        self._pause_probe = pause_probe
+        # Every provider has a breaker; the other limits only where configured.
+        self._limits = Limits(store, {name: (limits or {}).get(name, ProviderLimits())
+                                      for name in providers})  # fmt: skip
         self._wake = asyncio.Event()
         self._slot_freed = asyncio.Event()
         self._stop = asyncio.Event()
@@ -240,7 +238,7 @@ class Dispatcher:
                 if primary and not self._stop.is_set():
                     if await self._mark_waiting():
                         continue  # claim again: a row committed before the mark notified no one
-                    await self._sleep_until_woken(self._settings.poll_interval.total_seconds())
+                    await self._sleep_until_woken(self._idle_wait())
             elif claimed:
                 self._backlog.set()
                 if self._waiting_since is not None:
@@ -274,11 +272,27 @@ class Dispatcher:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wake.wait(), seconds)
 
+    def _idle_wait(self) -> float:
+        """How long a claim loop that found too little waits: a poll interval, or less when a
+        provider ran out of tokens while its rows may still wait."""
+        poll = self._settings.poll_interval.total_seconds()
+        tokens_in = self._limits.claim_again_in()
+        return poll if tokens_in is None else min(poll, tokens_in)
+
     async def _claim(self, limit: int) -> list[Claimed]:
-        started = time.perf_counter()
+        grant = await self._limits.grant(limit)
+        claimed: list[Claimed] = []
         try:
-            claimed = await self._store.claim(self._worker, limit, self._settings.lease,
-                                              self._paused_now())  # fmt: skip
+            claimed = await self._claim_capped(limit, grant.caps)
+        finally:
+            await self._limits.settle(grant, claimed)
+        return claimed
+
+    async def _claim_capped(self, limit: int, caps: Mapping[str, int]) -> list[Claimed]:
+        started = time.perf_counter()
+        paused = [name for name, cap in caps.items() if cap == 0]
+        try:
+            claimed = await self._store.claim(self._worker, limit, self._settings.lease, paused)
         except psycopg.Error as exc:
             self.database_ok = False
             metrics.DB_ERRORS.labels("claim").inc()
@@ -293,6 +307,10 @@ class Dispatcher:
         self.database_ok = True
         self._claim_retry = CLAIM_RETRY_MIN
         metrics.CLAIM_DURATION.observe(time.perf_counter() - started)
+        claimed, beyond = over_caps(claimed, caps)
+        for row in beyond:  # until the claim itself takes caps: hand these back untouched
+            with contextlib.suppress(psycopg.Error):  # else the lease expires and they are rescued
+                await self._store.unclaim(row, Status.PENDING, None)
         return claimed
 
     def _start(self, row: Claimed) -> None:
@@ -314,6 +332,8 @@ class Dispatcher:
         self._inflight.pop(flight.row.id, None)
         metrics.IN_FLIGHT.dec()
         self._slot_freed.set()
+        if self._limits.finished(flight.row):
+            self._wake.set()  # a capped provider has room again: claim now, not at the next poll
         if not task.cancelled() and task.exception() is not None:
             # A bug in outbox itself; the lease expires and the rescuer takes the row back.
             flight.log.error("dispatch task failed", exc_info=task.exception())
@@ -334,7 +354,8 @@ class Dispatcher:
         if problem is not None:
             await self._finish(flight, permanent("invalid_request", problem), sent=False)
             return
-        if self._stopping:
+        if self._stopping or not self._limits.may_send(row):
+            # Stopping, or the provider's breaker opened since the claim: back, attempt unspent.
             await self._unclaim(flight, Status.PENDING, None)
             return
         leak = failpoints.take(failpoints.LEAK_TRANSACTION)
@@ -348,12 +369,12 @@ class Dispatcher:
             if span is not None:
                 span.set_attribute("outbox.outcome", _outcome(result))
         await failpoints.hit(failpoints.BEFORE_RECORD)
+        await self._limits.observe(row, result)
         if isinstance(result, Failed) and result.pause:
-            self._pause(row.provider, result)
-            await self._unclaim(flight, Status.PENDING, None)  # keeps its attempt
+            # Refused credentials say nothing about this operation: it keeps its attempt and
+            # waits, with the rest of its provider's, behind the breaker.
+            await self._unclaim(flight, Status.PENDING, None)
             return
-        if isinstance(result, Succeeded):
-            self._resume(row.provider, flight)
         await self._finish(flight, result)
 
     async def _unknown_provider(self, flight: InFlight) -> None:
@@ -545,34 +566,6 @@ class Dispatcher:
                                                       self._worker)  # fmt: skip
         except psycopg.Error:
             return False
-
-    # --- paused providers ---------------------------------------------------------------------
-
-    def _pause(self, provider: str, result: Failed) -> None:
-        now = time.monotonic()
-        if provider not in self._paused:
-            metrics.PROVIDER_PAUSED.labels(provider).set(1)
-            log.error("provider paused: its credentials were refused; operations wait",
-                      provider=provider, http_status=result.http_status,
-                      probe_in_s=self._pause_probe.total_seconds())  # fmt: skip
-            self._paused_since[provider] = now
-        self._paused[provider] = now + self._pause_probe.total_seconds()
-
-    def _resume(self, provider: str, flight: InFlight) -> None:
-        """Resume after a success, but only one claimed after the pause: an older call that
-        succeeds says nothing about the credentials now."""
-        since = self._paused_since.get(provider)
-        if since is None or flight.claimed_mono < since:
-            return
-        del self._paused_since[provider]
-        self._paused.pop(provider, None)
-        metrics.PROVIDER_PAUSED.labels(provider).set(0)
-        log.info("provider resumed", provider=provider)
-
-    def _paused_now(self) -> list[str]:
-        """Providers to leave unclaimed: paused, their probe not yet due."""
-        now = time.monotonic()
-        return [name for name, probe_at in self._paused.items() if probe_at > now]
 
     # --- leases -------------------------------------------------------------------------------
 

@@ -41,8 +41,21 @@ CLAIM_DURATION: Final = Histogram(
 )
 DB_ERRORS: Final = Counter("outbox_db_errors", "Database errors, by operation.", ["operation"])
 PROVIDER_PAUSED: Final = Gauge(
-    "outbox_provider_paused", "1 while a provider is paused (its credentials were refused).",
-    ["provider"],
+    "outbox_provider_paused",
+    "1 while a provider's breaker is open because its credentials were refused.", ["provider"],
+)  # fmt: skip
+PROVIDER_STATE: Final = Gauge(
+    "outbox_provider_state",
+    "A provider's circuit breaker in this process: 1 for its state, 0 for the others.",
+    ["provider", "state"],
+)  # fmt: skip
+PROVIDER_TRANSITIONS: Final = Counter(
+    "outbox_provider_transitions", "Circuit breaker transitions, by the state entered.",
+    ["provider", "state"],
+)  # fmt: skip
+PROVIDER_THROTTLED: Final = Counter(
+    "outbox_provider_throttled",
+    "429 answers that emptied a rate-limited provider's shared bucket.", ["provider"],
 )  # fmt: skip
 RECONCILE_CHECKS: Final = Counter(
     "outbox_reconcile_checks", "Reconciliation look-ups, by what they found.",

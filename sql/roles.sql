@@ -3,8 +3,10 @@
 --   outbox_producer    (NOLOGIN; grant it to your application's login role) may call
 --                      outbox.enqueue and outbox.get_operation, and nothing else.
 --   outbox_dispatcher  (LOGIN, for `outbox run`) reads operations, updates their state, lease
---                      and result columns, inserts attempts, and records reconciliation findings
---                      through outbox.record_check and outbox.touch_check.
+--                      and result columns, inserts attempts, records reconciliation findings
+--                      through outbox.record_check and outbox.touch_check, and takes tokens from
+--                      rate-limited providers' buckets through outbox.take_tokens and
+--                      outbox.throttle_bucket.
 --   outbox_operator    (NOLOGIN; grant it to each person's login role, so the audit names them)
 --                      reads operations, attempts and the audit, and changes operations only
 --                      through the SECURITY DEFINER operator functions, which write the audit.
@@ -101,6 +103,12 @@ GRANT EXECUTE ON FUNCTION
     outbox.touch_check(bigint),
     outbox.claim_checks(text[], interval, integer),
     outbox.defer_check(bigint, interval, interval)
+TO outbox_dispatcher;
+-- The shared token buckets of rate-limited providers (TAKE_TOKENS, THROTTLE_BUCKET; see 0016):
+-- only through these functions, never the table itself.
+GRANT EXECUTE ON FUNCTION
+    outbox.take_tokens(text, double precision, double precision, integer, integer),
+    outbox.throttle_bucket(text, double precision, double precision, interval)
 TO outbox_dispatcher;
 
 -- Operator: read everything (`outbox reconcile/quarantine list|show`, `outbox status`); change

@@ -434,3 +434,24 @@ DEMO_REPORT: Final = """
 SELECT id, operation_key, provider, status, attempts, provider_ref, status_reason
 FROM outbox.operations WHERE tenant_id = %(tenant)s ORDER BY id
 """
+
+# --- provider limits ----------------------------------------------------------------------------
+# The token buckets of rate-limited providers, shared by every replica (sql/0016). Refilled by
+# the database clock only.
+
+# Give back unused tokens and take new ones, several providers in one round trip. The providers
+# come sorted by name, so two dispatchers lock bucket rows in the same order and never deadlock.
+TAKE_TOKENS: Final = """
+SELECT b.provider, t.granted, t.tokens
+FROM unnest(%(providers)s::text[], %(rates)s::float8[], %(bursts)s::float8[],
+            %(wanted)s::integer[], %(returned)s::integer[])
+     WITH ORDINALITY AS b(provider, rate, burst, wanted, returned, n)
+CROSS JOIN LATERAL outbox.take_tokens(b.provider, b.rate, b.burst, b.wanted, b.returned) AS t
+ORDER BY b.n
+"""
+
+# A 429: the provider's bucket goes into debt for the provider's Retry-After.
+THROTTLE_BUCKET: Final = """
+SELECT outbox.throttle_bucket(%(provider)s::text, %(rate)s::float8, %(burst)s::float8,
+                              %(pause)s::interval)
+"""

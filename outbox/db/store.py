@@ -209,3 +209,49 @@ class Store:
             cur = conn.cursor(row_factory=tuple_row)
             row = await (await cur.execute(query, params)).fetchone()
         return row is not None
+
+    # --- provider limits ----------------------------------------------------------------------
+
+    async def take_tokens(self, takes: Sequence[TokenTake]) -> dict[str, Tokens]:
+        """Give back and take tokens of rate-limited providers' shared buckets, in one round
+        trip; returns what each provider's bucket granted."""
+        ordered = sorted(takes, key=lambda t: t.provider)  # one lock order for every replica
+        params = {
+            "providers": [t.provider for t in ordered],
+            "rates": [t.rate for t in ordered],
+            "bursts": [float(t.burst) for t in ordered],
+            "wanted": [t.wanted for t in ordered],
+            "returned": [t.returned for t in ordered],
+        }
+        async with self._connection() as conn:
+            cur = conn.cursor(row_factory=tuple_row)
+            rows = await (await cur.execute(statements.TAKE_TOKENS, params)).fetchall()
+        return {provider: Tokens(granted, level) for provider, granted, level in rows}
+
+    async def throttle_bucket(self, provider: str, rate: float, burst: int,
+                              pause: timedelta) -> float:  # fmt: skip
+        """Push a provider's bucket into debt for ``pause``; returns its level now."""
+        params = {"provider": provider, "rate": rate, "burst": float(burst), "pause": pause}
+        async with self._connection() as conn:
+            cur = conn.cursor(row_factory=tuple_row)
+            row = await (await cur.execute(statements.THROTTLE_BUCKET, params)).fetchone()
+        return float(row[0]) if row else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class TokenTake:
+    """One provider's part of a take: its settings, what it wants and what it gives back."""
+
+    provider: str
+    rate: float  # tokens per second
+    burst: int
+    wanted: int
+    returned: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Tokens:
+    """What a bucket granted, and its level after the take (negative: in debt)."""
+
+    granted: int
+    level: float

@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 from importlib.metadata import entry_points
 from typing import Any, Final
 
-from outbox.config import ConfigError, ProviderSettings, read_secret
+from outbox.config import LIMIT_KEYS, ConfigError, ProviderSettings, read_secret
 from outbox.providers.base import Provider
 from outbox.providers.noop import NoopProvider
 from outbox.providers.stripe import StripeOptions, StripeProvider
@@ -101,7 +101,7 @@ def _string_map(value: object, where: str, *, allow_tables: bool = False) -> dic
 def _reject_unknown(ps: ProviderSettings, valid: tuple[str, ...]) -> None:
     for key in ps.options:
         if key not in valid:
-            allowed = ", ".join(("type", "key_retention", "timeout", *valid))
+            allowed = ", ".join(("type", "key_retention", "timeout", *LIMIT_KEYS, *valid))
             raise ConfigError(
                 f"providers.{ps.name}.{key} is not a {ps.type} provider setting; valid: {allowed}"
             )

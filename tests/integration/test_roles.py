@@ -30,7 +30,7 @@ from psycopg_pool import AsyncConnectionPool
 import outbox
 from outbox import gauges, operators
 from outbox.db import connect, migrations, statements
-from outbox.db.store import Store
+from outbox.db.store import Store, TokenTake
 from outbox.model import Status
 from outbox.providers.base import Provider
 from outbox.providers.fakes.webhook import FakeWebhookReceiver
@@ -227,6 +227,14 @@ def test_every_function_is_pinned_and_executable_only_by_its_roles(roles_db: str
         "outbox.touch_check(bigint)": (True, dispatcher_and_operator),
         "outbox.claim_checks(text[],interval,integer)": (True, ["outbox_dispatcher"]),
         "outbox.defer_check(bigint,interval,interval)": (True, dispatcher_and_operator),
+        "outbox.take_tokens(text,double precision,double precision,integer,integer)": (
+            True,
+            ["outbox_dispatcher"],
+        ),
+        "outbox.throttle_bucket(text,double precision,double precision,interval)": (
+            True,
+            ["outbox_dispatcher"],
+        ),
     }
     # Only those entry points run as the owner, and the wake-up trigger, which fires at the
     # producer's commit, after enqueue has returned (sql/0012).
@@ -415,6 +423,9 @@ def test_the_dispatcher_is_refused_everything_but_its_statements(roles_db: str) 
     }
     refused |= {
         "select audit": "SELECT * FROM outbox.audit",
+        # Buckets change only through take_tokens and throttle_bucket.
+        "select buckets": "SELECT * FROM outbox.provider_buckets",
+        "update buckets": "UPDATE outbox.provider_buckets SET tokens = 1000",
         **_TABLE_WRITES,
         **_OPERATOR_ACTIONS,
         **_PRODUCER_API,
@@ -443,6 +454,7 @@ async def test_the_real_dispatcher_works_fully_as_the_dispatcher_role(
         ) == [(20, 20)]
         await _lease_statements(pool, roles_db, app, d)
         await _reconciler_and_gauges(pool, roles_db, hook)
+        await _token_buckets(pool)
     finally:
         await pool.close()
     assert receiver.effect_count() == 20
@@ -509,6 +521,15 @@ async def _reconciler_and_gauges(pool: AsyncConnectionPool[Any], url: str, hook:
         "JOIN outbox.audit ON operation_id = operations.id",
     ) == [("not_found", "outbox-reconciler", DISPATCHER)]
     await gauges.refresh(pool, {"hook": timedelta(hours=23)})
+
+
+async def _token_buckets(pool: AsyncConnectionPool[Any]) -> None:
+    """A rate-limited provider's shared bucket, taken from and throttled as the dispatcher."""
+    store = Store(pool)
+    take = TokenTake("hook", rate=10.0, burst=5, wanted=3)
+    assert (await store.take_tokens([take]))["hook"].granted == 0  # a new bucket starts empty
+    assert await store.throttle_bucket("hook", 10.0, 5, timedelta(seconds=2)) == -20.0
+    assert (await store.take_tokens([take]))["hook"].granted == 0  # in debt
 
 
 def test_outbox_run_dispatches_when_it_logs_in_as_the_dispatcher_role(

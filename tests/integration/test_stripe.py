@@ -3,6 +3,7 @@ the objects at the fake and the rows afterwards."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from datetime import timedelta
 from typing import Any
@@ -13,6 +14,7 @@ import structlog
 from psycopg_pool import AsyncConnectionPool
 
 from outbox import metrics
+from outbox.config import ProviderLimits
 from outbox.providers.base import Provider
 from outbox.providers.fakes.stripe import FakeStripe, Fault
 from outbox.providers.fakes.webhook import FakeWebhookReceiver
@@ -176,34 +178,50 @@ async def test_an_idempotency_error_is_quarantined_as_a_producer_bug_without_a_n
     assert fake.object_count() == 1
 
 
-async def test_a_refused_api_key_pauses_stripe_keeps_attempts_and_resumes_when_fixed(
+def state_of(provider: str) -> dict[str, float]:
+    return {state: metrics.PROVIDER_STATE.labels(provider, state)._value.get()
+            for state in ("closed", "open", "half_open")}  # fmt: skip
+
+
+async def test_a_refused_api_key_opens_the_breaker_keeps_attempts_and_a_probe_closes_it(
     db_url: str, pool: AsyncConnectionPool[Any], fake: FakeStripe, provider: Provider
 ) -> None:
     stripe_ops = enqueue_charges(db_url, 3)
     enqueue_many(db_url, 4, provider="hook")
     fake.set_api_key("sk_test_rotated")  # ours is now wrong
-    with FakeWebhookReceiver() as receiver:
+    # One failure would not open the breaker on its own (breaker_failures = 5): a 401 does.
+    limits = {"stripe": ProviderLimits(breaker_open_for=timedelta(milliseconds=300))}
+    with FakeWebhookReceiver() as receiver, structlog.testing.capture_logs() as logs:
         hook = webhook("hook", receiver.url)
-        d = dispatcher(pool, {"stripe": provider, "hook": hook},
-                       pause_probe=timedelta(milliseconds=300))  # fmt: skip
+        d = dispatcher(pool, {"stripe": provider, "hook": hook}, limits=limits)
         try:
             assert await d.run_once() == 7
             assert receiver.effect_count() == 4  # other providers keep going
             assert metrics.PROVIDER_PAUSED.labels("stripe")._value.get() == 1
+            assert state_of("stripe") == {"closed": 0, "open": 1, "half_open": 0}
             assert rows(db_url, "SELECT DISTINCT status, attempts FROM outbox.operations "
                                 "WHERE provider = 'stripe'") == [("pending", 0)]  # fmt: skip
-            assert await d.run_once() == 0  # paused: its rows are not claimed
+            assert await d.run_once() == 0  # open: its rows are not claimed
+            await asyncio.sleep(0.35)
+            assert await d.run_once() == 1  # half-open: one probe, refused again
+            assert metrics.PROVIDER_PAUSED.labels("stripe")._value.get() == 1
+            assert await d.run_once() == 0  # open again, never closing on its own
             fake.set_api_key("sk_test_fake")  # the key is fixed
-            import asyncio  # noqa: PLC0415
-
-            await asyncio.sleep(0.4)  # the probe is due
-            assert await d.run_once() == 3
+            await asyncio.sleep(0.35)
+            assert await d.run_once() == 1  # the probe succeeds: closed
+            assert state_of("stripe") == {"closed": 1, "open": 0, "half_open": 0}
+            assert await d.run_once() == 2  # the rest follow
         finally:
             await hook.aclose()
     assert rows(db_url, "SELECT DISTINCT status, attempts FROM outbox.operations "
                         "WHERE id = ANY(%s)", (stripe_ops,)) == [("succeeded", 1)]  # fmt: skip
     assert metrics.PROVIDER_PAUSED.labels("stripe")._value.get() == 0
     assert fake.object_count() == 3
+    assert [r.status for r in fake.received] == [401, 401, 401, 401, 200, 200, 200]
+    opened = [e for e in logs if e["event"].startswith("provider breaker opened")]
+    assert [(e["log_level"], e["reason"]) for e in opened] == [("warning", "credentials")] * 2
+    closed = [e for e in logs if e["event"].startswith("provider breaker closed")]
+    assert [(e["log_level"], e["provider"]) for e in closed] == [("info", "stripe")]
 
 
 async def test_no_api_key_or_request_body_reaches_any_log_line(

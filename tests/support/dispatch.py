@@ -11,7 +11,7 @@ import psycopg
 from psycopg_pool import AsyncConnectionPool
 
 import outbox
-from outbox.config import DispatcherSettings
+from outbox.config import DispatcherSettings, ProviderLimits
 from outbox.db.store import Store
 from outbox.dispatcher import Dispatcher
 from outbox.providers.base import Provider
@@ -36,12 +36,12 @@ def dispatcher(
     *,
     worker: str = "test-worker",
     call_timeouts: Mapping[str, timedelta] | None = None,
-    pause_probe: timedelta = timedelta(seconds=30),
+    limits: Mapping[str, ProviderLimits] | None = None,
     **overrides: Any,
 ) -> Dispatcher:
     return Dispatcher(Store(pool), providers, settings(**overrides), worker_id=worker,
                       call_timeouts=call_timeouts, rng=random.Random(7),
-                      pause_probe=pause_probe)  # fmt: skip
+                      limits=limits)  # fmt: skip
 
 
 def enqueue_many(url: str, count: int, *, provider: str = "hook", prefix: str = "op",

@@ -145,6 +145,7 @@ class Ledger(Generic[FaultT, ReceivedT, EntryT]):
         self._entries: dict[str, EntryT] = {}
         self._received: list[ReceivedT] = []
         self._in_flight = 0
+        self.peak_in_flight = 0  # the most requests being processed at once
         self._faults: list[_Armed[FaultT]] = []
         self._holds: dict[str, Hold] = {}
         self._all_holds: list[Hold] = []
@@ -157,6 +158,7 @@ class Ledger(Generic[FaultT, ReceivedT, EntryT]):
         with self.cond:
             self._received.append(received(time.monotonic()))
             self._in_flight += 1
+            self.peak_in_flight = max(self.peak_in_flight, self._in_flight)
             return len(self._received) - 1
 
     def answered(self, index: int, reply: Reply | None) -> None:
@@ -543,6 +545,12 @@ class LoopbackFake(ABC, Generic[FaultT, ReceivedT]):
         """How many TCP connections were accepted (keep-alive reuses one for many requests)."""
         with self._ledger.cond:
             return self._connections.accepted
+
+    @property
+    def peak_in_flight(self) -> int:
+        """The most requests that were being processed at once, so far."""
+        with self._ledger.cond:
+            return self._ledger.peak_in_flight
 
     def wait_idle(self, timeout: float = 5.0) -> None:
         """Wait until no request that has arrived is still being processed."""

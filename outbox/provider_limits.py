@@ -1,0 +1,369 @@
+"""Per-provider isolation: one sick or slow provider starves nothing and is not hammered.
+
+Three limits decide how many rows of each provider a claim may take (its *cap*):
+
+* a **circuit breaker** per provider, in this process. A run of failures (transient or unknown)
+  opens it: its operations are not claimed, so they wait ``pending`` without spending attempts.
+  After ``breaker_open_for`` it is half-open: exactly one operation is claimed as a probe, whose
+  success closes it and whose failure opens it again for twice as long (up to a cap). Refused
+  credentials (``Failed.pause``, a 401/403) open it at once with reason "credentials", and only a
+  successful probe closes it; their probes come every ``breaker_open_for``, never less often.
+* ``max_in_flight``: at most that many of the provider's calls in flight in this process.
+* ``rate_limit``: a token bucket per provider in PostgreSQL (sql/0016), shared by every replica.
+  A claim takes tokens first and claims at most as many rows as it got; what it did not use it
+  gives back at once, so no replica sits on tokens another could use, and rows are sent as soon
+  as they are claimed. A 429 from the provider pushes the bucket into debt for its Retry-After.
+
+Caps are reserved for the claim that uses them, so concurrent claim loops together never exceed
+a cap. Times of the breaker are this process's monotonic clock (it is per process); the bucket,
+which is shared, only ever reads the database clock.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Final
+
+import psycopg
+import structlog
+
+from outbox import metrics
+from outbox.config import BREAKER_OPEN_MAX, ProviderLimits
+from outbox.db.store import Claimed, Store, Tokens, TokenTake
+from outbox.model import FailureClass
+from outbox.providers.base import SendResult, Succeeded
+
+# A claim capped by a provider's tokens comes back this soon (or when the next token is due, if
+# later) rather than after a whole poll interval: often enough to keep up with the rate, rarely
+# enough that a replica makes at most ten claims a second for it.
+TOKEN_PACE: Final = 0.1
+# A 429 without a Retry-After (Stripe sends none) still empties the bucket for this long.
+DEFAULT_THROTTLE: Final = timedelta(seconds=1)
+HTTP_TOO_MANY_REQUESTS: Final = 429
+
+REASON_FAILURES: Final = "failures"
+REASON_CREDENTIALS: Final = "credentials"
+
+log = structlog.get_logger("outbox.provider_limits")
+
+
+class State(enum.Enum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+class Verdict(enum.Enum):
+    """What one call says about its provider's health."""
+
+    HEALTHY = "healthy"  # it answered and acted
+    NEUTRAL = "neutral"  # it answered, refusing this request (permanent): no word on its health
+    FAILING = "failing"  # transient or unknown
+    REFUSED = "refused"  # our credentials were refused
+
+
+def verdict(result: SendResult) -> Verdict:
+    if isinstance(result, Succeeded):
+        return Verdict.HEALTHY
+    if result.pause:
+        return Verdict.REFUSED
+    if result.failure is FailureClass.PERMANENT:
+        return Verdict.NEUTRAL
+    return Verdict.FAILING
+
+
+class Breaker:
+    """One provider's circuit breaker in this process."""
+
+    def __init__(self, provider: str, failures: int, open_for: timedelta,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+        self.provider = provider
+        self.state = State.CLOSED
+        self.reason: str | None = None
+        self._threshold = failures
+        self._base = open_for.total_seconds()
+        self._longest = max(self._base, BREAKER_OPEN_MAX.total_seconds())
+        self._open_for = self._base
+        self._open_until = 0.0
+        self._failures = 0  # in a row, while closed
+        self._probe: int | None = None  # the operation sent as the probe, while half-open
+        self._clock = clock
+        _show_state(provider, State.CLOSED, reason=None)
+
+    def allowance(self) -> int | None:
+        """How many rows a claim may take: None (no limit), 1 (the probe) or 0."""
+        if self.state is State.OPEN and self._clock() >= self._open_until:
+            self._enter(State.HALF_OPEN)
+            log.info("provider breaker half-open: one operation probes it",
+                     provider=self.provider, reason=self.reason)  # fmt: skip
+        if self.state is State.CLOSED:
+            return None
+        return 1 if self.state is State.HALF_OPEN and self._probe is None else 0
+
+    def claimed(self, operation_id: int) -> None:
+        """A row was claimed: while half-open, the first is the probe."""
+        if self.state is State.HALF_OPEN and self._probe is None:
+            self._probe = operation_id
+
+    def may_send(self, operation_id: int) -> bool:
+        """False for a row claimed before the breaker opened: it goes back unsent."""
+        return self.state is State.CLOSED or operation_id == self._probe
+
+    def record(self, operation_id: int, said: Verdict) -> None:
+        """Count a call's outcome. While open, only the probe's counts: calls that started
+        before the breaker opened say nothing about the provider now."""
+        if operation_id == self._probe:
+            self._probe = None
+            if said is Verdict.REFUSED:
+                self._reopen(REASON_CREDENTIALS)
+            elif said is Verdict.FAILING:
+                # Credentials stay the reason until a probe gets past them.
+                self._reopen(self.reason or REASON_FAILURES)
+            else:
+                self._close()
+        elif said is Verdict.REFUSED:
+            if self.state is State.CLOSED:
+                self._open(REASON_CREDENTIALS)
+            elif self.reason != REASON_CREDENTIALS:
+                # A call from before the breaker opened: the worse reason wins; the next probe
+                # is not due any sooner.
+                self.reason = REASON_CREDENTIALS
+                _show_state(self.provider, self.state, self.reason)
+        elif self.state is State.CLOSED:
+            if said is Verdict.HEALTHY:
+                self._failures = 0
+            elif said is Verdict.FAILING:
+                self._failures += 1
+                if self._failures >= self._threshold:
+                    self._open(REASON_FAILURES)
+
+    def released(self, operation_id: int) -> bool:
+        """The row's task ended; True if it was the probe and left without a verdict (not
+        sent), so another may be claimed."""
+        if operation_id != self._probe:
+            return False
+        self._probe = None
+        return True
+
+    def _open(self, reason: str) -> None:
+        self._open_for = self._base
+        self._open_until = self._clock() + self._open_for
+        self.reason = reason
+        self._enter(State.OPEN)
+        if reason == REASON_CREDENTIALS:
+            log.warning("provider breaker opened: its credentials were refused; operations wait",
+                        provider=self.provider, reason=reason,
+                        probe_in_s=self._open_for)  # fmt: skip
+        else:
+            log.warning("provider breaker opened: operations wait until a probe succeeds",
+                        provider=self.provider, reason=reason, failures=self._failures,
+                        probe_in_s=self._open_for)  # fmt: skip
+
+    def _reopen(self, reason: str) -> None:
+        """The probe failed. Failures are probed less and less often; credentials at the base
+        period, so that a fixed key resumes dispatch soon (a wrong one costs a request a probe)."""
+        if reason == REASON_FAILURES and self.reason == REASON_FAILURES:
+            self._open_for = min(self._open_for * 2, self._longest)
+        else:
+            self._open_for = self._base
+        self._open_until = self._clock() + self._open_for
+        self.reason = reason
+        self._enter(State.OPEN)
+        log.warning("provider breaker opened again: the probe failed", provider=self.provider,
+                    reason=reason, probe_in_s=self._open_for)  # fmt: skip
+
+    def _close(self) -> None:
+        self._failures = 0
+        self._open_for = self._base
+        reason, self.reason = self.reason, None
+        self._enter(State.CLOSED)
+        log.info("provider breaker closed: the probe succeeded", provider=self.provider,
+                 reason=reason)  # fmt: skip
+
+    def _enter(self, state: State) -> None:
+        self.state = state
+        metrics.PROVIDER_TRANSITIONS.labels(self.provider, state.value).inc()
+        _show_state(self.provider, state, self.reason)
+
+
+def _show_state(provider: str, state: State, reason: str | None) -> None:
+    for each in State:
+        metrics.PROVIDER_STATE.labels(provider, each.value).set(1 if each is state else 0)
+    paused = state is not State.CLOSED and reason == REASON_CREDENTIALS
+    metrics.PROVIDER_PAUSED.labels(provider).set(1 if paused else 0)
+
+
+@dataclass
+class Grant:
+    """What one claim may take: ``caps`` (provider -> most rows; absent: no cap), and the
+    tokens it took for them."""
+
+    caps: dict[str, int]
+    tokens: dict[str, Tokens] = field(default_factory=dict)
+    needed: dict[str, int] = field(default_factory=dict)  # tokens asked for, per provider
+
+
+class Limits:
+    """The per-provider limits of one dispatcher process."""
+
+    def __init__(self, store: Store, limits: Mapping[str, ProviderLimits],
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+        self._store = store
+        self._limits = dict(limits)
+        self._breakers = {
+            name: Breaker(name, lim.breaker_failures, lim.breaker_open_for, clock)
+            for name, lim in limits.items()
+        }
+        self._in_flight: Counter[str] = Counter()
+        self._reserved: Counter[str] = Counter()  # rows promised to claims under way
+        self._claim_again_in: float | None = None
+
+    def state(self, provider: str) -> State:
+        breaker = self._breakers.get(provider)
+        return State.CLOSED if breaker is None else breaker.state
+
+    # --- before and after a claim -------------------------------------------------------------
+
+    def caps(self) -> dict[str, int]:
+        """Most rows per provider a claim may take now, before tokens: breaker open -> 0,
+        half-open -> 1 if no probe is in flight, max_in_flight less those in flight; less what
+        claims under way were promised."""
+        caps: dict[str, int] = {}
+        for name, lim in self._limits.items():
+            bounds = []
+            allowance = self._breakers[name].allowance()
+            if allowance is not None:
+                bounds.append(allowance)
+            if lim.max_in_flight is not None:
+                bounds.append(lim.max_in_flight - self._in_flight[name])
+            if bounds:
+                caps[name] = max(0, min(bounds) - self._reserved[name])
+        return caps
+
+    async def grant(self, want: int) -> Grant:
+        """Caps for a claim of up to ``want`` rows, with tokens taken for the rate-limited
+        providers (as many as the claim could use): reserved until ``settle``."""
+        grant = Grant(self.caps())
+        rated = [name for name, lim in self._limits.items() if lim.rate is not None]
+        needed = {name: min(want, grant.caps.get(name, want)) for name in rated}
+        grant.needed = {name: n for name, n in needed.items() if n > 0}
+        grant.tokens = await self._take(grant.needed, {})
+        for name in rated:
+            tokens = grant.tokens.get(name)
+            grant.caps[name] = 0 if tokens is None else tokens.granted
+        self._reserved.update(grant.caps)
+        return grant
+
+    async def settle(self, grant: Grant, claimed: Sequence[Claimed]) -> None:
+        """The claim is over: its rows count as in flight, unused tokens go back."""
+        self._reserved.subtract(grant.caps)
+        counts = Counter(row.provider for row in claimed)
+        self._in_flight.update(counts)
+        for row in claimed:
+            breaker = self._breakers.get(row.provider)
+            if breaker is not None:
+                breaker.claimed(row.id)
+        unused = {name: t.granted - counts[name] for name, t in grant.tokens.items()}
+        unused = {name: n for name, n in unused.items() if n > 0}
+        if unused:
+            await self._take({}, unused)
+        self._claim_again_in = self._token_wait(grant, counts)
+
+    def claim_again_in(self) -> float | None:
+        """Seconds until tokens are likely for a provider whose tokens ran out in the last
+        claim while its rows may still wait; None if no claim was capped by tokens."""
+        return self._claim_again_in
+
+    # --- around a call ------------------------------------------------------------------------
+
+    def may_send(self, row: Claimed) -> bool:
+        """False when the provider's breaker opened since the row was claimed."""
+        breaker = self._breakers.get(row.provider)
+        return breaker is None or breaker.may_send(row.id)
+
+    async def observe(self, row: Claimed, result: SendResult) -> None:
+        """Feed a call's outcome to the breaker, and a 429 to the shared bucket."""
+        breaker = self._breakers.get(row.provider)
+        if breaker is not None:
+            breaker.record(row.id, verdict(result))
+        lim = self._limits.get(row.provider)
+        if (lim is not None and lim.rate is not None and not isinstance(result, Succeeded)
+                and result.http_status == HTTP_TOO_MANY_REQUESTS):  # fmt: skip
+            await self._throttle(row.provider, lim, result.retry_after or DEFAULT_THROTTLE)
+
+    def finished(self, row: Claimed) -> bool:
+        """The row's task ended; True if that may let a claim take more of its provider."""
+        self._in_flight[row.provider] -= 1
+        breaker = self._breakers.get(row.provider)
+        probe_released = breaker is not None and breaker.released(row.id)
+        lim = self._limits.get(row.provider)
+        return probe_released or (lim is not None and lim.max_in_flight is not None)
+
+    # --- the shared buckets -------------------------------------------------------------------
+
+    async def _take(
+        self, wanted: Mapping[str, int], returned: Mapping[str, int]
+    ) -> dict[str, Tokens]:
+        """One round trip to the buckets; on a database error, no tokens (and returned ones are
+        lost, which only makes the limit stricter for a moment)."""
+        takes = [
+            TokenTake(name, lim.rate, lim.burst, wanted.get(name, 0), returned.get(name, 0))
+            for name, lim in self._limits.items()
+            if lim.rate is not None and (name in wanted or name in returned)
+        ]
+        if not takes:
+            return {}
+        try:
+            return await self._store.take_tokens(takes)
+        except psycopg.Error as exc:
+            metrics.DB_ERRORS.labels("take_tokens").inc()
+            log.warning("could not take tokens; rate-limited providers wait",
+                        error_class=type(exc).__name__)  # fmt: skip
+            return {}
+
+    async def _throttle(self, provider: str, lim: ProviderLimits, pause: timedelta) -> None:
+        assert lim.rate is not None  # noqa: S101 (only rate-limited providers have a bucket)
+        metrics.PROVIDER_THROTTLED.labels(provider).inc()
+        try:
+            level = await self._store.throttle_bucket(provider, lim.rate, lim.burst, pause)
+        except psycopg.Error as exc:
+            metrics.DB_ERRORS.labels("throttle_bucket").inc()
+            log.warning("could not throttle the provider's bucket", provider=provider,
+                        error_class=type(exc).__name__)  # fmt: skip
+            return
+        log.info("provider answered 429; its shared bucket is empty", provider=provider,
+                 pause_s=pause.total_seconds(), tokens=round(level, 1))  # fmt: skip
+
+    def _token_wait(self, grant: Grant, counts: Mapping[str, int]) -> float | None:
+        """How soon to claim again for providers whose tokens, not their rows, ran out."""
+        waits = []
+        for name, needed in grant.needed.items():
+            tokens = grant.tokens.get(name)
+            got = 0 if tokens is None else tokens.granted
+            if got < needed and counts[name] >= got:
+                rate = self._limits[name].rate or 1.0
+                level = 0.0 if tokens is None else tokens.level
+                waits.append(max(TOKEN_PACE, (1 - level) / rate))
+        return min(waits, default=None)
+
+
+def over_caps(
+    claimed: Sequence[Claimed], caps: Mapping[str, int]
+) -> tuple[list[Claimed], list[Claimed]]:
+    """The rows within each provider's cap, and those beyond it (oldest kept)."""
+    kept: list[Claimed] = []
+    beyond: list[Claimed] = []
+    taken: Counter[str] = Counter()
+    for row in claimed:
+        cap = caps.get(row.provider)
+        if cap is not None and taken[row.provider] >= cap:
+            beyond.append(row)
+        else:
+            taken[row.provider] += 1
+            kept.append(row)
+    return kept, beyond

@@ -1,0 +1,278 @@
+"""Per-provider isolation (outbox.provider_limits): circuit breakers, max_in_flight and the shared
+token bucket, against the real fakes on loopback. Every test counts requests at the fake and rows
+in the database afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import itertools
+import time
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import structlog
+from psycopg_pool import AsyncConnectionPool
+
+from outbox import metrics
+from outbox.config import ProviderLimits
+from outbox.dispatcher import Dispatcher
+from outbox.providers.base import Provider
+from outbox.providers.fakes.stripe import FakeStripe
+from outbox.providers.fakes.stripe import Fault as StripeFault
+from outbox.providers.fakes.webhook import FakeWebhookReceiver, Fault
+from tests.support.dispatch import (
+    dispatcher,
+    enqueue_charges,
+    enqueue_many,
+    make_due,
+    rows,
+    statuses,
+    webhook,
+)
+
+FAST_BREAKER = timedelta(milliseconds=300)
+
+
+def transitions(provider: str) -> dict[str, float]:
+    return {state: metrics.PROVIDER_TRANSITIONS.labels(provider, state)._value.get()
+            for state in ("closed", "open", "half_open")}  # fmt: skip
+
+
+def since(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
+    return {key: after[key] - before[key] for key in after}
+
+
+def attempts_total(url: str, provider: str) -> int:
+    ((total,),) = rows(url, "SELECT coalesce(sum(attempts), 0) FROM outbox.operations "
+                            "WHERE provider = %s", (provider,))  # fmt: skip
+    return int(total)
+
+
+async def run_until(d: Dispatcher, done: Callable[[], bool], within: float) -> float:
+    """Run ``d`` until ``done()`` holds; returns the seconds that took. Only cheap,
+    non-blocking checks in ``done``: it runs in the dispatcher's own event loop."""
+    runner = asyncio.create_task(d.run())
+    started = time.monotonic()
+    try:
+        while not done():
+            if time.monotonic() - started > within or runner.done():
+                raise AssertionError(f"not done within {within}s")
+            await asyncio.sleep(0.01)
+        return time.monotonic() - started
+    finally:
+        d.request_stop()
+        await runner
+
+
+# --- the circuit breaker ---------------------------------------------------------------------
+
+
+async def test_a_run_of_failures_opens_the_breaker_and_only_a_probe_goes_until_one_succeeds(
+    db_url: str, pool: AsyncConnectionPool[Any], receiver: FakeWebhookReceiver, hook: Provider
+) -> None:
+    enqueue_many(db_url, 6)
+    receiver.inject(Fault.status(503), times=4)  # three in a row, then the first probe
+    before = transitions("hook")
+    limits = {"hook": ProviderLimits(breaker_failures=3, breaker_open_for=FAST_BREAKER)}
+    d = dispatcher(pool, {"hook": hook}, concurrency=1, limits=limits)  # one call at a time
+    with structlog.testing.capture_logs() as logs:
+        for _ in range(3):
+            assert await d.run_once() == 1
+            make_due(db_url)
+        assert await d.run_once() == 0  # open: nothing claimed, no attempt spent
+        assert attempts_total(db_url, "hook") == 3
+        await asyncio.sleep(0.35)
+        assert await d.run_once() == 1  # half-open: one probe, which fails
+        make_due(db_url)
+        await asyncio.sleep(0.35)
+        assert await d.run_once() == 0  # open again, for twice as long
+        await asyncio.sleep(0.3)
+        assert await d.run_once() == 1  # the second probe succeeds: closed
+        for _ in range(5):
+            await d.run_once()
+    assert statuses(db_url) == {"succeeded": 6}
+    assert [r.status for r in receiver.received] == [503] * 4 + [201] * 6
+    assert attempts_total(db_url, "hook") == 10  # one per request: none while open
+    assert since(before, transitions("hook")) == {"open": 2, "half_open": 2, "closed": 1}
+    assert metrics.PROVIDER_STATE.labels("hook", "closed")._value.get() == 1
+    assert metrics.PROVIDER_PAUSED.labels("hook")._value.get() == 0  # not a credentials pause
+    said = [(e["event"].split(":")[0], e["log_level"]) for e in logs
+            if e["event"].startswith("provider breaker")]  # fmt: skip
+    assert said == [
+        ("provider breaker opened", "warning"),
+        ("provider breaker half-open", "info"),
+        ("provider breaker opened again", "warning"),
+        ("provider breaker half-open", "info"),
+        ("provider breaker closed", "info"),
+    ]
+    assert [e["failures"] for e in logs if "failures" in e] == [3]
+    assert [e["probe_in_s"] for e in logs if "probe_in_s" in e] == [0.3, 0.6]
+
+
+async def test_permanent_answers_never_open_the_breaker(
+    db_url: str, pool: AsyncConnectionPool[Any], receiver: FakeWebhookReceiver, hook: Provider
+) -> None:
+    enqueue_many(db_url, 5)
+    receiver.inject(Fault.status(422), times=5)
+    limits = {"hook": ProviderLimits(breaker_failures=2)}
+    d = dispatcher(pool, {"hook": hook}, concurrency=1, limits=limits)
+    for _ in range(5):
+        assert await d.run_once() == 1
+    assert statuses(db_url) == {"quarantined": 5}
+    assert metrics.PROVIDER_STATE.labels("hook", "closed")._value.get() == 1
+
+
+async def test_a_failing_stripe_leaves_the_webhook_its_throughput_and_gets_only_probes(
+    db_url: str, pool: AsyncConnectionPool[Any], fake: FakeStripe, provider: Provider
+) -> None:
+    """Stripe answers 503 to everything. The webhook answers in 100 ms, so its throughput is set
+    by concurrency, not by this machine's load: measured alone, then beside the failing Stripe."""
+    count, open_for = 320, 1.0
+    limits = {"stripe": ProviderLimits(breaker_open_for=timedelta(seconds=open_for))}
+    fake.inject(StripeFault.status(503, error_type="api_error"), times=100_000)
+    with FakeWebhookReceiver() as receiver:
+        receiver.inject(Fault.delay_after_apply(0.1), times=100_000)
+        hook = webhook("hook", receiver.url)
+        try:
+            enqueue_many(db_url, count, prefix="solo")
+            solo = await run_until(dispatcher(pool, {"hook": hook}, concurrency=16),
+                                   lambda: receiver.effect_count() >= count, 30)  # fmt: skip
+            stripe_ops = enqueue_charges(db_url, 100)  # first in line
+            enqueue_many(db_url, count, prefix="beside")
+            d = dispatcher(pool, {"hook": hook, "stripe": provider}, concurrency=16,
+                           limits=limits)  # fmt: skip
+            started = time.monotonic()
+            beside = await run_until(d, lambda: receiver.effect_count() >= 2 * count
+                                     and time.monotonic() - started > 3.5, 30)  # fmt: skip
+            beside_hook = receiver.effects[-1].at - started
+        finally:
+            await hook.aclose()
+    print(f"\nwebhook alone {count / solo:.0f}/s, beside a failing Stripe "  # noqa: T201 (the figures)
+          f"{count / beside_hook:.0f}/s; Stripe got {len(fake.received)} requests "
+          f"in {beside:.1f}s")  # fmt: skip
+    assert beside_hook <= solo * 1.2
+    arrivals = sorted(r.at for r in fake.received)
+    burst = [t for t in arrivals if t - arrivals[0] < 0.5]  # the calls before the breaker opened
+    assert len(burst) <= 16
+    probes = arrivals[len(burst) :]
+    # At most one probe per open period, and open periods double while probes fail.
+    assert 1 <= len(probes) <= 1 + (beside - 0.5) / open_for
+    assert all(b - a >= open_for * 0.9 for a, b in itertools.pairwise(probes))
+    assert statuses(db_url) == {"succeeded": 2 * count, "pending": len(stripe_ops)}
+    # Every attempt was a request: none spent while the breaker was open.
+    assert attempts_total(db_url, "stripe") == len(fake.received)
+    assert fake.object_count() == 0
+
+
+# --- max_in_flight -----------------------------------------------------------------------------
+
+
+async def test_a_slow_provider_holds_only_its_own_slots(
+    db_url: str, pool: AsyncConnectionPool[Any]
+) -> None:
+    enqueue_many(db_url, 40, provider="slow", prefix="slow")  # first in line
+    enqueue_many(db_url, 40, provider="fast", prefix="fast")
+    with FakeWebhookReceiver() as slow_end, FakeWebhookReceiver() as fast_end:
+        slow_end.inject(Fault.delay_after_apply(1.0), times=100)
+        slow, fast = webhook("slow", slow_end.url), webhook("fast", fast_end.url)
+        try:
+            d = dispatcher(pool, {"slow": slow, "fast": fast}, concurrency=16,
+                           limits={"slow": ProviderLimits(max_in_flight=2)})  # fmt: skip
+            started = time.monotonic()
+            await run_until(d, lambda: slow_end.effect_count() >= 4, 30)
+            fast_done = fast_end.effects[-1].at - started
+        finally:
+            await slow.aclose()
+            await fast.aclose()
+    # Without the cap, the slow provider's 40 rows would fill all 16 slots for a second or more.
+    assert fast_end.effect_count() == 40
+    assert fast_done < 0.8
+    assert slow_end.peak_in_flight == 2
+    assert statuses(db_url)["succeeded"] == 40 + slow_end.effect_count()
+
+
+# --- the shared token bucket -------------------------------------------------------------------
+
+
+def bucket(url: str, provider: str) -> float:
+    ((tokens,),) = rows(url, "SELECT tokens FROM outbox.provider_buckets WHERE provider = %s",
+                        (provider,))  # fmt: skip
+    return float(tokens)
+
+
+async def test_a_429_empties_the_shared_bucket_for_every_replica(
+    db_url: str, pool: AsyncConnectionPool[Any], receiver: FakeWebhookReceiver, hook: Provider
+) -> None:
+    enqueue_many(db_url, 10)
+    rows(db_url, "INSERT INTO outbox.provider_buckets (provider, rate, burst, tokens, refilled_at)"
+                 " VALUES ('hook', 20, 20, 20, now()) RETURNING 1")  # a full bucket  # fmt: skip
+    receiver.inject(Fault.status(429, retry_after=2))
+    limits = {"hook": ProviderLimits(rate=20, burst=20)}
+    first = dispatcher(pool, {"hook": hook}, worker="first", concurrency=1, limits=limits)
+    other = dispatcher(pool, {"hook": hook}, worker="other", limits=limits)
+    throttled = metrics.PROVIDER_THROTTLED.labels("hook")._value.get()
+    assert await first.run_once() == 1  # 429, Retry-After: 2
+    assert bucket(db_url, "hook") <= -39  # two seconds of debt at 20/s
+    assert metrics.PROVIDER_THROTTLED.labels("hook")._value.get() == throttled + 1
+    make_due(db_url)
+    assert await other.run_once() == 0  # another replica waits too
+    assert await first.run_once() == 0
+    assert len(receiver.received) == 1
+    # Time moves in the data: the Retry-After has passed, and the debt with it.
+    rows(db_url, "UPDATE outbox.provider_buckets SET refilled_at = refilled_at - interval '2.2s'"
+                 " RETURNING 1")  # fmt: skip
+    assert await other.run_once() in (4, 5)  # 2.2 s at 20/s, less the 40 of debt: 4 tokens
+    assert [r.status for r in receiver.received] == [429] + [201] * 4
+
+
+async def test_a_claim_takes_no_more_rows_than_tokens_and_gives_back_the_rest(
+    db_url: str, pool: AsyncConnectionPool[Any], receiver: FakeWebhookReceiver, hook: Provider
+) -> None:
+    enqueue_many(db_url, 10)
+    other_ids = enqueue_many(db_url, 3, provider="other", prefix="other")
+    rows(db_url, "INSERT INTO outbox.provider_buckets (provider, rate, burst, tokens, refilled_at)"
+                 " VALUES ('hook', 0.001, 5, 5, now()) RETURNING 1")  # fmt: skip
+    with FakeWebhookReceiver() as other_end:
+        other = webhook("other", other_end.url)
+        try:
+            limits = {"hook": ProviderLimits(rate=0.001, burst=5)}  # 5 now, then nearly none
+            d = dispatcher(pool, {"hook": hook, "other": other}, limits=limits)
+            assert await d.run_once() == 5 + 3
+            assert await d.run_once() == 0
+        finally:
+            await other.aclose()
+    assert receiver.effect_count() == 5
+    assert other_end.effect_count() == len(other_ids)
+    assert bucket(db_url, "hook") < 1  # every token used, none lost or made up
+
+
+@pytest.mark.slow
+def test_three_processes_together_stay_under_the_rate_limit(db_url: str, tmp_path: Any) -> None:
+    from tests.support.daemon import outbox_processes, wait_until, write_config  # noqa: PLC0415
+
+    rate, burst, seconds = 50, 10, 20.0
+    enqueue_many(db_url, 1_500)  # more than 20 s can take: saturated throughout
+    with FakeWebhookReceiver() as receiver:
+        cfg = write_config(
+            tmp_path / "outbox.toml",
+            providers={"hook": {"type": "webhook", "url": receiver.url,
+                                "rate_limit": f"{rate}/s", "rate_burst": burst}},
+            poll_interval="200ms", concurrency=64, lease="10s",
+        )  # fmt: skip
+        with outbox_processes(3, db_url, cfg, tmp_path):
+            wait_until(lambda: len(receiver.received) > 0, timeout=30, what="a first request")
+            first = receiver.received[0].at
+            time.sleep(max(0.0, seconds + first - time.monotonic()))
+            arrivals = sorted(r.at - first for r in receiver.received if r.at - first < seconds)
+    # The busiest one-second window: every window that holds the most starts at an arrival.
+    busiest = max(bisect.bisect_left(arrivals, start + 1.0) - i
+                  for i, start in enumerate(arrivals))  # fmt: skip
+    achieved = len(arrivals) / seconds
+    print(f"\n3 x outbox run at {rate}/s (burst {burst}): {achieved:.1f}/s "  # noqa: T201 (the figures)
+          f"over {seconds:.0f}s, busiest second {busiest}")  # fmt: skip
+    assert busiest <= rate + burst
+    assert achieved >= rate * 0.7
+    assert rows(db_url, "SELECT count(DISTINCT worker) FROM outbox.attempts") == [(3,)]
