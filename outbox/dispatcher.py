@@ -14,6 +14,7 @@ import dataclasses
 import enum
 import random
 import time
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -129,6 +130,8 @@ class Dispatcher:
         self._waiting_since: float | None = None  # when we last marked ourselves waiting
         self._reserved = 0  # slots held for claims under way
         self._backlog = asyncio.Event()  # the last claim came back full: more claimers help
+        # The (provider, tenant) group the next claim starts after.
+        self._cursor: tuple[str, str] | None = None
 
     # --- control ------------------------------------------------------------------------------
 
@@ -277,8 +280,10 @@ class Dispatcher:
     async def _claim(self, limit: int) -> list[Claimed]:
         started = time.perf_counter()
         try:
-            claimed = await self._store.claim(self._worker, limit, self._settings.lease,
-                                              self._paused_now())  # fmt: skip
+            claimed = await self._store.claim(
+                self._worker, limit, self._settings.lease,
+                caps=dict.fromkeys(self._paused_now(), 0), after=self._cursor,
+            )  # fmt: skip
         except psycopg.Error as exc:
             self.database_ok = False
             metrics.DB_ERRORS.labels("claim").inc()
@@ -293,7 +298,23 @@ class Dispatcher:
         self.database_ok = True
         self._claim_retry = CLAIM_RETRY_MIN
         metrics.CLAIM_DURATION.observe(time.perf_counter() - started)
+        self._advance_cursor(claimed)
         return claimed
+
+    def _advance_cursor(self, claimed: list[Claimed]) -> None:
+        """Where the next claim's visit of the groups starts. After the group that took more
+        than its share, so that the next group in line fills the next batch; with no such group
+        (each took one row, or all they had), after the last group served, so that groups the
+        claim did not reach come first. Python orders strings by code point, the database by its
+        collation: where they differ the turns are less even, never skipped for good."""
+        counts = Counter((row.provider, row.tenant_id) for row in claimed)
+        if not counts:
+            return
+        after = self._cursor or ("", "")
+        order = sorted(counts)
+        visit = [g for g in order if g > after] + [g for g in order if g <= after]
+        least = min(counts.values())
+        self._cursor = next((g for g in visit if counts[g] > least), visit[-1])
 
     def _start(self, row: Claimed) -> None:
         now = time.monotonic()
