@@ -350,20 +350,3 @@ class Limits:
                 level = 0.0 if tokens is None else tokens.level
                 waits.append(max(TOKEN_PACE, (1 - level) / rate))
         return min(waits, default=None)
-
-
-def over_caps(
-    claimed: Sequence[Claimed], caps: Mapping[str, int]
-) -> tuple[list[Claimed], list[Claimed]]:
-    """The rows within each provider's cap, and those beyond it (oldest kept)."""
-    kept: list[Claimed] = []
-    beyond: list[Claimed] = []
-    taken: Counter[str] = Counter()
-    for row in claimed:
-        cap = caps.get(row.provider)
-        if cap is not None and taken[row.provider] >= cap:
-            beyond.append(row)
-        else:
-            taken[row.provider] += 1
-            kept.append(row)
-    return kept, beyond

@@ -80,21 +80,131 @@ RECORD_MIGRATION: Final = (
 # The claim protocol: claim (one short transaction) -> call the provider with no transaction
 # open -> record (one short transaction, fenced by the lease token and attempt number).
 
-# Lease due pending rows to this worker.
+# Lease due pending rows to this worker, a fair share from each (provider, tenant) group: a
+# tenant's or a provider's backlog cannot fill every batch while another's operations wait. The
+# groups are visited from just after the cursor (the first group of the last claim), wrapping
+# around, so the head of the line rotates; each gets an even share of the batch (and of its
+# provider's cap), then the groups with more fill what the others left. Within a group rows go
+# oldest first. Every step reads the partial index operations_claim_group, which holds only
+# claimable rows, so finished rows, rows waiting for their ordering key, and providers capped at
+# 0 (breaker open, no rate tokens) cost nothing. SKIP LOCKED: concurrent dispatchers take other
+# rows instead of queueing behind these.
 CLAIM: Final = """
-WITH due AS MATERIALIZED (
-    -- The oldest due pending rows, served by the partial index operations_claim, which keeps
-    -- finished rows out of the scan. SKIP LOCKED: concurrent dispatchers take the next rows
-    -- instead of queueing behind these. MATERIALIZED fences the LIMIT, so the UPDATE below can
-    -- never touch more rows than were locked here.
-    SELECT id
-    FROM outbox.operations
-    WHERE status = 'pending' AND available_at <= now()
-      -- Providers paused in this process (credentials refused) are left for later.
-      AND provider <> ALL (%(paused)s::text[])
-    ORDER BY available_at, id
-    LIMIT %(limit)s::integer
-    FOR UPDATE SKIP LOCKED
+WITH RECURSIVE
+limits AS (
+    -- Per provider, the most rows this claim may take (0: none); absent: no cap.
+    SELECT * FROM unnest(%(cap_providers)s::text[], %(caps)s::integer[]) AS l(provider, cap)
+),
+groups (provider, tenant_id, available_at, cap, wrapped, n) AS (
+    -- A loose index scan: one probe per group, each giving the group's earliest row.
+    SELECT f.provider, f.tenant_id, f.available_at,
+           coalesce((SELECT l.cap FROM limits l WHERE l.provider = f.provider), %(limit)s),
+           f.wrapped, 1
+    FROM (
+        (SELECT o.provider, o.tenant_id, o.available_at, false AS wrapped
+         FROM outbox.operations o
+         WHERE o.status = 'pending' AND NOT o.ordering_blocked
+           AND (o.provider, o.tenant_id) > (%(after_provider)s::text, %(after_tenant)s::text)
+         ORDER BY o.provider, o.tenant_id, o.available_at, o.id LIMIT 1)
+        UNION ALL
+        (SELECT o.provider, o.tenant_id, o.available_at, true
+         FROM outbox.operations o
+         WHERE o.status = 'pending' AND NOT o.ordering_blocked
+         ORDER BY o.provider, o.tenant_id, o.available_at, o.id LIMIT 1)
+        LIMIT 1
+    ) f
+    UNION ALL
+    SELECT nx.provider, nx.tenant_id, nx.available_at,
+           coalesce((SELECT l.cap FROM limits l WHERE l.provider = nx.provider), %(limit)s),
+           nx.wrapped, g.n + 1
+    FROM groups g
+    CROSS JOIN LATERAL (
+        -- The next group; past a provider capped at 0, its other tenants are jumped over; at
+        -- the end, around to the first group. UNION ALL ... LIMIT 1 stops at the first branch
+        -- that finds one, and each branch's condition on g is checked before its scan.
+        (SELECT o.provider, o.tenant_id, o.available_at, g.wrapped AS wrapped
+         FROM outbox.operations o
+         WHERE g.cap > 0 AND o.status = 'pending' AND NOT o.ordering_blocked
+           AND (o.provider, o.tenant_id) > (g.provider, g.tenant_id)
+         ORDER BY o.provider, o.tenant_id, o.available_at, o.id LIMIT 1)
+        UNION ALL
+        (SELECT o.provider, o.tenant_id, o.available_at, g.wrapped
+         FROM outbox.operations o
+         WHERE g.cap <= 0 AND o.status = 'pending' AND NOT o.ordering_blocked
+           AND o.provider > g.provider
+         ORDER BY o.provider, o.tenant_id, o.available_at, o.id LIMIT 1)
+        UNION ALL
+        (SELECT o.provider, o.tenant_id, o.available_at, true
+         FROM outbox.operations o
+         WHERE NOT g.wrapped AND o.status = 'pending' AND NOT o.ordering_blocked
+         ORDER BY o.provider, o.tenant_id, o.available_at, o.id LIMIT 1)
+        LIMIT 1
+    ) nx
+    WHERE g.n < %(max_groups)s
+      -- Once around, stop where the visit began.
+      AND NOT (nx.wrapped
+               AND (nx.provider, nx.tenant_id) > (%(after_provider)s::text, %(after_tenant)s::text))
+),
+ready AS MATERIALIZED (
+    -- The groups with a due row, each with its share of the batch and of its provider's cap:
+    -- an even split, the remainder to the groups first in line, so shares never add up to more.
+    SELECT provider, tenant_id, n,
+           least(%(limit)s / count(*) OVER ()
+                   + (row_number() OVER (ORDER BY n) <= %(limit)s %% count(*) OVER ())::integer,
+                 cap / count(*) OVER (PARTITION BY provider)
+                   + (row_number() OVER (PARTITION BY provider ORDER BY n)
+                      <= cap %% count(*) OVER (PARTITION BY provider))::integer) AS share,
+           cap
+    FROM groups
+    WHERE cap > 0 AND available_at <= now()
+),
+first AS MATERIALIZED (
+    SELECT r.provider, r.tenant_id, pick.id
+    FROM ready r
+    CROSS JOIN LATERAL (
+        SELECT o.id FROM outbox.operations o
+        WHERE o.provider = r.provider AND o.tenant_id = r.tenant_id
+          AND o.status = 'pending' AND NOT o.ordering_blocked AND o.available_at <= now()
+        ORDER BY o.available_at, o.id
+        LIMIT r.share
+        FOR UPDATE SKIP LOCKED
+    ) pick
+    LIMIT %(limit)s
+),
+taken AS (
+    SELECT provider, tenant_id, count(*) AS k,
+           sum(count(*)) OVER (PARTITION BY provider) AS provider_k
+    FROM first GROUP BY provider, tenant_id
+),
+busy AS MATERIALIZED (
+    -- Groups that filled their share may have more: they split what is left of their
+    -- provider's cap the same way, visited in the same order.
+    SELECT r.provider, r.tenant_id, r.share, r.n,
+           ((r.cap - t.provider_k) / count(*) OVER (PARTITION BY r.provider)
+            + (row_number() OVER (PARTITION BY r.provider ORDER BY r.n)
+               <= (r.cap - t.provider_k) %% count(*) OVER (PARTITION BY r.provider))::integer
+           )::integer AS room
+    FROM ready r JOIN taken t USING (provider, tenant_id)
+    WHERE t.k = r.share
+    ORDER BY r.n
+),
+more AS MATERIALIZED (
+    SELECT pick.id
+    FROM busy b
+    CROSS JOIN LATERAL (
+        -- Past the rows of the first pass. Should a concurrent claim have moved them, a row
+        -- may come twice (the UNION below drops it) or be left for the next claim.
+        SELECT o.id FROM outbox.operations o
+        WHERE o.provider = b.provider AND o.tenant_id = b.tenant_id
+          AND o.status = 'pending' AND NOT o.ordering_blocked AND o.available_at <= now()
+        ORDER BY o.available_at, o.id
+        OFFSET b.share LIMIT greatest(b.room, 0)
+        FOR UPDATE SKIP LOCKED
+    ) pick
+    LIMIT greatest(%(limit)s - (SELECT count(*) FROM first), 0)
+),
+due AS (
+    SELECT id FROM first UNION SELECT id FROM more
 )
 UPDATE outbox.operations AS o
 SET status = 'in_flight',
@@ -106,8 +216,8 @@ SET status = 'in_flight',
     last_attempt_at = now(),
     updated_at = now(),
     status_changed_at = now()
-FROM due
-WHERE o.id = due.id
+-- An array, not a join: the planner cannot misjudge it into a scan of the whole table.
+WHERE o.id = ANY (ARRAY(SELECT id FROM due))
 RETURNING o.id, o.tenant_id, o.operation_type, o.operation_key, o.provider, o.action, o.payload,
           o.idempotency_key, o.correlation_id, o.traceparent, o.attempts, o.attempt_base,
           o.max_attempts, o.lease_token, o.first_sent_at, o.created_at, now() AS claimed_at
@@ -395,7 +505,10 @@ WHERE status IN ('succeeded', 'cancelled') AND finished_at < now() - %(older_tha
 # row count after that (EXACT_COUNT_LIMIT in outbox.gauges).
 GAUGES: Final = """
 SELECT
-    (SELECT count(*) FROM outbox.operations WHERE status = 'pending') AS pending,
+    -- Two partial indexes between them hold every pending row: the claimable, and the waiting.
+    (SELECT count(*) FROM outbox.operations WHERE status = 'pending' AND NOT ordering_blocked)
+      + (SELECT count(*) FROM outbox.operations WHERE ordering_blocked) AS pending,
+    (SELECT count(*) FROM outbox.operations WHERE ordering_blocked) AS ordering_blocked,
     (SELECT count(*) FROM outbox.operations WHERE status = 'in_flight') AS in_flight,
     (SELECT count(*) FROM outbox.operations WHERE status = 'reconciling') AS reconciling,
     (SELECT count(*) FROM outbox.operations WHERE status = 'quarantined') AS quarantined,
@@ -406,8 +519,21 @@ SELECT
      FROM pg_class c WHERE c.oid = 'outbox.operations'::regclass) AS succeeded_exact,
     (SELECT greatest(c.reltuples, 0)::bigint FROM pg_class c
      WHERE c.oid = 'outbox.operations'::regclass) AS estimated_rows,
-    (SELECT extract(epoch FROM now() - min(available_at))::float8 FROM outbox.operations
-     WHERE status = 'pending' AND available_at <= now()) AS oldest_pending_age,
+    -- The earliest row of each (provider, tenant) group by a loose index scan: one probe per
+    -- group instead of a read of every pending row.
+    (WITH RECURSIVE heads AS (
+         (SELECT provider, tenant_id, available_at FROM outbox.operations
+          WHERE status = 'pending' AND NOT ordering_blocked
+          ORDER BY provider, tenant_id, available_at LIMIT 1)
+         UNION ALL
+         SELECT nx.* FROM heads h CROSS JOIN LATERAL (
+             SELECT provider, tenant_id, available_at FROM outbox.operations
+             WHERE status = 'pending' AND NOT ordering_blocked
+               AND (provider, tenant_id) > (h.provider, h.tenant_id)
+             ORDER BY provider, tenant_id, available_at LIMIT 1) nx
+     )
+     SELECT extract(epoch FROM now() - min(available_at))::float8 FROM heads
+     WHERE available_at <= now()) AS oldest_pending_age,
     (SELECT extract(epoch FROM now() - min(status_changed_at))::float8 FROM outbox.operations
      WHERE status = 'reconciling') AS oldest_reconciling_age
 """

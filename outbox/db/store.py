@@ -31,6 +31,10 @@ from outbox.model import Status
 # psycopg then tries to cancel (up to 10 s more) and drops the connection: under 60 s in all.
 STATEMENT_DEADLINE: Final = 35.0
 
+# How many (provider, tenant) groups one claim visits at most: one index probe each. Beyond it,
+# the cursor carries the visit on at the next claim.
+MAX_GROUPS_PER_CLAIM: Final = 200
+
 # The connections the current task has checked out. A tuple, never mutated: tasks started while
 # one is held inherit it, which is exactly the bug the send guard looks for.
 _HELD: ContextVar[tuple[AsyncConnection[Any], ...]] = ContextVar("outbox_held", default=())
@@ -103,9 +107,19 @@ class Store:
         self._pool = pool
 
     async def claim(self, worker: str, limit: int, lease: timedelta,
-                    paused: Sequence[str] = ()) -> list[Claimed]:  # fmt: skip
-        """Lease up to ``limit`` due rows, skipping the ``paused`` providers'."""
-        params = {"worker": worker, "limit": limit, "lease": lease, "paused": list(paused)}
+                    caps: Mapping[str, int] | None = None,
+                    after: tuple[str, str] | None = None) -> list[Claimed]:  # fmt: skip
+        """Lease up to ``limit`` due rows, a share from each (provider, tenant) group, taking
+        at most ``caps[p]`` rows of provider p (0: none). Groups are visited from just after
+        ``after``, a (provider, tenant) pair, and around (see statements.CLAIM)."""
+        caps = caps or {}
+        params = {
+            "worker": worker, "limit": limit, "lease": lease,
+            "cap_providers": list(caps), "caps": list(caps.values()),
+            "after_provider": after[0] if after else "", "after_tenant": after[1] if after else "",
+            # Past `limit` groups each share is one row; the margin covers groups with nothing due.
+            "max_groups": min(2 * limit, MAX_GROUPS_PER_CLAIM),
+        }  # fmt: skip
         async with self._connection() as conn:
             cur = conn.cursor(row_factory=dict_row)
             rows = await (await cur.execute(statements.CLAIM, params)).fetchall()

@@ -147,9 +147,10 @@ def test_status_enum_equals_the_check_constraint(conn: psycopg.Connection[Any]) 
     assert allowed == {s.value for s in Status}
 
 
-def test_the_claim_index_covers_only_pending_rows(conn: psycopg.Connection[Any]) -> None:
+def test_the_claim_index_covers_only_claimable_pending_rows(conn: psycopg.Connection[Any]) -> None:
     row = conn.execute(
-        "SELECT indexdef FROM pg_indexes WHERE indexname = 'operations_claim'"
+        "SELECT indexdef FROM pg_indexes WHERE indexname = 'operations_claim_group'"
     ).fetchone()
     assert row is not None
-    assert "(available_at, id)" in row[0] and "WHERE (status = 'pending'::text)" in row[0]
+    assert "(provider, tenant_id, available_at, id)" in row[0]
+    assert "WHERE ((status = 'pending'::text) AND (NOT ordering_blocked))" in row[0]

@@ -15,10 +15,11 @@ from psycopg_pool import ConnectionPool
 
 import outbox
 from outbox import operators
-from outbox.db import connect, migrations
+from outbox.db import connect, migrations, statements
 from outbox.model import Status
 from outbox.providers.base import Provider
 from outbox.providers.fakes.webhook import FakeWebhookReceiver
+from tests.integration.test_query_plans import CLAIM_PARAMS
 from tests.integration.test_roles import (
     APP,
     DISPATCHER,
@@ -184,11 +185,9 @@ async def test_the_dispatcher_and_the_operator_see_every_tenant(
 
 def test_the_claim_still_reads_its_partial_index_under_row_level_security(rls_db: str) -> None:
     with psycopg.connect(as_role(rls_db, DISPATCHER)) as conn:
-        plan = conn.execute(
-            "EXPLAIN (FORMAT JSON) SELECT id FROM outbox.operations WHERE status = 'pending' "
-            "AND available_at <= now() ORDER BY available_at, id LIMIT 10 FOR UPDATE SKIP LOCKED"
-        ).fetchone()
-    assert plan is not None and '"Index Name": "operations_claim"' in _json_text(plan[0])
+        plan = conn.execute("EXPLAIN (FORMAT JSON) " + statements.CLAIM, CLAIM_PARAMS).fetchone()
+        conn.rollback()
+    assert plan is not None and '"Index Name": "operations_claim_group"' in _json_text(plan[0])
 
 
 def _json_text(value: Any) -> str:
