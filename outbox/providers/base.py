@@ -54,7 +54,8 @@ class Failed:
     # retrying burns attempts, so the operation goes to reconciliation.
     reconcile: bool = False
     # The provider refuses our credentials (401/403): every operation would fail the same way,
-    # so the whole provider pauses and this operation keeps its attempt.
+    # so the provider's circuit breaker opens (reason "credentials") and this operation keeps
+    # its attempt.
     pause: bool = False
 
     @property

@@ -29,6 +29,15 @@ BAD_CONFIGS = [
     ('[providers.pay]\ntype = "stripe"\napi_key = "sk_test_inline"\n', "providers.pay.api_key"),
     ('[providers.pay]\ntype = "stripe"\napi_key_file = "/nonexistent/key"\n',
      "providers.pay.api_key"),
+    ('[providers.hook]\ntype = "noop"\nmax_in_flight = 0\n', "providers.hook.max_in_flight"),
+    ('[providers.hook]\ntype = "noop"\nrate_limit = "lots"\n', "providers.hook.rate_limit"),
+    ('[providers.hook]\ntype = "noop"\nrate_limit = "5/s"\nrate_burst = 0\n',
+     "providers.hook.rate_burst"),
+    ('[providers.hook]\ntype = "noop"\nrate_burst = 5\n', "providers.hook.rate_burst"),
+    ('[providers.hook]\ntype = "noop"\nbreaker_failures = "five"\n',
+     "providers.hook.breaker_failures"),
+    ('[providers.hook]\ntype = "noop"\nbreaker_open_for = "-1s"\n',
+     "providers.hook.breaker_open_for"),
 ]  # fmt: skip
 
 

@@ -16,6 +16,7 @@ from outbox.config import (
     ConfigError,
     DatabaseSettings,
     DispatcherSettings,
+    ProviderLimits,
     ProviderSettings,
     Settings,
     load_settings,
@@ -142,6 +143,47 @@ def test_provider_defaults_and_numbers_as_seconds() -> None:
     assert provider.options == {}
 
 
+def test_a_provider_s_limits_default_to_a_breaker_alone() -> None:
+    limits = load({"providers": {"n": {"type": "noop"}}}).providers["n"].limits
+    assert limits == ProviderLimits(
+        max_in_flight=None, rate=None, breaker_failures=5, breaker_open_for=timedelta(seconds=30)
+    )
+
+
+@pytest.mark.parametrize(
+    ("table", "expected"),
+    [
+        ({"rate_limit": "100/s"}, ProviderLimits(rate=100.0, burst=100)),
+        ({"rate_limit": "600/m"}, ProviderLimits(rate=10.0, burst=10)),
+        ({"rate_limit": " 30 / m "}, ProviderLimits(rate=0.5, burst=1)),  # at least one
+        ({"rate_limit": "2.5/s", "rate_burst": 7}, ProviderLimits(rate=2.5, burst=7)),
+        (
+            {"max_in_flight": 4, "breaker_failures": 2, "breaker_open_for": "1m"},
+            ProviderLimits(
+                max_in_flight=4, breaker_failures=2, breaker_open_for=timedelta(minutes=1)
+            ),
+        ),
+    ],
+)
+def test_a_provider_s_limits_from_the_file(table: dict[str, Any], expected: ProviderLimits) -> None:
+    provider = load({"providers": {"n": {"type": "noop", **table}}}).providers["n"]
+    assert provider.limits == expected
+    assert provider.options == {}  # every provider has these keys: none is left to the type
+
+
+def test_a_provider_s_limits_from_the_environment() -> None:
+    environ = {
+        "OUTBOX_PROVIDERS__N__MAX_IN_FLIGHT": "3",
+        "OUTBOX_PROVIDERS__N__RATE_LIMIT": "25/s",
+        "OUTBOX_PROVIDERS__N__RATE_BURST": "5",
+        "OUTBOX_PROVIDERS__N__BREAKER_FAILURES": "9",
+        "OUTBOX_PROVIDERS__N__BREAKER_OPEN_FOR": "2m",
+    }
+    provider = load({"providers": {"n": {"type": "noop"}}}, **environ).providers["n"]
+    assert provider.limits == ProviderLimits(3, 25.0, 5, 9, timedelta(minutes=2))
+    assert "rate_limit='25/s'" in repr(provider)
+
+
 def test_zero_is_allowed_where_it_means_something() -> None:
     dispatcher = load({"dispatcher": {"shutdown_grace": "0s", "retention_margin": 0}}).dispatcher
     assert dispatcher.shutdown_grace == dispatcher.retention_margin == timedelta(0)
@@ -246,6 +288,9 @@ def test_an_unknown_dispatcher_variable_is_named() -> None:
         ("OUTBOX_LOG_LEVEL", "loud", "must be one of debug, info, warning, error"),
         ("OUTBOX_PROVIDERS__BILLING__TIMEOUT", "-1s", "must be a duration greater than zero"),
         ("OUTBOX_PROVIDERS__BILLING__HEADERS", "X=1", "is a table"),
+        ("OUTBOX_PROVIDERS__BILLING__RATE_LIMIT", "fast", "providers.billing.rate_limit (from "),
+        ("OUTBOX_PROVIDERS__BILLING__MAX_IN_FLIGHT", "0", "providers.billing.max_in_flight"),
+        ("OUTBOX_PROVIDERS__BILLING__BREAKER_OPEN_FOR", "x", "providers.billing.breaker_open_for"),
         ("OUTBOX_PROVIDERS__BILLING", "x", "OUTBOX_PROVIDERS__<NAME>__<KEY>"),
         ("OUTBOX_PROVIDERS__BILLING__A__B", "x", "OUTBOX_PROVIDERS__<NAME>__<KEY>"),
     ],
@@ -304,6 +349,51 @@ def test_an_ambiguous_provider_variable_is_refused() -> None:
             {"providers": {"a": {"type": "noop", "key_retention": "1d2"}}},
             "providers.a.key_retention",
             'not "1d2"',
+        ),
+        (
+            {"providers": {"a": {"type": "noop", "max_in_flight": 0}}},
+            "providers.a.max_in_flight",
+            "positive integer, not 0",
+        ),
+        (
+            {"providers": {"a": {"type": "noop", "max_in_flight": "2"}}},
+            "providers.a.max_in_flight",
+            'not "2"',
+        ),
+        (
+            {"providers": {"a": {"type": "noop", "rate_limit": 100}}},
+            "providers.a.rate_limit",
+            'must be a rate such as "100/s" or "600/m"',
+        ),
+        (
+            {"providers": {"a": {"type": "noop", "rate_limit": "100/h"}}},
+            "providers.a.rate_limit",
+            'not "100/h"',
+        ),
+        (
+            {"providers": {"a": {"type": "noop", "rate_limit": "0/s"}}},
+            "providers.a.rate_limit",
+            'not "0/s"',
+        ),
+        (
+            {"providers": {"a": {"type": "noop", "rate_limit": "1/s", "rate_burst": -1}}},
+            "providers.a.rate_burst",
+            "positive integer, not -1",
+        ),
+        (
+            {"providers": {"a": {"type": "noop", "rate_burst": 5}}},
+            "providers.a.rate_burst",
+            "applies only with providers.a.rate_limit",
+        ),
+        (
+            {"providers": {"a": {"type": "noop", "breaker_failures": 0}}},
+            "providers.a.breaker_failures",
+            "positive integer, not 0",
+        ),
+        (
+            {"providers": {"a": {"type": "noop", "breaker_open_for": "0s"}}},
+            "providers.a.breaker_open_for",
+            "greater than zero",
         ),
     ],
 )
@@ -415,6 +505,14 @@ def test_value_errors_name_the_file(tmp_path: Path) -> None:
             "providers.b",
         ),
         (lambda: Settings(DispatcherSettings(), {}, log_level="loud"), "log_level"),
+        (
+            lambda: ProviderSettings(name="a", type="noop", rate_limit=-1.0),
+            "providers.a.rate_limit",
+        ),
+        (
+            lambda: ProviderSettings(name="a", type="noop", max_in_flight=0),
+            "providers.a.max_in_flight",
+        ),
     ],
 )
 def test_settings_built_in_code_follow_the_same_rules(

@@ -7,7 +7,7 @@ import tomllib
 from datetime import timedelta
 from pathlib import Path
 
-from outbox.config import settings_from_mapping
+from outbox.config import ProviderLimits, settings_from_mapping
 from outbox.providers.registry import stripe_options, webhook_options
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -20,6 +20,10 @@ def test_the_readme_config_loads_with_its_secret_from_the_environment() -> None:
     options = webhook_options(settings.providers["billing"], {"BILLING_TOKEN": "Bearer t0k"})
     assert options.secret_headers == {"Authorization": "Bearer t0k"}
     assert options.url == "https://billing.internal/outbox"
+    assert settings.providers["billing"].limits == ProviderLimits(
+        max_in_flight=16, rate=100.0, burst=100, breaker_failures=5,
+        breaker_open_for=timedelta(seconds=30),
+    )  # fmt: skip
     assert "t0k" not in repr(options) and "t0k" not in repr(settings)
 
 

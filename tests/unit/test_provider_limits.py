@@ -1,0 +1,137 @@
+"""The circuit breaker's state machine, on a clock the test moves."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from outbox.provider_limits import Breaker, State, Verdict
+
+FAILING, HEALTHY, NEUTRAL, REFUSED = (
+    Verdict.FAILING,
+    Verdict.HEALTHY,
+    Verdict.NEUTRAL,
+    Verdict.REFUSED,
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def breaker(clock: Clock, failures: int = 3, open_for: float = 10.0) -> Breaker:
+    return Breaker("p", failures, timedelta(seconds=open_for), clock)
+
+
+def fail_until_open(b: Breaker, times: int = 3) -> None:
+    for op in range(times):
+        b.record(op, FAILING)
+
+
+def probe(b: Breaker, op: int) -> None:
+    assert b.allowance() == 1
+    b.claimed(op)
+    assert b.allowance() == 0  # exactly one probe
+    assert b.may_send(op)
+
+
+def test_a_run_of_failures_opens_and_a_success_in_between_resets_it() -> None:
+    b = breaker(Clock())
+    b.record(1, FAILING)
+    b.record(2, FAILING)
+    b.record(3, HEALTHY)
+    b.record(4, FAILING)
+    b.record(5, FAILING)
+    assert (b.state, b.allowance()) == (State.CLOSED, None)
+    b.record(6, FAILING)
+    assert (b.state, b.reason, b.allowance()) == (State.OPEN, "failures", 0)
+    assert not b.may_send(7)  # claimed before it opened: goes back unsent
+
+
+def test_permanent_answers_neither_count_nor_reset() -> None:
+    b = breaker(Clock())
+    b.record(1, FAILING)
+    b.record(2, FAILING)
+    for op in range(3, 20):
+        b.record(op, NEUTRAL)
+    assert (b.state, b.allowance()) == (State.CLOSED, None)
+    b.record(20, FAILING)
+    assert (b.state, b.allowance()) == (State.OPEN, 0)
+
+
+def test_half_open_after_the_period_one_probe_closes_on_success() -> None:
+    clock = Clock()
+    b = breaker(clock)
+    fail_until_open(b)
+    clock.now += 9.9
+    assert b.allowance() == 0
+    clock.now += 0.1
+    probe(b, 42)
+    assert b.state is State.HALF_OPEN
+    b.record(43, HEALTHY)  # a call from before: says nothing
+    assert b.state is State.HALF_OPEN
+    b.record(42, HEALTHY)
+    assert (b.state, b.reason, b.allowance()) == (State.CLOSED, None, None)
+
+
+def test_failed_probes_double_the_period_up_to_the_cap_and_a_close_resets_it() -> None:
+    clock = Clock()
+    b = breaker(clock, open_for=60.0)
+    fail_until_open(b)
+    waits = []
+    for op in range(100, 106):
+        waited = 0.0
+        while b.allowance() == 0:
+            clock.now += 1.0
+            waited += 1.0
+        waits.append(waited)
+        probe(b, op)
+        b.record(op, FAILING)
+    assert waits == [60, 120, 240, 300, 300, 300]  # BREAKER_OPEN_MAX is 5 minutes
+    clock.now += 300
+    probe(b, 200)
+    b.record(200, NEUTRAL)  # it answered: closed
+    fail_until_open(b)
+    clock.now += 59
+    assert b.allowance() == 0
+    clock.now += 1
+    assert b.allowance() == 1
+
+
+def test_a_probe_that_was_not_sent_lets_another_be_claimed() -> None:
+    clock = Clock()
+    b = breaker(clock)
+    fail_until_open(b)
+    clock.now += 10
+    probe(b, 7)
+    assert b.released(7)  # handed back unsent (shutdown, key window)
+    assert b.allowance() == 1
+    assert not b.released(8)
+
+
+def test_refused_credentials_open_at_once_and_only_a_probe_closes() -> None:
+    clock = Clock()
+    b = breaker(clock, failures=5)
+    b.record(1, REFUSED)
+    assert (b.state, b.reason) == (State.OPEN, "credentials")
+    b.record(2, HEALTHY)  # an older call succeeding proves nothing about the key now
+    assert b.state is State.OPEN
+    for op in (10, 11, 12):
+        clock.now += 10  # credentials are probed at the base period, never less often
+        probe(b, op)
+        b.record(op, FAILING if op == 11 else REFUSED)  # a 503 does not clear the reason
+        assert (b.state, b.reason) == (State.OPEN, "credentials")
+    clock.now += 10
+    probe(b, 13)
+    b.record(13, HEALTHY)
+    assert (b.state, b.reason) == (State.CLOSED, None)
+
+
+def test_a_refusal_while_open_for_failures_makes_credentials_the_reason() -> None:
+    b = breaker(Clock())
+    fail_until_open(b)
+    b.record(9, REFUSED)
+    assert (b.state, b.reason) == (State.OPEN, "credentials")
