@@ -92,6 +92,7 @@ class Breaker:
         self._open_until = 0.0
         self._failures = 0  # in a row, while closed
         self._probe: int | None = None  # the operation sent as the probe, while half-open
+        self._answered: int | None = None  # the last probe whose answer decided the state
         self._clock = clock
         _show_state(provider, State.CLOSED, reason=None)
 
@@ -118,7 +119,7 @@ class Breaker:
         """Count a call's outcome. While open, only the probe's counts: calls that started
         before the breaker opened say nothing about the provider now."""
         if operation_id == self._probe:
-            self._probe = None
+            self._probe, self._answered = None, operation_id
             if said is Verdict.REFUSED:
                 self._reopen(REASON_CREDENTIALS)
             elif said is Verdict.FAILING:
@@ -143,8 +144,11 @@ class Breaker:
                     self._open(REASON_FAILURES)
 
     def released(self, operation_id: int) -> bool:
-        """The row's task ended; True if it was the probe and left without a verdict (not
-        sent), so another may be claimed."""
+        """The row's task ended; True if it was the probe: it closed the breaker, or left
+        without an answer (not sent) so that another may be claimed; either way, claim now."""
+        if operation_id == self._answered:
+            self._answered = None
+            return True
         if operation_id != self._probe:
             return False
         self._probe = None
@@ -223,10 +227,6 @@ class Limits:
         self._reserved: Counter[str] = Counter()  # rows promised to claims under way
         self._claim_again_in: float | None = None
 
-    def state(self, provider: str) -> State:
-        breaker = self._breakers.get(provider)
-        return State.CLOSED if breaker is None else breaker.state
-
     # --- before and after a claim -------------------------------------------------------------
 
     def caps(self) -> dict[str, int]:
@@ -297,7 +297,8 @@ class Limits:
             await self._throttle(row.provider, lim, result.retry_after or DEFAULT_THROTTLE)
 
     def finished(self, row: Claimed) -> bool:
-        """The row's task ended; True if that may let a claim take more of its provider."""
+        """The row's task ended; True if a claim may now take more of its provider (a slot of
+        its max_in_flight is free, or its probe is over)."""
         self._in_flight[row.provider] -= 1
         breaker = self._breakers.get(row.provider)
         probe_released = breaker is not None and breaker.released(row.id)
