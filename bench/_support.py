@@ -112,17 +112,23 @@ def fresh_database(*, migrate: bool = True, prefix: str = "",
 _BULK_INSERT = """
 INSERT INTO outbox.operations (
     tenant_id, operation_type, operation_key, fingerprint, provider, action, payload,
-    idempotency_key, available_at)
+    idempotency_key, available_at, ordering_key, ordering_blocked)
 SELECT t.tenant_id, t.operation_type, t.operation_key,
-       sha256(convert_to(t.provider || E'\\n' || t.action || E'\\n' || t.payload::text, 'UTF8')),
+       sha256(convert_to(t.provider || E'\\n' || t.action || E'\\n' || t.payload::text
+                         || coalesce(E'\\n' || t.ordering_key, ''), 'UTF8')),
        t.provider, t.action, t.payload,
        outbox.derive_idempotency_key(t.tenant_id, t.operation_type, t.operation_key),
-       coalesce(%(available_at)s, now())
+       coalesce(%(available_at)s, now()),
+       -- Ordered rows wait; the commit trigger (sql/0015) makes each key's first the head.
+       t.ordering_key, t.ordering_key IS NOT NULL
 FROM (
     SELECT %(tenant)s AS tenant_id, %(operation_type)s AS operation_type,
            %(key_prefix)s || i AS operation_key, %(provider)s AS provider,
            %(action)s AS action,
-           jsonb_build_object('n', i) || %(payload)s::jsonb AS payload
+           jsonb_build_object('n', i) || %(payload)s::jsonb AS payload,
+           CASE WHEN %(ordered_every)s::integer > 0 AND i %% %(ordered_every)s::integer = 0
+                THEN 'key-' || (i / %(ordered_every)s::integer) %% %(ordering_keys)s::integer
+           END AS ordering_key
     FROM generate_series(%(first)s::bigint, %(last)s::bigint) AS i
 ) AS t
 """
@@ -132,12 +138,14 @@ def bulk_enqueue(db_url: str, count: int, *, provider: str = NOOP_PROVIDER,
                  action: str = "bench", tenant: str = "bench",
                  operation_type: str = "bench.op", key_prefix: str | None = None,
                  payload: dict[str, Any] | None = None, available_at: Any = None,
-                 analyze: bool = True) -> None:  # fmt: skip
+                 analyze: bool = True, ordered_every: int = 0,
+                 ordering_keys: int = 100) -> None:  # fmt: skip
     """Enqueue ``count`` pending operations fast, in chunks of one INSERT ... SELECT each.
 
     Rows are what ``outbox.enqueue`` would write (same fingerprint, same derived key), except
     that no NOTIFY is sent: start dispatchers after this returns. ``available_at`` None means
-    now(); a datetime delays them. ``payload`` keys are merged into ``{"n": i}``.
+    now(); a datetime delays them. ``payload`` keys are merged into ``{"n": i}``. With
+    ``ordered_every`` N, every Nth operation carries one of ``ordering_keys`` ordering keys.
     """
     import json  # noqa: PLC0415 (only this helper needs it)
 
@@ -151,7 +159,8 @@ def bulk_enqueue(db_url: str, count: int, *, provider: str = NOOP_PROVIDER,
                     "tenant": tenant, "operation_type": operation_type, "key_prefix": prefix,
                     "provider": provider, "action": action,
                     "payload": json.dumps(payload or {}), "first": first, "last": last,
-                    "available_at": available_at,
+                    "available_at": available_at, "ordered_every": ordered_every,
+                    "ordering_keys": ordering_keys,
                 },
             )  # fmt: skip
         if analyze:

@@ -52,13 +52,20 @@ CONFIGS = ((64, 10), (64, 100), (256, 10), (256, 100))
 RAW_WORKERS = (4, 8)
 # One-row claims are ~30 times slower than 100-row ones; a tenth of the count keeps them short.
 SINGLE_ROW_SHARE = 10
+# Issue 8: a third of the operations ordered, over 100 ordering keys, against none ordered, at
+# this configuration; the claim must stay within 1.5 x.
+ORDERED_EVERY = 3
+ORDERING_KEYS = 100
+ORDERED_CONFIG = (256, 100)
+ORDERED_TARGET = 1.5
 
 # The raw loop's only statement: claim a batch and finish it, in one autocommit transaction,
 # against the same table and partial index the dispatcher's claim uses.
 RAW_CLAIM_AND_FINISH = """
 WITH due AS MATERIALIZED (
     SELECT id FROM outbox.operations
-    WHERE status = 'pending' AND available_at <= now()
+    WHERE provider = 'noop' AND tenant_id = 'bench'
+      AND status = 'pending' AND NOT ordering_blocked AND available_at <= now()
     ORDER BY available_at, id
     LIMIT %s
     FOR UPDATE SKIP LOCKED
@@ -169,7 +176,7 @@ def _cpu_seconds(pid: int) -> float:
 
 def outbox_drain(count: int, concurrency: int, batch_size: int, *, processes: int = 1,
                  log_level: str = "info", profile_dir: Path | None = None,
-                 native: bool = False,
+                 native: bool = False, ordered_every: int = 0,
                  timeout: float | None = None) -> Drain:  # fmt: skip
     """`outbox run` (``processes`` of them) draining ``count`` pre-enqueued no-op operations.
 
@@ -177,7 +184,7 @@ def outbox_drain(count: int, concurrency: int, batch_size: int, *, processes: in
     """
     limit = timeout if timeout is not None else 120.0 + count / 100
     with fresh_database(prefix="thr_") as db_url:
-        bulk_enqueue(db_url, count)
+        bulk_enqueue(db_url, count, ordered_every=ordered_every, ordering_keys=ORDERING_KEYS)
         with psycopg.connect(db_url, autocommit=True) as conn:
             conn.execute("VACUUM ANALYZE outbox.operations")
         env = {"OUTBOX_LOG_LEVEL": log_level}
@@ -389,7 +396,16 @@ def main(argv: list[str]) -> int:
                         help="record each outbox run with py-spy into DIR")  # fmt: skip
     parser.add_argument("--native", action="store_true",
                         help="with --profile: C frames too (pauses it per sample)")  # fmt: skip
+    parser.add_argument("--no-ordered", dest="ordered", action="store_false",
+                        help="skip the drain with ordering keys in the mix")  # fmt: skip
+    parser.add_argument("--ordered-only", action="store_true",
+                        help="only the ordered comparison (and its unordered twin)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.ordered_only:
+        print_machine()
+        ordered_table(QUICK_COUNT if args.quick else (args.count or DEFAULT_COUNT),
+                      args.processes, max(args.drain_repeat, 1), [])  # fmt: skip
+        return 0
     count = args.count or (QUICK_COUNT if args.quick else DEFAULT_COUNT)
     repeat = 1 if args.quick else args.repeat
     configs = [_config(pair) for pair in args.configs.split(",")]
@@ -450,7 +466,39 @@ def main(argv: list[str]) -> int:
     for profile in profiles:
         if profile.exists():
             print_profile(profile)
+    if args.ordered:
+        ordered_table(count, args.processes, args.drain_repeat,
+                      drains.get(ORDERED_CONFIG, []))  # fmt: skip
     return 0
+
+
+def ordered_table(count: int, processes: int, repeat: int, unordered: list[Drain]) -> None:
+    """A third of the operations ordered over 100 keys, against none, at ORDERED_CONFIG; the
+    unordered drains of the main table are reused when they ran that configuration."""
+    concurrency, batch_size = ORDERED_CONFIG
+    unordered = list(unordered)
+    ordered: list[Drain] = []
+    for round_number in range(repeat):
+        progress(f"ordering keys: a third of {count:,} ordered over {ORDERING_KEYS} keys, "
+                 f"round {round_number + 1} of {repeat}")  # fmt: skip
+        if len(unordered) <= round_number:
+            unordered.append(outbox_drain(count, concurrency, batch_size, processes=processes))
+        ordered.append(outbox_drain(count, concurrency, batch_size, processes=processes,
+                                    ordered_every=ORDERED_EVERY))  # fmt: skip
+    claim_u = median([_mean_claim_ms(d) for d in unordered])
+    claim_o = median([_mean_claim_ms(d) for d in ordered])
+    rate_u = median([d.per_second for d in unordered])
+    rate_o = median([d.per_second for d in ordered])
+    print_table(
+        ["operations", "ordered", "mean claim", "claim x unordered", "ops/s",
+         f"claim <= {ORDERED_TARGET} x"],
+        [[f"{count:,}", "none", f"{claim_u:.2f} ms", "1.00", fmt_rate(rate_u), ""],
+         [f"{count:,}", f"1 in {ORDERED_EVERY}, {ORDERING_KEYS} keys", f"{claim_o:.2f} ms",
+          fmt_ratio(claim_o / claim_u), fmt_rate(rate_o),
+          "yes" if claim_o <= ORDERED_TARGET * claim_u else "no"]],
+        title=f"Ordering keys in the mix: concurrency {concurrency}, batch {batch_size}, "
+              f"{processes} process(es), medians of {repeat}",
+    )  # fmt: skip
 
 
 def print_profile(profile: Path) -> None:

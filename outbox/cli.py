@@ -16,7 +16,7 @@ from typing import IO, Any
 import click
 from psycopg.rows import dict_row
 
-from outbox import cli_operator, daemon, gauges, logs, producer, prune
+from outbox import cli_operator, cli_ordering, daemon, gauges, logs, producer, prune
 from outbox import demo as demo_module
 from outbox.cli_common import (
     BadInput,
@@ -135,6 +135,9 @@ def migrate(
 @click.option("--correlation-id")
 @click.option("--idempotency-key", help="Use this key instead of deriving one from the identity.")
 @click.option("--max-attempts", type=click.IntRange(min=1))
+@click.option(
+    "--ordering-key", help="Send after the tenant's earlier operations with this key, in order."
+)
 @json_option
 def enqueue(
     dsn: str, payload_text: str | None, payload_file: IO[str] | None, as_json: bool, **fields: Any
@@ -201,11 +204,13 @@ def prune_command(dsn: str, older_than: timedelta, batch: int, dry_run: bool) ->
 @dsn_option
 @json_option
 def status(dsn: str, as_json: bool) -> None:
-    """Operations per status, and the age of the oldest pending operation that is due."""
+    """Operations per status, the age of the oldest pending operation that is due, and the
+    operations waiting for their ordering key's turn, by what they wait behind."""
     # The gauges' query: partial indexes only, so it stays fast at ten million rows.
     with connect(dsn) as conn:
         cur = conn.cursor(row_factory=dict_row)
         row = cur.execute(statements.GAUGES, {"exact_limit": gauges.EXACT_COUNT_LIMIT}).fetchone()
+        blocked = cur.execute(statements.ORDERING_BLOCKED).fetchall()
     assert row is not None  # noqa: S101 (a SELECT of scalars returns one row)
     counts, approx = gauges.counts(row), gauges.estimated(row)
     oldest: float | None = row["oldest_pending_age"]
@@ -216,6 +221,7 @@ def status(dsn: str, as_json: bool) -> None:
                     "operations": {s.value: counts[s] for s in Status},
                     "succeeded_is_estimate": approx,
                     "oldest_due_pending_age_seconds": oldest,
+                    "ordering_blocked": [dict(b) for b in blocked],
                 }
             )
         )
@@ -225,6 +231,11 @@ def status(dsn: str, as_json: bool) -> None:
     click.echo(render_table(["status", "count"], shown))
     age = "none due" if oldest is None else format_duration(timedelta(seconds=oldest))
     click.echo(f"\noldest due pending: {age}")
+    if blocked:
+        # Pending operations that wait for an earlier one with their ordering key.
+        click.echo("\nwaiting for their ordering key's turn:")
+        lines = [(b["behind"], b["keys"], b["waiting"]) for b in blocked]
+        click.echo(render_table(["behind", "keys", "operations"], lines))
 
 
 @main.command()
@@ -278,6 +289,7 @@ def demo(dsn: str | None, keep: bool) -> None:
 
 main.add_command(cli_operator.reconcile)
 main.add_command(cli_operator.quarantine)
+main.add_command(cli_ordering.ordering)
 
 
 if __name__ == "__main__":  # pragma: no cover

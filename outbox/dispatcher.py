@@ -58,6 +58,8 @@ CALL_GUARD_MARGIN: Final = 5.0
 CLAIM_RETRY_MIN: Final = 0.1
 CLAIM_RETRY_MAX: Final = 5.0
 RESCUE_BATCH: Final = 500
+# How often ordering keys noted for repair are looked at (seconds; sql/0015).
+ORDERING_REPAIR_INTERVAL: Final = 1.0
 # A row naming a provider this process does not know is handed back for this long after its
 # enqueue (a deploy adding the provider may be rolling out), then quarantined as a bad row.
 UNKNOWN_PROVIDER_GRACE: Final = timedelta(minutes=10)
@@ -153,6 +155,7 @@ class Dispatcher:
         background = [
             asyncio.create_task(self._heartbeat_loop(), name="outbox-heartbeat"),
             asyncio.create_task(self._rescue_loop(), name="outbox-rescuer"),
+            asyncio.create_task(self._repair_loop(), name="outbox-ordering-repair"),
         ]
         try:
             # Several claim loops: one claim round trip at a time caps a process at a batch per
@@ -615,6 +618,16 @@ class Dispatcher:
             rescued = await self.rescue_once()
             if rescued < RESCUE_BATCH:
                 await asyncio.sleep(interval)
+
+    async def _repair_loop(self) -> None:
+        # A key noted for repair has its next operation waiting for no one: soon, not per lease.
+        while True:
+            await asyncio.sleep(ORDERING_REPAIR_INTERVAL)
+            try:
+                await self._store.repair_ordering(RESCUE_BATCH)
+            except psycopg.Error as exc:
+                metrics.DB_ERRORS.labels("ordering_repair").inc()
+                log.warning("ordering repair failed", error_class=type(exc).__name__)
 
     # --- shutdown -----------------------------------------------------------------------------
 

@@ -18,6 +18,8 @@ from outbox.model import Status
 
 # Counting succeeded rows reads them all; beyond this many rows the planner's estimate serves.
 EXACT_COUNT_LIMIT: Final = 100_000
+# What an ordering key's waiting operations can be behind (statements.ORDERING_BLOCKED).
+BEHIND: Final = ("pending", "in_flight", "quarantined", "reconciling", "none")
 
 log = structlog.get_logger("outbox.gauges")
 
@@ -47,6 +49,8 @@ async def refresh(pool: AsyncConnectionPool[Any], windows: Mapping[str, timedelt
             statements.NEARING_KEY_EXPIRY,
             {"providers": list(windows), "windows": list(windows.values())},
         )).fetchall()  # fmt: skip
+        blocked = await (await conn.cursor(row_factory=tuple_row).execute(
+            statements.ORDERING_BLOCKED)).fetchall()  # fmt: skip
     assert row is not None  # noqa: S101 (a SELECT of scalars returns one row)
     for status, value in counts(row).items():
         metrics.OPERATIONS.labels(status.value).set(value)
@@ -54,6 +58,9 @@ async def refresh(pool: AsyncConnectionPool[Any], windows: Mapping[str, timedelt
     metrics.OLDEST_RECONCILING_AGE.set(row["oldest_reconciling_age"] or 0)
     for provider, count in near:
         metrics.NEARING_KEY_EXPIRY.labels(provider).set(count)
+    waiting = {behind: int(operations) for behind, _keys, operations in blocked}
+    for behind in BEHIND:
+        metrics.ORDERING_BLOCKED.labels(behind).set(waiting.get(behind, 0))
 
 
 async def refresh_forever(pool: AsyncConnectionPool[Any], windows: Mapping[str, timedelta],

@@ -69,6 +69,12 @@ OLDEST_PENDING_AGE: Final = Gauge(
 OLDEST_RECONCILING_AGE: Final = Gauge(
     "outbox_oldest_reconciling_age_seconds", "Time the oldest reconciling operation has waited."
 )
+ORDERING_BLOCKED: Final = Gauge(
+    "outbox_ordering_blocked",
+    "Operations waiting for an earlier one with their ordering key, by the status of the one they "
+    "wait for; 'none' means no earlier one is left and a dispatcher's repair is due.",
+    ["behind"],
+)  # fmt: skip
 NEARING_KEY_EXPIRY: Final = Gauge(
     "outbox_operations_nearing_key_expiry",
     "Pending operations whose key window closes within the hour.", ["provider"],

@@ -79,6 +79,7 @@ def enqueue(
     available_at: datetime | None = None,
     max_attempts: int | None = None,
     traceparent: str | None = None,
+    ordering_key: str | None = None,
 ) -> EnqueueResult:
     """Record an operation inside the caller's open transaction.
 
@@ -87,7 +88,8 @@ def enqueue(
     :class:`OperationConflict` when the identity exists with other content and
     :class:`InvalidOperation` for malformed arguments; either way nothing is written.
     ``available_at`` delays the first attempt; ``idempotency_key`` replaces the derived key when
-    the application already has one from its own client.
+    the application already has one from its own client. Operations of one tenant with the same
+    ``ordering_key`` reach the provider one at a time, in enqueue order.
     """
     params = _enqueue_params(locals())
     try:
@@ -113,6 +115,7 @@ async def enqueue_async(
     available_at: datetime | None = None,
     max_attempts: int | None = None,
     traceparent: str | None = None,
+    ordering_key: str | None = None,
 ) -> EnqueueResult:
     """The asyncio twin of :func:`enqueue`, on a psycopg ``AsyncConnection``."""
     params = _enqueue_params(locals())
@@ -165,6 +168,7 @@ _TEXT_FIELDS = (
     "correlation_id",
     "idempotency_key",
     "traceparent",
+    "ordering_key",
 )
 
 

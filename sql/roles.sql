@@ -81,7 +81,8 @@ GRANT USAGE ON SCHEMA outbox TO outbox_producer, outbox_dispatcher, outbox_opera
 
 -- Producer: the two functions of the producer API.
 GRANT EXECUTE ON FUNCTION
-    outbox.enqueue(text, text, text, text, text, jsonb, text, text, timestamptz, integer, text),
+    outbox.enqueue(text, text, text, text, text, jsonb, text, text, timestamptz, integer, text,
+                   text),
     outbox.get_operation(text, text, text)
 TO outbox_producer;
 
@@ -102,8 +103,11 @@ GRANT EXECUTE ON FUNCTION
     outbox.record_check(bigint, text, text, jsonb, integer, integer),
     outbox.touch_check(bigint),
     outbox.claim_checks(text[], interval, integer),
-    outbox.defer_check(bigint, interval, interval)
+    outbox.defer_check(bigint, interval, interval),
+    outbox.repair_ordering_key(text, text)
 TO outbox_dispatcher;
+-- Ordering keys whose next operation waits for a dispatcher (REPAIRS_DUE; see 0015).
+GRANT SELECT ON outbox.ordering_repairs, outbox.ordering_modes TO outbox_dispatcher;
 -- The shared token buckets of rate-limited providers (TAKE_TOKENS, THROTTLE_BUCKET; see 0016):
 -- only through these functions, never the table itself.
 GRANT EXECUTE ON FUNCTION
@@ -113,7 +117,8 @@ TO outbox_dispatcher;
 
 -- Operator: read everything (`outbox reconcile/quarantine list|show`, `outbox status`); change
 -- only through the functions that write the audit, including `outbox reconcile check`'s.
-GRANT SELECT ON outbox.operations, outbox.attempts, outbox.audit TO outbox_operator;
+GRANT SELECT ON outbox.operations, outbox.attempts, outbox.audit, outbox.ordering_modes,
+    outbox.ordering_repairs TO outbox_operator;
 GRANT EXECUTE ON FUNCTION
     outbox.resolve_operation(bigint, text, text, text),
     outbox.cancel_operation(bigint, text, text),
@@ -122,5 +127,6 @@ GRANT EXECUTE ON FUNCTION
     outbox.retry_operation(bigint, text, text, boolean),
     outbox.record_check(bigint, text, text, jsonb, integer, integer),
     outbox.touch_check(bigint),
-    outbox.defer_check(bigint, interval, interval)
+    outbox.defer_check(bigint, interval, interval),
+    outbox.set_ordering_mode(text, text, text)
 TO outbox_operator;

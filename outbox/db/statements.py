@@ -26,7 +26,8 @@ SELECT operation_id, outcome FROM outbox.enqueue(
     idempotency_key => %(idempotency_key)s::text,
     available_at    => %(available_at)s::timestamptz,
     max_attempts    => %(max_attempts)s::integer,
-    traceparent     => %(traceparent)s::text
+    traceparent     => %(traceparent)s::text,
+    ordering_key    => %(ordering_key)s::text
 )
 """
 
@@ -356,6 +357,13 @@ SELECT id, status, provider, tenant_id, operation_type, operation_key, action, a
 FROM rescued
 """
 
+# Ordering keys whose next operation a settled head could not promote (a producer of the key was
+# committing at that moment; sql/0015). Each is repaired in a transaction of its own.
+REPAIRS_DUE: Final = (
+    "SELECT DISTINCT tenant_id, ordering_key FROM outbox.ordering_repairs LIMIT %(limit)s::integer"
+)
+REPAIR_ORDERING_KEY: Final = "SELECT outbox.repair_ordering_key(%(tenant_id)s, %(ordering_key)s)"
+
 # Which server session answers: two connections that get the same one go through a
 # transaction-mode pooler (outbox.db.connect's check at startup).
 SERVER_PID: Final = "SELECT pg_backend_pid()"
@@ -448,6 +456,15 @@ DEFER_CHECK: Final = (
     "SELECT outbox.defer_check(%(id)s, %(recheck_after)s::interval, %(retry_in)s::interval)"
 )
 
+# Ordering keys: the operation types with a mode of their own, and setting one (sql/0015).
+LIST_ORDERING_MODES: Final = (
+    "SELECT operation_type, on_failure, updated_at, updated_by FROM outbox.ordering_modes "
+    "ORDER BY operation_type"
+)
+SET_ORDERING_MODE: Final = (
+    "SELECT outbox.set_ordering_mode(%(operation_type)s, %(mode)s, %(actor)s)"
+)
+
 # --- reconciler ---------------------------------------------------------------------------------
 
 # Reconciling operations to look up at their provider: one by id, or every one not checked since
@@ -536,6 +553,25 @@ SELECT
      WHERE available_at <= now()) AS oldest_pending_age,
     (SELECT extract(epoch FROM now() - min(status_changed_at))::float8 FROM outbox.operations
      WHERE status = 'reconciling') AS oldest_reconciling_age
+"""
+
+# Operations waiting for an earlier one with their ordering key, by what holds up the key: the
+# status of its head, or 'none' when it has none (a repair is due; sql/0015). Reads the two small
+# ordering indexes only.
+ORDERING_BLOCKED: Final = """
+SELECT coalesce(h.status, 'none') AS behind, count(*) AS keys, sum(b.waiting)::bigint AS waiting
+FROM (SELECT tenant_id, ordering_key, count(*) AS waiting FROM outbox.operations
+      WHERE ordering_blocked GROUP BY tenant_id, ordering_key) AS b
+LEFT JOIN LATERAL (
+    SELECT o.status FROM outbox.operations o
+    WHERE o.tenant_id = b.tenant_id AND o.ordering_key = b.ordering_key
+      AND o.ordering_key IS NOT NULL AND NOT o.ordering_blocked
+      AND o.status IN ('pending', 'in_flight', 'quarantined', 'reconciling')
+    -- In mode skip a set-aside operation stays beside the head: the head is the one that waits.
+    ORDER BY o.status IN ('pending', 'in_flight') DESC, o.id
+    LIMIT 1
+) AS h ON true
+GROUP BY 1 ORDER BY 1
 """
 
 # Per provider: pending operations whose key window closes within the hour, so they will go to

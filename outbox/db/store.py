@@ -193,6 +193,18 @@ class Store:
             row["status"] = Status(row["status"])
         return rows
 
+    async def repair_ordering(self, limit: int) -> int:
+        """Promote the next operation of ordering keys noted for repair; returns how many keys
+        were looked at. One transaction per key: each may wait for the key's lock."""
+        async with self._connection() as conn:
+            cur = conn.cursor(row_factory=tuple_row)
+            keys = await (await cur.execute(statements.REPAIRS_DUE, {"limit": limit})).fetchall()
+        for tenant_id, ordering_key in keys:
+            async with self._connection() as conn:
+                params = {"tenant_id": tenant_id, "ordering_key": ordering_key}
+                await conn.execute(statements.REPAIR_ORDERING_KEY, params)
+        return len(keys)
+
     @asynccontextmanager
     async def _connection(self) -> AsyncIterator[AsyncConnection[Any]]:
         try:

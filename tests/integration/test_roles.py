@@ -213,7 +213,7 @@ def test_every_function_is_pinned_and_executable_only_by_its_roles(roles_db: str
     dispatcher_and_operator = ["outbox_dispatcher", "outbox_operator"]
     assert granted == {
         "outbox.enqueue(text,text,text,text,text,jsonb,text,text,timestamp with time zone,"
-        "integer,text)": (True, ["outbox_producer"]),
+        "integer,text,text)": (True, ["outbox_producer"]),
         "outbox.get_operation(text,text,text)": (True, ["outbox_producer"]),
         "outbox.resolve_operation(bigint,text,text,text)": (True, ["outbox_operator"]),
         "outbox.cancel_operation(bigint,text,text)": (True, ["outbox_operator"]),
@@ -235,12 +235,18 @@ def test_every_function_is_pinned_and_executable_only_by_its_roles(roles_db: str
             True,
             ["outbox_dispatcher"],
         ),
+        "outbox.repair_ordering_key(text,text)": (True, ["outbox_dispatcher"]),
+        "outbox.set_ordering_mode(text,text,text)": (True, ["outbox_operator"]),
     }
-    # Only those entry points run as the owner, and the wake-up trigger, which fires at the
-    # producer's commit, after enqueue has returned (sql/0012).
+    # Only those entry points run as the owner, and the triggers: the wake-up and the ordering
+    # key's turn fire at the producer's commit, after enqueue has returned (sql/0012, 0015);
+    # passing the turn fires in the dispatcher's record.
     assert {name for name, definer, *_ in functions if definer} == {
         *granted,
         "outbox.wake_dispatchers()",
+        "outbox.take_turn()",
+        "outbox.pass_turn()",
+        "outbox.rejoin_line()",
     }
 
 

@@ -166,7 +166,12 @@ class Ledger(Generic[FaultT, ReceivedT, EntryT]):
         with self.cond:
             status = reply.status if reply else None
             replayed = reply.replayed if reply else False
-            self._received[index] = replace(self._received[index], status=status, replayed=replayed)
+            self._received[index] = replace(
+                self._received[index],
+                status=status,
+                replayed=replayed,
+                answered_at=time.monotonic(),
+            )
 
     def finished(self) -> None:
         """A request's answer is out (or its connection reset): it no longer counts as busy."""

@@ -125,6 +125,7 @@ class Received:
     request_id: str
     account: str | None
     at: float
+    answered_at: float | None = None  # time.monotonic() when answered or reset
 
 
 class FaultKind(enum.Enum):

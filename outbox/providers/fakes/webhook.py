@@ -77,6 +77,7 @@ class Received:
     status: int | None
     replayed: bool
     at: float
+    answered_at: float | None = None  # time.monotonic() when answered or reset
 
 
 class FaultKind(enum.Enum):
