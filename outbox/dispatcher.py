@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import dataclasses
 import enum
+import functools
 import random
 import time
 from collections import Counter
@@ -84,6 +85,9 @@ class InFlight:
     phase: Phase = Phase.CLAIMED
     task: asyncio.Task[None] | None = None
     send_task: asyncio.Task[SendResult] | None = None
+    # While sending: resolved when the call ends, or by the call guard at guard_at (loop time).
+    waiter: asyncio.Future[None] | None = None
+    guard_at: float | None = None
     log: Any = field(default=None)
 
     def db_now(self) -> datetime:
@@ -132,6 +136,12 @@ class Dispatcher:
         self._backlog = asyncio.Event()  # the last claim came back full: more claimers help
         # The (provider, tenant) group the next claim starts after.
         self._cursor: tuple[str, str] | None = None
+        # The running loop, looked up once: on Python 3.11 every asyncio.create_task and
+        # get_running_loop makes a getpid system call, and there are several per operation.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # One timer for every call guard: armed for the earliest deadline, it sweeps the calls
+        # past theirs (a timer and asyncio.wait per call cost more than the no-op call itself).
+        self._guard: asyncio.TimerHandle | None = None
 
     # --- control ------------------------------------------------------------------------------
 
@@ -152,6 +162,7 @@ class Dispatcher:
 
     async def run(self) -> None:
         """Claim and dispatch until ``request_stop``, then drain."""
+        self._loop = asyncio.get_running_loop()
         background = [
             asyncio.create_task(self._heartbeat_loop(), name="outbox-heartbeat"),
             asyncio.create_task(self._rescue_loop(), name="outbox-rescuer"),
@@ -173,6 +184,7 @@ class Dispatcher:
 
     async def run_once(self) -> int:
         """Claim one batch, dispatch it and record every outcome; returns how many were claimed."""
+        self._loop = asyncio.get_running_loop()
         claimed = await self._claim(min(self._settings.batch_size, self._settings.concurrency))
         for row in claimed:
             self._start(row)
@@ -343,7 +355,8 @@ class Dispatcher:
         )  # fmt: skip
         self._inflight[row.id] = flight
         metrics.IN_FLIGHT.inc()
-        flight.task = asyncio.create_task(self._process(flight), name=f"outbox-op-{row.id}")
+        loop = self._loop or asyncio.get_running_loop()
+        flight.task = loop.create_task(self._process(flight), name=f"outbox-op-{row.id}")
         flight.task.add_done_callback(lambda task: self._finished(flight, task))
 
     def _finished(self, flight: InFlight, task: asyncio.Task[None]) -> None:
@@ -413,11 +426,20 @@ class Dispatcher:
             attempt=row.attempts,
         )  # fmt: skip
         flight.phase = Phase.SENDING
-        send = flight.send_task = asyncio.create_task(provider.send(request))
+        loop = self._loop or asyncio.get_running_loop()
+        send = flight.send_task = loop.create_task(provider.send(request))
+        waiter = flight.waiter = loop.create_future()
+        send.add_done_callback(functools.partial(_release, waiter))
+        limit = self._call_limit(provider)
+        if limit is not None:
+            flight.guard_at = loop.time() + limit
+            self._arm_guard(loop, flight.guard_at)
         started = time.perf_counter()
         try:
-            done, _ = await asyncio.wait({send}, timeout=self._call_limit(provider))
-            if not done:
+            # Not `await send`: a call that ignores cancellation would then hold this slot and
+            # its lease for ever. The waiter ends with the call or at the guard's deadline.
+            await waiter
+            if not send.done():
                 # A call that ignores cancellation must not keep this slot or its lease: let it
                 # go (held here so it is not garbage-collected mid-flight) and move on.
                 send.cancel()
@@ -432,9 +454,34 @@ class Dispatcher:
         except Exception as exc:  # noqa: BLE001 (a provider must not raise; if it does, it may have sent)
             return unknown("provider_error", f"the provider raised {type(exc).__name__}")
         finally:
+            flight.waiter = flight.guard_at = None
             metrics.DISPATCH_DURATION.labels(row.provider, row.action).observe(
                 time.perf_counter() - started
             )
+
+    def _arm_guard(self, loop: asyncio.AbstractEventLoop, deadline: float) -> None:
+        """Have the guard's timer fire by ``deadline``. Deadlines mostly come in increasing
+        order, so the timer already armed nearly always fires first and is left alone."""
+        if self._guard is not None and self._guard.when() <= deadline:
+            return
+        if self._guard is not None:
+            self._guard.cancel()
+        self._guard = loop.call_at(deadline, self._sweep_guard, loop)
+
+    def _sweep_guard(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Release the calls past their guard deadline; re-arm for the earliest other one."""
+        self._guard = None
+        now = loop.time()
+        later: float | None = None
+        for flight in self._inflight.values():
+            if flight.guard_at is None or flight.waiter is None:
+                continue
+            if flight.guard_at <= now:
+                _release(flight.waiter)
+            elif later is None or flight.guard_at < later:
+                later = flight.guard_at
+        if later is not None:
+            self._arm_guard(loop, later)
 
     async def _finish(
         self, flight: InFlight, result: SendResult, *, sent: bool | None = None
@@ -652,6 +699,11 @@ class Dispatcher:
     def _call_limit(self, provider: Provider) -> float | None:
         timeout = self._call_timeouts.get(provider.name)
         return None if timeout is None else timeout.total_seconds() + CALL_GUARD_MARGIN
+
+
+def _release(waiter: asyncio.Future[None], _: object = None) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 def _check(provider: Provider, row: Claimed) -> str | None:
