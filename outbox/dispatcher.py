@@ -13,11 +13,12 @@ import contextlib
 import dataclasses
 import enum
 import functools
+import logging
 import random
 import time
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Final
 
@@ -88,7 +89,20 @@ class InFlight:
     # While sending: resolved when the call ends, or by the call guard at guard_at (loop time).
     waiter: asyncio.Future[None] | None = None
     guard_at: float | None = None
-    log: Any = field(default=None)
+    _log: Any = None
+
+    @property
+    def log(self) -> Any:
+        """A logger bound to the operation's fields. Bound on first use: a success, the common
+        case, logs at debug, so most operations never need one."""
+        if self._log is None:
+            row = self.row
+            self._log = log.bind(
+                operation_id=row.id, tenant_id=row.tenant_id, operation_type=row.operation_type,
+                operation_key=row.operation_key, provider=row.provider, action=row.action,
+                attempt=row.attempts, correlation_id=row.correlation_id,
+            )  # fmt: skip
+        return self._log
 
     def db_now(self) -> datetime:
         """The database clock now: its reading at the claim plus the time elapsed since."""
@@ -348,11 +362,6 @@ class Dispatcher:
         flight = InFlight(
             row, claimed_mono=now, lease_deadline=now + self._settings.lease.total_seconds()
         )
-        flight.log = log.bind(
-            operation_id=row.id, tenant_id=row.tenant_id, operation_type=row.operation_type,
-            operation_key=row.operation_key, provider=row.provider, action=row.action,
-            attempt=row.attempts, correlation_id=row.correlation_id,
-        )  # fmt: skip
         self._inflight[row.id] = flight
         metrics.IN_FLIGHT.inc()
         loop = self._loop or asyncio.get_running_loop()
@@ -500,17 +509,21 @@ class Dispatcher:
         recorded = await self._with_lease(flight, "record", write)
         row = flight.row
         metrics.DISPATCH.labels(row.provider, row.action, rec.outcome).inc()
+        if recorded:
+            self._count(flight, rec)
         # A success at debug: the attempts table keeps it, and a line per operation would cost
-        # a quarter of the dispatcher's time at full speed. Everything else at info.
-        emit = flight.log.debug if recorded and rec.outcome == "succeeded" else flight.log.info
+        # a quarter of the dispatcher's time at full speed. Everything else at info. Below
+        # debug, a success binds no logger and builds no line at all.
+        success = recorded and rec.outcome == "succeeded"
+        if success and not log.is_enabled_for(logging.DEBUG):
+            return
+        emit = flight.log.debug if success else flight.log.info
         emit(
             "attempt recorded" if recorded else "attempt not recorded",
             outcome=rec.outcome, status=rec.status.value, reason=rec.reason,
             error_class=rec.error_class, http_status=rec.http_status,
             duration_ms=round((time.monotonic() - flight.claimed_mono) * 1000, 1),
         )  # fmt: skip
-        if recorded:
-            self._count(flight, rec)
 
     def _record_for(self, flight: InFlight, result: SendResult, sent: bool | None) -> Record:
         row = flight.row
