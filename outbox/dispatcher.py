@@ -109,6 +109,15 @@ class InFlight:
         return self.row.claimed_at + timedelta(seconds=time.monotonic() - self.claimed_mono)
 
 
+@dataclass(slots=True)
+class _Meters:
+    """The labelled metric children of one (provider, action)."""
+
+    duration: Any  # outbox_dispatch_duration_seconds{provider,action}
+    end_to_end: Any  # outbox_end_to_end_seconds{provider}
+    outcomes: dict[str, Any]  # outcome -> outbox_dispatch_total{provider,action,outcome}
+
+
 class Dispatcher:
     """Delivers operations to providers for one process."""
 
@@ -153,6 +162,9 @@ class Dispatcher:
         # The running loop, looked up once: on Python 3.11 every asyncio.create_task and
         # get_running_loop makes a getpid system call, and there are several per operation.
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Labelled metric children per (provider, action): a .labels() lookup takes a lock and
+        # builds a key, several times per operation.
+        self._meters: dict[tuple[str, str], _Meters] = {}
         # One timer for every call guard: armed for the earliest deadline, it sweeps the calls
         # past theirs (a timer and asyncio.wait per call cost more than the no-op call itself).
         self._guard: asyncio.TimerHandle | None = None
@@ -464,9 +476,17 @@ class Dispatcher:
             return unknown("provider_error", f"the provider raised {type(exc).__name__}")
         finally:
             flight.waiter = flight.guard_at = None
-            metrics.DISPATCH_DURATION.labels(row.provider, row.action).observe(
-                time.perf_counter() - started
+            self._meters_for(row).duration.observe(time.perf_counter() - started)
+
+    def _meters_for(self, row: Claimed) -> _Meters:
+        meters = self._meters.get((row.provider, row.action))
+        if meters is None:
+            meters = self._meters[row.provider, row.action] = _Meters(
+                duration=metrics.DISPATCH_DURATION.labels(row.provider, row.action),
+                end_to_end=metrics.END_TO_END.labels(row.provider),
+                outcomes={},
             )
+        return meters
 
     def _arm_guard(self, loop: asyncio.AbstractEventLoop, deadline: float) -> None:
         """Have the guard's timer fire by ``deadline``. Deadlines mostly come in increasing
@@ -508,7 +528,13 @@ class Dispatcher:
 
         recorded = await self._with_lease(flight, "record", write)
         row = flight.row
-        metrics.DISPATCH.labels(row.provider, row.action, rec.outcome).inc()
+        outcomes = self._meters_for(row).outcomes
+        counter = outcomes.get(rec.outcome)
+        if counter is None:
+            counter = outcomes[rec.outcome] = metrics.DISPATCH.labels(
+                row.provider, row.action, rec.outcome
+            )
+        counter.inc()
         if recorded:
             self._count(flight, rec)
         # A success at debug: the attempts table keeps it, and a line per operation would cost
@@ -571,7 +597,7 @@ class Dispatcher:
         provider = flight.row.provider
         if rec.status is Status.SUCCEEDED:
             age = (flight.db_now() - flight.row.created_at).total_seconds()
-            metrics.END_TO_END.labels(provider).observe(max(age, 0.0))
+            self._meters_for(flight.row).end_to_end.observe(max(age, 0.0))
         elif rec.status is Status.PENDING:
             metrics.RETRIES.labels(provider).inc()
         elif rec.status is Status.QUARANTINED:
