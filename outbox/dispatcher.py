@@ -165,6 +165,7 @@ class Dispatcher:
         # Labelled metric children per (provider, action): a .labels() lookup takes a lock and
         # builds a key, several times per operation.
         self._meters: dict[tuple[str, str], _Meters] = {}
+        self._spans = tracing.Spans()
         # One timer for every call guard: armed for the earliest deadline, it sweeps the calls
         # past theirs (a timer and asyncio.wait per call cost more than the no-op call itself).
         self._guard: asyncio.TimerHandle | None = None
@@ -416,10 +417,13 @@ class Dispatcher:
         # A bug that kept a transaction open here would hold row locks for the whole call:
         # refuse to send; the lease expires and the rescuer takes the row back.
         assert_no_connection_held()
-        with tracing.attempt_span(row.traceparent, _span_attributes(row)) as span:
+        if self._spans.active():
+            with tracing.attempt_span(row.traceparent, _span_attributes(row)) as span:
+                result = await self._send(flight, provider)
+                if span is not None:
+                    span.set_attribute("outbox.outcome", _outcome(result))
+        else:
             result = await self._send(flight, provider)
-            if span is not None:
-                span.set_attribute("outbox.outcome", _outcome(result))
         await failpoints.hit(failpoints.BEFORE_RECORD)
         await self._limits.observe(row, result)
         if isinstance(result, Failed) and result.pause:
