@@ -18,7 +18,7 @@ from typing import Any, Final, LiteralString
 import psycopg
 from psycopg import AsyncConnection
 from psycopg.pq import TransactionStatus
-from psycopg.rows import dict_row, tuple_row
+from psycopg.rows import args_row, dict_row, tuple_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
@@ -79,6 +79,9 @@ class Claimed:
     claimed_at: datetime  # the database clock at the claim
 
 
+_CLAIMED_ROW: Final = args_row(Claimed)
+
+
 @dataclass(frozen=True, slots=True)
 class Record:
     """An attempt's outcome and the operation's next status."""
@@ -121,9 +124,9 @@ class Store:
             "max_groups": min(2 * limit, MAX_GROUPS_PER_CLAIM),
         }  # fmt: skip
         async with self._connection() as conn:
-            cur = conn.cursor(row_factory=dict_row)
-            rows = await (await cur.execute(statements.CLAIM, params)).fetchall()
-        return [Claimed(**row) for row in rows]
+            # Built straight from the row, by position: CLAIM returns Claimed's fields in order.
+            cur = conn.cursor(row_factory=_CLAIMED_ROW)
+            return await (await cur.execute(statements.CLAIM, params)).fetchall()
 
     async def record(self, rec: Record) -> bool:
         """True if recorded; False if this worker no longer held the lease (nothing changed)."""
