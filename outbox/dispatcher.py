@@ -425,7 +425,9 @@ class Dispatcher:
         else:
             result = await self._send(flight, provider)
         await failpoints.hit(failpoints.BEFORE_RECORD)
-        await self._limits.observe(row, result)
+        pause = self._limits.observe(row, result)
+        if pause is not None:
+            await self._limits.throttle(row.provider, pause)
         if isinstance(result, Failed) and result.pause:
             # Refused credentials say nothing about this operation: it keeps its attempt and
             # waits, with the rest of its provider's, behind the breaker.
