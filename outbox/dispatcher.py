@@ -166,6 +166,7 @@ class Dispatcher:
         # builds a key, several times per operation.
         self._meters: dict[tuple[str, str], _Meters] = {}
         self._spans = tracing.Spans()
+        self._windows: dict[str, KeyWindow] = {}  # per provider: its key retention is fixed
         # One timer for every call guard: armed for the earliest deadline, it sweeps the calls
         # past theirs (a timer and asyncio.wait per call cost more than the no-op call itself).
         self._guard: asyncio.TimerHandle | None = None
@@ -395,12 +396,16 @@ class Dispatcher:
 
     async def _process(self, flight: InFlight) -> None:
         row = flight.row
-        await failpoints.hit(failpoints.AFTER_CLAIM)
+        if failpoints.armed(failpoints.AFTER_CLAIM):
+            await failpoints.hit(failpoints.AFTER_CLAIM)
         provider = self._providers.get(row.provider)
         if provider is None:
             await self._unknown_provider(flight)
             return
-        if self._window(provider).has_passed(row.first_sent_at, flight.db_now()):
+        # Never sent before (the common case): no window to close, no clock to read.
+        if row.first_sent_at is not None and self._window(provider).has_passed(
+            row.first_sent_at, flight.db_now()
+        ):
             await self._unclaim(flight, Status.RECONCILING, REASON_KEY_WINDOW)
             return
         problem = _check(provider, row)
@@ -424,7 +429,8 @@ class Dispatcher:
                     span.set_attribute("outbox.outcome", _outcome(result))
         else:
             result = await self._send(flight, provider)
-        await failpoints.hit(failpoints.BEFORE_RECORD)
+        if failpoints.armed(failpoints.BEFORE_RECORD):
+            await failpoints.hit(failpoints.BEFORE_RECORD)
         pause = self._limits.observe(row, result)
         if pause is not None:
             await self._limits.throttle(row.provider, pause)
@@ -739,7 +745,11 @@ class Dispatcher:
     # --- helpers ------------------------------------------------------------------------------
 
     def _window(self, provider: Provider) -> KeyWindow:
-        return KeyWindow(provider.key_retention, self._settings.retention_margin)
+        window = self._windows.get(provider.name)
+        if window is None:
+            window = KeyWindow(provider.key_retention, self._settings.retention_margin)
+            self._windows[provider.name] = window
+        return window
 
     def _call_limit(self, provider: Provider) -> float | None:
         timeout = self._call_timeouts.get(provider.name)
