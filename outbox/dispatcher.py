@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import enum
 import functools
 import logging
@@ -780,8 +779,8 @@ def _storable(rec: Record) -> Record:
     def clean(text: str | None) -> str | None:
         return None if text is None else text.replace("\x00", "")
 
-    return dataclasses.replace(
-        rec, result=None, provider_ref=clean(rec.provider_ref), error=clean(rec.error),
+    return rec._replace(
+        result=None, provider_ref=clean(rec.provider_ref), error=clean(rec.error),
         error_class=clean(rec.error_class), request_id=clean(rec.request_id),
     )  # fmt: skip
 
