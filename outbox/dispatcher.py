@@ -208,6 +208,9 @@ class Dispatcher:
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
+            if self._guard is not None and not self._inflight:  # no call left to guard
+                self._guard.cancel()
+                self._guard = None
 
     async def run_once(self) -> int:
         """Claim one batch, dispatch it and record every outcome; returns how many were claimed."""
