@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import enum
+import functools
+import logging
 import random
 import time
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Final
 
@@ -84,11 +85,36 @@ class InFlight:
     phase: Phase = Phase.CLAIMED
     task: asyncio.Task[None] | None = None
     send_task: asyncio.Task[SendResult] | None = None
-    log: Any = field(default=None)
+    # While sending: resolved when the call ends, or by the call guard at guard_at (loop time).
+    waiter: asyncio.Future[None] | None = None
+    guard_at: float | None = None
+    _log: Any = None
+
+    @property
+    def log(self) -> Any:
+        """A logger bound to the operation's fields. Bound on first use: a success, the common
+        case, logs at debug, so most operations never need one."""
+        if self._log is None:
+            row = self.row
+            self._log = log.bind(
+                operation_id=row.id, tenant_id=row.tenant_id, operation_type=row.operation_type,
+                operation_key=row.operation_key, provider=row.provider, action=row.action,
+                attempt=row.attempts, correlation_id=row.correlation_id,
+            )  # fmt: skip
+        return self._log
 
     def db_now(self) -> datetime:
         """The database clock now: its reading at the claim plus the time elapsed since."""
         return self.row.claimed_at + timedelta(seconds=time.monotonic() - self.claimed_mono)
+
+
+@dataclass(slots=True)
+class _Meters:
+    """The labelled metric children of one (provider, action)."""
+
+    duration: Any  # outbox_dispatch_duration_seconds{provider,action}
+    end_to_end: Any  # outbox_end_to_end_seconds{provider}
+    outcomes: dict[str, Any]  # outcome -> outbox_dispatch_total{provider,action,outcome}
 
 
 class Dispatcher:
@@ -132,6 +158,17 @@ class Dispatcher:
         self._backlog = asyncio.Event()  # the last claim came back full: more claimers help
         # The (provider, tenant) group the next claim starts after.
         self._cursor: tuple[str, str] | None = None
+        # The running loop, looked up once: on Python 3.11 every asyncio.create_task and
+        # get_running_loop makes a getpid system call, and there are several per operation.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # Labelled metric children per (provider, action): a .labels() lookup takes a lock and
+        # builds a key, several times per operation.
+        self._meters: dict[tuple[str, str], _Meters] = {}
+        self._spans = tracing.Spans()
+        self._windows: dict[str, KeyWindow] = {}  # per provider: its key retention is fixed
+        # One timer for every call guard: armed for the earliest deadline, it sweeps the calls
+        # past theirs (a timer and asyncio.wait per call cost more than the no-op call itself).
+        self._guard: asyncio.TimerHandle | None = None
 
     # --- control ------------------------------------------------------------------------------
 
@@ -152,6 +189,7 @@ class Dispatcher:
 
     async def run(self) -> None:
         """Claim and dispatch until ``request_stop``, then drain."""
+        self._loop = asyncio.get_running_loop()
         background = [
             asyncio.create_task(self._heartbeat_loop(), name="outbox-heartbeat"),
             asyncio.create_task(self._rescue_loop(), name="outbox-rescuer"),
@@ -170,9 +208,13 @@ class Dispatcher:
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
+            if self._guard is not None and not self._inflight:  # no call left to guard
+                self._guard.cancel()
+                self._guard = None
 
     async def run_once(self) -> int:
         """Claim one batch, dispatch it and record every outcome; returns how many were claimed."""
+        self._loop = asyncio.get_running_loop()
         claimed = await self._claim(min(self._settings.batch_size, self._settings.concurrency))
         for row in claimed:
             self._start(row)
@@ -336,14 +378,10 @@ class Dispatcher:
         flight = InFlight(
             row, claimed_mono=now, lease_deadline=now + self._settings.lease.total_seconds()
         )
-        flight.log = log.bind(
-            operation_id=row.id, tenant_id=row.tenant_id, operation_type=row.operation_type,
-            operation_key=row.operation_key, provider=row.provider, action=row.action,
-            attempt=row.attempts, correlation_id=row.correlation_id,
-        )  # fmt: skip
         self._inflight[row.id] = flight
         metrics.IN_FLIGHT.inc()
-        flight.task = asyncio.create_task(self._process(flight), name=f"outbox-op-{row.id}")
+        loop = self._loop or asyncio.get_running_loop()
+        flight.task = loop.create_task(self._process(flight), name=f"outbox-op-{row.id}")
         flight.task.add_done_callback(lambda task: self._finished(flight, task))
 
     def _finished(self, flight: InFlight, task: asyncio.Task[None]) -> None:
@@ -360,12 +398,16 @@ class Dispatcher:
 
     async def _process(self, flight: InFlight) -> None:
         row = flight.row
-        await failpoints.hit(failpoints.AFTER_CLAIM)
+        if failpoints.armed(failpoints.AFTER_CLAIM):
+            await failpoints.hit(failpoints.AFTER_CLAIM)
         provider = self._providers.get(row.provider)
         if provider is None:
             await self._unknown_provider(flight)
             return
-        if self._window(provider).has_passed(row.first_sent_at, flight.db_now()):
+        # Never sent before (the common case): no window to close, no clock to read.
+        if row.first_sent_at is not None and self._window(provider).has_passed(
+            row.first_sent_at, flight.db_now()
+        ):
             await self._unclaim(flight, Status.RECONCILING, REASON_KEY_WINDOW)
             return
         problem = _check(provider, row)
@@ -382,12 +424,18 @@ class Dispatcher:
         # A bug that kept a transaction open here would hold row locks for the whole call:
         # refuse to send; the lease expires and the rescuer takes the row back.
         assert_no_connection_held()
-        with tracing.attempt_span(row.traceparent, _span_attributes(row)) as span:
+        if self._spans.active():
+            with tracing.attempt_span(row.traceparent, _span_attributes(row)) as span:
+                result = await self._send(flight, provider)
+                if span is not None:
+                    span.set_attribute("outbox.outcome", _outcome(result))
+        else:
             result = await self._send(flight, provider)
-            if span is not None:
-                span.set_attribute("outbox.outcome", _outcome(result))
-        await failpoints.hit(failpoints.BEFORE_RECORD)
-        await self._limits.observe(row, result)
+        if failpoints.armed(failpoints.BEFORE_RECORD):
+            await failpoints.hit(failpoints.BEFORE_RECORD)
+        pause = self._limits.observe(row, result)
+        if pause is not None:
+            await self._limits.throttle(row.provider, pause)
         if isinstance(result, Failed) and result.pause:
             # Refused credentials say nothing about this operation: it keeps its attempt and
             # waits, with the rest of its provider's, behind the breaker.
@@ -413,11 +461,20 @@ class Dispatcher:
             attempt=row.attempts,
         )  # fmt: skip
         flight.phase = Phase.SENDING
-        send = flight.send_task = asyncio.create_task(provider.send(request))
+        loop = self._loop or asyncio.get_running_loop()
+        send = flight.send_task = loop.create_task(provider.send(request))
+        waiter = flight.waiter = loop.create_future()
+        send.add_done_callback(functools.partial(_release, waiter))
+        limit = self._call_limit(provider)
+        if limit is not None:
+            flight.guard_at = loop.time() + limit
+            self._arm_guard(loop, flight.guard_at)
         started = time.perf_counter()
         try:
-            done, _ = await asyncio.wait({send}, timeout=self._call_limit(provider))
-            if not done:
+            # Not `await send`: a call that ignores cancellation would then hold this slot and
+            # its lease for ever. The waiter ends with the call or at the guard's deadline.
+            await waiter
+            if not send.done():
                 # A call that ignores cancellation must not keep this slot or its lease: let it
                 # go (held here so it is not garbage-collected mid-flight) and move on.
                 send.cancel()
@@ -432,9 +489,42 @@ class Dispatcher:
         except Exception as exc:  # noqa: BLE001 (a provider must not raise; if it does, it may have sent)
             return unknown("provider_error", f"the provider raised {type(exc).__name__}")
         finally:
-            metrics.DISPATCH_DURATION.labels(row.provider, row.action).observe(
-                time.perf_counter() - started
+            flight.waiter = flight.guard_at = None
+            self._meters_for(row).duration.observe(time.perf_counter() - started)
+
+    def _meters_for(self, row: Claimed) -> _Meters:
+        meters = self._meters.get((row.provider, row.action))
+        if meters is None:
+            meters = self._meters[row.provider, row.action] = _Meters(
+                duration=metrics.DISPATCH_DURATION.labels(row.provider, row.action),
+                end_to_end=metrics.END_TO_END.labels(row.provider),
+                outcomes={},
             )
+        return meters
+
+    def _arm_guard(self, loop: asyncio.AbstractEventLoop, deadline: float) -> None:
+        """Have the guard's timer fire by ``deadline``. Deadlines mostly come in increasing
+        order, so the timer already armed nearly always fires first and is left alone."""
+        if self._guard is not None and self._guard.when() <= deadline:
+            return
+        if self._guard is not None:
+            self._guard.cancel()
+        self._guard = loop.call_at(deadline, self._sweep_guard, loop)
+
+    def _sweep_guard(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Release the calls past their guard deadline; re-arm for the earliest other one."""
+        self._guard = None
+        now = loop.time()
+        later: float | None = None
+        for flight in self._inflight.values():
+            if flight.guard_at is None or flight.waiter is None:
+                continue
+            if flight.guard_at <= now:
+                _release(flight.waiter)
+            elif later is None or flight.guard_at < later:
+                later = flight.guard_at
+        if later is not None:
+            self._arm_guard(loop, later)
 
     async def _finish(
         self, flight: InFlight, result: SendResult, *, sent: bool | None = None
@@ -452,18 +542,28 @@ class Dispatcher:
 
         recorded = await self._with_lease(flight, "record", write)
         row = flight.row
-        metrics.DISPATCH.labels(row.provider, row.action, rec.outcome).inc()
+        outcomes = self._meters_for(row).outcomes
+        counter = outcomes.get(rec.outcome)
+        if counter is None:
+            counter = outcomes[rec.outcome] = metrics.DISPATCH.labels(
+                row.provider, row.action, rec.outcome
+            )
+        counter.inc()
+        if recorded:
+            self._count(flight, rec)
         # A success at debug: the attempts table keeps it, and a line per operation would cost
-        # a quarter of the dispatcher's time at full speed. Everything else at info.
-        emit = flight.log.debug if recorded and rec.outcome == "succeeded" else flight.log.info
+        # a quarter of the dispatcher's time at full speed. Everything else at info. Below
+        # debug, a success binds no logger and builds no line at all.
+        success = recorded and rec.outcome == "succeeded"
+        if success and not log.is_enabled_for(logging.DEBUG):
+            return
+        emit = flight.log.debug if success else flight.log.info
         emit(
             "attempt recorded" if recorded else "attempt not recorded",
             outcome=rec.outcome, status=rec.status.value, reason=rec.reason,
             error_class=rec.error_class, http_status=rec.http_status,
             duration_ms=round((time.monotonic() - flight.claimed_mono) * 1000, 1),
         )  # fmt: skip
-        if recorded:
-            self._count(flight, rec)
 
     def _record_for(self, flight: InFlight, result: SendResult, sent: bool | None) -> Record:
         row = flight.row
@@ -511,7 +611,7 @@ class Dispatcher:
         provider = flight.row.provider
         if rec.status is Status.SUCCEEDED:
             age = (flight.db_now() - flight.row.created_at).total_seconds()
-            metrics.END_TO_END.labels(provider).observe(max(age, 0.0))
+            self._meters_for(flight.row).end_to_end.observe(max(age, 0.0))
         elif rec.status is Status.PENDING:
             metrics.RETRIES.labels(provider).inc()
         elif rec.status is Status.QUARANTINED:
@@ -647,11 +747,20 @@ class Dispatcher:
     # --- helpers ------------------------------------------------------------------------------
 
     def _window(self, provider: Provider) -> KeyWindow:
-        return KeyWindow(provider.key_retention, self._settings.retention_margin)
+        window = self._windows.get(provider.name)
+        if window is None:
+            window = KeyWindow(provider.key_retention, self._settings.retention_margin)
+            self._windows[provider.name] = window
+        return window
 
     def _call_limit(self, provider: Provider) -> float | None:
         timeout = self._call_timeouts.get(provider.name)
         return None if timeout is None else timeout.total_seconds() + CALL_GUARD_MARGIN
+
+
+def _release(waiter: asyncio.Future[None], _: object = None) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 def _check(provider: Provider, row: Claimed) -> str | None:
@@ -673,8 +782,8 @@ def _storable(rec: Record) -> Record:
     def clean(text: str | None) -> str | None:
         return None if text is None else text.replace("\x00", "")
 
-    return dataclasses.replace(
-        rec, result=None, provider_ref=clean(rec.provider_ref), error=clean(rec.error),
+    return rec._replace(
+        result=None, provider_ref=clean(rec.provider_ref), error=clean(rec.error),
         error_class=clean(rec.error_class), request_id=clean(rec.request_id),
     )  # fmt: skip
 

@@ -34,6 +34,11 @@ def take(name: str) -> float | None:
     return _ACTIVE.pop(name, None)
 
 
+def armed(name: str) -> bool:
+    """Whether the failpoint ``name`` is set: lets a hot path skip ``hit``'s await."""
+    return name in _ACTIVE
+
+
 async def hit(name: str) -> None:
     """Pause here if the failpoint ``name`` is set."""
     seconds = _ACTIVE.get(name)

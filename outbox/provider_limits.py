@@ -106,6 +106,11 @@ class Breaker:
             return None
         return 1 if self.state is State.HALF_OPEN and self._probe is None else 0
 
+    @property
+    def awaits_probe(self) -> bool:
+        """Half-open with no probe yet: the next row claimed is the probe."""
+        return self.state is State.HALF_OPEN and self._probe is None
+
     def claimed(self, operation_id: int) -> None:
         """A row was claimed: while half-open, the first is the probe."""
         if self.state is State.HALF_OPEN and self._probe is None:
@@ -264,10 +269,14 @@ class Limits:
         self._reserved.subtract(grant.caps)
         counts = Counter(row.provider for row in claimed)
         self._in_flight.update(counts)
-        for row in claimed:
-            breaker = self._breakers.get(row.provider)
-            if breaker is not None:
-                breaker.claimed(row.id)
+        # Only a half-open breaker cares which rows were claimed (the first is its probe): with
+        # every breaker closed, nothing to look at per row.
+        probing = {b.provider: b for b in self._breakers.values() if b.awaits_probe}
+        if probing:
+            for row in claimed:
+                breaker = probing.get(row.provider)
+                if breaker is not None:
+                    breaker.claimed(row.id)
         unused = {name: t.granted - counts[name] for name, t in grant.tokens.items()}
         unused = {name: n for name, n in unused.items() if n > 0}
         if unused:
@@ -286,15 +295,23 @@ class Limits:
         breaker = self._breakers.get(row.provider)
         return breaker is None or breaker.may_send(row.id)
 
-    async def observe(self, row: Claimed, result: SendResult) -> None:
-        """Feed a call's outcome to the breaker, and a 429 to the shared bucket."""
+    def observe(self, row: Claimed, result: SendResult) -> timedelta | None:
+        """Feed a call's outcome to the breaker. A 429 from a rate-limited provider returns how
+        long its shared bucket should be emptied for (``throttle``); anything else None. Not a
+        coroutine: nearly every call needs no round trip, and so no await."""
         breaker = self._breakers.get(row.provider)
         if breaker is not None:
             breaker.record(row.id, verdict(result))
+        if isinstance(result, Succeeded) or result.http_status != HTTP_TOO_MANY_REQUESTS:
+            return None
         lim = self._limits.get(row.provider)
-        if (lim is not None and lim.rate is not None and not isinstance(result, Succeeded)
-                and result.http_status == HTTP_TOO_MANY_REQUESTS):  # fmt: skip
-            await self._throttle(row.provider, lim, result.retry_after or DEFAULT_THROTTLE)
+        if lim is None or lim.rate is None:
+            return None
+        return result.retry_after or DEFAULT_THROTTLE
+
+    async def throttle(self, provider: str, pause: timedelta) -> None:
+        """Empty the provider's shared bucket for ``pause`` (after ``observe`` asked for it)."""
+        await self._throttle(provider, self._limits[provider], pause)
 
     def finished(self, row: Claimed) -> bool:
         """The row's task ended; True if a claim may now take more of its provider (a slot of

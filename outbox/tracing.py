@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any, Final
 
 TRACER_NAME: Final = "outbox"
+# While no SDK is configured, ask OpenTelemetry again this often (seconds): the question reads
+# the environment each time, which costs more than the rest of a no-op dispatch.
+RECHECK_INTERVAL: Final = 1.0
 
 
 def _available() -> bool:
@@ -31,6 +35,35 @@ def current_traceparent() -> str | None:
     carrier: dict[str, str] = {}
     propagate.inject(carrier)
     return carrier.get("traceparent")
+
+
+def _sdk_configured() -> bool:
+    from opentelemetry import trace  # noqa: PLC0415 (only with the extra)
+
+    provider = trace.get_tracer_provider()
+    return not isinstance(provider, trace.ProxyTracerProvider | trace.NoOpTracerProvider)
+
+
+class Spans:
+    """Whether an attempt is worth a span: only with an SDK configured. Once one is, it stays
+    (OpenTelemetry sets the global provider once); until then the answer is reused for
+    RECHECK_INTERVAL, so an SDK configured later is picked up within that."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._on = False
+        self._off_until = float("-inf")
+
+    def active(self) -> bool:
+        if self._on or not AVAILABLE:
+            return self._on
+        now = self._clock()
+        if now < self._off_until:
+            return False
+        self._on = _sdk_configured()
+        if not self._on:
+            self._off_until = now + RECHECK_INTERVAL
+        return self._on
 
 
 @contextlib.contextmanager

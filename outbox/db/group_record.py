@@ -33,13 +33,18 @@ class GroupRecorder:
         self._writers = writers
         self._queue: list[tuple[Record, asyncio.Future[bool]]] = []
         self._running: set[asyncio.Task[None]] = set()
+        # Looked up once: get_running_loop makes a getpid system call on Python 3.11.
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def record(self, rec: Record) -> bool:
         """True if recorded; False if the lease was lost. Raises the statement's error."""
-        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            loop = self._loop = asyncio.get_running_loop()
+        future: asyncio.Future[bool] = loop.create_future()
         self._queue.append((rec, future))
         if len(self._running) < self._writers:
-            task = asyncio.create_task(self._drain(), name="outbox-record-writer")
+            task = loop.create_task(self._drain(), name="outbox-record-writer")
             self._running.add(task)
             task.add_done_callback(self._running.discard)
         return await future

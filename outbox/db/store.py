@@ -13,12 +13,12 @@ from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Final, LiteralString
+from typing import Any, Final, LiteralString, NamedTuple
 
 import psycopg
 from psycopg import AsyncConnection
 from psycopg.pq import TransactionStatus
-from psycopg.rows import dict_row, tuple_row
+from psycopg.rows import args_row, dict_row, tuple_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
@@ -56,8 +56,10 @@ def assert_no_connection_held() -> None:
         )
 
 
-@dataclass(frozen=True, slots=True)
-class Claimed:
+# Claimed and Record are NamedTuples rather than frozen dataclasses: just as immutable, and
+# built about fifteen times faster (a frozen dataclass's __init__ goes through
+# object.__setattr__ for every field), which counts at one of each per operation.
+class Claimed(NamedTuple):
     """A row this worker leased: everything needed to send it and to fence the record."""
 
     id: int
@@ -79,8 +81,10 @@ class Claimed:
     claimed_at: datetime  # the database clock at the claim
 
 
-@dataclass(frozen=True, slots=True)
-class Record:
+_CLAIMED_ROW: Final = args_row(Claimed)
+
+
+class Record(NamedTuple):
     """An attempt's outcome and the operation's next status."""
 
     id: int
@@ -121,9 +125,9 @@ class Store:
             "max_groups": min(2 * limit, MAX_GROUPS_PER_CLAIM),
         }  # fmt: skip
         async with self._connection() as conn:
-            cur = conn.cursor(row_factory=dict_row)
-            rows = await (await cur.execute(statements.CLAIM, params)).fetchall()
-        return [Claimed(**row) for row in rows]
+            # Built straight from the row, by position: CLAIM returns Claimed's fields in order.
+            cur = conn.cursor(row_factory=_CLAIMED_ROW)
+            return await (await cur.execute(statements.CLAIM, params)).fetchall()
 
     async def record(self, rec: Record) -> bool:
         """True if recorded; False if this worker no longer held the lease (nothing changed)."""
