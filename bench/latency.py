@@ -11,10 +11,9 @@ clock for every process of a Linux host, so the two readings subtract. One `outb
 (webhook provider, concurrency 64) per mode:
 
 * NOTIFY: LISTEN on the database URL (the default), poll_interval 1 s as the fallback;
-* polling only, at the default poll_interval (1 s) and at 100 ms. outbox has no setting that
-  turns LISTEN off on a direct connection, so this benchmark points the LISTEN connection
-  (OUTBOX_LISTEN_DATABASE_URL) at another database of the same server: it connects and LISTENs
-  normally, but NOTIFY is per database, so no notification ever reaches it.
+* polling only, at the default poll_interval (1 s) and at 100 ms: ``[database] listen = false``
+  (OUTBOX_DATABASE__LISTEN=false), so the daemon opens no LISTEN connection and producers never
+  notify.
 
 Targets with NOTIFY: p50 at most 3 ms, p99 at most 15 ms. Exits non-zero only on errors.
 """
@@ -36,10 +35,8 @@ from _support import (
     print_machine,
     print_table,
     progress,
-    server_url,
     wait_drained,
     wait_until,
-    with_dbname,
 )
 
 import outbox
@@ -99,10 +96,7 @@ def produce(db_url: str, rate: float, seconds: float, key_prefix: str) -> tuple[
 
 def run_mode(mode: Mode, rate: float, seconds: float) -> Result:
     with fresh_database(prefix="latency_") as db_url, ReceiverProcess(stamp=True) as receiver:
-        env = {}
-        if not mode.listen:
-            # Another database of the same server: LISTEN works there, and hears nothing.
-            env["OUTBOX_LISTEN_DATABASE_URL"] = with_dbname(server_url(), "postgres")
+        env = {} if mode.listen else {"OUTBOX_DATABASE__LISTEN": "false"}
         providers = {PROVIDER: {"type": "webhook", "url": receiver.url, "timeout": "10s"}}
         with outbox_runs(db_url, providers=providers, env=env, concurrency=64,
                          poll_interval=mode.poll_interval) as runs:  # fmt: skip

@@ -265,7 +265,7 @@ def run(dsn: str, config_path: Path | None, metrics_addr: str) -> None:
     try:
         settings = load_settings(config_path)
         logs.configure(settings.log_level)
-        providers = build_providers(settings.providers)
+        providers = build_providers(settings.providers, concurrency=settings.dispatcher.concurrency)
     except ConfigError as exc:
         raise BadInput(str(exc)) from None
     sys.exit(asyncio.run(daemon.serve(dsn, settings, providers, metrics_addr=addr)))

@@ -98,6 +98,10 @@ DEFAULT_POOL_MODE: Final = "session"
 # Where the URL of a direct connection for LISTEN is found unless the file names another place:
 # beside OUTBOX_DATABASE_URL, in the environment, and like it without a password (libpq's pgpass).
 DEFAULT_LISTEN_URL_ENV: Final = "OUTBOX_LISTEN_DATABASE_URL"
+# Whether the daemon LISTENs for enqueue notifications at all. On by default: an idle dispatcher
+# then claims a committed row within milliseconds instead of at its next poll. Off, it polls only
+# (every poll_interval), and producers never notify, since no dispatcher registers as waiting.
+DEFAULT_LISTEN: Final = True
 
 LOG_LEVELS: Final = ("debug", "info", "warning", "error")
 PROVIDER_NAME: Final = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
@@ -334,7 +338,12 @@ LIMIT_KEYS: Final = tuple(_LIMIT_CHECKS)
 # Every key of [database] and what its value must be. The LISTEN URL may carry a password, so the
 # file says only where it is: in an environment variable or a (credentials) file.
 _DATABASE_CHECKS: Final[Mapping[str, Callable[[Any, _Where], Any]]] = MappingProxyType(
-    {"pool_mode": _pool_mode, "listen_url_env": _env_name, "listen_url_file": _file_name}
+    {
+        "pool_mode": _pool_mode,
+        "listen_url_env": _env_name,
+        "listen_url_file": _file_name,
+        "listen": _boolean,
+    }
 )
 
 
@@ -392,10 +401,13 @@ class DatabaseSettings:
     statements, no session settings (the DBA sets them on the role), no LISTEN through it.
     ``listen_url`` is a direct connection (bypassing the pooler) for LISTEN; it may carry a
     password, so it is never shown. Without one, a transaction-pooled daemon polls only.
+    ``listen`` false turns LISTEN off whatever the connection: the daemon polls only, and any
+    ``listen_url`` goes unused.
     """
 
     pool_mode: str = DEFAULT_POOL_MODE
     listen_url: str | None = None
+    listen: bool = DEFAULT_LISTEN
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -407,6 +419,7 @@ class DatabaseSettings:
             raise ConfigError(
                 "database.listen_url must be a connection URL", key="database.listen_url"
             )
+        _boolean(self.listen, _Where("database.listen"))
 
     @property
     def transaction_pooling(self) -> bool:
@@ -415,7 +428,10 @@ class DatabaseSettings:
 
     def __repr__(self) -> str:
         shown = None if self.listen_url is None else REDACTED
-        return f"DatabaseSettings(pool_mode={self.pool_mode!r}, listen_url={shown!r})"
+        return (
+            f"DatabaseSettings(pool_mode={self.pool_mode!r}, listen_url={shown!r}, "
+            f"listen={self.listen!r})"
+        )
 
 
 def _no_options() -> Mapping[str, Any]:
@@ -652,6 +668,7 @@ def _database_settings(values: _Values, environ: Mapping[str, str]) -> DatabaseS
     return DatabaseSettings(
         pool_mode=checked.get("pool_mode", DEFAULT_POOL_MODE),
         listen_url=_listen_url(values, environ),
+        listen=checked.get("listen", DEFAULT_LISTEN),
     )
 
 

@@ -135,6 +135,7 @@ async def serve(
         providers=sorted(providers),
         concurrency=settings.dispatcher.concurrency,
         pool_mode=database.pool_mode,
+        wakeups="polling" if listen_url is None else "listen",
     )
     try:
         await dispatcher.run()
@@ -174,6 +175,13 @@ def _wakeup_url(dsn: str, settings: Settings) -> str | None:
     """The URL to LISTEN on, or None to poll only; says at startup which it is."""
     database = settings.database
     poll_interval = format_duration(settings.dispatcher.poll_interval)
+    if not database.listen:
+        log.info(
+            "wake-ups: polling only, since database.listen is false",
+            wakeups="polling", poll_interval=poll_interval,
+            listen_url_unused=database.listen_url is not None,
+        )  # fmt: skip
+        return None
     if database.listen_url is not None:
         log.info(
             "wake-ups: LISTEN on the direct listen URL, polling as a fallback",

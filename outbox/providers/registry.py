@@ -8,11 +8,22 @@ from collections.abc import Callable, Mapping
 from importlib.metadata import entry_points
 from typing import Any, Final
 
-from outbox.config import LIMIT_KEYS, ConfigError, ProviderSettings, read_secret
+from outbox.config import (
+    DEFAULT_CONCURRENCY,
+    LIMIT_KEYS,
+    ConfigError,
+    ProviderSettings,
+    read_secret,
+)
 from outbox.providers.base import Provider
 from outbox.providers.noop import NoopProvider
 from outbox.providers.stripe import StripeOptions, StripeProvider
-from outbox.providers.webhook import DEFAULT_REFERENCE_FIELD, WebhookOptions, WebhookProvider
+from outbox.providers.webhook import (
+    DEFAULT_REFERENCE_FIELD,
+    WebhookOptions,
+    WebhookProvider,
+    connection_cap,
+)
 
 ENTRY_POINT_GROUP: Final = "outbox.providers"
 Factory = Callable[[ProviderSettings], Provider]
@@ -23,15 +34,22 @@ DEFAULT_STRIPE_API: Final = "https://api.stripe.com"
 
 
 def build_providers(
-    settings: Mapping[str, ProviderSettings], environ: Mapping[str, str] | None = None
+    settings: Mapping[str, ProviderSettings],
+    environ: Mapping[str, str] | None = None,
+    *,
+    concurrency: int = DEFAULT_CONCURRENCY,
 ) -> dict[str, Provider]:
-    """One provider per configured name; ConfigError names the key of any problem."""
-    return {name: _build(ps, environ) for name, ps in settings.items()}
+    """One provider per configured name; ConfigError names the key of any problem.
+
+    ``concurrency`` is the dispatcher's (``dispatcher.concurrency``): the most calls the
+    providers may have in flight, which sizes their connection pools.
+    """
+    return {name: _build(ps, environ, concurrency) for name, ps in settings.items()}
 
 
-def _build(ps: ProviderSettings, environ: Mapping[str, str] | None) -> Provider:
+def _build(ps: ProviderSettings, environ: Mapping[str, str] | None, concurrency: int) -> Provider:
     if ps.type == "webhook":
-        return WebhookProvider(ps.name, webhook_options(ps, environ))
+        return WebhookProvider(ps.name, webhook_options(ps, environ, concurrency=concurrency))
     if ps.type == "noop":
         _reject_unknown(ps, ())
         return NoopProvider(ps.name, ps.key_retention)
@@ -41,9 +59,13 @@ def _build(ps: ProviderSettings, environ: Mapping[str, str] | None) -> Provider:
 
 
 def webhook_options(
-    ps: ProviderSettings, environ: Mapping[str, str] | None = None
+    ps: ProviderSettings,
+    environ: Mapping[str, str] | None = None,
+    *,
+    concurrency: int = DEFAULT_CONCURRENCY,
 ) -> WebhookOptions:
-    """The webhook settings of ``ps``, checked, with secret headers read from their source."""
+    """The webhook settings of ``ps``, checked, with secret headers read from their source; its
+    connection pool sized for the calls the dispatcher (``concurrency``) may send it at once."""
     _reject_unknown(ps, _WEBHOOK_KEYS)
     where = f"providers.{ps.name}"
     url = ps.options.get("url")
@@ -62,6 +84,7 @@ def webhook_options(
             for name, spec in secrets.items()
         },
         reference_field=str(ps.options.get("reference_field", DEFAULT_REFERENCE_FIELD)),
+        max_connections=connection_cap(concurrency, ps.max_in_flight),
     )
 
 

@@ -15,10 +15,11 @@ import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Final
 
 import httpx
 
+from outbox.config import DEFAULT_CONCURRENCY
 from outbox.providers.base import (
     SendRequest,
     SendResult,
@@ -35,6 +36,10 @@ DEFAULT_REFERENCE_FIELD = "id"
 _TRANSIENT_STATUSES = frozenset({408, 409, 425, 429})
 # Longest Retry-After we honour: a misconfigured receiver must not park operations for days.
 MAX_RETRY_AFTER = timedelta(hours=1)
+# An idle keep-alive connection is closed after this many seconds (httpx's default, stated): after
+# a burst of a thousand slow calls the thousand sockets to the receiver do not linger, while a
+# steady stream reuses its connections instead of opening (and, over TLS, handshaking) anew.
+KEEPALIVE_EXPIRY: Final = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +52,9 @@ class WebhookOptions:
     headers: Mapping[str, str] = field(default_factory=dict)
     secret_headers: Mapping[str, str] = field(default_factory=dict)
     reference_field: str = DEFAULT_REFERENCE_FIELD
+    # Connections to the receiver at once: as many as the dispatcher may have calls in flight to
+    # it (see connection_cap), so that no call waits for a connection behind the others.
+    max_connections: int = DEFAULT_CONCURRENCY
 
     def __repr__(self) -> str:
         secret_names = sorted(self.secret_headers)
@@ -66,7 +74,13 @@ class WebhookProvider:
             headers={**options.headers, **options.secret_headers},
             transport=transport,
             follow_redirects=False,  # a redirect would replay the POST somewhere unconfigured
-            limits=httpx.Limits(max_connections=100, max_keepalive_connections=100),
+            # Every connection may stay open for the next call while calls keep coming; idle
+            # ones close after KEEPALIVE_EXPIRY.
+            limits=httpx.Limits(
+                max_connections=options.max_connections,
+                max_keepalive_connections=options.max_connections,
+                keepalive_expiry=KEEPALIVE_EXPIRY,
+            ),
         )
 
     @property
@@ -118,6 +132,13 @@ class WebhookProvider:
         # 5xx: a gateway may answer 502/503/504 after the receiver acted, so the key window
         # starts here; Retry-After still paces the retry.
         return unknown(f"http_{status}", _reason(response), retry_after=retry_after, **details)
+
+
+def connection_cap(concurrency: int, max_in_flight: int | None) -> int:
+    """How many connections a webhook provider needs: its ``max_in_flight`` when set (the
+    dispatcher never has more of its calls in flight), else the dispatcher's ``concurrency``;
+    never more than ``concurrency``, which bounds every provider's calls together."""
+    return concurrency if max_in_flight is None else min(max_in_flight, concurrency)
 
 
 def _headers(request: SendRequest) -> dict[str, str]:

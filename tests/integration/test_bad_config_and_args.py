@@ -38,6 +38,8 @@ BAD_CONFIGS = [
      "providers.hook.breaker_failures"),
     ('[providers.hook]\ntype = "noop"\nbreaker_open_for = "-1s"\n',
      "providers.hook.breaker_open_for"),
+    ('[database]\nlisten = "no"\n', "database.listen (in"),
+    ("[database]\nlisten = 1\n", "database.listen (in"),
 ]  # fmt: skip
 
 
@@ -55,6 +57,20 @@ def test_a_bad_config_exits_2_naming_the_key_before_anything_is_claimed(
     assert "sk_test_inline" not in done.stderr  # a secret written inline is refused, not echoed
     assert statuses(db_url) == {"pending": 2}
     assert rows(db_url, "SELECT count(*) FROM outbox.attempts") == [(0,)]
+
+
+def test_a_bad_environment_override_exits_2_naming_the_key_and_its_variable(
+    cli_env: dict[str, str], db_url: str, tmp_path: Path
+) -> None:
+    enqueue_many(db_url, 1)
+    config = tmp_path / "outbox.toml"
+    config.write_text("[dispatcher]\n")
+    env = {**cli_env, "OUTBOX_DATABASE__LISTEN": "sometimes"}
+    done = outbox_cli(env, "run", "--config", str(config), "--metrics-addr", "off")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "database.listen (from OUTBOX_DATABASE__LISTEN) must be true or false" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert statuses(db_url) == {"pending": 1}
 
 
 BAD_ARGS = [

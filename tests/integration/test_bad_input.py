@@ -64,6 +64,53 @@ def test_sql_names_the_field_with_its_sqlstate_and_writes_nothing(
     assert count(db_url) == 0
 
 
+# Every text field enqueue checks, with its longest accepted value and whether it is required:
+# check_text's four rules (sql/0004), which sql/0017 tests at once on the usual path.
+TEXT_FIELDS = {
+    "tenant_id": (128, True),
+    "operation_type": (128, True),
+    "operation_key": (255, True),
+    "provider": (64, True),
+    "action": (128, True),
+    "correlation_id": (255, False),
+    "ordering_key": (255, False),
+}
+RULE_CASES = [
+    *[(field, None, f"{field} is required") for field, (_, req) in TEXT_FIELDS.items() if req],
+    *[(field, "   ", f"{field} must not be empty") for field in TEXT_FIELDS],
+    *[
+        (field, "é" * (limit + 1), f"{field} is {limit + 1} characters long; at most {limit} are")
+        for field, (limit, _) in TEXT_FIELDS.items()
+    ],
+    *[(field, "a\x7fb", f"{field} must not contain control characters") for field in TEXT_FIELDS],
+]
+
+
+@pytest.mark.parametrize(("field", "value", "message"), RULE_CASES)
+def test_sql_applies_every_rule_to_every_text_field(
+    conn: psycopg.Connection[Any], db_url: str, field: str, value: str | None, message: str
+) -> None:
+    args = charge(ordering_key="customer-1", correlation_id="req-1")
+    args[field] = value
+    args["payload"] = json.dumps(args["payload"])
+    names = ", ".join(f"{name} => %({name})s" for name in args)
+    with pytest.raises(psycopg.Error, match=message) as caught:
+        conn.execute(f"SELECT * FROM outbox.enqueue({names})", args)  # noqa: S608 (fixed names)
+    assert (caught.value.sqlstate, caught.value.diag.column_name) == ("OB002", field)
+    conn.rollback()
+    assert count(db_url) == 0
+
+
+def test_the_longest_accepted_values_are_accepted(conn: psycopg.Connection[Any]) -> None:
+    """Multibyte characters count as one each, as in check_text."""
+    longest = {field: "é" * limit for field, (limit, _) in TEXT_FIELDS.items()}
+    result = outbox.enqueue(conn, **charge(**longest))
+    assert result.outcome == "accepted"
+    op = outbox.get_operation(conn, longest["tenant_id"], longest["operation_type"],
+                              longest["operation_key"])  # fmt: skip
+    assert op is not None and op.correlation_id == longest["correlation_id"]
+
+
 @pytest.mark.parametrize(("payload", "message"), BAD_PAYLOAD_JSON)
 def test_sql_refuses_a_payload_that_is_not_an_object(
     conn: psycopg.Connection[Any], db_url: str, payload: str, message: str

@@ -260,3 +260,27 @@ def test_force_binds_a_non_superuser_owner_and_its_definer_functions(owned_db: s
         ("tenant-a", "quarantined"),
         ("tenant-b", "cancelled"),
     ]
+
+
+def test_without_isolation_binding_changes_nothing(db_url: str) -> None:
+    """enqueue skips the catalog read when the transaction is bound to its tenant (sql/0017):
+    bound to it, to another tenant, or to none, a database without isolation accepts all."""
+    for key, bind in (("k1", "tenant-a"), ("k2", "tenant-b"), ("k3", None)):
+        with psycopg.connect(db_url) as conn:
+            if bind is not None:
+                outbox.bind_tenant(conn, bind)
+            result = outbox.enqueue(
+                conn,
+                tenant_id="tenant-a",
+                operation_type="invoice.charge",
+                operation_key=key,
+                provider="hook",
+                action="invoice.paid",
+                payload={},
+            )
+            assert result.outcome == "accepted"
+    assert rows(db_url, "SELECT operation_key FROM outbox.operations ORDER BY 1") == [
+        ("k1",),
+        ("k2",),
+        ("k3",),
+    ]

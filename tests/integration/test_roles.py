@@ -132,8 +132,8 @@ _TABLE_WRITES: dict[str, LiteralString] = {
     "truncate audit": "TRUNCATE outbox.audit",
     "schema_migrations": "SELECT * FROM outbox.schema_migrations",
     "create in schema": "CREATE TABLE outbox.mine (id int)",
-    "internal insert_operation": "SELECT * FROM outbox.insert_operation('t', 't', 'k', 'hook', "
-    "'a', '{}'::jsonb, NULL, NULL, NULL, NULL, NULL)",
+    "internal check_text": "SELECT outbox.check_text('tenant_id', 't', 128)",
+    "internal require_tenant": "SELECT outbox.require_tenant('t')",
     "internal write_audit": "SELECT outbox.write_audit(o, 'me', 'resolve', 'why', 'succeeded', "
     "'{}') FROM outbox.operations o",
     "internal lock_for_action": "SELECT outbox.lock_for_action(1, 'x', ARRAY['pending'])",

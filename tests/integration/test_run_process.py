@@ -271,6 +271,46 @@ def test_notify_wakes_an_idle_dispatcher_and_listen_survives_its_backend_dying(
         wait_until(lambda: receiver.effect_count() == 2, timeout=10, what="a wake-up after it")
 
 
+def test_with_listen_off_the_dispatcher_claims_only_when_it_polls(
+    db_url: str, receiver: FakeWebhookReceiver, tmp_path: Path
+) -> None:
+    """[database] listen = false: no LISTEN connection, no waiting mark (so producers never
+    notify), and a row committed while the dispatcher idles waits for the next poll."""
+    cfg = config(tmp_path, receiver, poll_interval="4s")
+    cfg.write_text(cfg.read_text() + "\n[database]\nlisten = false\n")
+    enqueue_many(db_url, 1, prefix="first")
+    with (
+        outbox_processes(1, db_url, cfg, tmp_path) as (proc,),
+        psycopg.connect(db_url, autocommit=True) as listener,
+    ):
+        listener.execute("LISTEN outbox_enqueue")
+        # The first claim took it; the claim after it found nothing, so the next is a poll away.
+        wait_until(lambda: receiver.effect_count() == 1, timeout=30, what="the first claim")
+        enqueue_many(db_url, 1, prefix="second")
+        committed = time.monotonic()
+        while_idle = rows(
+            db_url,
+            "SELECT (SELECT count(*) FROM outbox.waiting_dispatchers),"
+            " (SELECT count(*) FROM pg_stat_activity WHERE application_name = 'outbox-listen'"
+            "  AND datname = current_database())",
+        )
+        wait_until(lambda: receiver.effect_count() == 2, timeout=30, what="the next poll")
+        waited = time.monotonic() - committed
+        heard = sum(1 for _ in listener.notifies(timeout=0.5))
+        proc.signal(signal.SIGTERM)
+        assert proc.wait() == 0
+        log = proc.log_text()
+    assert "wake-ups: polling only, since database.listen is false" in log
+    assert '"wakeups": "polling"' in log
+    assert "listening for enqueue notifications" not in log
+    assert while_idle == [(0, 0)]
+    assert heard == 0
+    # Up to 4 s; with LISTEN it would have been milliseconds.
+    assert waited > 1.5, f"claimed {waited:.2f}s after its commit: not by a poll"
+    assert statuses(db_url) == {"succeeded": 2}
+    assert receiver.effect_count() == 2
+
+
 def test_1000_payment_intents_through_two_processes_with_random_faults(
     db_url: str, tmp_path: Path
 ) -> None:

@@ -600,8 +600,19 @@ LISTEN_URL = "postgresql://outbox:hunter2@db-primary:5432/app"
 
 def test_the_database_defaults_to_a_session_of_its_own_and_no_listen_url() -> None:
     database = load({}).database
-    assert database == DatabaseSettings(pool_mode="session", listen_url=None)
+    assert database == DatabaseSettings(pool_mode="session", listen_url=None, listen=True)
     assert not database.transaction_pooling
+
+
+def test_listen_from_the_file_or_the_environment() -> None:
+    assert not load({"database": {"listen": False}}).database.listen
+    for text in ("false", "0", "no", "off", " FALSE "):
+        assert not load({}, OUTBOX_DATABASE__LISTEN=text).database.listen
+    overridden = load({"database": {"listen": False}}, OUTBOX_DATABASE__LISTEN="true")
+    assert overridden.database.listen
+    # Off wins over a direct URL: it is kept (and never shown) but goes unused.
+    both = load({"database": {"listen": False}}, OUTBOX_LISTEN_DATABASE_URL=LISTEN_URL)
+    assert not both.database.listen and both.database.listen_url == LISTEN_URL
 
 
 def test_pool_mode_from_the_file_or_the_environment() -> None:
@@ -649,6 +660,11 @@ def test_the_listen_url_from_a_named_variable_or_credentials_file(tmp_path: Path
         ({}, {"OUTBOX_DATABASE__POOLMODE": "transaction"}, "OUTBOX_DATABASE__POOLMODE",
          "the database has no setting 'poolmode'; the valid keys are pool_mode, listen_url_env"),
         ({"database": "transaction"}, {}, "database", 'must be a table, not "transaction"'),
+        ({"database": {"listen": "false"}}, {}, "database.listen",
+         'must be true or false, not "false"'),
+        ({"database": {"listen": 0}}, {}, "database.listen", "must be true or false, not 0"),
+        ({}, {"OUTBOX_DATABASE__LISTEN": "maybe"}, "database.listen",
+         '(from OUTBOX_DATABASE__LISTEN) must be true or false, not "maybe"'),
     ],
 )  # fmt: skip
 def test_a_bad_database_setting_names_its_key(
@@ -681,7 +697,8 @@ def test_repr_never_shows_the_listen_url() -> None:
     )
     for text in (repr(settings), str(settings), repr(settings.database)):
         assert "hunter2" not in text and "db-primary" not in text
-    assert "DatabaseSettings(pool_mode='transaction', listen_url='***')" in repr(settings)
+    shown = "DatabaseSettings(pool_mode='transaction', listen_url='***', listen=True)"
+    assert shown in repr(settings)
 
 
 def test_the_pgbouncer_guide_s_settings_load() -> None:
