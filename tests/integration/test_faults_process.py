@@ -70,8 +70,10 @@ def test_the_wrong_wall_clock_changes_nothing_because_every_comparison_uses_the_
     keys = {op: key_of(db_url, op) for op in ops}
     for op in ops[:4]:  # an unknown outcome each: retried with the same key inside its window
         receiver.inject(Fault.error_500_before_apply(), key=keys[op])
-    slow = receiver.hold(keys[ops[4]])  # held past the 3 s lease: only heartbeats keep it
-    cfg = config(tmp_path, receiver)
+    slow = receiver.hold(keys[ops[4]])  # held past the lease: only heartbeats keep it
+    # A 6 s lease, renewed every 2 s: a CI machine at a load of 14 delayed a 1 s heartbeat past a
+    # 3 s lease once, and the rescue's resend then met the held key's 409s.
+    cfg = config(tmp_path, receiver, lease="6s")
     faketime = require_tool("faketime")
     # asyncio's timers run on the monotonic clock; only the wall clock is wrong.
     env = {"FAKETIME_DONT_FAKE_MONOTONIC": "1"}
@@ -84,7 +86,7 @@ def test_the_wrong_wall_clock_changes_nothing_because_every_comparison_uses_the_
         assert slow.arrived.wait(30)
         wait_until(lambda: statuses(db_url).get("succeeded") == 11, timeout=60,
                    what="the others to succeed")  # fmt: skip
-        time.sleep(8)  # well past the 3 s lease: a rescue by the wall clock would resend it
+        time.sleep(9)  # well past the 6 s lease: a rescue by the wall clock would resend it
         slow.release()
         wait_until(lambda: statuses(db_url) == {"succeeded": 12}, timeout=30,
                    what="the held call to be recorded")  # fmt: skip

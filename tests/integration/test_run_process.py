@@ -357,7 +357,9 @@ def test_1000_payment_intents_through_two_processes_with_random_faults(
     assert refs == by_operation
     outcomes = dict(rows(db_url, "SELECT outcome, count(*) FROM outbox.attempts GROUP BY 1"))
     assert outcomes["succeeded"] == 1_000
-    # Every planted fault was met once: 409s and 429s transient; timeouts and 503s unknown.
-    # (A loaded machine may add a timeout of its own: an unknown outcome, retried with the key.)
-    assert outcomes["transient"] == 120
+    # Every planted fault cost one failed attempt: 120 transient (409s, 429s) and 100 unknown
+    # (timeouts, 503s). Under load the client's own 500 ms timeout can cut off a planted 409 or
+    # 429 before it is read, which makes it unknown instead; either way it was retried with the
+    # same key, and the 1,000 objects above show no effect doubled.
+    assert outcomes["transient"] + outcomes["unknown"] >= 220
     assert outcomes["unknown"] >= 100
