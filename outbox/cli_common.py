@@ -9,6 +9,7 @@ other content).
 from __future__ import annotations
 
 import contextlib
+import getpass
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -80,6 +81,13 @@ def dsn_option(command: F) -> F:
         callback=_check_dsn,
         help="PostgreSQL connection string (URL or key=value); no password on the command line.",
     )(command)
+
+
+def actor_option(command: F) -> F:
+    """--actor: who is acting, recorded with what they do (the audit, an ordering mode)."""
+    option = click.option("--actor", default=getpass.getuser, show_default="the login user",
+                          help="Who is acting; recorded in the audit.")  # fmt: skip
+    return option(command)
 
 
 def json_option(command: F) -> F:

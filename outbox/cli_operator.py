@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import getpass
 import json
 import sys
 from collections.abc import Callable
@@ -20,7 +19,7 @@ from typing import Any, TypeVar
 import click
 
 from outbox import operators, reconciler
-from outbox.cli_common import BadInput, connect, dsn_option, json_option
+from outbox.cli_common import BadInput, actor_option, connect, dsn_option, json_option
 from outbox.config import ConfigError, load_settings
 from outbox.durations import format_duration
 from outbox.model import Status
@@ -28,12 +27,6 @@ from outbox.providers.registry import build_providers
 from outbox.tables import render_table
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _actor_option(command: F) -> F:
-    option = click.option("--actor", default=getpass.getuser, show_default="the login user",
-                          help="Who is acting; recorded in the audit.")  # fmt: skip
-    return option(command)
 
 
 def _reason_option(command: F) -> F:
@@ -112,7 +105,7 @@ def build_group(name: str, status: Status) -> click.Group:
     @dsn_option
     @click.argument("operation_id", type=int)
     @_reason_option
-    @_actor_option
+    @actor_option
     def cancel(dsn: str, operation_id: int, reason: str, actor: str) -> None:
         """Give up: nothing more is sent."""
         _run_action(
@@ -130,7 +123,7 @@ def add_reconcile_actions(group: click.Group) -> None:
     @click.argument("operation_id", type=int)
     @click.option("--provider-ref", required=True, help="The provider's id of the effect.")
     @_reason_option
-    @_actor_option
+    @actor_option
     def resolve(dsn: str, operation_id: int, provider_ref: str, reason: str, actor: str) -> None:
         """Mark succeeded: the effect exists at the provider under PROVIDER_REF."""
         _run_action(
@@ -145,7 +138,7 @@ def add_reconcile_actions(group: click.Group) -> None:
     @dsn_option
     @click.argument("operation_id", type=int)
     @_reason_option
-    @_actor_option
+    @actor_option
     @click.option(
         "--force", is_flag=True, help="Retry even though no check found the effect missing."
     )
@@ -211,7 +204,7 @@ def add_quarantine_actions(group: click.Group) -> None:
     @dsn_option
     @click.argument("operation_id", type=int)
     @_reason_option
-    @_actor_option
+    @actor_option
     def replay(dsn: str, operation_id: int, reason: str, actor: str) -> None:
         """Back to pending with the same key and a fresh attempt budget."""
         _run_action(
@@ -224,7 +217,7 @@ def add_quarantine_actions(group: click.Group) -> None:
     @dsn_option
     @click.argument("operation_id", type=int)
     @_reason_option
-    @_actor_option
+    @actor_option
     def to_reconciliation(dsn: str, operation_id: int, reason: str, actor: str) -> None:
         """Send to reconciliation: the provider is asked before anyone decides."""
         _run_action(

@@ -7,13 +7,12 @@ without it. `outbox status` shows how many operations wait, and behind what.
 
 from __future__ import annotations
 
-import getpass
 import json
 
 import click
 import psycopg
 
-from outbox.cli_common import BadInput, connect, dsn_option, json_option
+from outbox.cli_common import BadInput, actor_option, connect, dsn_option, json_option
 from outbox.db import statements
 from outbox.errors import SQLSTATE_INVALID_OPERATION
 from outbox.tables import render_table
@@ -45,8 +44,7 @@ def modes(dsn: str, as_json: bool) -> None:
 @dsn_option
 @click.argument("operation_type")
 @click.argument("mode", type=click.Choice(["block", "skip"]))
-@click.option("--actor", default=getpass.getuser, show_default="the login user",
-              help="Who is acting; recorded with the mode.")  # fmt: skip
+@actor_option
 def set_mode(dsn: str, operation_type: str, mode: str, actor: str) -> None:
     """Block or skip past OPERATION_TYPE's quarantined and reconciling operations. Switching
     to skip releases the keys they hold up at once."""
