@@ -86,7 +86,7 @@ def dsn_option(command: F) -> F:
 def actor_option(command: F) -> F:
     """--actor: who is acting, recorded with what they do (the audit, an ordering mode)."""
     option = click.option("--actor", default=getpass.getuser, show_default="the login user",
-                          help="Who is acting; recorded in the audit.")  # fmt: skip
+                          help="Who is acting; recorded with the change.")  # fmt: skip
     return option(command)
 
 
