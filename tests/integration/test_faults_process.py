@@ -20,8 +20,10 @@ from tests.support.tools import require_tool
 pytestmark = pytest.mark.slow
 
 
-def config(tmp_path: Path, receiver: FakeWebhookReceiver, **dispatcher: Any) -> Path:
-    hook = {"type": "webhook", "url": receiver.url, "timeout": "10s", "key_retention": "90m"}
+def config(
+    tmp_path: Path, receiver: FakeWebhookReceiver, timeout: str = "10s", **dispatcher: Any
+) -> Path:
+    hook = {"type": "webhook", "url": receiver.url, "timeout": timeout, "key_retention": "90m"}
     settings: dict[str, Any] = {"lease": "3s", "poll_interval": "200ms", "backoff_base": "1s",
                                 "backoff_max": "2s", **dispatcher}  # fmt: skip
     return write_config(tmp_path / "outbox.toml", providers={"hook": hook}, **settings)
@@ -73,7 +75,9 @@ def test_the_wrong_wall_clock_changes_nothing_because_every_comparison_uses_the_
     slow = receiver.hold(keys[ops[4]])  # held past the lease: only heartbeats keep it
     # A 6 s lease, renewed every 2 s: a CI machine at a load of 14 delayed a 1 s heartbeat past a
     # 3 s lease once, and the rescue's resend then met the held key's 409s.
-    cfg = config(tmp_path, receiver, lease="6s")
+    # The held call must outlive neither its timeout nor a loaded machine: at 10 s, a slow wait for
+    # the others plus the 9 s below timed it out, and its retry was a (correct) replay.
+    cfg = config(tmp_path, receiver, timeout="60s", lease="6s")
     faketime = require_tool("faketime")
     # asyncio's timers run on the monotonic clock; only the wall clock is wrong.
     env = {"FAKETIME_DONT_FAKE_MONOTONIC": "1"}
@@ -96,7 +100,11 @@ def test_the_wrong_wall_clock_changes_nothing_because_every_comparison_uses_the_
     for offset, sign in (("+1h", 1), ("-1h", -1)):  # the fault really was in place
         assert abs(_log_clock_offset(tmp_path / f"clock{offset}.log") - sign * 3600) < 300
     assert receiver.effect_count() == 12
-    assert len(receiver.received) == 12 + 4  # the 4 retries; no rescue resent the held call
+    op_of = {key: op for op, key in keys.items()}
+    seen = [(ops.index(op_of[r.key]) if r.key in op_of else r.key, r.status, r.replayed)
+            for r in receiver.received]  # fmt: skip
+    # The 4 retries; no rescue resent the held call.
+    assert len(seen) == 12 + 4, f"{sorted(seen, key=str)} {_outcomes(tmp_path)}"
     assert rows(db_url, "SELECT attempts, count(*) FROM outbox.operations GROUP BY 1 "
                         "ORDER BY 1") == [(1, 8), (2, 4)]  # fmt: skip
     # Every timestamp the daemons caused was taken from the database clock, not theirs.
@@ -109,6 +117,12 @@ def test_the_wrong_wall_clock_changes_nothing_because_every_comparison_uses_the_
                              "abs(extract(epoch FROM last_attempt_at - now())), "
                              "abs(extract(epoch FROM available_at - now()))) > 600")  # fmt: skip
     assert off == 0
+
+
+def _outcomes(tmp_path: Path) -> list[str]:
+    """The daemons' log lines past start-up (attempts, warnings), to explain a failure."""
+    return [line for log in sorted(tmp_path.glob("clock*.log"))
+            for line in log.read_text().splitlines()[3:]]  # fmt: skip
 
 
 def _log_clock_offset(log: Path) -> float:
