@@ -16,7 +16,7 @@ from typing import IO, Any
 import click
 from psycopg.rows import dict_row
 
-from outbox import cli_operator, cli_ordering, daemon, gauges, logs, producer, prune
+from outbox import cli_operator, cli_ordering, daemon, event_loop, gauges, logs, producer, prune
 from outbox import demo as demo_module
 from outbox.cli_common import (
     BadInput,
@@ -268,7 +268,8 @@ def run(dsn: str, config_path: Path | None, metrics_addr: str) -> None:
         providers = build_providers(settings.providers, concurrency=settings.dispatcher.concurrency)
     except ConfigError as exc:
         raise BadInput(str(exc)) from None
-    sys.exit(asyncio.run(daemon.serve(dsn, settings, providers, metrics_addr=addr)))
+    serving = daemon.serve(dsn, settings, providers, metrics_addr=addr)
+    sys.exit(event_loop.run(serving, settings.dispatcher.event_loop))
 
 
 @main.command()

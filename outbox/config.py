@@ -35,6 +35,7 @@ from typing import Any, Final
 
 from outbox.durations import format_duration, parse_duration
 from outbox.errors import OutboxError
+from outbox.event_loop import EVENT_LOOPS, uvloop_available
 
 # --- Defaults, and why -----------------------------------------------------------------------
 
@@ -286,6 +287,16 @@ def _pool_mode(value: object, where: _Where) -> str:
     raise where.error(f"must be one of {', '.join(POOL_MODES)}, not {_show(value)}")
 
 
+def _event_loop(value: object, where: _Where) -> str:
+    """``value`` as one of EVENT_LOOPS, in lower case; "uvloop" only where it is installed."""
+    text = value.strip().lower() if isinstance(value, str) else None
+    if text not in EVENT_LOOPS:
+        raise where.error(f"must be one of {', '.join(EVENT_LOOPS)}, not {_show(value)}")
+    if text == "uvloop" and not uvloop_available():
+        raise where.error('is "uvloop", which is not installed here; use "auto" or "asyncio"')
+    return text
+
+
 def _env_name(value: object, where: _Where) -> str:
     """``value`` as the name of an environment variable."""
     if isinstance(value, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
@@ -317,6 +328,7 @@ _DISPATCHER_CHECKS: Final[Mapping[str, Callable[[Any, _Where], Any]]] = MappingP
         "auto_reconcile": _boolean,
         "reconcile_interval": _positive_duration,
         "gauge_interval": _positive_duration,
+        "event_loop": _event_loop,
     }
 )
 
@@ -367,12 +379,16 @@ class DispatcherSettings:
     auto_reconcile: bool = DEFAULT_AUTO_RECONCILE
     reconcile_interval: timedelta = DEFAULT_RECONCILE_INTERVAL
     gauge_interval: timedelta = DEFAULT_GAUGE_INTERVAL
+    event_loop: str = "auto"
 
     def __post_init__(self) -> None:
         # The loader checked each value already, naming its source; this keeps settings built in
         # Python code to the same rules.
         for name, check in _DISPATCHER_CHECKS.items():
             check(getattr(self, name), _Where(f"dispatcher.{name}"))
+        object.__setattr__(
+            self, "event_loop", _event_loop(self.event_loop, _Where("dispatcher.event_loop"))
+        )
         if self.backoff_base > self.backoff_max:
             raise ConfigError(
                 f"dispatcher.backoff_base ({format_duration(self.backoff_base)}) must not be "

@@ -136,6 +136,8 @@ async def serve(
         concurrency=settings.dispatcher.concurrency,
         pool_mode=database.pool_mode,
         wakeups="polling" if listen_url is None else "listen",
+        # What actually runs, whatever was asked: a tool that imports serve() brings its own loop.
+        event_loop=type(asyncio.get_running_loop()).__module__.split(".")[0],
     )
     try:
         await dispatcher.run()

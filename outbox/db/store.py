@@ -7,6 +7,7 @@ transaction and costs one round trip.
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Final, LiteralString, NamedTuple
 
+import orjson
 import psycopg
 from psycopg import AsyncConnection
 from psycopg.pq import TransactionStatus
@@ -146,7 +148,7 @@ class Store:
              "request_id": r.request_id}
             for r in recs
         ]  # fmt: skip
-        params = {"batch": Jsonb(batch), "worker": recs[0].worker}
+        params = {"batch": Jsonb(batch, dumps=_batch_json), "worker": recs[0].worker}
         async with self._connection() as conn:
             cur = conn.cursor(row_factory=tuple_row)
             rows = await (await cur.execute(statements.RECORD_MANY, params)).fetchall()
@@ -285,3 +287,16 @@ class Tokens:
 
     granted: int
     level: float
+
+
+def _batch_json(batch: object) -> bytes:
+    """The record batch as JSON: orjson, several times faster than json.dumps on the hot path.
+
+    A provider's answer (``result``) may hold what orjson refuses, such as an integer past 64
+    bits; json.dumps writes those. orjson writes a NaN as null, where json.dumps would write a
+    token PostgreSQL rejects, which failed the whole batch.
+    """
+    try:
+        return orjson.dumps(batch)
+    except orjson.JSONEncodeError:
+        return json.dumps(batch).encode()

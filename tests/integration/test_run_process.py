@@ -70,6 +70,32 @@ def test_four_processes_dispatch_20000_operations_exactly_once(
     ) == [(0,)]
 
 
+def test_uvloop_by_default_and_asyncio_on_request_dispatch_together_exactly_once(
+    db_url: str, receiver: FakeWebhookReceiver, tmp_path: Path
+) -> None:
+    enqueue_many(db_url, 3_000)
+    cfg = config(tmp_path, receiver, lease="30s", concurrency=32, batch_size=50)
+    loops = {"uvloop": {}, "asyncio": {"OUTBOX_DISPATCHER__EVENT_LOOP": "asyncio"}}
+    procs = {name: OutboxProcess(db_url, cfg, tmp_path / f"{name}.log", env)
+             for name, env in loops.items()}  # fmt: skip
+    try:
+        wait_until(lambda: count_status(db_url, "succeeded") == 3_000, timeout=120,
+                   what="3,000 operations to succeed")  # fmt: skip
+        for proc in procs.values():
+            proc.signal(signal.SIGTERM)
+        assert [proc.wait() for proc in procs.values()] == [0, 0]
+    finally:
+        for proc in procs.values():
+            proc.stop()
+    for name, proc in procs.items():
+        assert f'"event_loop": "{name}"' in proc.log_text()
+    assert statuses(db_url) == {"succeeded": 3_000}
+    assert receiver.effect_count() == 3_000 == len({e.key for e in receiver.effects})
+    # Both loops did their share, and no row was leased twice.
+    assert rows(db_url, "SELECT count(DISTINCT worker), count(*) FILTER (WHERE outcome = "
+                        "'succeeded') FROM outbox.attempts") == [(2, 3_000)]  # fmt: skip
+
+
 def test_sigkill_after_the_provider_acted_resends_with_the_same_key_once(
     db_url: str, receiver: FakeWebhookReceiver, tmp_path: Path
 ) -> None:

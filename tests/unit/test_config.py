@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from outbox import event_loop
 from outbox.config import (
     DEFAULT_KEY_RETENTION,
     DEFAULT_TIMEOUT,
@@ -225,7 +226,7 @@ def test_environment_overrides_the_file(example: Path) -> None:
 def test_every_dispatcher_setting_can_come_from_the_environment(field: str) -> None:
     value, expected = {
         "concurrency": ("2", 2), "batch_size": ("2", 2), "max_attempts": ("2", 2),
-        "auto_reconcile": ("false", False),
+        "auto_reconcile": ("false", False), "event_loop": ("asyncio", "asyncio"),
     }.get(field, ("2s", timedelta(seconds=2)))  # fmt: skip
     settings = load({}, **{f"OUTBOX_DISPATCHER__{field.upper()}": value})
     assert getattr(settings.dispatcher, field) == expected
@@ -748,3 +749,34 @@ def test_loading_leaves_the_callers_mapping_alone() -> None:
     assert data == {"providers": {"pay": {"type": "webhook", "retries": 3}}}
     # Options from the environment stay text: the provider's factory parses its own options.
     assert settings.providers["pay"].options["retries"] == "5"
+
+
+# --- The event loop ------------------------------------------------------------------------------
+
+
+def test_the_event_loop_is_uvloop_where_installed_unless_asyncio_is_asked_for() -> None:
+    assert load({}).dispatcher.event_loop == "auto"
+    assert event_loop.chosen("auto") == "uvloop"  # a dependency wherever it is built
+    assert load({"dispatcher": {"event_loop": " UVLOOP "}}).dispatcher.event_loop == "uvloop"
+    from_env = load({}, OUTBOX_DISPATCHER__EVENT_LOOP="asyncio").dispatcher
+    assert from_env.event_loop == "asyncio" and event_loop.chosen("asyncio") == "asyncio"
+    assert DispatcherSettings(event_loop="AsyncIO").event_loop == "asyncio"
+
+
+@pytest.mark.parametrize(
+    ("data", "environ", "message"),
+    [
+        ({"dispatcher": {"event_loop": "trio"}}, {},
+         'dispatcher.event_loop (in <config>) must be one of auto, uvloop, asyncio, not "trio"'),
+        ({"dispatcher": {"event_loop": True}}, {},
+         "must be one of auto, uvloop, asyncio, not true"),
+        ({}, {"OUTBOX_DISPATCHER__EVENT_LOOP": "tokio"},
+         '(from OUTBOX_DISPATCHER__EVENT_LOOP) must be one of auto, uvloop, asyncio, not "tokio"'),
+    ],
+)  # fmt: skip
+def test_a_bad_event_loop_names_its_key(
+    data: dict[str, Any], environ: dict[str, str], message: str
+) -> None:
+    error = config_error(data, **environ)
+    assert error.key == "dispatcher.event_loop"
+    assert message in str(error)
