@@ -17,6 +17,7 @@ process start-up does not count. See bench/README.md.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import multiprocessing
 import os
 import re
@@ -26,6 +27,7 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +45,10 @@ from _support import (
     print_table,
     progress,
 )
+from psycopg_pool import AsyncConnectionPool
+
+from outbox.db.store import Record, Store
+from outbox.model import Status
 
 DEFAULT_COUNT = 100_000
 QUICK_COUNT = 10_000
@@ -97,6 +103,33 @@ def _raw_worker(db_url: str, batch: int, start: multiprocessing.synchronize.Even
         release.wait()  # connected until the parent has read its backend's CPU time
 
 
+def _floor_worker(db_url: str, batch: int, start: multiprocessing.synchronize.Event,
+                  done: multiprocessing.synchronize.Barrier,
+                  release: multiprocessing.synchronize.Event) -> None:  # fmt: skip
+    asyncio.run(_floor_loop(db_url, batch, start, done, release))
+
+
+async def _floor_loop(db_url: str, batch: int, start: multiprocessing.synchronize.Event,
+                      done: multiprocessing.synchronize.Barrier,
+                      release: multiprocessing.synchronize.Event) -> None:  # fmt: skip
+    """outbox's own claim and record statements, through its Store, with nothing between them:
+    no provider call, no task per operation. What the protocol costs the database, at most."""
+    worker = f"floor-{os.getpid()}"
+    lease = timedelta(seconds=60)
+    async with AsyncConnectionPool(db_url, min_size=1, max_size=1, open=False,
+                                   kwargs={"autocommit": True}) as pool:  # fmt: skip
+        store = Store(pool)
+        await asyncio.to_thread(start.wait)
+        while claimed := await store.claim(worker, batch, lease):
+            await store.record_many([
+                Record(c.id, c.lease_token, c.attempts, worker, Status.SUCCEEDED, "succeeded",
+                       sent=True, provider_ref="floor")
+                for c in claimed
+            ])  # fmt: skip
+        await asyncio.to_thread(done.wait)
+        await asyncio.to_thread(release.wait)
+
+
 @dataclass(frozen=True)
 class Raw:
     """One run of the raw loop."""
@@ -105,15 +138,18 @@ class Raw:
     pg_cpu_per_row: float  # seconds of CPU in the workers' backends, per row
 
 
-def raw_limit(count: int, workers: int, batch: int) -> Raw:
-    """The minimal claim-and-finish loop over ``count`` fresh rows."""
+def raw_limit(count: int, workers: int, batch: int, *, floor: bool = False) -> Raw:
+    """The minimal claim-and-finish loop over ``count`` fresh rows; ``floor``: outbox's claim
+    and record statements in the same bare loop (two transactions and an attempt row per
+    operation, where the raw loop has one statement)."""
     with fresh_database(prefix="raw_") as db_url:
         bulk_enqueue(db_url, count)
         ctx = multiprocessing.get_context("fork")
         start = ctx.Event()
         done = ctx.Barrier(workers + 1)
         release = ctx.Event()
-        procs = [ctx.Process(target=_raw_worker, args=(db_url, batch, start, done, release))
+        target = _floor_worker if floor else _raw_worker
+        procs = [ctx.Process(target=target, args=(db_url, batch, start, done, release))
                  for _ in range(workers)]  # fmt: skip
         for p in procs:
             p.start()
@@ -353,22 +389,31 @@ def top_inclusive(collapsed: Path, needle: str, top: int = 20) -> list[tuple[str
 
 
 def raw_table(count: int, repeat: int) -> float:
-    """Measure and print the raw limit; returns the best median of the 100-row claims."""
+    """Measure and print the raw limit; returns the best median of the 100-row claims.
+
+    Beside it, the protocol floor: outbox's own claim and record statements in the same bare
+    loop, which no dispatcher using them can beat on this database."""
     raw_rows: list[list[str]] = []
     best_raw = 0.0
-    for batch, rows in ((100, count), (1, max(count // SINGLE_ROW_SHARE, 1000))):
-        for workers in RAW_WORKERS:
-            progress(f"raw loop: {workers} workers x {batch} rows, {rows:,} rows, x{repeat}")
-            runs = [raw_limit(rows, workers, batch) for _ in range(repeat)]
-            rate = median([r.per_second for r in runs])
-            if batch == 100:
-                best_raw = max(best_raw, rate)
-            raw_rows.append([f"{workers}", f"{batch}", f"{rows:,}", fmt_rate(rate),
-                             f"{median([1000 * r.pg_cpu_per_row for r in runs]):.3f} ms",
-                             " / ".join(fmt_rate(r.per_second) for r in runs)])  # fmt: skip
-    print_table(["workers", "rows per claim", "rows", "rows/s (median)", "CPU/row backends",
-                 "runs"], raw_rows,
-                title="Raw PostgreSQL limit: claim + finish in one statement")  # fmt: skip
+    loops = [(False, batch, rows, workers)
+             for batch, rows in ((100, count), (1, max(count // SINGLE_ROW_SHARE, 1000)))
+             for workers in RAW_WORKERS]  # fmt: skip
+    loops += [(True, 100, count, workers) for workers in RAW_WORKERS]
+    for floor, batch, rows, workers in loops:
+        name = "outbox's claim + record" if floor else "raw: one statement"
+        progress(f"{name}: {workers} workers x {batch} rows, {rows:,} rows, x{repeat}")
+        runs = [raw_limit(rows, workers, batch, floor=floor) for _ in range(repeat)]
+        rate = median([r.per_second for r in runs])
+        if batch == 100 and not floor:
+            best_raw = max(best_raw, rate)
+        raw_rows.append([name, f"{workers}", f"{batch}", f"{rows:,}", fmt_rate(rate),
+                         fmt_ratio(rate / best_raw) if floor and best_raw else "",
+                         f"{median([1000 * r.pg_cpu_per_row for r in runs]):.3f} ms",
+                         " / ".join(fmt_rate(r.per_second) for r in runs)])  # fmt: skip
+    print_table(["loop", "workers", "rows per claim", "rows", "rows/s (median)", "x raw",
+                 "CPU/row backends", "runs"], raw_rows,
+                title="Raw PostgreSQL limit: claim + finish in one statement; and outbox's "
+                      "statements in the same loop")  # fmt: skip
     return best_raw
 
 
