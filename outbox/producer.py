@@ -10,6 +10,7 @@ that are not JSON).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from datetime import datetime
 from typing import Any, NoReturn
@@ -193,24 +194,22 @@ def _payload_json(payload: object) -> str:
         raise InvalidOperation(
             "payload", f"payload must be a JSON object (a mapping), not {type(payload).__name__}"
         )
-    if _contains_nul(payload):
-        raise InvalidOperation("payload", "payload must not contain NUL characters")
     try:
-        # allow_nan=False: NaN and Infinity are not JSON, and PostgreSQL would refuse them.
-        return json.dumps(payload, allow_nan=False, separators=(",", ":"))
+        text = _PAYLOAD_ENCODER.encode(payload)
     except (TypeError, ValueError) as exc:
         raise InvalidOperation("payload", f"payload is not valid JSON: {exc}") from None
+    if "\\u0000" in text and _ESCAPED_NUL.search(text):  # the regex only where it may match
+        raise InvalidOperation("payload", "payload must not contain NUL characters")
+    return text
 
 
-def _contains_nul(value: object) -> bool:
-    # PostgreSQL text and jsonb cannot hold U+0000, in keys or in values.
-    if isinstance(value, str):
-        return "\x00" in value
-    if isinstance(value, Mapping):
-        return any(_contains_nul(k) or _contains_nul(v) for k, v in value.items())
-    if isinstance(value, list | tuple):
-        return any(_contains_nul(item) for item in value)
-    return False
+# One encoder for every call: json.dumps builds a new one whenever an argument is not its
+# default. allow_nan=False: NaN and Infinity are not JSON, and PostgreSQL would refuse them.
+_PAYLOAD_ENCODER = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
+# PostgreSQL text and jsonb cannot hold U+0000, in keys or in values. The encoder writes it as
+# \u0000 (ensure_ascii); an even run of backslashes before it is escaped backslashes, not the
+# escape. Searching the text the encoder wrote anyway costs less than walking the payload.
+_ESCAPED_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
 
 def _enqueue_result(row: tuple[Any, ...] | None) -> EnqueueResult:

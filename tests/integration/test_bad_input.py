@@ -10,6 +10,7 @@ import pytest
 
 import outbox
 from outbox import InvalidOperation
+from tests.support.dispatch import rows
 from tests.support.producers import charge, count
 
 # (field, bad value, what the message must say)
@@ -145,8 +146,9 @@ def test_sql_requires_every_identity_field(conn: psycopg.Connection[Any]) -> Non
         ({"note": "nul\x00byte"}, "payload must not contain NUL characters"),
         ({"nul\x00key": 1}, "payload must not contain NUL characters"),
         ({"nested": [{"deep": "\x00"}]}, "payload must not contain NUL characters"),
+        ({"after": "a backslash \\\x00"}, "payload must not contain NUL characters"),
     ],
-    ids=["list", "str", "nan", "object", "nul-value", "nul-key", "nul-nested"],
+    ids=["list", "str", "nan", "object", "nul-value", "nul-key", "nul-nested", "nul-escaped"],
 )
 def test_python_refuses_a_payload_that_cannot_be_a_json_object(
     conn: psycopg.Connection[Any], db_url: str, payload: Any, message: str
@@ -156,6 +158,15 @@ def test_python_refuses_a_payload_that_cannot_be_a_json_object(
     assert caught.value.field == "payload"
     conn.rollback()
     assert count(db_url) == 0
+
+
+def test_text_that_merely_spells_an_escaped_nul_is_kept(
+    conn: psycopg.Connection[Any], db_url: str
+) -> None:
+    spelled = {"regex": "\\u0000", "two": "\\\\u0000", "key \\u0000": "ok"}
+    outbox.enqueue(conn, **charge(payload=spelled))
+    conn.commit()
+    assert rows(db_url, "SELECT payload FROM outbox.operations") == [(spelled,)]
 
 
 @pytest.mark.parametrize("field", ["tenant_id", "operation_key", "provider", "correlation_id"])

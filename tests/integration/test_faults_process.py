@@ -49,6 +49,9 @@ def test_a_transaction_left_open_across_a_send_is_refused_and_the_server_frees_t
     try:
         wait_until(lambda: "ConnectionHeldAcrossSend" in proc.log_text(), timeout=30,
                    what="the guard to refuse the send")  # fmt: skip
+        # The other two may still be on their way to being recorded when the guard logs.
+        wait_until(lambda: statuses(db_url) == {"in_flight": 1, "succeeded": 2}, timeout=30,
+                   what="the other two to be recorded")  # fmt: skip
         ((victim,),) = rows(db_url, "SELECT id FROM outbox.operations WHERE status = 'in_flight'")
         assert row_locked(db_url, victim)
         assert len(receiver.effects) == 2  # the other two; nothing under the open transaction
