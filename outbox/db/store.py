@@ -294,9 +294,15 @@ def _batch_json(batch: object) -> bytes:
 
     A provider's answer (``result``) may hold what orjson refuses, such as an integer past 64
     bits; json.dumps writes those. orjson writes a NaN as null, where json.dumps would write a
-    token PostgreSQL rejects, which failed the whole batch.
+    token PostgreSQL rejects, which failed the whole batch. What neither can write (an object
+    from a provider's own code) raises DataError, like a value PostgreSQL refuses.
     """
     try:
         return orjson.dumps(batch)
     except orjson.JSONEncodeError:
+        pass
+    try:
         return json.dumps(batch).encode()
+    except (TypeError, ValueError) as exc:
+        # As for an answer PostgreSQL refuses: the outcome is then recorded without its body.
+        raise psycopg.DataError(f"a provider answer cannot be written as JSON: {exc}") from None

@@ -407,9 +407,11 @@ class OddProvider:
         self.calls += 1
         if self.mode == "nul":
             return Succeeded("ref\x00-1", {"note": "has \x00 a NUL", "x": float("nan")})
-        if self.mode == "wide":  # past what orjson encodes, and a NaN that JSON has no word for
-            return Succeeded("ref-wide", {"big": [2**70, -(2**64)]} if self.calls == 1 else
-                             {"nan": float("nan"), "ok": "é"})  # fmt: skip
+        if self.mode == "wide":  # past what orjson encodes, a NaN, and what is not JSON at all
+            answers: list[dict[str, Any]] = [{"big": [2**70, -(2**64)]},
+                                              {"nan": float("nan"), "ok": "é"},
+                                              {"when": object()}]  # fmt: skip
+            return Succeeded(f"ref-{self.calls}", answers[self.calls - 1])
         try:
             await asyncio.sleep(30)
         except asyncio.CancelledError:
@@ -435,15 +437,17 @@ async def test_a_success_whose_answer_cannot_be_stored_is_still_recorded_as_succ
 async def test_answers_past_the_fast_json_encoder_are_stored_whole(
     db_url: str, pool: AsyncConnectionPool[Any]
 ) -> None:
-    first, second = enqueue_many(db_url, 2, provider="odd")
+    first, second, third = enqueue_many(db_url, 3, provider="odd")
     provider = OddProvider("wide")
     d = dispatcher(pool, {"odd": provider}, batch_size=1)
-    assert await d.run_once() == 1 and await d.run_once() == 1
-    assert rows(db_url, "SELECT id, status, result FROM outbox.operations ORDER BY id") == [
-        (first, "succeeded", {"big": [2**70, -(2**64)]}),  # integers beyond 64 bits, exact
-        (second, "succeeded", {"nan": None, "ok": "é"}),  # NaN as null: the rest is kept
-    ]
-    assert provider.calls == 2
+    assert [await d.run_once() for _ in range(3)] == [1, 1, 1]
+    assert rows(db_url, "SELECT id, status, provider_ref, result FROM outbox.operations "
+                        "ORDER BY id") == [
+        (first, "succeeded", "ref-1", {"big": [2**70, -(2**64)]}),  # past 64 bits, exact
+        (second, "succeeded", "ref-2", {"nan": None, "ok": "é"}),  # NaN as null, the rest kept
+        (third, "succeeded", "ref-3", None),  # not JSON: the success is kept, not its body
+    ]  # fmt: skip
+    assert provider.calls == 3
 
 
 async def test_a_call_that_ignores_cancellation_is_abandoned_at_its_deadline(
