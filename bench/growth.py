@@ -58,6 +58,7 @@ from _support import (
 )
 
 from outbox.db import statements
+from outbox.db.store import claim_params
 from outbox.gauges import EXACT_COUNT_LIMIT
 
 SIZES = (0, 1_000_000, 10_000_000)
@@ -144,7 +145,7 @@ WHERE datname = current_database() AND application_name LIKE 'outbox%%'
 SIZES_ON_DISK: LiteralString = """
 SELECT pg_size_pretty(pg_total_relation_size('outbox.operations')),
        pg_size_pretty(pg_total_relation_size('outbox.attempts')),
-       pg_size_pretty(pg_relation_size('outbox.operations_claim'))
+       pg_size_pretty(pg_relation_size('outbox.operations_claim_group'))
 """
 
 
@@ -164,7 +165,7 @@ class Measure:
 
 
 def _claim_params() -> dict[str, Any]:
-    return {"worker": "bench-growth", "limit": CLAIM_LIMIT, "lease": LEASE, "paused": []}
+    return claim_params("bench-growth", CLAIM_LIMIT, LEASE)
 
 
 def time_claims(db_url: str, runs: int) -> tuple[float, float, float]:

@@ -106,6 +106,21 @@ class Record(NamedTuple):
     request_id: str | None = None
 
 
+def claim_params(worker: str, limit: int, lease: timedelta,
+                 caps: Mapping[str, int] | None = None,
+                 after: tuple[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
+    """The parameters of statements.CLAIM, as :meth:`Store.claim` describes them (benchmarks and
+    tests that run the statement directly build them here too)."""
+    caps = caps or {}
+    return {
+        "worker": worker, "limit": limit, "lease": lease,
+        "cap_providers": list(caps), "caps": list(caps.values()),
+        "after_provider": after[0] if after else "", "after_tenant": after[1] if after else "",
+        # Past `limit` groups each share is one row; the margin covers groups with nothing due.
+        "max_groups": min(2 * limit, MAX_GROUPS_PER_CLAIM),
+    }  # fmt: skip
+
+
 class Store:
     """Named statements over a pool of autocommit connections."""
 
@@ -118,14 +133,7 @@ class Store:
         """Lease up to ``limit`` due rows, a share from each (provider, tenant) group, taking
         at most ``caps[p]`` rows of provider p (0: none). Groups are visited from just after
         ``after``, a (provider, tenant) pair, and around (see statements.CLAIM)."""
-        caps = caps or {}
-        params = {
-            "worker": worker, "limit": limit, "lease": lease,
-            "cap_providers": list(caps), "caps": list(caps.values()),
-            "after_provider": after[0] if after else "", "after_tenant": after[1] if after else "",
-            # Past `limit` groups each share is one row; the margin covers groups with nothing due.
-            "max_groups": min(2 * limit, MAX_GROUPS_PER_CLAIM),
-        }  # fmt: skip
+        params = claim_params(worker, limit, lease, caps, after)
         async with self._connection() as conn:
             # Built straight from the row, by position: CLAIM returns Claimed's fields in order.
             cur = conn.cursor(row_factory=_CLAIMED_ROW)

@@ -11,6 +11,7 @@ import psycopg
 import pytest
 
 from outbox.db import statements
+from outbox.db.store import claim_params
 from tests.support.dispatch import enqueue_many
 
 FINISHED_ROWS = 60_000
@@ -62,10 +63,7 @@ def scans_of_operations(nodes: list[dict[str, Any]]) -> list[tuple[str, str | No
             if n.get("Relation Name") == "operations"]  # fmt: skip
 
 
-CLAIM_PARAMS: dict[str, Any] = {
-    "limit": 100, "worker": "w", "lease": timedelta(seconds=30), "cap_providers": [], "caps": [],
-    "after_provider": "", "after_tenant": "", "max_groups": 200,
-}  # fmt: skip
+CLAIM_PARAMS: dict[str, Any] = claim_params("w", 100, timedelta(seconds=30))
 
 
 def test_the_claim_reads_the_claim_index(big_db: str) -> None:

@@ -8,10 +8,10 @@ from datetime import timedelta
 import psycopg
 
 from outbox.db import statements
+from outbox.db.store import claim_params
 from tests.support.dispatch import enqueue_many, rows
 
-CLAIM_ALL = {"worker": "w", "limit": 400, "lease": timedelta(seconds=30), "cap_providers": [],
-             "caps": [], "after_provider": "", "after_tenant": "", "max_groups": 2}  # fmt: skip
+CLAIM_ALL = claim_params("w", 400, timedelta(seconds=30))
 BLOCKS = "SELECT id, (ctid::text::point)[0]::int FROM outbox.operations"
 
 
