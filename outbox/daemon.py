@@ -87,9 +87,14 @@ async def serve(
     metrics.BUILD_INFO.info({"version": outbox.__version__})
     _tune_gc()
     database = settings.database
-    bad_listen_url = database.listen_url is not None and not _parses(database.listen_url)
-    if bad_listen_url:  # never quoted: it may carry a password
-        log.error("the LISTEN URL (database.listen_url) is not a valid connection string")
+    unparsable = database.listen_url is not None and not _parses(database.listen_url)
+    # Only a URL the daemon would use stops it: with listen off it is never opened.
+    bad_listen_url = unparsable and database.listen
+    if unparsable:  # never quoted: it may carry a password
+        (log.error if bad_listen_url else log.warning)(
+            "the LISTEN URL (database.listen_url) is not a valid connection string",
+            used=database.listen,
+        )
     # Checked before our own pool adds traffic that could hide the pooler from the check.
     checked = None
     if not (bad_listen_url or database.transaction_pooling):

@@ -269,3 +269,24 @@ def test_a_listen_url_that_does_not_parse_is_refused_without_showing_it(
     assert "the LISTEN URL (database.listen_url) is not a valid connection string" in log
     assert "hunter2" not in log and "bogus" not in log
     assert statuses(db_url) == {"pending": 1}
+
+
+def test_with_listen_off_a_listen_url_that_does_not_parse_is_only_a_warning(
+    db_url: str, receiver: FakeWebhookReceiver, tmp_path: Path
+) -> None:
+    enqueue_through(db_url, 3)
+    bad = "postgresql://outbox:hunter2@db-primary/app?bogus=1"
+    env = {**TRANSACTION_POOLING, "OUTBOX_LISTEN_DATABASE_URL": bad,
+           "OUTBOX_DATABASE__LISTEN": "false"}  # fmt: skip
+    proc = OutboxProcess(db_url, config(tmp_path, receiver), tmp_path / "unused.log", env=env)
+    try:
+        wait_until(lambda: succeeded(db_url) == 3, timeout=30, what="3 operations to succeed")
+        proc.signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        lines = [json.loads(line) for line in proc.log_text().splitlines()]
+    finally:
+        proc.stop()
+    (warned,) = [line for line in lines if "not a valid connection string" in line["event"]]
+    assert warned["level"] == "warning" and warned["used"] is False
+    assert not any("hunter2" in json.dumps(line) or "bogus" in json.dumps(line) for line in lines)
+    assert receiver.effect_count() == 3
