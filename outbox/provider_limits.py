@@ -72,7 +72,7 @@ def verdict(result: SendResult) -> Verdict:
         return Verdict.HEALTHY
     if result.pause:
         return Verdict.REFUSED
-    if result.failure is FailureClass.PERMANENT:
+    if result.failure is FailureClass.PERMANENT or result.request_only:
         return Verdict.NEUTRAL
     return Verdict.FAILING
 

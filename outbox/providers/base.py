@@ -57,6 +57,10 @@ class Failed:
     # so the provider's circuit breaker opens (reason "credentials") and this operation keeps
     # its attempt.
     pause: bool = False
+    # This request's own trouble, not the provider's: its key is in use (409), it was rate
+    # limited (429), or the provider replayed an answer saved for this key. The provider
+    # answered, so its circuit breaker does not count the failure.
+    request_only: bool = False
 
     @property
     def may_have_reached_provider(self) -> bool:

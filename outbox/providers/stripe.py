@@ -188,11 +188,12 @@ def classify(exc: stripe.StripeError) -> Failed:  # noqa: PLR0911 (a decision ta
         replayed = (exc.headers or {}).get("idempotent-replayed") == "true"
         # A saved 500 is all this key will ever get: reconcile instead of burning attempts.
         return unknown("http_500", message, retry_after=SETTLE_DELAY, reconcile=replayed,
-                       **details)  # fmt: skip
+                       request_only=replayed, **details)  # fmt: skip
     if should_retry is False:
         return permanent(_error_class(exc), message, **details)
     if status in (409, 429) or isinstance(exc, stripe.RateLimitError):
-        return transient(_error_class(exc), message, **details)
+        # The key is in use, or this account is rate limited: no word on Stripe's health.
+        return transient(_error_class(exc), message, request_only=True, **details)
     if status in (502, 503, 504):
         # A gateway may answer these after Stripe acted: retry with the same key, but the key
         # window starts here.

@@ -125,10 +125,17 @@ class WebhookProvider:
             return Succeeded(ref, body, status, request_id)
         retry_after = _retry_after(response)
         if status in _TRANSIENT_STATUSES:
+            # 409 (the key is in use) and 429 (slow down) concern this request, not the
+            # receiver's health; 408 and 425 may.
             return transient(f"http_{status}", _reason(response), retry_after=retry_after,
-                             **details)  # fmt: skip
+                             request_only=status in (409, 429), **details)  # fmt: skip
         if 400 <= status < 500 or 300 <= status < 400:
             return permanent(f"http_{status}", _reason(response), **details)
+        if response.headers.get("idempotent-replayed") == "true":
+            # An error the receiver saved for this key: retries get only this answer again, so
+            # the operation goes to reconciliation; the receiver itself answered.
+            return unknown(f"http_{status}", _reason(response), reconcile=True,
+                           request_only=True, **details)  # fmt: skip
         # 5xx: a gateway may answer 502/503/504 after the receiver acted, so the key window
         # starts here; Retry-After still paces the retry.
         return unknown(f"http_{status}", _reason(response), retry_after=retry_after, **details)

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from outbox.provider_limits import Breaker, State, Verdict
+import httpx
+
+from outbox.provider_limits import Breaker, State, Verdict, verdict
+from outbox.providers.base import Failed, SendRequest, transient, unknown
+from outbox.providers.webhook import WebhookOptions, WebhookProvider
 
 FAILING, HEALTHY, NEUTRAL, REFUSED = (
     Verdict.FAILING,
@@ -135,3 +139,40 @@ def test_a_refusal_while_open_for_failures_makes_credentials_the_reason() -> Non
     fail_until_open(b)
     b.record(9, REFUSED)
     assert (b.state, b.reason) == (State.OPEN, "credentials")
+
+
+def test_a_requests_own_trouble_says_nothing_of_the_providers_health() -> None:
+    """A key in use (409), a rate limit (429) or an answer the provider replayed for this key
+    came from a provider that answered: such failures neither open the breaker nor reset it."""
+    own = [
+        transient("http_409", "HTTP 409", http_status=409, request_only=True),
+        transient("http_429", "HTTP 429", http_status=429, request_only=True),
+        unknown("http_500", "HTTP 500", http_status=500, reconcile=True, request_only=True),
+    ]
+    assert {verdict(result) for result in own} == {NEUTRAL}
+    assert verdict(unknown("http_503", "HTTP 503", http_status=503)) is FAILING
+    b = breaker(Clock())
+    b.record(1, FAILING)
+    b.record(2, FAILING)
+    for op in range(3, 40):
+        b.record(op, verdict(own[op % 3]))
+    assert (b.state, b.allowance()) == (State.CLOSED, None)
+    b.record(40, FAILING)
+    assert b.state is State.OPEN
+
+
+def test_the_webhook_provider_says_which_failures_are_the_requests_own() -> None:
+    def classify(status: int, **headers: str) -> Failed:
+        provider = WebhookProvider("hook", WebhookOptions("http://x", timedelta(seconds=1),
+                                                          timedelta(hours=1)))  # fmt: skip
+        request = SendRequest(1, "t", "o", "k", "a", {}, "key", None, 1)
+        result = provider._classify_response(httpx.Response(status, headers=headers), request)
+        assert isinstance(result, Failed)
+        return result
+
+    assert classify(409).request_only and classify(429).request_only
+    assert not classify(408).request_only and not classify(503).request_only
+    replayed = classify(500, **{"Idempotent-Replayed": "true"})
+    assert replayed.request_only and replayed.reconcile  # it will only ever say this again
+    fresh = classify(500)
+    assert not fresh.request_only and not fresh.reconcile
