@@ -577,12 +577,19 @@ GROUP BY 1 ORDER BY 1
 # Per provider: pending operations whose key window closes within the hour, so they will go to
 # reconciliation unless they succeed first.
 NEARING_KEY_EXPIRY: Final = """
-SELECT p.provider, count(o.id)
+-- Pending rows are in one of two partial indexes: the claim's (provider first) or, while they
+-- wait behind an ordering key, the waiting rows'. A condition that names neither predicate
+-- reads the whole table: 1.8 s at ten million rows (bench/growth.py).
+SELECT p.provider,
+       (SELECT count(*) FROM outbox.operations o
+        WHERE o.provider = p.provider AND o.status = 'pending' AND NOT o.ordering_blocked
+          AND o.first_sent_at IS NOT NULL
+          AND o.first_sent_at + p.closes_after < now() + interval '1 hour')
+     + (SELECT count(*) FROM outbox.operations o
+        WHERE o.ordering_blocked AND o.provider = p.provider
+          AND o.first_sent_at IS NOT NULL
+          AND o.first_sent_at + p.closes_after < now() + interval '1 hour')
 FROM unnest(%(providers)s::text[], %(windows)s::interval[]) AS p(provider, closes_after)
-LEFT JOIN outbox.operations o
-       ON o.provider = p.provider AND o.status = 'pending' AND o.first_sent_at IS NOT NULL
-      AND o.first_sent_at + p.closes_after < now() + interval '1 hour'
-GROUP BY p.provider
 """
 
 # --- demo ---------------------------------------------------------------------------------------

@@ -87,3 +87,11 @@ def test_the_gauges_read_only_partial_indexes_once_the_table_is_big(big_db: str)
     scans = scans_of_operations(executed)
     assert len(scans) >= 7
     assert all(kind != "Seq Scan" for kind, _ in scans), scans
+
+
+def test_the_key_expiry_gauge_reads_only_partial_indexes(big_db: str) -> None:
+    params = {"providers": ["hook", "stripe"], "windows": [timedelta(hours=24)] * 2}
+    scans = scans_of_operations(plan_nodes(big_db, statements.NEARING_KEY_EXPIRY, params))
+    assert scans and all(kind != "Seq Scan" for kind, _ in scans), scans
+    assert {index for _, index in scans} <= {"operations_claim_group",
+                                             "operations_ordering_blocked"}, scans  # fmt: skip
