@@ -125,6 +125,37 @@ async def test_permanent_answers_never_open_the_breaker(
     assert metrics.PROVIDER_STATE.labels("hook", "closed")._value.get() == 1
 
 
+async def test_a_saved_500_goes_to_reconciliation_and_its_replays_never_open_the_breaker(
+    db_url: str, pool: AsyncConnectionPool[Any], receiver: FakeWebhookReceiver, hook: Provider
+) -> None:
+    """The receiver acted, saved a 500 for each key and replays it on every retry: retrying only
+    burns attempts, and the replays say nothing of the receiver's health (its other requests
+    succeed), so they must not count toward the breaker."""
+    enqueue_many(db_url, 3, prefix="saved")
+    receiver.inject(Fault.error_500_after_apply(), times=3)
+    before = transitions("hook")
+    limits = {"hook": ProviderLimits(breaker_failures=4, breaker_open_for=timedelta(minutes=5))}
+    d = dispatcher(pool, {"hook": hook}, limits=limits)
+    assert await d.run_once() == 3  # three first 500s: under the breaker's four
+    assert statuses(db_url) == {"pending": 3}
+    make_due(db_url)
+    assert await d.run_once() == 3  # three replays of them: reconciliation, not failures
+    assert rows(db_url, "SELECT DISTINCT status, status_reason FROM outbox.operations") == [
+        ("reconciling", "indeterminate_provider_error")
+    ]
+    enqueue_many(db_url, 2, prefix="fresh")
+    make_due(db_url)
+    assert await d.run_once() == 2  # the breaker is closed: these go at once
+    assert statuses(db_url) == {"reconciling": 3, "succeeded": 2}
+    assert sorted((r.status, r.replayed) for r in receiver.received) == sorted(
+        [(500, False)] * 3 + [(500, True)] * 3 + [(201, False)] * 2
+    )
+    assert receiver.effect_count() == 5  # one per key: the replays applied nothing
+    assert attempts_total(db_url, "hook") == 3 * 2 + 2
+    assert since(before, transitions("hook")) == {"open": 0, "half_open": 0, "closed": 0}
+    assert metrics.PROVIDER_STATE.labels("hook", "closed")._value.get() == 1
+
+
 def steady_rate(arrivals: list[float]) -> float:
     """Requests per second over the middle 80 % of ``arrivals``: start-up and the last stragglers
     left out, so two runs compare by their steady throughput."""
