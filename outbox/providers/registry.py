@@ -17,13 +17,9 @@ from outbox.config import (
 )
 from outbox.providers.base import Provider
 from outbox.providers.noop import NoopProvider
+from outbox.providers.shards import connection_cap
 from outbox.providers.stripe import StripeOptions, StripeProvider
-from outbox.providers.webhook import (
-    DEFAULT_REFERENCE_FIELD,
-    WebhookOptions,
-    WebhookProvider,
-    connection_cap,
-)
+from outbox.providers.webhook import DEFAULT_REFERENCE_FIELD, WebhookOptions, WebhookProvider
 
 ENTRY_POINT_GROUP: Final = "outbox.providers"
 Factory = Callable[[ProviderSettings], Provider]
@@ -54,7 +50,7 @@ def _build(ps: ProviderSettings, environ: Mapping[str, str] | None, concurrency:
         _reject_unknown(ps, ())
         return NoopProvider(ps.name, ps.key_retention)
     if ps.type == "stripe":
-        return StripeProvider(ps.name, stripe_options(ps, environ))
+        return StripeProvider(ps.name, stripe_options(ps, environ, concurrency=concurrency))
     return _plugin(ps.type, ps.name)(ps)
 
 
@@ -88,8 +84,14 @@ def webhook_options(
     )
 
 
-def stripe_options(ps: ProviderSettings, environ: Mapping[str, str] | None = None) -> StripeOptions:
-    """The Stripe settings of ``ps``, the API key read from the environment or a file."""
+def stripe_options(
+    ps: ProviderSettings,
+    environ: Mapping[str, str] | None = None,
+    *,
+    concurrency: int = DEFAULT_CONCURRENCY,
+) -> StripeOptions:
+    """The Stripe settings of ``ps``, the API key read from the environment or a file; its
+    connections sized for the calls the dispatcher (``concurrency``) may send it at once."""
     _reject_unknown(ps, _STRIPE_KEYS)
     where = f"providers.{ps.name}"
     env = os.environ if environ is None else environ
@@ -109,6 +111,7 @@ def stripe_options(ps: ProviderSettings, environ: Mapping[str, str] | None = Non
         api_key=read_secret(spec, key=f"{where}.api_key", environ=env), api_base=api_base,
         timeout=ps.timeout, key_retention=ps.key_retention,
         stripe_account=None if account is None else str(account),
+        max_connections=connection_cap(concurrency, ps.max_in_flight),
     )  # fmt: skip
 
 

@@ -19,6 +19,7 @@ from typing import Any, Final
 import httpx
 import stripe
 
+from outbox.config import DEFAULT_CONCURRENCY
 from outbox.providers.base import (
     Failed,
     Found,
@@ -30,6 +31,7 @@ from outbox.providers.base import (
     transient,
     unknown,
 )
+from outbox.providers.shards import Shards, shard_sizes
 
 # action -> the StripeClient.v1 service whose create call it names
 ACTIONS: Final = {
@@ -67,6 +69,9 @@ class StripeOptions:
     timeout: timedelta
     key_retention: timedelta
     stripe_account: str | None = None
+    # Calls to Stripe at once: as many as the dispatcher may have in flight to it (see
+    # shards.connection_cap). One SDK client's pool holds at most 100 (httpx's default).
+    max_connections: int = DEFAULT_CONCURRENCY
 
     def __repr__(self) -> str:
         return f"StripeOptions(api_base={self.api_base!r}, stripe_account={self.stripe_account!r})"
@@ -78,14 +83,21 @@ class StripeProvider:
     def __init__(self, name: str, options: StripeOptions) -> None:
         self._name = name
         self._options = options
-        self._http = stripe.HTTPXClient(timeout=options.timeout.total_seconds())
-        self._client = stripe.StripeClient(
-            options.api_key,
-            base_addresses={"api": options.api_base},
-            stripe_account=options.stripe_account,
-            http_client=self._http,
-            max_network_retries=0,  # outbox owns retries, with the stored key and the key window
-        )
+        # One SDK client per shard: the SDK takes no pool limits, but a shard never has more
+        # calls in flight than its size, well within httpx's default keep-alive of 20.
+        sizes = shard_sizes(options.max_connections)
+        self._https = [stripe.HTTPXClient(timeout=options.timeout.total_seconds()) for _ in sizes]
+        clients = [
+            stripe.StripeClient(
+                options.api_key,
+                base_addresses={"api": options.api_base},
+                stripe_account=options.stripe_account,
+                http_client=http,
+                max_network_retries=0,  # outbox owns retries, with the stored key and its window
+            )
+            for http in self._https
+        ]
+        self._shards = Shards(clients, sizes)
 
     @property
     def name(self) -> str:
@@ -113,19 +125,20 @@ class StripeProvider:
             )
 
     async def send(self, request: SendRequest) -> SendResult:
-        service = getattr(self._client.v1, ACTIONS[request.action])
         params = dict(request.payload)
         params["metadata"] = {
             **dict(params.get("metadata", {})),
             METADATA_OPERATION_ID: str(request.operation_id),
             METADATA_IDEMPOTENCY_KEY: request.idempotency_key,
         }
-        try:
-            created = await service.create_async(
-                params=params, options={"idempotency_key": request.idempotency_key}
-            )
-        except stripe.StripeError as exc:
-            return classify(exc)
+        with self._shards.take() as client:
+            service = getattr(client.v1, ACTIONS[request.action])
+            try:
+                created = await service.create_async(
+                    params=params, options={"idempotency_key": request.idempotency_key}
+                )
+            except stripe.StripeError as exc:
+                return classify(exc)
         response = created.last_response
         return Succeeded(
             str(created.id),
@@ -145,30 +158,32 @@ class StripeProvider:
         """The object the operation created under any of its key generations, found by its
         metadata among the objects created around its attempts; None if there is none. Lists,
         never search: the Search API can lag by an hour, so it cannot prove an absence."""
-        service = getattr(self._client.v1, ACTIONS[action])
         params: dict[str, Any] = {"limit": LOOKUP_PAGE, "created": {
             "gte": int((first_sent_at - LOOKUP_SLACK).timestamp()),
             "lte": int((last_attempt_at + LOOKUP_SLACK).timestamp())}}  # fmt: skip
         if action == "subscriptions.create":
             params["status"] = "all"  # canceled subscriptions are left out otherwise
         family = _key_family(idempotency_key)
-        page = await service.list_async(params=params)
         matches: list[str] = []
-        async for obj in page.auto_paging_iter():
-            metadata = obj.to_dict().get("metadata") or {}
-            # The id alone could be another database's operation: the key must match too.
-            if (
-                metadata.get(METADATA_OPERATION_ID) == str(operation_id)
-                and _key_family(str(metadata.get(METADATA_IDEMPOTENCY_KEY))) == family
-            ):
-                matches.append(str(obj.id))
+        with self._shards.take() as client:
+            service = getattr(client.v1, ACTIONS[action])
+            page = await service.list_async(params=params)
+            async for obj in page.auto_paging_iter():
+                metadata = obj.to_dict().get("metadata") or {}
+                # The id alone could be another database's operation: the key must match too.
+                if (
+                    metadata.get(METADATA_OPERATION_ID) == str(operation_id)
+                    and _key_family(str(metadata.get(METADATA_IDEMPOTENCY_KEY))) == family
+                ):
+                    matches.append(str(obj.id))
         if not matches:
             return None
         matches.reverse()  # lists are newest first: the earliest object is the effect
         return Found(matches[0], tuple(matches[1:]))
 
     async def aclose(self) -> None:
-        await self._http.close_async()  # type: ignore[no-untyped-call]
+        for http in self._https:
+            await http.close_async()  # type: ignore[no-untyped-call]
 
 
 def classify(exc: stripe.StripeError) -> Failed:  # noqa: PLR0911 (a decision table)

@@ -28,6 +28,7 @@ from outbox.providers.base import (
     transient,
     unknown,
 )
+from outbox.providers.shards import Shards, shard_sizes
 
 DEFAULT_REFERENCE_FIELD = "id"
 # Statuses that say the provider did not act and may be asked again: a request with this key is
@@ -40,11 +41,6 @@ MAX_RETRY_AFTER = timedelta(hours=1)
 # a burst of a thousand slow calls the thousand sockets to the receiver do not linger, while a
 # steady stream reuses its connections instead of opening (and, over TLS, handshaking) anew.
 KEEPALIVE_EXPIRY: Final = 5.0
-# Connections per httpx client. httpcore's pool walks all of its connections and waiting
-# requests on every request and every release, so one pool of 64 cost a call 2.7 ms of CPU
-# where 64 clients of one connection cost 1.0 (bench/http_webhook.py, the two bare loops). The
-# provider spreads its connections over clients this small.
-SHARD_CONNECTIONS: Final = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,9 +71,8 @@ class WebhookProvider:
         self._name = name
         self._options = options
         # A given transport is one pool: it cannot be split.
-        sizes = [options.max_connections] if transport else _shard_sizes(options.max_connections)
-        self._clients = [self._client_of(size, transport) for size in sizes]
-        self._free = sizes  # per client, the connections no call of ours is using
+        sizes = [options.max_connections] if transport else shard_sizes(options.max_connections)
+        self._shards = Shards([self._client_of(size, transport) for size in sizes], sizes)
 
     def _client_of(
         self, size: int, transport: httpx.AsyncBaseTransport | None
@@ -108,31 +103,24 @@ class WebhookProvider:
         """Any action is an event name and any JSON object a body: nothing to refuse locally."""
 
     async def send(self, request: SendRequest) -> SendResult:
-        # The client with the most connections to spare: while calls in flight stay within the
-        # cap one is always free, and when idle the first client's warm connections go first.
-        free = self._free
-        shard = free.index(max(free))
-        client = self._clients[shard]
-        try:
-            built = client.build_request("POST", self._options.url, json=request.payload,
-                                         headers=_headers(request))  # fmt: skip
-        except (ValueError, TypeError) as exc:
-            # Nothing left this host: the payload or a header cannot be encoded at all.
-            return permanent("unencodable_request", f"the request cannot be built: {exc}")
-        free[shard] -= 1
-        try:
-            response = await client.send(built)
-        except httpx.HTTPError as exc:
-            return _classify_exception(exc)
-        finally:
-            free[shard] += 1
+        with self._shards.take() as client:
+            try:
+                built = client.build_request("POST", self._options.url, json=request.payload,
+                                             headers=_headers(request))  # fmt: skip
+            except (ValueError, TypeError) as exc:
+                # Nothing left this host: the payload or a header cannot be encoded at all.
+                return permanent("unencodable_request", f"the request cannot be built: {exc}")
+            try:
+                response = await client.send(built)
+            except httpx.HTTPError as exc:
+                return _classify_exception(exc)
         try:
             return self._classify_response(response, request)
         except Exception as exc:  # noqa: BLE001 (an odd answer must not lose a classified status)
             return _fallback(response.status_code, exc)
 
     async def aclose(self) -> None:
-        for client in self._clients:
+        for client in self._shards.clients:
             await client.aclose()
 
     def _classify_response(self, response: httpx.Response, request: SendRequest) -> SendResult:
@@ -161,21 +149,6 @@ class WebhookProvider:
         # 5xx: a gateway may answer 502/503/504 after the receiver acted, so the key window
         # starts here; Retry-After still paces the retry.
         return unknown(f"http_{status}", _reason(response), retry_after=retry_after, **details)
-
-
-def _shard_sizes(connections: int) -> list[int]:
-    """``connections`` split over clients of at most SHARD_CONNECTIONS each, as evenly as
-    possible, adding up to exactly ``connections``."""
-    shards = max(1, -(-connections // SHARD_CONNECTIONS))
-    size, extra = divmod(connections, shards)
-    return [size + (1 if i < extra else 0) for i in range(shards)]
-
-
-def connection_cap(concurrency: int, max_in_flight: int | None) -> int:
-    """How many connections a webhook provider needs: its ``max_in_flight`` when set (the
-    dispatcher never has more of its calls in flight), else the dispatcher's ``concurrency``;
-    never more than ``concurrency``, which bounds every provider's calls together."""
-    return concurrency if max_in_flight is None else min(max_in_flight, concurrency)
 
 
 def _headers(request: SendRequest) -> dict[str, str]:

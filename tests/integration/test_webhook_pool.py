@@ -16,7 +16,7 @@ from outbox.config import ProviderSettings
 from outbox.providers.base import SendRequest, Succeeded
 from outbox.providers.fakes.webhook import FakeWebhookReceiver, Fault
 from outbox.providers.registry import build_providers
-from outbox.providers.webhook import connection_cap
+from outbox.providers.shards import connection_cap
 from tests.support.daemon import outbox_processes, wait_until, write_config
 from tests.support.dispatch import enqueue_many, statuses
 
