@@ -9,11 +9,11 @@ One operation per transaction, each producer a process with its own connection (
 shared GIL). Variants: the Python API (`outbox.enqueue` on a psycopg connection), the SQL function
 called directly, a plain INSERT (fingerprint and idempotency key computed in Python, as a
 hand-written outbox would) into `LIKE outbox.operations INCLUDING ALL` (same columns, defaults,
-constraints and indexes; triggers are not copied), and that INSERT followed by a pg_notify, to
-show what a notify per commit costs on its own. Enqueue notifies only while a dispatcher waits
-idle (sql/0012): the Python API is measured again with one registered as waiting. Whether
-enqueue notifies is measured with a bare LISTEN, not assumed. Each figure is the median of
---repeat rounds, the variants taken round-robin. See bench/README.md.
+constraints and indexes, and its storage parameters copied; triggers are not), and that INSERT
+followed by a pg_notify, to show what a notify per commit costs on its own. Enqueue notifies
+only while a dispatcher waits idle (sql/0012): the Python API is measured again with one
+registered as waiting. Whether enqueue notifies is measured with a bare LISTEN, not assumed.
+Each figure is the median of --repeat rounds, the variants taken round-robin. See bench/README.md.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from _support import (
     print_table,
     progress,
 )
+from psycopg import sql
 
 import outbox
 
@@ -250,11 +251,24 @@ class Findings:
     heard_idle: int | None = None  # None: this schema has no idle-dispatcher registry
 
 
+def copy_storage(conn: psycopg.Connection[Any]) -> None:
+    """LIKE copies no storage parameters: give the plain table the operations table's own (its
+    fill factor, sql/0018), so that both lay out their rows alike."""
+    row = conn.execute(
+        "SELECT reloptions FROM pg_class WHERE oid = 'outbox.operations'::regclass"
+    ).fetchone()
+    for option in (row[0] if row else None) or []:
+        name, _, value = option.partition("=")
+        conn.execute(sql.SQL("ALTER TABLE {} SET ({} = {})").format(
+            sql.SQL(PLAIN_TABLE), sql.Identifier(name), sql.Literal(value)))  # fmt: skip
+
+
 def run(findings: Findings) -> None:
     """Measure every variant at every producer count, round-robin, in one fresh database."""
     with fresh_database(prefix="enq_") as db_url:
         with psycopg.connect(db_url, autocommit=True) as conn:
             conn.execute(CREATE_PLAIN)
+            copy_storage(conn)
         findings.sources = notify_sources(db_url)
         findings.heard = notifications_per_commit(db_url)
         if _has_waiting_table(db_url):
