@@ -15,8 +15,10 @@ One database, grown in steps. At each size:
 * the gauges: GAUGES and NEARING_KEY_EXPIRY (the statements outbox.gauges runs), median of 20;
 * drain: one `outbox run` (noop provider, concurrency 64, batch 100) drains the pending rows;
   operations per second from the first claim to the last success, by the database's clock,
-  and the CPU time of its PostgreSQL backends per operation, which moves far less than the rate
-  when other work shares the machine.
+  the CPU time of its PostgreSQL backends per operation, which moves far less than the rate
+  when other work shares the machine; and per operation, the WAL written (kB, and full-page
+  images: a page's first change after a checkpoint logs the whole page) and the blocks of the
+  outbox tables read from outside shared_buffers.
 
 Then a simulated day of churn at the largest size, with autovacuum off on both tables: cycles of
 ``--churn-batch`` rows inserted pending, claimed (UPDATE to in_flight), recorded (UPDATE to
@@ -142,11 +144,36 @@ SELECT pid FROM pg_stat_activity
 WHERE datname = current_database() AND application_name LIKE 'outbox%%'
   AND pid <> pg_backend_pid()
 """
+# Cluster-wide WAL and this database's blocks read from outside shared_buffers: counted around
+# a drain (the benchmarks take a lock, so nothing else writes meanwhile), they show what a row
+# costs the server beyond CPU.
+IO_COUNTERS: LiteralString = """
+SELECT w.wal_bytes, w.wal_fpi,
+       (SELECT sum(heap_blks_read + coalesce(idx_blks_read, 0) + coalesce(toast_blks_read, 0))
+        FROM pg_statio_user_tables WHERE schemaname = 'outbox')
+FROM pg_stat_wal w
+"""
 SIZES_ON_DISK: LiteralString = """
 SELECT pg_size_pretty(pg_total_relation_size('outbox.operations')),
        pg_size_pretty(pg_total_relation_size('outbox.attempts')),
        pg_size_pretty(pg_relation_size('outbox.operations_claim_group'))
 """
+
+
+@dataclass(frozen=True)
+class Io:
+    wal_kb: float
+    full_page_images: float
+    blocks_read: float
+
+
+def io_counters(db_url: str) -> tuple[int, int, int]:
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        # Counters are flushed by each backend now and then; this makes ours current.
+        conn.execute("SELECT pg_stat_clear_snapshot()")
+        row = conn.execute(IO_COUNTERS).fetchone()
+    assert row is not None
+    return int(row[0]), int(row[1]), int(row[2] or 0)
 
 
 @dataclass(frozen=True)
@@ -160,6 +187,7 @@ class Measure:
     nearing_ms: float
     drain_per_s: float
     drain_pg_cpu_ms: float  # CPU of outbox run's backends per drained operation
+    drain_io: Io  # per drained operation
     dead_tuples: int
     disk: str
 
@@ -235,11 +263,12 @@ def backend_cpu(db_url: str) -> float:
     return total
 
 
-def drain(db_url: str, pending: int) -> tuple[float, float]:
-    """Drain the pending rows with one `outbox run`; ops/s by the database's clock, and the CPU
+def drain(db_url: str, pending: int) -> tuple[float, float, Io]:
+    """Drain the pending rows with one `outbox run`; ops/s by the database's clock, the CPU
     time of its PostgreSQL backends per operation (ms; less noisy than the rate on a shared
-    machine, and where a growing table would cost more)."""
+    machine, and where a growing table would cost more), and its WAL and reads per operation."""
     after = int(scalar(db_url, MAX_ID)) - pending  # the pending rows are the newest
+    io_before = io_counters(db_url)
     with outbox_runs(db_url, concurrency=64, batch_size=CLAIM_LIMIT) as runs:
 
         def drained() -> bool:
@@ -250,6 +279,9 @@ def drain(db_url: str, pending: int) -> tuple[float, float]:
         wait_until(drained, timeout=1800, what="the drain", interval=0.2, alive=runs)
         # Its backends started with it and did nothing but this drain.
         pg_ms = backend_cpu(db_url) / pending * 1000
+    # After outbox run has stopped: its backends flushed their counters as they exited.
+    wal, fpi, reads = (b - a for a, b in zip(io_before, io_counters(db_url), strict=True))
+    io = Io(wal / 1024 / pending, fpi / pending, reads / pending)
     with psycopg.connect(db_url, autocommit=True) as conn:
         row = conn.execute(
             "SELECT count(*), extract(epoch FROM max(finished_at) - min(last_attempt_at)) "
@@ -260,7 +292,7 @@ def drain(db_url: str, pending: int) -> tuple[float, float]:
     done, seconds = int(row[0]), float(row[1] or 0)
     if done != pending:
         raise RuntimeError(f"{done} of {pending} pending rows succeeded")
-    return (done / seconds if seconds > 0 else float("nan")), pg_ms
+    return (done / seconds if seconds > 0 else float("nan")), pg_ms, io
 
 
 def measure(db_url: str, label: str, finished: int, args: argparse.Namespace,
@@ -275,13 +307,13 @@ def measure(db_url: str, label: str, finished: int, args: argparse.Namespace,
         explain.append((f"GAUGES: {label}", explain_gauges(db_url)))
     dead = int(scalar(db_url, VACUUM_STATS.replace("coalesce(autovacuum_count, 0), ", "")))
     progress(f"{label}: draining")
-    per_s, pg_ms = drain(db_url, args.pending)
+    per_s, pg_ms, io = drain(db_url, args.pending)
     with psycopg.connect(db_url, autocommit=True) as conn:
         sizes = conn.execute(SIZES_ON_DISK).fetchone()
     assert sizes is not None
     disk = f"{sizes[0]} + {sizes[1]} attempts; claim index {sizes[2]}"
     return Measure(label, finished, claim, claim_p90, claim_first, gauges, nearing, per_s, pg_ms,
-                   dead, disk)  # fmt: skip
+                   io, dead, disk)  # fmt: skip
 
 
 def load_finished(db_url: str, have: int, want: int) -> None:
@@ -393,14 +425,15 @@ def main(argv: list[str]) -> int:
         (m.label, f"{m.claim_ms:.3f}", f"{m.claim_p90_ms:.3f}", f"{m.claim_first_ms:.3f}",
          fmt_ratio(m.claim_ms / base.claim_ms), fmt_rate(m.drain_per_s),
          f"{(1 - m.drain_per_s / base.drain_per_s) * 100:+.1f} %".replace("+-", "-"),
-         f"{m.drain_pg_cpu_ms:.3f}",
+         f"{m.drain_pg_cpu_ms:.3f}", f"{m.drain_io.wal_kb:.1f}",
+         f"{m.drain_io.full_page_images:.2f}", f"{m.drain_io.blocks_read:.2f}",
          f"{m.gauges_ms:.2f}", f"{m.nearing_ms:.2f}", f"{m.dead_tuples:,}", m.disk)
         for m in results
     ]  # fmt: skip
     print_table(
         ["finished rows", "claim ms (median)", "p90", "first", "x at 0", "drain ops/s",
-         "loss vs 0", "PG CPU ms/op", "GAUGES ms", "NEARING_KEY_EXPIRY ms", "dead tuples",
-         "size on disk"],
+         "loss vs 0", "PG CPU ms/op", "WAL kB/op", "full pages/op", "reads/op", "GAUGES ms",
+         "NEARING_KEY_EXPIRY ms", "dead tuples", "size on disk"],
         rows,
         title=f"Growth: claim {CLAIM_LIMIT} of {args.pending:,} pending, "
               f"{args.claim_runs} runs; drain with one outbox run (noop, 64 x 100)",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import email.utils
 import json
+import ssl
 import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -72,12 +73,16 @@ class WebhookProvider:
         self._options = options
         # A given transport is one pool: it cannot be split.
         sizes = [options.max_connections] if transport else shard_sizes(options.max_connections)
-        self._shards = Shards([self._client_of(size, transport) for size in sizes], sizes)
+        # One TLS context for all the clients: each client would load the CA bundle into a
+        # context of its own, 0.8 MB apiece (105 MB for the 128 clients of concurrency 1,024).
+        tls = httpx.create_ssl_context()
+        self._shards = Shards([self._client_of(size, tls, transport) for size in sizes], sizes)
 
     def _client_of(
-        self, size: int, transport: httpx.AsyncBaseTransport | None
+        self, size: int, tls: ssl.SSLContext, transport: httpx.AsyncBaseTransport | None
     ) -> httpx.AsyncClient:
         return httpx.AsyncClient(
+            verify=tls,
             timeout=httpx.Timeout(self._options.timeout.total_seconds()),
             headers={**self._options.headers, **self._options.secret_headers},
             transport=transport,
