@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, LiteralString
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
@@ -337,20 +337,43 @@ def wait_until(predicate: Callable[[], bool], *, timeout: float, what: str,
     return time.monotonic() - start
 
 
+# Whether any operation is still pending (claimable, or waiting its turn), and whether any is
+# in flight. Each subquery walks a partial index in its own order and stops at the first live
+# row, so a poll costs a few index pages whatever the table holds. These waits used to count(*)
+# the table: a read of the whole heap on every poll, a full core at 10 M rows, which
+# bench/growth.py then measured as the table's own slowness.
+UNFINISHED: LiteralString = """
+SELECT EXISTS (SELECT 1 FROM outbox.operations
+               WHERE status = 'pending' AND NOT ordering_blocked
+               ORDER BY provider, tenant_id, available_at, id LIMIT 1)
+       OR EXISTS (SELECT 1 FROM outbox.operations WHERE ordering_blocked
+                  ORDER BY tenant_id, ordering_key, id LIMIT 1),
+       EXISTS (SELECT 1 FROM outbox.operations WHERE status = 'in_flight'
+               ORDER BY lease_expires_at LIMIT 1)
+"""
+
+
+def unfinished(conn: psycopg.Connection[Any]) -> tuple[bool, bool]:
+    """(any operation pending, any in flight), from partial indexes only."""
+    row = conn.execute(UNFINISHED).fetchone()
+    assert row is not None
+    return bool(row[0]), bool(row[1])
+
+
 def wait_drained(db_url: str, expected: int, *, timeout: float,
                  runs: Sequence[OutboxRun] = (), interval: float = 0.2) -> float:  # fmt: skip
     """Wait until ``expected`` operations are finished (no longer pending or in flight)."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
 
-    def done() -> bool:
-        with psycopg.connect(db_url, autocommit=True) as conn:
-            row = conn.execute(
-                "SELECT count(*) FROM outbox.operations "
-                "WHERE status NOT IN ('pending', 'in_flight')"
-            ).fetchone()
-        return row is not None and int(row[0]) >= expected
+        def done() -> bool:
+            if any(unfinished(conn)):
+                return False
+            # Once, at the end: every expected row is there, and finished.
+            row = conn.execute("SELECT count(*) FROM outbox.operations").fetchone()
+            return row is not None and int(row[0]) >= expected
 
-    return wait_until(done, timeout=timeout, what=f"{expected} operations finished",
-                      interval=interval, alive=runs)  # fmt: skip
+        return wait_until(done, timeout=timeout, what=f"{expected} operations finished",
+                          interval=interval, alive=runs)  # fmt: skip
 
 
 # --- machine facts, statistics, tables --------------------------------------------------------
@@ -521,6 +544,7 @@ __all__ = [
     "repeat",
     "scrape_metrics",
     "server_url",
+    "unfinished",
     "wait_drained",
     "wait_until",
     "with_dbname",

@@ -56,6 +56,7 @@ from _support import (
     print_machine,
     print_table,
     progress,
+    unfinished,
     wait_until,
 )
 
@@ -270,13 +271,9 @@ def drain(db_url: str, pending: int) -> tuple[float, float, Io]:
     after = int(scalar(db_url, MAX_ID)) - pending  # the pending rows are the newest
     io_before = io_counters(db_url)
     with outbox_runs(db_url, concurrency=64, batch_size=CLAIM_LIMIT) as runs:
-
-        def drained() -> bool:
-            left = scalar(db_url, "SELECT count(*) FROM outbox.operations "
-                                  "WHERE status IN ('pending', 'in_flight')")  # fmt: skip
-            return int(left) == 0
-
-        wait_until(drained, timeout=1800, what="the drain", interval=0.2, alive=runs)
+        with psycopg.connect(db_url, autocommit=True) as conn:
+            wait_until(lambda: not any(unfinished(conn)), timeout=1800, what="the drain",
+                       interval=0.2, alive=runs)  # fmt: skip
         # Its backends started with it and did nothing but this drain.
         pg_ms = backend_cpu(db_url) / pending * 1000
     # After outbox run has stopped: its backends flushed their counters as they exited.
