@@ -62,7 +62,10 @@ def _start_throwaway(pgdata: Path) -> str:
         import pgserver  # noqa: PLC0415 (only machines without a server need it)
 
         # pgserver counts handles across processes: every xdist worker shares this one server,
-        # and the last worker to exit stops it.
+        # and the last worker to exit stops it. Its start-up is serialised by a lock of its own,
+        # but not its mkdir of pgdata, which fails when another worker made the directory since
+        # it looked: made here first, where that cannot fail.
+        pgdata.mkdir(exist_ok=True)
         server = pgserver.get_server(pgdata, cleanup_mode="stop")  # type: ignore[attr-defined]
     return str(server.get_uri())
 
