@@ -50,10 +50,19 @@ class GroupRecorder:
         return await future
 
     async def _drain(self) -> None:
-        while self._queue:
-            batch = self._queue[: self._max_batch]
-            del self._queue[: self._max_batch]
-            await self._write(batch)
+        try:
+            while self._queue:
+                batch = self._queue[: self._max_batch]
+                del self._queue[: self._max_batch]
+                await self._write(batch)
+        finally:
+            # Out of the count the moment it stops taking batches, with no await between. Its
+            # done-callback runs later: a record queued meanwhile found every writer counted,
+            # started none, and waited for whatever record came next (at the end of a burst,
+            # until its lease ran out and the operation was sent again).
+            task = asyncio.current_task()
+            if task is not None:
+                self._running.discard(task)
 
     async def _write(self, batch: list[tuple[Record, asyncio.Future[bool]]]) -> None:
         try:
