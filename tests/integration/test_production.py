@@ -54,8 +54,11 @@ def get(url: str) -> int:
 def test_ready_watchdog_and_stopping_reach_systemd_s_socket(
     db_url: str, receiver: FakeWebhookReceiver, tmp_path: Path, notify_socket: socket.socket
 ) -> None:
+    # The held call must outlast every step below on a loaded machine: the default 10 s
+    # timeout would end it as unknown before the scrape, and in_flight would read 0.
     cfg = write_config(tmp_path / "outbox.toml", providers={
-        "hook": {"type": "webhook", "url": receiver.url}}, poll_interval="200ms")  # fmt: skip
+        "hook": {"type": "webhook", "url": receiver.url, "timeout": "60s"}},
+        poll_interval="200ms")  # fmt: skip
     env = {"NOTIFY_SOCKET": notify_socket.getsockname(), "WATCHDOG_USEC": "1000000"}
     proc = OutboxProcess(db_url, cfg, tmp_path / "run.log", env=env)
     try:
@@ -74,8 +77,11 @@ def test_health_readiness_and_metrics_over_http(
     db_url: str, receiver: FakeWebhookReceiver, tmp_path: Path
 ) -> None:
     ops = enqueue_many(db_url, 3)
+    # The held call must outlast every step below on a loaded machine: the default 10 s
+    # timeout would end it as unknown before the scrape, and in_flight would read 0.
     cfg = write_config(tmp_path / "outbox.toml", providers={
-        "hook": {"type": "webhook", "url": receiver.url}}, poll_interval="200ms")  # fmt: skip
+        "hook": {"type": "webhook", "url": receiver.url, "timeout": "60s"}},
+        poll_interval="200ms")  # fmt: skip
     held_key = key_of(db_url, ops[0])
     with receiver.hold(held_key) as held:
         proc = OutboxProcess(db_url, cfg, tmp_path / "run.log", metrics_addr="127.0.0.1:0")
@@ -98,7 +104,9 @@ def test_health_readiness_and_metrics_over_http(
         'outbox_dispatch_total{action="invoice.paid",outcome="succeeded",provider="hook"} 2.0'
         in scrape
     )
-    assert "outbox_in_flight 1.0" in scrape
+    # The held call, and nothing else: printed whole when it is not, with what the run logged.
+    in_flight = [line for line in scrape.splitlines() if line.startswith("outbox_in_flight ")]
+    assert in_flight == ["outbox_in_flight 1.0"], proc.log_text()[-4000:]
     assert rows(db_url, "SELECT count(*) FROM outbox.operations WHERE status = 'succeeded'") == [
         (3,)
     ]
