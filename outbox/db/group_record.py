@@ -46,6 +46,7 @@ class GroupRecorder:
         if len(self._running) < self._writers:
             task = loop.create_task(self._drain(), name="outbox-record-writer")
             self._running.add(task)
+            # _drain counts itself out as it stops; this covers a task cancelled before it ran.
             task.add_done_callback(self._running.discard)
         return await future
 
