@@ -48,6 +48,7 @@ from _support import (
 )
 from psycopg_pool import AsyncConnectionPool
 
+from outbox.db.connect import configure_session
 from outbox.db.store import Record, Store
 from outbox.model import Status
 
@@ -117,8 +118,10 @@ async def _floor_loop(db_url: str, batch: int, start: multiprocessing.synchroniz
     no provider call, no task per operation. What the protocol costs the database, at most."""
     worker = f"floor-{os.getpid()}"
     lease = timedelta(seconds=60)
+    # The session settings of `outbox run`'s own connections (generic plans among them).
     async with AsyncConnectionPool(db_url, min_size=1, max_size=1, open=False,
-                                   kwargs={"autocommit": True}) as pool:  # fmt: skip
+                                   kwargs={"autocommit": True},
+                                   configure=configure_session) as pool:  # fmt: skip
         store = Store(pool)
         await asyncio.to_thread(start.wait)
         while claimed := await store.claim(worker, batch, lease):

@@ -45,7 +45,8 @@ $roles$;
 -- connection; set on the role too, because behind PgBouncer in transaction mode a connection's
 -- SET would leak into other clients' transactions, and the server enforces
 -- idle_in_transaction_session_timeout even when the client forgets. Only written when missing,
--- so a rerun does not touch the cluster-wide catalog.
+-- so a rerun does not touch the cluster-wide catalog. Not plan_cache_mode: it spares planning
+-- only for prepared statements, and behind a transaction pooler outbox prepares none.
 DO $limits$
 DECLARE
     s record;

@@ -60,8 +60,8 @@ async def test_every_dispatcher_connection_carries_the_session_limits(
         cur = await conn.execute(
             "SELECT current_setting('lock_timeout'), current_setting('statement_timeout'), "
             "current_setting('idle_in_transaction_session_timeout'), "
-            "current_setting('jit')")  # fmt: skip
-        assert await cur.fetchone() == ("2s", "30s", "1min", "off")
+            "current_setting('jit'), current_setting('plan_cache_mode')")  # fmt: skip
+        assert await cur.fetchone() == ("2s", "30s", "1min", "off", "force_generic_plan")
 
 
 async def test_a_claim_cut_off_while_it_waits_is_rolled_back_and_leases_nothing(
