@@ -33,7 +33,7 @@ import psycopg  # noqa: E402 (after the path set-up above)
 from psycopg import sql  # noqa: E402
 from psycopg.conninfo import conninfo_to_dict, make_conninfo  # noqa: E402
 
-from outbox.db import migrations  # noqa: E402
+from outbox.db import connect, migrations, statements  # noqa: E402
 from tests.support.daemon import write_config as tests_write_config  # noqa: E402
 
 # The server the benchmarks use unless $OUTBOX_BENCH_DATABASE_URL names another: the same local
@@ -550,3 +550,11 @@ __all__ = [
     "with_dbname",
     "write_config",
 ]
+
+
+def as_outbox_run(conn: psycopg.Connection[Any]) -> psycopg.Connection[Any]:
+    """Give ``conn`` the session settings `outbox run` gives its own connections (generic plans,
+    no JIT, its timeouts), so a statement timed here runs as it runs there."""
+    for name, value in connect.SESSION_LIMITS.items():
+        conn.execute(statements.SET_SESSION_LIMIT, (name, value))
+    return conn

@@ -13,6 +13,7 @@ One database, grown in steps. At each size:
   prepared, claiming 100 of the pending rows; each run in a transaction rolled back, so every
   run sees the same rows; the median (and p90) of ``--claim-runs`` runs, client-side round trip;
 * the gauges: GAUGES and NEARING_KEY_EXPIRY (the statements outbox.gauges runs), median of 20;
+* both on a connection with `outbox run`'s session settings (generic plans, no JIT);
 * drain: one `outbox run` (noop provider, concurrency 64, batch 100) drains the pending rows;
   operations per second from the first claim to the last success, by the database's clock,
   the CPU time of its PostgreSQL backends per operation, which moves far less than the rate
@@ -48,6 +49,7 @@ from typing import Any, LiteralString
 import psycopg
 from _http_receiver import cpu_seconds
 from _support import (
+    as_outbox_run,
     bulk_enqueue,
     fmt_rate,
     fmt_ratio,
@@ -201,6 +203,7 @@ def time_claims(db_url: str, runs: int) -> tuple[float, float, float]:
     """Median, p90 and first claim time (ms) of ``runs`` claims, each rolled back."""
     times: list[float] = []
     with psycopg.connect(db_url) as conn:
+        as_outbox_run(conn).commit()
         for _ in range(runs):
             started = time.perf_counter()
             rows = conn.execute(statements.CLAIM, _claim_params(), prepare=True).fetchall()
@@ -223,9 +226,14 @@ def explain_claim(db_url: str) -> str:
 
 def explain_gauges(db_url: str) -> str:
     with psycopg.connect(db_url, autocommit=True) as conn:
-        rows = conn.execute(
-            "EXPLAIN (ANALYZE, BUFFERS) " + statements.GAUGES, {"exact_limit": EXACT_COUNT_LIMIT}
-        ).fetchall()
+        rows = (
+            as_outbox_run(conn)
+            .execute(
+                "EXPLAIN (ANALYZE, BUFFERS) " + statements.GAUGES,
+                {"exact_limit": EXACT_COUNT_LIMIT},
+            )
+            .fetchall()
+        )
     return "\n".join(str(row[0]) for row in rows)
 
 
@@ -235,6 +243,7 @@ def time_gauges(db_url: str) -> tuple[float, float]:
     nearing: list[float] = []
     params = {"providers": ["noop"], "windows": [KEY_WINDOW]}
     with psycopg.connect(db_url, autocommit=True) as conn:
+        as_outbox_run(conn)
         for _ in range(GAUGE_RUNS):
             started = time.perf_counter()
             conn.execute(statements.GAUGES, {"exact_limit": EXACT_COUNT_LIMIT}, prepare=True)
