@@ -38,7 +38,8 @@ def big_db(db_url: str) -> str:
         )
         conn.execute(
             "UPDATE outbox.operations SET status = 'in_flight', lease_owner = 'w', "
-            "lease_token = gen_random_uuid(), lease_expires_at = now() "
+            "lease_token = gen_random_uuid(), lease_expires_at = now(), attempts = 1, "
+            "last_attempt_at = now() "
             "WHERE operation_type = 'invoice.charge' AND operation_key < 'op-13'"
         )
     with psycopg.connect(db_url, autocommit=True) as conn:
@@ -105,9 +106,26 @@ def test_the_key_expiry_gauge_reads_only_partial_indexes(big_db: str) -> None:
                                              "operations_ordering_blocked"}, scans  # fmt: skip
 
 
-def generic_plan_nodes(url: str, query: LiteralString,
-                       params: dict[str, Any]) -> list[dict[str, Any]]:  # fmt: skip
-    """The plan a session of `outbox run` prepares: server-side, planned once for any values."""
+def _walk(plan: dict[str, Any]) -> list[dict[str, Any]]:
+    nodes = [plan]
+    for child in plan.get("Plans", []):
+        nodes.extend(_walk(child))
+    return nodes
+
+
+def _top(row: tuple[Any, ...] | None) -> dict[str, Any]:
+    assert row is not None
+    plan = row[0] if isinstance(row[0], list) else json.loads(row[0])
+    top: dict[str, Any] = plan[0]["Plan"]
+    return top
+
+
+def custom_and_generic(
+    url: str, query: LiteralString, params: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """EXPLAIN ANALYZE of ``query`` planned for ``params``, and of its generic plan (a
+    server-side PREPARE in a session set as `outbox run` sets its own), each run in a
+    transaction rolled back; the top plan node of each."""
     names: list[str] = []
 
     def number(match: re.Match[str]) -> str:
@@ -115,29 +133,23 @@ def generic_plan_nodes(url: str, query: LiteralString,
             names.append(match.group(1))
         return f"${names.index(match.group(1)) + 1}"
 
-    text = re.sub(r"%\((\w+)\)s", number, query).replace("%%", "%")
-    mode = connect.SESSION_LIMITS["plan_cache_mode"]
+    explain: LiteralString = "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) "
     with psycopg.connect(url, autocommit=True) as conn:
+        with conn.transaction(force_rollback=True):
+            custom = _top(conn.execute(explain + query, params).fetchone())
+        mode = connect.SESSION_LIMITS["plan_cache_mode"]
         conn.execute(statements.SET_SESSION_LIMIT, ("plan_cache_mode", mode))
+        text = re.sub(r"%\((\w+)\)s", number, query).replace("%%", "%")
         conn.execute(("PREPARE generic AS " + text).encode())
         values = sql.SQL(", ").join(sql.Literal(params[name]) for name in names)
-        explain = sql.SQL("EXPLAIN (FORMAT JSON) EXECUTE generic({})").format(values)
-        row = conn.execute(explain).fetchone()
+        with conn.transaction(force_rollback=True):
+            generic = _top(conn.execute(
+                sql.SQL(explain + "EXECUTE generic({})").format(values)).fetchone())  # fmt: skip
         kinds = conn.execute(
             "SELECT generic_plans, custom_plans FROM pg_prepared_statements"
         ).fetchone()
-    assert kinds == (1, 0), "EXPLAIN EXECUTE should have built the generic plan"
-    assert row is not None
-    plan = row[0] if isinstance(row[0], list) else json.loads(row[0])
-    nodes: list[dict[str, Any]] = []
-
-    def walk(node: dict[str, Any]) -> None:
-        nodes.append(node)
-        for child in node.get("Plans", []):
-            walk(child)
-
-    walk(plan[0]["Plan"])
-    return nodes
+    assert kinds == (1, 0), "EXPLAIN EXECUTE should have run the generic plan"
+    return custom, generic
 
 
 def _one_record() -> dict[str, Any]:
@@ -165,11 +177,23 @@ DISPATCHER_STATEMENTS: dict[str, tuple[LiteralString, dict[str, Any]]] = {
 }  # fmt: skip
 
 
+def reads_whole_table(plan: dict[str, Any]) -> bool:
+    return any(n["Node Type"] == "Seq Scan" and n.get("Relation Name") in ("operations", "attempts")
+               for n in _walk(plan))  # fmt: skip
+
+
+def blocks(plan: dict[str, Any]) -> int:
+    """Buffers the whole statement touched (a node's counts include its children's)."""
+    return int(plan["Shared Hit Blocks"]) + int(plan["Shared Read Blocks"])
+
+
 @pytest.mark.parametrize("name", list(DISPATCHER_STATEMENTS))
-def test_the_generic_plan_reads_what_the_custom_plan_reads(big_db: str, name: str) -> None:
+def test_the_generic_plan_does_the_work_of_the_custom_plan(big_db: str, name: str) -> None:
     query, params = DISPATCHER_STATEMENTS[name]
-    custom = sorted(scans_of_operations(plan_nodes(big_db, query, params)))
-    generic = sorted(scans_of_operations(generic_plan_nodes(big_db, query, params)))
-    # The gauges' plans both hold a Seq Scan: the exact count of succeeded rows, which runs only
-    # while the table is small (see the test above).
-    assert generic == custom
+    custom, generic = custom_and_generic(big_db, query, params)
+    # Which index, and how it is read (an index or a bitmap scan), may differ: they cost about
+    # the same here, and which one wins turns on ANALYZE's sample. The work may not grow, and no
+    # whole table may be read that the custom plan leaves alone. (The gauges' plans both hold a
+    # read of the whole table, never run past the exact-count limit; see the test above.)
+    assert reads_whole_table(generic) <= reads_whole_table(custom)
+    assert blocks(generic) <= 2 * blocks(custom) + 50, (blocks(generic), blocks(custom))
