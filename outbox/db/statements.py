@@ -81,6 +81,61 @@ RECORD_MIGRATION: Final = (
 # The claim protocol: claim (one short transaction) -> call the provider with no transaction
 # open -> record (one short transaction, fenced by the lease token and attempt number).
 
+# The claim's last step, shared by CLAIM_ONE_GROUP and CLAIM: lease the rows of ``due``.
+_LEASE_DUE: Final = """UPDATE outbox.operations AS o
+SET status = 'in_flight',
+    lease_owner = %(worker)s,
+    -- A fresh token per claim fences every later write to this attempt.
+    lease_token = gen_random_uuid(),
+    lease_expires_at = now() + %(lease)s::interval,
+    attempts = o.attempts + 1,
+    last_attempt_at = now(),
+    updated_at = now(),
+    status_changed_at = now()
+-- An array, not a join: the planner cannot misjudge it into a scan of the whole table.
+WHERE o.id = ANY (ARRAY(SELECT id FROM due))
+RETURNING o.id, o.tenant_id, o.operation_type, o.operation_key, o.provider, o.action, o.payload,
+          o.idempotency_key, o.correlation_id, o.traceparent, o.attempts, o.attempt_base,
+          o.max_attempts, o.lease_token, o.first_sent_at, o.created_at, now() AS claimed_at
+"""
+
+# While a single (provider, tenant) group has claimable rows, a fair claim has nothing to share
+# out: lease its oldest due rows, up to the limit and its provider's cap, without CLAIM's steps
+# (a claim of one row at 0.28 against 0.68 ms of the database's CPU, of 100 rows 2.1 against
+# 2.8 ms). Takes nothing when the first and the last entry of operations_claim_group belong to
+# different groups: then CLAIM must run (outbox.db.store.Store.claim).
+CLAIM_ONE_GROUP: Final = (
+    """
+WITH
+lone AS (
+    SELECT a.provider, a.tenant_id,
+           coalesce((SELECT l.cap
+                     FROM unnest(%(cap_providers)s::text[], %(caps)s::integer[]) AS l(provider, cap)
+                     WHERE l.provider = a.provider), %(limit)s) AS cap
+    FROM (SELECT o.provider, o.tenant_id FROM outbox.operations o
+          WHERE o.status = 'pending' AND NOT o.ordering_blocked
+          ORDER BY o.provider, o.tenant_id, o.available_at, o.id LIMIT 1) a
+    JOIN (SELECT o.provider, o.tenant_id FROM outbox.operations o
+          WHERE o.status = 'pending' AND NOT o.ordering_blocked
+          ORDER BY o.provider DESC, o.tenant_id DESC, o.available_at DESC, o.id DESC
+          LIMIT 1) b USING (provider, tenant_id)
+),
+due AS (
+    SELECT pick.id
+    FROM lone
+    CROSS JOIN LATERAL (
+        SELECT o.id FROM outbox.operations o
+        WHERE o.provider = lone.provider AND o.tenant_id = lone.tenant_id
+          AND o.status = 'pending' AND NOT o.ordering_blocked AND o.available_at <= now()
+        ORDER BY o.available_at, o.id
+        LIMIT greatest(least(%(limit)s, lone.cap), 0)
+        FOR UPDATE SKIP LOCKED
+    ) pick
+)
+"""
+    + _LEASE_DUE
+)
+
 # Lease due pending rows to this worker, a fair share from each (provider, tenant) group: a
 # tenant's or a provider's backlog cannot fill every batch while another's operations wait. The
 # groups are visited from just after the cursor (the first group of the last claim), wrapping
@@ -90,7 +145,8 @@ RECORD_MIGRATION: Final = (
 # claimable rows, so finished rows, rows waiting for their ordering key, and providers capped at
 # 0 (breaker open, no rate tokens) cost nothing. SKIP LOCKED: concurrent dispatchers take other
 # rows instead of queueing behind these.
-CLAIM: Final = """
+CLAIM: Final = (
+    """
 WITH RECURSIVE
 limits AS (
     -- Per provider, the most rows this claim may take (0: none); absent: no cap.
@@ -207,22 +263,9 @@ more AS MATERIALIZED (
 due AS (
     SELECT id FROM first UNION SELECT id FROM more
 )
-UPDATE outbox.operations AS o
-SET status = 'in_flight',
-    lease_owner = %(worker)s,
-    -- A fresh token per claim fences every later write to this attempt.
-    lease_token = gen_random_uuid(),
-    lease_expires_at = now() + %(lease)s::interval,
-    attempts = o.attempts + 1,
-    last_attempt_at = now(),
-    updated_at = now(),
-    status_changed_at = now()
--- An array, not a join: the planner cannot misjudge it into a scan of the whole table.
-WHERE o.id = ANY (ARRAY(SELECT id FROM due))
-RETURNING o.id, o.tenant_id, o.operation_type, o.operation_key, o.provider, o.action, o.payload,
-          o.idempotency_key, o.correlation_id, o.traceparent, o.attempts, o.attempt_base,
-          o.max_attempts, o.lease_token, o.first_sent_at, o.created_at, now() AS claimed_at
 """
+    + _LEASE_DUE
+)
 
 # Record attempts' outcomes and their operations' next statuses, one or many in a statement (the
 # dispatcher's group commit), each only if this worker still holds the lease of that attempt: a

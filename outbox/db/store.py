@@ -126,18 +126,30 @@ class Store:
 
     def __init__(self, pool: AsyncConnectionPool[Any]) -> None:
         self._pool = pool
+        # Whether the last claim found at most one (provider, tenant) group: then the next tries
+        # the lighter CLAIM_ONE_GROUP first. With several groups it would only take nothing,
+        # and cost a round trip, on every claim.
+        self._one_group = True
 
     async def claim(self, worker: str, limit: int, lease: timedelta,
                     caps: Mapping[str, int] | None = None,
                     after: tuple[str, str] | None = None) -> list[Claimed]:  # fmt: skip
         """Lease up to ``limit`` due rows, a share from each (provider, tenant) group, taking
         at most ``caps[p]`` rows of provider p (0: none). Groups are visited from just after
-        ``after``, a (provider, tenant) pair, and around (see statements.CLAIM)."""
+        ``after``, a (provider, tenant) pair, and around (see statements.CLAIM). While one group
+        alone has claimable rows, statements.CLAIM_ONE_GROUP takes them for less."""
         params = claim_params(worker, limit, lease, caps, after)
         async with self._connection() as conn:
-            # Built straight from the row, by position: CLAIM returns Claimed's fields in order.
+            # Built straight from the row, by position: the claims return Claimed's fields in
+            # order.
             cur = conn.cursor(row_factory=_CLAIMED_ROW)
-            return await (await cur.execute(statements.CLAIM, params)).fetchall()
+            if self._one_group:
+                claimed = await (await cur.execute(statements.CLAIM_ONE_GROUP, params)).fetchall()
+                if claimed:
+                    return claimed
+            claimed = await (await cur.execute(statements.CLAIM, params)).fetchall()
+        self._one_group = len({(c.provider, c.tenant_id) for c in claimed}) <= 1
+        return claimed
 
     async def record(self, rec: Record) -> bool:
         """True if recorded; False if this worker no longer held the lease (nothing changed)."""

@@ -1,5 +1,6 @@
 """Fair claims: one tenant's or one provider's backlog does not fill every batch while another's
-operations wait, and a provider capped at 0 is not claimed at all (statements.CLAIM)."""
+operations wait, and a provider capped at 0 is not claimed at all (statements.CLAIM); while one
+group alone has rows, statements.CLAIM_ONE_GROUP claims them the same way for less."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import psycopg
 from psycopg_pool import AsyncConnectionPool
 
 import outbox
-from outbox.db.store import Store
+from outbox.db import statements
+from outbox.db.store import Store, claim_params
 from outbox.providers.base import Provider
 from outbox.providers.fakes.webhook import FakeWebhookReceiver
 from outbox.providers.noop import NoopProvider
@@ -120,3 +122,51 @@ async def test_past_the_groups_one_claim_visits_the_cursor_serves_every_group_in
     assert rows(db_url, "SELECT status, count(*) FROM outbox.operations GROUP BY 1") == [
         ("succeeded", 180)
     ]
+
+
+def one_group_claim(url: str, limit: int, caps: dict[str, int] | None = None) -> list[int]:
+    """statements.CLAIM_ONE_GROUP run directly: the ids it leased, in claim order."""
+    with psycopg.connect(url) as conn:
+        leased = conn.execute(statements.CLAIM_ONE_GROUP,
+                              claim_params("w", limit, LEASE, caps)).fetchall()  # fmt: skip
+    return sorted(row[0] for row in leased)
+
+
+def pending_ids(url: str, tenant: str) -> list[int]:
+    query = "SELECT id FROM outbox.operations WHERE tenant_id = %s AND status = 'pending'"
+    return sorted(row[0] for row in rows(url, query, (tenant,)))
+
+
+async def test_one_group_alone_is_claimed_oldest_first_within_the_limit_and_its_cap(
+    db_url: str,
+) -> None:
+    backlog(db_url, 30, tenant="a")
+    with psycopg.connect(db_url) as conn:  # the oldest row, but not due yet
+        conn.execute("UPDATE outbox.operations SET available_at = now() + interval '1 hour' "
+                     "WHERE id = (SELECT min(id) FROM outbox.operations)")  # fmt: skip
+    waiting, *due = pending_ids(db_url, "a")
+    assert one_group_claim(db_url, 10, {"hook": 0}) == []
+    assert one_group_claim(db_url, 10, {"hook": 3}) == due[:3]
+    assert one_group_claim(db_url, 10, {"other": 3}) == due[3:13]
+    assert pending_ids(db_url, "a") == [waiting, *due[13:]]
+    assert rows(db_url, "SELECT count(*) FROM outbox.operations WHERE status = 'in_flight' "
+                        "AND lease_owner = 'w' AND attempts = 1") == [(13,)]  # fmt: skip
+
+
+async def test_with_a_second_group_the_one_group_claim_takes_nothing_and_the_fair_one_runs(
+    db_url: str, pool: AsyncConnectionPool[Any]
+) -> None:
+    backlog(db_url, 300, tenant="a")
+    store = Store(pool)
+    assert Counter(row.tenant_id for row in await store.claim("w", 10, LEASE)) == {"a": 10}
+    backlog(db_url, 5, tenant="b")  # newer than every row of a, and after them in the index
+    assert one_group_claim(db_url, 10) == []
+    assert Counter(row.tenant_id for row in await store.claim("w", 10, LEASE)) == {"a": 5, "b": 5}
+    # b has nothing left: one group again.
+    assert Counter(row.tenant_id for row in await store.claim("w", 100, LEASE)) == {"a": 100}
+    oldest = pending_ids(db_url, "a")[:10]
+    assert one_group_claim(db_url, 10) == oldest
+    assert rows(db_url, "SELECT tenant_id, status, count(*) FROM outbox.operations "
+                        "GROUP BY 1, 2 ORDER BY 1, 2") == [
+        ("a", "in_flight", 125), ("a", "pending", 175), ("b", "in_flight", 5)
+    ]  # fmt: skip

@@ -82,6 +82,19 @@ def test_the_claim_reads_the_claim_index(big_db: str) -> None:
     assert reads == {"operations_claim_group", "operations_pkey"}, scans
 
 
+def test_the_one_group_claim_reads_the_claim_index(big_db: str) -> None:
+    with psycopg.connect(big_db) as conn:
+        pending = conn.execute(
+            "SELECT count(*) FROM outbox.operations WHERE status = 'pending'"
+        ).fetchone()
+    nodes = plan_nodes(big_db, statements.CLAIM_ONE_GROUP, CLAIM_PARAMS, analyze=True)
+    scans = scans_of_operations(nodes)
+    assert ("Seq Scan", None) not in scans
+    reads = {index for node, index in scans if node != "ModifyTable"}
+    assert reads == {"operations_claim_group", "operations_pkey"}, scans
+    assert (nodes[0]["Actual Rows"],) == pending  # one group's: every pending row
+
+
 def test_the_rescue_reads_the_lease_index(big_db: str) -> None:
     scans = scans_of_operations(plan_nodes(big_db, statements.RESCUE,
                                            {"limit": 500, "max_attempts": 10}))  # fmt: skip
@@ -163,6 +176,7 @@ def _one_record() -> dict[str, Any]:
 # its own. (One without, such as ORDERING_BLOCKED, has the same plan either way.)
 DISPATCHER_STATEMENTS: dict[str, tuple[LiteralString, dict[str, Any]]] = {
     "CLAIM": (statements.CLAIM, CLAIM_PARAMS),
+    "CLAIM_ONE_GROUP": (statements.CLAIM_ONE_GROUP, CLAIM_PARAMS),
     "RECORD_MANY": (statements.RECORD_MANY, {"batch": Jsonb([_one_record()]), "worker": "w"}),
     "UNCLAIM": (statements.UNCLAIM, {"id": 1, "lease_token": uuid.uuid4(), "status": "pending",
                                      "reason": None, "delay": None}),
