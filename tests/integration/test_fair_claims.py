@@ -13,7 +13,7 @@ from psycopg_pool import AsyncConnectionPool
 
 import outbox
 from outbox.db import statements
-from outbox.db.store import Store, claim_params
+from outbox.db.store import FAIR_ONLY_CLAIMS, Store, claim_params
 from outbox.providers.base import Provider
 from outbox.providers.fakes.webhook import FakeWebhookReceiver
 from outbox.providers.noop import NoopProvider
@@ -170,3 +170,25 @@ async def test_with_a_second_group_the_one_group_claim_takes_nothing_and_the_fai
                         "GROUP BY 1, 2 ORDER BY 1, 2") == [
         ("a", "in_flight", 125), ("a", "pending", 175), ("b", "in_flight", 5)
     ]  # fmt: skip
+
+
+async def test_beside_a_capped_group_the_one_group_claim_is_tried_again_only_now_and_then(
+    db_url: str, pool: AsyncConnectionPool[Any]
+) -> None:
+    backlog(db_url, 500, tenant="a", provider="stripe")  # its breaker open: capped at 0
+    backlog(db_url, 500, tenant="a", provider="hook")
+    store = Store(pool)
+    capped = {"stripe": 0}
+    # The one-group claim takes nothing (two groups hold rows), the fair one takes hook's.
+    assert Counter(row.provider for row in await store.claim("w", 10, LEASE, capped)) == {
+        "hook": 10
+    }
+    assert store._fair_only == FAIR_ONLY_CLAIMS
+    for _ in range(FAIR_ONLY_CLAIMS):  # straight to the fair claim
+        assert len(await store.claim("w", 10, LEASE, capped)) == 10
+    assert store._fair_only == 0
+    assert len(await store.claim("w", 10, LEASE, capped)) == 10  # tried, took nothing, again
+    assert store._fair_only == FAIR_ONLY_CLAIMS
+    leased = rows(db_url, "SELECT provider, count(*) FROM outbox.operations "
+                          "WHERE status = 'in_flight' GROUP BY 1")  # fmt: skip
+    assert leased == [("hook", 10 * (FAIR_ONLY_CLAIMS + 2))]
