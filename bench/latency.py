@@ -13,7 +13,10 @@ clock for every process of a Linux host, so the two readings subtract. One `outb
 * NOTIFY: LISTEN on the database URL (the default), poll_interval 1 s as the fallback;
 * polling only, at the default poll_interval (1 s) and at 100 ms: ``[database] listen = false``
   (OUTBOX_DATABASE__LISTEN=false), so the daemon opens no LISTEN connection and producers never
-  notify.
+  notify;
+* a bare LISTEN/NOTIFY claimer (bench/_bare_claimer.py) in place of `outbox run`: the same
+  producer, trigger and receiver, and nothing of the daemon but a claim and a POST. What it
+  measures is this machine's own floor for the NOTIFY figures, in the same run.
 
 Targets with NOTIFY: p50 at most 3 ms, p99 at most 15 ms. Exits non-zero only on errors.
 """
@@ -25,11 +28,14 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import psycopg
+from _bare_claimer import BareClaimer
 from _http_receiver import ReceiverProcess
 from _support import (
+    OutboxRun,
     fresh_database,
     outbox_runs,
     print_machine,
@@ -54,6 +60,7 @@ class Mode:
     name: str
     poll_interval: str
     listen: bool
+    bare: bool = False  # the bare claimer instead of `outbox run`
 
 
 @dataclass(frozen=True)
@@ -96,18 +103,20 @@ def produce(db_url: str, rate: float, seconds: float, key_prefix: str) -> tuple[
 
 def run_mode(mode: Mode, rate: float, seconds: float) -> Result:
     with fresh_database(prefix="latency_") as db_url, ReceiverProcess(stamp=True) as receiver:
-        env = {} if mode.listen else {"OUTBOX_DATABASE__LISTEN": "false"}
-        providers = {PROVIDER: {"type": "webhook", "url": receiver.url, "timeout": "10s"}}
-        with outbox_runs(db_url, providers=providers, env=env, concurrency=64,
-                         poll_interval=mode.poll_interval) as runs:  # fmt: skip
-            time.sleep(SETTLE_S)
-            # One operation end to end first: the dispatcher is up and its pool is warm.
-            produce(db_url, 1.0, 1.0, "warm-")
-            wait_until(lambda: receiver.stats()["requests"] >= 1, timeout=30,
-                       what="the warm-up request", alive=runs)  # fmt: skip
-            progress(f"{mode.name}: {rate:g} operations/s for {seconds:g} s")
-            committed, behind = produce(db_url, rate, seconds, "op-")
-            wait_drained(db_url, len(committed) + 1, timeout=120, runs=runs)
+        if mode.bare:
+            with BareClaimer(db_url, receiver.url):
+                committed, behind = _measure(
+                    mode, db_url, receiver, rate=rate, seconds=seconds, runs=()
+                )
+        else:
+            env = {} if mode.listen else {"OUTBOX_DATABASE__LISTEN": "false"}
+            providers = {PROVIDER: {"type": "webhook", "url": receiver.url, "timeout": "10s"}}
+            with outbox_runs(db_url, providers=providers, env=env, concurrency=64,
+                             poll_interval=mode.poll_interval) as runs:  # fmt: skip
+                time.sleep(SETTLE_S)
+                committed, behind = _measure(
+                    mode, db_url, receiver, rate=rate, seconds=seconds, runs=runs
+                )
         arrivals = receiver.stats()["arrivals"]
     missing = [op for op in committed if op not in arrivals]
     if missing:
@@ -116,16 +125,31 @@ def run_mode(mode: Mode, rate: float, seconds: float) -> Result:
     return Result(mode, latencies, len(committed), behind)
 
 
+def _measure(mode: Mode, db_url: str, receiver: ReceiverProcess, *, rate: float, seconds: float,
+             runs: Sequence[OutboxRun]) -> tuple[dict[str, float], float]:  # fmt: skip
+    """The warm-up operation, then the measured ones, drained."""
+    # One operation end to end first: the dispatcher is up and its pool is warm.
+    produce(db_url, 1.0, 1.0, "warm-")
+    wait_until(lambda: receiver.stats()["requests"] >= 1, timeout=30,
+               what="the warm-up request", alive=runs)  # fmt: skip
+    progress(f"{mode.name}: {rate:g} operations/s for {seconds:g} s")
+    committed, behind = produce(db_url, rate, seconds, "op-")
+    wait_drained(db_url, len(committed) + 1, timeout=120, runs=runs)
+    return committed, behind
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--rate", type=float, default=200.0, help="operations per second")
-    parser.add_argument("--modes", default="notify,poll,poll100",
-                        help="comma-separated: notify, poll (1 s), poll100 (100 ms)")  # fmt: skip
+    parser.add_argument("--modes", default="notify,bare,poll,poll100",
+                        help="comma-separated: notify, bare (the bare claimer), poll (1 s), "
+                             "poll100 (100 ms)")  # fmt: skip
     args = parser.parse_args(argv)
     os.environ.pop("OUTBOX_LISTEN_DATABASE_URL", None)
     all_modes = {
         "notify": Mode("NOTIFY (LISTEN on), poll 1 s", "1s", listen=True),
+        "bare": Mode("NOTIFY, bare claimer (no outbox run)", "1s", listen=True, bare=True),
         "poll": Mode("polling only, poll 1 s", "1s", listen=False),
         "poll100": Mode("polling only, poll 100 ms", "100ms", listen=False),
     }
@@ -146,7 +170,7 @@ def main(argv: list[str]) -> int:
         title=f"COMMIT to request received, {args.rate:g} operations/s for {args.seconds:g} s",
     )  # fmt: skip
     for r in results:
-        if r.mode.listen:
+        if r.mode.listen and not r.mode.bare:
             met = r.pct(0.5) <= P50_TARGET_MS and r.pct(0.99) <= P99_TARGET_MS
             print_table(["target (NOTIFY)", "p50", "p99", "verdict"],
                         [(f"p50 ≤ {P50_TARGET_MS:g} ms, p99 ≤ {P99_TARGET_MS:g} ms",
