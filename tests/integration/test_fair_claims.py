@@ -125,7 +125,7 @@ async def test_past_the_groups_one_claim_visits_the_cursor_serves_every_group_in
 
 
 def one_group_claim(url: str, limit: int, caps: dict[str, int] | None = None) -> list[int]:
-    """statements.CLAIM_ONE_GROUP run directly: the ids it leased, in claim order."""
+    """statements.CLAIM_ONE_GROUP run directly: the ids it leased, sorted (oldest first)."""
     with psycopg.connect(url) as conn:
         leased = conn.execute(statements.CLAIM_ONE_GROUP,
                               claim_params("w", limit, LEASE, caps)).fetchall()  # fmt: skip
