@@ -70,9 +70,17 @@ def test_ready_watchdog_and_stopping_reach_systemd_s_socket(
     assert rest[-1] == "STOPPING=1"
 
 
+def scrape_of(base: str) -> str:
+    with urllib.request.urlopen(f"{base}/metrics", timeout=5) as answer:  # noqa: S310
+        return str(answer.read().decode())
+
+
 def test_health_readiness_and_metrics_over_http(
     db_url: str, receiver: FakeWebhookReceiver, tmp_path: Path
 ) -> None:
+    succeeded_line = (
+        'outbox_dispatch_total{action="invoice.paid",outcome="succeeded",provider="hook"} 2.0'
+    )
     ops = enqueue_many(db_url, 3)
     # The held call must outlast every step below on a loaded machine: the default 10 s
     # timeout would end it as unknown before the scrape, and in_flight would read 0.
@@ -88,19 +96,18 @@ def test_health_readiness_and_metrics_over_http(
             wait_until(lambda: get(f"{base}/readyz") == 200, timeout=30, what="readiness")
             assert get(f"{base}/healthz") == 200
             assert get(f"{base}/nope") == 404
+            # The two calls not held are recorded before the drain begins: on a loaded machine
+            # they may still be on their way when the held one arrives.
+            wait_until(lambda: succeeded_line in scrape_of(base), timeout=30, what="two records")
             proc.signal(signal.SIGTERM)  # draining: the held call keeps it alive
             wait_until(lambda: get(f"{base}/readyz") == 503, timeout=10, what="unready")
             assert get(f"{base}/healthz") == 200
-            with urllib.request.urlopen(f"{base}/metrics", timeout=5) as answer:  # noqa: S310
-                scrape = answer.read().decode()
+            scrape = scrape_of(base)
             held.release()
             assert proc.wait(timeout=30) == 0
         finally:
             proc.stop()
-    assert (
-        'outbox_dispatch_total{action="invoice.paid",outcome="succeeded",provider="hook"} 2.0'
-        in scrape
-    )
+    assert succeeded_line in scrape
     # The held call, and nothing else: printed whole when it is not, with what the run logged.
     in_flight = [line for line in scrape.splitlines() if line.startswith("outbox_in_flight ")]
     assert in_flight == ["outbox_in_flight 1.0"], proc.log_text()[-4000:]
