@@ -32,7 +32,7 @@ UPDATE outbox.operations SET status = 'in_flight', lease_owner = %(worker)s,
        attempts = attempts + 1
 WHERE id = ANY (ARRAY(
     SELECT id FROM outbox.operations
-    WHERE status = 'pending' AND NOT ordering_blocked AND available_at <= now()
+    WHERE status = 'pending' AND NOT ordering_blocked AND NOT scheduled AND available_at <= now()
     ORDER BY available_at, id LIMIT 100 FOR UPDATE SKIP LOCKED))
 RETURNING id
 """

@@ -107,18 +107,20 @@ def fresh_database(*, migrate: bool = True, prefix: str = "",
         drop_database(db_url, url)
 
 
-# What outbox.enqueue writes for one operation (sql/0004, sql/0011), as a set operation: the
-# same fingerprint and derived idempotency key, the defaults for everything else.
+# What outbox.enqueue writes for one operation (sql/0004, sql/0011, sql/0019), as a set
+# operation: the same fingerprint and derived idempotency key, the defaults for everything else.
 _BULK_INSERT = """
 INSERT INTO outbox.operations (
     tenant_id, operation_type, operation_key, fingerprint, provider, action, payload,
-    idempotency_key, available_at, ordering_key, ordering_blocked)
+    idempotency_key, available_at, scheduled, ordering_key, ordering_blocked)
 SELECT t.tenant_id, t.operation_type, t.operation_key,
        sha256(convert_to(t.provider || E'\\n' || t.action || E'\\n' || t.payload::text
                          || coalesce(E'\\n' || t.ordering_key, ''), 'UTF8')),
        t.provider, t.action, t.payload,
        outbox.derive_idempotency_key(t.tenant_id, t.operation_type, t.operation_key),
        coalesce(%(available_at)s, now()),
+       -- Not due yet: out of the claim index until staged (sql/0019).
+       coalesce(%(available_at)s > now(), false),
        -- Ordered rows wait; the commit trigger (sql/0015) makes each key's first the head.
        t.ordering_key, t.ordering_key IS NOT NULL
 FROM (
@@ -337,17 +339,19 @@ def wait_until(predicate: Callable[[], bool], *, timeout: float, what: str,
     return time.monotonic() - start
 
 
-# Whether any operation is still pending (claimable, or waiting its turn), and whether any is
-# in flight. Each subquery walks a partial index in its own order and stops at the first live
-# row, so a poll costs a few index pages whatever the table holds. These waits used to count(*)
-# the table: a read of the whole heap on every poll, a full core at 10 M rows, which
-# bench/growth.py then measured as the table's own slowness.
+# Whether any operation is still pending (claimable, waiting its turn, or scheduled), and
+# whether any is in flight. Each subquery walks a partial index in its own order and stops at
+# the first live row, so a poll costs a few index pages whatever the table holds. These waits
+# used to count(*) the table: a read of the whole heap on every poll, a full core at 10 M rows,
+# which bench/growth.py then measured as the table's own slowness.
 UNFINISHED: LiteralString = """
 SELECT EXISTS (SELECT 1 FROM outbox.operations
-               WHERE status = 'pending' AND NOT ordering_blocked
+               WHERE status = 'pending' AND NOT ordering_blocked AND NOT scheduled
                ORDER BY provider, tenant_id, available_at, id LIMIT 1)
        OR EXISTS (SELECT 1 FROM outbox.operations WHERE ordering_blocked
-                  ORDER BY tenant_id, ordering_key, id LIMIT 1),
+                  ORDER BY tenant_id, ordering_key, id LIMIT 1)
+       OR EXISTS (SELECT 1 FROM outbox.operations WHERE scheduled
+                  ORDER BY available_at, id LIMIT 1),
        EXISTS (SELECT 1 FROM outbox.operations WHERE status = 'in_flight'
                ORDER BY lease_expires_at LIMIT 1)
 """

@@ -73,7 +73,7 @@ RAW_CLAIM_AND_FINISH = """
 WITH due AS MATERIALIZED (
     SELECT id FROM outbox.operations
     WHERE provider = 'noop' AND tenant_id = 'bench'
-      AND status = 'pending' AND NOT ordering_blocked AND available_at <= now()
+      AND status = 'pending' AND NOT ordering_blocked AND NOT scheduled AND available_at <= now()
     ORDER BY available_at, id
     LIMIT %s
     FOR UPDATE SKIP LOCKED

@@ -288,6 +288,7 @@ def demo(dsn: str | None, keep: bool) -> None:
     sys.exit(code)
 
 
+main.add_command(cli_operator.cancel)
 main.add_command(cli_operator.reconcile)
 main.add_command(cli_operator.quarantine)
 main.add_command(cli_ordering.ordering)

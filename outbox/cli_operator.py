@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import click
 
-from outbox import operators, reconciler
+from outbox import operators, payloads, reconciler
 from outbox.cli_common import BadInput, actor_option, connect, dsn_option, json_option
 from outbox.config import ConfigError, load_settings
 from outbox.durations import format_duration
@@ -99,7 +99,7 @@ def build_group(name: str, status: Status) -> click.Group:
             # The provider's answer can hold secrets (a PaymentIntent's client_secret) and echo
             # the payload: shown only on request, like the payload.
             op.pop("result", None)
-        click.echo(json.dumps(op, default=str) if as_json else _describe(op))
+        click.echo(_show_json(op) if as_json else _describe(op))
 
     @group.command()
     @dsn_option
@@ -229,6 +229,29 @@ def add_quarantine_actions(group: click.Group) -> None:
         )
 
 
+@click.command("cancel")
+@dsn_option
+@click.argument("operation_id", type=int)
+@_reason_option
+@actor_option
+def cancel(dsn: str, operation_id: int, reason: str, actor: str) -> None:
+    """Give up on an unfinished operation: nothing more is sent.
+
+    Pending, quarantined or reconciling: cancelled now. In flight: the attempt under way is not
+    interrupted (it may have reached the provider already); the operation is cancelled when that
+    attempt ends, unless it succeeded. Either way the audit records who asked and why.
+    """
+    with connect(dsn) as conn:
+        status = _refusing(
+            lambda: operators.request_cancel(conn, operation_id, reason=reason, actor=actor)
+        )
+    if status is Status.IN_FLIGHT:
+        click.echo(f"operation {operation_id}: in_flight; cancel requested: it is cancelled when "
+                   "the attempt under way ends, unless that attempt succeeds")  # fmt: skip
+    else:
+        click.echo(f"operation {operation_id}: {status.value}")
+
+
 def _run_action(dsn: str, operation_id: int, action: Callable[[Any], Status]) -> None:
     with connect(dsn) as conn:
         status = _refusing(lambda: action(conn))
@@ -255,6 +278,19 @@ def _short(text: str | None, width: int = 48) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
+def _show_json(op: dict[str, Any]) -> str:
+    """``show --json``: the payload as an object with its numbers exact (Decimal), or, when it
+    cannot be decoded (a row refused as invalid_payload), as its text beside the reason."""
+    shown = json.loads(json.dumps(op, default=str))  # datetimes and the like as text
+    text = op.get("payload")
+    if text is not None:
+        try:
+            shown["payload"] = payloads.decode(text)
+        except payloads.InvalidPayload as exc:
+            shown["payload_invalid"] = str(exc)
+    return payloads.encode(shown)
+
+
 def _describe(op: dict[str, Any]) -> str:
     age = format_duration(timedelta(seconds=op["age_seconds"]))
     reason = f" ({op['status_reason']})" if op["status_reason"] else ""
@@ -272,7 +308,7 @@ def _describe(op: dict[str, Any]) -> str:
         f"reference    {op['provider_ref'] or '-'}",
     ]  # fmt: skip
     if op.get("payload") is not None:
-        lines.append(f"payload      {json.dumps(op['payload'])}")
+        lines.append(f"payload      {op['payload']}")  # as stored: PostgreSQL's JSON text
     history = [(a["attempt"], a["started_at"], a["outcome"], "yes" if a["sent"] else "no",
                 a["error_class"], a["http_status"], a["provider_request_id"], a["worker"])
                for a in op["attempt_history"]]  # fmt: skip

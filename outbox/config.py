@@ -81,6 +81,11 @@ DEFAULT_KEY_RETENTION: Final = timedelta(hours=24)
 # A provider that has not answered in 10 s is probably stuck; well under the lease, so the
 # lease outlives the call.
 DEFAULT_TIMEOUT: Final = timedelta(seconds=10)
+# The most bytes of one answer an HTTP provider reads (``max_response_bytes``), counted as
+# decoded, so a compressed answer cannot expand past it: an answer is held in memory whole while
+# its reference is read, and 1 MiB is hundreds of times a webhook's or a Stripe object's
+# answer, yet the 64 calls in flight of the default concurrency hold at most 64 MiB of answers.
+DEFAULT_MAX_RESPONSE_BYTES: Final = 1 << 20
 # Five failures in a row (transient or unknown) are an outage, not bad luck: at a few percent of
 # random errors, five in a row happen about once in ten million calls.
 DEFAULT_BREAKER_FAILURES: Final = 5
@@ -345,6 +350,13 @@ _LIMIT_CHECKS: Final[Mapping[str, Callable[[Any, _Where], Any]]] = MappingProxyT
     }
 )
 LIMIT_KEYS: Final = tuple(_LIMIT_CHECKS)
+
+# Keys that some provider types take (the provider's factory says which, and rejects the rest)
+# and whose values are not text: checked here, where a value's source is still known, so that an
+# override from the environment (always text) is read as the file would give it.
+_OPTION_CHECKS: Final[Mapping[str, Callable[[Any, _Where], Any]]] = MappingProxyType(
+    {"max_response_bytes": _positive_int}
+)
 
 
 # Every key of [database] and what its value must be. The LISTEN URL may carry a password, so the
@@ -734,7 +746,10 @@ def _provider_settings(name: str, raw: _RawProvider) -> ProviderSettings:
         type=_provider_type(*values.pop("type")),
         key_retention=_positive_duration(*retention),
         timeout=_positive_duration(*timeout),
-        options={key: value for key, (value, _) in values.items()},
+        options={
+            key: _OPTION_CHECKS[key](value, where) if key in _OPTION_CHECKS else value
+            for key, (value, where) in values.items()
+        },
         **limits,
     )
 

@@ -25,12 +25,26 @@ import psycopg
 import structlog
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_random_exponential
 
-from outbox import failpoints, metrics, tracing
+from outbox import failpoints, loops, metrics, payloads, tracing
 from outbox.config import DispatcherSettings, ProviderLimits
 from outbox.db.group_record import GroupRecorder
-from outbox.db.store import Claimed, Record, Store, assert_no_connection_held
+from outbox.db.store import (
+    Claimed,
+    ConnectionHeldAcrossSend,
+    Record,
+    Store,
+    assert_no_connection_held,
+)
+from outbox.metric_labels import Labels
 from outbox.model import Status
-from outbox.policy import REASON_KEY_WINDOW, Backoff, KeyWindow, after_failure
+from outbox.policy import (
+    REASON_INTERNAL_ERROR,
+    REASON_INVALID_PAYLOAD,
+    REASON_KEY_WINDOW,
+    Backoff,
+    KeyWindow,
+    after_failure,
+)
 from outbox.provider_limits import Limits
 from outbox.providers.base import (
     Failed,
@@ -65,6 +79,17 @@ ORDERING_REPAIR_INTERVAL: Final = 1.0
 # enqueue (a deploy adding the provider may be rolling out), then quarantined as a bad row.
 UNKNOWN_PROVIDER_GRACE: Final = timedelta(minutes=10)
 UNKNOWN_PROVIDER_RETRY: Final = timedelta(seconds=30)
+# Scheduled operations staged per statement (sql/0019): a day of reminders coming due at once
+# joins the claim a thousand at a time, each batch a short transaction.
+STAGE_BATCH: Final = 1000
+# Stage rounds at most this often: a retry's own backoff is random anyway, and a storm of
+# retries must not become a storm of statements.
+STAGE_MIN_GAP: Final = 0.05
+# A claim woken by a notification that found nothing makes the next wake-up wait, from this
+# long, doubling up to WAKE_GAP_MAX; a claim that finds something ends the wait. Any database
+# role may NOTIFY outbox_enqueue: 40,000 notifications cost about 900 claims in 1.5 s before.
+WAKE_GAP_MIN: Final = 0.001
+WAKE_GAP_MAX: Final = 0.05
 
 log = structlog.get_logger("outbox.dispatcher")
 
@@ -144,7 +169,13 @@ class Dispatcher:
         # Every provider has a breaker; the other limits only where configured.
         self._limits = Limits(store, {name: (limits or {}).get(name, ProviderLimits())
                                       for name in providers})  # fmt: skip
+        self._labels = Labels({name: getattr(p, "actions", None) for name, p in providers.items()})
         self._wake = asyncio.Event()
+        # Claims in a row that a wake-up started and that found nothing (see WAKE_GAP_MIN).
+        self._empty_wakes = 0
+        # The stager runs again by this loop time, earlier when told of a retry due sooner.
+        self._stage_at = float("inf")
+        self._stage_nudge = asyncio.Event()
         self._slot_freed = asyncio.Event()
         self._stop = asyncio.Event()
         self._stopping = False
@@ -194,6 +225,7 @@ class Dispatcher:
             asyncio.create_task(self._heartbeat_loop(), name="outbox-heartbeat"),
             asyncio.create_task(self._rescue_loop(), name="outbox-rescuer"),
             asyncio.create_task(self._repair_loop(), name="outbox-ordering-repair"),
+            asyncio.create_task(self._stage_loop(), name="outbox-stager"),
         ]
         try:
             # Several claim loops: one claim round trip at a time caps a process at a batch per
@@ -213,8 +245,10 @@ class Dispatcher:
                 self._guard = None
 
     async def run_once(self) -> int:
-        """Claim one batch, dispatch it and record every outcome; returns how many were claimed."""
+        """Stage what is due, claim one batch, dispatch it and record every outcome; returns how
+        many were claimed."""
         self._loop = asyncio.get_running_loop()
+        await self.stage_once()
         claimed = await self._claim(min(self._settings.batch_size, self._settings.concurrency))
         for row in claimed:
             self._start(row)
@@ -232,7 +266,8 @@ class Dispatcher:
         for row in rescued:
             metrics.LEASE_EXPIRED.inc()
             if row["status"] is Status.QUARANTINED:
-                metrics.QUARANTINED.labels(row["provider"], "attempts_exhausted").inc()
+                label = self._labels.provider(row["provider"])
+                metrics.QUARANTINED.labels(label, "attempts_exhausted").inc()
             log.warning(
                 "lease expired; rescued", operation_id=row["id"], tenant_id=row["tenant_id"],
                 operation_type=row["operation_type"], operation_key=row["operation_key"],
@@ -262,35 +297,62 @@ class Dispatcher:
         # Top up in chunks: claiming for every freed slot would cost one query per operation.
         chunk = max(1, min(self._settings.batch_size, self._settings.concurrency) // 4)
         while not self._stop.is_set():
-            if not primary and not self._backlog.is_set():
-                await self._backlog.wait()
-                continue
-            free = self._settings.concurrency - len(self._inflight) - self._reserved
-            if free < chunk and (self._inflight or self._reserved):
-                self._slot_freed.clear()
-                await self._slot_freed.wait()
-                continue
-            # Cleared before claiming: a NOTIFY that arrives during the claim still wakes us.
-            self._wake.clear()
-            want = min(self._settings.batch_size, free)
-            self._reserved += want
             try:
-                claimed = await self._claim(want)
-            finally:
-                self._reserved -= want
-            for row in claimed:
-                self._start(row)
-            if len(claimed) < want:
-                self._backlog.clear()
-                self._slot_freed.set()  # reserved slots came back unused
-                if primary and not self._stop.is_set():
-                    if await self._mark_waiting():
-                        continue  # claim again: a row committed before the mark notified no one
-                    await self._sleep_until_woken(self._idle_wait())
-            elif claimed:
-                self._backlog.set()
-                if self._waiting_since is not None:
-                    await self._unmark_waiting()  # a backlog: no wake-ups needed
+                if failpoints.armed(failpoints.BUG):
+                    failpoints.bug("claim")
+                await self._claim_round(primary=primary, chunk=chunk)
+            except Exception:  # noqa: BLE001 (a bug in a round must not end the claiming)
+                loops.note("claim")
+                await self._sleep_until_woken(loops.ERROR_PAUSE)
+
+    async def _claim_round(self, *, primary: bool, chunk: int) -> None:
+        if not primary and not self._backlog.is_set():
+            await self._backlog.wait()
+            return
+        free = self._settings.concurrency - len(self._inflight) - self._reserved
+        if free < chunk and (self._inflight or self._reserved):
+            self._slot_freed.clear()
+            await self._slot_freed.wait()
+            return
+        # Cleared before claiming: a NOTIFY that arrives during the claim still wakes us.
+        self._wake.clear()
+        want = min(self._settings.batch_size, free)
+        self._reserved += want
+        try:
+            claimed = await self._claim(want)
+        finally:
+            self._reserved -= want
+        for row in claimed:
+            self._start(row)
+        if len(claimed) < want:
+            self._backlog.clear()
+            self._slot_freed.set()  # reserved slots came back unused
+            if primary and not self._stop.is_set():
+                if await self._mark_waiting():
+                    return  # claim again: a row committed before the mark notified no one
+                await self._idle(found=bool(claimed))
+        elif claimed:
+            self._backlog.set()
+            self._empty_wakes = 0
+            if self._waiting_since is not None:
+                await self._unmark_waiting()  # a backlog: no wake-ups needed
+
+    async def _idle(self, *, found: bool) -> None:
+        """Wait for a wake-up or the poll interval. Wake-ups that keep finding nothing (a burst
+        of notifications anyone can send) are coalesced: each waits for a gap that doubles,
+        so a flood costs a claim per WAKE_GAP_MAX at most, and one claim that finds something
+        brings back immediate wake-ups."""
+        self._empty_wakes = 0 if found else self._empty_wakes
+        woken = await self._sleep_until_woken(self._idle_wait())
+        if not woken:
+            self._empty_wakes = 0  # a poll: the next wake-up is news
+            return
+        if self._empty_wakes:
+            gap = min(WAKE_GAP_MAX, WAKE_GAP_MIN * 2.0 ** (self._empty_wakes - 1))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), gap)
+        # Counted as empty until the claim it starts finds something (then `found` resets it).
+        self._empty_wakes += 1
 
     async def _mark_waiting(self) -> bool:
         """Mark this dispatcher waiting for wake-ups, or refresh an old mark; True when it was
@@ -316,9 +378,13 @@ class Dispatcher:
         except psycopg.Error as exc:  # the mark expires on its own (sql/0012)
             log.debug("could not unmark this dispatcher", error_class=type(exc).__name__)
 
-    async def _sleep_until_woken(self, seconds: float) -> None:
-        with contextlib.suppress(TimeoutError):
+    async def _sleep_until_woken(self, seconds: float) -> bool:
+        """Sleep until woken or ``seconds`` have passed; True if woken."""
+        try:
             await asyncio.wait_for(self._wake.wait(), seconds)
+        except TimeoutError:
+            return False
+        return True
 
     def _idle_wait(self) -> float:
         """How long a claim loop that found too little waits: a poll interval, or less when a
@@ -359,19 +425,7 @@ class Dispatcher:
         return claimed
 
     def _advance_cursor(self, claimed: list[Claimed]) -> None:
-        """Where the next claim's visit of the groups starts. After the group that took more
-        than its share, so that the next group in line fills the next batch; with no such group
-        (each took one row, or all they had), after the last group served, so that groups the
-        claim did not reach come first. Python orders strings by code point, the database by its
-        collation: where they differ the turns are less even, never skipped for good."""
-        counts = Counter((row.provider, row.tenant_id) for row in claimed)
-        if not counts:
-            return
-        after = self._cursor or ("", "")
-        order = sorted(counts)
-        visit = [g for g in order if g > after] + [g for g in order if g <= after]
-        least = min(counts.values())
-        self._cursor = next((g for g in visit if counts[g] > least), visit[-1])
+        self._cursor = next_cursor(self._cursor, claimed)
 
     def _start(self, row: Claimed) -> None:
         now = time.monotonic()
@@ -391,32 +445,51 @@ class Dispatcher:
         if self._limits.finished(flight.row):
             self._wake.set()  # a capped provider has room again: claim now, not at the next poll
         if not task.cancelled() and task.exception() is not None:
-            # A bug in outbox itself; the lease expires and the rescuer takes the row back.
+            # The send guard's refusal (see _process); the rescuer takes the row back.
+            metrics.INTERNAL_ERRORS.labels("dispatch").inc()
             flight.log.error("dispatch task failed", exc_info=task.exception())
 
     # --- one operation ------------------------------------------------------------------------
 
     async def _process(self, flight: InFlight) -> None:
+        try:
+            await self._dispatch(flight)
+        except (asyncio.CancelledError, ConnectionHeldAcrossSend):
+            # The guard's refusal ends the task as it is (the lease expires, the rescuer takes
+            # the row back): nothing may be written through a connection in that state.
+            raise
+        except Exception as exc:  # noqa: BLE001 (one operation's bug must not cost its lease)
+            await self._after_bug(flight, exc)
+
+    async def _after_bug(self, flight: InFlight, exc: Exception) -> None:
+        """outbox itself failed on this operation. Before the send, nothing left this process:
+        quarantined now (internal_error), never rescued later as an attempt that may have
+        reached the provider. During or after it: recorded as unknown, if it can be. A failed
+        record, or a connection held across the send, is left to the lease and the rescuer."""
+        metrics.INTERNAL_ERRORS.labels("dispatch").inc()
+        flight.log.error("dispatching this operation failed inside outbox", exc_info=exc)
+        if flight.phase is Phase.RECORDING:
+            return
+        sent = flight.phase is not Phase.CLAIMED
+        message = f"outbox failed {'after' if sent else 'before'} sending: {type(exc).__name__}"
+        failure = (unknown if sent else permanent)("internal_error", message)
+        try:
+            await self._finish(flight, failure, sent=sent, reason=REASON_INTERNAL_ERROR)
+        except Exception:  # noqa: BLE001 (the rescuer takes the row back when the lease ends)
+            loops.note("dispatch")
+
+    async def _dispatch(self, flight: InFlight) -> None:
         row = flight.row
         if failpoints.armed(failpoints.AFTER_CLAIM):
             await failpoints.hit(failpoints.AFTER_CLAIM)
+        if failpoints.armed(failpoints.BUG):
+            failpoints.bug("dispatch")
         provider = self._providers.get(row.provider)
         if provider is None:
             await self._unknown_provider(flight)
             return
-        # Never sent before (the common case): no window to close, no clock to read.
-        if row.first_sent_at is not None and self._window(provider).has_passed(
-            row.first_sent_at, flight.db_now()
-        ):
-            await self._unclaim(flight, Status.RECONCILING, REASON_KEY_WINDOW)
-            return
-        problem = _check(provider, row)
-        if problem is not None:
-            await self._finish(flight, permanent("invalid_request", problem), sent=False)
-            return
-        if self._stopping or not self._limits.may_send(row):
-            # Stopping, or the provider's breaker opened since the claim: back, attempt unspent.
-            await self._unclaim(flight, Status.PENDING, None)
+        payload = await self._ready_to_send(flight, provider)
+        if payload is None:
             return
         leak = failpoints.take(failpoints.LEAK_TRANSACTION)
         if leak is not None:
@@ -426,11 +499,41 @@ class Dispatcher:
         assert_no_connection_held()
         if self._spans.active():
             with tracing.attempt_span(row.traceparent, _span_attributes(row)) as span:
-                result = await self._send(flight, provider)
+                result = await self._send(flight, provider, payload)
                 if span is not None:
                     span.set_attribute("outbox.outcome", _outcome(result))
         else:
-            result = await self._send(flight, provider)
+            result = await self._send(flight, provider, payload)
+        await self._after_send(flight, result)
+
+    async def _ready_to_send(self, flight: InFlight,
+                             provider: Provider) -> dict[str, Any] | None:  # fmt: skip
+        """The payload to send, or None when the row went elsewhere instead (reconciliation,
+        quarantine, back to pending)."""
+        row = flight.row
+        # Never sent before (the common case): no window to close, no clock to read.
+        if row.first_sent_at is not None and self._window(provider).has_passed(
+            row.first_sent_at, flight.db_now()
+        ):
+            await self._unclaim(flight, Status.RECONCILING, REASON_KEY_WINDOW)
+            return None
+        payload, problem = _decoded(row)
+        if payload is None:
+            failure = permanent("invalid_payload", problem or "the payload cannot be read")
+            await self._finish(flight, failure, sent=False, reason=REASON_INVALID_PAYLOAD)
+            return None
+        problem = _check(provider, row.action, payload)
+        if problem is not None:
+            await self._finish(flight, permanent("invalid_request", problem), sent=False)
+            return None
+        if self._stopping or not self._limits.may_send(row):
+            # Stopping, or the provider's breaker opened since the claim: back, attempt unspent.
+            await self._unclaim(flight, Status.PENDING, None)
+            return None
+        return payload
+
+    async def _after_send(self, flight: InFlight, result: SendResult) -> None:
+        row = flight.row
         if failpoints.armed(failpoints.BEFORE_RECORD):
             await failpoints.hit(failpoints.BEFORE_RECORD)
         pause = self._limits.observe(row, result)
@@ -452,13 +555,14 @@ class Dispatcher:
         failure = permanent("unknown_provider", f"no provider named {row.provider!r} is configured")
         await self._finish(flight, failure, sent=False)
 
-    async def _send(self, flight: InFlight, provider: Provider) -> SendResult:
+    async def _send(self, flight: InFlight, provider: Provider,
+                    payload: Mapping[str, Any]) -> SendResult:  # fmt: skip
         row = flight.row
         request = SendRequest(
             operation_id=row.id, tenant_id=row.tenant_id, operation_type=row.operation_type,
-            operation_key=row.operation_key, action=row.action, payload=row.payload,
+            operation_key=row.operation_key, action=row.action, payload=payload,
             idempotency_key=row.idempotency_key, correlation_id=row.correlation_id,
-            attempt=row.attempts,
+            attempt=row.attempts, payload_json=row.payload,
         )  # fmt: skip
         flight.phase = Phase.SENDING
         loop = self._loop or asyncio.get_running_loop()
@@ -495,12 +599,20 @@ class Dispatcher:
     def _meters_for(self, row: Claimed) -> _Meters:
         meters = self._meters.get((row.provider, row.action))
         if meters is None:
-            meters = self._meters[row.provider, row.action] = _Meters(
-                duration=metrics.DISPATCH_DURATION.labels(row.provider, row.action),
-                end_to_end=metrics.END_TO_END.labels(row.provider),
-                outcomes={},
-            )
+            # Keyed by the labels too: the actions a producer makes up share the "other" meters,
+            # and this cache cannot grow past the bounded labels (metric_labels).
+            provider, action = self._label_pair(row)
+            meters = self._meters.get((provider, action))
+            if meters is None:
+                meters = self._meters[provider, action] = _Meters(
+                    duration=metrics.DISPATCH_DURATION.labels(provider, action),
+                    end_to_end=metrics.END_TO_END.labels(provider),
+                    outcomes={},
+                )
         return meters
+
+    def _label_pair(self, row: Claimed) -> tuple[str, str]:
+        return self._labels.provider(row.provider), self._labels.action(row.provider, row.action)
 
     def _arm_guard(self, loop: asyncio.AbstractEventLoop, deadline: float) -> None:
         """Have the guard's timer fire by ``deadline``. Deadlines mostly come in increasing
@@ -526,10 +638,10 @@ class Dispatcher:
         if later is not None:
             self._arm_guard(loop, later)
 
-    async def _finish(
-        self, flight: InFlight, result: SendResult, *, sent: bool | None = None
-    ) -> None:
-        rec = self._record_for(flight, result, sent)
+    async def _finish(self, flight: InFlight, result: SendResult, *, sent: bool | None = None,
+                      reason: str | None = None) -> None:  # fmt: skip
+        """Record ``result``; ``reason`` names a permanent failure's quarantine (policy)."""
+        rec = self._record_for(flight, result, sent, reason)
 
         async def write() -> bool:
             try:
@@ -546,7 +658,7 @@ class Dispatcher:
         counter = outcomes.get(rec.outcome)
         if counter is None:
             counter = outcomes[rec.outcome] = metrics.DISPATCH.labels(
-                row.provider, row.action, rec.outcome
+                *self._label_pair(row), rec.outcome
             )
         counter.inc()
         if recorded:
@@ -565,7 +677,8 @@ class Dispatcher:
             duration_ms=round((time.monotonic() - flight.claimed_mono) * 1000, 1),
         )  # fmt: skip
 
-    def _record_for(self, flight: InFlight, result: SendResult, sent: bool | None) -> Record:
+    def _record_for(self, flight: InFlight, result: SendResult, sent: bool | None,
+                    reason: str | None = None) -> Record:  # fmt: skip
         row = flight.row
         base: dict[str, Any] = {
             "id": row.id,
@@ -595,6 +708,7 @@ class Dispatcher:
             first_sent_at=row.first_sent_at or (row.claimed_at if reached else None),
             now=flight.db_now(), window=window, backoff=self._backoff,
             retry_after=result.retry_after, reconcile=result.reconcile, rng=self._rng,
+            quarantine_reason=reason,
         )  # fmt: skip
         return Record(
             status=nxt.status,
@@ -608,12 +722,14 @@ class Dispatcher:
         )
 
     def _count(self, flight: InFlight, rec: Record) -> None:
-        provider = flight.row.provider
+        provider = self._labels.provider(flight.row.provider)
         if rec.status is Status.SUCCEEDED:
             age = (flight.db_now() - flight.row.created_at).total_seconds()
             self._meters_for(flight.row).end_to_end.observe(max(age, 0.0))
         elif rec.status is Status.PENDING:
             metrics.RETRIES.labels(provider).inc()
+            if rec.retry_in:
+                self._stage_by(rec.retry_in.total_seconds())
         elif rec.status is Status.QUARANTINED:
             metrics.QUARANTINED.labels(provider, rec.reason or "").inc()
         elif rec.status is Status.RECONCILING:
@@ -625,7 +741,10 @@ class Dispatcher:
             flight, "unclaim", lambda: self._store.unclaim(flight.row, status, reason, delay)
         )
         if done and status is Status.RECONCILING:
-            metrics.RECONCILIATION_ROUTED.labels(flight.row.provider, reason or "").inc()
+            label = self._labels.provider(flight.row.provider)
+            metrics.RECONCILIATION_ROUTED.labels(label, reason or "").inc()
+        if done and delay:
+            self._stage_by(delay.total_seconds())
         flight.log.info(
             "returned without sending", status=status.value, reason=reason, outcome="not_sent",
             error_class=reason, done=bool(done),
@@ -689,9 +808,13 @@ class Dispatcher:
 
     async def _heartbeat_loop(self) -> None:
         interval = self._settings.heartbeat_interval.total_seconds()
-        while True:
-            await asyncio.sleep(interval)
+
+        async def round_() -> float:
             await self.heartbeat_once()
+            return interval
+
+        await asyncio.sleep(interval)
+        await loops.forever("heartbeat", round_)
 
     async def heartbeat_once(self) -> None:
         """Renew the lease of every operation this process still holds."""
@@ -714,20 +837,64 @@ class Dispatcher:
     async def _rescue_loop(self) -> None:
         # Often enough that a dead worker's rows come back within about one lease.
         interval = max(self._settings.lease.total_seconds() / 4, 0.05)
-        while True:
-            rescued = await self.rescue_once()
-            if rescued < RESCUE_BATCH:
-                await asyncio.sleep(interval)
+
+        async def round_() -> float:
+            return 0.0 if await self.rescue_once() >= RESCUE_BATCH else interval
+
+        await loops.forever("rescue", round_)
 
     async def _repair_loop(self) -> None:
         # A key noted for repair has its next operation waiting for no one: soon, not per lease.
-        while True:
-            await asyncio.sleep(ORDERING_REPAIR_INTERVAL)
+        async def round_() -> float:
             try:
                 await self._store.repair_ordering(RESCUE_BATCH)
             except psycopg.Error as exc:
                 metrics.DB_ERRORS.labels("ordering_repair").inc()
                 log.warning("ordering repair failed", error_class=type(exc).__name__)
+            return ORDERING_REPAIR_INTERVAL
+
+        await asyncio.sleep(ORDERING_REPAIR_INTERVAL)
+        await loops.forever("ordering_repair", round_)
+
+    # --- scheduled operations -----------------------------------------------------------------
+
+    async def stage_once(self) -> float:
+        """Move the scheduled operations that are due into the claim (sql/0019), and wake the
+        claim loop if any moved; returns how long until the stager should look again."""
+        poll = self._settings.poll_interval.total_seconds()
+        try:
+            staged, next_in = await self._store.stage(STAGE_BATCH)
+        except psycopg.Error as exc:
+            metrics.DB_ERRORS.labels("stage").inc()
+            log.warning("staging scheduled operations failed", error_class=type(exc).__name__)
+            return poll
+        if staged:
+            metrics.STAGED.inc(staged)
+            self._wake.set()
+        if staged >= STAGE_BATCH:
+            return 0.0
+        return poll if next_in is None else min(poll, max(next_in, 0.0))
+
+    def _stage_by(self, seconds: float) -> None:
+        """This process scheduled a retry due in ``seconds``: have the stager look by then."""
+        loop = self._loop or asyncio.get_running_loop()
+        at = loop.time() + seconds
+        if at < self._stage_at:
+            self._stage_at = at
+            self._stage_nudge.set()
+
+    async def _stage_loop(self) -> None:
+        loop = self._loop or asyncio.get_running_loop()
+        while True:
+            # Any nudge from now on counts for the round after this one.
+            self._stage_at = float("inf")
+            last = loop.time()
+            wait = await loops.survive("stage", self.stage_once, loops.ERROR_PAUSE)
+            self._stage_at = min(self._stage_at, loop.time() + wait)
+            while (delay := max(self._stage_at, last + STAGE_MIN_GAP) - loop.time()) > 0:
+                self._stage_nudge.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stage_nudge.wait(), delay)
 
     # --- shutdown -----------------------------------------------------------------------------
 
@@ -758,17 +925,50 @@ class Dispatcher:
         return None if timeout is None else timeout.total_seconds() + CALL_GUARD_MARGIN
 
 
+def next_cursor(cursor: tuple[str, str] | None,
+                claimed: list[Claimed]) -> tuple[str, str] | None:  # fmt: skip
+    """Where the next claim's visit of the groups starts, after a claim that took ``claimed``.
+
+    After the group that took more than its share, so that the next group in line fills the
+    next batch; with no such group (each took one row, or all they had), after the last group
+    served, so that groups the claim did not reach come first; unchanged after a claim that
+    took nothing. Python orders strings by code point, the database by its collation: where
+    they differ the turns are less even, never skipped for good."""
+    counts = Counter((row.provider, row.tenant_id) for row in claimed)
+    if not counts:
+        return cursor
+    after = cursor or ("", "")
+    order = sorted(counts)
+    visit = [g for g in order if g > after] + [g for g in order if g <= after]
+    least = min(counts.values())
+    return next((g for g in visit if counts[g] > least), visit[-1])
+
+
 def _release(waiter: asyncio.Future[None], _: object = None) -> None:
     if not waiter.done():
         waiter.set_result(None)
 
 
-def _check(provider: Provider, row: Claimed) -> str | None:
-    """Why this row can never be sent, or None. Never raises."""
-    if not isinstance(row.payload, dict):
-        return f"the payload is a JSON {type(row.payload).__name__}, not an object"
+def _decoded(row: Claimed) -> tuple[dict[str, Any] | None, str | None]:
+    """The row's payload object, or None and why it cannot be carried. Never raises."""
+    text, limit = row.payload, row.payload_limit
+    if text is None:
+        return None, (f"the payload is {row.payload_bytes} bytes as stored; the claim hands over "
+                      f"at most {limit} (outbox.limits.max_payload_bytes)")  # fmt: skip
+    # Characters first: a byte count only where the text could be over the limit at all.
+    if len(text) > limit or (len(text) * 4 > limit and len(text.encode()) > limit):
+        return None, (f"the payload is {len(text.encode())} bytes of JSON; at most {limit} "
+                      "are sent (outbox.limits.max_payload_bytes)")  # fmt: skip
     try:
-        provider.check(row.action, row.payload)
+        return payloads.decode(text), None
+    except payloads.InvalidPayload as exc:
+        return None, str(exc)
+
+
+def _check(provider: Provider, action: str, payload: Mapping[str, Any]) -> str | None:
+    """Why this row can never be sent, or None. Never raises."""
+    try:
+        provider.check(action, payload)
     except InvalidRequest as exc:
         return str(exc)
     except Exception as exc:  # noqa: BLE001 (a bad row must not stop the line)

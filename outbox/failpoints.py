@@ -16,6 +16,26 @@ BEFORE_RECORD: Final = "before_record"  # the provider answered; nothing recorde
 # A simulated bug, once per process: a transaction locking the row is left open before the send
 # (its value: the session's idle-in-transaction timeout in seconds, so a test need not wait 60).
 LEAK_TRANSACTION: Final = "leak_transaction"
+# A simulated bug: the first N rounds of every background loop raise (its value: N), and so does
+# the dispatch of the first N operations, before their send.
+BUG: Final = "bug"
+
+
+class SimulatedBug(RuntimeError):
+    """Raised where the BUG failpoint says: stands for any exception nobody foresaw."""
+
+
+_bugs: dict[str, int] = {}
+
+
+def bug(where: str) -> None:
+    """Raise SimulatedBug for the first N calls with ``where`` while BUG=N is set."""
+    limit = _ACTIVE.get(BUG)
+    if limit is None:
+        return
+    count = _bugs[where] = _bugs.get(where, 0) + 1
+    if count <= limit:
+        raise SimulatedBug(f"failpoint {BUG} in {where} ({count} of {limit:g})")
 
 
 def _parse(spec: str) -> dict[str, float]:

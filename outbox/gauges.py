@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any, Final
@@ -12,7 +11,7 @@ import structlog
 from psycopg.rows import dict_row, tuple_row
 from psycopg_pool import AsyncConnectionPool
 
-from outbox import metrics
+from outbox import loops, metrics
 from outbox.db import statements
 from outbox.model import Status
 
@@ -65,10 +64,12 @@ async def refresh(pool: AsyncConnectionPool[Any], windows: Mapping[str, timedelt
 
 async def refresh_forever(pool: AsyncConnectionPool[Any], windows: Mapping[str, timedelta],
                           interval: timedelta) -> None:  # fmt: skip
-    while True:
+    async def round_() -> float:
         try:
             await refresh(pool, windows)
         except psycopg.Error as exc:
             metrics.DB_ERRORS.labels("gauges").inc()
             log.warning("gauge refresh failed", error_class=type(exc).__name__)
-        await asyncio.sleep(interval.total_seconds())
+        return interval.total_seconds()
+
+    await loops.forever("gauges", round_)

@@ -40,6 +40,14 @@ CLAIM_DURATION: Final = Histogram(
     "outbox_claim_duration_seconds", "Time of one claim query.", buckets=_CLAIM_BUCKETS
 )
 DB_ERRORS: Final = Counter("outbox_db_errors", "Database errors, by operation.", ["operation"])
+INTERNAL_ERRORS: Final = Counter(
+    "outbox_internal_errors",
+    "Exceptions a loop of outbox run survived (a bug, or a failure nobody foresaw), by loop.",
+    ["loop"],
+)  # fmt: skip
+STAGED: Final = Counter(
+    "outbox_staged", "Scheduled operations that came due and joined the claim (sql/0019)."
+)
 PROVIDER_PAUSED: Final = Gauge(
     "outbox_provider_paused",
     "1 while a provider's breaker is open because its credentials were refused.", ["provider"],

@@ -67,7 +67,16 @@ def resolve(conn: psycopg.Connection[Any], operation_id: int, *, provider_ref: s
 
 
 def cancel(conn: psycopg.Connection[Any], operation_id: int, *, reason: str, actor: str) -> Status:
+    """Reconciling or quarantined to cancelled."""
     return _act(conn, statements.CANCEL, {"id": operation_id, "reason": reason, "actor": actor})
+
+
+def request_cancel(conn: psycopg.Connection[Any], operation_id: int, *, reason: str,
+                   actor: str) -> Status:  # fmt: skip
+    """Any unfinished operation to cancelled; IN_FLIGHT when it is cancelled only once the
+    attempt under way ends (unless that attempt succeeds)."""
+    params = {"id": operation_id, "reason": reason, "actor": actor}
+    return _act(conn, statements.REQUEST_CANCEL, params)
 
 
 def replay(conn: psycopg.Connection[Any], operation_id: int, *, reason: str, actor: str) -> Status:

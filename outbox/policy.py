@@ -62,6 +62,11 @@ REASON_PERMANENT = "permanent_failure"
 REASON_EXHAUSTED = "attempts_exhausted"
 REASON_KEY_WINDOW = "key_window_passed"
 REASON_INDETERMINATE = "indeterminate_provider_error"
+# The stored payload cannot be carried to the provider (outbox.payloads); nothing was sent.
+REASON_INVALID_PAYLOAD = "invalid_payload"
+# outbox itself failed before sending (a bug): quarantined rather than left to be rescued as an
+# attempt that may have reached the provider.
+REASON_INTERNAL_ERROR = "internal_error"
 
 
 def after_failure(
@@ -76,13 +81,15 @@ def after_failure(
     retry_after: timedelta | None = None,
     reconcile: bool = False,
     rng: random.Random | None = None,
+    quarantine_reason: str | None = None,
 ) -> Next:
     """Decide the next status after a failed attempt.
 
     ``first_sent_at`` must already include this attempt if it may have reached the provider.
+    ``quarantine_reason`` names a permanent failure more precisely than REASON_PERMANENT.
     """
     if failure is FailureClass.PERMANENT:
-        return Next(Status.QUARANTINED, REASON_PERMANENT)
+        return Next(Status.QUARANTINED, quarantine_reason or REASON_PERMANENT)
     if reconcile:
         return Next(Status.RECONCILING, REASON_INDETERMINATE)
     if attempt >= max_attempts:

@@ -7,7 +7,6 @@ reconcile retry` or `cancel`). A provider without a lookup leaves every decision
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 from collections.abc import Callable, Mapping
@@ -20,7 +19,7 @@ import structlog
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
-from outbox import metrics
+from outbox import loops, metrics
 from outbox.db import statements
 from outbox.db.connect import connection_options
 from outbox.operators import SQLSTATE_OPERATOR_REFUSED
@@ -96,13 +95,15 @@ class Reconciler:
         return await self._rows(statements.CLAIM_CHECKS, params)
 
     async def run_forever(self, interval: timedelta) -> None:
-        while True:
+        async def round_() -> float:
             try:
                 await self.run_once()
             except psycopg.Error as exc:
                 metrics.DB_ERRORS.labels("reconcile").inc()
                 log.warning("reconciliation pass failed", error_class=type(exc).__name__)
-            await asyncio.sleep(interval.total_seconds())
+            return interval.total_seconds()
+
+        await loops.forever("reconcile", round_)
 
     async def _rows(self, query: LiteralString, params: Mapping[str, Any]) -> list[dict[str, Any]]:
         async with self._pool.connection() as conn:

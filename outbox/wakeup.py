@@ -18,7 +18,7 @@ from typing import Any, Final
 import psycopg
 import structlog
 
-from outbox import metrics
+from outbox import failpoints, loops, metrics
 from outbox.db import statements
 from outbox.db.connect import answered_by_pooler, connection_options
 
@@ -58,6 +58,8 @@ async def listen_forever(
     try:
         while True:
             try:
+                if failpoints.armed(failpoints.BUG):
+                    failpoints.bug("listen")
                 await _listen(
                     dsn, wake, probe_interval, connected=connected,
                     expect_direct=expect_direct, on_listening=on_listening,
@@ -70,8 +72,11 @@ async def listen_forever(
                     error_class=type(exc).__name__,
                     retry_in_s=round(delay, 2),
                 )
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, RECONNECT_MAX)
+            except Exception:  # noqa: BLE001 (wake-ups must outlive whatever went wrong)
+                on_listening(False)
+                loops.note("listen")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, RECONNECT_MAX)
     finally:
         on_listening(False)
 

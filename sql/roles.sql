@@ -93,10 +93,12 @@ TO outbox_producer;
 -- and result columns; identity, request, key, attempt budget and reconciliation findings are
 -- beyond its reach (0010's trigger guards the first three against everyone).
 GRANT SELECT ON outbox.operations TO outbox_dispatcher;
-GRANT UPDATE (status, status_reason, available_at, attempts, lease_owner, lease_token,
-              lease_expires_at, first_sent_at, last_attempt_at, provider_ref, result, last_error,
-              last_error_class, updated_at, status_changed_at, finished_at)
+GRANT UPDATE (status, status_reason, available_at, scheduled, attempts, lease_owner,
+              lease_token, lease_expires_at, first_sent_at, last_attempt_at, provider_ref, result,
+              last_error, last_error_class, updated_at, status_changed_at, finished_at)
     ON outbox.operations TO outbox_dispatcher;
+-- The payload limit the claim applies (0019); only the schema owner changes it.
+GRANT SELECT ON outbox.limits TO outbox_dispatcher;
 GRANT SELECT, INSERT ON outbox.attempts TO outbox_dispatcher;
 -- Its own mark while it waits idle for wake-ups (MARK_WAITING, UNMARK_WAITING; see 0012).
 GRANT SELECT, INSERT, UPDATE, DELETE ON outbox.waiting_dispatchers TO outbox_dispatcher;
@@ -119,10 +121,11 @@ TO outbox_dispatcher;
 -- Operator: read everything (`outbox reconcile/quarantine list|show`, `outbox status`); change
 -- only through the functions that write the audit, including `outbox reconcile check`'s.
 GRANT SELECT ON outbox.operations, outbox.attempts, outbox.audit, outbox.ordering_modes,
-    outbox.ordering_repairs TO outbox_operator;
+    outbox.ordering_repairs, outbox.limits TO outbox_operator;
 GRANT EXECUTE ON FUNCTION
     outbox.resolve_operation(bigint, text, text, text),
     outbox.cancel_operation(bigint, text, text),
+    outbox.request_cancel(bigint, text, text),
     outbox.replay_operation(bigint, text, text),
     outbox.request_reconciliation(bigint, text, text),
     outbox.retry_operation(bigint, text, text, boolean),

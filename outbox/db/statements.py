@@ -94,7 +94,14 @@ SET status = 'in_flight',
     status_changed_at = now()
 -- An array, not a join: the planner cannot misjudge it into a scan of the whole table.
 WHERE o.id = ANY (ARRAY(SELECT id FROM due))
-RETURNING o.id, o.tenant_id, o.operation_type, o.operation_key, o.provider, o.action, o.payload,
+-- The payload as PostgreSQL's own text, never decoded here: the dispatcher decodes each row on
+-- its own, so one row it cannot decode is quarantined alone (outbox/payloads.py). A payload
+-- whose stored size is past outbox.limits (0019) is not handed over at all (NULL).
+RETURNING o.id, o.tenant_id, o.operation_type, o.operation_key, o.provider, o.action,
+          CASE WHEN pg_column_size(o.payload) <= (SELECT l.max_payload_bytes FROM outbox.limits l)
+               THEN o.payload::text END AS payload,
+          pg_column_size(o.payload) AS payload_bytes,
+          (SELECT l.max_payload_bytes FROM outbox.limits l) AS payload_limit,
           o.idempotency_key, o.correlation_id, o.traceparent, o.attempts, o.attempt_base,
           o.max_attempts, o.lease_token, o.first_sent_at, o.created_at, now() AS claimed_at
 """
@@ -113,10 +120,10 @@ lone AS (
                      FROM unnest(%(cap_providers)s::text[], %(caps)s::integer[]) AS l(provider, cap)
                      WHERE l.provider = a.provider), %(limit)s) AS cap
     FROM (SELECT o.provider, o.tenant_id FROM outbox.operations o
-          WHERE o.status = 'pending' AND NOT o.ordering_blocked
+          WHERE o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
           ORDER BY o.provider, o.tenant_id, o.available_at, o.id LIMIT 1) a
     JOIN (SELECT o.provider, o.tenant_id FROM outbox.operations o
-          WHERE o.status = 'pending' AND NOT o.ordering_blocked
+          WHERE o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
           ORDER BY o.provider DESC, o.tenant_id DESC, o.available_at DESC, o.id DESC
           LIMIT 1) b USING (provider, tenant_id)
 ),
@@ -126,7 +133,8 @@ due AS (
     CROSS JOIN LATERAL (
         SELECT o.id FROM outbox.operations o
         WHERE o.provider = lone.provider AND o.tenant_id = lone.tenant_id
-          AND o.status = 'pending' AND NOT o.ordering_blocked AND o.available_at <= now()
+          AND o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
+          AND o.available_at <= now()
         ORDER BY o.available_at, o.id
         LIMIT greatest(least(%(limit)s, lone.cap), 0)
         FOR UPDATE SKIP LOCKED
@@ -142,8 +150,9 @@ due AS (
 # around, so the head of the line rotates; each gets an even share of the batch (and of its
 # provider's cap), then the groups with more fill what the others left. Within a group rows go
 # oldest first. Every step reads the partial index operations_claim_group, which holds only
-# claimable rows, so finished rows, rows waiting for their ordering key, and providers capped at
-# 0 (breaker open, no rate tokens) cost nothing. SKIP LOCKED: concurrent dispatchers take other
+# claimable rows, so finished rows, rows waiting for their ordering key, rows not due yet (they
+# are `scheduled`, out of the index until STAGE, sql/0019) and providers capped at 0 (breaker
+# open, no rate tokens) cost nothing. SKIP LOCKED: concurrent dispatchers take other
 # rows instead of queueing behind these.
 CLAIM: Final = (
     """
@@ -152,48 +161,55 @@ limits AS (
     -- Per provider, the most rows this claim may take (0: none); absent: no cap.
     SELECT * FROM unnest(%(cap_providers)s::text[], %(caps)s::integer[]) AS l(provider, cap)
 ),
-groups (provider, tenant_id, available_at, cap, wrapped, n) AS (
-    -- A loose index scan: one probe per group, each giving the group's earliest row.
+groups (provider, tenant_id, available_at, cap, wrapped, n, pn) AS (
+    -- A loose index scan: one probe per group, each giving the group's earliest row. pn counts
+    -- the groups of this provider visited in a row.
     SELECT f.provider, f.tenant_id, f.available_at,
            coalesce((SELECT l.cap FROM limits l WHERE l.provider = f.provider), %(limit)s),
-           f.wrapped, 1
+           f.wrapped, 1, 1
     FROM (
         (SELECT o.provider, o.tenant_id, o.available_at, false AS wrapped
          FROM outbox.operations o
-         WHERE o.status = 'pending' AND NOT o.ordering_blocked
+         WHERE o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
            AND (o.provider, o.tenant_id) > (%(after_provider)s::text, %(after_tenant)s::text)
          ORDER BY o.provider, o.tenant_id, o.available_at, o.id LIMIT 1)
         UNION ALL
         (SELECT o.provider, o.tenant_id, o.available_at, true
          FROM outbox.operations o
-         WHERE o.status = 'pending' AND NOT o.ordering_blocked
+         WHERE o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
          ORDER BY o.provider, o.tenant_id, o.available_at, o.id LIMIT 1)
         LIMIT 1
     ) f
     UNION ALL
     SELECT nx.provider, nx.tenant_id, nx.available_at,
            coalesce((SELECT l.cap FROM limits l WHERE l.provider = nx.provider), %(limit)s),
-           nx.wrapped, g.n + 1
+           nx.wrapped, g.n + 1, CASE WHEN nx.provider = g.provider THEN g.pn + 1 ELSE 1 END
     FROM groups g
     CROSS JOIN LATERAL (
-        -- The next group; past a provider capped at 0, its other tenants are jumped over; at
-        -- the end, around to the first group. UNION ALL ... LIMIT 1 stops at the first branch
-        -- that finds one, and each branch's condition on g is checked before its scan.
+        -- The next group. Past a provider capped at 0, or one with as many groups visited as
+        -- rows it may give (each group in the index has a due row: the scheduled ones are
+        -- elsewhere, 0019), its other tenants are jumped over: a provider with a small cap and
+        -- a thousand tenants must not take up the whole visit while the next provider's rows
+        -- wait. At the end, around to the first group. UNION ALL ... LIMIT 1 stops at the first
+        -- branch that finds one, and each branch's condition on g is checked before its scan.
         (SELECT o.provider, o.tenant_id, o.available_at, g.wrapped AS wrapped
          FROM outbox.operations o
-         WHERE g.cap > 0 AND o.status = 'pending' AND NOT o.ordering_blocked
+         WHERE g.cap > 0 AND g.pn < g.cap
+           AND o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
            AND (o.provider, o.tenant_id) > (g.provider, g.tenant_id)
          ORDER BY o.provider, o.tenant_id, o.available_at, o.id LIMIT 1)
         UNION ALL
         (SELECT o.provider, o.tenant_id, o.available_at, g.wrapped
          FROM outbox.operations o
-         WHERE g.cap <= 0 AND o.status = 'pending' AND NOT o.ordering_blocked
+         WHERE (g.cap <= 0 OR g.pn >= g.cap)
+           AND o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
            AND o.provider > g.provider
          ORDER BY o.provider, o.tenant_id, o.available_at, o.id LIMIT 1)
         UNION ALL
         (SELECT o.provider, o.tenant_id, o.available_at, true
          FROM outbox.operations o
-         WHERE NOT g.wrapped AND o.status = 'pending' AND NOT o.ordering_blocked
+         WHERE NOT g.wrapped
+           AND o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
          ORDER BY o.provider, o.tenant_id, o.available_at, o.id LIMIT 1)
         LIMIT 1
     ) nx
@@ -221,7 +237,8 @@ first AS MATERIALIZED (
     CROSS JOIN LATERAL (
         SELECT o.id FROM outbox.operations o
         WHERE o.provider = r.provider AND o.tenant_id = r.tenant_id
-          AND o.status = 'pending' AND NOT o.ordering_blocked AND o.available_at <= now()
+          AND o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
+          AND o.available_at <= now()
         ORDER BY o.available_at, o.id
         LIMIT r.share
         FOR UPDATE SKIP LOCKED
@@ -253,7 +270,8 @@ more AS MATERIALIZED (
         -- may come twice (the UNION below drops it) or be left for the next claim.
         SELECT o.id FROM outbox.operations o
         WHERE o.provider = b.provider AND o.tenant_id = b.tenant_id
-          AND o.status = 'pending' AND NOT o.ordering_blocked AND o.available_at <= now()
+          AND o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
+          AND o.available_at <= now()
         ORDER BY o.available_at, o.id
         OFFSET b.share LIMIT greatest(b.room, 0)
         FOR UPDATE SKIP LOCKED
@@ -270,7 +288,10 @@ due AS (
 # Record attempts' outcomes and their operations' next statuses, one or many in a statement (the
 # dispatcher's group commit), each only if this worker still holds the lease of that attempt: a
 # worker whose lease expired matches no row and changes nothing. One attempt row per outcome
-# recorded; returns (operation_id, attempt) of those recorded.
+# recorded; returns (operation_id, attempt) of those recorded. An operation whose cancel an
+# operator requested while it was in flight becomes cancelled instead of its next status (unless
+# it succeeded): the trigger operations_cancel_when_attempt_ends (sql/0019) sees to it, here and
+# in UNCLAIM and RESCUE.
 RECORD_MANY: Final = """
 WITH input AS (
     -- One JSON document for the whole batch: encoded in C by json.dumps, where a dozen
@@ -289,6 +310,8 @@ recorded AS (
         available_at = CASE WHEN i.status = 'pending'
                             THEN now() + make_interval(secs => i.retry_in_s)
                             ELSE o.available_at END,
+        -- A retry after a delay waits out of the claim index until STAGE finds it due.
+        scheduled = i.status = 'pending' AND i.retry_in_s > 0,
         lease_owner = NULL,
         lease_token = NULL,
         lease_expires_at = NULL,
@@ -326,6 +349,8 @@ SET status = %(status)s::text,
     attempts = o.attempts - 1,
     -- Shutdown keeps the row's place in line; a row handed back for later waits its delay.
     available_at = coalesce(now() + %(delay)s::interval, o.available_at),
+    scheduled = coalesce(%(status)s::text = 'pending' AND %(delay)s::interval > interval '0',
+                         false),
     lease_owner = NULL,
     lease_token = NULL,
     lease_expires_at = NULL,
@@ -402,10 +427,34 @@ FROM rescued
 
 # Ordering keys whose next operation a settled head could not promote (a producer of the key was
 # committing at that moment; sql/0015). Each is repaired in a transaction of its own.
-REPAIRS_DUE: Final = (
-    "SELECT DISTINCT tenant_id, ordering_key FROM outbox.ordering_repairs LIMIT %(limit)s::integer"
-)
+# Oldest note first: a key whose lock a producer holds is re-dated by its failed repair
+# (sql/0019), so it goes to the back of the line instead of holding up the keys behind it.
+REPAIRS_DUE: Final = """
+SELECT tenant_id, ordering_key FROM outbox.ordering_repairs
+GROUP BY tenant_id, ordering_key ORDER BY min(noted_at) LIMIT %(limit)s::integer
+"""
 REPAIR_ORDERING_KEY: Final = "SELECT outbox.repair_ordering_key(%(tenant_id)s, %(ordering_key)s)"
+
+# Scheduled operations that are due join the claim index (sql/0019): the oldest first, a batch
+# at a time, SKIP LOCKED so that the stagers of several processes split the work. Returns how
+# many were staged and how long until the next scheduled one is due (NULL: none is scheduled).
+STAGE: Final = """
+WITH due AS MATERIALIZED (
+    SELECT o.id FROM outbox.operations o
+    WHERE o.scheduled AND o.available_at <= now()
+    ORDER BY o.available_at, o.id
+    LIMIT %(limit)s::integer
+    FOR UPDATE SKIP LOCKED
+),
+staged AS (
+    UPDATE outbox.operations AS o SET scheduled = false
+    WHERE o.id = ANY (ARRAY(SELECT id FROM due)) AND o.scheduled
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM staged) AS staged,
+       (SELECT extract(epoch FROM min(o.available_at) - now())::float8
+        FROM outbox.operations o WHERE o.scheduled AND o.available_at > now()) AS next_in
+"""
 
 # Which server session answers: two connections that get the same one go through a
 # transaction-mode pooler (outbox.db.connect's check at startup).
@@ -452,14 +501,15 @@ ORDER BY status_changed_at, id
 LIMIT %(limit)s::integer
 """
 
-# One operation, everything but the payload (shown only when asked for).
+# One operation, everything but the payload (shown only when asked for, as its stored JSON text:
+# decoding it here would turn exact numbers into floats, and fail on a row no one can decode).
 SHOW_OPERATION: Final = """
 SELECT id, tenant_id, operation_type, operation_key, provider, action, status, status_reason,
        attempts, attempt_base, max_attempts, idempotency_key, key_generation, correlation_id,
        available_at, first_sent_at, last_attempt_at, provider_ref, result, last_error,
        last_error_class, checked_at, check_finding, created_at, updated_at, finished_at,
        extract(epoch FROM now() - status_changed_at)::float8 AS age_seconds,
-       CASE WHEN %(with_payload)s::boolean THEN payload END AS payload
+       CASE WHEN %(with_payload)s::boolean THEN payload::text END AS payload
 FROM outbox.operations
 WHERE id = %(id)s
 """
@@ -484,6 +534,8 @@ FROM outbox.audit WHERE operation_id = %(id)s ORDER BY at, id
 # Operator actions: each a SQL function that changes the status and writes the audit at once.
 RESOLVE: Final = "SELECT outbox.resolve_operation(%(id)s, %(provider_ref)s, %(reason)s, %(actor)s)"
 CANCEL: Final = "SELECT outbox.cancel_operation(%(id)s, %(reason)s, %(actor)s)"
+# `outbox cancel`: any unfinished operation; one in flight when its attempt ends (sql/0019).
+REQUEST_CANCEL: Final = "SELECT outbox.request_cancel(%(id)s, %(reason)s, %(actor)s)"
 REPLAY: Final = "SELECT outbox.replay_operation(%(id)s, %(reason)s, %(actor)s)"
 REQUEST_RECONCILIATION: Final = (
     "SELECT outbox.request_reconciliation(%(id)s, %(reason)s, %(actor)s)"
@@ -565,9 +617,13 @@ WHERE status IN ('succeeded', 'cancelled') AND finished_at < now() - %(older_tha
 # row count after that (EXACT_COUNT_LIMIT in outbox.gauges).
 GAUGES: Final = """
 SELECT
-    -- Two partial indexes between them hold every pending row: the claimable, and the waiting.
-    (SELECT count(*) FROM outbox.operations WHERE status = 'pending' AND NOT ordering_blocked)
-      + (SELECT count(*) FROM outbox.operations WHERE ordering_blocked) AS pending,
+    -- Three partial indexes between them hold every pending row: the claimable, the waiting
+    -- for their ordering key, and the scheduled (which may be waiting as well).
+    (SELECT count(*) FROM outbox.operations
+     WHERE status = 'pending' AND NOT ordering_blocked AND NOT scheduled)
+      + (SELECT count(*) FROM outbox.operations WHERE ordering_blocked)
+      + (SELECT count(*) FROM outbox.operations WHERE scheduled AND NOT ordering_blocked)
+      AS pending,
     (SELECT count(*) FROM outbox.operations WHERE ordering_blocked) AS ordering_blocked,
     (SELECT count(*) FROM outbox.operations WHERE status = 'in_flight') AS in_flight,
     (SELECT count(*) FROM outbox.operations WHERE status = 'reconciling') AS reconciling,
@@ -581,19 +637,30 @@ SELECT
      WHERE c.oid = 'outbox.operations'::regclass) AS estimated_rows,
     -- The earliest row of each (provider, tenant) group by a loose index scan: one probe per
     -- group instead of a read of every pending row.
+    -- A scheduled row that is due but not staged yet (no dispatcher runs) counts too. The
+    -- time is bounded below: a row written around enqueue's checks (0019) with '-infinity'
+    -- must not break the gauges.
     (WITH RECURSIVE heads AS (
          (SELECT provider, tenant_id, available_at FROM outbox.operations
-          WHERE status = 'pending' AND NOT ordering_blocked
+          WHERE status = 'pending' AND NOT ordering_blocked AND NOT scheduled
           ORDER BY provider, tenant_id, available_at LIMIT 1)
          UNION ALL
          SELECT nx.* FROM heads h CROSS JOIN LATERAL (
              SELECT provider, tenant_id, available_at FROM outbox.operations
-             WHERE status = 'pending' AND NOT ordering_blocked
+             WHERE status = 'pending' AND NOT ordering_blocked AND NOT scheduled
                AND (provider, tenant_id) > (h.provider, h.tenant_id)
              ORDER BY provider, tenant_id, available_at LIMIT 1) nx
+     ),
+     due AS (
+         SELECT available_at FROM heads WHERE available_at <= now()
+         UNION ALL
+         (SELECT available_at FROM outbox.operations
+          WHERE scheduled AND NOT ordering_blocked AND available_at <= now()
+          ORDER BY available_at LIMIT 1)
      )
-     SELECT extract(epoch FROM now() - min(available_at))::float8 FROM heads
-     WHERE available_at <= now()) AS oldest_pending_age,
+     SELECT extract(epoch FROM now() - min(greatest(available_at,
+                                                    now() - interval '100 years')))::float8
+     FROM due) AS oldest_pending_age,
     (SELECT extract(epoch FROM now() - min(status_changed_at))::float8 FROM outbox.operations
      WHERE status = 'reconciling') AS oldest_reconciling_age
 """
@@ -620,16 +687,21 @@ GROUP BY 1 ORDER BY 1
 # Per provider: pending operations whose key window closes within the hour, so they will go to
 # reconciliation unless they succeed first.
 NEARING_KEY_EXPIRY: Final = """
--- Pending rows are in one of two partial indexes: the claim's (provider first) or, while they
--- wait behind an ordering key, the waiting rows'. A condition that names neither predicate
--- reads the whole table: 1.8 s at ten million rows (bench/growth.py).
+-- Pending rows are in one of three partial indexes: the claim's (provider first), while they
+-- wait behind an ordering key the waiting rows', while not due the scheduled rows' (which
+-- carries provider and first_sent_at). A condition that names none of their predicates reads
+-- the whole table: 1.8 s at ten million rows (bench/growth.py).
 SELECT p.provider,
        (SELECT count(*) FROM outbox.operations o
         WHERE o.provider = p.provider AND o.status = 'pending' AND NOT o.ordering_blocked
-          AND o.first_sent_at IS NOT NULL
+          AND NOT o.scheduled AND o.first_sent_at IS NOT NULL
           AND o.first_sent_at + p.closes_after < now() + interval '1 hour')
      + (SELECT count(*) FROM outbox.operations o
         WHERE o.ordering_blocked AND o.provider = p.provider
+          AND o.first_sent_at IS NOT NULL
+          AND o.first_sent_at + p.closes_after < now() + interval '1 hour')
+     + (SELECT count(*) FROM outbox.operations o
+        WHERE o.scheduled AND NOT o.ordering_blocked AND o.provider = p.provider
           AND o.first_sent_at IS NOT NULL
           AND o.first_sent_at + p.closes_after < now() + interval '1 hour')
 FROM unnest(%(providers)s::text[], %(windows)s::interval[]) AS p(provider, closes_after)

@@ -74,7 +74,12 @@ class Claimed(NamedTuple):
     operation_key: str
     provider: str
     action: str
-    payload: Any  # a JSON object when enqueued through outbox.enqueue; checked before sending
+    # PostgreSQL's JSON text of the payload, decoded by the dispatcher row by row
+    # (outbox.payloads); None when its stored size (payload_bytes) is past payload_limit, the
+    # limit of outbox.limits: such a payload is never handed over.
+    payload: str | None
+    payload_bytes: int
+    payload_limit: int
     idempotency_key: str
     correlation_id: str | None
     traceparent: str | None
@@ -230,15 +235,32 @@ class Store:
 
     async def repair_ordering(self, limit: int) -> int:
         """Promote the next operation of ordering keys noted for repair; returns how many keys
-        were looked at. One transaction per key: each may wait for the key's lock."""
+        were looked at. One transaction per key. A key that cannot be repaired now (its lock
+        held, a statement that timed out) stays noted and the others go on; the first such
+        error is raised once every key was tried."""
         async with self._connection() as conn:
             cur = conn.cursor(row_factory=tuple_row)
             keys = await (await cur.execute(statements.REPAIRS_DUE, {"limit": limit})).fetchall()
+        failed: psycopg.Error | None = None
         for tenant_id, ordering_key in keys:
-            async with self._connection() as conn:
-                params = {"tenant_id": tenant_id, "ordering_key": ordering_key}
-                await conn.execute(statements.REPAIR_ORDERING_KEY, params)
+            params = {"tenant_id": tenant_id, "ordering_key": ordering_key}
+            try:
+                async with self._connection() as conn:
+                    await conn.execute(statements.REPAIR_ORDERING_KEY, params)
+            except psycopg.Error as exc:
+                failed = failed or exc
+        if failed is not None:
+            raise failed
         return len(keys)
+
+    async def stage(self, limit: int) -> tuple[int, float | None]:
+        """Move up to ``limit`` scheduled operations that are due into the claim index; returns
+        how many moved and the seconds until the next scheduled one is due (None: none)."""
+        async with self._connection() as conn:
+            cur = conn.cursor(row_factory=tuple_row)
+            row = await (await cur.execute(statements.STAGE, {"limit": limit})).fetchone()
+        assert row is not None  # noqa: S101 (a SELECT of scalars returns one row)
+        return int(row[0]), row[1]
 
     @asynccontextmanager
     async def _connection(self) -> AsyncIterator[AsyncConnection[Any]]:

@@ -17,7 +17,14 @@ from outbox.model import FailureClass
 
 @dataclass(frozen=True, slots=True)
 class SendRequest:
-    """One attempt to deliver one operation."""
+    """One attempt to deliver one operation.
+
+    ``payload`` is the decoded object: integers as ``int``, every other number as
+    ``decimal.Decimal``, so that no amount is rounded through a float on its way.
+    ``payload_json`` is the payload exactly as stored (PostgreSQL's JSON text of it): a provider
+    that sends JSON sends this, and the provider receives the numbers as they were enqueued. None
+    only where a request was built by hand; ``outbox.payloads.encode`` writes ``payload`` then.
+    """
 
     operation_id: int
     tenant_id: str
@@ -28,6 +35,7 @@ class SendRequest:
     idempotency_key: str
     correlation_id: str | None
     attempt: int
+    payload_json: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +122,11 @@ class Provider(Protocol):
     async def send(self, request: SendRequest) -> SendResult: ...
 
     async def aclose(self) -> None: ...
+
+
+# A provider may also declare ``actions``, a collection of the action names it knows: each keeps
+# its own label in the metrics. Other actions share at most outbox.metric_labels.MAX_OTHER_ACTIONS
+# labels per provider, then "other" (a row's action is the producer's choice).
 
 
 @runtime_checkable

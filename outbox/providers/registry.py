@@ -10,6 +10,7 @@ from typing import Any, Final
 
 from outbox.config import (
     DEFAULT_CONCURRENCY,
+    DEFAULT_MAX_RESPONSE_BYTES,
     LIMIT_KEYS,
     ConfigError,
     ProviderSettings,
@@ -24,8 +25,10 @@ from outbox.providers.webhook import DEFAULT_REFERENCE_FIELD, WebhookOptions, We
 ENTRY_POINT_GROUP: Final = "outbox.providers"
 Factory = Callable[[ProviderSettings], Provider]
 
-_WEBHOOK_KEYS: Final = ("url", "headers", "secret_headers", "reference_field")
-_STRIPE_KEYS: Final = ("api_key_env", "api_key_file", "api_base", "stripe_account")
+_WEBHOOK_KEYS: Final = ("url", "headers", "secret_headers", "reference_field",
+                         "max_response_bytes")  # fmt: skip
+_STRIPE_KEYS: Final = ("api_key_env", "api_key_file", "api_base", "stripe_account",
+                       "max_response_bytes")  # fmt: skip
 DEFAULT_STRIPE_API: Final = "https://api.stripe.com"
 
 
@@ -81,6 +84,7 @@ def webhook_options(
         },
         reference_field=str(ps.options.get("reference_field", DEFAULT_REFERENCE_FIELD)),
         max_connections=connection_cap(concurrency, ps.max_in_flight),
+        max_response_bytes=_max_response_bytes(ps),
     )
 
 
@@ -112,7 +116,21 @@ def stripe_options(
         timeout=ps.timeout, key_retention=ps.key_retention,
         stripe_account=None if account is None else str(account),
         max_connections=connection_cap(concurrency, ps.max_in_flight),
+        max_response_bytes=_max_response_bytes(ps),
     )  # fmt: skip
+
+
+def _max_response_bytes(ps: ProviderSettings) -> int:
+    """The provider's cap on one answer's bytes. A config file's value was checked on loading
+    (outbox.config); this checks settings built in Python."""
+    value = ps.options.get("max_response_bytes", DEFAULT_MAX_RESPONSE_BYTES)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(
+            f"providers.{ps.name}.max_response_bytes must be a positive integer (bytes), "
+            f"not {value!r}",
+            key=f"providers.{ps.name}.max_response_bytes",
+        )
+    return value
 
 
 def _string_map(value: object, where: str, *, allow_tables: bool = False) -> dict[str, Any]:

@@ -5,21 +5,41 @@ Stripe keeps an idempotency key for at least 24 hours and replays the saved answ
 that began executing (500s included); requests that failed validation, were rate limited or
 collided with a concurrent request on the same key are not saved and may be retried. The error
 map follows from that (see ``classify``).
+
+Every number of the payload reaches Stripe as its exact decimal text: ``0.0000001``, never the
+SDK's ``1E-7`` (it writes a Decimal with ``str``) or a float's rounding (see ``_form``). Every
+answer is read within bounds (outbox.providers.answers) by an SDK HTTP client of outbox's own
+(``_SDKClient``): one over ``max_response_bytes``, undecodable or too slow is unknown, and so is
+a 2xx the SDK cannot parse, since Stripe answered and so may have acted (the retry with the same
+key replays its answer).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
 import re
-from collections.abc import Mapping
+import ssl
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from decimal import Decimal
 from typing import Any, Final
 
 import httpx
 import stripe
 
-from outbox.config import DEFAULT_CONCURRENCY
+from outbox import payloads
+from outbox.config import DEFAULT_CONCURRENCY, DEFAULT_MAX_RESPONSE_BYTES
+from outbox.providers.answers import (
+    MAX_BYTES_EXTENSION,
+    AnswerLimits,
+    AnswerRefused,
+    BodyTimeout,
+    Tally,
+    reference,
+)
 from outbox.providers.base import (
     Failed,
     Found,
@@ -54,6 +74,10 @@ SETTLE_DELAY: Final = timedelta(seconds=30)
 # Stripe's may disagree.
 LOOKUP_SLACK: Final = timedelta(hours=1)
 LOOKUP_PAGE: Final = 100
+# The cap on a lookup's list page, when max_response_bytes is smaller: a page holds LOOKUP_PAGE
+# objects, and each may carry 50 metadata keys of 500 characters (some 30 KB), so 16 MiB holds a
+# page of objects five times that size. A lookup reads one page at a time.
+LIST_PAGE_BYTES: Final = 16 << 20
 
 # The SDK logs request bodies (and so payloads) at debug level, to its logger and, when
 # stripe.log or $STRIPE_LOG says so, straight to stderr; nothing of it is ever wanted.
@@ -72,6 +96,8 @@ class StripeOptions:
     # Calls to Stripe at once: as many as the dispatcher may have in flight to it (see
     # shards.connection_cap). One SDK client's pool holds at most 100 (httpx's default).
     max_connections: int = DEFAULT_CONCURRENCY
+    # The most bytes of one answer read, decoded (see outbox.providers.answers).
+    max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES
 
     def __repr__(self) -> str:
         return f"StripeOptions(api_base={self.api_base!r}, stripe_account={self.stripe_account!r})"
@@ -86,7 +112,11 @@ class StripeProvider:
         # One SDK client per shard: the SDK takes no pool limits, but a shard never has more
         # calls in flight than its size, well within httpx's default keep-alive of 20.
         sizes = shard_sizes(options.max_connections)
-        self._https = [stripe.HTTPXClient(timeout=options.timeout.total_seconds()) for _ in sizes]
+        self._limits = AnswerLimits(options.max_response_bytes, options.timeout.total_seconds())
+        # The SDK's own HTTPXClient loads its CA bundle once per client; one context serves all.
+        tls = ssl.create_default_context(cafile=stripe.ca_bundle_path)
+        list_cap = max(options.max_response_bytes, LIST_PAGE_BYTES)
+        self._https = [_SDKClient(self._client(tls), list_cap) for _ in sizes]
         clients = [
             stripe.StripeClient(
                 options.api_key,
@@ -103,9 +133,28 @@ class StripeProvider:
     def name(self) -> str:
         return self._name
 
+    def _client(self, tls: ssl.SSLContext) -> httpx.AsyncClient:
+        # What stripe.HTTPXClient builds (an environment's proxy is honoured), bounded.
+        return httpx.AsyncClient(
+            verify=tls,
+            timeout=httpx.Timeout(self._options.timeout.total_seconds()),
+            event_hooks=self._limits.event_hooks,
+            follow_redirects=False,
+        )
+
     @property
     def key_retention(self) -> timedelta:
         return self._options.key_retention
+
+    @property
+    def actions(self) -> frozenset[str]:
+        """Every action it can do: each keeps its own metric label (outbox.metric_labels)."""
+        return frozenset(ACTIONS)
+
+    @property
+    def tally(self) -> Tally:
+        """The bytes its answers came to, received and decoded (for tests and benchmarks)."""
+        return self._limits.tally
 
     def check(self, action: str, payload: Mapping[str, Any]) -> None:
         if action not in ACTIONS:
@@ -125,9 +174,16 @@ class StripeProvider:
             )
 
     async def send(self, request: SendRequest) -> SendResult:
-        params = dict(request.payload)
+        try:
+            params: dict[str, Any] = _form(request.payload)
+        except _Unsendable as exc:
+            # Nothing left this host. The message is ours: it never quotes the payload.
+            return permanent("unencodable_request", f"the payload cannot be sent: {exc}")
+        except RecursionError:
+            return permanent("unencodable_request", "the payload cannot be sent: it nests too "
+                             "deep")  # fmt: skip
         params["metadata"] = {
-            **dict(params.get("metadata", {})),
+            **dict(params.get("metadata") or {}),
             METADATA_OPERATION_ID: str(request.operation_id),
             METADATA_IDEMPOTENCY_KEY: request.idempotency_key,
         }
@@ -139,13 +195,14 @@ class StripeProvider:
                 )
             except stripe.StripeError as exc:
                 return classify(exc)
-        response = created.last_response
-        return Succeeded(
-            str(created.id),
-            created.to_dict(),
-            http_status=response.code if response else None,
-            request_id=response.request_id if response else None,
-        )
+            except Exception as exc:  # noqa: BLE001 (an answer the SDK chokes on must not raise)
+                # The params are plain text by now, so this is the answer: nested too deep for
+                # the SDK's objects, say. Stripe answered, so it may have acted.
+                return unknown("unreadable_success", _choked(exc))
+        try:
+            return _succeeded(created, request.idempotency_key)
+        except Exception as exc:  # noqa: BLE001 (likewise: an object with no last_response...)
+            return unknown("unreadable_success", _choked(exc))
 
     async def lookup(
         self,
@@ -183,7 +240,121 @@ class StripeProvider:
 
     async def aclose(self) -> None:
         for http in self._https:
-            await http.close_async()  # type: ignore[no-untyped-call]
+            await http.close_async()
+
+
+class _SDKClient(stripe.HTTPClient):
+    """The SDK's HTTP client (its documented extension point), on an httpx client that reads
+    every answer within bounds; a lookup's list page (a GET) may have LIST_PAGE_BYTES. Like
+    ``stripe.HTTPXClient`` it turns any failure into APIConnectionError, the cause kept, but it
+    posts the form as ``content=`` (httpx deprecates ``data=<str>``) and offers no streaming,
+    which no call of outbox's asks for."""
+
+    name = "httpx"
+
+    def __init__(self, client: httpx.AsyncClient, list_cap: int) -> None:
+        super().__init__()
+        self._client = client
+        self._list_extensions = {MAX_BYTES_EXTENSION: list_cap}
+
+    async def request_async(
+        self, method: str, url: str, headers: Mapping[str, str], post_data: Any = None
+    ) -> tuple[bytes, int, Mapping[str, str]]:
+        extensions = self._list_extensions if method.lower() == "get" else None
+        try:
+            response = await self._client.request(
+                method, url, headers=headers, content=post_data, extensions=extensions
+            )
+        except Exception as exc:
+            raise stripe.APIConnectionError(  # type: ignore[no-untyped-call]  # the SDK's own
+                f"Network error: a {type(exc).__name__} was raised", should_retry=True
+            ) from exc
+        return response.content, response.status_code, response.headers
+
+    async def close_async(self) -> None:
+        await self._client.aclose()
+
+    def sleep_async(self, secs: float) -> Awaitable[None]:
+        return asyncio.sleep(secs)
+
+
+# The most digits after the point a number may have: PostgreSQL's numeric keeps no more, so every
+# stored payload's numbers fit.
+_MAX_FRACTION_DIGITS: Final = 16383
+
+
+class _Unsendable(ValueError):
+    """A payload value Stripe's form cannot carry exactly; the message never quotes it."""
+
+
+def _form(value: Any) -> Any:
+    """``value`` with every number as the exact decimal text Stripe's form takes.
+
+    The SDK writes each leaf with ``str``: a Decimal as ``1E-7``, a float rounded or as
+    ``1e+16``, an integer past 4,300 digits not at all (a ValueError escaping the call).
+    Here a Decimal becomes its plain text (``format(d, "f")``: ``0.0000001``, ``20.0`` stays
+    ``20.0``), a float the plain text of its shortest repr, an integer its digits; booleans,
+    strings and None are left to the SDK (``true``, as is, left out). A number past the limits
+    of ``_plain``, one that is not finite, or a value JSON does not have is refused.
+    """
+    if value is None or isinstance(value, str | bool):
+        return value
+    if isinstance(value, int):
+        return _integer_text(value)
+    if isinstance(value, Decimal):
+        return _plain(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise _Unsendable("it holds a number that is not finite")
+        return _plain(Decimal(repr(value)))
+    if isinstance(value, Mapping):
+        if not all(isinstance(k, str) for k in value):
+            raise _Unsendable("it holds an object key that is not a string")
+        return {k: _form(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_form(v) for v in value]
+    raise _Unsendable(f"it holds a {type(value).__name__}, which is not a JSON value")
+
+
+def _integer_text(value: int) -> str:
+    # Over 4 bits a digit: a longer integer is refused before it is ever turned into text.
+    limit = payloads.MAX_NUMBER_DIGITS
+    text = str(value) if value.bit_length() <= 4 * limit else ""
+    if not text or len(text) - text.startswith("-") > limit:
+        raise _Unsendable(f"it holds an integer of more than {limit} digits")
+    return text
+
+
+def _plain(value: Decimal) -> str:
+    """The limits are the stored payloads' own, checked before the text is written (so that
+    ``1E-99999999`` from a hand-built request is never expanded): less than 1e100 in
+    magnitude (payloads.MAX_NUMBER_DIGITS), at most _MAX_FRACTION_DIGITS after the point."""
+    if not value.is_finite():
+        raise _Unsendable("it holds a number that is not finite")
+    if value and value.adjusted() >= payloads.MAX_NUMBER_DIGITS:
+        raise _Unsendable(f"it holds a number of 1e{payloads.MAX_NUMBER_DIGITS} or more")
+    exponent = value.as_tuple().exponent
+    assert isinstance(exponent, int)  # noqa: S101 (finite, so never "n", "N" or "F")
+    if -exponent > _MAX_FRACTION_DIGITS:
+        raise _Unsendable(f"it holds a number of more than {_MAX_FRACTION_DIGITS} decimals")
+    return format(value, "f")
+
+
+def _succeeded(created: Any, key: str) -> Succeeded:
+    """The result of a created object. Its id is the reference when it is an identifier
+    (``answers.reference``); otherwise the idempotency key serves, as on the webhook."""
+    response = created.last_response
+    body = created.to_dict()
+    return Succeeded(
+        reference(body.get("id")) or key,
+        body,
+        http_status=response.code if response else None,
+        request_id=response.request_id if response else None,
+    )
+
+
+def _choked(exc: Exception) -> str:
+    return f"the answer could not be read: {type(exc).__name__}"
 
 
 def classify(exc: stripe.StripeError) -> Failed:  # noqa: PLR0911 (a decision table)
@@ -193,6 +364,11 @@ def classify(exc: stripe.StripeError) -> Failed:  # noqa: PLR0911 (a decision ta
     message = _message(exc)
     if isinstance(exc, stripe.APIConnectionError):
         return _connection_failure(exc)
+    if status is not None and 200 <= status < 300:
+        # The SDK raises on a 2xx only when it cannot parse it (not JSON, an integer past
+        # 4,300 digits...): Stripe answered, so it may have acted, and the retry with the same
+        # key replays the answer. Never permanent: that would quarantine a charge that exists.
+        return unknown("unreadable_success", f"HTTP {status} answer unreadable", **details)
     if isinstance(exc, stripe.AuthenticationError | stripe.PermissionError):
         return transient(f"http_{status}", message, pause=True, **details)
     if isinstance(exc, stripe.IdempotencyError):
@@ -220,8 +396,14 @@ def classify(exc: stripe.StripeError) -> Failed:  # noqa: PLR0911 (a decision ta
 
 def _connection_failure(exc: stripe.APIConnectionError) -> Failed:
     # The SDK wraps the transport's exception: only a failure to connect proves nothing was sent.
+    if isinstance(exc.__cause__, AnswerRefused):
+        # Stripe answered (too much, undecodably): it may have acted.
+        refused = exc.__cause__
+        return unknown(refused.error_class, str(refused), http_status=refused.status)
     if isinstance(exc.__cause__, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout):
         return transient("connect_failed", f"could not connect: {type(exc.__cause__).__name__}")
+    if isinstance(exc.__cause__, BodyTimeout):
+        return unknown("timeout", f"no answer in time: {exc.__cause__}")
     if isinstance(exc.__cause__, httpx.TimeoutException):
         return unknown("timeout", f"no answer in time: {type(exc.__cause__).__name__}")
     cause = type(exc.__cause__).__name__ if exc.__cause__ else "unknown"

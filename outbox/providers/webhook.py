@@ -1,16 +1,22 @@
 """The webhook provider: POST the payload as JSON with the stored Idempotency-Key.
 
+The body is the payload exactly as stored: PostgreSQL's JSON text of it (``payload_json``), so
+that every number reaches the receiver as it was enqueued (``19.999999999999999999``, not 20.0).
+
 Response classes follow the IETF Idempotency-Key draft: 2xx success; 409 (a request with that
 key is in progress), 408, 425 and 429 transient, honouring Retry-After; 422 and other 4xx
 permanent; every 5xx (503 included: a gateway may answer it after the receiver acted), timeouts
 and resets after sending unknown, retried with the same key only inside the key window; a refused
-connection transient (nothing was sent).
+connection transient (nothing was sent). An answer is read within bounds (outbox.providers.
+answers): one over ``max_response_bytes``, undecodable or too slow is unknown, since the receiver
+answered and so may have acted. The reference of a 2xx is its ``reference_field`` when that is an
+identifier (``answers.reference``), else the idempotency key.
 """
 
 from __future__ import annotations
 
 import email.utils
-import json
+import re
 import ssl
 import urllib.parse
 from collections.abc import Mapping
@@ -20,7 +26,9 @@ from typing import Any, Final
 
 import httpx
 
-from outbox.config import DEFAULT_CONCURRENCY
+from outbox import payloads
+from outbox.config import DEFAULT_CONCURRENCY, DEFAULT_MAX_RESPONSE_BYTES
+from outbox.providers.answers import AnswerLimits, AnswerRefused, BodyTimeout, Tally, reference
 from outbox.providers.base import (
     SendRequest,
     SendResult,
@@ -38,6 +46,9 @@ DEFAULT_REFERENCE_FIELD = "id"
 _TRANSIENT_STATUSES = frozenset({408, 409, 425, 429})
 # Longest Retry-After we honour: a misconfigured receiver must not park operations for days.
 MAX_RETRY_AFTER = timedelta(hours=1)
+_JSON_TYPE: Final = {"Content-Type": "application/json"}
+# Retry-After in seconds, in ASCII digits only (str.isdigit also takes "²", which int refuses).
+_SECONDS = re.compile(r"[0-9]+")
 # An idle keep-alive connection is closed after this many seconds (httpx's default, stated): after
 # a burst of a thousand slow calls the thousand sockets to the receiver do not linger, while a
 # steady stream reuses its connections instead of opening (and, over TLS, handshaking) anew.
@@ -57,6 +68,8 @@ class WebhookOptions:
     # Connections to the receiver at once: as many as the dispatcher may have calls in flight to
     # it (see connection_cap), so that no call waits for a connection behind the others.
     max_connections: int = DEFAULT_CONCURRENCY
+    # The most bytes of one answer read, decoded (see outbox.providers.answers).
+    max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES
 
     def __repr__(self) -> str:
         secret_names = sorted(self.secret_headers)
@@ -71,6 +84,13 @@ class WebhookProvider:
     ) -> None:
         self._name = name
         self._options = options
+        # The bounds hook into each client, so they hold whatever the transport (a given one, or
+        # a proxy's from the environment); the body's deadline is the call's timeout.
+        self._limits = AnswerLimits(options.max_response_bytes, options.timeout.total_seconds())
+        # The body is JSON; a Content-Type among the configured headers still wins, as it did
+        # over httpx's own for json=.
+        configured = {h.lower() for h in (*options.headers, *options.secret_headers)}
+        self._content_type = {} if "content-type" in configured else _JSON_TYPE
         # A given transport is one pool: it cannot be split.
         sizes = [options.max_connections] if transport else shard_sizes(options.max_connections)
         # One TLS context for all the clients: each client would load the CA bundle into a
@@ -86,6 +106,7 @@ class WebhookProvider:
             timeout=httpx.Timeout(self._options.timeout.total_seconds()),
             headers={**self._options.headers, **self._options.secret_headers},
             transport=transport,
+            event_hooks=self._limits.event_hooks,
             follow_redirects=False,  # a redirect would replay the POST somewhere unconfigured
             # Every connection may stay open for the next call while calls keep coming; idle
             # ones close after KEEPALIVE_EXPIRY.
@@ -104,19 +125,29 @@ class WebhookProvider:
     def key_retention(self) -> timedelta:
         return self._options.key_retention
 
+    @property
+    def tally(self) -> Tally:
+        """The bytes its answers came to, received and decoded (for tests and benchmarks)."""
+        return self._limits.tally
+
     def check(self, action: str, payload: Mapping[str, Any]) -> None:
         """Any action is an event name and any JSON object a body: nothing to refuse locally."""
 
     async def send(self, request: SendRequest) -> SendResult:
         with self._shards.take() as client:
             try:
-                built = client.build_request("POST", self._options.url, json=request.payload,
-                                             headers=_headers(request))  # fmt: skip
-            except (ValueError, TypeError) as exc:
-                # Nothing left this host: the payload or a header cannot be encoded at all.
-                return permanent("unencodable_request", f"the request cannot be built: {exc}")
+                built = client.build_request("POST", self._options.url, content=_body(request),
+                                             headers={**self._content_type,
+                                                      **_headers(request)})  # fmt: skip
+            except (ValueError, TypeError, RecursionError) as exc:
+                # Nothing left this host: the payload or a header cannot be encoded at all. Only
+                # the exception's type is kept, since its text may quote the payload.
+                return permanent("unencodable_request",
+                                 f"the request cannot be built: {type(exc).__name__}")  # fmt: skip
             try:
                 response = await client.send(built)
+            except AnswerRefused as exc:
+                return unknown(exc.error_class, str(exc), http_status=exc.status)
             except httpx.HTTPError as exc:
                 return _classify_exception(exc)
         try:
@@ -134,10 +165,10 @@ class WebhookProvider:
         details: dict[str, Any] = {"http_status": status, "request_id": request_id}
         if 200 <= status < 300:
             body = _json_object(response)
-            reference = body.get(self._options.reference_field) if body else None
-            # A receiver that answers without a reference still knows the effect by its key.
-            ref = str(reference) if reference not in (None, "") else request.idempotency_key
-            return Succeeded(ref, body, status, request_id)
+            ref = reference(body.get(self._options.reference_field)) if body else None
+            # A receiver that answers without a reference (or with something that is no
+            # identifier) still knows the effect by its key.
+            return Succeeded(ref or request.idempotency_key, body, status, request_id)
         retry_after = _retry_after(response)
         if status in _TRANSIENT_STATUSES:
             # 409 (the key is in use) and 429 (slow down) concern this request, not the
@@ -154,6 +185,15 @@ class WebhookProvider:
         # 5xx: a gateway may answer 502/503/504 after the receiver acted, so the key window
         # starts here; Retry-After still paces the retry.
         return unknown(f"http_{status}", _reason(response), retry_after=retry_after, **details)
+
+
+def _body(request: SendRequest) -> bytes:
+    """The payload as stored (PostgreSQL's JSON text), or written exactly from the decoded
+    object for a request built without it."""
+    text = request.payload_json
+    if text is None:
+        text = payloads.encode(request.payload)
+    return text.encode()
 
 
 def _headers(request: SendRequest) -> dict[str, str]:
@@ -196,15 +236,20 @@ def _classify_exception(exc: httpx.HTTPError) -> SendResult:
     # Only failures before the request left this host are transient.
     if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout):
         return transient("connect_failed", f"could not connect: {type(exc).__name__}")
+    if isinstance(exc, BodyTimeout):
+        return unknown("timeout", f"no answer in time: {exc}")
     if isinstance(exc, httpx.TimeoutException):
         return unknown("timeout", f"no answer in time: {type(exc).__name__}")
     return unknown("transport_error", f"connection failed after sending: {type(exc).__name__}")
 
 
 def _json_object(response: httpx.Response) -> dict[str, Any] | None:
+    """The 2xx answer's JSON object, or None when it has none: not JSON, not an object, nested
+    past the decoder's depth, or holding an integer past Python's 4,300 digits (a ValueError
+    that is no JSONDecodeError). The answer was a success either way."""
     try:
         body = response.json()
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+    except (ValueError, RecursionError):
         return None
     return body if isinstance(body, dict) else None
 
@@ -218,8 +263,11 @@ def _retry_after(response: httpx.Response) -> timedelta | None:
     value = response.headers.get("retry-after")
     if not value:
         return None
-    if value.strip().isdigit():
-        seconds = min(int(value), int(MAX_RETRY_AFTER.total_seconds()))
+    if _SECONDS.fullmatch(value.strip()):
+        cap = int(MAX_RETRY_AFTER.total_seconds())
+        # Digits past the cap's own are past the cap: never int() thousands of them (it raises).
+        digits = value.strip().lstrip("0")
+        seconds = cap if len(digits) > len(str(cap)) else min(int(digits or "0"), cap)
         delay = timedelta(seconds=seconds)
     else:
         try:

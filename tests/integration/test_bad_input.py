@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 from typing import Any
 
 import psycopg
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import outbox
-from outbox import InvalidOperation
+from outbox import InvalidOperation, payloads
 from tests.support.dispatch import rows
 from tests.support.producers import charge, count
 
@@ -179,15 +183,25 @@ def test_python_refuses_nul_characters_in_text_fields(
     assert count(db_url) == 0
 
 
-def test_a_payload_over_the_configured_limit_is_refused(
+def test_the_payload_limit_is_the_schema_owners_and_no_session_can_lift_it(
     conn: psycopg.Connection[Any], db_url: str
 ) -> None:
-    conn.execute("SET outbox.max_payload_bytes = 1000")
-    outbox.enqueue(conn, **charge(payload={"note": "x" * 900}))
-    with pytest.raises(InvalidOperation, match=r"payload is 1[0-9]{3} bytes of JSON; at most 1000"):
-        outbox.enqueue(conn, **charge(operation_key="big", payload={"note": "x" * 1000}))
+    # Before 0019 the limit was this setting, and any producer's session could lift it.
+    conn.execute("SET outbox.max_payload_bytes = 300000000")
+    with pytest.raises(InvalidOperation, match="at most 1048576 are allowed"):
+        outbox.enqueue(conn, **charge(payload={"blob": "x" * 2_000_000}))
+    conn.rollback()
+    with psycopg.connect(db_url) as owner:
+        owner.execute("UPDATE outbox.limits SET max_payload_bytes = 5000")
+    outbox.enqueue(conn, **charge(payload={"note": "x" * 4900}))
+    with pytest.raises(
+        InvalidOperation, match=r"payload is 50[0-9]{2} bytes of JSON; at most 5000"
+    ):
+        outbox.enqueue(conn, **charge(operation_key="big", payload={"note": "x" * 5000}))
     conn.rollback()
     assert count(db_url) == 0
+    with psycopg.connect(db_url) as owner, pytest.raises(psycopg.errors.CheckViolation):
+        owner.execute("UPDATE outbox.limits SET max_payload_bytes = 100")  # below 4 KiB
 
 
 def test_the_default_payload_limit_refuses_ten_megabytes(
@@ -216,3 +230,164 @@ def test_sql_metacharacters_are_data(conn: psycopg.Connection[Any], db_url: str)
 def test_max_attempts_below_one_is_refused(conn: psycopg.Connection[Any]) -> None:
     with pytest.raises(InvalidOperation, match="max_attempts must be at least 1, not 0"):
         outbox.enqueue(conn, **charge(max_attempts=0))
+
+
+def _nested(depth: int) -> str:
+    """A payload whose objects and arrays nest ``depth`` levels deep, the payload being 1."""
+    return '{"a": ' + "[" * (depth - 1) + "]" * (depth - 1) + "}"
+
+
+# What a hostile producer can write in 15 bytes or a few more, and enqueue now refuses (OB002,
+# COLUMN payload): the dispatcher could not carry any of it (issue 17).
+HOSTILE_PAYLOADS = [
+    ('{"n": 1e5000}', "number of 1e100 or more"),
+    ('{"n": -1e100}', "number of 1e100 or more"),
+    ('{"n": [1, {"m": 1e131071}]}', "number of 1e100 or more"),
+    (_nested(65), "deeper than 64 levels"),
+    (_nested(1000), "deeper than 64 levels"),
+]
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    HOSTILE_PAYLOADS,
+    ids=["1e5000", "-1e100", "1e131071-nested", "depth-65", "depth-1000"],
+)
+def test_sql_refuses_payloads_the_dispatcher_could_not_carry(
+    conn: psycopg.Connection[Any], db_url: str, payload: str, message: str
+) -> None:
+    with pytest.raises(psycopg.Error, match=message) as caught:
+        conn.execute(
+            "SELECT * FROM outbox.enqueue(tenant_id => 'a', operation_type => 't', "
+            "operation_key => 'k', provider => 'p', action => 'x', payload => %s::jsonb)",
+            (payload,),
+        )
+    assert (caught.value.sqlstate, caught.value.diag.column_name) == ("OB002", "payload")
+    conn.rollback()
+    assert count(db_url) == 0
+
+
+def test_the_largest_accepted_numbers_and_depth_arrive_stored_exactly(
+    conn: psycopg.Connection[Any],
+) -> None:
+    exact = '{"big": -9.99e99, "cents": 19.999999999999999999, "deep": ' + _nested(63) + "}"
+    conn.execute(
+        "SELECT * FROM outbox.enqueue(tenant_id => 'a', operation_type => 't', "
+        "operation_key => 'k', provider => 'p', action => 'x', payload => %s::jsonb)",
+        (exact,),
+    )
+    ((text,),) = conn.execute("SELECT payload::text FROM outbox.operations").fetchall()
+    decoded = payloads.decode(text)  # what the dispatcher will carry
+    assert decoded["cents"] == Decimal("19.999999999999999999")
+    assert decoded["big"] == Decimal("-9.99e99")
+
+
+@pytest.mark.parametrize(
+    ("available_at", "message"),
+    [
+        ("infinity", "not infinity"),
+        ("-infinity", "not -infinity"),
+        ("12000-01-01 00:00:00+00", "at most 10 years ahead"),
+        ("now() + interval '10 years 1 day'", "at most 10 years ahead"),
+    ],
+)
+def test_sql_refuses_an_available_at_that_is_no_schedule(
+    conn: psycopg.Connection[Any], db_url: str, available_at: str, message: str
+) -> None:
+    value = available_at if available_at.startswith("now()") else f"'{available_at}'"
+    with pytest.raises(psycopg.Error, match=message) as caught:
+        conn.execute(
+            "SELECT * FROM outbox.enqueue(tenant_id => 'a', operation_type => 't', "  # noqa: S608
+            "operation_key => 'k', provider => 'p', action => 'x', payload => '{}', "
+            f"available_at => ({value})::timestamptz)"
+        )
+    assert (caught.value.sqlstate, caught.value.diag.column_name) == ("OB002", "available_at")
+    conn.rollback()
+    assert count(db_url) == 0
+
+
+def test_a_past_available_at_means_now_and_a_future_one_is_scheduled(
+    conn: psycopg.Connection[Any],
+) -> None:
+    """A producer can neither page the on-call engineer through the oldest-pending gauge with a
+    time in 1970 nor jump its own group's line with it."""
+    outbox.enqueue(conn, **charge(available_at=datetime(1970, 1, 1, tzinfo=UTC)))
+    later = datetime.now(UTC) + timedelta(days=1)
+    outbox.enqueue(conn, **charge(operation_key="later", available_at=later))
+    got = conn.execute("SELECT operation_key, available_at = now(), scheduled "
+                       "FROM outbox.operations ORDER BY id").fetchall()  # fmt: skip
+    assert got == [("invoice-42-charge", True, False), ("later", False, True)]
+    op = outbox.get_operation(conn, "acme", "invoice.charge", "later")
+    assert op is not None and abs(op.available_at - later) < timedelta(seconds=1)
+
+
+def test_max_attempts_above_the_cap_is_refused(conn: psycopg.Connection[Any]) -> None:
+    outbox.enqueue(conn, **charge(max_attempts=1000))
+    for value in (1001, 2_147_483_647):
+        with pytest.raises(
+            InvalidOperation, match=f"max_attempts may be at most 1000, not {value}"
+        ):
+            outbox.enqueue(conn, **charge(operation_key=f"k{value}", max_attempts=value))
+        conn.rollback()
+
+
+# JSON values as hypothesis builds them: numbers of every size and precision (text, as PostgreSQL
+# reads them), strings, nesting to either side of the limit.
+_NUMBER = st.one_of(
+    st.integers(min_value=-(10**120), max_value=10**120).map(str),
+    st.decimals(allow_nan=False, allow_infinity=False, places=None).map(str),
+    st.builds(lambda m, e: f"{m}e{e}", st.integers(-999, 999), st.integers(-150, 150)),
+)
+_SCALAR = st.one_of(_NUMBER, st.sampled_from(["true", "false", "null", '"x"', '"19.99"']))
+
+
+def _json_tree(leaves: st.SearchStrategy[str]) -> st.SearchStrategy[str]:
+    return st.recursive(
+        leaves,
+        lambda inner: st.one_of(
+            st.lists(inner, max_size=3).map(lambda items: "[" + ",".join(items) + "]"),
+            st.dictionaries(st.sampled_from("abcde"), inner, max_size=3).map(
+                lambda d: "{" + ",".join(f'"{k}":{v}' for k, v in d.items()) + "}"
+            ),
+        ),
+        max_leaves=12,
+    )
+
+
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(body=_json_tree(_SCALAR), depth=st.integers(1, 70))
+def test_enqueue_accepts_exactly_what_the_dispatcher_can_carry(
+    conn: psycopg.Connection[Any], body: str, depth: int
+) -> None:
+    """The door (SQL) and the dispatcher's decoder (Python) agree on every payload: what one
+    accepts the other does, and what is accepted decodes to the stored numbers exactly."""
+    payload = '{"v":' + "[" * (depth - 1) + body + "]" * (depth - 1) + "}"
+    try:
+        ((text,),) = conn.execute("SELECT %s::jsonb::text", (payload,)).fetchall()
+    except psycopg.errors.NumericValueOutOfRange:
+        conn.rollback()
+        return  # not even PostgreSQL can hold it
+    try:
+        decoded: dict[str, Any] | None = payloads.decode(text)
+    except payloads.InvalidPayload:
+        decoded = None
+    conn.execute("SAVEPOINT attempt")
+    refused: psycopg.Error | None = None
+    try:
+        conn.execute(
+            "SELECT * FROM outbox.enqueue(tenant_id => 'a', operation_type => 't', "
+            "operation_key => 'k', provider => 'p', action => 'x', payload => %s::jsonb)",
+            (text,),
+        )
+    except psycopg.Error as exc:
+        refused = exc
+    conn.execute("ROLLBACK TO SAVEPOINT attempt")
+    if refused is not None:
+        assert (refused.sqlstate, refused.diag.column_name) == ("OB002", "payload"), refused
+    assert (refused is None) == (decoded is not None), (text[:300], refused)
+    if decoded is not None:
+        # Exact: PostgreSQL reads the decoded numbers back as the very same jsonb.
+        same = conn.execute("SELECT %s::jsonb = %s::jsonb", (payloads.encode(decoded), text))
+        assert same.fetchone() == (True,)

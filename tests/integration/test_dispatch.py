@@ -239,7 +239,7 @@ async def test_poison_rows_are_quarantined_and_the_rest_of_the_batch_goes_on(
                                "WHERE status = 'quarantined' ORDER BY id")  # fmt: skip
     assert quarantined == [
         (unknown_provider, "permanent_failure", "no provider named 'nobody' is configured"),
-        (not_an_object, "permanent_failure", "the payload is a JSON list, not an object"),
+        (not_an_object, "invalid_payload", "the payload is a JSON array, not an object"),
     ]
     assert statuses(db_url) == {"succeeded": 6, "quarantined": 2}
     assert receiver.effect_count() == len(good)

@@ -461,3 +461,31 @@ def test_parse_form_undoes_the_sdk_encoding() -> None:
         "items": [{"price": "p"}, {"price": "q"}],
         "expand": ["c"],
     }
+
+
+# --- bad answers ----------------------------------------------------------------------------
+
+
+def test_a_bad_answer_still_creates_one_object_and_the_replay_is_the_saved_one(
+    fake: FakeStripe, client: stripe.StripeClient
+) -> None:
+    """The SDK (requests) reads the whole bomb here: 8 MiB, decoded by requests itself."""
+    fake.inject(Fault.gzip_bomb_after_apply(8 << 20))
+    bombed = create(client, "ob_1")
+    (obj,) = fake.objects()
+    assert bombed.id == obj["id"]  # the padding is whitespace: the JSON is the object
+    assert header(bombed, "Content-Encoding") == "gzip"
+    again = create(client, "ob_1")
+    assert again.id == obj["id"] and header(again, "Idempotent-Replayed") == "true"
+    assert fake.object_count() == 1
+
+
+def test_a_raw_answer_replaces_the_object_on_the_wire_only(
+    fake: FakeStripe, client: stripe.StripeClient
+) -> None:
+    fake.inject(Fault.raw_answer_after_apply(b"<html>oops</html>"))
+    with pytest.raises(stripe.APIError) as caught:
+        create(client, "ob_1")
+    assert caught.value.http_status == 200
+    assert fake.object_count() == 1
+    assert create(client, "ob_1").id == fake.objects()[0]["id"]

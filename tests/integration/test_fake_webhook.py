@@ -5,9 +5,12 @@ Every test talks real HTTP to a receiver on loopback and counts the effects it a
 
 from __future__ import annotations
 
+import json
 import time
-from collections.abc import Iterator
+import zlib
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from decimal import Decimal
 from typing import Any
 
 import httpx
@@ -338,3 +341,114 @@ def test_refused_connections_then_accepted_on_the_same_port(
     assert post(client, receiver, "k2").status_code == 201
     assert post(client, receiver, "k1").headers["idempotent-replayed"] == "true"
     assert receiver.effect_count() == 2
+
+
+# --- bad answers ----------------------------------------------------------------------------
+
+
+def raw_answer(client: httpx.Client, receiver: FakeWebhookReceiver, key: str,
+               body: Any = BODY) -> tuple[httpx.Response, bytes]:  # fmt: skip
+    """The answer and its body's bytes as they came, whatever its Content-Encoding says."""
+    headers = {"Idempotency-Key": f'"{key}"'}
+    with client.stream("POST", receiver.url, json=body, headers=headers) as response:
+        return response, b"".join(response.iter_raw())
+
+
+@pytest.mark.parametrize(
+    ("coding", "decompress"),
+    [("gzip", lambda b: zlib.decompress(b, 16 + zlib.MAX_WBITS)), ("deflate", zlib.decompress)],
+)
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_gzip_bomb_is_small_on_the_wire_and_decodes_to_the_saved_answer(
+    receiver: FakeWebhookReceiver,
+    client: httpx.Client,
+    coding: str,
+    decompress: Callable[[bytes], bytes],
+    chunked: bool,
+) -> None:
+    size = 8 << 20
+    receiver.inject(Fault.gzip_bomb_after_apply(size, coding=coding, chunked=chunked))
+    bomb, wire = raw_answer(client, receiver, "k1")
+    assert bomb.status_code == 201
+    assert bomb.headers["content-encoding"] == coding
+    assert bomb.headers["connection"] == "close"
+    assert ("content-length" in bomb.headers) is not chunked
+    assert len(wire) < size // 500
+    decoded = decompress(wire)  # zlib checks the checksum and the length
+    assert len(decoded) == size and decoded.startswith(b"     ")
+    assert json.loads(decoded) == {"id": "wh_1", "key": "k1"}
+    # The saved answer is the normal one: the replay gets it, and nothing is applied again.
+    replay = post(client, receiver, "k1")
+    assert (replay.status_code, replay.json()) == (201, {"id": "wh_1", "key": "k1"})
+    assert "content-encoding" not in replay.headers
+    assert receiver.effect_count() == 1
+
+
+def test_a_gzip_bomb_may_come_without_its_content_encoding(
+    receiver: FakeWebhookReceiver, client: httpx.Client
+) -> None:
+    receiver.inject(Fault.gzip_bomb_after_apply(1 << 20, content_encoding=None))
+    bomb, wire = raw_answer(client, receiver, "k1")
+    assert "content-encoding" not in bomb.headers
+    assert wire.startswith(b"\x1f\x8b")
+    assert len(zlib.decompress(wire, 16 + zlib.MAX_WBITS)) == 1 << 20
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_huge_answer_is_the_saved_json_padded(
+    receiver: FakeWebhookReceiver, client: httpx.Client, chunked: bool
+) -> None:
+    receiver.inject(Fault.huge_answer_after_apply(3 << 20, chunked=chunked))
+    huge, wire = raw_answer(client, receiver, "k1")
+    assert huge.headers.get("transfer-encoding") == ("chunked" if chunked else None)
+    assert len(wire) == 3 << 20
+    assert json.loads(wire) == {"id": "wh_1", "key": "k1"}
+    assert receiver.effect_count() == 1
+
+
+def test_a_dribbled_answer_comes_a_byte_at_a_time_and_stopping_ends_it() -> None:
+    receiver = FakeWebhookReceiver().start()
+    try:
+        receiver.inject(Fault.dribble_after_apply(0.01, size=1 << 20))
+        with (
+            httpx.Client(timeout=5.0) as client,
+            client.stream(
+                "POST", receiver.url, json=BODY, headers={"Idempotency-Key": '"k1"'}
+            ) as answer,  # fmt: skip
+        ):
+            pieces = answer.iter_raw()
+            first = [next(pieces) for _ in range(3)]
+            assert int(answer.headers["content-length"]) == 1 << 20
+        assert all(len(piece) == 1 for piece in first)
+        assert receiver.effect_count("k1") == 1
+    finally:
+        receiver.stop()  # a dribble the client did not hang up on ends here (at 1 MiB: 3 h)
+    assert receiver.received[0].status == 201
+
+
+def test_a_raw_answer_is_sent_as_given_with_the_coding_it_claims(
+    receiver: FakeWebhookReceiver, client: httpx.Client
+) -> None:
+    receiver.inject(Fault.raw_answer_after_apply(b"not gzip", content_encoding="gzip"))
+    lie, wire = raw_answer(client, receiver, "k1")
+    assert (lie.status_code, lie.headers["content-encoding"], wire) == (201, "gzip", b"not gzip")
+    assert receiver.effect_count() == 1
+
+
+def test_bodies_are_parsed_with_exact_decimals_and_kept_as_sent(
+    receiver: FakeWebhookReceiver, client: httpx.Client
+) -> None:
+    raw = b'{"amount": 19.999999999999999999, "n": 1}'
+    headers = {"Idempotency-Key": '"k1"', "Content-Type": "application/json"}
+    assert client.post(receiver.url, content=raw, headers=headers).status_code == 201
+    (arrived,) = receiver.received
+    assert arrived.raw == raw
+    assert arrived.body == {"amount": Decimal("19.999999999999999999"), "n": 1}
+    # 20.0 is another amount, so the same key with it is another body: 422.
+    other = b'{"amount": 20.0, "n": 1}'
+    assert client.post(receiver.url, content=other, headers=headers).status_code == 422
+
+
+def test_a_retry_after_can_be_any_text(receiver: FakeWebhookReceiver, client: httpx.Client) -> None:
+    receiver.inject(Fault.status(429, retry_after="9" * 5000))
+    assert post(client, receiver, "k1").headers["retry-after"] == "9" * 5000

@@ -153,4 +153,7 @@ def test_the_claim_index_covers_only_claimable_pending_rows(conn: psycopg.Connec
     ).fetchone()
     assert row is not None
     assert "(provider, tenant_id, available_at, id)" in row[0]
-    assert "WHERE ((status = 'pending'::text) AND (NOT ordering_blocked))" in row[0]
+    assert (
+        "WHERE ((status = 'pending'::text) AND (NOT ordering_blocked) AND (NOT scheduled))"
+        in row[0]
+    )

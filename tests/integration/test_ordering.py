@@ -255,11 +255,11 @@ async def test_a_head_settled_while_its_key_is_locked_is_repaired_by_the_dispatc
     db_url: str, pool: AsyncConnectionPool[Any], receiver: FakeWebhookReceiver, hook: Provider
 ) -> None:
     ids = enqueue_ordered(db_url, ["a"], 2)
-    with psycopg.connect(db_url, autocommit=True) as committing_producer:
-        # What a producer of the key holds while it commits (take_turn).
+    with psycopg.connect(db_url) as committing_producer:
+        # What a producer of the key holds while it commits (take_turn): the key's row lock.
         committing_producer.execute(
-            "SELECT pg_advisory_lock(outbox.ordering_lock_space(), "
-            "outbox.ordering_lock('acme', 'a'))"
+            "SELECT 1 FROM outbox.ordering_keys WHERE tenant_id = 'acme' AND ordering_key = 'a' "
+            "FOR UPDATE"
         )
         assert await dispatcher(pool, {"hook": hook}).run_once() == 1
         # The record did not wait for the lock: it noted the key for repair instead.

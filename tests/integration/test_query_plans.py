@@ -123,7 +123,8 @@ def test_the_key_expiry_gauge_reads_only_partial_indexes(big_db: str) -> None:
     scans = scans_of_operations(plan_nodes(big_db, statements.NEARING_KEY_EXPIRY, params))
     assert scans and all(kind != "Seq Scan" for kind, _ in scans), scans
     assert {index for _, index in scans} <= {"operations_claim_group",
-                                             "operations_ordering_blocked"}, scans  # fmt: skip
+                                             "operations_ordering_blocked",
+                                             "operations_scheduled"}, scans  # fmt: skip
 
 
 def custom_and_generic(

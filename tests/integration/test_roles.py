@@ -219,6 +219,7 @@ def test_every_function_is_pinned_and_executable_only_by_its_roles(roles_db: str
         "outbox.get_operation(text,text,text)": (True, ["outbox_producer"]),
         "outbox.resolve_operation(bigint,text,text,text)": (True, ["outbox_operator"]),
         "outbox.cancel_operation(bigint,text,text)": (True, ["outbox_operator"]),
+        "outbox.request_cancel(bigint,text,text)": (True, ["outbox_operator"]),
         "outbox.replay_operation(bigint,text,text)": (True, ["outbox_operator"]),
         "outbox.request_reconciliation(bigint,text,text)": (True, ["outbox_operator"]),
         "outbox.retry_operation(bigint,text,text,boolean)": (True, ["outbox_operator"]),
@@ -249,6 +250,7 @@ def test_every_function_is_pinned_and_executable_only_by_its_roles(roles_db: str
         "outbox.take_turn()",
         "outbox.pass_turn()",
         "outbox.rejoin_line()",
+        "outbox.cancel_when_attempt_ends()",
     }
 
 
@@ -264,6 +266,7 @@ def test_the_dispatcher_may_update_state_lease_and_result_columns_only(roles_db:
             "status",
             "status_reason",
             "available_at",
+            "scheduled",
             "attempts",
             "lease_owner",
             "lease_token",
@@ -361,7 +364,8 @@ def test_the_operator_reads_everything_and_acts_only_through_audited_functions(
         listed = operators.list_attention(conn, Status.QUARANTINED)
         assert sorted(r["id"] for r in listed) == sorted([ids["q-replay"], ids["q-reconcile"]])
         shown = operators.show(conn, ids["r-retry"], with_payload=True)
-        assert shown["payload"] == {"n": 2} and shown["attempt_history"] == []
+        # The payload as stored (PostgreSQL's JSON text): never decoded through floats.
+        assert shown["payload"] == '{"n": 2}' and shown["attempt_history"] == []
         gauges_row = (
             conn.cursor(row_factory=dict_row)
             .execute(  # what `outbox status` reads

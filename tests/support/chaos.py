@@ -350,6 +350,8 @@ class Dispatchers:
         """SIGTERM every process and collect exit codes (None: had to be killed)."""
         codes: list[int | None] = []
         for proc in self.procs:
+            # A process revived just before the drain ended may still be starting up.
+            proc.wait_started(timeout)
             proc.signal(signal.SIGTERM)
         for proc in self.procs:
             try:

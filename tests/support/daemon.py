@@ -62,6 +62,17 @@ class OutboxProcess:
     def signal(self, signum: signal.Signals) -> None:
         self.proc.send_signal(signum)
 
+    def wait_started(self, timeout: float = 30) -> bool:
+        """Wait until the process says it started (its signal handlers are installed by then:
+        a SIGTERM before that ends it by the default action, exit -15); False if it exited or
+        the time ran out first."""
+        deadline = time.monotonic() + timeout
+        while '"outbox run started"' not in self.log_text():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
     def wait(self, timeout: float = 60) -> int:
         return self.proc.wait(timeout=timeout)
 

@@ -95,7 +95,10 @@ def key_of(url: str, operation_id: int) -> str:
 def make_due(url: str) -> None:
     """Move time in the data: every scheduled retry becomes due now."""
     with psycopg.connect(url) as conn:
-        conn.execute("UPDATE outbox.operations SET available_at = now() WHERE status = 'pending'")
+        conn.execute(
+            "UPDATE outbox.operations SET available_at = now(), scheduled = false "
+            "WHERE status = 'pending'"
+        )
 
 
 def stripe_provider(name: str, url: str, *, api_key: str = "sk_test_fake", timeout: float = 5.0,

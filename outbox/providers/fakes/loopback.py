@@ -5,12 +5,16 @@ that records requests, remembers idempotency keys and arms faults and holds, all
 lock. This module holds the parts whose logic is the same in both: the listener and its
 lifecycle (start, stop, refuse and accept connections on the same port), the registry of open
 connections (so keep-alive connections can be cut and real TCP resets sent), holds, the JSON
-answer, and the ledger's bookkeeping of requests, keys, faults and holds. What a request means
-(routing, validation, what an effect is, when a key completes) stays in each fake.
+answer and the bad answers a malicious provider sends instead (:class:`BadAnswer`: huge, a
+compression bomb, dribbled, or any bytes at all), and the ledger's bookkeeping of requests, keys,
+faults and holds. What a request means (routing, validation, what an effect is, when a key
+completes) stays in each fake.
 """
 
 from __future__ import annotations
 
+import enum
+import functools
 import json
 import socket
 import socketserver
@@ -18,6 +22,7 @@ import struct
 import sys
 import threading
 import time
+import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
@@ -36,6 +41,8 @@ POLL_INTERVAL = 0.02
 DRAIN_TIMEOUT = 5.0
 REPLAYED_HEADER = ("Idempotent-Replayed", "true")
 _MAX_LINE = 65537
+# A bad answer goes out in pieces of this size, so that stopping or a hang-up ends it soon.
+_WIRE_PIECE = 64 * 1024
 
 Headers = tuple[tuple[str, str], ...]
 
@@ -79,13 +86,198 @@ class Hold:
         self.release()
 
 
+class BadAnswerKind(enum.Enum):
+    """How a bad answer misbehaves; see the class methods of :class:`BadAnswer`."""
+
+    PADDED = "padded"
+    COMPRESSED = "compressed"
+    DRIBBLED = "dribbled"
+    RAW = "raw"
+
+
+# Compression codings the fakes can send, and what "compressed" sends by default.
+CODINGS = ("gzip", "deflate")
+_SAME: Any = object()  # "the coding used": the honest Content-Encoding
+
+
+@dataclass(frozen=True)
+class BadAnswer:
+    """The bytes a malicious provider sends instead of the answer it saved.
+
+    The effect is applied and the normal answer saved (a replay gets that one); only this
+    answer, on this connection, misbehaves. Build one with the class methods. Each pads the
+    saved JSON with leading whitespace (still valid JSON: read whole, it is a success) unless it
+    is ``raw``. What it leaves out: real providers' bombs are often HTML, and lie about lengths
+    too; the HTTP framing here is always correct, since h11 below the client polices that.
+    """
+
+    kind: BadAnswerKind
+    size: int = 0
+    coding: str = "gzip"
+    content_encoding: str | None = None
+    chunked: bool = False
+    interval: float = 0.0
+    raw: bytes = b""
+
+    @classmethod
+    def padded(cls, size: int, *, chunked: bool = False) -> BadAnswer:
+        """``size`` bytes of JSON, plain: with a Content-Length, or chunked without one."""
+        _check_size(size)
+        return cls(BadAnswerKind.PADDED, size=size, chunked=chunked)
+
+    @classmethod
+    def compressed(
+        cls, size: int, *, coding: str = "gzip", content_encoding: str | None = _SAME,
+        chunked: bool = False,
+    ) -> BadAnswer:  # fmt: skip
+        """``size`` bytes of JSON compressed with ``coding`` ("gzip" or "deflate"): a
+        compression bomb, some size/1000 bytes on the wire (``1 << 30`` is about 1 MB). The
+        ``Content-Encoding`` header says ``coding`` unless ``content_encoding`` says something
+        else (None: no header, so the compressed bytes pass for the body itself)."""
+        _check_size(size)
+        if coding not in CODINGS:
+            raise ValueError(f"coding must be one of {CODINGS}, not {coding!r}")
+        header = coding if content_encoding is _SAME else content_encoding
+        return cls(BadAnswerKind.COMPRESSED, size=size, coding=coding, content_encoding=header,
+                   chunked=chunked)  # fmt: skip
+
+    @classmethod
+    def dribbled(cls, interval: float, size: int = 1 << 16) -> BadAnswer:
+        """``size`` bytes of JSON with a Content-Length, one byte every ``interval`` seconds,
+        until the client hangs up or the fake stops: every read gets a byte long before any
+        read timeout, so only a deadline on the whole body ends it."""
+        _check_size(size)
+        if interval <= 0:
+            raise ValueError("interval must be greater than zero")
+        return cls(BadAnswerKind.DRIBBLED, size=size, interval=interval)
+
+    @classmethod
+    def raw_body(cls, body: bytes, *, content_encoding: str | None = None) -> BadAnswer:
+        """``body`` as it is (an integer of 5,000 digits, JSON nested 100,000 deep, not JSON,
+        a body that is not the coding ``content_encoding`` claims...)."""
+        return cls(BadAnswerKind.RAW, raw=body, content_encoding=content_encoding)
+
+    def wire(self, body: Any) -> Wire:
+        """What goes out for a saved answer whose JSON body is ``body``."""
+        coding = self.content_encoding
+        encoding: Headers = () if coding is None else (("Content-Encoding", coding),)
+        if self.kind is BadAnswerKind.RAW:
+            return Wire(self.raw, encoding)
+        text = json.dumps(body).encode()
+        padding = max(0, self.size - len(text))
+        if self.kind is BadAnswerKind.COMPRESSED:
+            return Wire(compressed(text, padding, self.coding), encoding, chunked=self.chunked)
+        return Wire(b" " * padding + text, chunked=self.chunked, interval=self.interval)
+
+
+class BadAnswerFaults:
+    """The fault constructors for bad answers, shared by the fakes' Fault classes (each defines
+    ``bad_answer_after_apply``). Every one applies the effect and saves the normal answer (a
+    replay gets that), then sends this request's answer as the :class:`BadAnswer` says: the
+    provider acted, and only its answer misbehaves."""
+
+    @classmethod
+    def bad_answer_after_apply(cls, answer: BadAnswer) -> Self:
+        """Apply and save the normal answer, then send it as ``answer`` says."""
+        raise NotImplementedError
+
+    @classmethod
+    def huge_answer_after_apply(cls, size: int, *, chunked: bool = False) -> Self:
+        """Apply and save, then answer ``size`` bytes of JSON (see BadAnswer.padded)."""
+        return cls.bad_answer_after_apply(BadAnswer.padded(size, chunked=chunked))
+
+    @classmethod
+    def gzip_bomb_after_apply(
+        cls, size: int, *, coding: str = "gzip", content_encoding: str | None = _SAME,
+        chunked: bool = False,
+    ) -> Self:  # fmt: skip
+        """Apply and save, then answer ``size`` bytes of JSON compressed to about a thousandth
+        of that, labelled honestly or not (see BadAnswer.compressed)."""
+        answer = BadAnswer.compressed(size, coding=coding, content_encoding=content_encoding,
+                                      chunked=chunked)  # fmt: skip
+        return cls.bad_answer_after_apply(answer)
+
+    @classmethod
+    def dribble_after_apply(cls, interval: float, size: int = 1 << 16) -> Self:
+        """Apply and save, then answer a byte every ``interval`` seconds (BadAnswer.dribbled)."""
+        return cls.bad_answer_after_apply(BadAnswer.dribbled(interval, size))
+
+    @classmethod
+    def raw_answer_after_apply(cls, body: bytes, *, content_encoding: str | None = None) -> Self:
+        """Apply and save, then answer ``body`` as it is (see BadAnswer.raw_body)."""
+        answer = BadAnswer.raw_body(body, content_encoding=content_encoding)
+        return cls.bad_answer_after_apply(answer)
+
+
+def _check_size(size: int) -> None:
+    if size < 0:
+        raise ValueError("size must not be negative")
+
+
+@dataclass(frozen=True)
+class Wire:
+    """An answer's body as it goes out instead of its JSON: the bytes, the headers that describe
+    them (Content-Encoding), chunked or with a Content-Length, and at once or a byte every
+    ``interval`` seconds."""
+
+    body: bytes
+    headers: Headers = ()
+    chunked: bool = False
+    interval: float = 0.0
+
+
+_SPACES = b" " * (1 << 20)
+_GZIP_HEADER = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x02\xff"  # no name, no time, best ratio
+_ZLIB_HEADER = b"\x78\xda"  # deflate with a 32 KiB window, best ratio
+
+
+def compressed(text: bytes, padding: int, coding: str) -> bytes:
+    """``padding`` spaces then ``text``, compressed in ``coding``, built in time proportional to
+    the compressed size (and one checksum pass over the padding, cached).
+
+    Each MiB of spaces compresses, from a fresh state, to the same few hundred bytes, ending at
+    a byte boundary (a full flush): so the raw deflate stream is that segment repeated, then the
+    rest compressed afresh, and only the checksum needs the decoded bytes.
+    """
+    blocks, rest = divmod(padding, len(_SPACES))
+    tail = b" " * rest + text
+    end = zlib.compressobj(9, zlib.DEFLATED, -zlib.MAX_WBITS)
+    stream = _space_segment() * blocks + end.compress(tail) + end.flush()
+    if coding == "gzip":
+        crc = zlib.crc32(tail, _space_checksum(blocks, "gzip"))
+        size = (padding + len(text)) & 0xFFFFFFFF
+        return _GZIP_HEADER + stream + struct.pack("<II", crc, size)
+    adler = zlib.adler32(tail, _space_checksum(blocks, "deflate"))
+    return _ZLIB_HEADER + stream + struct.pack(">I", adler)
+
+
+@functools.cache
+def _space_segment() -> bytes:
+    c = zlib.compressobj(9, zlib.DEFLATED, -zlib.MAX_WBITS)
+    return c.compress(_SPACES) + c.flush(zlib.Z_FULL_FLUSH)
+
+
+@functools.lru_cache(maxsize=8)
+def _space_checksum(blocks: int, coding: str) -> int:
+    check = 0 if coding == "gzip" else 1
+    for _ in range(blocks):
+        check = zlib.crc32(_SPACES, check) if coding == "gzip" else zlib.adler32(_SPACES, check)
+    return check
+
+
 @dataclass(frozen=True)
 class Reply:
-    """An answer: its status, JSON body and extra headers."""
+    """An answer: its status, JSON body and extra headers; ``wire``, when set, is what goes out
+    instead of the JSON (a fault's bad answer)."""
 
     status: int
     body: Any
     headers: Headers = ()
+    wire: Wire | None = None
+
+    def badly(self, answer: BadAnswer) -> Reply:
+        """This answer, sent as ``answer`` says."""
+        return replace(self, wire=answer.wire(self.body))
 
     @property
     def replayed(self) -> bool:
@@ -373,6 +565,9 @@ class JsonHandler(BaseHTTPRequestHandler):
                 ledger.finished()
 
     def _send(self, reply: Reply, headers: Headers) -> None:
+        if reply.wire is not None:
+            self._send_wire(reply, reply.wire, headers)
+            return
         data = json.dumps(reply.body).encode()
         try:
             self.send_response(reply.status)
@@ -385,6 +580,38 @@ class JsonHandler(BaseHTTPRequestHandler):
         except OSError:
             # The client gave up (its timeout fired during a delay): the answer stands anyway.
             self.close_connection = True
+
+    def _send_wire(self, reply: Reply, wire: Wire, headers: Headers) -> None:
+        """Send ``wire`` as the body: in pieces, so a client that hangs up (it should, past its
+        cap) or a fake that stops ends it within one piece; the connection closes after it."""
+        body = memoryview(wire.body)
+        step = 1 if wire.interval else _WIRE_PIECE
+        stopping = self.server.ledger.stopping
+        try:
+            self.send_response(reply.status)
+            self.send_header("Content-Type", "application/json")
+            # Whatever the client reads of it, the connection is not reused (this sets
+            # close_connection too).
+            self.send_header("Connection", "close")
+            if wire.chunked:
+                self.send_header("Transfer-Encoding", "chunked")
+            else:
+                self.send_header("Content-Length", str(len(body)))
+            for name, value in (*headers, *reply.headers, *wire.headers):
+                self.send_header(name, value)
+            self.end_headers()
+            for start in range(0, len(body), step):
+                piece = body[start : start + step]
+                if wire.chunked:
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                else:
+                    self.wfile.write(piece)
+                if wire.interval and stopping.wait(wire.interval):
+                    return
+            if wire.chunked:
+                self.wfile.write(b"0\r\n\r\n")
+        except OSError:
+            pass  # the client hung up, as a careful one does past its cap
 
     def _reset(self) -> None:
         """Close with SO_LINGER 0, so the kernel sends RST instead of FIN."""

@@ -18,7 +18,8 @@ documents:
 
 The server runs inside the pytest process, so its ledger outlives a dispatcher subprocess a test
 kills. Faults and holds put a client in every awkward spot between "Stripe created the object"
-and "the client learned about it".
+and "the client learned about it", including a 200 that a malicious or broken API sends instead
+of the object it created (huge, a compression bomb, dribbled, or any bytes at all).
 """
 
 from __future__ import annotations
@@ -30,11 +31,13 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 from urllib.parse import parse_qsl, urlsplit
 
 from outbox.providers.fakes.loopback import (
     HOST,
+    BadAnswer,
+    BadAnswerFaults,
     Headers,
     Hold,
     JsonHandler,
@@ -50,6 +53,7 @@ __all__ = [
     "DEFAULT_API_KEY",
     "HOST",
     "RESOURCES",
+    "BadAnswer",
     "FakeStripe",
     "Fault",
     "FaultKind",
@@ -137,6 +141,7 @@ class FaultKind(enum.Enum):
     ERROR_500_AFTER_APPLY = "error_500_after_apply"
     DELAY_AFTER_APPLY = "delay_after_apply"
     RESET_AFTER_APPLY = "reset_after_apply"
+    BAD_ANSWER_AFTER_APPLY = "bad_answer_after_apply"
 
 
 # Faults that strike before the idempotency ledger is consulted (any request, a replay too);
@@ -145,11 +150,13 @@ _BEFORE_LEDGER = frozenset({FaultKind.STATUS, FaultKind.RESET_BEFORE_APPLY})
 
 
 @dataclass(frozen=True)
-class Fault:
+class Fault(BadAnswerFaults):
     """A misbehaviour to inject; build one with the class methods, e.g. ``Fault.status(429, ...)``.
 
     ``status`` and ``reset_before_apply`` hit any matching request (GETs and replays too) and
-    save nothing. The others hit only a POST that executes, so a replay is never disturbed.
+    save nothing. The others hit only a POST that executes, so a replay is never disturbed; the
+    bad answers (``huge_answer_after_apply``, ``gzip_bomb_after_apply``, ``dribble_after_apply``,
+    ``raw_answer_after_apply``) come from :class:`BadAnswerFaults`.
     """
 
     kind: FaultKind
@@ -160,6 +167,7 @@ class Fault:
     should_retry: bool | None = None
     retry_after: int | None = None
     seconds: float = 0.0
+    answer: BadAnswer | None = None
 
     @classmethod
     def status(
@@ -220,6 +228,11 @@ class Fault:
     def reset_after_apply(cls) -> Fault:
         """Create and save the 200, then reset the connection without answering."""
         return cls(FaultKind.RESET_AFTER_APPLY)
+
+    @classmethod
+    def bad_answer_after_apply(cls, answer: BadAnswer) -> Self:
+        """Create and save the 200, then send it as ``answer`` says."""
+        return cls(FaultKind.BAD_ANSWER_AFTER_APPLY, answer=answer)
 
     @property
     def before_ledger(self) -> bool:
@@ -561,6 +574,8 @@ class _Ledger(Ledger[Fault, Received, _Entry]):
             hold = self._holds.pop(request.key, None)
         self.cond.notify_all()
         reply = None if kind is FaultKind.RESET_AFTER_APPLY else saved
+        if reply is not None and fault is not None and fault.answer is not None:
+            reply = reply.badly(fault.answer)
         return Plan(reply, entry, hold, fault.seconds if fault is not None else 0.0)
 
     def _create(self, resource: Resource, params: dict[str, Any]) -> dict[str, Any]:

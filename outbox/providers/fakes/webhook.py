@@ -7,9 +7,14 @@ with another body gets 422; a retry while the first is still being processed get
 are forgotten ``key_retention`` seconds after their first request.
 
 The receiver runs inside the pytest process, so its ledger of effects outlives a dispatcher
-subprocess that a test SIGKILLs. Faults (delays, 5xx, connection resets, refused connections)
-and holds let tests put the dispatcher in every awkward spot between "the provider applied the
-effect" and "the dispatcher recorded it".
+subprocess that a test SIGKILLs. Faults (delays, 5xx, connection resets, refused connections,
+and bad answers: huge, compression bombs, dribbled, or any bytes at all) and holds let tests put
+the dispatcher in every awkward spot between "the provider applied the effect" and "the
+dispatcher recorded it".
+
+Bodies are parsed as a careful payment receiver parses them: numbers with a point as
+``decimal.Decimal``, so ``19.999999999999999999`` and ``20.0`` are different bodies (and a
+retry that changed one into the other gets 422). ``Received.raw`` keeps the bytes.
 """
 
 from __future__ import annotations
@@ -20,11 +25,14 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from decimal import Decimal
+from typing import Any, Self
 from urllib.parse import urlsplit
 
 from outbox.providers.fakes.loopback import (
     HOST,
+    BadAnswer,
+    BadAnswerFaults,
     Connections,
     Hold,
     JsonHandler,
@@ -38,6 +46,7 @@ from outbox.providers.fakes.loopback import (
 
 __all__ = [
     "HOST",
+    "BadAnswer",
     "Effect",
     "FakeWebhookReceiver",
     "Fault",
@@ -66,7 +75,8 @@ class Effect:
 class Received:
     """One request that arrived, whatever became of it.
 
-    ``body`` is the parsed JSON (None for an empty body; the raw text when it is not JSON).
+    ``body`` is the parsed JSON, numbers with a point as Decimal (None for an empty body; the
+    raw text when it is not JSON); ``raw`` is the body's bytes as they came.
     ``status`` is None while the request is still being processed (held, delayed) and stays
     None when the connection was reset instead of answered. Header names are lower-case.
     """
@@ -78,6 +88,7 @@ class Received:
     replayed: bool
     at: float
     answered_at: float | None = None  # time.monotonic() when answered or reset
+    raw: bytes = b""
 
 
 class FaultKind(enum.Enum):
@@ -88,27 +99,32 @@ class FaultKind(enum.Enum):
     DELAY_AFTER_APPLY = "delay_after_apply"
     ERROR_500_AFTER_APPLY = "error_500_after_apply"
     RESET_AFTER_APPLY = "reset_after_apply"
+    BAD_ANSWER_AFTER_APPLY = "bad_answer_after_apply"
 
 
 _BEFORE_APPLY = frozenset({FaultKind.STATUS_BEFORE_APPLY, FaultKind.RESET_BEFORE_APPLY})
 
 
 @dataclass(frozen=True)
-class Fault:
+class Fault(BadAnswerFaults):
     """A misbehaviour to inject; build one with the class methods, e.g. ``Fault.status(503)``.
 
     Before-apply faults hit any request carrying a key (a replay too): nothing is applied or
-    saved. After-apply faults hit only a request that applies a new effect.
+    saved. After-apply faults hit only a request that applies a new effect; the bad answers
+    (``huge_answer_after_apply``, ``gzip_bomb_after_apply``, ``dribble_after_apply``,
+    ``raw_answer_after_apply``) come from :class:`BadAnswerFaults`.
     """
 
     kind: FaultKind
     seconds: float = 0.0
     code: int = 500
-    retry_after: int | None = None
+    retry_after: int | str | None = None
+    answer: BadAnswer | None = None
 
     @classmethod
-    def status(cls, code: int, retry_after: int | None = None) -> Fault:
-        """Answer ``code`` without applying or saving; ``Retry-After: <seconds>`` when given."""
+    def status(cls, code: int, retry_after: int | str | None = None) -> Fault:
+        """Answer ``code`` without applying or saving; ``Retry-After: <retry_after>`` when given
+        (a string goes as it is: a date, or digits no int could hold)."""
         if not 200 <= code <= 599:
             raise ValueError(f"status {code} is not a final HTTP status")
         return cls(FaultKind.STATUS_BEFORE_APPLY, code=code, retry_after=retry_after)
@@ -137,6 +153,11 @@ class Fault:
     def reset_after_apply(cls) -> Fault:
         """Apply and save the normal 201, then reset the connection without answering."""
         return cls(FaultKind.RESET_AFTER_APPLY)
+
+    @classmethod
+    def bad_answer_after_apply(cls, answer: BadAnswer) -> Self:
+        """Apply and save the normal 201, then send it as ``answer`` says."""
+        return cls(FaultKind.BAD_ANSWER_AFTER_APPLY, answer=answer)
 
     @property
     def before_apply(self) -> bool:
@@ -201,7 +222,8 @@ class _Ledger(Ledger[Fault, Received, _Entry]):
         self.cond.notify_all()
         reset = fault is not None and fault.kind is FaultKind.RESET_AFTER_APPLY
         delay = fault.seconds if fault is not None else 0.0
-        return Plan(None if reset else saved, entry, self._holds.pop(key, None), delay)
+        reply = saved if fault is None or fault.answer is None else saved.badly(fault.answer)
+        return Plan(None if reset else reply, entry, self._holds.pop(key, None), delay)
 
     def effects(self) -> list[Effect]:
         with self.cond:
@@ -264,7 +286,7 @@ class _Handler(JsonHandler):
         headers = {name.lower(): str(value) for name, value in self.headers.items()}
         recorded = body.text if isinstance(body, _InvalidJson) else body
         self._respond(
-            lambda at: Received(key, recorded, headers, None, False, at),
+            lambda at: Received(key, recorded, headers, None, False, at, raw=raw),
             lambda: decide(key, body, headers),
         )
 
@@ -313,8 +335,8 @@ def _parse_json(raw: bytes) -> Any:
     if not raw.strip():
         return None
     try:
-        return json.loads(raw)
-    except ValueError:
+        return json.loads(raw, parse_float=Decimal)
+    except (ValueError, RecursionError):
         return _InvalidJson(raw.decode("utf-8", "replace"))
 
 

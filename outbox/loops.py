@@ -1,0 +1,51 @@
+"""Background loops that outlive whatever their rounds raise.
+
+One row, one answer or one bug must never end a loop of `outbox run`: a loop that dies takes its
+duty with it (leases no longer renewed, dead workers' rows never rescued, gauges frozen at their
+last values) while the process looks alive. Expected failures (the database away) are handled
+inside each round; this is for the rest: logged with the traceback, counted in
+``outbox_internal_errors_total{loop}``, and the round tried again a little later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Final, NoReturn
+
+import structlog
+
+from outbox import failpoints, metrics
+
+# A round that raised is tried again after this long: soon enough that a passing fault costs
+# little, slow enough that a fault that repeats is not a busy loop filling the log.
+ERROR_PAUSE: Final = 1.0
+
+log = structlog.get_logger("outbox.loops")
+
+
+async def forever(name: str, round_: Callable[[], Awaitable[float]]) -> NoReturn:
+    """Run ``round_`` again and again; each returns how many seconds to wait before the next."""
+    while True:
+        wait = await survive(name, round_, ERROR_PAUSE)
+        if wait > 0:
+            await asyncio.sleep(wait)
+
+
+async def survive(name: str, round_: Callable[[], Awaitable[float]], fallback: float) -> float:
+    """One round of loop ``name``: what it returns, or ``fallback`` if it raised."""
+    try:
+        if failpoints.armed(failpoints.BUG):
+            failpoints.bug(name)
+        return await round_()
+    except asyncio.CancelledError:
+        raise
+    except Exception:  # noqa: BLE001 (the point: nothing ends the loop)
+        note(name)
+        return fallback
+
+
+def note(name: str) -> None:
+    """Count and log the exception being handled, raised in loop ``name``."""
+    metrics.INTERNAL_ERRORS.labels(name).inc()
+    log.exception("a loop of outbox run failed; it goes on", loop=name)
