@@ -193,11 +193,15 @@ def _read_payload(text: str | None, file: IO[str] | None) -> Any:
 )
 @click.option("--dry-run", is_flag=True, help="Count what would go; delete nothing.")
 def prune_command(dsn: str, older_than: timedelta, batch: int, dry_run: bool) -> None:
-    """Delete finished operations and their attempts in short batches; the audit stays."""
+    """Delete finished operations and their attempts in short batches; the audit stays. Then
+    the lock rows of ordering keys that no unfinished operation uses any more."""
     with connect(dsn, autocommit=True) as conn:
         count = prune.prune_finished(conn, older_than, batch=batch, dry_run=dry_run)
+        keys = 0 if dry_run else prune.prune_idle_keys(conn, batch=batch)
     verb = "would prune" if dry_run else "pruned"
     click.echo(f"{verb} {count} operation(s) finished more than {format_duration(older_than)} ago")
+    if keys:
+        click.echo(f"pruned {keys} idle ordering key(s)")
 
 
 @main.command()

@@ -43,3 +43,17 @@ def prune_finished(
         after = max(ids)
         if on_batch is not None:
             on_batch(len(ids))
+
+
+def prune_idle_keys(conn: psycopg.Connection[Any], *, batch: int = DEFAULT_BATCH) -> int:
+    """Delete the lock rows of ordering keys with no unfinished operation (sql/0019), in
+    batches; returns how many went. An ordering key per order would otherwise leave a row per
+    order for ever. ``conn`` must be in autocommit mode."""
+    total, after = 0, ("", "")
+    while True:
+        params = {"after_tenant": after[0], "after_key": after[1], "batch": batch}
+        row = conn.execute(statements.PRUNE_ORDERING_KEYS, params).fetchone()
+        if row is None:
+            return total
+        total += int(row[0])
+        after = (row[1], row[2])

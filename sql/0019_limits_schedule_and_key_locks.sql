@@ -60,12 +60,15 @@ UPDATE outbox.operations
 SET status = 'quarantined', status_reason = 'invalid_available_at', ordering_blocked = false,
     last_error = 'available_at ' || available_at::text || ' is not finite or more than 10 '
                  'years ahead (refused at enqueue since sql/0019)',
+    -- The time itself is in the message: past the year 9999 Python cannot even read it.
+    available_at = created_at,
     last_error_class = 'permanent', updated_at = now(), status_changed_at = now()
 WHERE status = 'pending' AND available_at > now() + interval '10 years';
 -- One pass over the table for both: rows with more attempts allowed than enqueue now accepts.
 UPDATE outbox.operations
 SET available_at = CASE WHEN isfinite(available_at) THEN available_at ELSE created_at END,
-    max_attempts = least(max_attempts, 1000)
+    -- Not least(): it would turn NULL (the dispatcher's own max_attempts) into 1000.
+    max_attempts = CASE WHEN max_attempts > 1000 THEN 1000 ELSE max_attempts END
 WHERE NOT isfinite(available_at) OR max_attempts > 1000;
 
 -- --- 2. scheduled rows ----------------------------------------------------------------------
@@ -153,31 +156,33 @@ END;
 $$;
 
 -- At a producer's COMMIT: the first firing of the transaction locks every key it enqueued
--- under, in one order (tenant_id, ordering_key), so two producers cannot deadlock, and gives
--- each its turn. Later firings find the turns taken and only make sure of their own key (a row
--- that came in some other way than enqueue has no turn noted).
+-- under, in one order (tenant_id, ordering_key), so two producers cannot deadlock, gives each
+-- its turn, and clears the transaction's notes. A later firing finds its own key's note gone (a
+-- look-up of one key: scanning the transaction's notes again would meet every note just
+-- deleted, O(n^2) over 20,000 operations) and only makes sure of its key, which this
+-- transaction holds already; so does a row that came in some other way than enqueue.
 CREATE OR REPLACE FUNCTION outbox.take_turn() RETURNS trigger
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
+    v_xid xid8 := pg_current_xact_id();
     v_key record;
-    v_taken boolean := false;
 BEGIN
-    FOR v_key IN
-        SELECT t.tenant_id, t.ordering_key FROM outbox.ordering_turns t
-        WHERE t.xid = pg_current_xact_id()
-        ORDER BY t.tenant_id, t.ordering_key
-    LOOP
-        PERFORM outbox.lock_ordering_key(v_key.tenant_id, v_key.ordering_key);
-        PERFORM outbox.promote_next(v_key.tenant_id, v_key.ordering_key);
-        v_taken := true;
-    END LOOP;
-    IF v_taken THEN
-        DELETE FROM outbox.ordering_turns t WHERE t.xid = pg_current_xact_id();
+    IF EXISTS (SELECT 1 FROM outbox.ordering_turns t
+               WHERE t.xid = v_xid AND t.tenant_id = NEW.tenant_id
+                 AND t.ordering_key = NEW.ordering_key) THEN
+        FOR v_key IN
+            SELECT t.tenant_id, t.ordering_key FROM outbox.ordering_turns t
+            WHERE t.xid = v_xid
+            ORDER BY t.tenant_id, t.ordering_key
+        LOOP
+            PERFORM outbox.lock_ordering_key(v_key.tenant_id, v_key.ordering_key);
+            PERFORM outbox.promote_next(v_key.tenant_id, v_key.ordering_key);
+        END LOOP;
+        DELETE FROM outbox.ordering_turns t WHERE t.xid = v_xid;
         RETURN NULL;
     END IF;
-    -- Already locked by this transaction when enqueue noted it: then this costs a lookup.
     PERFORM outbox.lock_ordering_key(NEW.tenant_id, NEW.ordering_key);
     PERFORM outbox.promote_next(NEW.tenant_id, NEW.ordering_key);
     RETURN NULL;

@@ -605,6 +605,36 @@ DELETE FROM outbox.operations o USING doomed WHERE o.id = doomed.id
 RETURNING o.id
 """
 
+# One batch of ordering keys (sql/0019's lock rows), from just after the last batch: those with
+# no unfinished operation left go. SKIP LOCKED: a key a producer is committing under right now
+# stays; should a producer lock it a moment after it went, lock_ordering_key makes it again.
+# Returns how many went and the last key visited (no row: the walk is done).
+PRUNE_ORDERING_KEYS: Final = """
+WITH visited AS MATERIALIZED (
+    SELECT k.tenant_id, k.ordering_key FROM outbox.ordering_keys k
+    WHERE (k.tenant_id, k.ordering_key) > (%(after_tenant)s::text, %(after_key)s::text)
+    ORDER BY k.tenant_id, k.ordering_key
+    LIMIT %(batch)s::integer
+    FOR UPDATE SKIP LOCKED
+),
+gone AS (
+    DELETE FROM outbox.ordering_keys k USING visited v
+    WHERE k.tenant_id = v.tenant_id AND k.ordering_key = v.ordering_key
+      -- Neither a head (operations_ordering_heads) nor one waiting (operations_ordering_blocked).
+      AND NOT EXISTS (SELECT 1 FROM outbox.operations o
+                      WHERE o.tenant_id = k.tenant_id AND o.ordering_key = k.ordering_key
+                        AND o.ordering_key IS NOT NULL AND NOT o.ordering_blocked
+                        AND o.status IN ('pending', 'in_flight', 'quarantined', 'reconciling'))
+      AND NOT EXISTS (SELECT 1 FROM outbox.operations o
+                      WHERE o.ordering_blocked AND o.tenant_id = k.tenant_id
+                        AND o.ordering_key = k.ordering_key)
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM gone), last.tenant_id, last.ordering_key
+FROM (SELECT tenant_id, ordering_key FROM visited
+      ORDER BY tenant_id DESC, ordering_key DESC LIMIT 1) AS last
+"""
+
 COUNT_PRUNABLE: Final = """
 SELECT count(*) FROM outbox.operations
 WHERE status IN ('succeeded', 'cancelled') AND finished_at < now() - %(older_than)s::interval

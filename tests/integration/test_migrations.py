@@ -11,8 +11,10 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg.rows import dict_row
 
-from outbox.db import migrations
+import outbox
+from outbox.db import migrations, statements
 from outbox.model import Status
 from tests.support.schema import snapshot
 
@@ -157,3 +159,49 @@ def test_the_claim_index_covers_only_claimable_pending_rows(conn: psycopg.Connec
         "WHERE ((status = 'pending'::text) AND (NOT ordering_blocked) AND (NOT scheduled))"
         in row[0]
     )
+
+
+def test_0019_mends_rows_written_before_enqueue_refused_them(empty_db_url: str) -> None:
+    """Rows from before sql/0019: a time that is no schedule, an attempt budget past the cap,
+    a row not due yet in the claim index. After the migration none of them can break a gauge,
+    `outbox status` or get_operation, and the future one is out of the claim index."""
+    with psycopg.connect(empty_db_url, autocommit=True) as conn:
+        migrations.migrate(conn, target=18)
+        for key, available_at, status, max_attempts in [
+            ("minus", "-infinity", "pending", None),
+            ("plus", "infinity", "pending", None),
+            ("far", "12000-01-01 00:00:00+00", "pending", None),
+            ("spent", "-infinity", "succeeded", None),
+            ("forever", "now", "pending", 2_147_483_647),
+            ("tomorrow", "tomorrow", "pending", None),
+        ]:
+            conn.execute(
+                "INSERT INTO outbox.operations (tenant_id, operation_type, operation_key, "
+                "fingerprint, provider, action, payload, idempotency_key, available_at, status, "
+                "max_attempts, provider_ref, finished_at) VALUES ('t', 'x', %(k)s, '\\x00', "
+                "'hook', 'a', '{}', %(k)s, %(at)s, %(status)s, %(max)s, "
+                "CASE WHEN %(status)s = 'succeeded' THEN 'ref' END, "
+                "CASE WHEN %(status)s = 'succeeded' THEN now() END)",
+                {"k": key, "at": available_at, "status": status, "max": max_attempts},
+            )
+        migrations.migrate(conn)
+        got = {
+            key: rest
+            for key, *rest in conn.execute(
+                "SELECT operation_key, status, status_reason, isfinite(available_at), "
+                "available_at <= now(), scheduled, max_attempts FROM outbox.operations"
+            ).fetchall()
+        }
+        assert got == {
+            "minus": ["pending", None, True, True, False, None],
+            "plus": ["quarantined", "invalid_available_at", True, True, False, None],
+            "far": ["quarantined", "invalid_available_at", True, True, False, None],
+            "spent": ["succeeded", None, True, True, False, None],
+            "forever": ["pending", None, True, True, False, 1000],
+            "tomorrow": ["pending", None, True, False, True, None],
+        }
+        for key in got:  # Python reads every row back
+            assert outbox.get_operation(conn, "t", "x", key) is not None
+        row = conn.cursor(row_factory=dict_row).execute(
+            statements.GAUGES, {"exact_limit": 100_000}).fetchone()  # fmt: skip
+        assert row is not None and row["pending"] == 3

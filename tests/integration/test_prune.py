@@ -75,3 +75,25 @@ def test_the_prune_command_reports_and_a_dry_run_deletes_nothing(
 def test_prune_needs_an_age(cli_env: dict[str, str]) -> None:
     done = outbox_cli(cli_env, "prune")
     assert done.returncode == 2 and "--older-than" in done.stderr
+
+
+def test_prune_removes_the_locks_of_ordering_keys_no_unfinished_operation_uses(
+    db_url: str, cli_env: dict[str, str]
+) -> None:
+    with psycopg.connect(db_url) as conn:
+        conn.execute(
+            "SELECT outbox.enqueue(tenant_id => 'acme', operation_type => 'x', "
+            "operation_key => 'op-' || g, provider => 'hook', action => 'a', payload => '{}', "
+            "ordering_key => 'key-' || (g % 5)) FROM generate_series(1, 10) g"
+        )
+    done = [i for (i,) in rows(db_url, "SELECT id FROM outbox.operations "
+                                       "WHERE ordering_key IN ('key-1', 'key-2')")]  # fmt: skip
+    with psycopg.connect(db_url) as conn:
+        conn.execute("UPDATE outbox.operations SET ordering_blocked = false WHERE id = ANY(%s)",
+                     (done,))  # fmt: skip
+    finish(db_url, done, "succeeded", "40 days")
+    result = outbox_cli(cli_env, "prune", "--older-than", "30d", "--batch", "2")
+    assert result.returncode == 0, result.stderr
+    assert "pruned 2 idle ordering key(s)" in result.stdout
+    assert rows(db_url, "SELECT ordering_key FROM outbox.ordering_keys ORDER BY 1") == [
+        ("key-0",), ("key-3",), ("key-4",)]  # fmt: skip

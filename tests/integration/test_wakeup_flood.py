@@ -1,0 +1,59 @@
+"""Wake-ups nobody can flood (issue 17, case 7).
+
+Any database role may `NOTIFY outbox_enqueue`. Before the dispatcher coalesced its wake-ups,
+40,000 notifications drove about 900 claim queries in 1.5 s; now a claim woken by a notification
+that found nothing makes the next wake-up wait a doubling gap, up to WAKE_GAP_MAX.
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from pathlib import Path
+
+import psycopg
+
+import outbox
+from outbox.dispatcher import WAKE_GAP_MAX
+from outbox.providers.fakes.webhook import FakeWebhookReceiver
+from tests.support.daemon import OutboxProcess, wait_until, write_config
+
+FLOOD = 40_000
+
+
+def claims(base: str) -> float:
+    with urllib.request.urlopen(f"{base}/metrics", timeout=5) as answer:  # noqa: S310
+        text = answer.read().decode()
+    (line,) = [x for x in text.splitlines() if x.startswith("outbox_claim_duration_seconds_count")]
+    return float(line.split()[-1])
+
+
+def test_a_flood_of_notifications_costs_a_claim_per_gap_and_real_work_still_wakes_at_once(
+    db_url: str, receiver: FakeWebhookReceiver, tmp_path: Path
+) -> None:
+    cfg = write_config(tmp_path / "outbox.toml", providers={"hook": {
+        "type": "webhook", "url": receiver.url}}, poll_interval="1s")  # fmt: skip
+    proc = OutboxProcess(db_url, cfg, tmp_path / "run.log", metrics_addr="127.0.0.1:0")
+    try:
+        base = proc.metrics_url()
+        wait_until(lambda: '"listening for enqueue notifications"' in proc.log_text(),
+                   timeout=30, what="the LISTEN connection")  # fmt: skip
+        time.sleep(1.5)  # idle: its waiting mark is set, the first polls are done
+        before, started = claims(base), time.monotonic()
+        with psycopg.connect(db_url, autocommit=True) as conn:
+            for batch in range(FLOOD // 1000):  # distinct payloads: PostgreSQL folds no two
+                conn.execute("SELECT pg_notify('outbox_enqueue', %s || '-' || g) "
+                             "FROM generate_series(1, 1000) g", (str(batch),))  # fmt: skip
+        time.sleep(2.0)  # the last notifications reach it, and it reads them all
+        spent, elapsed = claims(base) - before, time.monotonic() - started
+        # A claim per gap at most, plus the doubling up to it and a poll a second.
+        bound = elapsed / WAKE_GAP_MAX + 8 + elapsed
+        assert spent <= bound, f"{spent:.0f} claims in {elapsed:.1f} s (bound {bound:.0f})"
+        # Real work after the flood still wakes the dispatcher, within a gap, not a poll.
+        with psycopg.connect(db_url) as conn:
+            outbox.enqueue(conn, tenant_id="t", operation_type="x", operation_key="real",
+                           provider="hook", action="a", payload={})  # fmt: skip
+        wait_until(lambda: receiver.effect_count() == 1, timeout=10, what="the real one")
+        assert proc.proc.poll() is None
+    finally:
+        proc.stop()
