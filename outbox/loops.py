@@ -21,6 +21,13 @@ from outbox import failpoints, metrics
 # little, slow enough that a fault that repeats is not a busy loop filling the log.
 ERROR_PAUSE: Final = 1.0
 
+# Every loop that counts its exceptions. Their counters exist at 0 from the start: a counter
+# born at its first increment would hide that first one from increase() and the alert.
+LOOPS: Final = ("claim", "dispatch", "heartbeat", "rescue", "ordering_repair", "stage",
+                "gauges", "reconcile", "listen")  # fmt: skip
+for _name in LOOPS:
+    metrics.INTERNAL_ERRORS.labels(_name)
+
 log = structlog.get_logger("outbox.loops")
 
 

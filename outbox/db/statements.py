@@ -318,7 +318,13 @@ recorded AS (
         first_sent_at = CASE WHEN i.sent THEN coalesce(o.first_sent_at, o.last_attempt_at)
                              ELSE o.first_sent_at END,
         provider_ref = coalesce(i.provider_ref, o.provider_ref),
-        result = coalesce(i.result, o.result),
+        -- At most 64 KiB of the provider's answer is kept (its reference always is): a row is
+        -- read back by operators and get_operation, and the answer's size is the provider's.
+        result = CASE WHEN pg_column_size(i.result) > 65536
+                      THEN jsonb_build_object('outbox_omitted', format(
+                               'the answer was %%s bytes; outbox keeps at most 65536',
+                               pg_column_size(i.result)))
+                      ELSE coalesce(i.result, o.result) END,
         last_error = i.error,
         last_error_class = i.failure,
         updated_at = now(),

@@ -16,6 +16,7 @@ from pathlib import Path
 import psycopg
 
 import outbox
+from outbox.loops import LOOPS
 from outbox.providers.fakes.webhook import FakeWebhookReceiver
 from tests.support.daemon import OutboxProcess, outbox_processes, wait_until, write_config
 from tests.support.dispatch import rows, statuses
@@ -124,10 +125,8 @@ def test_every_loop_outlives_exceptions_and_a_bug_before_the_send_quarantines_un
         base = proc.metrics_url()
         wait_until(lambda: statuses(db_url) == {"succeeded": len(ops) - 2, "quarantined": 2},
                    timeout=60, what="every operation settled")  # fmt: skip
-        loops = ("claim", "dispatch", "heartbeat", "rescue", "ordering_repair", "stage",
-                 "gauges", "reconcile", "listen")  # fmt: skip
         wait_until(lambda: all(counter(scrape(base), "outbox_internal_errors_total", loop=name)
-                               >= 2 for name in loops),
+                               >= 2 for name in LOOPS),
                    timeout=30, what="two errors counted in every loop")  # fmt: skip
         assert proc.proc.poll() is None, proc.log_text()[-3000:]
         # The loops went on after their errors: the gauges still refresh.

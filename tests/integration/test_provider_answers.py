@@ -443,3 +443,23 @@ async def test_a_lookup_page_may_be_larger_than_a_create_answer(fake: FakeStripe
         await provider.aclose()
     assert found is not None  # every object carries operation 7's id; ob1_29's is found
     assert_unknown(too_large, "response_too_large", 200)
+
+
+async def test_an_answer_within_the_cap_but_past_64_kib_keeps_its_reference_not_its_body(
+    db_url: str, pool: AsyncConnectionPool[Any], receiver: FakeWebhookReceiver
+) -> None:
+    """What `result` keeps is bounded (outbox reads it back for operators and get_operation);
+    the reference of the effect is always kept."""
+    (op,) = enqueue_many(db_url, 1)
+    body = json.dumps({"id": "wh_big", "padding": "x" * 200_000}).encode()
+    receiver.inject(fake_webhook.Fault.raw_answer_after_apply(body))
+    hook = webhook_provider(receiver.url)
+    try:
+        assert await dispatcher(pool, {"hook": hook}).run_once() == 1
+    finally:
+        await hook.aclose()
+    query = "SELECT status, provider_ref, result FROM outbox.operations WHERE id = %s"
+    ((status, ref, result),) = rows(db_url, query, (op,))
+    assert (status, ref) == ("succeeded", "wh_big")
+    assert list(result) == ["outbox_omitted"]
+    assert "keeps at most 65536" in result["outbox_omitted"]
