@@ -112,7 +112,7 @@ def fresh_database(*, migrate: bool = True, prefix: str = "",
 _BULK_INSERT = """
 INSERT INTO outbox.operations (
     tenant_id, operation_type, operation_key, fingerprint, provider, action, payload,
-    idempotency_key, available_at, scheduled, ordering_key, ordering_blocked)
+    idempotency_key, available_at, scheduled, payload_bytes, ordering_key, ordering_blocked)
 SELECT t.tenant_id, t.operation_type, t.operation_key,
        sha256(convert_to(t.provider || E'\\n' || t.action || E'\\n' || t.payload::text
                          || coalesce(E'\\n' || t.ordering_key, ''), 'UTF8')),
@@ -120,7 +120,7 @@ SELECT t.tenant_id, t.operation_type, t.operation_key,
        outbox.derive_idempotency_key(t.tenant_id, t.operation_type, t.operation_key),
        coalesce(%(available_at)s, now()),
        -- Not due yet: out of the claim index until staged (sql/0019).
-       coalesce(%(available_at)s > now(), false),
+       coalesce(%(available_at)s > now(), false), octet_length(t.payload::text),
        -- Ordered rows wait; the commit trigger (sql/0015) makes each key's first the head.
        t.ordering_key, t.ordering_key IS NOT NULL
 FROM (

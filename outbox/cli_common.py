@@ -105,6 +105,10 @@ def connect(dsn: str, *, autocommit: bool = False) -> Iterator[psycopg.Connectio
         options["connect_timeout"] = CONNECT_TIMEOUT_SECONDS
     try:
         with psycopg.connect(dsn, **options) as conn:
+            # Operator functions read after taking an ordering key's lock, which only READ
+            # COMMITTED's fresh snapshot per statement makes right, whatever the database's
+            # default_transaction_isolation (sql/0019).
+            conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
             yield conn
     except (
         psycopg.errors.UndefinedTable,

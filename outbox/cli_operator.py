@@ -237,17 +237,24 @@ def add_quarantine_actions(group: click.Group) -> None:
 def cancel(dsn: str, operation_id: int, reason: str, actor: str) -> None:
     """Give up on an unfinished operation: nothing more is sent.
 
-    Pending, quarantined or reconciling: cancelled now. In flight: the attempt under way is not
-    interrupted (it may have reached the provider already); the operation is cancelled when that
-    attempt ends, unless it succeeded. Either way the audit records who asked and why.
+    Pending, quarantined or reconciling: cancelled now, unless an earlier attempt may have
+    reached the provider: then to reconciliation, where a check or a person decides. In flight:
+    the attempt under way is not interrupted; when it ends, the operation is succeeded if it
+    succeeded, reconciling if it may have reached the provider, cancelled otherwise. The audit
+    records who asked and why.
     """
     with connect(dsn) as conn:
         status = _refusing(
             lambda: operators.request_cancel(conn, operation_id, reason=reason, actor=actor)
         )
     if status is Status.IN_FLIGHT:
-        click.echo(f"operation {operation_id}: in_flight; cancel requested: it is cancelled when "
-                   "the attempt under way ends, unless that attempt succeeds")  # fmt: skip
+        click.echo(f"operation {operation_id}: in_flight; cancel requested: it is settled when "
+                   "the attempt under way ends (succeeded if that succeeds; reconciling if it "
+                   "may have reached the provider; else cancelled)")  # fmt: skip
+    elif status is Status.RECONCILING:
+        click.echo(f"operation {operation_id}: reconciling; an earlier attempt may have reached "
+                   f"the provider: `outbox reconcile check {operation_id}`, then cancel or "
+                   "resolve it")  # fmt: skip
     else:
         click.echo(f"operation {operation_id}: {status.value}")
 

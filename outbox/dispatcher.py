@@ -171,8 +171,10 @@ class Dispatcher:
                                       for name in providers})  # fmt: skip
         self._labels = Labels({name: getattr(p, "actions", None) for name, p in providers.items()})
         self._wake = asyncio.Event()
-        # Claims in a row that a wake-up started and that found nothing (see WAKE_GAP_MIN).
+        # Claims in a row that a notification started and that found nothing (WAKE_GAP_MIN);
+        # wake-ups of this process's own (a slot freed, rows staged) neither count nor wait.
         self._empty_wakes = 0
+        self._notified = False
         # The stager runs again by this loop time, earlier when told of a retry due sooner.
         self._stage_at = float("inf")
         self._stage_nudge = asyncio.Event()
@@ -204,7 +206,8 @@ class Dispatcher:
     # --- control ------------------------------------------------------------------------------
 
     def wake(self) -> None:
-        """Something was enqueued: claim now instead of at the next poll."""
+        """A notification came (something was enqueued): claim now, not at the next poll."""
+        self._notified = True
         self._wake.set()
 
     def request_stop(self) -> None:
@@ -303,7 +306,9 @@ class Dispatcher:
                 await self._claim_round(primary=primary, chunk=chunk)
             except Exception:  # noqa: BLE001 (a bug in a round must not end the claiming)
                 loops.note("claim")
-                await self._sleep_until_woken(loops.ERROR_PAUSE)
+                # Not cut short by wake-ups: a round that keeps failing must not spin.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), loops.ERROR_PAUSE)
 
     async def _claim_round(self, *, primary: bool, chunk: int) -> None:
         if not primary and not self._backlog.is_set():
@@ -338,14 +343,17 @@ class Dispatcher:
                 await self._unmark_waiting()  # a backlog: no wake-ups needed
 
     async def _idle(self, *, found: bool) -> None:
-        """Wait for a wake-up or the poll interval. Wake-ups that keep finding nothing (a burst
-        of notifications anyone can send) are coalesced: each waits for a gap that doubles,
-        so a flood costs a claim per WAKE_GAP_MAX at most, and one claim that finds something
-        brings back immediate wake-ups."""
+        """Wait for a wake-up or the poll interval. Notifications that keep finding nothing (a
+        burst anyone can send) are coalesced: each waits for a gap that doubles, so a flood
+        costs a claim per WAKE_GAP_MAX at most, and one claim that finds something brings back
+        immediate wake-ups. This process's own wake-ups never wait."""
         self._empty_wakes = 0 if found else self._empty_wakes
         woken = await self._sleep_until_woken(self._idle_wait())
+        notified, self._notified = self._notified, False
         if not woken:
-            self._empty_wakes = 0  # a poll: the next wake-up is news
+            self._empty_wakes = 0  # a poll: the next notification is news
+            return
+        if not notified:
             return
         if self._empty_wakes:
             gap = min(WAKE_GAP_MAX, WAKE_GAP_MIN * 2.0 ** (self._empty_wakes - 1))
@@ -475,8 +483,9 @@ class Dispatcher:
         failure = (unknown if sent else permanent)("internal_error", message)
         try:
             await self._finish(flight, failure, sent=sent, reason=REASON_INTERNAL_ERROR)
-        except Exception:  # noqa: BLE001 (the rescuer takes the row back when the lease ends)
-            loops.note("dispatch")
+        except Exception:
+            # The rescuer takes the row back when the lease ends.
+            flight.log.exception("recording the failure failed too; the lease will expire")
 
     async def _dispatch(self, flight: InFlight) -> None:
         row = flight.row
@@ -953,7 +962,7 @@ def _decoded(row: Claimed) -> tuple[dict[str, Any] | None, str | None]:
     """The row's payload object, or None and why it cannot be carried. Never raises."""
     text, limit = row.payload, row.payload_limit
     if text is None:
-        return None, (f"the payload is {row.payload_bytes} bytes as stored; the claim hands over "
+        return None, (f"the payload is {row.payload_bytes} bytes of JSON; the claim hands over "
                       f"at most {limit} (outbox.limits.max_payload_bytes)")  # fmt: skip
     # Characters first: a byte count only where the text could be over the limit at all.
     if len(text) > limit or (len(text) * 4 > limit and len(text.encode()) > limit):

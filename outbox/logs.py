@@ -26,13 +26,20 @@ _SECRET_PATTERNS: Final = (
 )
 
 
+# A PostgreSQL error's DETAIL line quotes data: "Failing row contains (...)" is every column of
+# the row, payload and provider answer included; "Key (...)=(...)" the values of a key.
+_ERROR_DETAIL: Final = re.compile(r"^DETAIL:.*$", re.MULTILINE)
+
+
 def redact_secrets(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
-    """A structlog processor that masks secret-bearing keys, and secrets inside any text."""
+    """A structlog processor that masks secret-bearing keys, and secrets inside any text; in a
+    traceback (``exception``, rendered before this runs) also the database's DETAIL lines."""
     for key, value in event.items():
         if key.lower() in _SECRET_KEYS:
             event[key] = REDACTED
         elif isinstance(value, str):
-            event[key] = scrub_text(value)
+            text = _ERROR_DETAIL.sub(f"DETAIL: {REDACTED}", value) if key == "exception" else value
+            event[key] = scrub_text(text)
     return event
 
 
@@ -63,8 +70,9 @@ def configure(level: str = "info", *, json: bool | None = None,
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
-            redact_secrets,
+            # Tracebacks rendered first, so that redaction sees them too.
             structlog.processors.format_exc_info,
+            redact_secrets,
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(

@@ -57,13 +57,17 @@ UPDATE outbox.operations
 SET available_at = now()
 WHERE status = 'pending' AND available_at < timestamptz '1970-01-01 00:00:00+00';
 UPDATE outbox.operations
-SET status = 'quarantined', status_reason = 'invalid_available_at', ordering_blocked = false,
+SET status = 'quarantined', status_reason = 'invalid_available_at',
     last_error = 'available_at ' || available_at::text || ' is not finite or more than 10 '
                  'years ahead (refused at enqueue since sql/0019)',
     -- The time itself is in the message: past the year 9999 Python cannot even read it.
     available_at = created_at,
     last_error_class = 'permanent', updated_at = now(), status_changed_at = now()
-WHERE status = 'pending' AND available_at > now() + interval '10 years';
+WHERE status = 'pending' AND NOT ordering_blocked AND available_at > now() + interval '10 years';
+-- One waiting for its ordering key's turn keeps its place in line (quarantined, it would count
+-- as a head and go before the earlier ones): it is due in ten years instead.
+UPDATE outbox.operations SET available_at = now() + interval '10 years'
+WHERE ordering_blocked AND available_at > now() + interval '10 years';
 -- One pass over the table for both: rows with more attempts allowed than enqueue now accepts.
 UPDATE outbox.operations
 SET available_at = CASE WHEN isfinite(available_at) THEN available_at ELSE created_at END,
@@ -74,6 +78,13 @@ WHERE NOT isfinite(available_at) OR max_attempts > 1000;
 -- --- 2. scheduled rows ----------------------------------------------------------------------
 
 ALTER TABLE outbox.operations ADD COLUMN scheduled boolean NOT NULL DEFAULT false;
+-- Bytes of the payload's JSON text, as enqueue measured it against the limit: the claim compares
+-- this, not the stored size, which compression makes up to ~90 times smaller (a 60 MB payload of
+-- the old, liftable setting is 0.7 MB stored) and EXTERNAL storage larger. NULL for rows from
+-- before: the unfinished ones are measured below; a finished one is never claimed again.
+ALTER TABLE outbox.operations ADD COLUMN payload_bytes integer;
+UPDATE outbox.operations SET payload_bytes = octet_length(payload::text)
+WHERE status IN ('pending', 'in_flight', 'quarantined', 'reconciling');
 -- Only a pending operation waits for its time; every other status clears the mark.
 ALTER TABLE outbox.operations
     ADD CONSTRAINT operations_scheduled_only_pending CHECK (NOT scheduled OR status = 'pending');
@@ -161,6 +172,10 @@ $$;
 -- look-up of one key: scanning the transaction's notes again would meet every note just
 -- deleted, O(n^2) over 20,000 operations) and only makes sure of its key, which this
 -- transaction holds already; so does a row that came in some other way than enqueue.
+-- A producer at REPEATABLE READ or SERIALIZABLE reads with the snapshot of its transaction's
+-- start even under the lock, and would not see a head settled meanwhile (the key left with no
+-- head); and its insert of a new key's row could fail its COMMIT (40001). It takes no lock:
+-- its keys are noted for the dispatchers' repair, which runs at READ COMMITTED, within a second.
 CREATE OR REPLACE FUNCTION outbox.take_turn() RETURNS trigger
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
@@ -169,6 +184,19 @@ DECLARE
     v_xid xid8 := pg_current_xact_id();
     v_key record;
 BEGIN
+    IF current_setting('transaction_isolation') NOT IN ('read committed', 'read uncommitted') THEN
+        IF EXISTS (SELECT 1 FROM outbox.ordering_turns t
+                   WHERE t.xid = v_xid AND t.tenant_id = NEW.tenant_id
+                     AND t.ordering_key = NEW.ordering_key) THEN
+            INSERT INTO outbox.ordering_repairs (tenant_id, ordering_key)
+            SELECT t.tenant_id, t.ordering_key FROM outbox.ordering_turns t WHERE t.xid = v_xid;
+            DELETE FROM outbox.ordering_turns t WHERE t.xid = v_xid;
+        ELSE
+            INSERT INTO outbox.ordering_repairs (tenant_id, ordering_key)
+            VALUES (NEW.tenant_id, NEW.ordering_key);
+        END IF;
+        RETURN NULL;
+    END IF;
     IF EXISTS (SELECT 1 FROM outbox.ordering_turns t
                WHERE t.xid = v_xid AND t.tenant_id = NEW.tenant_id
                  AND t.ordering_key = NEW.ordering_key) THEN
@@ -306,10 +334,13 @@ REVOKE ALL ON FUNCTION outbox.lock_ordering_key(text, text),
 ALTER TABLE outbox.operations ADD COLUMN cancel_requested_at timestamptz;
 
 -- `outbox cancel`: give up on any unfinished operation; nothing more will be sent. Pending,
--- quarantined, reconciling: cancelled now. In flight: the attempt under way is not interrupted
--- (it may already have reached the provider); the operation is cancelled when it ends, unless
--- it succeeded. Returns the status now. (`reconcile cancel` and `quarantine cancel` keep
--- cancel_operation, which refuses any other status than theirs.)
+-- quarantined, reconciling: cancelled now, except a pending one an earlier attempt of which may
+-- have reached the provider (first_sent_at): "cancelled" would say the effect never happened,
+-- so it goes to reconciliation (reason cancel_requested), where a check or a person decides. In
+-- flight: the attempt under way is not interrupted (it may already have reached the provider);
+-- the operation is settled when it ends (operations_cancel_when_attempt_ends). Returns the
+-- status now. (`reconcile cancel` and `quarantine cancel` keep cancel_operation, which refuses
+-- any other status than theirs.)
 CREATE FUNCTION outbox.request_cancel(operation_id bigint, reason text, actor text)
 RETURNS text
 LANGUAGE plpgsql SECURITY DEFINER
@@ -330,6 +361,16 @@ BEGIN
                                    jsonb_build_object('attempt', op.attempts));
         RETURN 'in_flight';
     END IF;
+    IF op.status = 'pending' AND op.first_sent_at IS NOT NULL THEN
+        UPDATE outbox.operations o
+        SET status = 'reconciling', status_reason = 'cancel_requested', scheduled = false,
+            ordering_blocked = false, checked_at = NULL, check_finding = NULL,
+            updated_at = now(), status_changed_at = now()
+        WHERE o.id = op.id;
+        PERFORM outbox.write_audit(op, actor, 'cancel_requested', reason, 'reconciling',
+            jsonb_build_object('first_sent_at', op.first_sent_at));
+        RETURN 'reconciling';
+    END IF;
     UPDATE outbox.operations o
     SET status = 'cancelled', status_reason = 'cancelled by operator', scheduled = false,
         ordering_blocked = false, updated_at = now(), status_changed_at = now(),
@@ -341,9 +382,12 @@ END;
 $$;
 
 -- The attempt of an operation whose cancel was requested ended (recorded, released, or its
--- lease rescued): cancelled instead of going on, succeeded if it succeeded. The attempt's own
--- outcome is in outbox.attempts either way. SECURITY DEFINER: it fires as the dispatcher,
--- which may not write the audit.
+-- lease rescued). Succeeded: it stays succeeded, the cancel came too late. Otherwise, if this
+-- attempt or an earlier one may have reached the provider (first_sent_at, which the record and
+-- the rescue set for such an attempt), to reconciliation (reason cancel_requested): nothing more
+-- is sent, and "cancelled" would claim an effect that may exist never happened. Else cancelled.
+-- The attempt's own outcome is in outbox.attempts either way. SECURITY DEFINER: it fires as the
+-- dispatcher, which may not write the audit.
 CREATE FUNCTION outbox.cancel_when_attempt_ends() RETURNS trigger
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
@@ -353,6 +397,18 @@ BEGIN
         PERFORM outbox.write_audit(OLD, 'outbox', 'cancel_not_applied',
             'the attempt under way when the cancel was requested succeeded', 'succeeded',
             jsonb_build_object('requested_at', OLD.cancel_requested_at));
+        RETURN NEW;
+    END IF;
+    IF NEW.first_sent_at IS NOT NULL THEN
+        PERFORM outbox.write_audit(OLD, 'outbox', 'cancel_to_reconciliation',
+            'cancel requested while the operation was in flight; its attempts may have reached '
+            'the provider, so reconciliation decides', 'reconciling',
+            jsonb_build_object('requested_at', OLD.cancel_requested_at,
+                               'instead_of', NEW.status));
+        NEW.status := 'reconciling';
+        NEW.status_reason := 'cancel_requested';
+        NEW.scheduled := false;
+        NEW.finished_at := NULL;
         RETURN NEW;
     END IF;
     PERFORM outbox.write_audit(OLD, 'outbox', 'cancel',
@@ -455,6 +511,7 @@ BEGIN
     -- outbox.limits is read only for a payload over the least limit it can hold (4 KiB).
     IF v_bytes > 4096 THEN
         SELECT l.max_payload_bytes INTO v_max_bytes FROM outbox.limits l;
+        v_max_bytes := coalesce(v_max_bytes, 1048576);  -- the row deleted: the default
         IF v_bytes > v_max_bytes THEN
             RAISE EXCEPTION 'payload is % bytes of JSON; at most % are allowed',
                 v_bytes, v_max_bytes
@@ -511,7 +568,7 @@ BEGIN
         INSERT INTO outbox.operations AS o (
             tenant_id, operation_type, operation_key, fingerprint, provider, action, payload,
             idempotency_key, correlation_id, traceparent, max_attempts, available_at,
-            scheduled, ordering_key, ordering_blocked
+            scheduled, payload_bytes, ordering_key, ordering_blocked
         ) VALUES (
             tenant_id, operation_type, operation_key, v_fingerprint, provider, action, payload,
             coalesce(idempotency_key,
@@ -520,7 +577,7 @@ BEGIN
                          'UTF8')), 'hex')),
             correlation_id, traceparent, max_attempts, v_available_at,
             -- Not due yet: out of the claim index until a dispatcher stages it.
-            v_available_at > now(),
+            v_available_at > now(), v_bytes,
             ordering_key, ordering_key IS NOT NULL
         )
         ON CONFLICT ON CONSTRAINT operations_identity DO NOTHING

@@ -52,6 +52,7 @@ DECLARE
     s record;
 BEGIN
     FOR s IN SELECT * FROM (VALUES ('lock_timeout', '2s'),
+                                   ('default_transaction_isolation', 'read committed'),
                                    ('statement_timeout', '30s'),
                                    ('idle_in_transaction_session_timeout', '60s'),
                                    ('jit', 'off'),

@@ -55,6 +55,10 @@ SESSION_LIMITS: Final = {
     # and runs as fast. tests/integration/test_query_plans.py runs the generic plan of every
     # statement with parameters that `outbox run` repeats: none does more work than its custom one.
     "plan_cache_mode": "force_generic_plan",
+    # The ordering triggers that run in the dispatcher's statements read after taking a key's
+    # lock: only READ COMMITTED's fresh snapshot per statement sees the commit that lock waited
+    # for. A database whose default is stricter must not make the dispatcher strand a key.
+    "default_transaction_isolation": "read committed",
 }
 
 

@@ -92,16 +92,19 @@ SET status = 'in_flight',
     last_attempt_at = now(),
     updated_at = now(),
     status_changed_at = now()
+-- The limit of outbox.limits (0019; its default should the owner have deleted the row).
+FROM (SELECT coalesce((SELECT l.max_payload_bytes FROM outbox.limits l), 1048576) AS max) AS lim
 -- An array, not a join: the planner cannot misjudge it into a scan of the whole table.
 WHERE o.id = ANY (ARRAY(SELECT id FROM due))
 -- The payload as PostgreSQL's own text, never decoded here: the dispatcher decodes each row on
--- its own, so one row it cannot decode is quarantined alone (outbox/payloads.py). A payload
--- whose stored size is past outbox.limits (0019) is not handed over at all (NULL).
+-- its own, so one row it cannot decode is quarantined alone (outbox/payloads.py). One whose
+-- text is past the limit is not handed over at all (NULL): payload_bytes is its size as enqueue
+-- measured it; a row written some other way is measured here.
 RETURNING o.id, o.tenant_id, o.operation_type, o.operation_key, o.provider, o.action,
-          CASE WHEN pg_column_size(o.payload) <= (SELECT l.max_payload_bytes FROM outbox.limits l)
+          CASE WHEN coalesce(o.payload_bytes, octet_length(o.payload::text)) <= lim.max
                THEN o.payload::text END AS payload,
-          pg_column_size(o.payload) AS payload_bytes,
-          (SELECT l.max_payload_bytes FROM outbox.limits l) AS payload_limit,
+          coalesce(o.payload_bytes, octet_length(o.payload::text)) AS payload_bytes,
+          lim.max AS payload_limit,
           o.idempotency_key, o.correlation_id, o.traceparent, o.attempts, o.attempt_base,
           o.max_attempts, o.lease_token, o.first_sent_at, o.created_at, now() AS claimed_at
 """
@@ -162,11 +165,11 @@ limits AS (
     SELECT * FROM unnest(%(cap_providers)s::text[], %(caps)s::integer[]) AS l(provider, cap)
 ),
 groups (provider, tenant_id, available_at, cap, wrapped, n, pn) AS (
-    -- A loose index scan: one probe per group, each giving the group's earliest row. pn counts
-    -- the groups of this provider visited in a row.
-    SELECT f.provider, f.tenant_id, f.available_at,
-           coalesce((SELECT l.cap FROM limits l WHERE l.provider = f.provider), %(limit)s),
-           f.wrapped, 1, 1
+    -- A loose index scan: one probe per group, each giving the group's earliest row. n counts
+    -- the groups visited that may give rows (a provider capped at 0 is a probe, not a visit:
+    -- with a claim of one row and two paused providers, they once took up the whole visit);
+    -- pn the groups of this provider visited in a row.
+    SELECT f.provider, f.tenant_id, f.available_at, c.cap, f.wrapped, (c.cap > 0)::integer, 1
     FROM (
         (SELECT o.provider, o.tenant_id, o.available_at, false AS wrapped
          FROM outbox.operations o
@@ -180,10 +183,12 @@ groups (provider, tenant_id, available_at, cap, wrapped, n, pn) AS (
          ORDER BY o.provider, o.tenant_id, o.available_at, o.id LIMIT 1)
         LIMIT 1
     ) f
+    CROSS JOIN LATERAL (
+        SELECT coalesce((SELECT l.cap FROM limits l WHERE l.provider = f.provider), %(limit)s)
+    ) AS c(cap)
     UNION ALL
-    SELECT nx.provider, nx.tenant_id, nx.available_at,
-           coalesce((SELECT l.cap FROM limits l WHERE l.provider = nx.provider), %(limit)s),
-           nx.wrapped, g.n + 1, CASE WHEN nx.provider = g.provider THEN g.pn + 1 ELSE 1 END
+    SELECT nx.provider, nx.tenant_id, nx.available_at, c.cap, nx.wrapped,
+           g.n + (c.cap > 0)::integer, CASE WHEN nx.provider = g.provider THEN g.pn + 1 ELSE 1 END
     FROM groups g
     CROSS JOIN LATERAL (
         -- The next group. Past a provider capped at 0, or one with as many groups visited as
@@ -213,6 +218,9 @@ groups (provider, tenant_id, available_at, cap, wrapped, n, pn) AS (
          ORDER BY o.provider, o.tenant_id, o.available_at, o.id LIMIT 1)
         LIMIT 1
     ) nx
+    CROSS JOIN LATERAL (
+        SELECT coalesce((SELECT l.cap FROM limits l WHERE l.provider = nx.provider), %(limit)s)
+    ) AS c(cap)
     WHERE g.n < %(max_groups)s
       -- Once around, stop where the visit began.
       AND NOT (nx.wrapped

@@ -34,8 +34,11 @@ from outbox.model import Status
 STATEMENT_DEADLINE: Final = 35.0
 
 # How many (provider, tenant) groups one claim visits at most: one index probe each. Beyond it,
-# the cursor carries the visit on at the next claim.
+# the cursor carries the visit on at the next claim. A claim of more rows may visit as many
+# groups as it takes rows, and JUMPS_PER_CLAIM more for providers jumped over (capped): every
+# group the visit reaches has a due row, so that is enough to fill it.
 MAX_GROUPS_PER_CLAIM: Final = 200
+JUMPS_PER_CLAIM: Final = 16
 # After a claim that needed the fair statement, how many go straight to it before the one-group
 # statement is tried again: with one active group and another capped at 0, it would fail on
 # every claim; this way on one in 17.
@@ -75,7 +78,7 @@ class Claimed(NamedTuple):
     provider: str
     action: str
     # PostgreSQL's JSON text of the payload, decoded by the dispatcher row by row
-    # (outbox.payloads); None when its stored size (payload_bytes) is past payload_limit, the
+    # (outbox.payloads); None when its size in bytes (payload_bytes) is past payload_limit, the
     # limit of outbox.limits: such a payload is never handed over.
     payload: str | None
     payload_bytes: int
@@ -125,8 +128,8 @@ def claim_params(worker: str, limit: int, lease: timedelta,
         "worker": worker, "limit": limit, "lease": lease,
         "cap_providers": list(caps), "caps": list(caps.values()),
         "after_provider": after[0] if after else "", "after_tenant": after[1] if after else "",
-        # Past `limit` groups each share is one row; the margin covers groups with nothing due.
-        "max_groups": min(2 * limit, MAX_GROUPS_PER_CLAIM),
+        # Past `limit` groups each share is one row; the margin covers providers jumped over.
+        "max_groups": min(2 * limit, max(MAX_GROUPS_PER_CLAIM, limit + JUMPS_PER_CLAIM)),
     }  # fmt: skip
 
 

@@ -372,3 +372,12 @@ def test_enqueue_accepts_exactly_what_the_dispatcher_can_carry(
         # Exact: PostgreSQL reads the decoded numbers back as the very same jsonb.
         same = conn.execute("SELECT %s::jsonb = %s::jsonb", (payloads.encode(decoded), text))
         assert same.fetchone() == (True,)
+
+
+def test_an_emptied_limits_table_falls_back_to_the_default_limit(
+    conn: psycopg.Connection[Any], db_url: str
+) -> None:
+    with psycopg.connect(db_url) as owner:
+        owner.execute("DELETE FROM outbox.limits")
+    with pytest.raises(InvalidOperation, match="at most 1048576 are allowed"):
+        outbox.enqueue(conn, **charge(payload={"blob": "x" * 2_000_000}))

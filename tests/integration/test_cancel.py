@@ -1,8 +1,10 @@
 """Operators can stop anything (issue 17): `outbox cancel ID --reason`.
 
 Pending, scheduled, waiting for its ordering key: cancelled at once. In flight: the attempt under
-way is never interrupted nor given an outcome it did not have; the operation is cancelled when
-that attempt ends, unless it succeeded. Both are in the audit.
+way is never interrupted nor given an outcome it did not have; when it ends the operation is
+cancelled, unless it succeeded, or unless it (or an earlier attempt) may have reached the
+provider: then "cancelled" would say an effect that may exist never happened, and it goes to
+reconciliation instead. All of it is in the audit.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import psycopg
 from psycopg_pool import AsyncConnectionPool
 
 from outbox.db.store import Store
+from outbox.model import Status
 from outbox.providers.fakes.webhook import FakeWebhookReceiver
 from tests.support.cli import outbox_cli
 from tests.support.dispatch import dispatcher, enqueue_many, key_of, rows, webhook
@@ -86,7 +89,7 @@ async def _held_attempt(
     return op, (held, run, hook)
 
 
-async def test_an_attempt_that_fails_after_the_cancel_leaves_the_operation_cancelled(
+async def test_an_attempt_that_may_have_reached_the_provider_goes_to_reconciliation_not_cancelled(
     db_url: str, pool: AsyncConnectionPool[Any], receiver: FakeWebhookReceiver,
     cli_env: dict[str, str],
 ) -> None:  # fmt: skip
@@ -96,17 +99,18 @@ async def test_an_attempt_that_fails_after_the_cancel_leaves_the_operation_cance
     finally:
         held.release()
         await hook.aclose()
-    assert status_of(db_url, op) == ("cancelled", "cancelled by operator")
-    # The attempt keeps its true outcome: unknown, and it may have reached the receiver (it did).
+    # It did reach the receiver: reconciliation decides, and nothing more is sent meanwhile.
+    assert status_of(db_url, op) == ("reconciling", "cancel_requested")
+    # The attempt keeps its true outcome: unknown, and it may have reached the receiver.
     attempts = rows(db_url, "SELECT outcome, sent, error_class FROM outbox.attempts "
                             "WHERE operation_id = %s", (op,))  # fmt: skip
     assert attempts == [("unknown", True, "timeout")]
     assert rows(db_url, AUDIT, (op,)) == [
         ("alice", "cancel_requested", "in_flight", "in_flight"),
-        ("outbox", "cancel", "in_flight", "cancelled"),
+        ("outbox", "cancel_to_reconciliation", "in_flight", "reconciling"),
     ]
     ((details,),) = rows(db_url, "SELECT details FROM outbox.audit WHERE operation_id = %s "
-                                 "AND action = 'cancel'", (op,))  # fmt: skip
+                                 "AND action = 'cancel_to_reconciliation'", (op,))  # fmt: skip
     assert details["instead_of"] == "pending"
     await asyncio.sleep(0.2)
     assert len(receiver.received) == 1  # nothing more was sent
@@ -132,16 +136,46 @@ async def test_a_cancel_that_comes_too_late_leaves_the_success_and_says_so(
     ]
 
 
-async def test_a_dead_workers_operation_whose_cancel_was_requested_is_cancelled_by_the_rescue(
+async def test_a_dead_workers_operation_whose_cancel_was_requested_goes_to_reconciliation(
     db_url: str, pool: AsyncConnectionPool[Any], cli_env: dict[str, str]
 ) -> None:
+    """Its worker may have sent it before it died: the rescue's attempt is unknown."""
     (op,) = enqueue_many(db_url, 1)
     assert [c.id for c in await Store(pool).claim("dead", 10, timedelta(seconds=30))] == [op]
     assert cancel(cli_env, op).returncode == 0
     with psycopg.connect(db_url) as conn:  # time moves in the data: the lease ran out
         conn.execute("UPDATE outbox.operations SET lease_expires_at = now() - interval '1 s'")
     assert await dispatcher(pool, {}).rescue_once() == 1
-    assert status_of(db_url, op) == ("cancelled", "cancelled by operator")
+    assert status_of(db_url, op) == ("reconciling", "cancel_requested")
     attempts = rows(db_url, "SELECT outcome, error_class FROM outbox.attempts "
                             "WHERE operation_id = %s", (op,))  # fmt: skip
     assert attempts == [("unknown", "lease_expired")]
+
+
+async def test_an_attempt_released_unsent_after_the_cancel_leaves_it_cancelled(
+    db_url: str, pool: AsyncConnectionPool[Any], cli_env: dict[str, str]
+) -> None:
+    """Released at shutdown before its send: nothing reached the provider."""
+    (op,) = enqueue_many(db_url, 1)
+    store = Store(pool)
+    (claimed,) = await store.claim("w", 10, timedelta(seconds=30))
+    assert cancel(cli_env, op).returncode == 0
+    assert await store.unclaim(claimed, Status.PENDING, None)
+    assert status_of(db_url, op) == ("cancelled", "cancelled by operator")
+    assert rows(db_url, "SELECT count(*) FROM outbox.attempts") == [(0,)]
+
+
+def test_a_pending_operation_an_earlier_attempt_of_which_may_have_reached_the_provider(
+    db_url: str, cli_env: dict[str, str]
+) -> None:
+    """Waiting for a retry after an unknown outcome: cancelling it outright would say the effect
+    never happened. It goes to reconciliation, where a check or a person decides."""
+    (op,) = enqueue_many(db_url, 1)
+    with psycopg.connect(db_url) as conn:
+        conn.execute("UPDATE outbox.operations SET first_sent_at = now() - interval '1 minute', "
+                     "attempts = 1 WHERE id = %s", (op,))  # fmt: skip
+    done = cancel(cli_env, op)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().startswith(f"operation {op}: reconciling")
+    assert status_of(db_url, op) == ("reconciling", "cancel_requested")
+    assert rows(db_url, AUDIT, (op,)) == [("alice", "cancel_requested", "pending", "reconciling")]

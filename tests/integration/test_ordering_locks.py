@@ -117,3 +117,45 @@ async def test_a_key_whose_lock_is_held_goes_to_the_back_and_the_other_keys_are_
     assert await Store(pool).repair_ordering(10) == 1
     assert heads(db_url, "held") == [("held-1", False), ("held-2", False)]
     assert rows(db_url, "SELECT count(*) FROM outbox.ordering_repairs") == [(0,)]
+
+
+async def test_a_repeatable_read_producer_never_strands_its_key(
+    db_url: str, pool: AsyncConnectionPool[Any]
+) -> None:
+    """Its snapshot is older than its COMMIT: under the key's lock it would not see the head
+    settled meanwhile, and leave the key without one. Its keys go to the repair instead."""
+    with psycopg.connect(db_url) as conn:
+        enqueue_ordered(conn, "acme", "rr")
+    with psycopg.connect(db_url) as producer, psycopg.connect(db_url) as settler:
+        producer.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        producer.execute("SELECT 1")  # the snapshot is taken here, the head still pending
+        producer.execute(
+            "SELECT outbox.enqueue(tenant_id => 'acme', operation_type => 'ledger.post', "
+            "operation_key => 'rr-2', provider => 'hook', action => 'post', payload => '{}', "
+            "ordering_key => 'rr')"
+        )
+        settler.execute("UPDATE outbox.operations SET status = 'cancelled', status_reason = 'x', "
+                        "finished_at = now() WHERE operation_key = 'rr-1'")  # fmt: skip
+        settler.commit()
+        producer.commit()
+    assert heads(db_url, "rr") == [("rr-1", False), ("rr-2", True)]
+    assert await Store(pool).repair_ordering(10) == 1
+    assert heads(db_url, "rr") == [("rr-1", False), ("rr-2", False)]
+
+
+def test_two_serializable_producers_of_a_new_key_both_commit(db_url: str) -> None:
+    """At READ COMMITTED a new key's row is made at COMMIT; at SERIALIZABLE that insert could
+    fail the COMMIT (40001) when another producer made it meanwhile."""
+    with psycopg.connect(db_url) as first, psycopg.connect(db_url) as second:
+        for conn, n in ((first, 1), (second, 2)):
+            conn.isolation_level = psycopg.IsolationLevel.SERIALIZABLE
+            conn.execute(
+                "SELECT outbox.enqueue(tenant_id => 'acme', operation_type => 'x', "
+                "operation_key => %s, provider => 'hook', action => 'a', payload => '{}', "
+                "ordering_key => 'fresh')",
+                (f"s{n}",),
+            )
+        first.commit()
+        second.commit()
+    assert rows(db_url, "SELECT count(*) FROM outbox.ordering_repairs "
+                        "WHERE ordering_key = 'fresh'") == [(2,)]  # fmt: skip

@@ -229,3 +229,17 @@ async def _claim_until_short(url: str, caps: dict[str, int], limit: int,
         "SELECT count(*) FROM outbox.operations WHERE status = 'in_flight' "
         "AND (scheduled OR ordering_blocked OR available_at > now())",
     ) == [(0,)]
+
+
+async def test_a_claim_of_more_rows_than_200_groups_fills_from_more_groups(
+    db_url: str, pool: AsyncConnectionPool[Any]
+) -> None:
+    """batch_size and concurrency above 200: the visit must reach as many groups as rows."""
+    with psycopg.connect(db_url) as conn:
+        conn.execute(
+            "SELECT outbox.enqueue(tenant_id => 't' || lpad(t::text, 3, '0'), "
+            "operation_type => 'x', operation_key => 'k', provider => 'a', action => 'a', "
+            "payload => '{}') FROM generate_series(1, 300) t"
+        )
+    claimed = await Store(pool).claim("w", 500, LEASE)
+    assert len(claimed) == 300

@@ -10,14 +10,18 @@ from __future__ import annotations
 import concurrent.futures
 import time
 import urllib.request
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import psycopg
+from psycopg_pool import AsyncConnectionPool
 
 import outbox
 from outbox.dispatcher import WAKE_GAP_MAX
 from outbox.providers.fakes.webhook import FakeWebhookReceiver
 from tests.support.daemon import OutboxProcess, wait_until, write_config
+from tests.support.dispatch import dispatcher
 
 FLOOD = 40_000
 SENDERS = 8
@@ -65,3 +69,21 @@ def test_a_flood_of_notifications_costs_a_claim_per_gap_and_real_work_still_wake
         assert proc.proc.poll() is None
     finally:
         proc.stop()
+
+
+async def test_only_notifications_that_find_nothing_make_the_next_one_wait(
+    pool: AsyncConnectionPool[Any],
+) -> None:
+    """A slot freed or rows staged wake the claim loop too: those must never be counted as a
+    flood, or a provider with max_in_flight would make every real notification wait."""
+    d = dispatcher(pool, {}, poll_interval=timedelta(seconds=30))
+    d.wake()  # a notification: its claim found nothing
+    await d._idle(found=False)
+    assert d._empty_wakes == 1
+    for _ in range(5):  # wake-ups of the process's own, finding nothing
+        d._wake.set()
+        await d._idle(found=False)
+    assert d._empty_wakes == 1
+    d.wake()
+    await d._idle(found=True)
+    assert d._empty_wakes == 1

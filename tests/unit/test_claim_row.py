@@ -9,7 +9,19 @@ from outbox.db import statements
 from outbox.db.store import Claimed
 
 
+def top_level_items(text: str) -> list[str]:
+    """``text`` split at the commas outside parentheses (a column may be an expression)."""
+    items, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    return [*items, text[start:]]
+
+
 def test_the_claim_returns_claimed_fields_in_order() -> None:
     returning = statements.CLAIM.rsplit("RETURNING", 1)[1]
-    columns = [re.split(r"\s+AS\s+|\.", column.strip())[-1] for column in returning.split(",")]
+    code = "\n".join(line.split("--")[0] for line in returning.splitlines())
+    columns = [re.split(r"\s+AS\s+|\.", item.strip())[-1] for item in top_level_items(code)]
     assert columns == list(Claimed._fields)

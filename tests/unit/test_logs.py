@@ -47,3 +47,19 @@ def test_levels_filter() -> None:
     finally:
         structlog.reset_defaults()
     assert "shown" in stream.getvalue() and "hidden" not in stream.getvalue()
+
+
+def test_a_traceback_keeps_no_row_a_database_error_quoted(lines: io.StringIO) -> None:
+    """psycopg's message of a constraint violation ends with the row: every column, payload
+    and provider answer included. A loop that survives it logs the traceback (outbox.loops)."""
+    log = structlog.get_logger("test")
+    message = ('new row for relation "operations" violates check constraint "x"\n'
+               'DETAIL:  Failing row contains (7, acme, {"card": "4242424242424242"}, '
+               "sk_live_abcdefgh12345678).")  # fmt: skip
+    log.error("a loop of outbox run failed; it goes on", loop="claim",
+              exc_info=RuntimeError(message))  # fmt: skip
+    (line,) = lines.getvalue().strip().splitlines()
+    event = json.loads(line)
+    assert "violates check constraint" in event["exception"]  # the cause survives
+    for secret in ("4242424242424242", "sk_live_abcdefgh12345678", "Failing row"):
+        assert secret not in line, secret
