@@ -1,9 +1,12 @@
 """The chaos soak: `python bench/chaos.py --duration 600` from the repository root.
 
-Producers, provider faults, SIGKILLed and SIGSTOPped dispatchers and a PostgreSQL crash, all at
-once; then every operation is counted against every provider effect. Prints a table and exits 1
-if any invariant failed. The logic lives in tests/support/chaos.py, which the bounded test in
-tests/integration/test_chaos.py runs too. See bench/README.md.
+Producers of an adversarial workload (dozens of tenants, due times, ordering keys, hostile
+payloads, poison rows), provider faults, SIGKILLed and SIGSTOPped dispatchers and a PostgreSQL
+crash, all at once; then every operation is counted against every provider effect and every
+invariant checked. Prints a table and exits 1 if any invariant failed. The report names the seed
+and the command that replays the run's choices (`--seed N` and the other knobs). The logic lives
+in tests/support/chaos.py, which tests/integration/test_chaos.py and test_adversarial.py run
+too. See bench/README.md.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import signal
 import sys
 import tempfile
 import time
+from dataclasses import fields
 from pathlib import Path
 
 # Run as a script, this file's directory is on sys.path, not the repository root that holds
@@ -22,58 +26,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.support.chaos import Settings, print_report, run_chaos
 
+# Where the bench's defaults differ from the bounded tests': a long run, and a long drain.
+BENCH_DEFAULTS = {"duration": 600.0, "drain_timeout": 120.0}
+
 
 def parse_args(argv: list[str]) -> tuple[Settings, Path | None]:
+    """One option per Settings field (``--hostile-rate`` for hostile_rate), with its help."""
     defaults = Settings()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--duration",
-        type=float,
-        default=600.0,
-        help="seconds of chaos before the drain (default 600)",
-    )
-    parser.add_argument("--dispatchers", type=int, default=defaults.dispatchers)
-    parser.add_argument("--producers", type=int, default=defaults.producers)
-    parser.add_argument(
-        "--rate",
-        type=float,
-        default=defaults.rate,
-        help="operations enqueued per second, all producers together",
-    )
-    parser.add_argument(
-        "--fault-rate",
-        type=float,
-        default=defaults.fault_rate,
-        help="provider faults armed per operation committed",
-    )
-    parser.add_argument(
-        "--chaos-every",
-        type=float,
-        default=defaults.chaos_every,
-        help="mean seconds between two dispatcher kills or stops",
-    )
-    parser.add_argument("--pg-restarts", type=int, default=defaults.pg_restarts)
-    parser.add_argument("--drain-timeout", type=float, default=120.0)
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--key-retention", type=float, default=defaults.key_retention,
-                        help="seconds the fakes remember an idempotency key (and the providers "
-                             "are configured with)")  # fmt: skip
-    parser.add_argument(
-        "--retention-margin",
-        type=float,
-        default=defaults.retention_margin,
-        help="seconds before that when retries stop",
-    )
+    for knob in fields(Settings):
+        default = BENCH_DEFAULTS.get(knob.name, getattr(defaults, knob.name))
+        parser.add_argument(f"--{knob.name.replace('_', '-')}", type=type(default),
+                            default=default,
+                            help=f"{knob.metadata['help']} (default {default})")  # fmt: skip
     parser.add_argument("--workdir", type=Path, default=None,
                         help="where dispatcher logs go (default: a temporary directory, kept "
                              "only when an invariant fails)")  # fmt: skip
     args = parser.parse_args(argv)
-    settings = Settings(
-        duration=args.duration, dispatchers=args.dispatchers, producers=args.producers,
-        rate=args.rate, fault_rate=args.fault_rate, chaos_every=args.chaos_every,
-        pg_restarts=args.pg_restarts, drain_timeout=args.drain_timeout, seed=args.seed,
-        key_retention=args.key_retention, retention_margin=args.retention_margin,
-    )  # fmt: skip
+    settings = Settings(**{knob.name: getattr(args, knob.name) for knob in fields(Settings)})
     return settings, args.workdir
 
 
@@ -95,7 +65,8 @@ def main(argv: list[str]) -> int:
     keep = workdir is not None
     directory = workdir or Path(tempfile.mkdtemp(prefix="outbox-chaos-"))
     directory.mkdir(parents=True, exist_ok=True)
-    progress(f"chaos for {settings.duration:.0f} s; dispatcher logs in {directory}")
+    progress(f"chaos for {settings.duration:.0f} s, seed {settings.seed}; dispatcher logs in "
+             f"{directory}")  # fmt: skip
     report = run_chaos(settings, directory, progress)
     print_report(report)
     if report.ok and not keep:
