@@ -164,6 +164,9 @@ class Dispatcher:
         self._call_timeouts = call_timeouts or {}
         self._rng = rng or random.Random()  # noqa: S311 (jitter, not cryptography)
         self._backoff = Backoff(settings.backoff_base, settings.backoff_max)
+        # A send starts only this long before the lease's end at the latest: the request must
+        # leave while no other worker can hold the row (local clock: only durations count).
+        self._send_margin = settings.lease.total_seconds() / 10
         self._inflight: dict[int, InFlight] = {}
         self._abandoned: set[asyncio.Task[SendResult]] = set()
         # Every provider has a breaker; the other limits only where configured.
@@ -499,6 +502,13 @@ class Dispatcher:
             return
         payload = await self._ready_to_send(flight, provider)
         if payload is None:
+            return
+        if time.monotonic() >= flight.lease_deadline - self._send_margin:
+            # Frozen since the claim (SIGSTOP, a stalled host): the lease may have run out and
+            # another worker sent the row, or the next one of its ordering key. A send now would
+            # overtake theirs on the wire. Handed back unsent (fenced: a no-op if taken).
+            flight.log.warning("the lease ran out before the send; handing the row back unsent")
+            await self._unclaim(flight, Status.PENDING, None)
             return
         leak = failpoints.take(failpoints.LEAK_TRANSACTION)
         if leak is not None:

@@ -115,6 +115,8 @@ def _encode(value: Any) -> Any:
     elif isinstance(value, dict):
         yield "{"
         for n, (key, item) in enumerate(value.items()):
+            if isinstance(key, int) and not isinstance(key, bool):
+                key = str(key)  # noqa: PLW2901 (as json.dumps writes an integer key)
             if not isinstance(key, str):
                 raise TypeError(f"a JSON object's keys are strings, not {type(key).__name__}")
             yield ("," if n else "") + json.dumps(key, ensure_ascii=False) + ":"

@@ -19,7 +19,7 @@ import psycopg
 from psycopg.pq import TransactionStatus
 from psycopg.rows import kwargs_row, tuple_row
 
-from outbox import tracing
+from outbox import payloads, tracing
 from outbox.db import statements
 from outbox.errors import (
     SQLSTATE_INVALID_OPERATION,
@@ -195,7 +195,12 @@ def _payload_json(payload: object) -> str:
             "payload", f"payload must be a JSON object (a mapping), not {type(payload).__name__}"
         )
     try:
-        text = _PAYLOAD_ENCODER.encode(payload)
+        try:
+            text = _PAYLOAD_ENCODER.encode(payload)
+        except TypeError:
+            # A decimal.Decimal somewhere, most likely: an amount to be kept exact, which the C
+            # encoder could write only by way of a float. The slower exact encoder writes it.
+            text = payloads.encode(payload)
     except (TypeError, ValueError) as exc:
         raise InvalidOperation("payload", f"payload is not valid JSON: {exc}") from None
     if "\\u0000" in text and _ESCAPED_NUL.search(text):  # the regex only where it may match

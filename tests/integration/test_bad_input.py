@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import outbox
 from outbox import InvalidOperation, payloads
 from tests.support.dispatch import rows
-from tests.support.producers import charge, count
+from tests.support.producers import charge, count, nested_payload
 
 # (field, bad value, what the message must say)
 BAD_TEXT = [
@@ -116,19 +116,14 @@ def test_the_longest_accepted_values_are_accepted(conn: psycopg.Connection[Any])
     assert op is not None and op.correlation_id == longest["correlation_id"]
 
 
-def _nested(depth: int) -> str:
-    """A payload whose objects and arrays nest ``depth`` levels deep, the payload being 1."""
-    return '{"a": ' + "[" * (depth - 1) + "]" * (depth - 1) + "}"
-
-
 # What a hostile producer can write in 15 bytes or a few more, and enqueue now refuses (OB002,
 # COLUMN payload): the dispatcher could not carry any of it (issue 17).
 HOSTILE_PAYLOADS = [
     ('{"n": 1e5000}', "number of 1e100 or more"),
     ('{"n": -1e100}', "number of 1e100 or more"),
     ('{"n": [1, {"m": 1e131071}]}', "number of 1e100 or more"),
-    (_nested(65), "deeper than 64 levels"),
-    (_nested(1000), "deeper than 64 levels"),
+    (nested_payload(65), "deeper than 64 levels"),
+    (nested_payload(1000), "deeper than 64 levels"),
 ]
 
 
@@ -251,7 +246,7 @@ def test_max_attempts_below_one_is_refused(conn: psycopg.Connection[Any]) -> Non
 def test_the_largest_accepted_numbers_and_depth_arrive_stored_exactly(
     conn: psycopg.Connection[Any],
 ) -> None:
-    exact = '{"big": -9.99e99, "cents": 19.999999999999999999, "deep": ' + _nested(63) + "}"
+    exact = '{"big": -9.99e99, "cents": 19.999999999999999999, "deep": ' + nested_payload(63) + "}"
     conn.execute(
         "SELECT * FROM outbox.enqueue(tenant_id => 'a', operation_type => 't', "
         "operation_key => 'k', provider => 'p', action => 'x', payload => %s::jsonb)",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import threading
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 from typing import Any
 
 import psycopg
@@ -12,7 +13,7 @@ import pytest
 from psycopg import pq
 
 import outbox
-from outbox import EnqueueOutcome, OperationConflict, Status
+from outbox import EnqueueOutcome, InvalidOperation, OperationConflict, Status, payloads
 from outbox.db.statements import ENQUEUE_CHANNEL, MARK_WAITING
 from tests.support.producers import charge, count
 
@@ -234,3 +235,20 @@ def test_an_unknown_status_is_refused_by_the_table_and_the_enum(
     conn.rollback()
     with pytest.raises(ValueError, match="unknown status 'done'; valid statuses: pending"):
         Status.parse("done")
+
+
+def test_a_decimal_amount_is_stored_exactly_from_python(conn: psycopg.Connection[Any]) -> None:
+    """json.dumps writes a Decimal only by way of a float (or not at all): the producer API
+    writes it exactly, so an amount keeps every digit from the application to the provider."""
+    amount = Decimal("19.999999999999999999")
+    payload = {"amount": amount, "lines": [{"net": Decimal("0.1")}],
+               7: "an integer key, as json.dumps writes it"}  # fmt: skip
+    outbox.enqueue(conn, **charge(payload=payload))
+    ((text,),) = conn.execute("SELECT payload::text FROM outbox.operations").fetchall()
+    assert payloads.decode(text) == {
+        "7": "an integer key, as json.dumps writes it",
+        "amount": amount,
+        "lines": [{"net": Decimal("0.1")}],
+    }
+    with pytest.raises(InvalidOperation, match="not a JSON number"):
+        outbox.enqueue(conn, **charge(operation_key="nan", payload={"x": Decimal("NaN")}))

@@ -20,12 +20,13 @@ from outbox.loops import LOOPS
 from outbox.providers.fakes.webhook import FakeWebhookReceiver
 from tests.support.daemon import OutboxProcess, outbox_processes, wait_until, write_config
 from tests.support.dispatch import rows, statuses
+from tests.support.producers import nested_payload, plant
 
 # Each planted payload, as jsonb text, and what its quarantine must say.
 POISON = {
     "huge-number": ('{"n": 1e5000}', "number of 1e100 or more"),
     "long-integer": ('{"n": ' + "7" * 200 + "}", "number of 1e100 or more"),
-    "deep": ('{"a": ' + "[" * 999 + "]" * 999 + "}", "deeper than 64 levels"),
+    "deep": (nested_payload(1000), "deeper than 64 levels"),
     "array": ("[1, 2]", "a JSON array, not an object"),
     # Both past the 64 KiB limit set below: random hex as stored too; the other only as text
     # (stored compressed it is some 35 KB), which a check of the stored size let through whole.
@@ -36,17 +37,9 @@ GOOD_TENANTS = ("alpha", "beta", "gamma")
 GOOD_PER_TENANT = 10
 
 
-def plant(url: str, key: str, payload: str) -> int:
-    """A row as enqueue would have written it before sql/0019, whatever its payload."""
+def plant_in(url: str, key: str, payload: str) -> int:
     with psycopg.connect(url) as conn:
-        ((op,),) = conn.execute(
-            "INSERT INTO outbox.operations (tenant_id, operation_type, operation_key, "
-            "fingerprint, provider, action, payload, idempotency_key) "
-            "VALUES ('mallory', 'poison', %s, sha256(%s::bytea), 'hook', 'invoice.paid', "
-            "%s::jsonb, %s) RETURNING id",
-            (key, key.encode(), payload, f"poison-{key}"),
-        ).fetchall()
-    return int(op)
+        return plant(conn, tenant="mallory", key=key, payload=payload)
 
 
 def enqueue_good(url: str) -> list[int]:
@@ -66,7 +59,7 @@ def enqueue_good(url: str) -> list[int]:
 def test_poison_rows_are_quarantined_while_every_process_lives_and_the_good_rows_go(
     db_url: str, receiver: FakeWebhookReceiver, tmp_path: Path
 ) -> None:
-    poison = {kind: plant(db_url, kind, payload) for kind, (payload, _) in POISON.items()}
+    poison = {kind: plant_in(db_url, kind, payload) for kind, (payload, _) in POISON.items()}
     good = enqueue_good(db_url)
     with psycopg.connect(db_url) as owner:
         owner.execute("UPDATE outbox.limits SET max_payload_bytes = 65536")

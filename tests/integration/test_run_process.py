@@ -183,6 +183,37 @@ def test_a_zombie_wakes_after_another_worker_finished_its_row_and_changes_nothin
     ]
 
 
+def test_a_dispatcher_frozen_between_its_claim_and_its_send_does_not_send_when_it_wakes(
+    db_url: str, receiver: FakeWebhookReceiver, tmp_path: Path
+) -> None:
+    """SIGSTOPped right after its claim, past its lease: meanwhile another worker rescued the row
+    and sent it. Woken, the zombie must not send too: its request would overtake the other's on
+    the wire (the chaos soak saw two operations of one ordering key in flight at once)."""
+    (op,) = enqueue_many(db_url, 1)
+    key = key_of(db_url, op)
+    cfg = config(tmp_path, receiver)
+    zombie = OutboxProcess(db_url, cfg, tmp_path / "zombie.log",
+                           env={"OUTBOX_FAILPOINTS": "after_claim=2"})  # fmt: skip
+    try:
+        wait_until(lambda: count_status(db_url, "in_flight") == 1, timeout=30, what="the claim")
+        zombie.signal(signal.SIGSTOP)  # inside the failpoint's pause, before the send
+        with outbox_processes(1, db_url, cfg, tmp_path):
+            wait_until(lambda: count_status(db_url, "succeeded") == 1, timeout=30,
+                       what="another worker to rescue and send it")  # fmt: skip
+        zombie.signal(signal.SIGCONT)
+        # Past its send, one way or the other: handed back, or sent and refused its record.
+        wait_until(lambda: any(line in zombie.log_text() for line in (
+            "the lease ran out before the send", "found the lease taken")),
+            timeout=30, what="the zombie to go past its send")  # fmt: skip
+        zombie.signal(signal.SIGTERM)
+        assert zombie.wait() == 0
+    finally:
+        zombie.stop()
+    assert len(receiver.received_for(key)) == 1
+    assert receiver.effect_count(key) == 1
+    assert rows(db_url, "SELECT status FROM outbox.operations") == [("succeeded",)]
+
+
 def test_sigterm_releases_unsent_claims_without_counting_an_attempt(
     db_url: str, receiver: FakeWebhookReceiver, tmp_path: Path
 ) -> None:

@@ -90,6 +90,7 @@ from outbox.providers.fakes.webhook import Effect, FakeWebhookReceiver
 from outbox.providers.fakes.webhook import Fault as HookFault
 from tests.support.cluster import PrivateCluster, private_cluster
 from tests.support.daemon import OutboxProcess, write_config
+from tests.support.producers import nested_payload, plant
 
 STRIPE: Final = "stripe"
 HOOK: Final = "hook"
@@ -301,11 +302,6 @@ def enqueue_text(conn: psycopg.Connection[Any], **args: Any) -> EnqueueResult:
     return EnqueueResult(operation_id=row[0], outcome=EnqueueOutcome(row[1]))
 
 
-def _nested(depth: int) -> str:
-    """A payload whose objects and arrays nest ``depth`` levels deep, the payload being 1."""
-    return '{"a": ' + "[" * (depth - 1) + "]" * (depth - 1) + "}"
-
-
 @dataclass(frozen=True)
 class Hostile:
     """An enqueue the door must refuse with OB002 naming ``column``, writing nothing.
@@ -355,8 +351,8 @@ HOSTILE: Final = {
     "number 1e5000": Hostile("payload", '{"n": 1e5000}'),
     "number -1e100": Hostile("payload", '{"amount": -1e100}'),
     "integer of 101 digits": Hostile("payload", '{"n": [1, {"m": ' + "9" * 101 + "}]}"),
-    "nested 65 levels": Hostile("payload", _nested(65), python=True),
-    "nested 1000 levels": Hostile("payload", _nested(1000)),
+    "nested 65 levels": Hostile("payload", nested_payload(65), python=True),
+    "nested 1000 levels": Hostile("payload", nested_payload(1000)),
     "an array": Hostile("payload", "[1, 2]"),
     "past the payload limit": Hostile("payload", '{"blob": "' + "x" * 70_000 + '"}', python=True),
     "a NUL character": Hostile("payload", '{"s": "a\\u0000b"}', python=True),
@@ -375,26 +371,19 @@ HOSTILE: Final = {
 POISON: Final[dict[str, Callable[[random.Random], str]]] = {
     "number 1e5000": lambda _: '{"n": 1e5000}',
     "integer of 200 digits": lambda _: '{"n": ' + "7" * 200 + "}",
-    "nested 1000 levels": lambda _: _nested(1000),
+    "nested 1000 levels": lambda _: nested_payload(1000),
     "an array": lambda _: "[1, 2]",
     # Random hex does not compress: stored, it is past PAYLOAD_LIMIT.
     "stored past the limit": lambda rng: '{"blob": "' + rng.randbytes(40_000).hex() + '"}',
 }
 
 
-def plant(conn: psycopg.Connection[Any], tenant: str, key: str, provider: str,
-          payload: str) -> int:  # fmt: skip
-    """A row written behind enqueue's back, whatever its payload (as the superuser may, and as
-    rows written before sql/0019 were); returns its id."""
+def plant_poison(conn: psycopg.Connection[Any], tenant: str, key: str, provider: str,
+                 payload: str) -> int:  # fmt: skip
+    """A poison row of ``provider`` (see tests.support.producers.plant); returns its id."""
     action = "payment_intents.create" if provider == STRIPE else "invoice.paid"
-    row = conn.execute(
-        "INSERT INTO outbox.operations (tenant_id, operation_type, operation_key, fingerprint, "
-        "provider, action, payload, idempotency_key) "
-        "VALUES (%s, 'chaos.poison', %s, sha256(%s::bytea), %s, %s, %s::jsonb, %s) RETURNING id",
-        (tenant, key, key.encode(), provider, action, payload, f"ob1_poison_{key}"),
-    ).fetchone()
-    assert row is not None
-    return int(row[0])
+    return plant(conn, tenant=tenant, key=key, payload=payload, provider=provider,
+                 action=action, operation_type="chaos.poison")  # fmt: skip
 
 
 def tenant_names(settings: Settings) -> tuple[list[str], list[str]]:
@@ -647,7 +636,7 @@ class Producer(threading.Thread):
     def _poison(self, conn: psycopg.Connection[Any]) -> None:
         kind, provider, tenant, payload = self._work.poison()
         key = self._next_key()
-        op_id = plant(conn, tenant, key, provider, payload)
+        op_id = plant_poison(conn, tenant, key, provider, payload)
         with self._ledger.lock:
             self._ledger.poison[key] = kind
         try:
