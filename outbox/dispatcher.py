@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import psycopg
 import structlog
@@ -500,15 +500,11 @@ class Dispatcher:
         if provider is None:
             await self._unknown_provider(flight)
             return
-        payload = await self._ready_to_send(flight, provider)
-        if payload is None:
-            return
-        if time.monotonic() >= flight.lease_deadline - self._send_margin:
-            # Frozen since the claim (SIGSTOP, a stalled host): the lease may have run out and
-            # another worker sent the row, or the next one of its ordering key. A send now would
-            # overtake theirs on the wire. Handed back unsent (fenced: a no-op if taken).
-            flight.log.warning("the lease ran out before the send; handing the row back unsent")
-            await self._unclaim(flight, Status.PENDING, None)
+        # Plain calls, not coroutines, on the way every operation takes: each coroutine is a
+        # frame and an await more, and the dispatcher spends its CPU on such things.
+        payload = self._to_send(flight, provider)
+        if not isinstance(payload, dict):
+            await self._set_aside(flight, payload)
             return
         leak = failpoints.take(failpoints.LEAK_TRANSACTION)
         if leak is not None:
@@ -523,36 +519,6 @@ class Dispatcher:
                     span.set_attribute("outbox.outcome", _outcome(result))
         else:
             result = await self._send(flight, provider, payload)
-        await self._after_send(flight, result)
-
-    async def _ready_to_send(self, flight: InFlight,
-                             provider: Provider) -> dict[str, Any] | None:  # fmt: skip
-        """The payload to send, or None when the row went elsewhere instead (reconciliation,
-        quarantine, back to pending)."""
-        row = flight.row
-        # Never sent before (the common case): no window to close, no clock to read.
-        if row.first_sent_at is not None and self._window(provider).has_passed(
-            row.first_sent_at, flight.db_now()
-        ):
-            await self._unclaim(flight, Status.RECONCILING, REASON_KEY_WINDOW)
-            return None
-        payload, problem = _decoded(row)
-        if payload is None:
-            failure = permanent("invalid_payload", problem or "the payload cannot be read")
-            await self._finish(flight, failure, sent=False, reason=REASON_INVALID_PAYLOAD)
-            return None
-        problem = _check(provider, row.action, payload)
-        if problem is not None:
-            await self._finish(flight, permanent("invalid_request", problem), sent=False)
-            return None
-        if self._stopping or not self._limits.may_send(row):
-            # Stopping, or the provider's breaker opened since the claim: back, attempt unspent.
-            await self._unclaim(flight, Status.PENDING, None)
-            return None
-        return payload
-
-    async def _after_send(self, flight: InFlight, result: SendResult) -> None:
-        row = flight.row
         if failpoints.armed(failpoints.BEFORE_RECORD):
             await failpoints.hit(failpoints.BEFORE_RECORD)
         pause = self._limits.observe(row, result)
@@ -564,6 +530,38 @@ class Dispatcher:
             await self._unclaim(flight, Status.PENDING, None)
             return
         await self._finish(flight, result)
+
+    def _to_send(self, flight: InFlight, provider: Provider) -> dict[str, Any] | _Aside:
+        """The payload to send, or where the row goes instead of the provider."""
+        row = flight.row
+        # Never sent before (the common case): no window to close, no clock to read.
+        if row.first_sent_at is not None and self._window(provider).has_passed(
+            row.first_sent_at, flight.db_now()
+        ):
+            return _Aside(Status.RECONCILING, REASON_KEY_WINDOW)
+        payload, problem = _decoded(row)
+        if payload is None:
+            failure = permanent("invalid_payload", problem or "the payload cannot be read")
+            return _Aside(Status.QUARANTINED, REASON_INVALID_PAYLOAD, failure)
+        problem = _check(provider, row.action, payload)
+        if problem is not None:
+            return _Aside(Status.QUARANTINED, None, permanent("invalid_request", problem))
+        if self._stopping or not self._limits.may_send(row):
+            # Stopping, or the provider's breaker opened since the claim: back, attempt unspent.
+            return _Aside(Status.PENDING, None)
+        if time.monotonic() >= flight.lease_deadline - self._send_margin:
+            # Frozen since the claim (SIGSTOP, a stalled host): the lease may have run out and
+            # another worker sent the row, or the next one of its ordering key. A send now would
+            # overtake theirs on the wire. Handed back unsent (fenced: a no-op if taken).
+            flight.log.warning("the lease ran out before the send; handing the row back unsent")
+            return _Aside(Status.PENDING, None)
+        return payload
+
+    async def _set_aside(self, flight: InFlight, aside: _Aside) -> None:
+        if aside.failure is not None:  # recorded as an attempt that never left
+            await self._finish(flight, aside.failure, sent=False, reason=aside.reason)
+        else:  # handed back without an attempt
+            await self._unclaim(flight, aside.status, aside.reason)
 
     async def _unknown_provider(self, flight: InFlight) -> None:
         row = flight.row
@@ -942,6 +940,15 @@ class Dispatcher:
     def _call_limit(self, provider: Provider) -> float | None:
         timeout = self._call_timeouts.get(provider.name)
         return None if timeout is None else timeout.total_seconds() + CALL_GUARD_MARGIN
+
+
+class _Aside(NamedTuple):
+    """Where a claimed row goes instead of its provider: with ``failure``, recorded as an
+    attempt that never left; without, handed back (to ``status``) without one."""
+
+    status: Status
+    reason: str | None
+    failure: Failed | None = None
 
 
 def next_cursor(cursor: tuple[str, str] | None,
