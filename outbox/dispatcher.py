@@ -463,8 +463,44 @@ class Dispatcher:
     # --- one operation ------------------------------------------------------------------------
 
     async def _process(self, flight: InFlight) -> None:
+        # One coroutine for the whole way of every operation, with plain calls where it can:
+        # each coroutine more is a frame and an await more per operation, and the dispatcher
+        # spends its CPU on such things (bench/README.md, Throughput).
+        row = flight.row
         try:
-            await self._dispatch(flight)
+            if failpoints.armed(failpoints.AFTER_CLAIM):
+                await failpoints.hit(failpoints.AFTER_CLAIM)
+            if failpoints.armed(failpoints.BUG):
+                failpoints.bug("dispatch")
+            provider = self._providers.get(row.provider)
+            if provider is None:
+                await self._unknown_provider(flight)
+                return
+            payload = self._to_send(flight, provider)
+            if isinstance(payload, _Aside):
+                await self._set_aside(flight, payload)
+                return
+            leak = failpoints.take(failpoints.LEAK_TRANSACTION)
+            if leak is not None:
+                await self._store.leave_transaction_open(row.id, idle_timeout=leak)
+            # A bug that kept a transaction open here would hold row locks for the whole call:
+            # refuse to send; the lease expires and the rescuer takes the row back.
+            assert_no_connection_held()
+            if self._spans.active():
+                result = await self._traced_send(flight, provider, payload)
+            else:
+                result = await self._send(flight, provider, payload)
+            if failpoints.armed(failpoints.BEFORE_RECORD):
+                await failpoints.hit(failpoints.BEFORE_RECORD)
+            pause = self._limits.observe(row, result)
+            if pause is not None:
+                await self._limits.throttle(row.provider, pause)
+            if isinstance(result, Failed) and result.pause:
+                # Refused credentials say nothing about this operation: it keeps its attempt
+                # and waits, with the rest of its provider's, behind the breaker.
+                await self._unclaim(flight, Status.PENDING, None)
+                return
+            await self._finish(flight, result)
         except (asyncio.CancelledError, ConnectionHeldAcrossSend):
             # The guard's refusal ends the task as it is (the lease expires, the rescuer takes
             # the row back): nothing may be written through a connection in that state.
@@ -490,48 +526,15 @@ class Dispatcher:
             # The rescuer takes the row back when the lease ends.
             flight.log.exception("recording the failure failed too; the lease will expire")
 
-    async def _dispatch(self, flight: InFlight) -> None:
-        row = flight.row
-        if failpoints.armed(failpoints.AFTER_CLAIM):
-            await failpoints.hit(failpoints.AFTER_CLAIM)
-        if failpoints.armed(failpoints.BUG):
-            failpoints.bug("dispatch")
-        provider = self._providers.get(row.provider)
-        if provider is None:
-            await self._unknown_provider(flight)
-            return
-        # Plain calls, not coroutines, on the way every operation takes: each coroutine is a
-        # frame and an await more, and the dispatcher spends its CPU on such things.
-        payload = self._to_send(flight, provider)
-        if not isinstance(payload, dict):
-            await self._set_aside(flight, payload)
-            return
-        leak = failpoints.take(failpoints.LEAK_TRANSACTION)
-        if leak is not None:
-            await self._store.leave_transaction_open(row.id, idle_timeout=leak)
-        # A bug that kept a transaction open here would hold row locks for the whole call:
-        # refuse to send; the lease expires and the rescuer takes the row back.
-        assert_no_connection_held()
-        if self._spans.active():
-            with tracing.attempt_span(row.traceparent, _span_attributes(row)) as span:
-                result = await self._send(flight, provider, payload)
-                if span is not None:
-                    span.set_attribute("outbox.outcome", _outcome(result))
-        else:
+    async def _traced_send(self, flight: InFlight, provider: Provider,
+                           payload: Mapping[str, Any]) -> SendResult:  # fmt: skip
+        with tracing.attempt_span(flight.row.traceparent, _span_attributes(flight.row)) as span:
             result = await self._send(flight, provider, payload)
-        if failpoints.armed(failpoints.BEFORE_RECORD):
-            await failpoints.hit(failpoints.BEFORE_RECORD)
-        pause = self._limits.observe(row, result)
-        if pause is not None:
-            await self._limits.throttle(row.provider, pause)
-        if isinstance(result, Failed) and result.pause:
-            # Refused credentials say nothing about this operation: it keeps its attempt and
-            # waits, with the rest of its provider's, behind the breaker.
-            await self._unclaim(flight, Status.PENDING, None)
-            return
-        await self._finish(flight, result)
+            if span is not None:
+                span.set_attribute("outbox.outcome", _outcome(result))
+        return result
 
-    def _to_send(self, flight: InFlight, provider: Provider) -> dict[str, Any] | _Aside:
+    def _to_send(self, flight: InFlight, provider: Provider) -> Mapping[str, Any] | _Aside:
         """The payload to send, or where the row goes instead of the provider."""
         row = flight.row
         # Never sent before (the common case): no window to close, no clock to read.
@@ -975,18 +978,13 @@ def _release(waiter: asyncio.Future[None], _: object = None) -> None:
         waiter.set_result(None)
 
 
-def _decoded(row: Claimed) -> tuple[dict[str, Any] | None, str | None]:
+def _decoded(row: Claimed) -> tuple[Mapping[str, Any] | None, str | None]:
     """The row's payload object, or None and why it cannot be carried. Never raises."""
-    text, limit = row.payload, row.payload_limit
-    if text is None:
+    if row.payload is None:
         return None, (f"the payload is {row.payload_bytes} bytes of JSON; the claim hands over "
-                      f"at most {limit} (outbox.limits.max_payload_bytes)")  # fmt: skip
-    # Characters first: a byte count only where the text could be over the limit at all.
-    if len(text) > limit or (len(text) * 4 > limit and len(text.encode()) > limit):
-        return None, (f"the payload is {len(text.encode())} bytes of JSON; at most {limit} "
-                      "are sent (outbox.limits.max_payload_bytes)")  # fmt: skip
+                      f"at most {row.payload_limit} (outbox.limits.max_payload_bytes)")  # fmt: skip
     try:
-        return payloads.decode(text), None
+        return payloads.carried(row.payload), None
     except payloads.InvalidPayload as exc:
         return None, str(exc)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator, Mapping
 from decimal import Decimal
 from typing import Any, Final
 
@@ -31,6 +32,49 @@ MAX_NUMBER_DIGITS: Final = 100
 
 class InvalidPayload(ValueError):
     """The stored payload cannot be carried to a provider; the message says why (never what)."""
+
+
+def carried(text: str) -> Mapping[str, Any]:
+    """The payload of ``text`` (PostgreSQL's JSON text) as the dispatcher hands it to a
+    provider: a mapping decoded on first use, since a webhook sends the text itself and never
+    looks; or InvalidPayload now, with decode()'s reasons.
+
+    What PostgreSQL writes is valid JSON, so three looks at the text decide what decode() would:
+    an object starts with "{"; a number of 1e100 or more is a run of more than 100 digits;
+    nesting past MAX_DEPTH takes more brackets than that. Only a text that fails a look is
+    decoded now, for the verdict.
+    """
+    if (not text.startswith("{") or _LONG_RUN.search(text)
+            or text.count("[") + text.count("{") > MAX_DEPTH):  # fmt: skip
+        return decode(text)
+    return Decoded(text)
+
+
+class Decoded(Mapping[str, Any]):
+    """A payload object decoded (by decode()) the first time it is read."""
+
+    __slots__ = ("_text", "_value")
+
+    def __init__(self, text: str) -> None:
+        self._text = text
+        self._value: dict[str, Any] | None = None
+
+    def _object(self) -> dict[str, Any]:
+        if self._value is None:
+            self._value = decode(self._text)
+        return self._value
+
+    def __getitem__(self, key: str) -> Any:
+        return self._object()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._object())
+
+    def __len__(self) -> int:
+        return len(self._object())
+
+    def __repr__(self) -> str:
+        return "Decoded(...)"  # never the payload itself: reprs reach logs
 
 
 def decode(text: str) -> dict[str, Any]:
@@ -125,7 +169,7 @@ def _encode(value: Any) -> Any:
         if not value.is_finite():
             raise ValueError(f"{value} is not a JSON number")
         yield str(value)
-    elif isinstance(value, dict):
+    elif isinstance(value, Mapping):
         yield "{"
         for n, (key, item) in enumerate(value.items()):
             if isinstance(key, int) and not isinstance(key, bool):
