@@ -5,8 +5,8 @@ payloads, poison rows), provider faults, SIGKILLed and SIGSTOPped dispatchers an
 crash, all at once; then every operation is counted against every provider effect and every
 invariant checked. Prints a table and exits 1 if any invariant failed. The report names the seed
 and the command that replays the run's choices (`--seed N` and the other knobs). The logic lives
-in tests/support/chaos.py, which tests/integration/test_chaos.py and test_adversarial.py run
-too. See bench/README.md.
+in tests/support/chaos.py and its chaos_*.py parts, which tests/integration/test_chaos.py and
+test_adversarial.py run too. See bench/README.md.
 """
 
 from __future__ import annotations
