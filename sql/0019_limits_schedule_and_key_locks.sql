@@ -182,12 +182,14 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     v_xid xid8 := pg_current_xact_id();
+    -- This row's key still noted: this is the first firing for the transaction's notes.
+    v_first boolean := EXISTS (SELECT 1 FROM outbox.ordering_turns t
+                               WHERE t.xid = v_xid AND t.tenant_id = NEW.tenant_id
+                                 AND t.ordering_key = NEW.ordering_key);
     v_key record;
 BEGIN
     IF current_setting('transaction_isolation') NOT IN ('read committed', 'read uncommitted') THEN
-        IF EXISTS (SELECT 1 FROM outbox.ordering_turns t
-                   WHERE t.xid = v_xid AND t.tenant_id = NEW.tenant_id
-                     AND t.ordering_key = NEW.ordering_key) THEN
+        IF v_first THEN
             INSERT INTO outbox.ordering_repairs (tenant_id, ordering_key)
             SELECT t.tenant_id, t.ordering_key FROM outbox.ordering_turns t WHERE t.xid = v_xid;
             DELETE FROM outbox.ordering_turns t WHERE t.xid = v_xid;
@@ -197,9 +199,7 @@ BEGIN
         END IF;
         RETURN NULL;
     END IF;
-    IF EXISTS (SELECT 1 FROM outbox.ordering_turns t
-               WHERE t.xid = v_xid AND t.tenant_id = NEW.tenant_id
-                 AND t.ordering_key = NEW.ordering_key) THEN
+    IF v_first THEN
         FOR v_key IN
             SELECT t.tenant_id, t.ordering_key FROM outbox.ordering_turns t
             WHERE t.xid = v_xid
