@@ -302,26 +302,26 @@ class Dispatcher:
         the others claim only while claims come back full (a backlog)."""
         # Top up in chunks: claiming for every freed slot would cost one query per operation.
         chunk = max(1, min(self._settings.batch_size, self._settings.concurrency) // 4)
+        round_ = functools.partial(self._claim_round, primary=primary, chunk=chunk)
         while not self._stop.is_set():
-            try:
-                if failpoints.armed(failpoints.BUG):
-                    failpoints.bug("claim")
-                await self._claim_round(primary=primary, chunk=chunk)
-            except Exception:  # noqa: BLE001 (a bug in a round must not end the claiming)
-                loops.note("claim")
-                # Not cut short by wake-ups: a round that keeps failing must not spin.
+            pause = await loops.survive("claim", round_, loops.ERROR_PAUSE)
+            if pause:
+                # After an error; not cut short by wake-ups: a round that keeps failing must
+                # not spin.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stop.wait(), loops.ERROR_PAUSE)
+                    await asyncio.wait_for(self._stop.wait(), pause)
 
-    async def _claim_round(self, *, primary: bool, chunk: int) -> None:
+    async def _claim_round(self, *, primary: bool, chunk: int) -> float:
+        """One claim and what follows it; returns 0 (the next round at once, as loops.survive
+        wants a pause from a round)."""
         if not primary and not self._backlog.is_set():
             await self._backlog.wait()
-            return
+            return 0.0
         free = self._settings.concurrency - len(self._inflight) - self._reserved
         if free < chunk and (self._inflight or self._reserved):
             self._slot_freed.clear()
             await self._slot_freed.wait()
-            return
+            return 0.0
         # Cleared before claiming: a NOTIFY that arrives during the claim still wakes us.
         self._wake.clear()
         want = min(self._settings.batch_size, free)
@@ -337,13 +337,14 @@ class Dispatcher:
             self._slot_freed.set()  # reserved slots came back unused
             if primary and not self._stop.is_set():
                 if await self._mark_waiting():
-                    return  # claim again: a row committed before the mark notified no one
+                    return 0.0  # claim again: a row committed before the mark notified no one
                 await self._idle(found=bool(claimed))
         elif claimed:
             self._backlog.set()
             self._empty_wakes = 0
             if self._waiting_since is not None:
                 await self._unmark_waiting()  # a backlog: no wake-ups needed
+        return 0.0
 
     async def _idle(self, *, found: bool) -> None:
         """Wait for a wake-up or the poll interval. Notifications that keep finding nothing (a
