@@ -73,8 +73,9 @@ def cancel(conn: psycopg.Connection[Any], operation_id: int, *, reason: str, act
 
 def request_cancel(conn: psycopg.Connection[Any], operation_id: int, *, reason: str,
                    actor: str) -> Status:  # fmt: skip
-    """Any unfinished operation to cancelled; IN_FLIGHT when it is cancelled only once the
-    attempt under way ends (unless that attempt succeeds)."""
+    """Any unfinished operation to cancelled, or RECONCILING where an earlier attempt may have
+    reached the provider; IN_FLIGHT when it is settled only once the attempt under way ends
+    (sql/0019, request_cancel)."""
     params = {"id": operation_id, "reason": reason, "actor": actor}
     return _act(conn, statements.REQUEST_CANCEL, params)
 

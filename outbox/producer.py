@@ -201,6 +201,9 @@ def _payload_json(payload: object) -> str:
             # A decimal.Decimal somewhere, most likely: an amount to be kept exact, which the C
             # encoder could write only by way of a float. The slower exact encoder writes it.
             text = payloads.encode(payload)
+    except RecursionError:
+        # enqueue refuses more than 64 levels anyway (sql/0019): say so, not a traceback.
+        raise InvalidOperation("payload", "payload nests too deep to be written") from None
     except (TypeError, ValueError) as exc:
         raise InvalidOperation("payload", f"payload is not valid JSON: {exc}") from None
     if "\\u0000" in text and _ESCAPED_NUL.search(text):  # the regex only where it may match

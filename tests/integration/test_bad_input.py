@@ -376,3 +376,17 @@ def test_an_emptied_limits_table_falls_back_to_the_default_limit(
         owner.execute("DELETE FROM outbox.limits")
     with pytest.raises(InvalidOperation, match="at most 1048576 are allowed"):
         outbox.enqueue(conn, **charge(payload={"blob": "x" * 2_000_000}))
+
+
+def test_python_refuses_a_payload_nested_past_its_recursion_limit(
+    conn: psycopg.Connection[Any], db_url: str
+) -> None:
+    deep: dict[str, Any] = {}
+    inner = deep
+    for _ in range(5000):
+        inner["a"] = inner = {}
+    with pytest.raises(InvalidOperation, match="nests too deep") as caught:
+        outbox.enqueue(conn, **charge(payload=deep))
+    assert caught.value.field == "payload"
+    conn.rollback()
+    assert count(db_url) == 0
