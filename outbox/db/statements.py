@@ -254,14 +254,16 @@ first AS MATERIALIZED (
     LIMIT %(limit)s
 ),
 taken AS (
-    SELECT provider, tenant_id, count(*) AS k,
-           sum(count(*)) OVER (PARTITION BY provider) AS provider_k
+    -- Integers: sum() of bigints is numeric, and the room below, divided as numeric and then
+    -- rounded, once gave a provider capped at 3 two rows more than its cap.
+    SELECT provider, tenant_id, count(*)::integer AS k,
+           (sum(count(*)) OVER (PARTITION BY provider))::integer AS provider_k
     FROM first GROUP BY provider, tenant_id
 ),
 busy AS MATERIALIZED (
     -- Groups that filled their share may have more: they split what is left of their
     -- provider's cap the same way, visited in the same order.
-    SELECT r.provider, r.tenant_id, r.share, r.n,
+    SELECT r.provider, r.tenant_id, r.share, r.n, r.cap, t.provider_k,
            ((r.cap - t.provider_k) / count(*) OVER (PARTITION BY r.provider)
             + (row_number() OVER (PARTITION BY r.provider ORDER BY r.n)
                <= (r.cap - t.provider_k) %% count(*) OVER (PARTITION BY r.provider))::integer
@@ -271,7 +273,7 @@ busy AS MATERIALIZED (
     ORDER BY r.n
 ),
 more AS MATERIALIZED (
-    SELECT pick.id
+    SELECT b.provider, b.tenant_id, pick.id
     FROM busy b
     CROSS JOIN LATERAL (
         -- Past the rows of the first pass. Should a concurrent claim have moved them, a row
@@ -286,8 +288,47 @@ more AS MATERIALIZED (
     ) pick
     LIMIT greatest(%(limit)s - (SELECT count(*) FROM first), 0)
 ),
+got AS (
+    SELECT provider, tenant_id, count(*)::integer AS k FROM more GROUP BY provider, tenant_id
+),
+provider_got AS (
+    SELECT provider, count(*)::integer AS k FROM more GROUP BY provider
+),
+spare AS MATERIALIZED (
+    -- A group with fewer rows than its room leaves some of its provider's cap unused; without
+    -- this pass a claim came back short with rows left in the groups that used all of theirs,
+    -- and the dispatcher slept on them. Those groups take the rest, in visiting order.
+    SELECT b.provider, b.tenant_id, b.n, b.share + b.room AS skip,
+           b.cap - b.provider_k - coalesce(pg.k, 0) AS room
+    FROM busy b
+    LEFT JOIN got g USING (provider, tenant_id)
+    LEFT JOIN provider_got pg USING (provider)
+    WHERE coalesce(g.k, 0) = greatest(b.room, 0)
+),
+rest AS MATERIALIZED (
+    SELECT ranked.id
+    FROM (
+        SELECT pick.id, s.n, s.room,
+               row_number() OVER (PARTITION BY s.provider ORDER BY s.n, pick.available_at,
+                                                                   pick.id) AS k
+        FROM spare s
+        CROSS JOIN LATERAL (
+            SELECT o.id, o.available_at FROM outbox.operations o
+            WHERE s.room > 0
+              AND o.provider = s.provider AND o.tenant_id = s.tenant_id
+              AND o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
+              AND o.available_at <= now()
+            ORDER BY o.available_at, o.id
+            OFFSET s.skip LIMIT greatest(s.room, 0)
+            FOR UPDATE SKIP LOCKED
+        ) pick
+    ) ranked
+    WHERE ranked.k <= ranked.room
+    ORDER BY ranked.n, ranked.k
+    LIMIT greatest(%(limit)s - (SELECT count(*) FROM first) - (SELECT count(*) FROM more), 0)
+),
 due AS (
-    SELECT id FROM first UNION SELECT id FROM more
+    SELECT id FROM first UNION SELECT id FROM more UNION SELECT id FROM rest
 )
 """
     + _LEASE_DUE

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from hypothesis import HealthCheck, given, settings
+import pytest
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from psycopg_pool import AsyncConnectionPool
 
@@ -63,6 +64,23 @@ async def test_a_due_tenant_sorting_after_1000_tenants_of_tomorrows_is_claimed_a
     assert await d.run_once() == 20
     assert receiver.effect_count() == 20
     assert statuses(db_url) == {"pending": 1000, "succeeded": 20}
+
+
+@pytest.mark.parametrize("tenants", [1, 3])
+async def test_a_row_not_due_is_not_claimed_even_if_it_is_not_marked_scheduled(
+    db_url: str, pool: AsyncConnectionPool[Any], tenants: int
+) -> None:
+    """The claims check the time themselves: a row that missed its `scheduled` mark (written
+    around the stager, say by a dispatcher of before sql/0019 during an upgrade) still waits.
+    One tenant takes the one-group claim, several the fair claim."""
+    tomorrows(db_url, tenants)
+    due_now(db_url, 2, tenant="a0000")
+    with psycopg.connect(db_url) as conn:
+        conn.execute("UPDATE outbox.operations SET scheduled = false")
+    claimed = await Store(pool).claim("w", 10, LEASE)
+    assert sorted(c.operation_key for c in claimed) == ["k1", "k2"]
+    assert rows(db_url, "SELECT count(*) FROM outbox.operations WHERE status = 'pending' "
+                        "AND available_at > now()") == [(tenants,)]  # fmt: skip
 
 
 def test_outbox_run_delivers_a_due_tenant_behind_200_tenants_of_tomorrows(
@@ -177,6 +195,18 @@ def claimable(url: str) -> Counter[str]:
 
 @settings(max_examples=60, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+# Found by this test: a provider capped at 3 got 4 rows (the room of its busy groups divided as
+# numeric and rounded up) ...
+@example(groups=[Group("p1", "t01", 1, 0, 0), Group("p2", "t00", 0, 0, 1),
+                 Group("p1", "t02", 0, 0, 1), Group("p3", "t00", 3, 0, 0),
+                 Group("p3", "t01", 0, 0, 1)],
+         caps={"p1": None, "p2": None, "p3": 3}, limit=7, seed=0)  # fmt: skip
+# ... and rows of an uncapped provider were left behind by a short claim.
+@example(groups=[Group("p1", "t02", 0, 0, 2), Group("p1", "t03", 0, 0, 1),
+                 Group("p2", "t00", 0, 0, 1), Group("p2", "t02", 0, 0, 3),
+                 Group("p3", "t01", 5, 0, 0), Group("p3", "t02", 1, 0, 0),
+                 Group("p3", "t04", 0, 0, 1)],
+         caps={"p1": None, "p2": 1, "p3": None}, limit=9, seed=0)  # fmt: skip
 @given(groups=groups_strategy, caps=caps_strategy, limit=st.integers(1, 12),
        seed=st.integers(0, 2**32 - 1))  # fmt: skip
 def test_claims_leave_nothing_claimable_behind_when_they_come_back_short(
