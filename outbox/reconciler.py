@@ -70,7 +70,7 @@ class Reconciler:
         if not dry_run and result.finding in ("found", "not_found"):
             result = await self._record(result, row)
         elif not dry_run and result.finding == "error":
-            await self._defer(result.operation_id, recheck_after)
+            await self._defer(row, recheck_after)
         metrics.RECONCILE_CHECKS.labels(result.provider, result.finding).inc()
         log.info("reconciliation check", operation_id=result.operation_id,
                  provider=result.provider, outcome=result.finding, error_class=result.error,
@@ -160,10 +160,12 @@ class Reconciler:
             return dataclasses.replace(result, finding="stale")
         return result
 
-    async def _defer(self, operation_id: int, recheck_after: timedelta) -> None:
-        """A failed lookup: due again after ERROR_RETRY, not a whole ``recheck_after``."""
-        params = {"id": operation_id, "recheck_after": recheck_after,
-                  "retry_in": min(ERROR_RETRY, recheck_after)}  # fmt: skip
+    async def _defer(self, row: Mapping[str, Any], recheck_after: timedelta) -> None:
+        """A failed lookup: due again after ERROR_RETRY, not a whole ``recheck_after``; nothing
+        if the operation moved on since ``row`` was read (fenced as _record is)."""
+        params = {"id": row["id"], "recheck_after": recheck_after,
+                  "retry_in": min(ERROR_RETRY, recheck_after),
+                  "generation": row["key_generation"], "attempts": row["attempts"]}  # fmt: skip
         async with self._pool.connection() as conn:
             await conn.execute(statements.DEFER_CHECK, params)
 

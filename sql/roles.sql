@@ -108,6 +108,7 @@ GRANT EXECUTE ON FUNCTION
     outbox.touch_check(bigint),
     outbox.claim_checks(text[], interval, integer),
     outbox.defer_check(bigint, interval, interval),
+    outbox.defer_check(bigint, interval, interval, integer, integer),
     outbox.repair_ordering_key(text, text)
 TO outbox_dispatcher;
 -- Ordering keys whose next operation waits for a dispatcher (REPAIRS_DUE; see 0015).
@@ -133,5 +134,6 @@ GRANT EXECUTE ON FUNCTION
     outbox.record_check(bigint, text, text, jsonb, integer, integer),
     outbox.touch_check(bigint),
     outbox.defer_check(bigint, interval, interval),
+    outbox.defer_check(bigint, interval, interval, integer, integer),
     outbox.set_ordering_mode(text, text, text)
 TO outbox_operator;

@@ -416,9 +416,12 @@ RETURNING o.id
 """
 
 # Did this worker's record of this attempt commit? Asked when its acknowledgement was lost.
+# Not the rescuer's row for the attempt, which names the worker whose lease expired: that
+# worker's record never committed.
 ATTEMPT_RECORDED: Final = """
 SELECT 1 FROM outbox.attempts
 WHERE operation_id = %(id)s AND attempt = %(attempt)s AND worker = %(worker)s
+  AND error_class IS DISTINCT FROM 'lease_expired'
 """
 
 # Renew the leases of calls still in flight, so a slow but live call is never rescued.
@@ -601,10 +604,12 @@ SELECT outbox.record_check(%(id)s, %(found_ref)s, %(actor)s, %(details)s::jsonb,
                            %(generation)s::integer, %(attempts)s::integer)
 """
 # A look-up failed: note the time, so the periodic reconciler moves on to other operations.
-# A failed lookup proves nothing: the operation is due again after retry_in (sql/0013).
-DEFER_CHECK: Final = (
-    "SELECT outbox.defer_check(%(id)s, %(recheck_after)s::interval, %(retry_in)s::interval)"
-)
+# A failed lookup proves nothing: the operation is due again after retry_in (sql/0013). Fenced
+# as RECORD_CHECK is: a check of an earlier episode of the operation defers nothing (sql/0020).
+DEFER_CHECK: Final = """
+SELECT outbox.defer_check(%(id)s, %(recheck_after)s::interval, %(retry_in)s::interval,
+                          %(generation)s::integer, %(attempts)s::integer)
+"""
 
 # Ordering keys: the operation types with a mode of their own, and setting one (sql/0015).
 LIST_ORDERING_MODES: Final = (

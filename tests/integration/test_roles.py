@@ -231,6 +231,10 @@ def test_every_function_is_pinned_and_executable_only_by_its_roles(roles_db: str
         "outbox.touch_check(bigint)": (True, dispatcher_and_operator),
         "outbox.claim_checks(text[],interval,integer)": (True, ["outbox_dispatcher"]),
         "outbox.defer_check(bigint,interval,interval)": (True, dispatcher_and_operator),
+        "outbox.defer_check(bigint,interval,interval,integer,integer)": (
+            True,
+            dispatcher_and_operator,
+        ),
         "outbox.take_tokens(text,double precision,double precision,integer,integer)": (
             True,
             ["outbox_dispatcher"],
@@ -514,8 +518,9 @@ async def _reconciler_and_gauges(pool: AsyncConnectionPool[Any], url: str, hook:
         assert [r[0] for r in await claimed.fetchall()] == [op]
         await conn.execute(
             statements.DEFER_CHECK,
-            {"id": op, "recheck_after": timedelta(hours=1), "retry_in": timedelta(minutes=5)},
-        )
+            {"id": op, "recheck_after": timedelta(hours=1), "retry_in": timedelta(minutes=5),
+             "generation": row["key_generation"], "attempts": row["attempts"]},
+        )  # fmt: skip
         cur = await conn.execute(
             statements.RECORD_CHECK,
             {
