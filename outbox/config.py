@@ -21,6 +21,7 @@ Pure: imports nothing from the database or provider layers.
 
 from __future__ import annotations
 
+import decimal
 import json
 import math
 import os
@@ -247,10 +248,15 @@ def _rate(value: object, where: _Where) -> float:
 
 
 def format_rate(per_second: float) -> str:
-    """Calls per second as a config value: "100/s", or "90/m" for a rate under one a second."""
-    if per_second >= 1 or (per_second * 60) % 1:
-        return f"{per_second:g}/s"
-    return f"{per_second * 60:g}/m"
+    """Calls per second as a config value the rate parser reads back: "100/s", or "30/m" for a
+    whole number of calls a minute under one a second."""
+    per_minute = per_second * 60
+    if per_second < 1 and math.isclose(per_minute, round(per_minute)) and round(per_minute):
+        return f"{round(per_minute)}/m"
+    # The shortest text that reads back as the same float, in fixed point: never an exponent
+    # ("1e+06/s" is no config value).
+    fixed = format(decimal.Decimal(repr(per_second)), "f")
+    return (fixed.rstrip("0").rstrip(".") if "." in fixed else fixed) + "/s"
 
 
 def _log_level(value: object, where: _Where) -> str:
@@ -864,7 +870,9 @@ def _read_secret_file(name: str, key: str, credentials_directory: str | None) ->
     if credentials_directory and not path.is_absolute():
         path = Path(credentials_directory) / path
     try:
-        text = path.read_text(encoding="utf-8")
+        # Bytes, then text: read_text's universal newlines would turn a "\r" inside the secret
+        # into "\n", and hand back something other than what the file holds.
+        text = path.read_bytes().decode("utf-8")
     except FileNotFoundError:
         raise ConfigError(f"{key}: secret file {path} does not exist", key=key) from None
     except OSError as exc:

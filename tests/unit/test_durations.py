@@ -3,6 +3,8 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from outbox.durations import format_duration, parse_duration, to_postgres_interval
 
@@ -50,3 +52,27 @@ def test_format(value: timedelta, text: str) -> None:
 def test_postgres_interval_is_whole_milliseconds_and_never_zero() -> None:
     assert to_postgres_interval(timedelta(seconds=5)) == "5000ms"
     assert to_postgres_interval(timedelta(0)) == "1ms"
+
+
+PROPERTY = settings(database=None, deadline=None)
+
+
+@PROPERTY
+@given(st.integers(0, 999))
+def test_under_a_second_is_whole_milliseconds(ms: int) -> None:
+    text = format_duration(timedelta(milliseconds=ms))
+    assert text == f"{ms}ms"
+    assert parse_duration(text) == timedelta(milliseconds=ms)
+
+
+@PROPERTY
+@given(st.integers(1, 3599))
+def test_whole_seconds_under_an_hour_read_back_exactly(seconds: int) -> None:
+    text = format_duration(timedelta(seconds=seconds))
+    assert not text.endswith("ms") and "." not in text
+    assert parse_duration(text) == timedelta(seconds=seconds)
+
+
+def test_one_second_is_written_in_seconds() -> None:
+    assert format_duration(timedelta(seconds=1)) == "1s"
+    assert format_duration(timedelta(milliseconds=999)) == "999ms"

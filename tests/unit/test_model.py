@@ -39,6 +39,9 @@ def test_operation_from_row_types_its_enums() -> None:
     assert op.last_error_class is FailureClass.PERMANENT
     with pytest.raises(ValueError, match="unknown status"):
         Operation.from_row(**{**row, "status": "gone"})
+    # An operation that never failed has no error class.
+    never_failed = Operation.from_row(**{**row, "last_error": None, "last_error_class": None})
+    assert never_failed.last_error_class is None
 
 
 def test_render_table_aligns_numbers_right() -> None:

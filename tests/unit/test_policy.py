@@ -7,10 +7,14 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from outbox.model import FailureClass, Status
 from outbox.policy import (
     REASON_EXHAUSTED,
+    REASON_INDETERMINATE,
+    REASON_INVALID_PAYLOAD,
     REASON_KEY_WINDOW,
     REASON_PERMANENT,
     Backoff,
@@ -86,3 +90,95 @@ def test_an_unknown_outcome_past_the_window_goes_to_reconciliation() -> None:
 def test_a_transient_failure_without_any_send_retries_at_any_age() -> None:
     nxt = decide(FailureClass.TRANSIENT, first_sent_at=None, attempt=3)
     assert nxt.status is Status.PENDING
+
+
+# --- The ceiling, the jitter's source, and where each failure goes --------------------------------
+
+PROPERTY = settings(database=None, deadline=None)
+
+
+class Top(random.Random):
+    """A generator that always draws the top of the range: the delay is the ceiling itself."""
+
+    def random(self) -> float:
+        return 1.0
+
+
+@PROPERTY
+@given(
+    base_ms=st.integers(1, 10_000),
+    cap_ms=st.integers(1, 10**9),
+    attempt=st.integers(-5, 63),
+)
+def test_the_ceiling_doubles_from_the_base_up_to_the_cap(
+    base_ms: int, cap_ms: int, attempt: int
+) -> None:
+    base, cap = timedelta(milliseconds=base_ms), timedelta(milliseconds=cap_ms)
+    # Attempts before the first count as the first.
+    expected = min(cap.total_seconds(), base.total_seconds() * 2.0 ** max(attempt - 1, 0))
+    delay = Backoff(base, cap).delay(attempt, Top())
+    assert delay.total_seconds() == pytest.approx(expected, abs=1e-6)
+
+
+def test_past_the_63rd_attempt_the_ceiling_stops_doubling() -> None:
+    # Only a cap over 2**62 bases shows it: the ceiling stays at 2**62 bases, so an attempt
+    # number of any size neither overflows nor reaches such a cap.
+    backoff = Backoff(timedelta(microseconds=1), timedelta.max)
+    ceiling = backoff.delay(63, Top())
+    assert ceiling.total_seconds() == pytest.approx(2.0**62 / 1e6)
+    assert backoff.delay(64, Top()) == backoff.delay(10**9, Top()) == ceiling
+
+
+@PROPERTY
+@given(seed=st.integers(0, 2**32), attempt=st.integers(1, 9))
+def test_a_seeded_generator_gives_the_same_delay(seed: int, attempt: int) -> None:
+    first = BACKOFF.delay(attempt, random.Random(seed))
+    assert first == BACKOFF.delay(attempt, random.Random(seed))
+    # ... and one equal to what after_failure schedules with that generator, before any send.
+    nxt = decide(FailureClass.TRANSIENT, attempt=attempt, rng=random.Random(seed))
+    assert nxt == Next(Status.PENDING, retry_in=first)
+
+
+def test_without_a_generator_the_delay_is_still_full_jitter_under_the_ceiling() -> None:
+    delays = [BACKOFF.delay(4).total_seconds() for _ in range(200)]
+    assert all(0 <= d <= 8.0 for d in delays)
+    assert len(set(delays)) > 1
+
+
+def test_an_indeterminate_answer_goes_to_reconciliation_whatever_the_attempt() -> None:
+    for attempt in (1, 10, 11):
+        nxt = decide(FailureClass.UNKNOWN, attempt=attempt, reconcile=True)
+        assert nxt == Next(Status.RECONCILING, REASON_INDETERMINATE)
+    # A permanent failure still goes to quarantine, with the reason it was given.
+    nxt = decide(FailureClass.PERMANENT, reconcile=True, quarantine_reason=REASON_INVALID_PAYLOAD)
+    assert nxt == Next(Status.QUARANTINED, REASON_INVALID_PAYLOAD)
+
+
+def test_the_window_is_passed_at_the_instant_it_closes() -> None:
+    first = NOW - timedelta(hours=23)  # closes exactly at NOW
+    nxt = decide(FailureClass.UNKNOWN, first_sent_at=first)
+    assert nxt == Next(Status.RECONCILING, REASON_KEY_WINDOW)
+    earlier = decide(FailureClass.UNKNOWN, first_sent_at=first, now=NOW - timedelta(microseconds=1))
+    assert earlier.status is Status.PENDING
+
+
+@PROPERTY
+@given(
+    left_us=st.integers(1, 10**12),
+    retry_after_s=st.one_of(st.none(), st.integers(0, 10**6)),
+    seed=st.integers(0, 2**32),
+    attempt=st.integers(1, 9),
+)
+@example(left_us=120_000_000, retry_after_s=3600, seed=0, attempt=1)  # the halfway point wins
+def test_a_retry_in_the_window_waits_the_backoff_but_at_most_half_the_time_left(
+    left_us: int, retry_after_s: int | None, seed: int, attempt: int
+) -> None:
+    left = timedelta(microseconds=left_us)
+    retry_after = None if retry_after_s is None else timedelta(seconds=retry_after_s)
+    first = NOW + left - WINDOW.retention + WINDOW.margin  # the window closes `left` from NOW
+    nxt = decide(FailureClass.UNKNOWN, attempt=attempt, first_sent_at=first,
+                 retry_after=retry_after, rng=random.Random(seed))  # fmt: skip
+    delay = BACKOFF.delay(attempt, random.Random(seed))
+    if retry_after is not None:
+        delay = max(delay, retry_after)
+    assert nxt == Next(Status.PENDING, retry_in=min(delay, left / 2))
