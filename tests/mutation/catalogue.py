@@ -1,0 +1,290 @@
+"""The curated mutants: deliberate bugs in the code that carries outbox's promise.
+
+Each is a small textual change with a name, the property it breaks and the tests that claim to
+cover that property. ``python -m tests.mutation.run`` applies each, alone, to a scratch copy of
+the tree and runs only its tests there: a mutant the tests do not kill is a hole in the suite.
+
+Add a mutant whenever a bug is found that the suite missed (README, "Tests that fail when the
+promise breaks"). An edit's ``find`` must occur exactly once in its file: a catalogue that no
+longer matches the code fails the run instead of passing it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FENCE_TESTS = ("tests/integration/test_lease_fence.py",)
+
+
+@dataclass(frozen=True)
+class Edit:
+    path: str
+    find: str
+    replace: str
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    breaks: str  # the property, in the words of docs/design.md
+    edits: tuple[Edit, ...]
+    tests: tuple[str, ...]  # pytest paths or node ids that must kill it
+
+
+def _one(name: str, breaks: str, path: str, find: str, replace: str,
+         *tests: str) -> Mutant:  # fmt: skip
+    return Mutant(name, breaks, (Edit(path, find, replace),), tests)
+
+
+STATEMENTS = "outbox/db/statements.py"
+DISPATCHER = "outbox/dispatcher.py"
+POLICY = "outbox/policy.py"
+
+MUTANTS: tuple[Mutant, ...] = (
+    # --- the lease fence, in every path that writes after a provider call ----------------------
+    _one(
+        "record-fence",
+        "a worker whose lease expired records over another worker's attempt",
+        STATEMENTS,
+        "      AND o.lease_token = i.lease_token\n      AND o.attempts = i.attempt\n",
+        "",
+        *FENCE_TESTS,
+    ),
+    _one(
+        "release-fence",
+        "a worker whose lease expired hands back a row another worker holds",
+        STATEMENTS,
+        "WHERE o.id = %(id)s AND o.lease_token = %(lease_token)s AND o.status = 'in_flight'",
+        "WHERE o.id = %(id)s AND o.status = 'in_flight'",
+        *FENCE_TESTS,
+    ),
+    _one(
+        "heartbeat-fence",
+        "a worker whose lease expired renews the lease of another worker",
+        STATEMENTS,
+        "WHERE o.id = held.id AND o.lease_token = held.token AND o.status = 'in_flight'",
+        "WHERE o.id = held.id AND o.status = 'in_flight'",
+        *FENCE_TESTS,
+    ),
+    Mutant(
+        "rescue-live-lease",
+        "the rescuer takes back a row whose lease is still live",
+        (
+            Edit(
+                STATEMENTS,
+                "    WHERE status = 'in_flight' AND lease_expires_at < now()\n",
+                "    WHERE status = 'in_flight'\n",
+            ),
+            Edit(
+                STATEMENTS,
+                "o.status = 'in_flight' AND o.lease_expires_at < now()",
+                "o.status = 'in_flight'",
+            ),
+        ),
+        FENCE_TESTS,
+    ),
+    _one(
+        "recorded-before-counts-the-rescue",
+        "a worker whose record failed takes the rescuer's attempt row for its own record",
+        STATEMENTS,
+        "  AND error_class IS DISTINCT FROM 'lease_expired'\n",
+        "",
+        *FENCE_TESTS,
+    ),
+    _one(
+        "check-fence",
+        "a reconciler's late finding is written over a newer episode",
+        "sql/0009_review_fixes.sql",
+        "IF op.key_generation <> expected_generation OR op.attempts <> expected_attempts THEN",
+        "IF false THEN",
+        *FENCE_TESTS,
+    ),
+    _one(
+        "defer-fence",
+        "a reconciler's late deferral postpones the check of a newer episode",
+        "sql/0020_fenced_defer_check.sql",
+        "          AND o.key_generation = defer_check.expected_generation\n"
+        "          AND o.attempts = defer_check.expected_attempts\n",
+        "",
+        *FENCE_TESTS,
+    ),
+    _one(
+        "send-after-lease",
+        "a worker frozen past its lease sends when it wakes",
+        DISPATCHER,
+        "if time.monotonic() >= flight.lease_deadline - self._send_margin:",
+        "if False:",
+        "tests/integration/test_run_process.py::"
+        "test_a_dispatcher_frozen_between_its_claim_and_its_send_does_not_send_when_it_wakes",
+    ),
+    # --- the key window: never a blind resend once the provider may have forgotten the key ---
+    _one(
+        "policy-key-window",
+        "a failure past the key window is retried instead of reconciled",
+        POLICY,
+        "    if now >= closes:\n        return Next(Status.RECONCILING, REASON_KEY_WINDOW)",
+        "    if False:\n        return Next(Status.RECONCILING, REASON_KEY_WINDOW)",
+        "tests/unit/test_policy.py",
+    ),
+    _one(
+        "send-key-window",
+        "a row past its key window is sent instead of reconciled",
+        DISPATCHER,
+        "if row.first_sent_at is not None and self._window(provider).has_passed(",
+        "if False and self._window(provider).has_passed(",
+        "tests/integration/test_dispatch.py::"
+        "test_the_key_window_decides_between_resending_and_reconciling",
+    ),
+    _one(
+        "record-window-start",
+        "an attempt that may have reached the provider starts no window",
+        STATEMENTS,
+        "first_sent_at = CASE WHEN i.sent THEN coalesce(o.first_sent_at, "
+        "o.last_attempt_at)\n                             ELSE o.first_sent_at END,",
+        "first_sent_at = o.first_sent_at,",
+        "tests/integration/test_dispatch.py",
+    ),
+    _one(
+        "unknown-not-sent",
+        "a call that may have reached the provider counts as never sent",
+        DISPATCHER,
+        "reached = result.may_have_reached_provider if sent is None else sent",
+        "reached = False",
+        "tests/integration/test_dispatch.py",
+    ),
+    _one(
+        "rescue-not-sent",
+        "the rescuer forgets that the dead worker's call may have been sent",
+        STATEMENTS,
+        "        first_sent_at = coalesce(o.first_sent_at, o.last_attempt_at),\n"
+        "        last_error = 'lease expired",
+        "        last_error = 'lease expired",
+        "tests/integration/test_dispatch.py::"
+        "test_a_dead_workers_lease_is_rescued_as_unknown_and_sent_once",
+    ),
+    # --- one effect per operation: the key, and what makes two enqueues the same operation ---
+    _one(
+        "stripe-key",
+        "Stripe calls go out without the operation's idempotency key",
+        "outbox/providers/stripe.py",
+        'options={"idempotency_key": request.idempotency_key}',
+        "options={}",
+        "tests/integration/test_stripe.py",
+    ),
+    _one(
+        "webhook-key",
+        "webhook calls carry another key than the operation's",
+        "outbox/providers/webhook.py",
+        '"Idempotency-Key": _sf_string(request.idempotency_key),',
+        '"Idempotency-Key": _sf_string(f"{request.idempotency_key}:{request.attempt}"),',
+        "tests/integration/test_dispatch.py",
+    ),
+    _one(
+        "fingerprint-payload",
+        "an enqueue with another payload is taken for a duplicate",
+        "sql/0019_limits_schedule_and_key_locks.sql",
+        "action || E'\\n' || v_payload_text\n",
+        "action || E'\\n'\n",
+        "tests/integration/test_enqueue.py",
+    ),
+    _one(
+        "retry-key-generation",
+        "`reconcile retry` sends again under the key it gave up on",
+        "sql/0009_review_fixes.sql",
+        "idempotency_key = new_key,\n        key_generation = o.key_generation + 1,",
+        "idempotency_key = o.idempotency_key,\n        key_generation = o.key_generation,",
+        "tests/integration/test_reconcile.py",
+    ),
+    # --- what is claimed, and in what order ---------------------------------------------------
+    _one(
+        "stage-before-due",
+        "a scheduled operation is claimed before it is due",
+        STATEMENTS,
+        "    WHERE o.scheduled AND o.available_at <= now()\n",
+        "    WHERE o.scheduled\n",
+        "tests/integration/test_scheduled_claims.py",
+    ),
+    _one(
+        "claim-before-due",
+        "the fair claim takes a row that is not due, if it is not marked scheduled",
+        STATEMENTS,
+        # The share of a group whose first row is due. (The filter of `ready` only keeps groups
+        # with nothing due from taking shares: removing it costs fairness, not correctness.)
+        "          AND o.available_at <= now()\n        ORDER BY o.available_at, o.id\n"
+        "        LIMIT r.share\n",
+        "        ORDER BY o.available_at, o.id\n        LIMIT r.share\n",
+        "tests/integration/test_scheduled_claims.py",
+    ),
+    _one(
+        "claim-one-group-before-due",
+        "the one-group claim takes a row that is not due",
+        STATEMENTS,
+        "          AND o.available_at <= now()\n        ORDER BY o.available_at, o.id\n"
+        "        LIMIT greatest(least(%(limit)s, lone.cap), 0)",
+        "        ORDER BY o.available_at, o.id\n"
+        "        LIMIT greatest(least(%(limit)s, lone.cap), 0)",
+        "tests/integration/test_scheduled_claims.py",
+    ),
+    _one(
+        "claim-room-over-cap",
+        "a claim takes more rows of a provider than its cap allows",
+        STATEMENTS,
+        "(sum(count(*)) OVER (PARTITION BY provider))::integer AS provider_k",
+        "sum(count(*)) OVER (PARTITION BY provider) AS provider_k",
+        "tests/integration/test_scheduled_claims.py::"
+        "test_claims_leave_nothing_claimable_behind_when_they_come_back_short",
+    ),
+    _one(
+        "claim-leaves-spare-room",
+        "a claim comes back short with due rows left, and sleeps",
+        STATEMENTS,
+        "SELECT id FROM first UNION SELECT id FROM more UNION SELECT id FROM rest",
+        "SELECT id FROM first UNION SELECT id FROM more",
+        "tests/integration/test_scheduled_claims.py::"
+        "test_claims_leave_nothing_claimable_behind_when_they_come_back_short",
+    ),
+    _one(
+        "ordering-promotion",
+        "an ordering key's next operation goes out before its head settled",
+        "sql/0015_ordering_keys.sql",
+        "        IF outbox.ordering_has_head(tenant_id, ordering_key, 0) THEN\n"
+        "            RETURN NULL;\n        END IF;\n        SELECT o.id INTO v_next",
+        "        SELECT o.id INTO v_next",
+        "tests/integration/test_ordering.py",
+    ),
+    _one(
+        "ordering-blocked-at-enqueue",
+        "a second operation of a key is claimable beside its head",
+        "sql/0019_limits_schedule_and_key_locks.sql",
+        "NEW.ordering_blocked := outbox.ordering_has_head(NEW.tenant_id, NEW.ordering_key, "
+        "NEW.id);",
+        "NEW.ordering_blocked := false;",
+        "tests/integration/test_ordering.py",
+    ),
+    # --- tenants, failures and their destinations ---------------------------------------------
+    _one(
+        "rls-tenant-binding",
+        "a producer bound to one tenant reads another tenant's operations",
+        "sql/roles_tenant_rls.sql",
+        "            USING (tenant_id = nullif(current_setting('outbox.tenant_id', true), ''))\n",
+        "            USING (true)\n",
+        "tests/integration/test_rls.py",
+    ),
+    _one(
+        "permanent-retried",
+        "a permanent failure is retried instead of quarantined",
+        POLICY,
+        "    if failure is FailureClass.PERMANENT:\n",
+        "    if False:\n",
+        "tests/unit/test_policy.py",
+        "tests/integration/test_dispatch.py::test_a_permanent_answer_quarantines_after_one_attempt",
+    ),
+    _one(
+        "attempts-unbounded",
+        "an operation that never succeeds is retried for ever",
+        POLICY,
+        "    if attempt >= max_attempts:\n",
+        "    if False:\n",
+        "tests/unit/test_policy.py",
+    ),
+)
