@@ -1133,6 +1133,8 @@ def test_repr_replaces_secrets_and_keeps_everything_else() -> None:
         (31 / 60, "31/m"),  # 31/60 * 60 is 30.999999999999996
         (1e6, "1000000/s"),  # never an exponent: "1e+06/s" is no config value
         (1e-5, "0.00001/s"),
+        (1e-7, "0.0000001/s"),  # str() of the Decimal would say 1E-7
+        (1e16, "10000000000000000/s"),  # no point to strip zeros after
     ],
 )
 def test_a_rate_is_written_per_second_or_per_minute_under_one_a_second(
