@@ -304,6 +304,9 @@ spare AS MATERIALIZED (
     LEFT JOIN got g USING (provider, tenant_id)
     LEFT JOIN provider_got pg USING (provider)
     WHERE coalesce(g.k, 0) = greatest(b.room, 0)
+      AND b.cap - b.provider_k - coalesce(pg.k, 0) > 0
+      -- Nothing to add to a claim that is full already.
+      AND (SELECT count(*) FROM first) + (SELECT count(*) FROM more) < %(limit)s
 ),
 rest AS MATERIALIZED (
     SELECT ranked.id
@@ -314,8 +317,7 @@ rest AS MATERIALIZED (
         FROM spare s
         CROSS JOIN LATERAL (
             SELECT o.id, o.available_at FROM outbox.operations o
-            WHERE s.room > 0
-              AND o.provider = s.provider AND o.tenant_id = s.tenant_id
+            WHERE o.provider = s.provider AND o.tenant_id = s.tenant_id
               AND o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
               AND o.available_at <= now()
             ORDER BY o.available_at, o.id
