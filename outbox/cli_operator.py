@@ -60,6 +60,7 @@ def build_group(name: str, status: Status) -> click.Group:
             "age",
             "attempts",
             "last error",
+            "last check",
             "identity",
         ]
         click.echo(render_table(headers, [_summary(r) for r in rows]))
@@ -184,8 +185,8 @@ def add_reconcile_check(group: click.Group) -> None:
         if as_json:
             click.echo(json.dumps([dataclasses.asdict(r) for r in results]))
             return
-        click.echo(render_table(["id", "provider", "finding", "reference", "note"], [
-            (r.operation_id, r.provider, r.finding, r.reference,
+        click.echo(render_table(["id", "provider", "finding", "state", "reference", "note"], [
+            (r.operation_id, r.provider, r.finding, r.state or "-", r.reference,
              _check_note(r, dry_run)) for r in results]))  # fmt: skip
 
 
@@ -194,9 +195,17 @@ def _check_note(result: reconciler.CheckResult, dry_run: bool) -> str:
         return "this provider cannot be asked: a person decides"
     if result.finding == "error":
         return f"the look-up failed ({result.error}); nothing recorded"
+    notes = []
+    if result.finding == "refused":
+        why = result.details.get("decline_code") or result.details.get("code") or "refused"
+        notes.append(f"the provider refused it ({why}): quarantined as provider_declined")
+    elif result.finding == "undecided":
+        notes.append("its state decides nothing yet: a person decides")
     if result.duplicates:
-        return f"more effects carry this id: {', '.join(result.duplicates)}"
-    return "dry run: nothing recorded" if dry_run else ""
+        notes.append(f"more effects carry this id: {', '.join(result.duplicates)}")
+    if dry_run:
+        notes.append("dry run: nothing recorded")
+    return "; ".join(notes)
 
 
 def add_quarantine_actions(group: click.Group) -> None:
@@ -275,8 +284,11 @@ def _refusing(call: Callable[[], Any]) -> Any:
 def _summary(r: dict[str, Any]) -> tuple[object, ...]:
     identity = f"{r['tenant_id']}/{r['operation_type']}/{r['operation_key']}"
     age = format_duration(timedelta(seconds=r["age_seconds"]))
+    check = r["check_finding"] or "-"
+    if r.get("check_state"):
+        check += f" ({r['check_state']})"
     return (r["id"], r["provider"], r["action"], r["status_reason"], age, r["attempts"],
-            _short(r["last_error"]), identity)  # fmt: skip
+            _short(r["last_error"]), check, identity)  # fmt: skip
 
 
 def _short(text: str | None, width: int = 48) -> str:
@@ -311,6 +323,7 @@ def _describe(op: dict[str, Any]) -> str:
         f"first sent   {op['first_sent_at'] or 'never'}",
         f"last error   {op['last_error_class'] or '-'}: {op['last_error'] or '-'}",
         f"last check   {op['check_finding'] or 'never'}"
+        + (f" (object {op['check_state']})" if op.get("check_state") else "")
         + (f" at {op['checked_at']}" if op["checked_at"] else ""),
         f"reference    {op['provider_ref'] or '-'}",
     ]  # fmt: skip

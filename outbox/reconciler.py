@@ -1,8 +1,11 @@
 """The reconciler: asks providers whether a reconciling operation's effect exists.
 
-Found: the operation becomes succeeded with the provider's reference (and an audit entry). Not
-found: it stays reconciling with "not found as of <time>", for a person to decide (`outbox
-reconcile retry` or `cancel`). A provider without a lookup leaves every decision to a person.
+Found, and the object's state says the effect happened: the operation becomes succeeded with
+the provider's reference (and an audit entry). Found, but the provider refused (a declined
+PaymentIntent exists too): quarantined, reason provider_declined, with the decline's details.
+Found in a state that decides nothing yet, or not found: it stays reconciling, for a person to
+decide (`outbox reconcile retry` or `cancel`). A provider without a lookup leaves every decision
+to a person.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from outbox import loops, metrics
 from outbox.db import statements
 from outbox.db.connect import connection_options
 from outbox.operators import SQLSTATE_OPERATOR_REFUSED
-from outbox.providers.base import Found, Lookup, Provider
+from outbox.providers.base import Found, Lookup, Provider, Verdict
 
 ACTOR: Final = "outbox-reconciler"
 # A check rereads an operation at most this often: not-found is the usual answer, and each look
@@ -37,14 +40,23 @@ MANUAL_LIMIT: Final = 100_000
 log = structlog.get_logger("outbox.reconciler")
 
 
+# A found object's verdict, as the finding recorded (sql/0021).
+FINDINGS: Final = {Verdict.DONE: "found", Verdict.REFUSED: "refused",
+                   Verdict.UNDECIDED: "undecided"}  # fmt: skip
+RECORDED: Final = frozenset({*FINDINGS.values(), "not_found"})
+
+
 @dataclass(frozen=True)
 class CheckResult:
     operation_id: int
     provider: str
-    finding: str  # found | not_found | no_lookup | error | stale (the row moved on meanwhile)
+    # found | refused | undecided | not_found | no_lookup | error | stale (the row moved on)
+    finding: str
     reference: str | None = None
     duplicates: tuple[str, ...] = ()
     error: str | None = None
+    state: str | None = None  # the found object's status word
+    details: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 class Reconciler:
@@ -67,7 +79,7 @@ class Reconciler:
                     recheck_after: timedelta = RECHECK_AFTER) -> CheckResult:  # fmt: skip
         """Look one operation up at its provider and, unless ``dry_run``, record the finding."""
         result = await self._look(row)
-        if not dry_run and result.finding in ("found", "not_found"):
+        if not dry_run and result.finding in RECORDED:
             result = await self._record(result, row)
         elif not dry_run and result.finding == "error":
             await self._defer(row, recheck_after)
@@ -128,17 +140,21 @@ class Reconciler:
             return CheckResult(finding="error", error=type(exc).__name__, **base)
         if found is None:
             return CheckResult(finding="not_found", **base)
-        return CheckResult(finding="found", reference=found.reference,
-                           duplicates=found.duplicates, **base)  # fmt: skip
+        return CheckResult(finding=FINDINGS[found.verdict], reference=found.reference,
+                           duplicates=found.duplicates, state=found.state,
+                           details=dict(found.details), **base)  # fmt: skip
 
     async def _record(self, result: CheckResult, row: Mapping[str, Any]) -> CheckResult:
-        details = {"duplicates": list(result.duplicates)} if result.duplicates else {}
-        params = {"id": result.operation_id, "found_ref": result.reference, "actor": self._actor,
+        details: dict[str, Any] = dict(result.details)
+        if result.duplicates:
+            details["duplicates"] = list(result.duplicates)
+        params = {"id": result.operation_id, "finding": result.finding,
+                  "found_ref": result.reference, "state": result.state, "actor": self._actor,
                   "details": json.dumps(details), "generation": row["key_generation"],
                   "attempts": row["attempts"]}  # fmt: skip
         async with self._pool.connection() as conn:
             try:
-                cur = await conn.execute(statements.RECORD_CHECK, params)
+                cur = await conn.execute(statements.RECORD_FINDING, params)
                 outcome = await cur.fetchone()
             except psycopg.Error as exc:
                 if exc.sqlstate != SQLSTATE_OPERATOR_REFUSED:
@@ -152,7 +168,7 @@ class Reconciler:
                 duplicates=list(result.duplicates),
             )
         if outcome is not None and outcome[0] in ("stale", "gone"):
-            if result.finding == "found":
+            if result.finding != "not_found":
                 # An effect exists for an operation someone else settled: a person must know.
                 log.error("effect found for an operation no longer reconciling", reference=
                           result.reference, operation_id=result.operation_id,

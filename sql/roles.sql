@@ -105,6 +105,7 @@ GRANT SELECT, INSERT ON outbox.attempts TO outbox_dispatcher;
 GRANT SELECT, INSERT, UPDATE, DELETE ON outbox.waiting_dispatchers TO outbox_dispatcher;
 GRANT EXECUTE ON FUNCTION
     outbox.record_check(bigint, text, text, jsonb, integer, integer),
+    outbox.record_finding(bigint, text, text, text, text, jsonb, integer, integer),
     outbox.touch_check(bigint),
     outbox.claim_checks(text[], interval, integer),
     outbox.defer_check(bigint, interval, interval),
@@ -132,6 +133,7 @@ GRANT EXECUTE ON FUNCTION
     outbox.request_reconciliation(bigint, text, text),
     outbox.retry_operation(bigint, text, text, boolean),
     outbox.record_check(bigint, text, text, jsonb, integer, integer),
+    outbox.record_finding(bigint, text, text, text, text, jsonb, integer, integer),
     outbox.touch_check(bigint),
     outbox.defer_check(bigint, interval, interval),
     outbox.defer_check(bigint, interval, interval, integer, integer),

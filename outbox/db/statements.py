@@ -553,7 +553,7 @@ LIST_ATTENTION: Final = """
 SELECT id, tenant_id, operation_type, operation_key, provider, action, status_reason, attempts,
        last_error_class, last_error,
        extract(epoch FROM now() - status_changed_at)::float8 AS age_seconds,
-       checked_at, check_finding
+       checked_at, check_finding, check_state
 FROM outbox.operations
 WHERE status = %(status)s::text
   AND (%(provider)s::text IS NULL OR provider = %(provider)s::text)
@@ -567,7 +567,8 @@ SHOW_OPERATION: Final = """
 SELECT id, tenant_id, operation_type, operation_key, provider, action, status, status_reason,
        attempts, attempt_base, max_attempts, idempotency_key, key_generation, correlation_id,
        available_at, first_sent_at, last_attempt_at, provider_ref, result, last_error,
-       last_error_class, checked_at, check_finding, created_at, updated_at, finished_at,
+       last_error_class, checked_at, check_finding, check_state, created_at, updated_at,
+       finished_at,
        extract(epoch FROM now() - status_changed_at)::float8 AS age_seconds,
        CASE WHEN %(with_payload)s::boolean THEN payload::text END AS payload
 FROM outbox.operations
@@ -604,6 +605,12 @@ RETRY: Final = "SELECT outbox.retry_operation(%(id)s, %(reason)s, %(actor)s, %(f
 RECORD_CHECK: Final = """
 SELECT outbox.record_check(%(id)s, %(found_ref)s, %(actor)s, %(details)s::jsonb,
                            %(generation)s::integer, %(attempts)s::integer)
+"""
+# A finding with the found object's state: found, refused, undecided or not_found (sql/0021).
+# Returns the operation's status after it, or 'stale' if it moved on since the check was taken.
+RECORD_FINDING: Final = """
+SELECT outbox.record_finding(%(id)s, %(finding)s, %(found_ref)s, %(state)s, %(actor)s,
+                             %(details)s::jsonb, %(generation)s::integer, %(attempts)s::integer)
 """
 # A look-up failed: note the time, so the periodic reconciler moves on to other operations.
 # A failed lookup proves nothing: the operation is due again after retry_in (sql/0013). Fenced

@@ -7,8 +7,9 @@ quarantine), ``Unknown`` (the provider may have acted: retry only within the key
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Protocol, runtime_checkable
 
@@ -91,12 +92,26 @@ def unknown(error_class: str, message: str, **details: Any) -> Failed:
 SendResult = Succeeded | Failed
 
 
+class Verdict(enum.StrEnum):
+    """What the object a lookup found means for its operation. Finding an object is not finding
+    the effect: a declined PaymentIntent exists too."""
+
+    DONE = "done"  # the effect happened: the operation succeeded
+    REFUSED = "refused"  # the provider acted and said no (a decline): back to quarantine
+    UNDECIDED = "undecided"  # its state decides nothing yet: reconciling, for a person
+
+
 @dataclass(frozen=True, slots=True)
 class Found:
-    """The effect of an operation, found at its provider by the reconciler."""
+    """The object an operation created, found at its provider by the reconciler, with what its
+    state means. A provider that cannot tell leaves ``verdict`` DONE: an object exists."""
 
     reference: str
     duplicates: tuple[str, ...] = ()  # more objects that carry the same operation id
+    verdict: Verdict = Verdict.DONE
+    state: str | None = None  # the object's own status word (``requires_payment_method``)
+    # Why, for the operator and the quarantine: a decline's code, decline_code and message.
+    details: Mapping[str, str] = field(default_factory=dict)
 
 
 class InvalidRequest(Exception):

@@ -32,6 +32,7 @@ import stripe
 
 from outbox import payloads
 from outbox.config import DEFAULT_CONCURRENCY, DEFAULT_MAX_RESPONSE_BYTES
+from outbox.providers import stripe_states
 from outbox.providers.answers import (
     MAX_BYTES_EXTENSION,
     AnswerLimits,
@@ -221,22 +222,26 @@ class StripeProvider:
         if action == "subscriptions.create":
             params["status"] = "all"  # canceled subscriptions are left out otherwise
         family = _key_family(idempotency_key)
-        matches: list[str] = []
+        matches: list[tuple[str, dict[str, Any]]] = []
         with self._shards.take() as client:
             service = getattr(client.v1, ACTIONS[action])
             page = await service.list_async(params=params)
             async for obj in page.auto_paging_iter():
-                metadata = obj.to_dict().get("metadata") or {}
+                fields = obj.to_dict()
+                metadata = fields.get("metadata") or {}
                 # The id alone could be another database's operation: the key must match too.
                 if (
                     metadata.get(METADATA_OPERATION_ID) == str(operation_id)
                     and _key_family(str(metadata.get(METADATA_IDEMPOTENCY_KEY))) == family
                 ):
-                    matches.append(str(obj.id))
+                    matches.append((str(obj.id), fields))
         if not matches:
             return None
         matches.reverse()  # lists are newest first: the earliest object is the effect
-        return Found(matches[0], tuple(matches[1:]))
+        (reference, effect), *others = matches
+        # Found is not done: a declined PaymentIntent exists too (stripe_states).
+        decided, state, details = stripe_states.verdict(action, effect)
+        return Found(reference, tuple(ref for ref, _ in others), decided, state, details)
 
     async def aclose(self) -> None:
         for http in self._https:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from typing import Any
 
 import pytest
 import requests
@@ -306,7 +307,38 @@ def test_a_429_is_not_saved_and_the_retry_creates_one_object(
     assert fake.object_count() == 1
 
 
-def test_a_card_decline_is_a_card_error_and_not_saved(
+def test_a_confirmed_create_declined_by_the_issuer_leaves_the_object_and_saves_the_402(
+    fake: FakeStripe, client: stripe.StripeClient
+) -> None:
+    """As Stripe does: the request executed, so the PaymentIntent exists (requires_payment_method,
+    last_payment_error set) and the 402 is the key's saved answer; a retry replays it."""
+    declined_params: Any = {**PARAMS, "confirm": True, "payment_method": "pm_card_chargeDeclined"}
+    answers = []
+    for _ in range(2):
+        with pytest.raises(stripe.CardError) as declined:
+            create(client, "ob_1", declined_params)
+        answers.append(declined.value)
+    first, replay = answers
+    assert (first.http_status, first.code) == (402, "card_declined")
+    assert first.error is not None and first.error.payment_intent is not None
+    pi = first.error.payment_intent
+    assert pi.status == "requires_payment_method" and pi.last_payment_error is not None
+    assert pi.last_payment_error.decline_code == "generic_decline"
+    assert replay.headers is not None and replay.headers.get("Idempotent-Replayed") == "true"
+    assert [o["id"] for o in fake.objects("payment_intents")] == [pi.id]
+    paid = create(client, "ob_2", {**PARAMS, "confirm": True, "payment_method": "pm_card_visa"})
+    held = create(client, "ob_3", {**PARAMS, "confirm": True, "payment_method": "pm_card_visa",
+                                   "capture_method": "manual"})  # fmt: skip
+    unconfirmed = create(client, "ob_4", {**PARAMS, "payment_method": "pm_card_visa"})
+    assert [paid.status, held.status, unconfirmed.status, create(client, "ob_5").status] == [
+        "succeeded",
+        "requires_capture",
+        "requires_confirmation",
+        "requires_payment_method",
+    ]
+
+
+def test_an_injected_402_is_refused_before_execution_and_not_saved(
     fake: FakeStripe, client: stripe.StripeClient
 ) -> None:
     fault = Fault.status(402, error_type="card_error", code_str="card_declined")

@@ -228,6 +228,10 @@ def test_every_function_is_pinned_and_executable_only_by_its_roles(roles_db: str
             True,
             dispatcher_and_operator,
         ),
+        "outbox.record_finding(bigint,text,text,text,text,jsonb,integer,integer)": (
+            True,
+            dispatcher_and_operator,
+        ),
         "outbox.touch_check(bigint)": (True, dispatcher_and_operator),
         "outbox.claim_checks(text[],interval,integer)": (True, ["outbox_dispatcher"]),
         "outbox.defer_check(bigint,interval,interval)": (True, dispatcher_and_operator),

@@ -195,6 +195,32 @@ MUTANTS: tuple[Mutant, ...] = (
         "idempotency_key = o.idempotency_key,\n        key_generation = o.key_generation,",
         "tests/integration/test_reconcile.py",
     ),
+    # --- reconciliation: a found object is not a found effect ---------------------------------
+    _one(
+        "found-state-ignored",
+        "every object the reconciler finds makes its operation succeeded, a declined charge too",
+        "outbox/reconciler.py",
+        "finding=FINDINGS[found.verdict]",
+        'finding="found"',
+        "tests/integration/test_reconcile_findings.py",
+    ),
+    _one(
+        "decline-is-done",
+        "a PaymentIntent whose confirmation was declined counts as paid",
+        "outbox/providers/stripe_states.py",
+        "        return Verdict.REFUSED  # a confirmation was declined: no payment happened",
+        "        return Verdict.DONE",
+        "tests/unit/test_stripe_states.py",
+        "tests/integration/test_reconcile_findings.py",
+    ),
+    _one(
+        "refused-to-reconciling",
+        "a refused finding leaves the operation reconciling instead of quarantined",
+        "sql/0021_findings_carry_the_state.sql",
+        "SET status = 'quarantined', status_reason = 'provider_declined',",
+        "SET status = 'reconciling', status_reason = 'provider_declined',",
+        "tests/integration/test_reconcile_findings.py",
+    ),
     # --- what is claimed, and in what order ---------------------------------------------------
     _one(
         "stage-before-due",

@@ -367,6 +367,41 @@ def _validate_create(resource: Resource, params: dict[str, Any]) -> None:
     _integer(params["amount"], "amount", low=1)
 
 
+# Stripe's test payment methods whose confirmation the issuer declines (docs.stripe.com/testing).
+DECLINING_PAYMENT_METHODS = {
+    "pm_card_chargeDeclined": "generic_decline",
+    "pm_card_visa_chargeDeclined": "generic_decline",
+    "pm_card_chargeDeclinedInsufficientFunds": "insufficient_funds",
+}
+
+
+def _confirmed(params: dict[str, Any]) -> dict[str, Any]:
+    """A PaymentIntent's state after its create, as Stripe leaves it: never confirmed
+    (``requires_payment_method``, or ``requires_confirmation`` with a payment method), or
+    confirmed with ``confirm=true``: ``succeeded`` (``requires_capture`` with manual capture),
+    or declined, back to ``requires_payment_method`` with ``last_payment_error`` set."""
+    method = params.get("payment_method")
+    if params.get("confirm") != "true":
+        return {"status": "requires_confirmation" if method else "requires_payment_method",
+                "last_payment_error": None}  # fmt: skip
+    decline = DECLINING_PAYMENT_METHODS.get(str(method))
+    if decline is not None:
+        return {"status": "requires_payment_method", "last_payment_error": {
+            "type": "card_error", "code": "card_declined", "decline_code": decline,
+            "message": "Your card was declined.", "charge": _new_id("ch")}}  # fmt: skip
+    manual = params.get("capture_method") == "manual"
+    return {"status": "requires_capture" if manual else "succeeded", "last_payment_error": None}
+
+
+def _declined(obj: dict[str, Any]) -> Reply | None:
+    """The 402 card_error of a declined confirmation, the PaymentIntent in it. Stripe had begun
+    executing, so the answer is saved under the key like any other, and the object exists."""
+    error = obj.get("last_payment_error") if obj.get("object") == "payment_intent" else None
+    if not error:
+        return None
+    return Reply(402, {"error": {**error, "payment_intent": copy.deepcopy(obj)}})
+
+
 def _echo(params: dict[str, Any]) -> dict[str, Any]:
     """The params as object fields: integers where Stripe has integers, no request controls."""
     fields: dict[str, Any] = {}
@@ -560,7 +595,7 @@ class _Ledger(Ledger[Fault, Received, _Entry]):
         if kind is not FaultKind.ERROR_500_BEFORE_APPLY:
             obj = self._create(resource, request.params)
             if kind is not FaultKind.ERROR_500_AFTER_APPLY:
-                saved = Reply(200, obj)
+                saved = _declined(obj) or Reply(200, obj)
         entry = hold = None
         if request.key is not None:
             entry = _Entry(
@@ -580,6 +615,9 @@ class _Ledger(Ledger[Fault, Received, _Entry]):
 
     def _create(self, resource: Resource, params: dict[str, Any]) -> dict[str, Any]:
         obj: dict[str, Any] = {**dict(resource.defaults), **_echo(params)}
+        if resource.name == "payment_intents":
+            obj.pop("confirm", None)  # a request control, no field of the object
+            obj.update(_confirmed(params))
         metadata = obj.get("metadata")
         obj.update(
             id=_new_id(resource.prefix),
@@ -633,6 +671,12 @@ class _Ledger(Ledger[Fault, Received, _Entry]):
     def objects(self) -> list[dict[str, Any]]:
         with self.cond:
             return copy.deepcopy(self._objects)
+
+    def update(self, object_id: str, fields: dict[str, Any]) -> None:
+        with self.cond:
+            if object_id not in self._by_id:
+                raise KeyError(object_id)
+            self._by_id[object_id].update(copy.deepcopy(fields))
 
     def count(self, object_type: str | None) -> int:
         """The number of objects of ``object_type`` or in all (call with the lock held)."""
@@ -818,6 +862,11 @@ class FakeStripe(LoopbackFake[Fault, Received]):
     def object_count(self, resource: str | None = None) -> int:
         """The number of objects created, of ``resource`` or in all."""
         return len(self.objects(resource))
+
+    def update_object(self, object_id: str, **fields: Any) -> None:
+        """Change an object after its creation, as later events do at Stripe: a customer
+        authenticates (``status="succeeded"``), a refund fails, a subscription expires."""
+        self._ledger.update(object_id, fields)
 
     def objects_with_metadata(self, key: str, value: str) -> list[dict[str, Any]]:
         """The objects whose ``metadata[key]`` is ``value``, in order of creation."""

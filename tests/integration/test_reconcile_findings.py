@@ -1,0 +1,189 @@
+"""A reconciliation finding carries the state of the object found (issue 19, case 1).
+
+A PaymentIntent whose confirmation the issuer declines exists at Stripe (requires_payment_method,
+last_payment_error set) and Stripe saves the 402 under the key. Finding it is not finding the
+payment: such an operation is quarantined as provider_declined with the decline's details, never
+succeeded, whether the send path saw the 402 or lost it to a timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg_pool import AsyncConnectionPool
+
+import outbox
+from outbox import operators
+from outbox.providers.base import Provider
+from outbox.providers.fakes.stripe import FakeStripe, Fault
+from outbox.reconciler import Reconciler
+from tests.support.cli import outbox_cli
+from tests.support.daemon import write_config
+from tests.support.dispatch import dispatcher, make_due, rows, stripe_provider
+
+DECLINED = {"amount": 2500, "currency": "usd", "customer": "cus_123", "confirm": True,
+            "payment_method": "pm_card_chargeDeclined"}  # fmt: skip
+STATE = "SELECT status, status_reason, provider_ref, check_finding, check_state, last_error "
+STATE += "FROM outbox.operations"
+DECLINE = "card_declined: generic_decline: Your card was declined."
+
+
+@pytest.fixture
+async def stripe(fake: FakeStripe) -> AsyncIterator[Provider]:
+    p = stripe_provider("stripe", fake.url, timeout=0.3)
+    yield p
+    await p.aclose()
+
+
+@pytest.fixture
+def check_env(db_url: str, fake: FakeStripe, tmp_path: Path) -> dict[str, str]:
+    config = write_config(tmp_path / "outbox.toml", providers={"stripe": {
+        "type": "stripe", "api_key_env": "TEST_STRIPE_KEY", "api_base": fake.url}})  # fmt: skip
+    return {**os.environ, "OUTBOX_DATABASE_URL": db_url, "OUTBOX_CONFIG": str(config),
+            "TEST_STRIPE_KEY": "sk_test_fake"}  # fmt: skip
+
+
+def charge(url: str, payload: dict[str, Any], key: str = "inv-1") -> int:
+    with psycopg.connect(url) as conn:
+        return outbox.enqueue(
+            conn,
+            tenant_id="acme",
+            operation_type="invoice.charge",
+            operation_key=key,
+            provider="stripe",
+            action="payment_intents.create",
+            payload=payload,
+        ).operation_id
+
+
+def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    done = outbox_cli(env, *args)
+    assert done.returncode == 0, done.stderr
+    return done
+
+
+def posts(fake: FakeStripe) -> int:
+    return sum(r.method == "POST" for r in fake.received)
+
+
+async def test_a_declined_charge_sent_to_reconciliation_is_quarantined_as_declined(
+    db_url: str, pool: AsyncConnectionPool[Any], fake: FakeStripe, stripe: Provider,
+    check_env: dict[str, str],
+) -> None:  # fmt: skip
+    """The on-call path of the issue: quarantined by the 402, sent to reconciliation by a
+    person, checked: back to quarantine, declined, never succeeded."""
+    op = charge(db_url, DECLINED)
+    assert await dispatcher(pool, {"stripe": stripe}).run_once() == 1
+    assert rows(db_url, "SELECT o.status, a.error_class FROM outbox.operations o "
+                        "JOIN outbox.attempts a ON a.operation_id = o.id") == [
+        ("quarantined", "http_402_card_declined")]  # fmt: skip
+    (pi,) = fake.objects("payment_intents")  # the decline left its PaymentIntent
+    cli(check_env, "quarantine", "reconcile", str(op), "--reason", "did it charge?",
+        "--actor", "alice")  # fmt: skip
+    checked = cli(check_env, "reconcile", "check", str(op))
+    assert "refused" in checked.stdout and "generic_decline" in checked.stdout
+    assert rows(db_url, STATE) == [("quarantined", "provider_declined", pi["id"], "refused",
+                                    "requires_payment_method", DECLINE)]  # fmt: skip
+    listed = cli(check_env, "quarantine", "list")
+    assert "refused (requires_payment_method)" in listed.stdout
+    shown = cli(check_env, "quarantine", "show", str(op))
+    assert "last check   refused (object requires_payment_method)" in shown.stdout
+    assert rows(db_url, "SELECT action, to_status FROM outbox.audit ORDER BY id") == [
+        ("reconcile", "reconciling"), ("check", "quarantined")]  # fmt: skip
+    assert posts(fake) == 1 and fake.object_count() == 1
+
+
+async def test_a_decline_whose_answer_was_lost_is_quarantined_by_the_periodic_check(
+    db_url: str, pool: AsyncConnectionPool[Any], fake: FakeStripe, stripe: Provider
+) -> None:
+    """The decline executed and its 402 came too late: unknown, then past the key window, then
+    the daemon's own check: quarantined as declined, with no resend."""
+    charge(db_url, DECLINED)
+    fake.inject(Fault.delay_after_apply(1.0))
+    d = dispatcher(pool, {"stripe": stripe})
+    assert await d.run_once() == 1
+    fake.wait_idle(timeout=5)
+    assert rows(db_url, "SELECT status, last_error_class FROM outbox.operations") == [
+        ("pending", "unknown")
+    ]
+    with psycopg.connect(db_url) as conn:
+        conn.execute("UPDATE outbox.operations SET first_sent_at = now() - interval '23h 30m'")
+    make_due(db_url)
+    assert await d.run_once() == 1
+    assert rows(db_url, "SELECT status FROM outbox.operations") == [("reconciling",)]
+    assert await Reconciler(pool, {"stripe": stripe}).run_once() == 1
+    (pi,) = fake.objects("payment_intents")
+    assert rows(db_url, STATE) == [("quarantined", "provider_declined", pi["id"], "refused",
+                                    "requires_payment_method", DECLINE)]  # fmt: skip
+    assert posts(fake) == 1
+
+
+@pytest.mark.parametrize(
+    ("payload", "state"),
+    [
+        ({"confirm": True, "payment_method": "pm_card_visa"}, "succeeded"),
+        ({"confirm": True, "payment_method": "pm_card_visa", "capture_method": "manual"},
+         "requires_capture"),
+        ({}, "requires_payment_method"),  # never confirmed: the object is the whole effect
+    ],
+)  # fmt: skip
+async def test_a_payment_that_happened_is_found_and_succeeds(
+    db_url: str, pool: AsyncConnectionPool[Any], fake: FakeStripe, stripe: Provider,
+    payload: dict[str, Any], state: str,
+) -> None:  # fmt: skip
+    op = charge(db_url, {"amount": 2500, "currency": "usd", **payload})
+    fake.inject(Fault.reset_after_apply())  # created, and the answer lost on the wire
+    d = dispatcher(pool, {"stripe": stripe})
+    assert await d.run_once() == 1
+    with psycopg.connect(db_url) as conn:  # past the key window
+        conn.execute("UPDATE outbox.operations SET first_sent_at = now() - interval '23h 30m'")
+    make_due(db_url)
+    assert await d.run_once() == 1
+    reconciler = Reconciler(pool, {"stripe": stripe})
+    (check,) = await reconciler.candidates(op)
+    result = await reconciler.check(check)
+    (pi,) = fake.objects("payment_intents")
+    assert (result.finding, result.state, result.reference) == ("found", state, pi["id"])
+    ((*settled, error),) = rows(db_url, STATE)
+    assert settled == ["succeeded", None, pi["id"], "found", state] and error
+
+
+async def test_a_payment_awaiting_the_customer_stays_reconciling_until_its_state_decides(
+    db_url: str, pool: AsyncConnectionPool[Any], fake: FakeStripe, stripe: Provider
+) -> None:
+    """requires_action (3-D Secure): neither paid nor declined yet. Re-checked once it moved on."""
+    op = charge(db_url, {"amount": 2500, "currency": "usd"})
+    fake.inject(Fault.reset_after_apply())
+    d = dispatcher(pool, {"stripe": stripe})
+    assert await d.run_once() == 1
+    (pi,) = fake.objects("payment_intents")
+    fake.update_object(pi["id"], status="requires_action")
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        operators.request_cancel(conn, op, reason="the customer left", actor="alice")
+    reconciler = Reconciler(pool, {"stripe": stripe})
+    (check,) = await reconciler.candidates(op)
+    for _ in range(2):  # the same state twice is audited once
+        assert (await reconciler.check(check)).finding == "undecided"
+    assert rows(db_url, STATE)[0][:5] == ("reconciling", "cancel_requested", None, "undecided",
+                                          "requires_action")  # fmt: skip
+    fake.update_object(pi["id"], status="canceled", cancellation_reason="abandoned")
+    assert (await reconciler.check(check)).finding == "refused"
+    assert rows(db_url, STATE) == [
+        (
+            "quarantined",
+            "provider_declined",
+            pi["id"],
+            "refused",
+            "canceled",
+            "canceled: abandoned: refused by the provider",
+        )
+    ]
+    audit = rows(db_url, "SELECT action, to_status FROM outbox.audit ORDER BY id")
+    assert audit == [("cancel_requested", "reconciling"), ("check", "reconciling"),
+                     ("check", "quarantined")]  # fmt: skip
