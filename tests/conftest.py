@@ -13,6 +13,12 @@ import pytest
 from tests.support import postgres
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """The run's first process owns its throwaway server, if it needs one (support/postgres)."""
+    if not hasattr(config, "workerinput"):  # not an xdist worker
+        postgres.start_owned_throwaway()
+
+
 @pytest.fixture(scope="session")
 def pg_server_info(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> postgres.Server:
     """The server every test of this run uses."""

@@ -34,7 +34,7 @@ def test_the_producer_tests_pass_against_a_throwaway_server(tmp_path: Path) -> N
     env = {
         k: v
         for k, v in os.environ.items()
-        if k not in ("OUTBOX_TEST_DATABASE_URL", "PYTEST_XDIST_WORKER")
+        if k not in ("OUTBOX_TEST_DATABASE_URL", "OUTBOX_TEST_THROWAWAY_URL", "PYTEST_XDIST_WORKER")
     }
     env["OUTBOX_TEST_THROWAWAY"] = "1"
     done = subprocess.run(

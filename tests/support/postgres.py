@@ -1,15 +1,20 @@
 """Finds or starts the PostgreSQL server the tests use, and hands out fresh databases.
 
 Order: $OUTBOX_TEST_DATABASE_URL; else the server at 127.0.0.1:5432 if it answers; else a
-throwaway server (the pgserver package's binaries) in a directory shared by every xdist worker of
-this run. $OUTBOX_TEST_THROWAWAY=1 skips the probe, to prove the fresh-laptop path.
+throwaway server (the pgserver package's binaries). $OUTBOX_TEST_THROWAWAY=1 skips the probe, to
+prove the fresh-laptop path. The run's first process (the xdist controller, tests/conftest.py)
+starts the throwaway server and owns it, and its workers find it through
+$OUTBOX_TEST_THROWAWAY_URL: when each worker held a handle of its own, one that ended while
+another was starting stopped the server under it (pgserver counts handles, racily).
 """
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
 import shutil
+import tempfile
 import uuid
 import warnings
 from dataclasses import dataclass
@@ -27,6 +32,7 @@ LOCAL_SERVER_URL = "postgresql://postgres@127.0.0.1:5432/test"
 # worker takes this one in the server's maintenance database.
 TEMPLATE_LOCK_KEY = int.from_bytes(b"obx:tmpl", "big")
 TEST_DB_PREFIX = "outbox_test_"
+THROWAWAY_URL_ENV = "OUTBOX_TEST_THROWAWAY_URL"
 
 
 @dataclass(frozen=True)
@@ -42,9 +48,25 @@ def find_server(shared_dir: Path) -> Server:
     explicit = os.environ.get("OUTBOX_TEST_DATABASE_URL")
     if explicit:
         return Server(explicit, "environment")
+    owned = os.environ.get(THROWAWAY_URL_ENV)
+    if owned:
+        return Server(owned, "throwaway")
     if os.environ.get("OUTBOX_TEST_THROWAWAY") != "1" and _answers(LOCAL_SERVER_URL):
         return Server(LOCAL_SERVER_URL, "local")
     return Server(_start_throwaway(shared_dir / "pgdata"), "throwaway")
+
+
+def start_owned_throwaway() -> None:
+    """If the run needs a throwaway server, start it in this process, which keeps it until it
+    exits (then it is deleted), and publish its address to the workers this process starts."""
+    if os.environ.get("OUTBOX_TEST_DATABASE_URL") or os.environ.get(THROWAWAY_URL_ENV):
+        return
+    if os.environ.get("OUTBOX_TEST_THROWAWAY") != "1" and _answers(LOCAL_SERVER_URL):
+        return
+    # Short: the server's unix socket lives in its data directory, and such paths are limited.
+    directory = Path(tempfile.mkdtemp(prefix="outbox-pg-"))
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)  # after pgserver's own
+    os.environ[THROWAWAY_URL_ENV] = _start_throwaway(directory / "pgdata", cleanup="delete")
 
 
 def _answers(url: str) -> bool:
@@ -55,7 +77,7 @@ def _answers(url: str) -> bool:
         return False
 
 
-def _start_throwaway(pgdata: Path) -> str:
+def _start_throwaway(pgdata: Path, cleanup: str = "stop") -> str:
     with warnings.catch_warnings():
         # platformdirs warns when XDG_RUNTIME_DIR is unset (containers, CI); its fallback is fine.
         warnings.simplefilter("ignore")
@@ -66,7 +88,7 @@ def _start_throwaway(pgdata: Path) -> str:
         # but not its mkdir of pgdata, which fails when another worker made the directory since
         # it looked: made here first, where that cannot fail.
         pgdata.mkdir(exist_ok=True)
-        server = pgserver.get_server(pgdata, cleanup_mode="stop")  # type: ignore[attr-defined]
+        server = pgserver.get_server(pgdata, cleanup_mode=cleanup)  # type: ignore[attr-defined]
     return str(server.get_uri())
 
 
