@@ -363,7 +363,8 @@ def _choked(exc: Exception) -> str:
 
 
 def classify(exc: stripe.StripeError) -> Failed:  # noqa: PLR0911 (a decision table)
-    """What a Stripe error leads to. Stripe-Should-Retry, when present, is honoured first."""
+    """What a Stripe error leads to. Stripe-Should-Retry, when present, is honoured, except that
+    a 5xx is never permanent: Stripe may have acted."""
     status = exc.http_status
     details: dict[str, Any] = {"http_status": status, "request_id": exc.request_id}
     message = _message(exc)
@@ -385,6 +386,10 @@ def classify(exc: stripe.StripeError) -> Failed:  # noqa: PLR0911 (a decision ta
         # A saved 500 is all this key will ever get: reconcile instead of burning attempts.
         return unknown("http_500", message, retry_after=SETTLE_DELAY, reconcile=replayed,
                        request_only=replayed, **details)  # fmt: skip
+    if status is not None and status >= 500 and should_retry is False:
+        # Stripe may have acted, and says a retry will not help (its answer is saved): never
+        # permanent, which would let a person replay a charge that exists. The check decides.
+        return unknown(_error_class(exc), message, reconcile=True, **details)
     if should_retry is False:
         return permanent(_error_class(exc), message, **details)
     if status in (409, 429) or isinstance(exc, stripe.RateLimitError):

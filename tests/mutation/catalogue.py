@@ -221,6 +221,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "SET status = 'reconciling', status_reason = 'provider_declined',",
         "tests/integration/test_reconcile_findings.py",
     ),
+    _one(
+        "stripe-5xx-permanent",
+        "a Stripe 5xx that says not to retry is quarantined, though Stripe may have acted",
+        "outbox/providers/stripe.py",
+        "    if status is not None and status >= 500 and should_retry is False:\n",
+        "    if False:\n",
+        "tests/integration/test_stripe.py::test_the_error_map",
+    ),
     # --- what is claimed, and in what order ---------------------------------------------------
     _one(
         "stage-before-due",
