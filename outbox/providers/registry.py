@@ -19,7 +19,7 @@ from outbox.config import (
 from outbox.providers.base import Provider
 from outbox.providers.noop import NoopProvider
 from outbox.providers.shards import connection_cap
-from outbox.providers.stripe import StripeOptions, StripeProvider
+from outbox.providers.stripe import DEFAULT_REDACTED, StripeOptions, StripeProvider
 from outbox.providers.webhook import DEFAULT_REFERENCE_FIELD, WebhookOptions, WebhookProvider
 
 ENTRY_POINT_GROUP: Final = "outbox.providers"
@@ -28,7 +28,7 @@ Factory = Callable[[ProviderSettings], Provider]
 _WEBHOOK_KEYS: Final = ("url", "headers", "secret_headers", "reference_field",
                          "max_response_bytes")  # fmt: skip
 _STRIPE_KEYS: Final = ("api_key_env", "api_key_file", "api_base", "stripe_account",
-                       "max_response_bytes")  # fmt: skip
+                       "max_response_bytes", "redact_fields")  # fmt: skip
 DEFAULT_STRIPE_API: Final = "https://api.stripe.com"
 
 
@@ -116,8 +116,19 @@ def stripe_options(
         timeout=ps.timeout, key_retention=ps.key_retention,
         stripe_account=None if account is None else str(account),
         max_connections=connection_cap(concurrency, ps.max_in_flight),
-        max_response_bytes=_max_response_bytes(ps),
+        max_response_bytes=_max_response_bytes(ps), redact_fields=_redact_fields(ps),
     )  # fmt: skip
+
+
+def _redact_fields(ps: ProviderSettings) -> tuple[str, ...]:
+    """The fields never kept of Stripe's answers: ``redact_fields``, or the default."""
+    fields = ps.options.get("redact_fields", DEFAULT_REDACTED)
+    if not isinstance(fields, list | tuple) or not all(
+        isinstance(f, str) and f.strip() for f in fields
+    ):
+        raise ConfigError(f"providers.{ps.name}.redact_fields must be a list of field names",
+                          key=f"providers.{ps.name}.redact_fields")  # fmt: skip
+    return tuple(f.strip() for f in fields)
 
 
 def _max_response_bytes(ps: ProviderSettings) -> int:

@@ -17,6 +17,7 @@ key replays its answer).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import re
@@ -75,6 +76,10 @@ SETTLE_DELAY: Final = timedelta(seconds=30)
 # Stripe's may disagree.
 LOOKUP_SLACK: Final = timedelta(hours=1)
 LOOKUP_PAGE: Final = 100
+# Never kept of an answer, by default: a PaymentIntent's or SetupIntent's client_secret lets
+# whoever holds it confirm the payment from a browser; it belongs to the customer's page only.
+DEFAULT_REDACTED: Final = ("client_secret",)
+REDACTED: Final = "[redacted by outbox]"
 # The cap on a lookup's list page, when max_response_bytes is smaller: a page holds LOOKUP_PAGE
 # objects, and each may carry 50 metadata keys of 500 characters (some 30 KB), so 16 MiB holds a
 # page of objects five times that size. A lookup reads one page at a time.
@@ -99,6 +104,8 @@ class StripeOptions:
     max_connections: int = DEFAULT_CONCURRENCY
     # The most bytes of one answer read, decoded (see outbox.providers.answers).
     max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES
+    # Fields of Stripe's answers never stored in an operation's result, at any depth.
+    redact_fields: tuple[str, ...] = DEFAULT_REDACTED
 
     def __repr__(self) -> str:
         return f"StripeOptions(api_base={self.api_base!r}, stripe_account={self.stripe_account!r})"
@@ -201,7 +208,7 @@ class StripeProvider:
                 # the SDK's objects, say. Stripe answered, so it may have acted.
                 return unknown("unreadable_success", _choked(exc))
         try:
-            return _succeeded(created, request.idempotency_key)
+            return _succeeded(created, request.idempotency_key, self._options.redact_fields)
         except Exception as exc:  # noqa: BLE001 (likewise: an object with no last_response...)
             return unknown("unreadable_success", _choked(exc))
 
@@ -345,17 +352,44 @@ def _plain(value: Decimal) -> str:
     return format(value, "f")
 
 
-def _succeeded(created: Any, key: str) -> Succeeded:
-    """The result of a created object. Its id is the reference when it is an identifier
-    (``answers.reference``); otherwise the idempotency key serves, as on the webhook."""
+def _succeeded(created: Any, key: str, redact: tuple[str, ...] = DEFAULT_REDACTED) -> Succeeded:
+    """The result of a created object: the JSON Stripe sent, less the ``redact`` fields. Its id
+    is the reference when it is an identifier (``answers.reference``); otherwise the idempotency
+    key serves, as on the webhook."""
     response = created.last_response
-    body = created.to_dict()
+    try:
+        body = _redacted(_answer(created), frozenset(redact))
+    except RecursionError:  # nested past what Python walks: the outcome, without its body
+        body = None
     return Succeeded(
         reference(body.get("id")) or key,
         body,
         http_status=response.code if response else None,
         request_id=response.request_id if response else None,
     )
+
+
+def _answer(created: Any) -> Any:
+    """The answer as Stripe wrote it. The SDK's objects turn ``*_decimal`` fields into Decimal,
+    which no JSON encoder writes, and the result was then dropped whole; the raw body has them
+    as Stripe's own strings."""
+    response = created.last_response
+    raw = getattr(response, "body", None)
+    if isinstance(raw, str | bytes):
+        try:
+            return json.loads(raw)
+        except ValueError:
+            pass
+    return created.to_dict()
+
+
+def _redacted(value: Any, fields: frozenset[str]) -> Any:
+    if isinstance(value, dict):
+        return {k: REDACTED if k in fields and v is not None else _redacted(v, fields)
+                for k, v in value.items()}  # fmt: skip
+    if isinstance(value, list):
+        return [_redacted(v, fields) for v in value]
+    return value
 
 
 def _choked(exc: Exception) -> str:

@@ -148,7 +148,10 @@ def test_every_resource_gets_its_prefix_and_echoes_nested_params(
     ]
     refund = fake.objects("refunds")[0]
     assert (refund["payment_intent"], refund["amount"]) == (pi.id, 500)
-    assert fake.objects("subscriptions")[0]["items"] == [{"price": "price_1"}]
+    # Items as Stripe answers them: a list object, each with its price and decimal amounts.
+    (item,) = fake.objects("subscriptions")[0]["items"]["data"]
+    assert (item["object"], item["price"]["id"], item["plan"]["amount_decimal"]) == (
+        "subscription_item", "price_1", "1000.5")  # fmt: skip
     assert fake.objects("invoices")[0]["days_until_due"] == 30
     assert fake.object_count() == 7
 

@@ -229,6 +229,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "    if False:\n",
         "tests/integration/test_stripe.py::test_the_error_map",
     ),
+    _one(
+        "client-secret-kept",
+        "a PaymentIntent's client_secret is stored in the operation's result",
+        "outbox/providers/stripe.py",
+        "REDACTED if k in fields and v is not None else",
+        "v if k in fields and v is not None else",
+        "tests/integration/test_stripe_results.py",
+    ),
     # --- what is claimed, and in what order ---------------------------------------------------
     _one(
         "stage-before-due",

@@ -102,14 +102,15 @@ def make_due(url: str) -> None:
 
 
 def stripe_provider(name: str, url: str, *, api_key: str = "sk_test_fake", timeout: float = 5.0,
-                    key_retention: float = 86400.0) -> Provider:  # fmt: skip
+                    key_retention: float = 86400.0, **options: Any) -> Provider:  # fmt: skip
     """The real Stripe provider pointed at a fake Stripe, its key read from a variable."""
     from outbox.config import ProviderSettings  # noqa: PLC0415
     from outbox.providers.registry import build_providers  # noqa: PLC0415
 
     ps = ProviderSettings(name, "stripe", key_retention=timedelta(seconds=key_retention),
                           timeout=timedelta(seconds=timeout),
-                          options={"api_key_env": "TEST_STRIPE_KEY", "api_base": url})  # fmt: skip
+                          options={"api_key_env": "TEST_STRIPE_KEY", "api_base": url,
+                                   **options})  # fmt: skip
     return build_providers({name: ps}, environ={"TEST_STRIPE_KEY": api_key})[name]
 
 

@@ -393,6 +393,22 @@ def _confirmed(params: dict[str, Any]) -> dict[str, Any]:
     return {"status": "requires_capture" if manual else "succeeded", "last_payment_error": None}
 
 
+def _subscription_items(items: Any) -> dict[str, Any]:
+    """A subscription's items as Stripe answers them: a list object of subscription_items, each
+    with its price and plan, whose amounts come as decimal strings (``unit_amount_decimal``),
+    which stripe-python turns into Decimal."""
+    data = []
+    for item in items if isinstance(items, list) else []:
+        price = str(item.get("price", "price_default")) if isinstance(item, dict) else "price"
+        data.append({
+            "object": "subscription_item", "id": _new_id("si"), "quantity": 1,
+            "price": {"object": "price", "id": price, "unit_amount": 1000,
+                      "unit_amount_decimal": "1000.5"},
+            "plan": {"object": "plan", "id": price, "amount": 1000, "amount_decimal": "1000.5"},
+        })  # fmt: skip
+    return {"object": "list", "data": data, "has_more": False, "url": "/v1/subscription_items"}
+
+
 def _declined(obj: dict[str, Any]) -> Reply | None:
     """The 402 card_error of a declined confirmation, the PaymentIntent in it. Stripe had begun
     executing, so the answer is saved under the key like any other, and the object exists."""
@@ -618,14 +634,19 @@ class _Ledger(Ledger[Fault, Received, _Entry]):
         if resource.name == "payment_intents":
             obj.pop("confirm", None)  # a request control, no field of the object
             obj.update(_confirmed(params))
+        if resource.name == "subscriptions":
+            obj["items"] = _subscription_items(obj.get("items"))
         metadata = obj.get("metadata")
         obj.update(
             id=_new_id(resource.prefix),
             object=resource.object,
+            **({"client_secret": None} if resource.name == "payment_intents" else {}),
             created=int(self._clock()),
             livemode=False,
             metadata=metadata if isinstance(metadata, dict) else {},
         )
+        if "client_secret" in obj:  # as Stripe makes it: the id, then a secret
+            obj["client_secret"] = f"{obj['id']}_secret_{secrets.token_hex(12)}"
         self._objects.append(obj)
         self._by_id[obj["id"]] = obj
         return obj
