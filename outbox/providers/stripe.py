@@ -17,6 +17,7 @@ key replays its answer).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import math
@@ -239,7 +240,7 @@ class StripeProvider:
                 # The id alone could be another database's operation: the key must match too.
                 if (
                     metadata.get(METADATA_OPERATION_ID) == str(operation_id)
-                    and _key_family(str(metadata.get(METADATA_IDEMPOTENCY_KEY))) == family
+                    and _key_family(str(metadata.get(METADATA_IDEMPOTENCY_KEY))) & family
                 ):
                     matches.append((str(obj.id), fields))
         if not matches:
@@ -472,6 +473,10 @@ def _message(exc: stripe.StripeError) -> str:
     return " ".join(p for p in parts if p)
 
 
-def _key_family(key: str) -> str:
-    """The key without its generation suffix: every generation of one operation shares it."""
-    return re.sub(r":r[0-9]+$", "", key)
+def _key_family(key: str) -> frozenset[str]:
+    """The forms every generation of one operation's key shares: the first key, and the hash
+    later generations carry instead when the first key and its suffix pass Stripe's 255
+    characters (outbox.key_for_generation, sql/0005: ``ob1_<sha256 of the first key>:rN``). Two
+    keys are of one operation if their families meet."""
+    first = re.sub(r":r[0-9]+$", "", key)
+    return frozenset({first, "ob1_" + hashlib.sha256(first.encode()).hexdigest()})

@@ -20,7 +20,7 @@ from psycopg_pool import AsyncConnectionPool
 
 import outbox
 from outbox import operators
-from outbox.providers.base import Provider
+from outbox.providers.base import Lookup, Provider
 from outbox.providers.fakes.stripe import FakeStripe, Fault
 from outbox.reconciler import Reconciler
 from tests.support.cli import outbox_cli
@@ -187,3 +187,30 @@ async def test_a_payment_awaiting_the_customer_stays_reconciling_until_its_state
     audit = rows(db_url, "SELECT action, to_status FROM outbox.audit ORDER BY id")
     assert audit == [("cancel_requested", "reconciling"), ("check", "reconciling"),
                      ("check", "quarantined")]  # fmt: skip
+
+
+@pytest.mark.parametrize("length", [40, 251, 252, 255])
+async def test_every_generation_of_a_long_key_finds_the_first_generations_object(
+    db_url: str, pool: AsyncConnectionPool[Any], fake: FakeStripe, stripe: Provider, length: int
+) -> None:
+    """Issue 19, case 2: a key too long for its :rN suffix takes a hashed form in later
+    generations (outbox.key_for_generation); the lookup must still know the object its first
+    generation made."""
+    first = ("k" * length)[:length]
+    with psycopg.connect(db_url) as conn:
+        op = outbox.enqueue(conn, tenant_id="acme", operation_type="invoice.charge",
+                            operation_key="long", provider="stripe",
+                            action="payment_intents.create", idempotency_key=first,
+                            payload={"amount": 2500, "currency": "usd"}).operation_id  # fmt: skip
+    fake.inject(Fault.reset_after_apply())
+    assert await dispatcher(pool, {"stripe": stripe}).run_once() == 1
+    (pi,) = fake.objects("payment_intents")
+    ((sent, last),) = rows(db_url, "SELECT first_sent_at, last_attempt_at FROM outbox.operations")
+    assert isinstance(stripe, Lookup)
+    for generation in (1, 2, 9, 10, 11):
+        ((key,),) = rows(db_url, "SELECT outbox.key_for_generation(%s, %s)", (first, generation))
+        assert len(key) <= 255
+        found = await stripe.lookup("payment_intents.create", op, key, sent, last)
+        assert found is not None and found.reference == pi["id"], (generation, key)
+    other = await stripe.lookup("payment_intents.create", op, "another-key", sent, last)
+    assert other is None

@@ -237,6 +237,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "v if k in fields and v is not None else",
         "tests/integration/test_stripe_results.py",
     ),
+    _one(
+        "lookup-misses-hashed-generations",
+        "the lookup of a long key's later generation misses the first generation's object",
+        "outbox/providers/stripe.py",
+        'return frozenset({first, "ob1_" + hashlib.sha256(first.encode()).hexdigest()})',
+        "return frozenset({first})",
+        "tests/integration/test_reconcile_findings.py",
+    ),
     # --- what is claimed, and in what order ---------------------------------------------------
     _one(
         "stage-before-due",
