@@ -635,9 +635,12 @@ SET_ORDERING_MODE: Final = (
 # ``recheck_after`` (NULL: all), oldest first.
 RECONCILING_TO_CHECK: Final = """
 SELECT id, provider, action, idempotency_key, key_generation, attempts,
-       coalesce(first_sent_at, created_at) AS first_sent_at,
+       -- From the first attempt of any key generation (sql/0022), not just the current one's.
+       least(coalesce(first_sent_at, created_at),
+             (SELECT min(a.started_at) FROM outbox.attempts a
+              WHERE a.operation_id = o.id AND a.sent)) AS first_sent_at,
        coalesce(last_attempt_at, created_at) AS last_attempt_at
-FROM outbox.operations
+FROM outbox.operations o
 WHERE status = 'reconciling'
   AND (%(id)s::bigint IS NULL OR id = %(id)s::bigint)
   -- Only providers that can be asked: the others wait for a person, and must not fill every batch.

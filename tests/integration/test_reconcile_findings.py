@@ -214,3 +214,41 @@ async def test_every_generation_of_a_long_key_finds_the_first_generations_object
         assert found is not None and found.reference == pi["id"], (generation, key)
     other = await stripe.lookup("payment_intents.create", op, "another-key", sent, last)
     assert other is None
+
+
+@pytest.mark.parametrize("path", ["daemon", "manual"])
+async def test_after_reconcile_retry_the_check_still_finds_what_generation_1_made_hours_ago(
+    db_url: str, pool: AsyncConnectionPool[Any], fake: FakeStripe, stripe: Provider, path: str
+) -> None:
+    """Issue 19, case 2: retry resets first_sent_at for the new generation's key window; the
+    check must still search from generation 1's attempt."""
+    op = charge(db_url, {"amount": 2500, "currency": "usd"})
+    fake.inject(Fault.reset_after_apply())  # generation 1 creates the PaymentIntent, unseen
+    d = dispatcher(pool, {"stripe": stripe})
+    assert await d.run_once() == 1
+    (pi,) = fake.objects("payment_intents")
+    fake.update_object(pi["id"], created=pi["created"] - 3 * 3600)  # three hours ago, then
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("UPDATE outbox.attempts SET started_at = started_at - interval '3 hours'")
+        conn.execute(
+            "UPDATE outbox.operations SET first_sent_at = first_sent_at - "
+            "interval '3 hours', last_attempt_at = last_attempt_at - interval '3 hours'"
+        )
+        who = {"reason": "no charge in the dashboard", "actor": "alice"}
+        operators.request_cancel(conn, op, **who)
+        operators.retry(conn, op, force=True, **who)  # generation 2, first_sent_at reset
+        fake.inject(Fault.status(503, error_type="api_error"))  # it never reaches Stripe's ledger
+        assert await d.run_once() == 1
+        operators.request_cancel(conn, op, **who)
+    assert rows(db_url, "SELECT status, key_generation, first_sent_at > now() - interval '1 hour' "
+                        "FROM outbox.operations") == [("reconciling", 2, True)]  # fmt: skip
+    reconciler = Reconciler(pool, {"stripe": stripe})
+    if path == "daemon":  # outbox run's periodic pass (outbox.claim_checks)
+        assert await reconciler.run_once() == 1
+    else:  # `outbox reconcile check ID`
+        (check,) = await reconciler.candidates(op)
+        assert (await reconciler.check(check)).finding == "found"
+    assert rows(db_url, "SELECT status, provider_ref FROM outbox.operations") == [
+        ("succeeded", pi["id"])
+    ]
+    assert fake.object_count() == 1

@@ -245,6 +245,26 @@ MUTANTS: tuple[Mutant, ...] = (
         "return frozenset({first})",
         "tests/integration/test_reconcile_findings.py",
     ),
+    _one(
+        "check-window-from-current-generation",
+        "after reconcile retry, a manual check searches only from the new generation's send",
+        STATEMENTS,
+        "       least(coalesce(first_sent_at, created_at),\n"
+        "             (SELECT min(a.started_at) FROM outbox.attempts a\n"
+        "              WHERE a.operation_id = o.id AND a.sent)) AS first_sent_at,",
+        "       coalesce(first_sent_at, created_at) AS first_sent_at,",
+        "tests/integration/test_reconcile_findings.py",
+    ),
+    _one(
+        "claim-checks-window-from-current-generation",
+        "after reconcile retry, the daemon's check searches only from the new generation's send",
+        "sql/0022_lookups_cover_every_generation.sql",
+        "              least(coalesce(o.first_sent_at, o.created_at),\n"
+        "                    (SELECT min(a.started_at) FROM outbox.attempts a\n"
+        "                     WHERE a.operation_id = o.id AND a.sent)),",
+        "              coalesce(o.first_sent_at, o.created_at),",
+        "tests/integration/test_reconcile_findings.py",
+    ),
     # --- what is claimed, and in what order ---------------------------------------------------
     _one(
         "stage-before-due",
