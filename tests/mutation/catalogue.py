@@ -94,7 +94,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "check-fence",
         "a reconciler's late finding is written over a newer episode",
-        "sql/0009_review_fixes.sql",
+        "sql/0021_findings_carry_the_state.sql",
         "IF op.key_generation <> expected_generation OR op.attempts <> expected_attempts THEN",
         "IF false THEN",
         *FENCE_TESTS,
