@@ -602,10 +602,6 @@ REQUEST_RECONCILIATION: Final = (
     "SELECT outbox.request_reconciliation(%(id)s, %(reason)s, %(actor)s)"
 )
 RETRY: Final = "SELECT outbox.retry_operation(%(id)s, %(reason)s, %(actor)s, %(force)s)"
-RECORD_CHECK: Final = """
-SELECT outbox.record_check(%(id)s, %(found_ref)s, %(actor)s, %(details)s::jsonb,
-                           %(generation)s::integer, %(attempts)s::integer)
-"""
 # A finding with the found object's state: found, refused, undecided or not_found (sql/0021).
 # Returns the operation's status after it, or 'stale' if it moved on since the check was taken.
 RECORD_FINDING: Final = """
@@ -614,7 +610,7 @@ SELECT outbox.record_finding(%(id)s, %(finding)s, %(found_ref)s, %(state)s, %(ac
 """
 # A look-up failed: note the time, so the periodic reconciler moves on to other operations.
 # A failed lookup proves nothing: the operation is due again after retry_in (sql/0013). Fenced
-# as RECORD_CHECK is: a check of an earlier episode of the operation defers nothing (sql/0020).
+# as RECORD_FINDING is: a check of an earlier episode of the operation defers nothing (sql/0020).
 DEFER_CHECK: Final = """
 SELECT outbox.defer_check(%(id)s, %(recheck_after)s::interval, %(retry_in)s::interval,
                           %(generation)s::integer, %(attempts)s::integer)

@@ -3,7 +3,9 @@ providers on loopback with real providers pointed at them."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,6 +14,7 @@ from psycopg_pool import AsyncConnectionPool
 from outbox.providers.base import Provider
 from outbox.providers.fakes.stripe import FakeStripe
 from outbox.providers.fakes.webhook import FakeWebhookReceiver
+from tests.support.daemon import write_config
 from tests.support.dispatch import stripe_provider, webhook
 
 
@@ -49,3 +52,12 @@ async def provider(fake: FakeStripe) -> AsyncIterator[Provider]:
     p = stripe_provider("stripe", fake.url)
     yield p
     await p.aclose()
+
+
+@pytest.fixture
+def check_env(db_url: str, fake: FakeStripe, tmp_path: Path) -> dict[str, str]:
+    """The environment of an `outbox` subprocess (`reconcile check`) pointed at the fake Stripe."""
+    config = write_config(tmp_path / "outbox.toml", providers={"stripe": {
+        "type": "stripe", "api_key_env": "TEST_STRIPE_KEY", "api_base": fake.url}})  # fmt: skip
+    return {**os.environ, "OUTBOX_DATABASE_URL": db_url, "OUTBOX_CONFIG": str(config),
+            "TEST_STRIPE_KEY": "sk_test_fake"}  # fmt: skip

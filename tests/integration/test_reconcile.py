@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from collections.abc import AsyncIterator
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -21,7 +19,6 @@ from outbox.providers.base import Provider
 from outbox.providers.fakes.stripe import FakeStripe, Fault
 from outbox.reconciler import Reconciler
 from tests.support.cli import outbox_cli
-from tests.support.daemon import write_config
 from tests.support.dispatch import (
     dispatcher,
     enqueue_charges,
@@ -37,15 +34,6 @@ async def provider(fake: FakeStripe) -> AsyncIterator[Provider]:
     p = stripe_provider("stripe", fake.url, timeout=0.3)
     yield p
     await p.aclose()
-
-
-@pytest.fixture
-def check_env(db_url: str, fake: FakeStripe, tmp_path: Path) -> dict[str, str]:
-    """The environment of `outbox reconcile check` pointed at the fake Stripe."""
-    config = write_config(tmp_path / "outbox.toml", providers={"stripe": {
-        "type": "stripe", "api_key_env": "TEST_STRIPE_KEY", "api_base": fake.url}})  # fmt: skip
-    return {**os.environ, "OUTBOX_DATABASE_URL": db_url, "OUTBOX_CONFIG": str(config),
-            "TEST_STRIPE_KEY": "sk_test_fake"}  # fmt: skip
 
 
 async def unknown_then_past_the_window(db_url: str, pool: AsyncConnectionPool[Any],

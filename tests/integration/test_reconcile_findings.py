@@ -8,10 +8,8 @@ succeeded, whether the send path saw the 402 or lost it to a timeout.
 
 from __future__ import annotations
 
-import os
 import subprocess
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -24,7 +22,6 @@ from outbox.providers.base import Lookup, Provider
 from outbox.providers.fakes.stripe import FakeStripe, Fault
 from outbox.reconciler import Reconciler
 from tests.support.cli import outbox_cli
-from tests.support.daemon import write_config
 from tests.support.dispatch import dispatcher, make_due, rows, stripe_provider
 
 DECLINED = {"amount": 2500, "currency": "usd", "customer": "cus_123", "confirm": True,
@@ -39,14 +36,6 @@ async def stripe(fake: FakeStripe) -> AsyncIterator[Provider]:
     p = stripe_provider("stripe", fake.url, timeout=0.3)
     yield p
     await p.aclose()
-
-
-@pytest.fixture
-def check_env(db_url: str, fake: FakeStripe, tmp_path: Path) -> dict[str, str]:
-    config = write_config(tmp_path / "outbox.toml", providers={"stripe": {
-        "type": "stripe", "api_key_env": "TEST_STRIPE_KEY", "api_base": fake.url}})  # fmt: skip
-    return {**os.environ, "OUTBOX_DATABASE_URL": db_url, "OUTBOX_CONFIG": str(config),
-            "TEST_STRIPE_KEY": "sk_test_fake"}  # fmt: skip
 
 
 def charge(url: str, payload: dict[str, Any], key: str = "inv-1") -> int:

@@ -530,10 +530,12 @@ async def _reconciler_and_gauges(pool: AsyncConnectionPool[Any], url: str, hook:
              "generation": row["key_generation"], "attempts": row["attempts"]},
         )  # fmt: skip
         cur = await conn.execute(
-            statements.RECORD_CHECK,
+            statements.RECORD_FINDING,
             {
                 "id": op,
+                "finding": "not_found",
                 "found_ref": None,
+                "state": None,
                 "actor": "outbox-reconciler",
                 "details": json.dumps({}),
                 "generation": row["key_generation"],

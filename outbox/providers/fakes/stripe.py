@@ -640,12 +640,11 @@ class _Ledger(Ledger[Fault, Received, _Entry]):
         obj.update(
             id=_new_id(resource.prefix),
             object=resource.object,
-            **({"client_secret": None} if resource.name == "payment_intents" else {}),
             created=int(self._clock()),
             livemode=False,
             metadata=metadata if isinstance(metadata, dict) else {},
         )
-        if "client_secret" in obj:  # as Stripe makes it: the id, then a secret
+        if resource.name == "payment_intents":  # as Stripe makes it: the id, then a secret
             obj["client_secret"] = f"{obj['id']}_secret_{secrets.token_hex(12)}"
         self._objects.append(obj)
         self._by_id[obj["id"]] = obj
