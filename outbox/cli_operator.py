@@ -11,7 +11,7 @@ import asyncio
 import dataclasses
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
@@ -199,8 +199,14 @@ def _check_note(result: reconciler.CheckResult, dry_run: bool) -> str:
     if result.finding == "refused":
         why = result.details.get("decline_code") or result.details.get("code") or "refused"
         notes.append(f"the provider refused it ({why}): quarantined as provider_declined")
+    elif result.finding == "undecided" and result.reference is None:
+        notes.append(f"the search stopped short ({result.details.get('reason', '?')}): it proves "
+                     "nothing; a person decides, and a retry needs --force")  # fmt: skip
     elif result.finding == "undecided":
         notes.append("its state decides nothing yet: a person decides")
+    elif result.finding == "not_found" and result.details.get("searched"):
+        notes.append(f"searched {', '.join(result.details['searched'])} from "
+                     f"{result.details['since']} to {result.details['until']}")  # fmt: skip
     if result.duplicates:
         notes.append(f"more effects carry this id: {', '.join(result.duplicates)}")
     if dry_run:
@@ -310,6 +316,15 @@ def _show_json(op: dict[str, Any]) -> str:
     return payloads.encode(shown)
 
 
+def _searched(details: Mapping[str, Any] | None) -> list[str]:
+    """What the last check searched, for a person to judge a not-found by."""
+    if not details or not details.get("searched"):
+        return []
+    line = (f"searched     {', '.join(map(str, details['searched']))} from {details.get('since')}"
+            f" to {details.get('until')}")  # fmt: skip
+    return [line] + ([f"incomplete   {details['reason']}"] if details.get("reason") else [])
+
+
 def _describe(op: dict[str, Any]) -> str:
     age = format_duration(timedelta(seconds=op["age_seconds"]))
     reason = f" ({op['status_reason']})" if op["status_reason"] else ""
@@ -325,6 +340,7 @@ def _describe(op: dict[str, Any]) -> str:
         f"last check   {op['check_finding'] or 'never'}"
         + (f" (object {op['check_state']})" if op.get("check_state") else "")
         + (f" at {op['checked_at']}" if op["checked_at"] else ""),
+        *_searched(op.get("check_details")),
         f"reference    {op['provider_ref'] or '-'}",
     ]  # fmt: skip
     if op.get("payload") is not None:

@@ -22,11 +22,11 @@ import structlog
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
-from outbox import loops, metrics
+from outbox import loops, metrics, payloads
 from outbox.db import statements
 from outbox.db.connect import connection_options
 from outbox.operators import SQLSTATE_OPERATOR_REFUSED
-from outbox.providers.base import Found, Lookup, Provider, Verdict
+from outbox.providers.base import Lookup, LookupRequest, NotFound, Provider, Verdict
 
 ACTOR: Final = "outbox-reconciler"
 # A check rereads an operation at most this often: not-found is the usual answer, and each look
@@ -56,7 +56,8 @@ class CheckResult:
     duplicates: tuple[str, ...] = ()
     error: str | None = None
     state: str | None = None  # the found object's status word
-    details: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # refused/undecided: the object's codes; not_found/incomplete: what was searched, and when
+    details: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 class Reconciler:
@@ -129,17 +130,18 @@ class Reconciler:
         if not isinstance(provider, Lookup):
             return CheckResult(finding="no_lookup", **base)
         try:
-            found: Found | None = await provider.lookup(
-                row["action"],
-                row["id"],
-                row["idempotency_key"],
-                row["first_sent_at"],
-                row["last_attempt_at"],
-            )
+            found = await provider.lookup(_request(row))
         except Exception as exc:  # noqa: BLE001 (a failed look proves nothing either way)
             return CheckResult(finding="error", error=type(exc).__name__, **base)
-        if found is None:
-            return CheckResult(finding="not_found", **base)
+        if isinstance(found, NotFound):
+            searched = {"searched": list(found.sources), "since": found.since.isoformat(),
+                        "until": found.until.isoformat()}  # fmt: skip
+            if found.complete:
+                return CheckResult(finding="not_found", details=searched, **base)
+            # A search cut short proves nothing: a person decides, and a retry needs --force.
+            searched["reason"] = found.reason or "?"
+            return CheckResult(finding="undecided", state="search incomplete", details=searched,
+                               **base)  # fmt: skip
         return CheckResult(finding=FINDINGS[found.verdict], reference=found.reference,
                            duplicates=found.duplicates, state=found.state,
                            details=dict(found.details), **base)  # fmt: skip
@@ -184,6 +186,24 @@ class Reconciler:
                   "generation": row["key_generation"], "attempts": row["attempts"]}  # fmt: skip
         async with self._pool.connection() as conn:
             await conn.execute(statements.DEFER_CHECK, params)
+
+
+def _request(row: Mapping[str, Any]) -> LookupRequest:
+    try:
+        payload: Mapping[str, Any] = payloads.decode(row["payload"]) if row["payload"] else {}
+    except payloads.InvalidPayload:
+        payload = {}  # the lookup goes without its narrowing filters, never without its look
+    return LookupRequest(
+        action=row["action"],
+        operation_id=row["id"],
+        idempotency_key=row["idempotency_key"],
+        keys=frozenset(row["keys"]),
+        first_sent_at=row["first_sent_at"],
+        last_attempt_at=row["last_attempt_at"],
+        search_until=row["search_until"],
+        checked_now=row["checked_now"],
+        payload=payload,
+    )
 
 
 async def run_checks(dsn: str, providers: Mapping[str, Provider], operation_id: int | None, *,

@@ -567,8 +567,8 @@ SHOW_OPERATION: Final = """
 SELECT id, tenant_id, operation_type, operation_key, provider, action, status, status_reason,
        attempts, attempt_base, max_attempts, idempotency_key, key_generation, correlation_id,
        available_at, first_sent_at, last_attempt_at, provider_ref, result, last_error,
-       last_error_class, checked_at, check_finding, check_state, created_at, updated_at,
-       finished_at,
+       last_error_class, checked_at, check_finding, check_state, check_details, created_at,
+       updated_at, finished_at,
        extract(epoch FROM now() - status_changed_at)::float8 AS age_seconds,
        CASE WHEN %(with_payload)s::boolean THEN payload::text END AS payload
 FROM outbox.operations
@@ -635,7 +635,16 @@ SELECT id, provider, action, idempotency_key, key_generation, attempts,
        least(coalesce(first_sent_at, created_at),
              (SELECT min(a.started_at) FROM outbox.attempts a
               WHERE a.operation_id = o.id AND a.sent)) AS first_sent_at,
-       coalesce(last_attempt_at, created_at) AS last_attempt_at
+       coalesce(last_attempt_at, created_at) AS last_attempt_at,
+       -- Every key that may have reached the provider, the payload for the lookup's filters,
+       -- and a window that grows with each re-check (sql/0023).
+       ARRAY(SELECT k FROM (SELECT a.idempotency_key FROM outbox.attempts a
+                            WHERE a.operation_id = o.id AND a.sent
+                            UNION SELECT o.idempotency_key) AS ks (k) ORDER BY k) AS keys,
+       payload::text AS payload,
+       greatest(coalesce(last_attempt_at, created_at),
+                CASE WHEN checked_at IS NOT NULL THEN least(checked_at, now()) END) AS search_until,
+       now() AS checked_now
 FROM outbox.operations o
 WHERE status = 'reconciling'
   AND (%(id)s::bigint IS NULL OR id = %(id)s::bigint)

@@ -114,6 +114,37 @@ class Found:
     details: Mapping[str, str] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class NotFound:
+    """No object of the operation at its provider: where the lookup looked, and how sure it is.
+    ``complete`` False means the search stopped short (its page cap, a source that cannot cover
+    the window): it proves nothing, and the check is undecided with ``reason``."""
+
+    sources: tuple[str, ...]  # what was searched: "payment_intents (customer)", "events"
+    since: datetime
+    until: datetime
+    complete: bool = True
+    reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LookupRequest:
+    """What the reconciler knows of an operation it asks about (sql/0023)."""
+
+    action: str
+    operation_id: int
+    idempotency_key: str  # the current generation's
+    # Every key the operation's attempts carried that may have reached the provider, exactly.
+    keys: frozenset[str]
+    first_sent_at: datetime  # the first attempt of any generation that may have been sent
+    last_attempt_at: datetime
+    # The window's end, before any slack: the last attempt or the previous check if later, so
+    # that each re-check searches further.
+    search_until: datetime
+    checked_now: datetime  # the database's clock, for the provider's own retention of records
+    payload: Mapping[str, Any] = field(default_factory=dict)  # empty if it cannot be decoded
+
+
 class InvalidRequest(Exception):
     """Raised by ``Provider.check`` for an operation this provider can never send."""
 
@@ -148,14 +179,7 @@ class Provider(Protocol):
 class Lookup(Protocol):
     """A provider that can tell whether an operation's effect exists (for reconciliation)."""
 
-    async def lookup(
-        self,
-        action: str,
-        operation_id: int,
-        idempotency_key: str,
-        first_sent_at: datetime,
-        last_attempt_at: datetime,
-    ) -> Found | None:
-        """The effect of any key generation of the operation, or None if the provider has none;
+    async def lookup(self, request: LookupRequest) -> Found | NotFound:
+        """The effect of any key generation of the operation, or what was searched in vain;
         raises if it cannot tell."""
         ...

@@ -17,15 +17,13 @@ key replays its answer).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import math
-import re
 import ssl
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import timedelta
 from decimal import Decimal
 from typing import Any, Final
 
@@ -47,6 +45,8 @@ from outbox.providers.base import (
     Failed,
     Found,
     InvalidRequest,
+    LookupRequest,
+    NotFound,
     SendRequest,
     SendResult,
     Succeeded,
@@ -55,6 +55,17 @@ from outbox.providers.base import (
     unknown,
 )
 from outbox.providers.shards import Shards, shard_sizes
+from outbox.providers.stripe_lookup import (
+    EVENTS_KEPT,
+    LOOKUPS,
+    METADATA_IDEMPOTENCY_KEY,
+    METADATA_OPERATION_ID,
+    Match,
+    not_found,
+    retrieve,
+    search_events,
+    search_objects,
+)
 
 # action -> the StripeClient.v1 service whose create call it names
 ACTIONS: Final = {
@@ -66,9 +77,7 @@ ACTIONS: Final = {
     "invoices.create": "invoices",
     "subscriptions.create": "subscriptions",
 }
-# Stripe allows 50 metadata keys; these two are ours, merged under the payload's own.
-METADATA_OPERATION_ID: Final = "outbox_operation_id"
-METADATA_IDEMPOTENCY_KEY: Final = "outbox_idempotency_key"
+# Stripe allows 50 metadata keys; two are ours (stripe_lookup), merged under the payload's own.
 _METADATA_LIMIT: Final = 50
 # A first 500 is retried after this long: Stripe may still roll the request forward or back.
 # If the retry replays the saved 500, the operation goes to reconciliation.
@@ -76,7 +85,6 @@ SETTLE_DELAY: Final = timedelta(seconds=30)
 # The lookup searches objects created this long around the attempts: the database's clock and
 # Stripe's may disagree.
 LOOKUP_SLACK: Final = timedelta(hours=1)
-LOOKUP_PAGE: Final = 100
 # Never kept of an answer, by default: a PaymentIntent's or SetupIntent's client_secret lets
 # whoever holds it confirm the payment from a browser; it belongs to the customer's page only.
 DEFAULT_REDACTED: Final = ("client_secret",)
@@ -213,39 +221,32 @@ class StripeProvider:
         except Exception as exc:  # noqa: BLE001 (likewise: an object with no last_response...)
             return unknown("unreadable_success", _choked(exc))
 
-    async def lookup(
-        self,
-        action: str,
-        operation_id: int,
-        idempotency_key: str,
-        first_sent_at: datetime,
-        last_attempt_at: datetime,
-    ) -> Found | None:
-        """The object the operation created under any of its key generations, found by its
-        metadata among the objects created around its attempts; None if there is none. Lists,
-        never search: the Search API can lag by an hour, so it cannot prove an absence."""
-        params: dict[str, Any] = {"limit": LOOKUP_PAGE, "created": {
-            "gte": int((first_sent_at - LOOKUP_SLACK).timestamp()),
-            "lte": int((last_attempt_at + LOOKUP_SLACK).timestamp())}}  # fmt: skip
-        if action == "subscriptions.create":
-            params["status"] = "all"  # canceled subscriptions are left out otherwise
-        family = _key_family(idempotency_key)
-        matches: list[tuple[str, dict[str, Any]]] = []
+    async def lookup(self, request: LookupRequest) -> Found | NotFound:
+        """The object the operation created under any of its keys: looked for among the
+        objects created around its attempts (narrowed by the list filters its payload allows),
+        then among the events of their creation, which name the key that caused them and which
+        Stripe lists for 30 days, deleted objects included. Lists, never search: the Search API
+        can lag by an hour, so it cannot prove an absence. Each source reads at most
+        LOOKUP_MAX_PAGES pages: a search cut short proves nothing (``NotFound.complete``)."""
+        since = request.first_sent_at - LOOKUP_SLACK
+        until = request.search_until + LOOKUP_SLACK
+        searchable = LOOKUPS[request.action]
+        match = Match(request.operation_id, request.keys, request.idempotency_key)
         with self._shards.take() as client:
-            service = getattr(client.v1, ACTIONS[action])
-            page = await service.list_async(params=params)
-            async for obj in page.auto_paging_iter():
-                fields = obj.to_dict()
-                metadata = fields.get("metadata") or {}
-                # The id alone could be another database's operation: the key must match too.
-                if (
-                    metadata.get(METADATA_OPERATION_ID) == str(operation_id)
-                    and _key_family(str(metadata.get(METADATA_IDEMPOTENCY_KEY))) & family
-                ):
-                    matches.append((str(obj.id), fields))
-        if not matches:
-            return None
-        matches.reverse()  # lists are newest first: the earliest object is the effect
+            objects = await search_objects(client, searchable, request.payload, match,
+                                           (since, until))  # fmt: skip
+            if objects.matches:
+                return self._found(request.action, objects.matches)
+            events_since = max(since, request.checked_now - EVENTS_KEPT)
+            events = await search_events(client, searchable, match, (events_since, until))
+            if events.matches:
+                reference = events.matches[0][0]
+                current = await retrieve(client, searchable, reference)
+                return self._found(request.action, [(reference, current), *events.matches[1:]])
+        return not_found(objects, events, since, until, events_since)
+
+    @staticmethod
+    def _found(action: str, matches: list[tuple[str, dict[str, Any]]]) -> Found:
         (reference, effect), *others = matches
         # Found is not done: a declined PaymentIntent exists too (stripe_states).
         decided, state, details = stripe_states.verdict(action, effect)
@@ -471,12 +472,3 @@ def _message(exc: stripe.StripeError) -> str:
     code = getattr(exc.error, "code", None) if exc.error else None
     parts = [f"HTTP {exc.http_status}" if exc.http_status else type(exc).__name__, kind, code]
     return " ".join(p for p in parts if p)
-
-
-def _key_family(key: str) -> frozenset[str]:
-    """The forms every generation of one operation's key shares: the first key, and the hash
-    later generations carry instead when the first key and its suffix pass Stripe's 255
-    characters (outbox.key_for_generation, sql/0005: ``ob1_<sha256 of the first key>:rN``). Two
-    keys are of one operation if their families meet."""
-    first = re.sub(r":r[0-9]+$", "", key)
-    return frozenset({first, "ob1_" + hashlib.sha256(first.encode()).hexdigest()})

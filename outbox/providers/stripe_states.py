@@ -80,6 +80,11 @@ _DETAIL_KEYS: Final = ("type", "code", "decline_code", "advice_code", "message",
 
 def verdict(action: str, obj: Mapping[str, Any]) -> tuple[Verdict, str | None, dict[str, str]]:
     """The verdict on ``obj``, its status word, and the details of the failure it records."""
+    if obj.get("deleted") is True:
+        # Found by the event of its creation: a deleted customer was made (sending again would
+        # make the one someone removed); a deleted draft invoice never reached its customer.
+        decided = Verdict.DONE if action == "customers.create" else Verdict.UNDECIDED
+        return decided, "deleted", {}
     rule = RULES.get(action)
     decided = rule(obj) if rule is not None else Verdict.UNDECIDED
     status = obj.get("status")

@@ -30,7 +30,7 @@ from psycopg_pool import AsyncConnectionPool
 from outbox.config import DEFAULT_MAX_RESPONSE_BYTES, ProviderSettings
 from outbox.model import FailureClass
 from outbox.providers.answers import MAX_REFERENCE_CHARS, READ_PIECE
-from outbox.providers.base import Failed, SendRequest, SendResult, Succeeded
+from outbox.providers.base import Failed, Found, SendRequest, SendResult, Succeeded
 from outbox.providers.fakes import stripe as fake_stripe
 from outbox.providers.fakes import webhook as fake_webhook
 from outbox.providers.fakes.loopback import compressed
@@ -40,6 +40,7 @@ from outbox.providers.registry import build_providers
 from outbox.providers.stripe import StripeProvider
 from outbox.providers.webhook import WebhookProvider
 from tests.support.dispatch import dispatcher, enqueue_many, make_due, rows, statuses
+from tests.support.lookups import lookup_request
 
 CAP = DEFAULT_MAX_RESPONSE_BYTES
 GIB = 1 << 30
@@ -434,14 +435,14 @@ async def test_a_lookup_page_may_be_larger_than_a_create_answer(fake: FakeStripe
                    for i in range(30)]  # fmt: skip
         assert all(isinstance(r, Succeeded) for r in results)
         now = datetime.now(UTC)
-        found = await provider.lookup("payment_intents.create", 7, "ob1_29",
-                                      first_sent_at=now, last_attempt_at=now)  # fmt: skip
+        found = await provider.lookup(lookup_request("payment_intents.create", 7, "ob1_29",
+                                                     now, now))  # fmt: skip
         assert provider.tally.most_decoded > cap  # the page was larger than the cap
         fake.inject(fake_stripe.Fault.huge_answer_after_apply(cap + 1))
         too_large = await provider.send(request("ob1_big", "payment_intents.create"))
     finally:
         await provider.aclose()
-    assert found is not None  # every object carries operation 7's id; ob1_29's is found
+    assert isinstance(found, Found)  # every object carries operation 7's id; ob1_29's is found
     assert_unknown(too_large, "response_too_large", 200)
 
 

@@ -15,7 +15,7 @@ import structlog
 from psycopg_pool import AsyncConnectionPool
 
 from outbox.config import ProviderLimits
-from outbox.providers.base import Provider
+from outbox.providers.base import Found, NotFound, Provider
 from outbox.providers.fakes.stripe import FakeStripe, Fault
 from outbox.reconciler import Reconciler
 from tests.support.cli import outbox_cli
@@ -27,6 +27,7 @@ from tests.support.dispatch import (
     rows,
     stripe_provider,
 )
+from tests.support.lookups import lookup_request
 
 
 @pytest.fixture
@@ -186,10 +187,11 @@ async def test_the_lookup_pages_through_lists_and_reports_duplicate_effects(
     objects = fake.objects("payment_intents")
     first, last = objects[0], objects[-1]
     now = datetime.now(UTC)
-    found = await provider.lookup("payment_intents.create", 42, "k42:r2", now, now)
-    assert found is not None
+    found = await provider.lookup(lookup_request("payment_intents.create", 42, "k42:r2", now, now))
+    assert isinstance(found, Found)
     assert (found.reference, found.duplicates) == (first["id"], (last["id"],))
-    assert await provider.lookup("payment_intents.create", 7, "k7", now, now) is None
+    missing = await provider.lookup(lookup_request("payment_intents.create", 7, "k7", now, now))
+    assert isinstance(missing, NotFound) and missing.complete
     pages = [r for r in fake.received if r.method == "GET"]
     assert len(pages) >= 4  # 152 objects, 100 a page, twice
 

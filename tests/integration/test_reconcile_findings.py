@@ -18,11 +18,12 @@ from psycopg_pool import AsyncConnectionPool
 
 import outbox
 from outbox import operators
-from outbox.providers.base import Lookup, Provider
+from outbox.providers.base import Found, Lookup, NotFound, Provider
 from outbox.providers.fakes.stripe import FakeStripe, Fault
 from outbox.reconciler import Reconciler
 from tests.support.cli import outbox_cli
 from tests.support.dispatch import dispatcher, make_due, rows, stripe_provider
+from tests.support.lookups import lookup_request
 
 DECLINED = {"amount": 2500, "currency": "usd", "customer": "cus_123", "confirm": True,
             "payment_method": "pm_card_chargeDeclined"}  # fmt: skip
@@ -199,10 +200,11 @@ async def test_every_generation_of_a_long_key_finds_the_first_generations_object
     for generation in (1, 2, 9, 10, 11):
         ((key,),) = rows(db_url, "SELECT outbox.key_for_generation(%s, %s)", (first, generation))
         assert len(key) <= 255
-        found = await stripe.lookup("payment_intents.create", op, key, sent, last)
-        assert found is not None and found.reference == pi["id"], (generation, key)
-    other = await stripe.lookup("payment_intents.create", op, "another-key", sent, last)
-    assert other is None
+        found = await stripe.lookup(lookup_request("payment_intents.create", op, key, sent, last))
+        assert isinstance(found, Found) and found.reference == pi["id"], (generation, key)
+    other = await stripe.lookup(lookup_request("payment_intents.create", op, "another-key", sent,
+                                               last))  # fmt: skip
+    assert isinstance(other, NotFound)
 
 
 @pytest.mark.parametrize("path", ["daemon", "manual"])

@@ -240,7 +240,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "lookup-misses-hashed-generations",
         "the lookup of a long key's later generation misses the first generation's object",
-        "outbox/providers/stripe.py",
+        "outbox/providers/stripe_lookup.py",
         'return frozenset({first, "ob1_" + hashlib.sha256(first.encode()).hexdigest()})',
         "return frozenset({first})",
         "tests/integration/test_reconcile_findings.py",
@@ -258,12 +258,53 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "claim-checks-window-from-current-generation",
         "after reconcile retry, the daemon's check searches only from the new generation's send",
-        "sql/0022_lookups_cover_every_generation.sql",
+        "sql/0023_lookups_say_what_they_searched.sql",
         "              least(coalesce(o.first_sent_at, o.created_at),\n"
         "                    (SELECT min(a.started_at) FROM outbox.attempts a\n"
         "                     WHERE a.operation_id = o.id AND a.sent)),",
         "              coalesce(o.first_sent_at, o.created_at),",
         "tests/integration/test_reconcile_findings.py",
+    ),
+    _one(
+        "lookup-without-events",
+        "a deleted customer is reported not found, so a person creates it again",
+        "outbox/providers/stripe.py",
+        "            if events.matches:\n",
+        "            if False:\n",
+        "tests/integration/test_reconcile_search.py",
+    ),
+    _one(
+        "lookup-pages-unbounded",
+        "a lookup reads a list that never ends for ever, and a capped search says not found",
+        "outbox/providers/stripe_lookup.py",
+        "    for _ in range(LOOKUP_MAX_PAGES):\n",
+        "    for _ in range(10**6):\n",
+        "tests/integration/test_reconcile_search.py",
+    ),
+    _one(
+        "capped-search-not-found",
+        "a search cut short by its page cap is recorded as not found",
+        "outbox/providers/stripe_lookup.py",
+        "    if objects.complete or events_whole:\n",
+        "    if True:\n",
+        "tests/integration/test_reconcile_search.py",
+    ),
+    _one(
+        "check-window-never-grows",
+        "a re-check searches the same window as the first check, however late Stripe dated it",
+        "sql/0023_lookups_say_what_they_searched.sql",
+        "                       CASE WHEN due.checked_before IS NOT NULL\n"
+        "                            THEN least(due.checked_before, now()) END),",
+        "                       NULL),",
+        "tests/integration/test_reconcile_search.py",
+    ),
+    _one(
+        "lookup-without-filters",
+        "a lookup scans every object of its type instead of the payload's list filters",
+        "outbox/providers/stripe_lookup.py",
+        "    params = {**dict(searchable.always), **narrowing}\n",
+        "    params = dict(searchable.always)\n",
+        "tests/integration/test_reconcile_search.py",
     ),
     # --- what is claimed, and in what order ---------------------------------------------------
     _one(

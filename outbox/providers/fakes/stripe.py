@@ -25,6 +25,7 @@ of the object it created (huge, a compression bomb, dribbled, or any bytes at al
 from __future__ import annotations
 
 import copy
+import dataclasses
 import enum
 import re
 import secrets
@@ -69,6 +70,8 @@ _SHOULD_RETRY = ("Stripe-Should-Retry", "true")
 # Statuses that Stripe marks as worth retrying when an injected fault does not say otherwise.
 _RETRYABLE_STATUSES = frozenset({409, 429, 503})
 _MAX_LIMIT = 100
+# The API version the fake's events are written in (what its answers are shaped like).
+_API_VERSION = "2024-06-20"
 _DEFAULT_LIMIT = 10
 
 
@@ -80,20 +83,33 @@ class Resource:
     object: str
     prefix: str
     defaults: tuple[tuple[str, Any], ...] = ()
+    event: str = ""  # the type of the event its creation makes; "": it cannot be created
 
 
 RESOURCES: dict[str, Resource] = {
     r.name: r
     for r in (
         Resource(
-            "payment_intents", "payment_intent", "pi", (("status", "requires_payment_method"),)
+            "payment_intents",
+            "payment_intent",
+            "pi",
+            (("status", "requires_payment_method"),),
+            "payment_intent.created",
         ),
-        Resource("refunds", "refund", "re", (("status", "succeeded"),)),
-        Resource("customers", "customer", "cus"),
-        Resource("transfers", "transfer", "tr", (("reversed", False),)),
-        Resource("payouts", "payout", "po", (("status", "pending"),)),
-        Resource("invoices", "invoice", "in", (("status", "draft"),)),
-        Resource("subscriptions", "subscription", "sub", (("status", "active"),)),
+        Resource("refunds", "refund", "re", (("status", "succeeded"),), "refund.created"),
+        Resource("customers", "customer", "cus", (), "customer.created"),
+        Resource("transfers", "transfer", "tr", (("reversed", False),), "transfer.created"),
+        Resource("payouts", "payout", "po", (("status", "pending"),), "payout.created"),
+        Resource("invoices", "invoice", "in", (("status", "draft"),), "invoice.created"),
+        Resource(
+            "subscriptions",
+            "subscription",
+            "sub",
+            (("status", "active"),),
+            "customer.subscription.created",
+        ),
+        # Listed, never created: each creation above makes one, naming the key that caused it.
+        Resource("events", "event", "evt"),
     )
 }
 # Top-level parameters echoed as integers: the form encoding turned them into strings.
@@ -554,6 +570,9 @@ class _Ledger(Ledger[Fault, Received, _Entry]):
         self._api_key = api_key
         self._objects: list[dict[str, Any]] = []
         self._by_id: dict[str, dict[str, Any]] = {}
+        self._events: list[dict[str, Any]] = []
+        self._account_of: dict[str, str | None] = {}  # the Stripe-Account each was made under
+        self._endless = False  # every list page says has_more, as a broken API might
 
     # --- requests -------------------------------------------------------------------------
 
@@ -568,8 +587,9 @@ class _Ledger(Ledger[Fault, Received, _Entry]):
                 return Plan(_status_reply(fault))
             route = _route(request.path)
             if request.method == "GET" and route is not None:
-                return Plan(self._read(route, request.params))
-            if request.method == "POST" and route is not None and route.object_id is None:
+                return Plan(self._read(route, request.params, request.account))
+            creatable = route is not None and bool(route.resource.event)
+            if request.method == "POST" and route is not None and creatable and not route.object_id:
                 return self._post(route.resource, request)
             message = f"Unrecognized request URL ({request.method}: {request.path})."
             return Plan(_error(404, "invalid_request_error", message))
@@ -609,7 +629,7 @@ class _Ledger(Ledger[Fault, Received, _Entry]):
         kind = fault.kind if fault is not None else None
         saved = _api_error_500()
         if kind is not FaultKind.ERROR_500_BEFORE_APPLY:
-            obj = self._create(resource, request.params)
+            obj = self._create(resource, request)
             if kind is not FaultKind.ERROR_500_AFTER_APPLY:
                 saved = _declined(obj) or Reply(200, obj)
         entry = hold = None
@@ -629,7 +649,8 @@ class _Ledger(Ledger[Fault, Received, _Entry]):
             reply = reply.badly(fault.answer)
         return Plan(reply, entry, hold, fault.seconds if fault is not None else 0.0)
 
-    def _create(self, resource: Resource, params: dict[str, Any]) -> dict[str, Any]:
+    def _create(self, resource: Resource, request: _Request) -> dict[str, Any]:
+        params = request.params
         obj: dict[str, Any] = {**dict(resource.defaults), **_echo(params)}
         if resource.name == "payment_intents":
             obj.pop("confirm", None)  # a request control, no field of the object
@@ -648,28 +669,51 @@ class _Ledger(Ledger[Fault, Received, _Entry]):
             obj["client_secret"] = f"{obj['id']}_secret_{secrets.token_hex(12)}"
         self._objects.append(obj)
         self._by_id[obj["id"]] = obj
+        self._account_of[obj["id"]] = request.account
+        # As Stripe records it: the object as created, and the request with its key.
+        event = {"id": _new_id("evt"), "object": "event", "type": resource.event,
+                 "created": obj["created"], "livemode": False, "api_version": _API_VERSION,
+                 "data": {"object": copy.deepcopy(obj)},
+                 "request": {"id": request.request_id, "idempotency_key": request.key}}  # fmt: skip
+        self._events.append(event)
+        self._account_of[event["id"]] = request.account
         return obj
 
-    def _read(self, route: _Route, params: dict[str, Any]) -> Reply:
+    def _read(self, route: _Route, params: dict[str, Any], account: str | None) -> Reply:
         resource = route.resource
         if route.object_id is not None:
             obj = self._by_id.get(route.object_id)
-            if obj is None or obj["object"] != resource.object:
+            if obj is not None and obj.get("deleted") and resource.name == "customers":
+                return Reply(200, {"id": obj["id"], "object": "customer", "deleted": True})
+            if (obj is None or obj["object"] != resource.object or obj.get("deleted")
+                    or self._account_of.get(obj["id"]) != account):  # fmt: skip
                 message = f"No such {resource.object}: '{route.object_id}'"
                 return _error(
                     404, "invalid_request_error", message, code="resource_missing", param="id"
                 )
             return Reply(200, obj)
+        params = dict(params)
+        status = params.pop("status", None) if resource.name == "subscriptions" else None
+        if status not in (None, "all"):
+            params["status"] = status
         try:
             query = _ListQuery.parse(params)
-            data, has_more = query.page(self._newest_first(resource))
+            listed = [o for o in self._newest_first(resource)
+                      if self._account_of.get(o["id"]) == account and not o.get("deleted")
+                      # Stripe leaves canceled subscriptions out unless status says otherwise.
+                      and (status is not None or o.get("status") != "canceled")]  # fmt: skip
+            if self._endless:  # a broken API: the first page again, and always more
+                query = dataclasses.replace(query, starting_after=None, ending_before=None)
+            data, has_more = query.page(listed)
+            has_more = has_more or self._endless
         except _ParamError as invalid:
             return invalid.reply()
         url = f"/v1/{resource.name}"
         return Reply(200, {"object": "list", "data": data, "has_more": has_more, "url": url})
 
     def _newest_first(self, resource: Resource) -> list[dict[str, Any]]:
-        mine = [o for o in reversed(self._objects) if o["object"] == resource.object]
+        rows = self._events if resource.name == "events" else self._objects
+        mine = [o for o in reversed(rows) if o["object"] == resource.object]
         # Stable sort: objects created in the same second stay newest first.
         return sorted(mine, key=lambda o: int(o["created"]), reverse=True)
 
@@ -697,6 +741,32 @@ class _Ledger(Ledger[Fault, Received, _Entry]):
             if object_id not in self._by_id:
                 raise KeyError(object_id)
             self._by_id[object_id].update(copy.deepcopy(fields))
+            if "created" in fields:  # a test dating the object back: its creation's event too
+                for event in self._events:
+                    if event["data"]["object"]["id"] == object_id:
+                        event["created"] = fields["created"]
+
+    def seed(self, resource: Resource, count: int, fields: dict[str, Any]) -> None:
+        with self.cond:
+            for _ in range(count):
+                request = _Request("POST", f"/v1/{resource.name}", None, copy.deepcopy(fields),
+                                   None, None, _new_id("req"))  # fmt: skip
+                self._create(resource, request)
+
+    def delete(self, object_id: str) -> None:
+        with self.cond:
+            obj = self._by_id[object_id]
+            if obj["object"] not in ("customer", "invoice"):
+                raise ValueError(f"Stripe deletes customers and draft invoices: {obj['object']}")
+            obj["deleted"] = True
+
+    def events(self) -> list[dict[str, Any]]:
+        with self.cond:
+            return copy.deepcopy(self._events)
+
+    def set_endless(self, endless: bool) -> None:
+        with self.cond:
+            self._endless = endless
 
     def count(self, object_type: str | None) -> int:
         """The number of objects of ``object_type`` or in all (call with the lock held)."""
@@ -885,8 +955,28 @@ class FakeStripe(LoopbackFake[Fault, Received]):
 
     def update_object(self, object_id: str, **fields: Any) -> None:
         """Change an object after its creation, as later events do at Stripe: a customer
-        authenticates (``status="succeeded"``), a refund fails, a subscription expires."""
+        authenticates (``status="succeeded"``), a refund fails, a subscription expires. A new
+        ``created`` dates the object and its creation's event back, as if made earlier."""
         self._ledger.update(object_id, fields)
+
+    def seed_objects(self, resource: str, count: int, **fields: Any) -> None:
+        """Create ``count`` objects of ``resource`` at once, as other requests without a key
+        would have (and their events): the crowd a lookup searches through."""
+        self._ledger.seed(RESOURCES[resource], count, fields)
+
+    def delete_object(self, object_id: str) -> None:
+        """Delete a customer (retrieved as ``{"deleted": true}`` after) or a draft invoice
+        (404 after): either drops out of lists, its creation's event stays."""
+        self._ledger.delete(object_id)
+
+    def events(self) -> list[dict[str, Any]]:
+        """Copies of every event, in order of creation."""
+        return self._ledger.events()
+
+    def answer_lists_endlessly(self, endless: bool = True) -> None:
+        """Make every list answer its first page again and say ``has_more``, whatever the
+        cursor: a broken API that would keep a naive pager reading for ever."""
+        self._ledger.set_endless(endless)
 
     def objects_with_metadata(self, key: str, value: str) -> list[dict[str, Any]]:
         """The objects whose ``metadata[key]`` is ``value``, in order of creation."""
