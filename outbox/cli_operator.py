@@ -333,7 +333,8 @@ def _describe(op: dict[str, Any]) -> str:
         f"status       {op['status']}{reason} for {age}",
         f"provider     {op['provider']}  {op['action']}",
         f"key          {op['idempotency_key']} (generation {op['key_generation']})",
-        f"attempts     {op['attempts']}" + (f" ({op['attempt_base']} before the last replay)"
+        f"attempts     {op['attempts']}" + (f" ({op['attempt_base']} not counted: before the "
+                                            "last replay, or not acted on by the provider)"
                                             if op["attempt_base"] else ""),
         f"first sent   {op['first_sent_at'] or 'never'}",
         f"last error   {op['last_error_class'] or '-'}: {op['last_error'] or '-'}",

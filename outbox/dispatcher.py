@@ -41,6 +41,7 @@ from outbox.policy import (
     REASON_INTERNAL_ERROR,
     REASON_INVALID_PAYLOAD,
     REASON_KEY_WINDOW,
+    UNSPENT_FOR,
     Backoff,
     KeyWindow,
     after_failure,
@@ -723,8 +724,12 @@ class Dispatcher:
         # Without a provider the failure is permanent and the window is never read; an empty one
         # would err towards reconciliation, never towards a resend.
         window = self._window(provider) if provider else KeyWindow(timedelta(0), timedelta(0))
+        # The provider did not act: the budget is not spent, within UNSPENT_FOR of the enqueue.
+        unspent = (not result.spends_attempt and not reached
+                   and flight.db_now() - row.created_at < UNSPENT_FOR)  # fmt: skip
         nxt = after_failure(
-            result.failure, attempt=row.attempts - row.attempt_base,
+            result.failure, attempt=row.attempts - row.attempt_base - unspent,
+            backoff_attempt=row.attempts if unspent else None,
             max_attempts=row.max_attempts or self._settings.max_attempts,
             first_sent_at=row.first_sent_at or (row.claimed_at if reached else None),
             now=flight.db_now(), window=window, backoff=self._backoff,
@@ -739,6 +744,7 @@ class Dispatcher:
             sent=reached,
             error=result.message,
             error_class=result.error_class,
+            unspent=unspent,
             **base,
         )
 

@@ -57,6 +57,12 @@ class Next:
     retry_in: timedelta | None = None  # for PENDING: delay before the next attempt
 
 
+# How long after its enqueue an operation's attempts that the provider did not act on
+# (Failed.spends_attempt False: 429, 409) are free; after that they count like any transient
+# failure, so that a rate limit that never lifts still ends in quarantine.
+UNSPENT_FOR = timedelta(hours=24)
+
+
 # Reasons are stable words: operators filter on them and metrics label by them.
 REASON_PERMANENT = "permanent_failure"
 REASON_EXHAUSTED = "attempts_exhausted"
@@ -82,11 +88,14 @@ def after_failure(
     reconcile: bool = False,
     rng: random.Random | None = None,
     quarantine_reason: str | None = None,
+    backoff_attempt: int | None = None,
 ) -> Next:
     """Decide the next status after a failed attempt.
 
     ``first_sent_at`` must already include this attempt if it may have reached the provider.
     ``quarantine_reason`` names a permanent failure more precisely than REASON_PERMANENT.
+    ``attempt`` is the attempts spent of the budget; ``backoff_attempt`` (default ``attempt``)
+    the one the delay grows with, which also counts the unspent ones.
     """
     if failure is FailureClass.PERMANENT:
         return Next(Status.QUARANTINED, quarantine_reason or REASON_PERMANENT)
@@ -94,7 +103,7 @@ def after_failure(
         return Next(Status.RECONCILING, REASON_INDETERMINATE)
     if attempt >= max_attempts:
         return Next(Status.QUARANTINED, REASON_EXHAUSTED)
-    delay = backoff.delay(attempt, rng)
+    delay = backoff.delay(attempt if backoff_attempt is None else backoff_attempt, rng)
     if retry_after is not None:
         delay = max(delay, retry_after)
     closes = window.closes_at(first_sent_at)

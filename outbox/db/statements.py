@@ -352,7 +352,7 @@ WITH input AS (
          AS i(id bigint, lease_token uuid, attempt integer, status text, reason text,
               retry_in_s double precision, sent boolean, provider_ref text, result jsonb,
               error text, failure text, outcome text, error_class text, http_status integer,
-              request_id text)
+              request_id text, unspent boolean)
 ),
 recorded AS (
     UPDATE outbox.operations AS o
@@ -368,6 +368,8 @@ recorded AS (
         lease_expires_at = NULL,
         first_sent_at = CASE WHEN i.sent THEN coalesce(o.first_sent_at, o.last_attempt_at)
                              ELSE o.first_sent_at END,
+        -- An attempt the provider did not act on is not counted toward max_attempts.
+        attempt_base = o.attempt_base + CASE WHEN i.unspent THEN 1 ELSE 0 END,
         provider_ref = coalesce(i.provider_ref, o.provider_ref),
         -- At most 64 KiB of the provider's answer is kept (its reference always is): a row is
         -- read back by operators and get_operation, and the answer's size is the provider's.

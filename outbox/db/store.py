@@ -87,7 +87,9 @@ class Claimed(NamedTuple):
     correlation_id: str | None
     traceparent: str | None
     attempts: int
-    attempt_base: int  # attempts before the last operator replay: the budget counts from here
+    # Attempts not counted toward max_attempts: those before the last operator replay, and
+    # those the provider said it did not act on (Failed.spends_attempt).
+    attempt_base: int
     max_attempts: int | None
     lease_token: uuid.UUID
     first_sent_at: datetime | None
@@ -116,6 +118,8 @@ class Record(NamedTuple):
     error_class: str | None = None
     http_status: int | None = None
     request_id: str | None = None
+    # The attempt does not count toward max_attempts (Failed.spends_attempt): attempt_base grows.
+    unspent: bool = False
 
 
 def claim_params(worker: str, limit: int, lease: timedelta,
@@ -182,7 +186,7 @@ class Store:
              "provider_ref": r.provider_ref, "result": r.result, "error": r.error,
              "failure": None if r.outcome == "succeeded" else r.outcome, "outcome": r.outcome,
              "error_class": r.error_class, "http_status": r.http_status,
-             "request_id": r.request_id}
+             "request_id": r.request_id, "unspent": r.unspent}
             for r in recs
         ]  # fmt: skip
         params = {"batch": Jsonb(batch, dumps=_batch_json), "worker": recs[0].worker}

@@ -70,6 +70,10 @@ class Failed:
     # limited (429), or the provider replayed an answer saved for this key. The provider
     # answered, so its circuit breaker does not count the failure.
     request_only: bool = False
+    # False: the provider said it did not act and did not look at the request (rate limited,
+    # the key in use by a request still running): the attempt does not count toward
+    # max_attempts, for policy.UNSPENT_FOR after enqueue (docs/design.md, "Attempts").
+    spends_attempt: bool = True
 
     @property
     def may_have_reached_provider(self) -> bool:

@@ -417,6 +417,12 @@ def classify(exc: stripe.StripeError) -> Failed:  # noqa: PLR0911 (a decision ta
         return permanent("idempotency_error", "the same key came with other parameters: the "
                          "payload changed after enqueue (a producer bug?)", **details)  # fmt: skip
     should_retry = _should_retry(exc)
+    if status in (409, 429) or isinstance(exc, stripe.RateLimitError):
+        # The key is in use by a request still running, the object is locked (lock_timeout),
+        # or this account is rate limited: Stripe did not act, whatever Should-Retry says, and
+        # said nothing of its health. Retried without spending the attempt budget.
+        return transient(_error_class(exc), message, request_only=True, spends_attempt=False,
+                         **details)  # fmt: skip
     if status == 500:
         replayed = (exc.headers or {}).get("idempotent-replayed") == "true"
         # A saved 500 is all this key will ever get: reconcile instead of burning attempts.
@@ -428,9 +434,6 @@ def classify(exc: stripe.StripeError) -> Failed:  # noqa: PLR0911 (a decision ta
         return unknown(_error_class(exc), message, reconcile=True, **details)
     if should_retry is False:
         return permanent(_error_class(exc), message, **details)
-    if status in (409, 429) or isinstance(exc, stripe.RateLimitError):
-        # The key is in use, or this account is rate limited: no word on Stripe's health.
-        return transient(_error_class(exc), message, request_only=True, **details)
     if status in (502, 503, 504):
         # A gateway may answer these after Stripe acted: retry with the same key, but the key
         # window starts here.

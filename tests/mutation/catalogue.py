@@ -306,6 +306,22 @@ MUTANTS: tuple[Mutant, ...] = (
         "    params = dict(searchable.always)\n",
         "tests/integration/test_reconcile_search.py",
     ),
+    _one(
+        "not-acted-spends-budget",
+        "a long rate-limit episode quarantines operations that never reached Stripe",
+        STATEMENTS,
+        "        attempt_base = o.attempt_base + CASE WHEN i.unspent THEN 1 ELSE 0 END,\n",
+        "",
+        "tests/integration/test_stripe_not_acted.py",
+    ),
+    _one(
+        "not-acted-free-for-ever",
+        "a rate limit that never lifts keeps an operation retrying for ever",
+        DISPATCHER,
+        "and flight.db_now() - row.created_at < UNSPENT_FOR)",
+        "and True)",
+        "tests/integration/test_stripe_not_acted.py",
+    ),
     # --- what is claimed, and in what order ---------------------------------------------------
     _one(
         "stage-before-due",

@@ -182,3 +182,12 @@ def test_a_retry_in_the_window_waits_the_backoff_but_at_most_half_the_time_left(
     if retry_after is not None:
         delay = max(delay, retry_after)
     assert nxt == Next(Status.PENDING, retry_in=min(delay, left / 2))
+
+
+def test_unspent_attempts_still_grow_the_delay() -> None:
+    """A 429 storm that spends no budget (attempt stays 1) must not retry at the base delay
+    for ever: the delay grows with backoff_attempt, every attempt made."""
+    spent = decide(FailureClass.TRANSIENT, first_sent_at=None, attempt=1, rng=Top())
+    storm = decide(FailureClass.TRANSIENT, first_sent_at=None, attempt=1, rng=Top(),
+                   backoff_attempt=8)  # fmt: skip
+    assert (spent.retry_in, storm.retry_in) == (timedelta(seconds=1), timedelta(seconds=128))
