@@ -46,7 +46,7 @@ from outbox.policy import (
     KeyWindow,
     after_failure,
 )
-from outbox.provider_limits import Limits
+from outbox.provider_limits import ActionPauses, Limits
 from outbox.providers.base import (
     Failed,
     InvalidRequest,
@@ -171,8 +171,9 @@ class Dispatcher:
         self._inflight: dict[int, InFlight] = {}
         self._abandoned: set[asyncio.Task[SendResult]] = set()
         # Every provider has a breaker; the other limits only where configured.
-        self._limits = Limits(store, {name: (limits or {}).get(name, ProviderLimits())
-                                      for name in providers})  # fmt: skip
+        every = {name: (limits or {}).get(name, ProviderLimits()) for name in providers}
+        self._limits = Limits(store, every)
+        self._action_pauses = ActionPauses({n: lim.breaker_open_for for n, lim in every.items()})
         self._labels = Labels({name: getattr(p, "actions", None) for name, p in providers.items()})
         self._wake = asyncio.Event()
         # Claims in a row that a notification started and that found nothing (WAKE_GAP_MIN);
@@ -494,21 +495,30 @@ class Dispatcher:
                 result = await self._send(flight, provider, payload)
             if failpoints.armed(failpoints.BEFORE_RECORD):
                 await failpoints.hit(failpoints.BEFORE_RECORD)
-            pause = self._limits.observe(row, result)
-            if pause is not None:
-                await self._limits.throttle(row.provider, pause)
-            if isinstance(result, Failed) and result.pause:
-                # Refused credentials say nothing about this operation: it keeps its attempt
-                # and waits, with the rest of its provider's, behind the breaker.
-                await self._unclaim(flight, Status.PENDING, None)
-                return
-            await self._finish(flight, result)
+            await self._after_call(flight, result)
         except (asyncio.CancelledError, ConnectionHeldAcrossSend):
             # The guard's refusal ends the task as it is (the lease expires, the rescuer takes
             # the row back): nothing may be written through a connection in that state.
             raise
         except Exception as exc:  # noqa: BLE001 (one operation's bug must not cost its lease)
             await self._after_bug(flight, exc)
+
+    async def _after_call(self, flight: InFlight, result: SendResult) -> None:
+        row = flight.row
+        pause = self._limits.observe(row, result)
+        if pause is not None:
+            await self._limits.throttle(row.provider, pause)
+        self._action_pauses.observe(row, result, self._label_pair(row))
+        if isinstance(result, Failed) and result.pause:
+            # Refused credentials say nothing about this operation: it keeps its attempt and
+            # waits, with the rest of its provider's, behind the breaker.
+            await self._unclaim(flight, Status.PENDING, None)
+        elif isinstance(result, Failed) and result.pause_action:
+            # Likewise for one action refused permission: it waits with its action's.
+            wait = self._action_pauses.wait(row)
+            await self._unclaim(flight, Status.PENDING, None, delay=wait)
+        else:
+            await self._finish(flight, result)
 
     async def _after_bug(self, flight: InFlight, exc: Exception) -> None:
         """outbox itself failed on this operation. Before the send, nothing left this process:
@@ -551,22 +561,29 @@ class Dispatcher:
         problem = _check(provider, row.action, payload)
         if problem is not None:
             return _Aside(Status.QUARANTINED, None, permanent("invalid_request", problem))
-        if self._stopping or not self._limits.may_send(row):
-            # Stopping, or the provider's breaker opened since the claim: back, attempt unspent.
+        return self._held_back(flight) or payload
+
+    def _held_back(self, flight: InFlight) -> _Aside | None:
+        """Back to pending unsent, its attempt unspent, or None: send it."""
+        if self._stopping or not self._limits.may_send(flight.row):
+            # Stopping, or the provider's breaker opened since the claim.
             return _Aside(Status.PENDING, None)
+        paused = self._action_pauses.wait(flight.row)
+        if paused is not None:  # its action was refused permission: back until the pause ends
+            return _Aside(Status.PENDING, None, delay=paused)
         if time.monotonic() >= flight.lease_deadline - self._send_margin:
             # Frozen since the claim (SIGSTOP, a stalled host): the lease may have run out and
             # another worker sent the row, or the next one of its ordering key. A send now would
             # overtake theirs on the wire. Handed back unsent (fenced: a no-op if taken).
             flight.log.warning("the lease ran out before the send; handing the row back unsent")
             return _Aside(Status.PENDING, None)
-        return payload
+        return None
 
     async def _set_aside(self, flight: InFlight, aside: _Aside) -> None:
         if aside.failure is not None:  # recorded as an attempt that never left
             await self._finish(flight, aside.failure, sent=False, reason=aside.reason)
         else:  # handed back without an attempt
-            await self._unclaim(flight, aside.status, aside.reason)
+            await self._unclaim(flight, aside.status, aside.reason, delay=aside.delay)
 
     async def _unknown_provider(self, flight: InFlight) -> None:
         row = flight.row
@@ -959,6 +976,7 @@ class _Aside(NamedTuple):
     status: Status
     reason: str | None
     failure: Failed | None = None
+    delay: timedelta | None = None  # handed back: due again after this long (None: at once)
 
 
 def next_cursor(cursor: tuple[str, str] | None,

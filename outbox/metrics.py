@@ -52,6 +52,12 @@ PROVIDER_PAUSED: Final = Gauge(
     "outbox_provider_paused",
     "1 while a provider's breaker is open because its credentials were refused.", ["provider"],
 )  # fmt: skip
+ACTION_PAUSED: Final = Gauge(
+    "outbox_action_paused",
+    "1 while one action of a provider is paused because the provider refused it permission "
+    "(a restricted key without it): its operations wait, the provider's others go on.",
+    ["provider", "action"],
+)  # fmt: skip
 PROVIDER_STATE: Final = Gauge(
     "outbox_provider_state",
     "A provider's circuit breaker in this process: 1 for its state, 0 for the others.",

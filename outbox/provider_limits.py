@@ -368,3 +368,59 @@ class Limits:
                 level = 0.0 if tokens is None else tokens.level
                 waits.append(max(TOKEN_PACE, (1 - level) / rate))
         return min(waits, default=None)
+
+
+@dataclass
+class _Pause:
+    until: float
+    probe: int | None = None  # the operation sent once the pause ran out, to see if it lifted
+
+
+class ActionPauses:
+    """Actions a provider refused to our credentials (``Failed.pause_action``: a 403 of a
+    restricted key without that permission), paused in this process while the provider's other
+    actions go on. A paused action's operations are handed back unsent, with their attempts,
+    until the pause runs out; then one is sent as a probe, whose success lifts the pause and
+    whose refusal renews it. The period is the provider's ``breaker_open_for``: like refused
+    credentials, a permission granted meanwhile resumes dispatch soon."""
+
+    def __init__(self, periods: Mapping[str, timedelta],
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+        self._periods = {name: p.total_seconds() for name, p in periods.items()}
+        self._paused: dict[tuple[str, str], _Pause] = {}
+        self._clock = clock
+
+    def wait(self, row: Claimed) -> timedelta | None:
+        """How long ``row`` must wait before its send; None: send it now."""
+        pause = self._paused.get((row.provider, row.action))
+        if pause is None or pause.probe == row.id:
+            return None
+        now, period = self._clock(), self._period(row.provider)
+        if now < pause.until:
+            return timedelta(seconds=pause.until - now)
+        # No probe yet, or one that left without an answer (handed back at shutdown): this one.
+        if pause.probe is None or now - pause.until > period:
+            pause.probe, pause.until = row.id, now
+            return None
+        return timedelta(seconds=period)
+
+    def observe(self, row: Claimed, result: SendResult, labels: tuple[str, str]) -> None:
+        """Pause on a refusal; lift the pause when its probe got past it."""
+        key = (row.provider, row.action)
+        pause = self._paused.get(key)
+        refused = not isinstance(result, Succeeded) and result.pause_action
+        if refused:
+            if pause is None or pause.probe in (None, row.id):
+                self._paused[key] = _Pause(self._clock() + self._period(row.provider))
+                metrics.ACTION_PAUSED.labels(*labels).set(1)
+                log.warning("action paused: the provider refused it permission; its "
+                            "operations wait", provider=row.provider, action=row.action,
+                            probe_in_s=self._period(row.provider))  # fmt: skip
+        elif pause is not None and pause.probe == row.id:
+            del self._paused[key]
+            metrics.ACTION_PAUSED.labels(*labels).set(0)
+            log.info("action resumed: its probe got past the refusal", provider=row.provider,
+                     action=row.action)  # fmt: skip
+
+    def _period(self, provider: str) -> float:
+        return self._periods.get(provider, 60.0)

@@ -74,6 +74,10 @@ class Failed:
     # the key in use by a request still running): the attempt does not count toward
     # max_attempts, for policy.UNSPENT_FOR after enqueue (docs/design.md, "Attempts").
     spends_attempt: bool = True
+    # The provider refuses this action to our credentials (a 403 of a restricted key missing
+    # one permission): that action pauses (provider_limits.ActionPauses), not the provider, and
+    # this operation keeps its attempt. A refusal of the credentials themselves is ``pause``.
+    pause_action: bool = False
 
     @property
     def may_have_reached_provider(self) -> bool:

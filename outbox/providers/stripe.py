@@ -411,8 +411,13 @@ def classify(exc: stripe.StripeError) -> Failed:  # noqa: PLR0911 (a decision ta
         # 4,300 digits...): Stripe answered, so it may have acted, and the retry with the same
         # key replays the answer. Never permanent: that would quarantine a charge that exists.
         return unknown("unreadable_success", f"HTTP {status} answer unreadable", **details)
-    if isinstance(exc, stripe.AuthenticationError | stripe.PermissionError):
+    if isinstance(exc, stripe.AuthenticationError):  # 401: the key itself is refused
         return transient(f"http_{status}", message, pause=True, **details)
+    if isinstance(exc, stripe.PermissionError):
+        # 403: a restricted key without this permission (payouts, say): this action waits,
+        # the others go on.
+        return transient(f"http_{status}", message, pause_action=True, request_only=True,
+                         **details)  # fmt: skip
     if isinstance(exc, stripe.IdempotencyError):
         return permanent("idempotency_error", "the same key came with other parameters: the "
                          "payload changed after enqueue (a producer bug?)", **details)  # fmt: skip

@@ -8,14 +8,18 @@ policy.UNSPENT_FOR after their enqueue: a limit that never lifts still ends in q
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import AsyncIterator
+from datetime import timedelta
 from typing import Any
 
 import psycopg
 import pytest
+from prometheus_client import REGISTRY
 from psycopg_pool import AsyncConnectionPool
 
+from outbox.config import ProviderLimits
 from outbox.providers.base import Provider
 from outbox.providers.fakes.stripe import FakeStripe, Fault
 from tests.support.dispatch import dispatcher, enqueue_charges, make_due, rows, stripe_provider
@@ -91,3 +95,46 @@ async def test_an_unknown_answer_still_spends_its_attempt(
     await _run(pool, stripe, db_url, MAX_ATTEMPTS)
     assert rows(db_url, "SELECT status, attempts, attempt_base FROM outbox.operations") == [
         ("quarantined", MAX_ATTEMPTS, 0)]  # fmt: skip
+
+
+async def test_a_403_on_one_action_pauses_that_action_and_not_the_provider(
+    db_url: str, pool: AsyncConnectionPool[Any], fake: FakeStripe, stripe: Provider
+) -> None:
+    """A restricted key without the payouts permission: payments go on, payouts wait with
+    their attempts unspent and are not sent again until the pause runs out; once the permission
+    is granted, one probe, then the rest. A 401 still pauses the whole provider (test_stripe)."""
+    fake.restrict_key("payouts")
+    enqueue_charges(db_url, 3, prefix="pay")
+    enqueue_charges(db_url, 3, prefix="po", action="payouts.create")
+    limits = {"stripe": ProviderLimits(breaker_open_for=timedelta(seconds=0.5))}
+    d = dispatcher(pool, {"stripe": stripe}, max_attempts=MAX_ATTEMPTS, limits=limits)
+    assert await d.run_once() == 6
+    by_action = "SELECT action, status, count(*), sum(attempts) FROM outbox.operations "
+    by_action += "GROUP BY 1, 2 ORDER BY 1"
+    assert rows(db_url, by_action) == [("payment_intents.create", "succeeded", 3, 3),
+                                       ("payouts.create", "pending", 3, 0)]  # fmt: skip
+    forbidden = sum(r.status == 403 for r in fake.received)
+    assert forbidden == 3  # the three in flight together; none since
+    assert REGISTRY.get_sample_value("outbox_action_paused", {
+        "provider": "stripe", "action": "payouts.create"}) == 1  # fmt: skip
+    assert REGISTRY.get_sample_value("outbox_provider_paused", {"provider": "stripe"}) == 0
+    for _ in range(3):  # due again, within the pause: handed back unsent
+        make_due(db_url)
+        await d.run_once()
+    assert sum(r.status == 403 for r in fake.received) == forbidden
+    enqueue_charges(db_url, 1, prefix="later")  # the provider's other actions go on
+    make_due(db_url)
+    await d.run_once()
+    assert fake.object_count("payment_intents") == 4
+    fake.restrict_key()  # the permission granted
+    for _ in range(20):
+        await asyncio.sleep(0.3)
+        make_due(db_url)
+        await d.run_once()
+        if fake.object_count("payouts") == 3:
+            break
+    assert rows(db_url, by_action) == [("payment_intents.create", "succeeded", 4, 4),
+                                       ("payouts.create", "succeeded", 3, 3)]  # fmt: skip
+    assert sum(r.status == 403 for r in fake.received) == forbidden
+    assert REGISTRY.get_sample_value("outbox_action_paused", {
+        "provider": "stripe", "action": "payouts.create"}) == 0  # fmt: skip

@@ -322,6 +322,22 @@ MUTANTS: tuple[Mutant, ...] = (
         "and True)",
         "tests/integration/test_stripe_not_acted.py",
     ),
+    _one(
+        "paused-action-sent",
+        "operations of an action the provider refused permission are sent again and again",
+        DISPATCHER,
+        "        paused = self._action_pauses.wait(flight.row)\n",
+        "        paused = None\n",
+        "tests/integration/test_stripe_not_acted.py",
+    ),
+    _one(
+        "403-pauses-provider",
+        "a 403 on one action stops every action of the provider",
+        "outbox/providers/stripe.py",
+        "        return transient(f\"http_{status}\", message, pause_action=True, request_only=True,",
+        "        return transient(f\"http_{status}\", message, pause=True, request_only=True,",
+        "tests/integration/test_stripe_not_acted.py",
+    ),
     # --- what is claimed, and in what order ---------------------------------------------------
     _one(
         "stage-before-due",

@@ -573,6 +573,7 @@ class _Ledger(Ledger[Fault, Received, _Entry]):
         self._events: list[dict[str, Any]] = []
         self._account_of: dict[str, str | None] = {}  # the Stripe-Account each was made under
         self._endless = False  # every list page says has_more, as a broken API might
+        self._restricted: frozenset[str] = frozenset()  # resources the key may not touch
 
     # --- requests -------------------------------------------------------------------------
 
@@ -586,6 +587,8 @@ class _Ledger(Ledger[Fault, Received, _Entry]):
             if fault is not None:
                 return Plan(_status_reply(fault))
             route = _route(request.path)
+            if route is not None and route.resource.name in self._restricted:
+                return Plan(_forbidden(route.resource))
             if request.method == "GET" and route is not None:
                 return Plan(self._read(route, request.params, request.account))
             creatable = route is not None and bool(route.resource.event)
@@ -764,6 +767,10 @@ class _Ledger(Ledger[Fault, Received, _Entry]):
         with self.cond:
             return copy.deepcopy(self._events)
 
+    def restrict(self, resources: frozenset[str]) -> None:
+        with self.cond:
+            self._restricted = resources
+
     def set_endless(self, endless: bool) -> None:
         with self.cond:
             self._endless = endless
@@ -772,6 +779,15 @@ class _Ledger(Ledger[Fault, Received, _Entry]):
         """The number of objects of ``object_type`` or in all (call with the lock held)."""
         objs = self._objects
         return len(objs) if object_type is None else sum(o["object"] == object_type for o in objs)
+
+
+def _forbidden(resource: Resource) -> Reply:
+    """What Stripe answers a restricted key without the permission: 403, nothing executed or
+    saved (docs.stripe.com/keys#limit-access)."""
+    message = (f"The provided key 'rk_test_***' does not have the required permissions for this "
+               f"endpoint. Having the 'rak_{resource.object}_write' permission would allow this "
+               "request to continue.")  # fmt: skip
+    return _error(403, "invalid_request_error", message)
 
 
 def _status_reply(fault: Fault) -> Reply | None:
@@ -972,6 +988,13 @@ class FakeStripe(LoopbackFake[Fault, Received]):
     def events(self) -> list[dict[str, Any]]:
         """Copies of every event, in order of creation."""
         return self._ledger.events()
+
+    def restrict_key(self, *resources: str) -> None:
+        """Make the key a restricted key without permission for ``resources`` (URL names):
+        their requests get Stripe's 403, the others go through. No arguments: unrestricted."""
+        for name in resources:
+            _object_type(name)
+        self._ledger.restrict(frozenset(resources))
 
     def answer_lists_endlessly(self, endless: bool = True) -> None:
         """Make every list answer its first page again and say ``has_more``, whatever the
