@@ -334,8 +334,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "403-pauses-provider",
         "a 403 on one action stops every action of the provider",
         "outbox/providers/stripe.py",
-        "        return transient(f\"http_{status}\", message, pause_action=True, request_only=True,",
-        "        return transient(f\"http_{status}\", message, pause=True, request_only=True,",
+        "message, pause_action=True, request_only=True,",
+        "message, pause=True, request_only=True,",
         "tests/integration/test_stripe_not_acted.py",
     ),
     # --- what is claimed, and in what order ---------------------------------------------------
