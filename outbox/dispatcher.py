@@ -602,6 +602,7 @@ class Dispatcher:
             operation_key=row.operation_key, action=row.action, payload=payload,
             idempotency_key=row.idempotency_key, correlation_id=row.correlation_id,
             attempt=row.attempts, payload_json=row.payload,
+            api_version=_api_version(row, self._providers.get(row.provider)),
         )  # fmt: skip
         flight.phase = Phase.SENDING
         loop = self._loop or asyncio.get_running_loop()
@@ -726,6 +727,7 @@ class Dispatcher:
             "worker": self._worker,
             "http_status": result.http_status,
             "request_id": result.request_id,
+            "api_version": _api_version(row, self._providers.get(row.provider)),
         }
         if isinstance(result, Succeeded):
             return Record(
@@ -967,6 +969,11 @@ class Dispatcher:
     def _call_limit(self, provider: Provider) -> float | None:
         timeout = self._call_timeouts.get(provider.name)
         return None if timeout is None else timeout.total_seconds() + CALL_GUARD_MARGIN
+
+
+def _api_version(row: Claimed, provider: Provider | None) -> str | None:
+    """The version of the operation's first send, or, before one, the provider's own."""
+    return row.api_version or getattr(provider, "api_version", None)
 
 
 class _Aside(NamedTuple):

@@ -203,6 +203,7 @@ def _request(row: Mapping[str, Any]) -> LookupRequest:
         search_until=row["search_until"],
         checked_now=row["checked_now"],
         payload=payload,
+        api_version=row["api_version"],
     )
 
 

@@ -13,19 +13,25 @@
 --   search_until  the window's end before the provider's slack: the last attempt or, if later,
 --                 the previous check, so that each re-check searches further;
 --   checked_now   the database's clock, against which the provider's retention of its records
---                 (Stripe lists events for 30 days) is measured.
+--                 (Stripe lists events for 30 days) is measured;
+--   api_version   the provider API version the operation was first sent with, which its
+--                 lookups use too: what a field means depends on it.
+-- operations.api_version keeps that version (RECORD_MANY sets it on the first attempt that may
+-- have reached the provider): every retry is sent with it, so that an upgrade of outbox or of
+-- the provider's SDK never changes the meaning of an operation already under way.
 -- record_finding keeps the finding's details in check_details (what was searched, over which
 -- window, why a search was cut short), and takes undecided without a reference: a search that
 -- stopped at its page cap proves nothing either way, so `reconcile retry` needs --force.
 
 ALTER TABLE outbox.operations ADD COLUMN check_details jsonb;
+ALTER TABLE outbox.operations ADD COLUMN api_version text;
 
 DROP FUNCTION outbox.claim_checks(text[], interval, integer);
 CREATE FUNCTION outbox.claim_checks(providers text[], recheck_after interval, max_rows integer)
 RETURNS TABLE (id bigint, provider text, action text, idempotency_key text,
                key_generation integer, attempts integer, first_sent_at timestamptz,
                last_attempt_at timestamptz, keys text[], payload text,
-               search_until timestamptz, checked_now timestamptz)
+               search_until timestamptz, checked_now timestamptz, api_version text)
 LANGUAGE sql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
@@ -55,7 +61,7 @@ AS $$
               greatest(coalesce(o.last_attempt_at, o.created_at),
                        CASE WHEN due.checked_before IS NOT NULL
                             THEN least(due.checked_before, now()) END),
-              now()
+              now(), o.api_version
 $$;
 REVOKE ALL ON FUNCTION outbox.claim_checks(text[], interval, integer) FROM PUBLIC;
 COMMENT ON FUNCTION outbox.claim_checks IS
@@ -137,6 +143,8 @@ BEGIN
     IF EXISTS (SELECT FROM pg_roles WHERE rolname = 'outbox_dispatcher') THEN
         GRANT EXECUTE ON FUNCTION outbox.claim_checks(text[], interval, integer)
             TO outbox_dispatcher;
+        -- RECORD_MANY writes both: an attempt the provider did not act on grows attempt_base.
+        GRANT UPDATE (attempt_base, api_version) ON outbox.operations TO outbox_dispatcher;
     END IF;
 END;
 $$;

@@ -96,7 +96,10 @@ TO outbox_producer;
 GRANT SELECT ON outbox.operations TO outbox_dispatcher;
 GRANT UPDATE (status, status_reason, available_at, scheduled, attempts, lease_owner,
               lease_token, lease_expires_at, first_sent_at, last_attempt_at, provider_ref, result,
-              last_error, last_error_class, updated_at, status_changed_at, finished_at)
+              last_error, last_error_class, updated_at, status_changed_at, finished_at,
+              -- Attempts the provider did not act on, and the API version of the first send
+              -- (RECORD_MANY; sql/0023).
+              attempt_base, api_version)
     ON outbox.operations TO outbox_dispatcher;
 -- The payload limit the claim applies (0019); only the schema owner changes it.
 GRANT SELECT ON outbox.limits TO outbox_dispatcher;

@@ -106,7 +106,8 @@ RETURNING o.id, o.tenant_id, o.operation_type, o.operation_key, o.provider, o.ac
           coalesce(o.payload_bytes, octet_length(o.payload::text)) AS payload_bytes,
           lim.max AS payload_limit,
           o.idempotency_key, o.correlation_id, o.traceparent, o.attempts, o.attempt_base,
-          o.max_attempts, o.lease_token, o.first_sent_at, o.created_at, now() AS claimed_at
+          o.max_attempts, o.lease_token, o.first_sent_at, o.created_at, now() AS claimed_at,
+          o.api_version
 """
 
 # While a single (provider, tenant) group has claimable rows, a fair claim has nothing to share
@@ -352,7 +353,7 @@ WITH input AS (
          AS i(id bigint, lease_token uuid, attempt integer, status text, reason text,
               retry_in_s double precision, sent boolean, provider_ref text, result jsonb,
               error text, failure text, outcome text, error_class text, http_status integer,
-              request_id text, unspent boolean)
+              request_id text, unspent boolean, api_version text)
 ),
 recorded AS (
     UPDATE outbox.operations AS o
@@ -370,6 +371,8 @@ recorded AS (
                              ELSE o.first_sent_at END,
         -- An attempt the provider did not act on is not counted toward max_attempts.
         attempt_base = o.attempt_base + CASE WHEN i.unspent THEN 1 ELSE 0 END,
+        -- The API version of the first attempt that may have reached the provider (sql/0023).
+        api_version = coalesce(o.api_version, CASE WHEN i.sent THEN i.api_version END),
         provider_ref = coalesce(i.provider_ref, o.provider_ref),
         -- At most 64 KiB of the provider's answer is kept (its reference always is): a row is
         -- read back by operators and get_operation, and the answer's size is the provider's.
@@ -646,7 +649,7 @@ SELECT id, provider, action, idempotency_key, key_generation, attempts,
        payload::text AS payload,
        greatest(coalesce(last_attempt_at, created_at),
                 CASE WHEN checked_at IS NOT NULL THEN least(checked_at, now()) END) AS search_until,
-       now() AS checked_now
+       now() AS checked_now, api_version
 FROM outbox.operations o
 WHERE status = 'reconciling'
   AND (%(id)s::bigint IS NULL OR id = %(id)s::bigint)

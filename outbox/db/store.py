@@ -95,6 +95,8 @@ class Claimed(NamedTuple):
     first_sent_at: datetime | None
     created_at: datetime
     claimed_at: datetime  # the database clock at the claim
+    # The provider API version of its first send (sql/0023); None until one may have reached it.
+    api_version: str | None = None
 
 
 _CLAIMED_ROW: Final = args_row(Claimed)
@@ -120,6 +122,7 @@ class Record(NamedTuple):
     request_id: str | None = None
     # The attempt does not count toward max_attempts (Failed.spends_attempt): attempt_base grows.
     unspent: bool = False
+    api_version: str | None = None  # the provider API version this attempt was sent with
 
 
 def claim_params(worker: str, limit: int, lease: timedelta,
@@ -186,7 +189,7 @@ class Store:
              "provider_ref": r.provider_ref, "result": r.result, "error": r.error,
              "failure": None if r.outcome == "succeeded" else r.outcome, "outcome": r.outcome,
              "error_class": r.error_class, "http_status": r.http_status,
-             "request_id": r.request_id, "unspent": r.unspent}
+             "request_id": r.request_id, "unspent": r.unspent, "api_version": r.api_version}
             for r in recs
         ]  # fmt: skip
         params = {"batch": Jsonb(batch, dumps=_batch_json), "worker": recs[0].worker}

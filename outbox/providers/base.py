@@ -37,6 +37,9 @@ class SendRequest:
     correlation_id: str | None
     attempt: int
     payload_json: str | None = None
+    # The provider API version to send with: the one of the operation's first send, or None
+    # (never sent: the provider's configured version).
+    api_version: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +154,7 @@ class LookupRequest:
     search_until: datetime
     checked_now: datetime  # the database's clock, for the provider's own retention of records
     payload: Mapping[str, Any] = field(default_factory=dict)  # empty if it cannot be decoded
+    api_version: str | None = None  # the one its first send used (None: the configured one)
 
 
 class InvalidRequest(Exception):
@@ -178,6 +182,8 @@ class Provider(Protocol):
     async def aclose(self) -> None: ...
 
 
+# A provider may also declare ``api_version``, the version of its API it sends requests in: an
+# operation's first send stores it, and its retries and lookups use that one (SendRequest).
 # A provider may also declare ``actions``, a collection of the action names it knows: each keeps
 # its own label in the metrics. Other actions share at most outbox.metric_labels.MAX_OTHER_ACTIONS
 # labels per provider, then "other" (a row's action is the producer's choice).

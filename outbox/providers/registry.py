@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Mapping
 from importlib.metadata import entry_points
 from typing import Any, Final
@@ -19,7 +20,12 @@ from outbox.config import (
 from outbox.providers.base import Provider
 from outbox.providers.noop import NoopProvider
 from outbox.providers.shards import connection_cap
-from outbox.providers.stripe import DEFAULT_REDACTED, StripeOptions, StripeProvider
+from outbox.providers.stripe import (
+    DEFAULT_REDACTED,
+    DEFAULT_STRIPE_VERSION,
+    StripeOptions,
+    StripeProvider,
+)
 from outbox.providers.webhook import DEFAULT_REFERENCE_FIELD, WebhookOptions, WebhookProvider
 
 ENTRY_POINT_GROUP: Final = "outbox.providers"
@@ -28,7 +34,9 @@ Factory = Callable[[ProviderSettings], Provider]
 _WEBHOOK_KEYS: Final = ("url", "headers", "secret_headers", "reference_field",
                          "max_response_bytes")  # fmt: skip
 _STRIPE_KEYS: Final = ("api_key_env", "api_key_file", "api_base", "stripe_account",
-                       "max_response_bytes", "redact_fields")  # fmt: skip
+                       "max_response_bytes", "redact_fields", "stripe_version")  # fmt: skip
+# Stripe's API versions: a date, and since 2024-09-30 a release name (2026-10-28.endive).
+_STRIPE_VERSION: Final = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}(\.[a-z]+)?")
 DEFAULT_STRIPE_API: Final = "https://api.stripe.com"
 
 
@@ -117,7 +125,19 @@ def stripe_options(
         stripe_account=None if account is None else str(account),
         max_connections=connection_cap(concurrency, ps.max_in_flight),
         max_response_bytes=_max_response_bytes(ps), redact_fields=_redact_fields(ps),
+        stripe_version=_stripe_version(ps),
     )  # fmt: skip
+
+
+def _stripe_version(ps: ProviderSettings) -> str:
+    """The pinned API version: ``stripe_version``, or outbox's default (never the SDK's, which
+    moves with every SDK release)."""
+    version = ps.options.get("stripe_version", DEFAULT_STRIPE_VERSION)
+    if not isinstance(version, str) or not _STRIPE_VERSION.fullmatch(version):
+        where = f"providers.{ps.name}.stripe_version"
+        raise ConfigError(f'{where} must be a Stripe API version such as '
+                          f'"{DEFAULT_STRIPE_VERSION}"', key=where)  # fmt: skip
+    return version
 
 
 def _redact_fields(ps: ProviderSettings) -> tuple[str, ...]:

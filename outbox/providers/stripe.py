@@ -61,6 +61,7 @@ from outbox.providers.stripe_lookup import (
     METADATA_IDEMPOTENCY_KEY,
     METADATA_OPERATION_ID,
     Match,
+    Stripe,
     not_found,
     retrieve,
     search_events,
@@ -85,6 +86,11 @@ SETTLE_DELAY: Final = timedelta(seconds=30)
 # The lookup searches objects created this long around the attempts: the database's clock and
 # Stripe's may disagree.
 LOOKUP_SLACK: Final = timedelta(hours=1)
+# The Stripe API version every request is sent in, unless the config pins another
+# (stripe_version): the one stripe-python 16.1 was built for. Not the SDK's own default, which
+# moves with each SDK release and would change what queued payloads mean (README, "Stripe API
+# version"). An operation keeps the version of its first send for its retries and lookups.
+DEFAULT_STRIPE_VERSION: Final = "2026-10-28.endive"
 # Never kept of an answer, by default: a PaymentIntent's or SetupIntent's client_secret lets
 # whoever holds it confirm the payment from a browser; it belongs to the customer's page only.
 DEFAULT_REDACTED: Final = ("client_secret",)
@@ -115,6 +121,7 @@ class StripeOptions:
     max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES
     # Fields of Stripe's answers never stored in an operation's result, at any depth.
     redact_fields: tuple[str, ...] = DEFAULT_REDACTED
+    stripe_version: str = DEFAULT_STRIPE_VERSION
 
     def __repr__(self) -> str:
         return f"StripeOptions(api_base={self.api_base!r}, stripe_account={self.stripe_account!r})"
@@ -139,6 +146,7 @@ class StripeProvider:
                 options.api_key,
                 base_addresses={"api": options.api_base},
                 stripe_account=options.stripe_account,
+                stripe_version=options.stripe_version,
                 http_client=http,
                 max_network_retries=0,  # outbox owns retries, with the stored key and its window
             )
@@ -162,6 +170,11 @@ class StripeProvider:
     @property
     def key_retention(self) -> timedelta:
         return self._options.key_retention
+
+    @property
+    def api_version(self) -> str:
+        """The version new operations are sent in (an operation keeps its first send's)."""
+        return self._options.stripe_version
 
     @property
     def actions(self) -> frozenset[str]:
@@ -207,9 +220,10 @@ class StripeProvider:
         with self._shards.take() as client:
             service = getattr(client.v1, ACTIONS[request.action])
             try:
-                created = await service.create_async(
-                    params=params, options={"idempotency_key": request.idempotency_key}
-                )
+                version = request.api_version or self._options.stripe_version
+                options: Any = {"idempotency_key": request.idempotency_key,
+                                "stripe_version": version}  # fmt: skip
+                created = await service.create_async(params=params, options=options)
             except stripe.StripeError as exc:
                 return classify(exc)
             except Exception as exc:  # noqa: BLE001 (an answer the SDK chokes on must not raise)
@@ -233,15 +247,16 @@ class StripeProvider:
         searchable = LOOKUPS[request.action]
         match = Match(request.operation_id, request.keys, request.idempotency_key)
         with self._shards.take() as client:
-            objects = await search_objects(client, searchable, request.payload, match,
+            api = Stripe(client, request.api_version or self._options.stripe_version)
+            objects = await search_objects(api, searchable, request.payload, match,
                                            (since, until))  # fmt: skip
             if objects.matches:
                 return self._found(request.action, objects.matches)
             events_since = max(since, request.checked_now - EVENTS_KEPT)
-            events = await search_events(client, searchable, match, (events_since, until))
+            events = await search_events(api, searchable, match, (events_since, until))
             if events.matches:
                 reference = events.matches[0][0]
-                current = await retrieve(client, searchable, reference)
+                current = await retrieve(api, searchable, reference)
                 return self._found(request.action, [(reference, current), *events.matches[1:]])
         return not_found(objects, events, since, until, events_since)
 

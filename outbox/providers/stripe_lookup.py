@@ -95,6 +95,25 @@ class Match:
         return named is None or named == str(self.operation_id)
 
 
+@dataclass(frozen=True, slots=True)
+class Stripe:
+    """The client a lookup reads through, in the API version of the operation's first send."""
+
+    client: stripe.StripeClient
+    version: str
+
+    def service(self, name: str) -> Any:
+        return getattr(self.client.v1, name)
+
+    async def list(self, service: str, params: dict[str, Any]) -> Any:
+        options: Any = {"stripe_version": self.version}
+        return await self.service(service).list_async(params=params, options=options)
+
+    async def retrieve(self, service: str, object_id: str) -> Any:
+        options: Any = {"stripe_version": self.version}
+        return await self.service(service).retrieve_async(object_id, options=options)
+
+
 @dataclass(slots=True)
 class Searched:
     """One source's search: what it was called, its matches (oldest first), whether it ended."""
@@ -109,20 +128,20 @@ class Searched:
 Window = tuple[datetime, datetime]
 
 
-async def search_objects(client: stripe.StripeClient, searchable: Searchable,
+async def search_objects(api: Stripe, searchable: Searchable,
                          payload: Mapping[str, Any], match: Match,
                          window: Window) -> Searched:  # fmt: skip
     narrowing = {name: payload[name] for name in searchable.filters
                  if isinstance(payload.get(name), str) and payload[name]}  # fmt: skip
     source = searchable.service + (f" ({', '.join(narrowing)})" if narrowing else "")
     params = {**dict(searchable.always), **narrowing}
-    service = getattr(client.v1, searchable.service)
     found = Searched(source)
-    await _pages(service, params, window, found, lambda f: f if match.object(f) else None)
+    await _pages(api, searchable.service, params, window, found,
+                 pick=lambda f: f if match.object(f) else None)  # fmt: skip
     return found
 
 
-async def search_events(client: stripe.StripeClient, searchable: Searchable, match: Match,
+async def search_events(api: Stripe, searchable: Searchable, match: Match,
                         window: Window) -> Searched:  # fmt: skip
     found = Searched("events")
     if window[0] >= window[1]:
@@ -133,11 +152,12 @@ async def search_events(client: stripe.StripeClient, searchable: Searchable, mat
         obj = (fields.get("data") or {}).get("object")
         return obj if match.event(fields) and isinstance(obj, dict) and "id" in obj else None
 
-    await _pages(client.v1.events, {"type": searchable.event}, window, found, effect)
+    await _pages(api, "events", {"type": searchable.event}, window, found, pick=effect)
     return found
 
 
-async def _pages(service: Any, params: dict[str, Any], window: Window, found: Searched,
+async def _pages(api: Stripe, service: str, params: dict[str, Any], window: Window,
+                 found: Searched, *,
                  pick: Callable[[dict[str, Any]], dict[str, Any] | None]) -> None:  # fmt: skip
     """Read the list newest first, page by page, until it ends or LOOKUP_MAX_PAGES."""
     created = {"gte": int(window[0].timestamp()), "lte": int(window[1].timestamp())}
@@ -145,7 +165,7 @@ async def _pages(service: Any, params: dict[str, Any], window: Window, found: Se
     seen: set[str] = set()
     cursors: set[str] = set()
     for _ in range(LOOKUP_MAX_PAGES):
-        page = await service.list_async(params=params)
+        page = await api.list(service, params)
         last = None
         for item in page.data:
             fields = item.to_dict()
@@ -167,13 +187,11 @@ async def _pages(service: Any, params: dict[str, Any], window: Window, found: Se
     found.matches.reverse()  # lists are newest first: the earliest object is the effect
 
 
-async def retrieve(client: stripe.StripeClient, searchable: Searchable,
-                   reference: str) -> dict[str, Any]:  # fmt: skip
+async def retrieve(api: Stripe, searchable: Searchable, reference: str) -> dict[str, Any]:
     """The object as it is now (an event holds it as it was created); a 404 means deleted (a
     draft invoice leaves no trace but its events)."""
-    service = getattr(client.v1, searchable.service)
     try:
-        obj = await service.retrieve_async(reference)
+        obj = await api.retrieve(searchable.service, reference)
     except stripe.InvalidRequestError as exc:
         if exc.http_status != 404:
             raise

@@ -289,6 +289,9 @@ def test_the_dispatcher_may_update_state_lease_and_result_columns_only(roles_db:
             "updated_at",
             "status_changed_at",
             "finished_at",
+            # Attempts the provider did not act on, and the first send's API version (0023).
+            "attempt_base",
+            "api_version",
         ]
     )
 
@@ -430,7 +433,7 @@ def test_the_dispatcher_is_refused_everything_but_its_statements(roles_db: str) 
         "key_generation",
         "tenant_id",
         "provider",
-        "attempt_base",
+        "check_details",
         "max_attempts",
         "check_finding",
         "checked_at",

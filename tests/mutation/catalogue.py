@@ -338,6 +338,22 @@ MUTANTS: tuple[Mutant, ...] = (
         "message, pause=True, request_only=True,",
         "tests/integration/test_stripe_not_acted.py",
     ),
+    _one(
+        "retry-in-the-new-version",
+        "a retry after a config or SDK upgrade is sent in another API version than its first send",
+        "outbox/providers/stripe.py",
+        "                version = request.api_version or self._options.stripe_version\n",
+        "                version = self._options.stripe_version\n",
+        "tests/integration/test_stripe_version.py",
+    ),
+    _one(
+        "first-version-forgotten",
+        "the API version of an operation's first send is not kept for its retries",
+        STATEMENTS,
+        "        api_version = coalesce(o.api_version, CASE WHEN i.sent THEN i.api_version END),\n",
+        "",
+        "tests/integration/test_stripe_version.py",
+    ),
     # --- what is claimed, and in what order ---------------------------------------------------
     _one(
         "stage-before-due",

@@ -133,7 +133,8 @@ class Received:
     ``path`` has no query string; ``params`` is the parsed form body (POST) or query (GET),
     nested like the SDK's params (``{"metadata": {"k": "v"}}``), every leaf a string.
     ``status`` is None while the request is being processed and stays None when the connection
-    was reset. ``account`` is the ``Stripe-Account`` header; ``at`` is ``time.monotonic()``.
+    was reset. ``account`` is the ``Stripe-Account`` header; ``at`` is ``time.monotonic()``;
+    ``version`` the ``Stripe-Version`` header.
     """
 
     method: str
@@ -146,6 +147,7 @@ class Received:
     account: str | None
     at: float
     answered_at: float | None = None  # time.monotonic() when answered or reset
+    version: str | None = None
 
 
 class FaultKind(enum.Enum):
@@ -469,6 +471,7 @@ class _Request:
     account: str | None
     authorization: str | None
     request_id: str
+    version: str | None = None
 
     def received(self, at: float) -> Received:
         """Its record in ``received``, as it arrived at ``at``, before any outcome."""
@@ -482,6 +485,7 @@ class _Request:
             self.request_id,
             self.account,
             at,
+            version=self.version,
         )
 
 
@@ -883,6 +887,7 @@ class _Handler(JsonHandler):
             account=self.headers.get("Stripe-Account"),
             authorization=self.headers.get("Authorization"),
             request_id=f"req_{secrets.token_hex(7)}",
+            version=self.headers.get("Stripe-Version"),
         )
 
     def _sit_out(self, plan: Plan) -> None:
