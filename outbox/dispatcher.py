@@ -753,7 +753,7 @@ class Dispatcher:
             first_sent_at=row.first_sent_at or (row.claimed_at if reached else None),
             now=flight.db_now(), window=window, backoff=self._backoff,
             retry_after=result.retry_after, reconcile=result.reconcile, rng=self._rng,
-            quarantine_reason=reason,
+            quarantine_reason=reason or result.reason,
         )  # fmt: skip
         return Record(
             status=nxt.status,
@@ -764,6 +764,7 @@ class Dispatcher:
             error=result.message,
             error_class=result.error_class,
             unspent=unspent,
+            provider_ref=result.reference,
             **base,
         )
 

@@ -81,6 +81,11 @@ class Failed:
     # one permission): that action pauses (provider_limits.ActionPauses), not the provider, and
     # this operation keeps its attempt. A refusal of the credentials themselves is ``pause``.
     pause_action: bool = False
+    # The provider's object the failure left behind (a declined PaymentIntent exists at Stripe):
+    # kept as the operation's provider_ref, for the person who looks into it.
+    reference: str | None = None
+    # The quarantine reason when more precise than permanent_failure (provider_declined).
+    reason: str | None = None
 
     @property
     def may_have_reached_provider(self) -> bool:

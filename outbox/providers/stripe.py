@@ -20,6 +20,7 @@ import asyncio
 import json
 import logging
 import math
+import re
 import ssl
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
@@ -460,7 +461,34 @@ def classify(exc: stripe.StripeError) -> Failed:  # noqa: PLR0911 (a decision ta
         return unknown(_error_class(exc), message, **details)
     if should_retry is True or status is None or status >= 500:
         return unknown(_error_class(exc), message, **details)
-    return permanent(_error_class(exc), message, **details)  # 400, 402, 404 and the other 4xx
+    if isinstance(exc, stripe.CardError):
+        return _declined(exc, message, details)
+    return permanent(_error_class(exc), message, **details)  # 400, 404 and the other 4xx
+
+
+def _declined(exc: stripe.CardError, message: str, details: dict[str, Any]) -> Failed:
+    """A 402: the card was declined, and Stripe saved the answer, so the key will never get
+    another. Quarantined as provider_declined, like a decline a reconciliation check finds, with
+    what the on-call engineer and the business act on: the decline and advice codes (never the
+    message, which may echo parameters) and the PaymentIntent the decline left."""
+    error = exc.error
+    intent = getattr(error, "payment_intent", None)
+    found = {name: getattr(error, name, None) for name in _CARD_CODES}
+    found |= {
+        "payment_intent": getattr(intent, "id", None),
+        "charge": getattr(error, "charge", None),
+    }
+    # A broken or hostile answer must not write what it likes into last_error: words only.
+    words = {name: value for name, value in found.items()
+             if isinstance(value, str) and _WORD.fullmatch(value)}  # fmt: skip
+    full = "; ".join([message, *(f"{name} {value}" for name, value in words.items())])
+    return permanent(_error_class(exc), full, reference=words.get("payment_intent"),
+                     reason="provider_declined", **details)  # fmt: skip
+
+
+# The parts of a card error an operator acts on (docs.stripe.com/declines/codes).
+_CARD_CODES: Final = ("decline_code", "advice_code", "network_decline_code")
+_WORD: Final = re.compile(r"[A-Za-z0-9_]{1,64}")
 
 
 def _connection_failure(exc: stripe.APIConnectionError) -> Failed:

@@ -7,12 +7,14 @@ from typing import Any
 
 import psycopg
 import pytest
+import stripe
 from psycopg_pool import AsyncConnectionPool
 
 import outbox
 from outbox.config import ConfigError
+from outbox.model import FailureClass
 from outbox.providers.fakes.stripe import FakeStripe
-from outbox.providers.stripe import REDACTED
+from outbox.providers.stripe import REDACTED, classify
 from tests.support.dispatch import dispatcher, rows, stripe_provider
 
 
@@ -70,3 +72,40 @@ def test_redact_fields_must_be_a_list_of_names(fake: FakeStripe, bad: object) ->
     with pytest.raises(ConfigError) as refused:
         stripe_provider("stripe", fake.url, redact_fields=bad)
     assert str(refused.value) == "providers.stripe.redact_fields must be a list of field names"
+
+
+async def test_a_decline_on_the_send_path_keeps_its_codes_and_its_payment_intent(
+    db_url: str, pool: AsyncConnectionPool[Any], fake: FakeStripe
+) -> None:
+    """Issue 19, case 6: the decline code, the advice code and the PaymentIntent the 402 names
+    were thrown away. Quarantined as provider_declined, as a check's refused finding is."""
+    enqueue(db_url, "payment_intents.create", {
+        "amount": 1000, "currency": "usd", "confirm": True,
+        "payment_method": "pm_card_chargeDeclinedInsufficientFunds"})  # fmt: skip
+    provider = stripe_provider("stripe", fake.url)
+    try:
+        assert await dispatcher(pool, {"stripe": provider}).run_once() == 1
+    finally:
+        await provider.aclose()
+    (pi,) = fake.objects("payment_intents")
+    charge = pi["last_payment_error"]["charge"]
+    assert rows(db_url, "SELECT status, status_reason, provider_ref, last_error "
+                        "FROM outbox.operations") == [
+        ("quarantined", "provider_declined", pi["id"],
+         "HTTP 402 card_error card_declined; decline_code insufficient_funds; advice_code "
+         f"try_again_later; payment_intent {pi['id']}; charge {charge}")]  # fmt: skip
+    assert "Your card" not in str(rows(db_url, "SELECT * FROM outbox.attempts"))
+
+
+@pytest.mark.parametrize("hostile", ["\x1b[2J", "a\nb", "x" * 65, "", "🙂", "0; DROP"])
+def test_a_hostile_card_error_writes_nothing_of_its_own_into_last_error(hostile: str) -> None:
+    """A broken or malicious Stripe answers a 402 whose codes and ids are escapes, newlines or
+    floods: they are left out, the decline is still a decline."""
+    body = {"error": {"type": "card_error", "code": "card_declined", "decline_code": hostile,
+                      "advice_code": hostile, "charge": hostile,
+                      "payment_intent": {"id": hostile, "object": "payment_intent"}}}  # fmt: skip
+    exc = stripe.CardError("declined", None, "card_declined", http_status=402, json_body=body)  # type: ignore[no-untyped-call]
+    failed = classify(exc)
+    assert (failed.failure, failed.reason, failed.reference) == (
+        FailureClass.PERMANENT, "provider_declined", None)  # fmt: skip
+    assert failed.message == "HTTP 402 card_error card_declined"

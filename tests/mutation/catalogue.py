@@ -354,6 +354,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "",
         "tests/integration/test_stripe_version.py",
     ),
+    _one(
+        "hostile-decline-codes-kept",
+        "a provider's answer writes escapes and newlines into last_error, shown on a terminal",
+        "outbox/providers/stripe.py",
+        "            if isinstance(value, str) and _WORD.fullmatch(value)}",
+        "            if isinstance(value, str)}",
+        "tests/integration/test_stripe_results.py",
+    ),
     # --- what is claimed, and in what order ---------------------------------------------------
     _one(
         "stage-before-due",

@@ -391,6 +391,8 @@ DECLINING_PAYMENT_METHODS = {
     "pm_card_visa_chargeDeclined": "generic_decline",
     "pm_card_chargeDeclinedInsufficientFunds": "insufficient_funds",
 }
+# What Stripe advises after a decline (advice_code), where it says anything.
+_ADVICE = {"insufficient_funds": "try_again_later"}
 
 
 def _confirmed(params: dict[str, Any]) -> dict[str, Any]:
@@ -404,9 +406,11 @@ def _confirmed(params: dict[str, Any]) -> dict[str, Any]:
                 "last_payment_error": None}  # fmt: skip
     decline = DECLINING_PAYMENT_METHODS.get(str(method))
     if decline is not None:
-        return {"status": "requires_payment_method", "last_payment_error": {
-            "type": "card_error", "code": "card_declined", "decline_code": decline,
-            "message": "Your card was declined.", "charge": _new_id("ch")}}  # fmt: skip
+        error = {"type": "card_error", "code": "card_declined", "decline_code": decline,
+                 "message": "Your card was declined.", "charge": _new_id("ch")}  # fmt: skip
+        if decline in _ADVICE:
+            error["advice_code"] = _ADVICE[decline]
+        return {"status": "requires_payment_method", "last_payment_error": error}
     manual = params.get("capture_method") == "manual"
     return {"status": "requires_capture" if manual else "succeeded", "last_payment_error": None}
 
