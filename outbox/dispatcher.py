@@ -114,6 +114,7 @@ class InFlight:
     # While sending: resolved when the call ends, or by the call guard at guard_at (loop time).
     waiter: asyncio.Future[None] | None = None
     guard_at: float | None = None
+    scope: str | None = None  # where the send went, as its provider names it (Provider.scope)
     _log: Any = None
 
     @property
@@ -604,6 +605,7 @@ class Dispatcher:
             attempt=row.attempts, payload_json=row.payload,
             api_version=_api_version(row, self._providers.get(row.provider)),
         )  # fmt: skip
+        flight.scope = _scope(self._providers.get(row.provider), row.action, payload)
         flight.phase = Phase.SENDING
         loop = self._loop or asyncio.get_running_loop()
         send = flight.send_task = loop.create_task(provider.send(request))
@@ -728,6 +730,7 @@ class Dispatcher:
             "http_status": result.http_status,
             "request_id": result.request_id,
             "api_version": _api_version(row, self._providers.get(row.provider)),
+            "scope": flight.scope,
         }
         if isinstance(result, Succeeded):
             return Record(
@@ -975,6 +978,11 @@ class Dispatcher:
 def _api_version(row: Claimed, provider: Provider | None) -> str | None:
     """The version of the operation's first send, or, before one, the provider's own."""
     return row.api_version or getattr(provider, "api_version", None)
+
+
+def _scope(provider: Provider | None, action: str, payload: Mapping[str, Any]) -> str | None:
+    scope = getattr(provider, "scope", None)
+    return None if scope is None else str(scope(action, payload))
 
 
 class _Aside(NamedTuple):

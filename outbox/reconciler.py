@@ -204,6 +204,7 @@ def _request(row: Mapping[str, Any]) -> LookupRequest:
         checked_now=row["checked_now"],
         payload=payload,
         api_version=row["api_version"],
+        sent_scope=row["sent_scope"],
     )
 
 

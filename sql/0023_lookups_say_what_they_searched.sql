@@ -15,7 +15,10 @@
 --   checked_now   the database's clock, against which the provider's retention of its records
 --                 (Stripe lists events for 30 days) is measured;
 --   api_version   the provider API version the operation was first sent with, which its
---                 lookups use too: what a field means depends on it.
+--                 lookups use too: what a field means depends on it;
+--   sent_scope    where its first send went, as the provider names it (a Stripe account and
+--                 the key's mode: "acct_1 live"): a lookup that would search elsewhere (the
+--                 config's account or key changed since) says so instead of "not found".
 -- operations.api_version keeps that version (RECORD_MANY sets it on the first attempt that may
 -- have reached the provider): every retry is sent with it, so that an upgrade of outbox or of
 -- the provider's SDK never changes the meaning of an operation already under way.
@@ -25,13 +28,15 @@
 
 ALTER TABLE outbox.operations ADD COLUMN check_details jsonb;
 ALTER TABLE outbox.operations ADD COLUMN api_version text;
+ALTER TABLE outbox.operations ADD COLUMN sent_scope text;
 
 DROP FUNCTION outbox.claim_checks(text[], interval, integer);
 CREATE FUNCTION outbox.claim_checks(providers text[], recheck_after interval, max_rows integer)
 RETURNS TABLE (id bigint, provider text, action text, idempotency_key text,
                key_generation integer, attempts integer, first_sent_at timestamptz,
                last_attempt_at timestamptz, keys text[], payload text,
-               search_until timestamptz, checked_now timestamptz, api_version text)
+               search_until timestamptz, checked_now timestamptz, api_version text,
+               sent_scope text)
 LANGUAGE sql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
@@ -61,7 +66,7 @@ AS $$
               greatest(coalesce(o.last_attempt_at, o.created_at),
                        CASE WHEN due.checked_before IS NOT NULL
                             THEN least(due.checked_before, now()) END),
-              now(), o.api_version
+              now(), o.api_version, o.sent_scope
 $$;
 REVOKE ALL ON FUNCTION outbox.claim_checks(text[], interval, integer) FROM PUBLIC;
 COMMENT ON FUNCTION outbox.claim_checks IS
@@ -144,7 +149,8 @@ BEGIN
         GRANT EXECUTE ON FUNCTION outbox.claim_checks(text[], interval, integer)
             TO outbox_dispatcher;
         -- RECORD_MANY writes both: an attempt the provider did not act on grows attempt_base.
-        GRANT UPDATE (attempt_base, api_version) ON outbox.operations TO outbox_dispatcher;
+        GRANT UPDATE (attempt_base, api_version, sent_scope) ON outbox.operations
+            TO outbox_dispatcher;
     END IF;
 END;
 $$;

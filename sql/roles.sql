@@ -99,7 +99,7 @@ GRANT UPDATE (status, status_reason, available_at, scheduled, attempts, lease_ow
               last_error, last_error_class, updated_at, status_changed_at, finished_at,
               -- Attempts the provider did not act on, and the API version of the first send
               -- (RECORD_MANY; sql/0023).
-              attempt_base, api_version)
+              attempt_base, api_version, sent_scope)
     ON outbox.operations TO outbox_dispatcher;
 -- The payload limit the claim applies (0019); only the schema owner changes it.
 GRANT SELECT ON outbox.limits TO outbox_dispatcher;

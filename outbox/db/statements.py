@@ -353,7 +353,7 @@ WITH input AS (
          AS i(id bigint, lease_token uuid, attempt integer, status text, reason text,
               retry_in_s double precision, sent boolean, provider_ref text, result jsonb,
               error text, failure text, outcome text, error_class text, http_status integer,
-              request_id text, unspent boolean, api_version text)
+              request_id text, unspent boolean, api_version text, scope text)
 ),
 recorded AS (
     UPDATE outbox.operations AS o
@@ -373,6 +373,7 @@ recorded AS (
         attempt_base = o.attempt_base + CASE WHEN i.unspent THEN 1 ELSE 0 END,
         -- The API version of the first attempt that may have reached the provider (sql/0023).
         api_version = coalesce(o.api_version, CASE WHEN i.sent THEN i.api_version END),
+        sent_scope = coalesce(o.sent_scope, CASE WHEN i.sent THEN i.scope END),
         provider_ref = coalesce(i.provider_ref, o.provider_ref),
         -- At most 64 KiB of the provider's answer is kept (its reference always is): a row is
         -- read back by operators and get_operation, and the answer's size is the provider's.
@@ -649,7 +650,7 @@ SELECT id, provider, action, idempotency_key, key_generation, attempts,
        payload::text AS payload,
        greatest(coalesce(last_attempt_at, created_at),
                 CASE WHEN checked_at IS NOT NULL THEN least(checked_at, now()) END) AS search_until,
-       now() AS checked_now, api_version
+       now() AS checked_now, api_version, sent_scope
 FROM outbox.operations o
 WHERE status = 'reconciling'
   AND (%(id)s::bigint IS NULL OR id = %(id)s::bigint)

@@ -123,6 +123,7 @@ class Record(NamedTuple):
     # The attempt does not count toward max_attempts (Failed.spends_attempt): attempt_base grows.
     unspent: bool = False
     api_version: str | None = None  # the provider API version this attempt was sent with
+    scope: str | None = None  # where it was sent, as the provider names it (sql/0023)
 
 
 def claim_params(worker: str, limit: int, lease: timedelta,
@@ -189,7 +190,8 @@ class Store:
              "provider_ref": r.provider_ref, "result": r.result, "error": r.error,
              "failure": None if r.outcome == "succeeded" else r.outcome, "outcome": r.outcome,
              "error_class": r.error_class, "http_status": r.http_status,
-             "request_id": r.request_id, "unspent": r.unspent, "api_version": r.api_version}
+             "request_id": r.request_id, "unspent": r.unspent, "api_version": r.api_version,
+             "scope": r.scope}
             for r in recs
         ]  # fmt: skip
         params = {"batch": Jsonb(batch, dumps=_batch_json), "worker": recs[0].worker}

@@ -160,6 +160,7 @@ class LookupRequest:
     checked_now: datetime  # the database's clock, for the provider's own retention of records
     payload: Mapping[str, Any] = field(default_factory=dict)  # empty if it cannot be decoded
     api_version: str | None = None  # the one its first send used (None: the configured one)
+    sent_scope: str | None = None  # where its first send went, as the provider's scope named it
 
 
 class InvalidRequest(Exception):
@@ -187,6 +188,9 @@ class Provider(Protocol):
     async def aclose(self) -> None: ...
 
 
+# A provider may also declare ``scope(action, payload) -> str``: where a send of that operation
+# goes (a Stripe account and the key's mode). The first send's is stored, and a lookup that
+# would search elsewhere says so rather than "not found" (LookupRequest.sent_scope).
 # A provider may also declare ``api_version``, the version of its API it sends requests in: an
 # operation's first send stores it, and its retries and lookups use that one (SendRequest).
 # A provider may also declare ``actions``, a collection of the action names it knows: each keeps

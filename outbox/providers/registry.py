@@ -34,7 +34,8 @@ Factory = Callable[[ProviderSettings], Provider]
 _WEBHOOK_KEYS: Final = ("url", "headers", "secret_headers", "reference_field",
                          "max_response_bytes")  # fmt: skip
 _STRIPE_KEYS: Final = ("api_key_env", "api_key_file", "api_base", "stripe_account",
-                       "max_response_bytes", "redact_fields", "stripe_version")  # fmt: skip
+                       "max_response_bytes", "redact_fields", "stripe_version",
+                       "operation_accounts")  # fmt: skip
 # Stripe's API versions: a date, and since 2024-09-30 a release name (2026-10-28.endive).
 _STRIPE_VERSION: Final = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}(\.[a-z]+)?")
 DEFAULT_STRIPE_API: Final = "https://api.stripe.com"
@@ -125,8 +126,16 @@ def stripe_options(
         stripe_account=None if account is None else str(account),
         max_connections=connection_cap(concurrency, ps.max_in_flight),
         max_response_bytes=_max_response_bytes(ps), redact_fields=_redact_fields(ps),
-        stripe_version=_stripe_version(ps),
+        stripe_version=_stripe_version(ps), operation_accounts=_operation_accounts(ps),
     )  # fmt: skip
+
+
+def _operation_accounts(ps: ProviderSettings) -> bool:
+    value = ps.options.get("operation_accounts", False)
+    if not isinstance(value, bool):
+        where = f"providers.{ps.name}.operation_accounts"
+        raise ConfigError(f"{where} must be true or false", key=where)
+    return value
 
 
 def _stripe_version(ps: ProviderSettings) -> str:

@@ -79,6 +79,10 @@ ACTIONS: Final = {
     "invoices.create": "invoices",
     "subscriptions.create": "subscriptions",
 }
+# The payload field that names the connected account an operation is sent for (Connect), when
+# the provider allows it (operation_accounts): sent as Stripe-Account, never as a parameter.
+OPERATION_ACCOUNT: Final = "stripe_account"
+_ACCOUNT: Final = re.compile(r"acct_[A-Za-z0-9]{1,64}")
 # Stripe allows 50 metadata keys; two are ours (stripe_lookup), merged under the payload's own.
 _METADATA_LIMIT: Final = 50
 # A first 500 is retried after this long: Stripe may still roll the request forward or back.
@@ -123,6 +127,8 @@ class StripeOptions:
     # Fields of Stripe's answers never stored in an operation's result, at any depth.
     redact_fields: tuple[str, ...] = DEFAULT_REDACTED
     stripe_version: str = DEFAULT_STRIPE_VERSION
+    # Whether an operation may name its connected account (OPERATION_ACCOUNT in the payload).
+    operation_accounts: bool = False
 
     def __repr__(self) -> str:
         return f"StripeOptions(api_base={self.api_base!r}, stripe_account={self.stripe_account!r})"
@@ -203,10 +209,33 @@ class StripeProvider:
                 f"the payload has {len(metadata)} metadata keys; Stripe allows {_METADATA_LIMIT} "
                 "and outbox adds 2"
             )
+        if OPERATION_ACCOUNT in payload:
+            self._check_account(payload[OPERATION_ACCOUNT])
+
+    def _check_account(self, account: object) -> None:
+        if not self._options.operation_accounts:
+            # A producer must not send on another account's behalf unless the operator says so.
+            raise InvalidRequest(f"the payload names a {OPERATION_ACCOUNT}; this provider "
+                                 "sends for one account (operation_accounts = false)")  # fmt: skip
+        if not isinstance(account, str) or not _ACCOUNT.fullmatch(account):
+            raise InvalidRequest(f"the payload's {OPERATION_ACCOUNT} must be a connected "
+                                 "account id (acct_...)")  # fmt: skip
+
+    def scope(self, action: str, payload: Mapping[str, Any]) -> str:
+        """Where an operation's requests go: its account (the payload's, the config's, or the
+        platform's own) and the key's mode. Stored with its first send (sql/0023)."""
+        account = payload.get(OPERATION_ACCOUNT) or self._options.stripe_account or "platform"
+        return f"{account} {_mode(self._options.api_key)}"
+
+    def _account(self, payload: Mapping[str, Any]) -> str | None:
+        account = payload.get(OPERATION_ACCOUNT)
+        return account if isinstance(account, str) else self._options.stripe_account
 
     async def send(self, request: SendRequest) -> SendResult:
         try:
-            params: dict[str, Any] = _form(request.payload)
+            params: dict[str, Any] = _form(
+                {k: v for k, v in request.payload.items() if k != OPERATION_ACCOUNT}
+            )
         except _Unsendable as exc:
             # Nothing left this host. The message is ours: it never quotes the payload.
             return permanent("unencodable_request", f"the payload cannot be sent: {exc}")
@@ -223,7 +252,8 @@ class StripeProvider:
             try:
                 version = request.api_version or self._options.stripe_version
                 options: Any = {"idempotency_key": request.idempotency_key,
-                                "stripe_version": version}  # fmt: skip
+                                "stripe_version": version,
+                                "stripe_account": self._account(request.payload)}  # fmt: skip
                 created = await service.create_async(params=params, options=options)
             except stripe.StripeError as exc:
                 return classify(exc)
@@ -247,8 +277,12 @@ class StripeProvider:
         until = request.search_until + LOOKUP_SLACK
         searchable = LOOKUPS[request.action]
         match = Match(request.operation_id, request.keys, request.idempotency_key)
+        elsewhere = self._sent_elsewhere(request)
+        if elsewhere is not None:
+            return NotFound((), since, until, complete=False, reason=elsewhere)
         with self._shards.take() as client:
-            api = Stripe(client, request.api_version or self._options.stripe_version)
+            api = Stripe(client, request.api_version or self._options.stripe_version,
+                         self._account(request.payload))  # fmt: skip
             objects = await search_objects(api, searchable, request.payload, match,
                                            (since, until))  # fmt: skip
             if objects.matches:
@@ -260,6 +294,14 @@ class StripeProvider:
                 current = await retrieve(api, searchable, reference)
                 return self._found(request.action, [(reference, current), *events.matches[1:]])
         return not_found(objects, events, since, until, events_since)
+
+    def _sent_elsewhere(self, request: LookupRequest) -> str | None:
+        """Why this provider cannot search where the operation was sent, or None."""
+        here = self.scope(request.action, request.payload)
+        if request.sent_scope is None or request.sent_scope == here:
+            return None
+        return (f"it was sent to {request.sent_scope}, and this provider now reaches {here}: "
+                "search there, with the account and key it was sent with")  # fmt: skip
 
     @staticmethod
     def _found(action: str, matches: list[tuple[str, dict[str, Any]]]) -> Found:
@@ -489,6 +531,14 @@ def _declined(exc: stripe.CardError, message: str, details: dict[str, Any]) -> F
 # The parts of a card error an operator acts on (docs.stripe.com/declines/codes).
 _CARD_CODES: Final = ("decline_code", "advice_code", "network_decline_code")
 _WORD: Final = re.compile(r"[A-Za-z0-9_]{1,64}")
+
+
+def _mode(api_key: str) -> str:
+    """The mode a key acts in, by its documented prefix (sk_live_, rk_test_...)."""
+    for mode in ("live", "test"):
+        if api_key.startswith((f"sk_{mode}_", f"rk_{mode}_")):
+            return mode
+    return "unknown mode"
 
 
 def _connection_failure(exc: stripe.APIConnectionError) -> Failed:

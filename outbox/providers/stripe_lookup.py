@@ -101,17 +101,20 @@ class Stripe:
 
     client: stripe.StripeClient
     version: str
+    account: str | None  # the connected account the operation was sent for (None: the platform)
 
     def service(self, name: str) -> Any:
         return getattr(self.client.v1, name)
 
+    @property
+    def options(self) -> Any:
+        return {"stripe_version": self.version, "stripe_account": self.account}
+
     async def list(self, service: str, params: dict[str, Any]) -> Any:
-        options: Any = {"stripe_version": self.version}
-        return await self.service(service).list_async(params=params, options=options)
+        return await self.service(service).list_async(params=params, options=self.options)
 
     async def retrieve(self, service: str, object_id: str) -> Any:
-        options: Any = {"stripe_version": self.version}
-        return await self.service(service).retrieve_async(object_id, options=options)
+        return await self.service(service).retrieve_async(object_id, options=self.options)
 
 
 @dataclass(slots=True)

@@ -292,6 +292,7 @@ def test_the_dispatcher_may_update_state_lease_and_result_columns_only(roles_db:
             # Attempts the provider did not act on, and the first send's API version (0023).
             "attempt_base",
             "api_version",
+            "sent_scope",
         ]
     )
 

@@ -362,6 +362,22 @@ MUTANTS: tuple[Mutant, ...] = (
         "            if isinstance(value, str)}",
         "tests/integration/test_stripe_results.py",
     ),
+    _one(
+        "lookup-ignores-where-it-was-sent",
+        "a check after the account or key mode changed searches the wrong place: not found",
+        "outbox/providers/stripe.py",
+        "        if request.sent_scope is None or request.sent_scope == here:\n",
+        "        if True:\n",
+        "tests/integration/test_stripe_connect.py",
+    ),
+    _one(
+        "operation-accounts-always-allowed",
+        "a producer sends on another connected account's behalf without the operator's leave",
+        "outbox/providers/stripe.py",
+        "        if not self._options.operation_accounts:\n",
+        "        if False:\n",
+        "tests/integration/test_stripe_connect.py",
+    ),
     # --- what is claimed, and in what order ---------------------------------------------------
     _one(
         "stage-before-due",
