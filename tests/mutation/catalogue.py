@@ -167,8 +167,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "stripe-key",
         "Stripe calls go out without the operation's idempotency key",
         "outbox/providers/stripe.py",
-        'options={"idempotency_key": request.idempotency_key}',
-        "options={}",
+        'options: Any = {"idempotency_key": request.idempotency_key,',
+        'options: Any = {"idempotency_key": None,',
         "tests/integration/test_stripe.py",
     ),
     _one(
