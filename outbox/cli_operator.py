@@ -170,9 +170,11 @@ def add_reconcile_check(group: click.Group) -> None:
         if (operation_id is None) != check_all:
             raise click.UsageError("give an operation ID or --all")
         try:
-            providers = build_providers(load_settings(config_path).providers)
+            configured = load_settings(config_path).providers
+            providers = build_providers(configured)
         except ConfigError as exc:
             raise BadInput(str(exc)) from None
+        limits = {name: ps.limits for name, ps in configured.items()}
         with click.progressbar(length=0, label="checking", file=sys.stderr,
                                hidden=as_json or not check_all) as bar:  # fmt: skip
 
@@ -181,7 +183,7 @@ def add_reconcile_check(group: click.Group) -> None:
 
             results = asyncio.run(reconciler.run_checks(
                 dsn, providers, operation_id, dry_run=dry_run, on_total=total,
-                on_result=lambda _: bar.update(1)))  # fmt: skip
+                on_result=lambda _: bar.update(1), limits=limits))  # fmt: skip
         if as_json:
             click.echo(json.dumps([dataclasses.asdict(r) for r in results]))
             return

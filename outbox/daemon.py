@@ -131,7 +131,7 @@ async def serve(
     refresh = gauges.refresh_forever(pool, windows, settings.dispatcher.gauge_interval)
     helpers.append(asyncio.create_task(refresh, name="outbox-gauges"))
     if settings.dispatcher.auto_reconcile:
-        checker = Reconciler(pool, providers)
+        checker = Reconciler(pool, providers, limits=limits)
         interval = settings.dispatcher.reconcile_interval
         helpers.append(asyncio.create_task(checker.run_forever(interval), name="outbox-reconcile"))
     _install_signal_handlers(dispatcher, health)

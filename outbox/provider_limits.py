@@ -21,10 +21,11 @@ which is shared, only ever reads the database clock.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Final
@@ -424,3 +425,44 @@ class ActionPauses:
 
     def _period(self, provider: str) -> float:
         return self._periods.get(provider, 60.0)
+
+
+class LookupThrottled(Exception):
+    """A lookup waited its longest for a token of its provider's rate limit."""
+
+
+class LookupPacer:
+    """Reconciliation lookups through their provider's ``rate_limit``: one token of the shared
+    bucket (sql/0016) before each request a lookup makes, so that checks never push the
+    provider's calls past the limit the dispatcher keeps. A lookup that waits longer than
+    ``max_wait`` fails (the reconciler retries it later), rather than hold its pass."""
+
+    def __init__(self, store: Store, limits: Mapping[str, ProviderLimits], *,
+                 max_wait: timedelta = timedelta(seconds=30)) -> None:  # fmt: skip
+        self._store = store
+        self._rated = {name: lim for name, lim in limits.items() if lim.rate is not None}
+        self._max_wait = max_wait.total_seconds()
+
+    def pace(self, provider: str) -> Callable[[], Awaitable[None]] | None:
+        """What a lookup of ``provider`` awaits before each request; None: no limit."""
+        lim = self._rated.get(provider)
+        if lim is None or lim.rate is None:
+            return None
+        take = TokenTake(provider, lim.rate, lim.burst, 1, 0)
+        interval = 1.0 / lim.rate
+
+        async def one_token() -> None:
+            deadline = time.monotonic() + self._max_wait
+            while True:
+                granted = await self._store.take_tokens([take])
+                if provider in granted and granted[provider].granted >= 1:
+                    return
+                level = granted[provider].level if provider in granted else 0.0
+                # In debt (a 429 pushed it there): wait until the bucket is back at one.
+                wait = max(interval, (1.0 - level) * interval)
+                if time.monotonic() + wait > deadline:
+                    raise LookupThrottled(f"no token of {provider}'s rate limit in "
+                                          f"{self._max_wait:g} s")  # fmt: skip
+                await asyncio.sleep(wait)
+
+        return one_token

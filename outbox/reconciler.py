@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Final, LiteralString
@@ -23,9 +23,12 @@ from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
 from outbox import loops, metrics, payloads
+from outbox.config import ProviderLimits
 from outbox.db import statements
 from outbox.db.connect import connection_options
+from outbox.db.store import Store
 from outbox.operators import SQLSTATE_OPERATOR_REFUSED
+from outbox.provider_limits import LookupPacer
 from outbox.providers.base import Lookup, LookupRequest, NotFound, Provider, Verdict
 
 ACTOR: Final = "outbox-reconciler"
@@ -62,10 +65,13 @@ class CheckResult:
 
 class Reconciler:
     def __init__(self, pool: AsyncConnectionPool[Any], providers: Mapping[str, Provider],
-                 *, actor: str = ACTOR) -> None:  # fmt: skip
+                 *, actor: str = ACTOR,
+                 limits: Mapping[str, ProviderLimits] | None = None) -> None:  # fmt: skip
         self._pool = pool
         self._providers = providers
         self._actor = actor
+        # Lookups take their provider's rate-limit tokens, as sends do.
+        self._pacer = LookupPacer(Store(pool), limits or {})
 
     async def candidates(self, operation_id: int | None = None, *,
                          recheck_after: timedelta | None = None, limit: int = BATCH,
@@ -130,7 +136,7 @@ class Reconciler:
         if not isinstance(provider, Lookup):
             return CheckResult(finding="no_lookup", **base)
         try:
-            found = await provider.lookup(_request(row))
+            found = await provider.lookup(_request(row, self._pacer.pace(row["provider"])))
         except Exception as exc:  # noqa: BLE001 (a failed look proves nothing either way)
             return CheckResult(finding="error", error=type(exc).__name__, **base)
         if isinstance(found, NotFound):
@@ -188,7 +194,7 @@ class Reconciler:
             await conn.execute(statements.DEFER_CHECK, params)
 
 
-def _request(row: Mapping[str, Any]) -> LookupRequest:
+def _request(row: Mapping[str, Any], pace: Callable[[], Awaitable[None]] | None) -> LookupRequest:
     try:
         payload: Mapping[str, Any] = payloads.decode(row["payload"]) if row["payload"] else {}
     except payloads.InvalidPayload:
@@ -205,18 +211,21 @@ def _request(row: Mapping[str, Any]) -> LookupRequest:
         payload=payload,
         api_version=row["api_version"],
         sent_scope=row["sent_scope"],
+        pace=pace,
     )
 
 
 async def run_checks(dsn: str, providers: Mapping[str, Provider], operation_id: int | None, *,
                      dry_run: bool, on_total: Callable[[int], None],
-                     on_result: Callable[[CheckResult], None]) -> list[CheckResult]:  # fmt: skip
+                     on_result: Callable[[CheckResult], None],
+                     limits: Mapping[str, ProviderLimits] | None = None,
+                     ) -> list[CheckResult]:  # fmt: skip
     """Check one operation (or, with None, every reconciling one) for `outbox reconcile check`."""
     # prepare_threshold None: `reconcile check --all` may run through a transaction pooler.
     options = {"autocommit": True, "prepare_threshold": None,
                **connection_options(dsn, "outbox-reconcile")}  # fmt: skip
     async with AsyncConnectionPool(dsn, min_size=1, max_size=2, kwargs=options) as pool:
-        reconciler = Reconciler(pool, providers, actor=f"{ACTOR} (manual)")
+        reconciler = Reconciler(pool, providers, actor=f"{ACTOR} (manual)", limits=limits)
         rows = await reconciler.candidates(operation_id, limit=MANUAL_LIMIT, askable_only=False)
         on_total(len(rows))
         results = []

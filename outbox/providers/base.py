@@ -8,7 +8,7 @@ quarantine), ``Unknown`` (the provider may have acted: retry only within the key
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Protocol, runtime_checkable
@@ -161,6 +161,8 @@ class LookupRequest:
     payload: Mapping[str, Any] = field(default_factory=dict)  # empty if it cannot be decoded
     api_version: str | None = None  # the one its first send used (None: the configured one)
     sent_scope: str | None = None  # where its first send went, as the provider's scope named it
+    # Awaited before each request the lookup makes: the provider's rate limit (None: no limit).
+    pace: Callable[[], Awaitable[None]] | None = None
 
 
 class InvalidRequest(Exception):

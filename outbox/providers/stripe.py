@@ -282,7 +282,7 @@ class StripeProvider:
             return NotFound((), since, until, complete=False, reason=elsewhere)
         with self._shards.take() as client:
             api = Stripe(client, request.api_version or self._options.stripe_version,
-                         self._account(request.payload))  # fmt: skip
+                         self._account(request.payload), request.pace)  # fmt: skip
             objects = await search_objects(api, searchable, request.payload, match,
                                            (since, until))  # fmt: skip
             if objects.matches:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final
@@ -102,6 +102,11 @@ class Stripe:
     client: stripe.StripeClient
     version: str
     account: str | None  # the connected account the operation was sent for (None: the platform)
+    pace: Callable[[], Awaitable[None]] | None = None  # the provider's rate limit
+
+    async def _paced(self) -> None:
+        if self.pace is not None:
+            await self.pace()
 
     def service(self, name: str) -> Any:
         return getattr(self.client.v1, name)
@@ -111,9 +116,11 @@ class Stripe:
         return {"stripe_version": self.version, "stripe_account": self.account}
 
     async def list(self, service: str, params: dict[str, Any]) -> Any:
+        await self._paced()
         return await self.service(service).list_async(params=params, options=self.options)
 
     async def retrieve(self, service: str, object_id: str) -> Any:
+        await self._paced()
         return await self.service(service).retrieve_async(object_id, options=self.options)
 
 

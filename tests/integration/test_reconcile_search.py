@@ -19,6 +19,9 @@ from psycopg_pool import AsyncConnectionPool
 
 import outbox
 from outbox import operators
+from outbox.config import ProviderLimits
+from outbox.db.store import Store
+from outbox.provider_limits import LookupPacer, LookupThrottled
 from outbox.providers.base import Found, Lookup, NotFound, Provider, SendRequest, Succeeded
 from outbox.providers.fakes.stripe import FakeStripe, Fault
 from outbox.providers.stripe_lookup import LOOKUP_MAX_PAGES
@@ -256,3 +259,36 @@ async def test_randomized_fates_never_yield_a_false_not_found(
             assert isinstance(answer, Found) and answer.reference == made[op], (seed, op)
         else:
             assert isinstance(answer, NotFound) and answer.complete, (seed, op)
+
+
+async def test_lookups_go_through_the_providers_rate_limit(
+    db_url: str, pool: AsyncConnectionPool[Any], fake: FakeStripe, stripe: Provider
+) -> None:
+    """Each request of a lookup takes a token of the shared bucket: six pages at 20 a second
+    (burst 1) span at least a quarter of a second, whatever else the machine does."""
+    op = enqueue(db_url, "payment_intents.create", {"amount": 1, "currency": "usd"})
+    fake.inject(Fault.status(503, error_type="api_error"))
+    assert await dispatcher(pool, {"stripe": stripe}).run_once() == 1
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        operators.request_cancel(conn, op, reason="stuck", actor="alice")
+    fake.seed_objects("payment_intents", 250, amount=1, currency="usd")
+    before = len(fake.received)
+    limits = {"stripe": ProviderLimits(rate=20.0, burst=1)}
+    reconciler = Reconciler(pool, {"stripe": stripe}, limits=limits)
+    (row,) = await reconciler.candidates(op)
+    assert (await reconciler.check(row)).finding == "not_found"
+    pages = [r.at for r in fake.received[before:]]
+    assert len(pages) == 6  # three pages of objects, three of events
+    assert pages[-1] - pages[0] >= (len(pages) - 1) / 20.0 * 0.9
+
+
+async def test_a_lookup_that_waits_too_long_for_a_token_fails_and_is_retried_later(
+    pool: AsyncConnectionPool[Any],
+) -> None:
+    limits = {"stripe": ProviderLimits(rate=1.0, burst=1)}
+    pacer = LookupPacer(Store(pool), limits, max_wait=timedelta(seconds=0.3))
+    await Store(pool).throttle_bucket("stripe", 1.0, 1, timedelta(hours=1))  # a 429's debt
+    pace = pacer.pace("stripe")
+    assert pace is not None and pacer.pace("other") is None
+    with pytest.raises(LookupThrottled):
+        await pace()

@@ -378,6 +378,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "        if False:\n",
         "tests/integration/test_stripe_connect.py",
     ),
+    _one(
+        "lookups-bypass-rate-limit",
+        "reconciliation lookups push the provider's calls past its rate limit",
+        "outbox/providers/stripe_lookup.py",
+        "    async def list(self, service: str, params: dict[str, Any]) -> Any:\n"
+        "        await self._paced()\n",
+        "    async def list(self, service: str, params: dict[str, Any]) -> Any:\n",
+        "tests/integration/test_reconcile_search.py",
+    ),
     # --- what is claimed, and in what order ---------------------------------------------------
     _one(
         "stage-before-due",
