@@ -56,6 +56,7 @@ from outbox.providers.base import (
     unknown,
 )
 from outbox.providers.shards import Shards, shard_sizes
+from outbox.providers.stripe_actions import ACTIONS, TARGET
 from outbox.providers.stripe_lookup import (
     EVENTS_KEPT,
     LOOKUPS,
@@ -63,22 +64,14 @@ from outbox.providers.stripe_lookup import (
     METADATA_OPERATION_ID,
     Match,
     Stripe,
+    Window,
     not_found,
     retrieve,
+    retrieve_object,
     search_events,
     search_objects,
 )
 
-# action -> the StripeClient.v1 service whose create call it names
-ACTIONS: Final = {
-    "payment_intents.create": "payment_intents",
-    "refunds.create": "refunds",
-    "customers.create": "customers",
-    "transfers.create": "transfers",
-    "payouts.create": "payouts",
-    "invoices.create": "invoices",
-    "subscriptions.create": "subscriptions",
-}
 # The payload field that names the connected account an operation is sent for (Connect), when
 # the provider allows it (operation_accounts): sent as Stripe-Account, never as a parameter.
 OPERATION_ACCOUNT: Final = "stripe_account"
@@ -196,6 +189,8 @@ class StripeProvider:
     def check(self, action: str, payload: Mapping[str, Any]) -> None:
         if action not in ACTIONS:
             raise InvalidRequest(f"stripe cannot do {action!r}; it can do {', '.join(ACTIONS)}")
+        if ACTIONS[action].is_change:
+            ACTIONS[action].target_of(payload)
         metadata = payload.get("metadata", {})
         if not isinstance(metadata, Mapping):
             raise InvalidRequest("the payload's metadata must be an object")
@@ -232,9 +227,12 @@ class StripeProvider:
         return account if isinstance(account, str) else self._options.stripe_account
 
     async def send(self, request: SendRequest) -> SendResult:
+        act = ACTIONS[request.action]
+        # Neither the account nor a change's target is a parameter of the call.
+        taken = {OPERATION_ACCOUNT, TARGET} if act.is_change else {OPERATION_ACCOUNT}
         try:
             params: dict[str, Any] = _form(
-                {k: v for k, v in request.payload.items() if k != OPERATION_ACCOUNT}
+                {k: v for k, v in request.payload.items() if k not in taken}
             )
         except _Unsendable as exc:
             # Nothing left this host. The message is ours: it never quotes the payload.
@@ -242,19 +240,21 @@ class StripeProvider:
         except RecursionError:
             return permanent("unencodable_request", "the payload cannot be sent: it nests too "
                              "deep")  # fmt: skip
-        params["metadata"] = {
-            **dict(params.get("metadata") or {}),
-            METADATA_OPERATION_ID: str(request.operation_id),
-            METADATA_IDEMPOTENCY_KEY: request.idempotency_key,
-        }
+        if not act.is_change:  # how the reconciler finds what a create made
+            params["metadata"] = {
+                **dict(params.get("metadata") or {}),
+                METADATA_OPERATION_ID: str(request.operation_id),
+                METADATA_IDEMPOTENCY_KEY: request.idempotency_key,
+            }
+        target = (str(request.payload[TARGET]),) if act.is_change else ()
         with self._shards.take() as client:
-            service = getattr(client.v1, ACTIONS[request.action])
+            call = act.resolve(client.v1)
             try:
                 version = request.api_version or self._options.stripe_version
                 options: Any = {"idempotency_key": request.idempotency_key,
                                 "stripe_version": version,
                                 "stripe_account": self._account(request.payload)}  # fmt: skip
-                created = await service.create_async(params=params, options=options)
+                created = await call(*target, params=params, options=options)
             except stripe.StripeError as exc:
                 return classify(exc)
             except Exception as exc:  # noqa: BLE001 (an answer the SDK chokes on must not raise)
@@ -275,14 +275,16 @@ class StripeProvider:
         LOOKUP_MAX_PAGES pages: a search cut short proves nothing (``NotFound.complete``)."""
         since = request.first_sent_at - LOOKUP_SLACK
         until = request.search_until + LOOKUP_SLACK
-        searchable = LOOKUPS[request.action]
-        match = Match(request.operation_id, request.keys, request.idempotency_key)
         elsewhere = self._sent_elsewhere(request)
         if elsewhere is not None:
             return NotFound((), since, until, complete=False, reason=elsewhere)
         with self._shards.take() as client:
             api = Stripe(client, request.api_version or self._options.stripe_version,
                          self._account(request.payload), request.pace)  # fmt: skip
+            if ACTIONS[request.action].is_change:
+                return await _changed(api, request, (since, until))
+            searchable = LOOKUPS[request.action]
+            match = Match(request.operation_id, request.keys, request.idempotency_key)
             objects = await search_objects(api, searchable, request.payload, match,
                                            (since, until))  # fmt: skip
             if objects.matches:
@@ -531,6 +533,18 @@ def _declined(exc: stripe.CardError, message: str, details: dict[str, Any]) -> F
 # The parts of a card error an operator acts on (docs.stripe.com/declines/codes).
 _CARD_CODES: Final = ("decline_code", "advice_code", "network_decline_code")
 _WORD: Final = re.compile(r"[A-Za-z0-9_]{1,64}")
+
+
+async def _changed(api: Stripe, request: LookupRequest, window: Window) -> Found | NotFound:
+    """A change is decided by its target as it is now: done, refused, undecided, or not
+    happened (a complete not-found: it may be sent again)."""
+    act = ACTIONS[request.action]
+    target = act.target_of(request.payload)
+    obj = await retrieve_object(api, act.service, target)
+    decided, state, details = stripe_states.change_verdict(request.action, obj)
+    if decided is None:
+        return NotFound((f"{act.service} {target} ({state})",), *window)
+    return Found(target, (), decided, state, details)
 
 
 def _mode(api_key: str) -> str:

@@ -42,7 +42,7 @@ class Searchable:
     payload fields that are also filters of its list (same name, same meaning)."""
 
     service: str
-    event: str
+    event: str | None  # None: Stripe makes no event of its creation
     filters: tuple[str, ...] = ()
     always: tuple[tuple[str, str], ...] = ()  # list parameters every search takes
 
@@ -59,6 +59,9 @@ LOOKUPS: Final[Mapping[str, Searchable]] = {
     # Canceled subscriptions are left out of the list without status=all.
     "subscriptions.create": Searchable("subscriptions", "customer.subscription.created",
                                        ("customer",), (("status", "all"),)),
+    "setup_intents.create": Searchable("setup_intents", "setup_intent.created", ("customer",)),
+    # Stripe makes no event of a Checkout Session's creation: its list is the only source.
+    "checkout.sessions.create": Searchable("checkout.sessions", None, ("customer",)),
 }  # fmt: skip
 
 
@@ -109,7 +112,10 @@ class Stripe:
             await self.pace()
 
     def service(self, name: str) -> Any:
-        return getattr(self.client.v1, name)
+        service = self.client.v1
+        for part in name.split("."):  # checkout.sessions
+            service = getattr(service, part)
+        return service
 
     @property
     def options(self) -> Any:
@@ -153,6 +159,8 @@ async def search_objects(api: Stripe, searchable: Searchable,
 
 async def search_events(api: Stripe, searchable: Searchable, match: Match,
                         window: Window) -> Searched:  # fmt: skip
+    if searchable.event is None:
+        return Searched("")  # no source: Stripe makes no event of its creation
     found = Searched("events")
     if window[0] >= window[1]:
         found.complete = True
@@ -198,10 +206,14 @@ async def _pages(api: Stripe, service: str, params: dict[str, Any], window: Wind
 
 
 async def retrieve(api: Stripe, searchable: Searchable, reference: str) -> dict[str, Any]:
+    return await retrieve_object(api, searchable.service, reference)
+
+
+async def retrieve_object(api: Stripe, service: str, reference: str) -> dict[str, Any]:
     """The object as it is now (an event holds it as it was created); a 404 means deleted (a
     draft invoice leaves no trace but its events)."""
     try:
-        obj = await api.retrieve(searchable.service, reference)
+        obj = await api.retrieve(service, reference)
     except stripe.InvalidRequestError as exc:
         if exc.http_status != 404:
             raise
@@ -215,7 +227,7 @@ def not_found(objects: Searched, events: Searched, since: datetime, until: datet
     """Absence is proven by a source read to its end over the whole window: the objects (live
     ones only), or the events (deleted objects too, within Stripe's 30 days)."""
     sources = [objects.source]
-    if events_since < until:
+    if events.source and events_since < until:
         sources.append("events" if events_since <= since else f"events from {_at(events_since)}")
     events_whole = events.complete and events_since <= since
     if objects.complete or events_whole:

@@ -64,6 +64,16 @@ def _exists(_: Mapping[str, Any]) -> Verdict:
     return Verdict.DONE
 
 
+def _setup_intent(obj: Mapping[str, Any]) -> Verdict:
+    status = obj.get("status")
+    if status == "canceled" or (status == "requires_payment_method"
+                                and obj.get("last_setup_error")):  # fmt: skip
+        return Verdict.REFUSED
+    if status in ("succeeded", "processing", "requires_payment_method", "requires_confirmation"):
+        return Verdict.DONE
+    return Verdict.UNDECIDED  # requires_action
+
+
 RULES: Final[Mapping[str, Rule]] = {
     "payment_intents.create": _payment_intent,
     "refunds.create": _refund,
@@ -72,6 +82,9 @@ RULES: Final[Mapping[str, Rule]] = {
     "customers.create": _exists,
     "transfers.create": _exists,
     "invoices.create": _exists,
+    "setup_intents.create": _setup_intent,
+    # A Checkout Session is the effect, whatever the customer did with it since.
+    "checkout.sessions.create": _exists,
 }
 
 # The parts of an error Stripe left on the object that an operator acts on.
@@ -99,3 +112,62 @@ def verdict(action: str, obj: Mapping[str, Any]) -> tuple[Verdict, str | None, d
         reason = obj.get("cancellation_reason")
         details.setdefault("code", f"canceled: {reason}" if reason else "canceled")
     return decided, state, details
+
+
+# A state change is decided by its target's state now (retrieved, never listed): DONE, REFUSED,
+# UNDECIDED, or None when the state says the change did not happen (it may be sent again).
+ChangeRule = Callable[[Mapping[str, Any]], Verdict | None]
+
+
+def _states(done: tuple[str, ...], refused: tuple[str, ...] = (),
+            not_yet: tuple[str, ...] = ()) -> ChangeRule:  # fmt: skip
+    def rule(obj: Mapping[str, Any]) -> Verdict | None:
+        status = obj.get("status")
+        if status in done:
+            return Verdict.DONE
+        if status in refused:
+            return Verdict.REFUSED
+        return None if status in not_yet else Verdict.UNDECIDED
+
+    return rule
+
+
+def _confirmed(obj: Mapping[str, Any]) -> Verdict | None:
+    status = obj.get("status")
+    if status in ("requires_confirmation", "requires_payment_method") and not obj.get(
+        "last_payment_error"
+    ):
+        return None  # never confirmed
+    return _payment_intent(obj)
+
+
+CHANGE_RULES: Final[Mapping[str, ChangeRule]] = {
+    "payment_intents.confirm": _confirmed,
+    "payment_intents.capture": _states(("succeeded",), ("canceled",), ("requires_capture",)),
+    "payment_intents.cancel": _states(("canceled",), ("succeeded",), (
+        "requires_payment_method", "requires_confirmation", "requires_capture",
+        "requires_action", "processing")),
+    "refunds.cancel": _states(("canceled",), ("succeeded", "failed"),
+                              ("pending", "requires_action")),
+    "invoices.finalize_invoice": _states(("open", "paid", "uncollectible", "void"), (),
+                                         ("draft",)),
+    # An open invoice after a pay may be a payment that failed or one still processing.
+    "invoices.pay": _states(("paid",), ("void",), ("draft",)),
+    "invoices.void_invoice": _states(("void",), ("paid",), ("open", "uncollectible")),
+    # What an update changed cannot be read off the subscription's state: a person decides.
+    "subscriptions.update": _states(()),
+    "subscriptions.cancel": _states(("canceled",), (), (
+        "active", "trialing", "past_due", "unpaid", "incomplete", "paused")),
+}  # fmt: skip
+
+
+def change_verdict(action: str, obj: Mapping[str, Any]) -> tuple[Verdict | None, str | None,
+                                                                 dict[str, str]]:  # fmt: skip
+    """The verdict on a state change from its target ``obj`` (None: it did not happen), the
+    target's status word, and the details of a failure it records."""
+    decided = CHANGE_RULES[action](obj)
+    status = obj.get("status")
+    state = status if isinstance(status, str) else None
+    if decided in (None, Verdict.DONE) or obj.get("object") != "payment_intent":
+        return decided, state, {}
+    return decided, state, verdict("payment_intents.create", obj)[2]  # a decline's codes

@@ -15,8 +15,9 @@ import pytest
 from psycopg_pool import AsyncConnectionPool
 
 import outbox
+from outbox import operators
 from outbox.providers.fakes.stripe import FakeStripe, Fault
-from outbox.providers.stripe import ACTIONS
+from outbox.providers.stripe_actions import ACTIONS
 from outbox.reconciler import Reconciler
 from tests.support.cli import outbox_cli
 from tests.support.dispatch import dispatcher, make_due, rows, stripe_provider
@@ -31,11 +32,39 @@ PAYLOADS: dict[str, dict[str, Any]] = {
     "invoices.create": {"customer": "cus_1", "collection_method": "send_invoice",
                         "days_until_due": 30},
     "subscriptions.create": {"customer": "cus_1", "items": [{"price": "price_1"}]},
+    "setup_intents.create": {"customer": "cus_1", "usage": "off_session"},
+    "checkout.sessions.create": {"customer": "cus_1", "mode": "payment",
+                                 "success_url": "https://example.com/ok",
+                                 "line_items": [{"price": "price_1", "quantity": 1}]},
+}  # fmt: skip
+
+# A change: (its target's resource, the target's state before, the payload besides its id,
+# the finding after the lost answer, the target's state after).
+CHANGES: dict[str, tuple[str, str, dict[str, Any], str, str]] = {
+    "payment_intents.confirm": ("payment_intents", "requires_confirmation",
+                                {"payment_method": "pm_card_visa"}, "found", "succeeded"),
+    "payment_intents.capture": ("payment_intents", "requires_capture", {}, "found", "succeeded"),
+    "payment_intents.cancel": ("payment_intents", "requires_payment_method",
+                               {"cancellation_reason": "abandoned"}, "found", "canceled"),
+    "refunds.cancel": ("refunds", "pending", {}, "found", "canceled"),
+    "invoices.finalize_invoice": ("invoices", "draft", {}, "found", "open"),
+    "invoices.pay": ("invoices", "open", {}, "found", "paid"),
+    "invoices.void_invoice": ("invoices", "open", {}, "found", "void"),
+    # What an update changed cannot be read off the subscription: a person decides.
+    "subscriptions.update": ("subscriptions", "active", {"metadata": {"plan": "gold"}},
+                             "undecided", "active"),
+    "subscriptions.cancel": ("subscriptions", "active", {}, "found", "canceled"),
 }  # fmt: skip
 
 
+# Changes whose absence the target's state cannot prove.
+UNREADABLE_ABSENCE = frozenset({"invoices.pay", "subscriptions.update"})
+
+
 def test_every_action_has_a_flow() -> None:
-    assert set(PAYLOADS) == set(ACTIONS)
+    assert set(PAYLOADS) | set(CHANGES) == set(ACTIONS)
+    assert all(ACTIONS[a].is_change for a in CHANGES)
+    assert not any(ACTIONS[a].is_change for a in PAYLOADS)
 
 
 @pytest.mark.parametrize("path", ["daemon", "manual"])
@@ -44,7 +73,7 @@ async def test_a_lost_answer_past_the_key_window_is_found_and_succeeds(
     db_url: str, pool: AsyncConnectionPool[Any], fake: FakeStripe, check_env: dict[str, str],
     action: str, path: str,
 ) -> None:  # fmt: skip
-    resource = ACTIONS[action]
+    resource = ACTIONS[action].service.replace(".", "/")
     with psycopg.connect(db_url) as conn:
         op = outbox.enqueue(conn, tenant_id="acme", operation_type="flow", operation_key="k-1",
                             provider="stripe", action=action,
@@ -73,3 +102,115 @@ async def test_a_lost_answer_past_the_key_window_is_found_and_succeeds(
         ("succeeded", mine["id"], "found")]  # fmt: skip
     assert sum(r.method == "POST" for r in fake.received) == 1
     assert fake.object_count(resource) == 151
+
+
+async def _lost_past_the_window(db_url: str, pool: AsyncConnectionPool[Any], fake: FakeStripe,
+                                stripe: Any) -> None:  # fmt: skip
+    d = dispatcher(pool, {"stripe": stripe})
+    fake.inject(Fault.reset_after_apply())
+    assert await d.run_once() == 1
+    with psycopg.connect(db_url) as conn:
+        conn.execute("UPDATE outbox.operations SET first_sent_at = now() - interval '23h 30m'")
+    make_due(db_url)
+    assert await d.run_once() == 1
+    assert rows(db_url, "SELECT status, status_reason FROM outbox.operations") == [
+        ("reconciling", "key_window_passed")]  # fmt: skip
+
+
+@pytest.mark.parametrize("path", ["daemon", "manual"])
+@pytest.mark.parametrize("action", sorted(CHANGES))
+async def test_a_lost_change_past_the_key_window_is_decided_by_its_target(
+    db_url: str, pool: AsyncConnectionPool[Any], fake: FakeStripe, check_env: dict[str, str],
+    action: str, path: str,
+) -> None:  # fmt: skip
+    """A change is sent to its target (the payload's id), applied once, its answer lost; the
+    check retrieves the target and reads its state."""
+    resource, before, params, finding, after = CHANGES[action]
+    fake.seed_objects(resource, 1)
+    target = fake.objects(resource)[-1]["id"]
+    fake.update_object(target, status=before)
+    with psycopg.connect(db_url) as conn:
+        op = outbox.enqueue(conn, tenant_id="acme", operation_type="flow", operation_key="k-1",
+                            provider="stripe", action=action,
+                            payload={"id": target, **params}).operation_id  # fmt: skip
+    stripe = stripe_provider("stripe", fake.url, timeout=0.5)
+    try:
+        await _lost_past_the_window(db_url, pool, fake, stripe)
+        if path == "daemon":
+            assert await Reconciler(pool, {"stripe": stripe}).run_once() == 1
+        else:
+            done = outbox_cli(check_env, "reconcile", "check", str(op))
+            assert done.returncode == 0, done.stderr
+    finally:
+        await stripe.aclose()
+    (obj,) = [o for o in fake.objects(resource) if o["id"] == target]
+    assert obj["status"] == after
+    status = "succeeded" if finding == "found" else "reconciling"
+    ref = target if finding == "found" else None
+    assert rows(db_url, "SELECT status, provider_ref, check_finding, check_state "
+                        "FROM outbox.operations") == [(status, ref, finding, after)]  # fmt: skip
+    (post,) = [r for r in fake.received if r.method in ("POST", "DELETE")]
+    assert post.path.startswith(f"/v1/{resource}/{target}") and "id" not in post.params
+    assert fake.object_count(resource) == 1
+
+
+@pytest.mark.parametrize("action", sorted(CHANGES))
+async def test_a_change_that_did_not_happen_is_not_found_and_may_be_retried(
+    db_url: str, pool: AsyncConnectionPool[Any], fake: FakeStripe, action: str
+) -> None:
+    """The request never reached Stripe (reset before it applied), the key window passed: the
+    target's state says the change did not happen, a complete not-found, and a person's retry
+    applies it once."""
+    resource, before, params, _, after = CHANGES[action]
+    fake.seed_objects(resource, 1)
+    target = fake.objects(resource)[-1]["id"]
+    fake.update_object(target, status=before)
+    with psycopg.connect(db_url) as conn:
+        op = outbox.enqueue(conn, tenant_id="acme", operation_type="flow", operation_key="k-1",
+                            provider="stripe", action=action,
+                            payload={"id": target, **params}).operation_id  # fmt: skip
+    stripe = stripe_provider("stripe", fake.url, timeout=0.5)
+    try:
+        d = dispatcher(pool, {"stripe": stripe})
+        fake.inject(Fault.reset_before_apply())
+        assert await d.run_once() == 1
+        with psycopg.connect(db_url) as conn:
+            conn.execute("UPDATE outbox.operations SET first_sent_at = now() - interval '23h 30m'")
+        make_due(db_url)
+        assert await d.run_once() == 1
+        with psycopg.connect(db_url) as conn:  # a check long after it proves the most
+            conn.execute("UPDATE outbox.operations SET last_attempt_at = now() - interval '3h'")
+        result = await Reconciler(pool, {"stripe": stripe}).run_once()
+        assert result == 1
+        # An open invoice may be a payment that failed: a person decides whether to pay again.
+        expected = "undecided" if action in UNREADABLE_ABSENCE else "not_found"
+        assert rows(db_url, "SELECT check_finding FROM outbox.operations") == [(expected,)]
+        if expected == "not_found":
+            with psycopg.connect(db_url, autocommit=True) as conn:
+                operators.retry(conn, op, reason="not applied", actor="alice")
+            assert await d.run_once() == 1
+            assert rows(db_url, "SELECT status FROM outbox.operations") == [("succeeded",)]
+            (obj,) = [o for o in fake.objects(resource) if o["id"] == target]
+            assert obj["status"] == after
+    finally:
+        await stripe.aclose()
+
+
+@pytest.mark.parametrize("target", [None, "", "cus_1", "pi_", "pi_1/capture", "pi_1\n", 7])
+async def test_a_change_without_its_own_kind_of_target_is_refused_before_sending(
+    db_url: str, pool: AsyncConnectionPool[Any], fake: FakeStripe, target: object
+) -> None:
+    """The payload's id must name a PaymentIntent for a capture: nothing else is sent to."""
+    payload: dict[str, Any] = {} if target is None else {"id": target}
+    with psycopg.connect(db_url) as conn:
+        outbox.enqueue(conn, tenant_id="acme", operation_type="flow", operation_key="k-1",
+                       provider="stripe", action="payment_intents.capture",
+                       payload=payload)  # fmt: skip
+    stripe = stripe_provider("stripe", fake.url)
+    try:
+        assert await dispatcher(pool, {"stripe": stripe}).run_once() == 1
+    finally:
+        await stripe.aclose()
+    ((status, error),) = rows(db_url, "SELECT status, last_error FROM outbox.operations")
+    assert status == "quarantined" and "must name the pi_... object" in error
+    assert fake.received == []

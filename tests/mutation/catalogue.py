@@ -387,6 +387,22 @@ MUTANTS: tuple[Mutant, ...] = (
         "    async def list(self, service: str, params: dict[str, Any]) -> Any:\n",
         "tests/integration/test_reconcile_search.py",
     ),
+    _one(
+        "change-found-whatever-its-state",
+        "a state change whose target says it never happened is marked succeeded",
+        "outbox/providers/stripe.py",
+        "    if decided is None:\n        return NotFound(",
+        "    if False:\n        return NotFound(",
+        "tests/integration/test_reconcile_every_action.py",
+    ),
+    _one(
+        "change-target-unchecked",
+        "a change is sent to whatever object the payload names, of any kind",
+        "outbox/providers/stripe_actions.py",
+        "        if not isinstance(value, str) or not re.fullmatch(pattern, value):\n",
+        "        if not isinstance(value, str):\n",
+        "tests/integration/test_reconcile_every_action.py",
+    ),
     # --- what is claimed, and in what order ---------------------------------------------------
     _one(
         "stage-before-due",

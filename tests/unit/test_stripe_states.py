@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from outbox.providers.base import Verdict
-from outbox.providers.stripe import ACTIONS
-from outbox.providers.stripe_states import RULES, verdict
+from outbox.providers.stripe_actions import ACTIONS
+from outbox.providers.stripe_states import CHANGE_RULES, RULES, verdict
 
 DECLINE = {"type": "card_error", "code": "card_declined", "decline_code": "insufficient_funds",
            "message": "Your card has insufficient funds.", "charge": "ch_1",
@@ -59,7 +59,10 @@ def test_each_state_gets_the_verdict_the_send_path_would_have_recorded(
 
 
 def test_every_action_has_a_rule() -> None:
-    assert set(RULES) == set(ACTIONS)
+    """A create by the object it made, a change by its target's state: one rule each."""
+    assert set(RULES) | set(CHANGE_RULES) == set(ACTIONS)
+    assert not set(RULES) & set(CHANGE_RULES)
+    assert set(CHANGE_RULES) == {a for a, act in ACTIONS.items() if act.is_change}
 
 
 def test_a_decline_carries_its_details_and_a_cancel_its_reason() -> None:

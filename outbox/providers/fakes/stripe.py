@@ -49,6 +49,7 @@ from outbox.providers.fakes.loopback import (
     Plan,
     Reply,
 )
+from outbox.providers.fakes.stripe_changes import change, changes
 
 __all__ = [
     "DEFAULT_API_KEY",
@@ -83,7 +84,8 @@ class Resource:
     object: str
     prefix: str
     defaults: tuple[tuple[str, Any], ...] = ()
-    event: str = ""  # the type of the event its creation makes; "": it cannot be created
+    event: str = ""  # the type of the event its creation makes; "": none
+    creatable: bool = True
 
 
 RESOURCES: dict[str, Resource] = {
@@ -108,8 +110,17 @@ RESOURCES: dict[str, Resource] = {
             (("status", "active"),),
             "customer.subscription.created",
         ),
+        Resource(
+            "setup_intents",
+            "setup_intent",
+            "seti",
+            (("status", "requires_payment_method"),),
+            "setup_intent.created",
+        ),
+        # Stripe makes no event of a Checkout Session's creation: it is found by its list only.
+        Resource("checkout/sessions", "checkout.session", "cs_test", (("status", "open"),)),
         # Listed, never created: each creation above makes one, naming the key that caused it.
-        Resource("events", "event", "evt"),
+        Resource("events", "event", "evt", creatable=False),
     )
 }
 # Top-level parameters echoed as integers: the form encoding turned them into strings.
@@ -455,13 +466,24 @@ def _echo(params: dict[str, Any]) -> dict[str, Any]:
 class _Route:
     resource: Resource
     object_id: str | None
+    verb: str | None = None  # /v1/payment_intents/pi_1/capture
 
 
 def _route(path: str) -> _Route | None:
-    match = re.fullmatch(r"/v1/([a-z_]+)(?:/([^/]+))?", path)
+    match = re.fullmatch(r"/v1/((?:checkout/)?[a-z_]+)(?:/([^/]+)(?:/([a-z_]+))?)?", path)
     if match is None or match[1] not in RESOURCES:
         return None
-    return _Route(RESOURCES[match[1]], match[2])
+    return _Route(RESOURCES[match[1]], match[2], match[3])
+
+
+def _change_of(method: str, route: _Route | None) -> str | None:
+    """The state change a request asks for (stripe_changes), or None."""
+    if route is None or route.object_id is None:
+        return None
+    if method == "DELETE" and route.verb is None and route.resource.name == "subscriptions":
+        return "cancel"
+    verb = route.verb or "update"
+    return verb if method == "POST" and changes(route.resource.name, verb) else None
 
 
 @dataclass(frozen=True)
@@ -597,13 +619,19 @@ class _Ledger(Ledger[Fault, Received, _Entry]):
             route = _route(request.path)
             if route is not None and route.resource.name in self._restricted:
                 return Plan(_forbidden(route.resource))
-            if request.method == "GET" and route is not None:
-                return Plan(self._read(route, request.params, request.account))
-            creatable = route is not None and bool(route.resource.event)
-            if request.method == "POST" and route is not None and creatable and not route.object_id:
-                return self._post(route.resource, request)
-            message = f"Unrecognized request URL ({request.method}: {request.path})."
-            return Plan(_error(404, "invalid_request_error", message))
+            return self._routed(route, request)
+
+    def _routed(self, route: _Route | None, request: _Request) -> Plan:
+        if request.method == "GET" and route is not None and route.verb is None:
+            return Plan(self._read(route, request.params, request.account))
+        creatable = route is not None and route.resource.creatable
+        if request.method == "POST" and route is not None and creatable and not route.object_id:
+            return self._post(route.resource, request)
+        verb = _change_of(request.method, route)
+        if verb is not None and route is not None and route.object_id is not None:
+            return self._change(route.resource, route.object_id, verb, request)
+        message = f"Unrecognized request URL ({request.method}: {request.path})."
+        return Plan(_error(404, "invalid_request_error", message))
 
     def _authenticate(self, authorization: str | None) -> Reply | None:
         scheme, _, key = (authorization or "").partition(" ")
@@ -632,17 +660,44 @@ class _Ledger(Ledger[Fault, Received, _Entry]):
             _validate_create(resource, request.params)
         except _ParamError as invalid:
             return Plan(invalid.reply())
-        return self._execute(resource, request, now)
 
-    def _execute(self, resource: Resource, request: _Request, now: float) -> Plan:
-        """Create the object (unless a fault rolls back), save the answer under the key."""
+        def create() -> Reply:
+            obj = self._create(resource, request)
+            return _declined(obj) or Reply(200, copy.deepcopy(obj))
+
+        return self._execute(create, request, now)
+
+    def _change(self, resource: Resource, object_id: str, verb: str, request: _Request) -> Plan:
+        """A state change of an existing object, under the same idempotency rules."""
+        now = time.monotonic()
+        if request.key is not None:
+            entry = self._live_entry(request.key, now)
+            if entry is not None:
+                return Plan(_existing_reply(entry, request))
+        obj = self._by_id.get(object_id)
+        if (obj is None or obj["object"] != resource.object or obj.get("deleted")
+                or self._account_of.get(object_id) != request.account):  # fmt: skip
+            message = f"No such {resource.object}: '{object_id}'"
+            return Plan(_error(404, "invalid_request_error", message, code="resource_missing",
+                               param="id"))  # fmt: skip
+        target = obj
+
+        def apply() -> Reply:
+            status, body = change(resource.name, verb, target, request.params, _confirmed)
+            declined = _declined(target) if verb == "confirm" else None
+            return declined or Reply(status, copy.deepcopy(body))
+
+        return self._execute(apply, request, now)
+
+    def _execute(self, make: Callable[[], Reply], request: _Request, now: float) -> Plan:
+        """Apply the request (unless a fault rolls back), save the answer under the key."""
         fault = self._take_fault(request.key, lambda f: not f.before_ledger)
         kind = fault.kind if fault is not None else None
         saved = _api_error_500()
         if kind is not FaultKind.ERROR_500_BEFORE_APPLY:
-            obj = self._create(resource, request)
+            made = make()
             if kind is not FaultKind.ERROR_500_AFTER_APPLY:
-                saved = _declined(obj) or Reply(200, obj)
+                saved = made
         entry = hold = None
         if request.key is not None:
             entry = _Entry(
