@@ -136,6 +136,8 @@ class Reconciler:
         if not isinstance(provider, Lookup):
             return CheckResult(finding="no_lookup", **base)
         try:
+            if "payload" not in row:  # listed without it (RECONCILING_TO_CHECK)
+                row = {**row, "payload": await self._payload(row["id"])}
             found = await provider.lookup(_request(row, self._pacer.pace(row["provider"])))
         except Exception as exc:  # noqa: BLE001 (a failed look proves nothing either way)
             return CheckResult(finding="error", error=type(exc).__name__, **base)
@@ -151,6 +153,12 @@ class Reconciler:
         return CheckResult(finding=FINDINGS[found.verdict], reference=found.reference,
                            duplicates=found.duplicates, state=found.state,
                            details=dict(found.details), **base)  # fmt: skip
+
+    async def _payload(self, operation_id: int) -> str | None:
+        async with self._pool.connection() as conn:
+            cur = await conn.execute(statements.CHECK_PAYLOAD, {"id": operation_id})
+            found = await cur.fetchone()
+        return None if found is None else str(found[0])
 
     async def _record(self, result: CheckResult, row: Mapping[str, Any]) -> CheckResult:
         details: dict[str, Any] = dict(result.details)

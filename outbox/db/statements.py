@@ -642,12 +642,12 @@ SELECT id, provider, action, idempotency_key, key_generation, attempts,
              (SELECT min(a.started_at) FROM outbox.attempts a
               WHERE a.operation_id = o.id AND a.sent)) AS first_sent_at,
        coalesce(last_attempt_at, created_at) AS last_attempt_at,
-       -- Every key that may have reached the provider, the payload for the lookup's filters,
-       -- and a window that grows with each re-check (sql/0023).
+       -- Every key that may have reached the provider, and a window that grows with each
+       -- re-check (sql/0023). Not the payload: `reconcile check --all` may list 100,000 rows,
+       -- so each check reads its own (CHECK_PAYLOAD).
        ARRAY(SELECT k FROM (SELECT a.idempotency_key FROM outbox.attempts a
                             WHERE a.operation_id = o.id AND a.sent
                             UNION SELECT o.idempotency_key) AS ks (k) ORDER BY k) AS keys,
-       payload::text AS payload,
        greatest(coalesce(last_attempt_at, created_at),
                 CASE WHEN checked_at IS NOT NULL THEN least(checked_at, now()) END) AS search_until,
        now() AS checked_now, api_version, sent_scope
@@ -661,6 +661,9 @@ WHERE status = 'reconciling'
 ORDER BY status_changed_at, id
 LIMIT %(limit)s::integer
 """
+
+# One operation's payload, as text, for the check of a row listed without it.
+CHECK_PAYLOAD: Final = "SELECT payload::text FROM outbox.operations WHERE id = %(id)s"
 
 # The daemon's passes: the due checks, marked checked as they are taken, so that each is looked
 # up by one replica (sql/0013).
