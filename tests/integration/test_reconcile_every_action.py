@@ -61,6 +61,30 @@ CHANGES: dict[str, tuple[str, str, dict[str, Any], str, str]] = {
 UNREADABLE_ABSENCE = frozenset({"invoices.pay", "subscriptions.update"})
 
 
+async def lost_then_checked(db_url: str, pool: AsyncConnectionPool[Any], fake: FakeStripe,
+                            check_env: dict[str, str], op: int, path: str) -> None:  # fmt: skip
+    """Sent, applied, the answer lost; past the key window: reconciling. Then the daemon's
+    periodic check, or `outbox reconcile check ID`."""
+    stripe = stripe_provider("stripe", fake.url, timeout=0.5)
+    try:
+        d = dispatcher(pool, {"stripe": stripe})
+        fake.inject(Fault.reset_after_apply())
+        assert await d.run_once() == 1
+        with psycopg.connect(db_url) as conn:  # Stripe forgets the key in half an hour
+            conn.execute("UPDATE outbox.operations SET first_sent_at = now() - interval '23h 30m'")
+        make_due(db_url)
+        assert await d.run_once() == 1
+        assert rows(db_url, "SELECT status, status_reason FROM outbox.operations") == [
+            ("reconciling", "key_window_passed")]  # fmt: skip
+        if path == "daemon":
+            assert await Reconciler(pool, {"stripe": stripe}).run_once() == 1
+        else:
+            done = outbox_cli(check_env, "reconcile", "check", str(op))
+            assert done.returncode == 0, done.stderr
+    finally:
+        await stripe.aclose()
+
+
 def test_every_action_has_a_flow() -> None:
     assert set(PAYLOADS) | set(CHANGES) == set(ACTIONS)
     assert all(ACTIONS[a].is_change for a in CHANGES)
@@ -79,24 +103,7 @@ async def test_a_lost_answer_past_the_key_window_is_found_and_succeeds(
                             provider="stripe", action=action,
                             payload=PAYLOADS[action]).operation_id  # fmt: skip
     fake.seed_objects(resource, 150)  # a crowd created around it, by other requests
-    stripe = stripe_provider("stripe", fake.url, timeout=0.5)
-    try:
-        d = dispatcher(pool, {"stripe": stripe})
-        fake.inject(Fault.reset_after_apply())  # created, and the answer lost on the wire
-        assert await d.run_once() == 1
-        with psycopg.connect(db_url) as conn:  # Stripe forgets the key in half an hour
-            conn.execute("UPDATE outbox.operations SET first_sent_at = now() - interval '23h 30m'")
-        make_due(db_url)
-        assert await d.run_once() == 1
-        assert rows(db_url, "SELECT status, status_reason FROM outbox.operations") == [
-            ("reconciling", "key_window_passed")]  # fmt: skip
-        if path == "daemon":
-            assert await Reconciler(pool, {"stripe": stripe}).run_once() == 1
-        else:
-            done = outbox_cli(check_env, "reconcile", "check", str(op))
-            assert done.returncode == 0, done.stderr
-    finally:
-        await stripe.aclose()
+    await lost_then_checked(db_url, pool, fake, check_env, op, path)
     (mine,) = fake.objects_with_metadata("outbox_operation_id", str(op))
     assert rows(db_url, "SELECT status, provider_ref, check_finding FROM outbox.operations") == [
         ("succeeded", mine["id"], "found")]  # fmt: skip
@@ -104,17 +111,17 @@ async def test_a_lost_answer_past_the_key_window_is_found_and_succeeds(
     assert fake.object_count(resource) == 151
 
 
-async def _lost_past_the_window(db_url: str, pool: AsyncConnectionPool[Any], fake: FakeStripe,
-                                stripe: Any) -> None:  # fmt: skip
-    d = dispatcher(pool, {"stripe": stripe})
-    fake.inject(Fault.reset_after_apply())
-    assert await d.run_once() == 1
+def enqueue_change(db_url: str, fake: FakeStripe, action: str) -> tuple[int, str]:
+    """A target in the state the change starts from, and the operation that changes it."""
+    resource, before, params, _, _ = CHANGES[action]
+    fake.seed_objects(resource, 1)
+    target = fake.objects(resource)[-1]["id"]
+    fake.update_object(target, status=before)
     with psycopg.connect(db_url) as conn:
-        conn.execute("UPDATE outbox.operations SET first_sent_at = now() - interval '23h 30m'")
-    make_due(db_url)
-    assert await d.run_once() == 1
-    assert rows(db_url, "SELECT status, status_reason FROM outbox.operations") == [
-        ("reconciling", "key_window_passed")]  # fmt: skip
+        op = outbox.enqueue(conn, tenant_id="acme", operation_type="flow", operation_key="k-1",
+                            provider="stripe", action=action,
+                            payload={"id": target, **params}).operation_id  # fmt: skip
+    return op, target
 
 
 @pytest.mark.parametrize("path", ["daemon", "manual"])
@@ -125,24 +132,9 @@ async def test_a_lost_change_past_the_key_window_is_decided_by_its_target(
 ) -> None:  # fmt: skip
     """A change is sent to its target (the payload's id), applied once, its answer lost; the
     check retrieves the target and reads its state."""
-    resource, before, params, finding, after = CHANGES[action]
-    fake.seed_objects(resource, 1)
-    target = fake.objects(resource)[-1]["id"]
-    fake.update_object(target, status=before)
-    with psycopg.connect(db_url) as conn:
-        op = outbox.enqueue(conn, tenant_id="acme", operation_type="flow", operation_key="k-1",
-                            provider="stripe", action=action,
-                            payload={"id": target, **params}).operation_id  # fmt: skip
-    stripe = stripe_provider("stripe", fake.url, timeout=0.5)
-    try:
-        await _lost_past_the_window(db_url, pool, fake, stripe)
-        if path == "daemon":
-            assert await Reconciler(pool, {"stripe": stripe}).run_once() == 1
-        else:
-            done = outbox_cli(check_env, "reconcile", "check", str(op))
-            assert done.returncode == 0, done.stderr
-    finally:
-        await stripe.aclose()
+    resource, _, _, finding, after = CHANGES[action]
+    op, target = enqueue_change(db_url, fake, action)
+    await lost_then_checked(db_url, pool, fake, check_env, op, path)
     (obj,) = [o for o in fake.objects(resource) if o["id"] == target]
     assert obj["status"] == after
     status = "succeeded" if finding == "found" else "reconciling"
@@ -161,14 +153,8 @@ async def test_a_change_that_did_not_happen_is_not_found_and_may_be_retried(
     """The request never reached Stripe (reset before it applied), the key window passed: the
     target's state says the change did not happen, a complete not-found, and a person's retry
     applies it once."""
-    resource, before, params, _, after = CHANGES[action]
-    fake.seed_objects(resource, 1)
-    target = fake.objects(resource)[-1]["id"]
-    fake.update_object(target, status=before)
-    with psycopg.connect(db_url) as conn:
-        op = outbox.enqueue(conn, tenant_id="acme", operation_type="flow", operation_key="k-1",
-                            provider="stripe", action=action,
-                            payload={"id": target, **params}).operation_id  # fmt: skip
+    resource, _, _, _, after = CHANGES[action]
+    op, target = enqueue_change(db_url, fake, action)
     stripe = stripe_provider("stripe", fake.url, timeout=0.5)
     try:
         d = dispatcher(pool, {"stripe": stripe})
