@@ -12,7 +12,7 @@ import contextlib
 import getpass
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 import click
 import psycopg
@@ -20,6 +20,7 @@ from click.core import ParameterSource
 from psycopg.conninfo import conninfo_to_dict
 
 from outbox.db import dsn as dsn_util
+from outbox.db.connect import pin_search_path
 from outbox.durations import parse_duration
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -94,6 +95,12 @@ def json_option(command: F) -> F:
     return click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")(command)
 
 
+UNPINNED_SEARCH_PATH: Final = (
+    "outbox: through a transaction pooler this command's search_path is your login role's, and "
+    "it is not pinned: ALTER ROLE <you> SET search_path = pg_catalog, pg_temp (docs/operations.md)"
+)
+
+
 @contextlib.contextmanager
 def connect(dsn: str, *, autocommit: bool = False) -> Iterator[psycopg.Connection[Any]]:
     """A connection for one command, with database errors turned into clean messages."""
@@ -109,6 +116,8 @@ def connect(dsn: str, *, autocommit: bool = False) -> Iterator[psycopg.Connectio
             # COMMITTED's fresh snapshot per statement makes right, whatever the database's
             # default_transaction_isolation (sql/0019).
             conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
+            if not pin_search_path(conn):
+                click.echo(UNPINNED_SEARCH_PATH, err=True)
             yield conn
     except (
         psycopg.errors.UndefinedTable,

@@ -25,7 +25,7 @@ from psycopg_pool import AsyncConnectionPool
 from outbox import loops, metrics, payloads
 from outbox.config import ProviderLimits
 from outbox.db import statements
-from outbox.db.connect import connection_options
+from outbox.db.connect import connection_options, pin_search_path_async
 from outbox.db.store import Store
 from outbox.operators import SQLSTATE_OPERATOR_REFUSED
 from outbox.provider_limits import LookupPacer
@@ -232,7 +232,8 @@ async def run_checks(dsn: str, providers: Mapping[str, Provider], operation_id: 
     # prepare_threshold None: `reconcile check --all` may run through a transaction pooler.
     options = {"autocommit": True, "prepare_threshold": None,
                **connection_options(dsn, "outbox-reconcile")}  # fmt: skip
-    async with AsyncConnectionPool(dsn, min_size=1, max_size=2, kwargs=options) as pool:
+    async with AsyncConnectionPool(dsn, min_size=1, max_size=2, kwargs=options,
+                                   configure=pin_search_path_async) as pool:  # fmt: skip
         reconciler = Reconciler(pool, providers, actor=f"{ACTOR} (manual)", limits=limits)
         rows = await reconciler.candidates(operation_id, limit=MANUAL_LIMIT, askable_only=False)
         on_total(len(rows))

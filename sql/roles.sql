@@ -33,7 +33,7 @@ BEGIN
     LOOP
         CONTINUE WHEN EXISTS (SELECT FROM pg_catalog.pg_roles WHERE rolname = r.name);
         BEGIN
-            EXECUTE format('CREATE ROLE %I %s', r.name, r.login);
+            EXECUTE pg_catalog.format('CREATE ROLE %I %s', r.name, r.login);
         EXCEPTION WHEN duplicate_object OR unique_violation THEN
             NULL;
         END;
@@ -56,15 +56,22 @@ BEGIN
                                    ('statement_timeout', '30s'),
                                    ('idle_in_transaction_session_timeout', '60s'),
                                    ('jit', 'off'),
+                                   -- Through a transaction pooler no session SET reaches it.
+                                   ('search_path', 'pg_catalog, pg_temp'),
                                    -- PostgreSQL 14+: a claim whose client vanished is rolled back.
                                    ('client_connection_check_interval', '1s')) AS l (name, value)
     LOOP
         CONTINUE WHEN s.name = 'client_connection_check_interval'
-                  AND current_setting('server_version_num')::integer < 140000;
+                  AND pg_catalog.current_setting('server_version_num')::integer < 140000;
         CONTINUE WHEN EXISTS (SELECT FROM pg_catalog.pg_roles
                               WHERE rolname = 'outbox_dispatcher'
                                 AND s.name || '=' || s.value = ANY (rolconfig));
-        EXECUTE format('ALTER ROLE outbox_dispatcher SET %I = %L', s.name, s.value);
+        -- A list setting takes its value as a list: quoted, 'pg_catalog, pg_temp' would name
+        -- one schema of that name. The values are this script's own.
+        EXECUTE pg_catalog.format(CASE WHEN s.name = 'search_path'
+                                       THEN 'ALTER ROLE outbox_dispatcher SET %I = %s'
+                                       ELSE 'ALTER ROLE outbox_dispatcher SET %I = %L' END,
+                                  s.name, s.value);
     END LOOP;
 END
 $limits$;

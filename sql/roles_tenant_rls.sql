@@ -53,7 +53,7 @@ BEGIN
     -- Named per owner: after ALTER TABLE ... OWNER TO, a rerun adds the new owner's policy.
     IF NOT EXISTS (SELECT FROM pg_catalog.pg_policies WHERE schemaname = 'outbox'
                    AND tablename = 'operations' AND policyname = 'operations_owner_' || owner_role) THEN
-        EXECUTE format(
+        EXECUTE pg_catalog.format(
             'CREATE POLICY %I ON outbox.operations TO %I '
             'USING (nullif(current_setting(''outbox.tenant_id'', true), '''') IS NULL '
             '       OR tenant_id = nullif(current_setting(''outbox.tenant_id'', true), '''')) '

@@ -59,6 +59,8 @@ SESSION_LIMITS: Final = {
     # lock: only READ COMMITTED's fresh snapshot per statement sees the commit that lock waited
     # for. A database whose default is stricter must not make the dispatcher strand a key.
     "default_transaction_isolation": "read committed",
+    # No name of ours resolves through public, where anyone could once create functions.
+    "search_path": statements.SEARCH_PATH,
 }
 
 
@@ -75,6 +77,35 @@ async def configure_session(conn: psycopg.AsyncConnection[Any]) -> None:
         limits.append(CLIENT_CHECK)
     for name, value in limits:
         await conn.execute(statements.SET_SESSION_LIMIT, (name, value))
+
+
+def pin_search_path(conn: psycopg.Connection[Any]) -> bool:
+    """Pin this session's search_path (statements.SEARCH_PATH), committed so that no rollback
+    undoes it. Through a transaction pooler a session setting would reach other clients, so
+    there the login role's own setting rules: False if it is not pinned."""
+    row = conn.execute(statements.SERVER_PID).fetchone()
+    if row is not None and row[0] != conn.info.backend_pid:  # a pooler answered the startup
+        shown = conn.execute(statements.SHOW_SEARCH_PATH).fetchone()
+        if not conn.autocommit:
+            conn.commit()
+        return shown is not None and _pinned(str(shown[0]))
+    conn.execute(statements.PIN_SEARCH_PATH)
+    if not conn.autocommit:
+        conn.commit()
+    return True
+
+
+async def pin_search_path_async(conn: psycopg.AsyncConnection[Any]) -> None:
+    """``pin_search_path`` for a pool's new connection (psycopg_pool's ``configure``); through
+    a pooler, nothing (the role's setting rules)."""
+    if not await answered_by_pooler(conn):
+        await conn.execute(statements.PIN_SEARCH_PATH)
+    if not conn.autocommit:
+        await conn.commit()
+
+
+def _pinned(search_path: str) -> bool:
+    return [p.strip() for p in search_path.split(",")] == ["pg_catalog", "pg_temp"]
 
 
 def dispatcher_pool(

@@ -138,6 +138,10 @@ def migrate(
         raise MigrationError("the roles need every migration: drop --target or --with-roles")
     todo = list(migrations if migrations is not None else load_migrations())
     cur = conn.cursor(row_factory=tuple_row)
+    # The migrator is the most privileged login outbox ever uses: nothing it runs (migrations,
+    # the role scripts) may resolve a name through public, where a producer could have planted
+    # a format() or an operator of its own.
+    cur.execute(statements.PIN_SEARCH_PATH)
     _set_lock_timeout(cur, lock_wait)
     try:
         cur.execute(statements.ACQUIRE_MIGRATION_LOCK, (statements.MIGRATION_LOCK_KEY,))
@@ -160,6 +164,7 @@ def migrate(
         if not conn.broken:
             cur.execute(statements.RELEASE_MIGRATION_LOCK, (statements.MIGRATION_LOCK_KEY,))
             cur.execute(statements.RESET_LOCK_TIMEOUT)
+            cur.execute(statements.RESET_SEARCH_PATH)
 
 
 def _apply_pending(

@@ -34,7 +34,7 @@ SELECT operation_id, outcome FROM outbox.enqueue(
 # An operation's persisted state by identity, through the read API function.
 # Bind this transaction to a tenant: set_config's third argument (true) makes the setting end
 # with the transaction, so a pooled connection never carries it into the next one.
-BIND_TENANT: Final = "SELECT set_config('outbox.tenant_id', %s::text, true)"
+BIND_TENANT: Final = "SELECT pg_catalog.set_config('outbox.tenant_id', %s::text, true)"
 
 GET_OPERATION: Final = """
 SELECT operation_id, tenant_id, operation_type, operation_key, provider, action, status,
@@ -52,8 +52,15 @@ ACQUIRE_MIGRATION_LOCK: Final = "SELECT pg_advisory_lock(%s)"
 RELEASE_MIGRATION_LOCK: Final = "SELECT pg_advisory_unlock(%s)"
 
 # Bound how long a statement queues for a lock: behind live traffic, fail fast and retry later.
-SET_LOCK_TIMEOUT: Final = "SELECT set_config('lock_timeout', %s, false)"
+SET_LOCK_TIMEOUT: Final = "SELECT pg_catalog.set_config('lock_timeout', %s, false)"
 RESET_LOCK_TIMEOUT: Final = "RESET lock_timeout"
+# Every session of outbox's runs with this search_path (issue 20): a function or operator that
+# someone planted in public (where PostgreSQL before 15 let anyone create one) can never take
+# over a call of ours, whose own objects are all named with their schema.
+SEARCH_PATH: Final = "pg_catalog, pg_temp"
+PIN_SEARCH_PATH: Final = "SELECT pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', false)"
+RESET_SEARCH_PATH: Final = "RESET search_path"
+SHOW_SEARCH_PATH: Final = "SELECT pg_catalog.current_setting('search_path')"
 
 CREATE_SCHEMA: Final = "CREATE SCHEMA IF NOT EXISTS outbox"
 
@@ -524,10 +531,10 @@ SELECT (SELECT count(*) FROM staged) AS staged,
 
 # Which server session answers: two connections that get the same one go through a
 # transaction-mode pooler (outbox.db.connect's check at startup).
-SERVER_PID: Final = "SELECT pg_backend_pid()"
+SERVER_PID: Final = "SELECT pg_catalog.pg_backend_pid()"
 
 # A session setting for this connection (set_config with is_local = false).
-SET_SESSION_LIMIT: Final = "SELECT set_config(%s, %s, false)"
+SET_SESSION_LIMIT: Final = "SELECT pg_catalog.set_config(%s, %s, false)"
 
 # Only the fault tests' simulated bug (failpoints.LEAK_TRANSACTION) takes a row lock like this.
 LOCK_OPERATION: Final = "SELECT id FROM outbox.operations WHERE id = %s FOR UPDATE"

@@ -403,6 +403,22 @@ MUTANTS: tuple[Mutant, ...] = (
         "        if not isinstance(value, str):\n",
         "tests/integration/test_reconcile_every_action.py",
     ),
+    _one(
+        "dispatcher-search-path-unpinned",
+        "a function planted in public takes over a call of the dispatcher's",
+        "outbox/db/connect.py",
+        '    "search_path": statements.SEARCH_PATH,\n',
+        "",
+        "tests/integration/test_search_path.py",
+    ),
+    _one(
+        "migrate-search-path-unpinned",
+        "migrations and role scripts resolve names through public, under the migrator's rights",
+        "outbox/db/migrations.py",
+        "    cur.execute(statements.PIN_SEARCH_PATH)\n",
+        "",
+        "tests/integration/test_search_path.py",
+    ),
     # --- what is claimed, and in what order ---------------------------------------------------
     _one(
         "stage-before-due",
