@@ -94,7 +94,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "check-fence",
         "a reconciler's late finding is written over a newer episode",
-        "sql/0021_findings_carry_the_state.sql",
+        "sql/0023_lookups_say_what_they_searched.sql",
         "IF op.key_generation <> expected_generation OR op.attempts <> expected_attempts THEN",
         "IF false THEN",
         *FENCE_TESTS,
@@ -216,7 +216,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "refused-to-reconciling",
         "a refused finding leaves the operation reconciling instead of quarantined",
-        "sql/0021_findings_carry_the_state.sql",
+        "sql/0023_lookups_say_what_they_searched.sql",
         "SET status = 'quarantined', status_reason = 'provider_declined',",
         "SET status = 'reconciling', status_reason = 'provider_declined',",
         "tests/integration/test_reconcile_findings.py",

@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.mutation.catalogue import MUTANTS, Mutant
+from tests.mutation.catalogue import MUTANTS, Edit, Mutant
 
 ROOT = Path(__file__).resolve().parents[2]
 # A mutant that makes its tests hang is killed too (a hang is a failure), but said so.
@@ -58,10 +58,38 @@ def check_catalogue(mutants: Sequence[Mutant]) -> list[str]:
             count = (ROOT / edit.path).read_text().count(edit.find)
             if count != 1:
                 problems.append(f"{mutant.name}: {edit.path} has its text {count} times, not once")
+            elif (later := superseded_by(edit)) is not None:
+                problems.append(
+                    f"{mutant.name}: {edit.path} edits a function that {later} "
+                    "defines again: the mutant would change nothing that runs"
+                )
         for test in mutant.tests:
             if not (ROOT / test.split("::")[0]).is_file():
                 problems.append(f"{mutant.name}: no test file {test}")
     return problems
+
+
+_MIGRATION = re.compile(r"sql/(\d{4})_[^/]+\.sql")
+_FUNCTION = re.compile(r"CREATE (?:OR REPLACE )?FUNCTION (outbox\.\w+)\(")
+
+
+def superseded_by(edit: Edit) -> str | None:
+    """The later migration that defines again the function a migration's edit falls in, if
+    any: a mutant of a definition nothing runs any more survives every test."""
+    numbered = _MIGRATION.fullmatch(edit.path)
+    if numbered is None:
+        return None
+    text = (ROOT / edit.path).read_text()
+    defined = _FUNCTION.findall(text[: text.index(edit.find)])
+    if not defined:
+        return None
+    name = re.escape(defined[-1])
+    for later in sorted((ROOT / "sql").glob("[0-9][0-9][0-9][0-9]_*.sql")):
+        if int(later.name[:4]) > int(numbered[1]) and re.search(
+            rf"CREATE (?:OR REPLACE )?FUNCTION {name}\(", later.read_text()
+        ):
+            return f"sql/{later.name}"
+    return None
 
 
 def copy_tree(files: Sequence[str], into: Path) -> Path:
