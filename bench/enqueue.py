@@ -127,6 +127,7 @@ def _plain_insert_notify(conn: psycopg.Connection[Any], key: str) -> None:
 VARIANTS: dict[str, tuple[str, Variant]] = {
     "python": ("outbox.enqueue (Python API)", _python_api),
     "sql": ("outbox.enqueue(...) SQL function", _sql_function),
+    "sql_no_key_index": ("the SQL function without the unique key index", _sql_function),
     "python_idle": ("outbox.enqueue (Python API), a dispatcher waiting idle", _python_api),
     "plain": ("plain INSERT, same shape, no trigger/notify", _plain_insert),
     "plain_notify": ("plain INSERT + pg_notify", _plain_insert_notify),
@@ -135,6 +136,14 @@ VARIANTS: dict[str, tuple[str, Variant]] = {
 # sql/0012), so that enqueue's commit notifies as it does whenever a dispatcher sleeps. A row is
 # written there instead of running `outbox run`, which would compete for the two cores.
 IDLE_VARIANTS = frozenset({"python_idle"})
+# Measured with operations_provider_key dropped (sql/0024), to show what the unique index of
+# provider keys costs each enqueue; it is made again (on empty tables) right after.
+NO_KEY_INDEX_VARIANTS = frozenset({"sql_no_key_index"})
+DROP_KEY_INDEX = "DROP INDEX IF EXISTS outbox.operations_provider_key"
+CREATE_KEY_INDEX = (
+    "CREATE UNIQUE INDEX IF NOT EXISTS operations_provider_key "
+    "ON outbox.operations (provider, idempotency_key) WHERE NOT key_shared"
+)
 IDLE_WORKER = "bench-enqueue-idle"
 MARK_WAITING = (
     "INSERT INTO outbox.waiting_dispatchers (worker, seen_at) VALUES (%s, now()) "
@@ -192,6 +201,17 @@ def _has_waiting_table(db_url: str) -> bool:
     with psycopg.connect(db_url, autocommit=True) as conn:
         row = conn.execute("SELECT to_regclass('outbox.waiting_dispatchers')").fetchone()
     return row is not None and row[0] is not None
+
+
+def _has_key_index(db_url: str) -> bool:
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        row = conn.execute("SELECT to_regclass('outbox.operations_provider_key')").fetchone()
+    return row is not None and row[0] is not None
+
+
+def _set_key_index(db_url: str, present: bool) -> None:
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute(CREATE_KEY_INDEX if present else DROP_KEY_INDEX)
 
 
 def _set_waiting(db_url: str, waiting: bool) -> None:
@@ -275,20 +295,26 @@ def run(findings: Findings) -> None:
             findings.heard_idle = notifications_per_commit(db_url, idle_dispatcher=True)
         else:
             findings.variants = [v for v in findings.variants if v not in IDLE_VARIANTS]
+        if not _has_key_index(db_url):  # a schema from before sql/0024
+            findings.variants = [v for v in findings.variants if v not in NO_KEY_INDEX_VARIANTS]
         for producers in findings.counts:
             # Round-robin: a burst of other work on a shared machine hits every variant alike.
             for round_number in range(findings.rounds):
                 for variant in findings.variants:
                     progress(f"{variant}: {producers} producer(s), {findings.seconds:.0f} s, "
                              f"round {round_number + 1} of {findings.rounds}")  # fmt: skip
-                    idle = variant in IDLE_VARIANTS
+                    idle, unindexed = variant in IDLE_VARIANTS, variant in NO_KEY_INDEX_VARIANTS
                     if idle:
                         _set_waiting(db_url, True)
+                    if unindexed:
+                        _set_key_index(db_url, False)
                     try:
                         rate = measure(db_url, variant, producers, findings.seconds)
                     finally:
                         if idle:
                             _set_waiting(db_url, False)
+                        if unindexed:
+                            _set_key_index(db_url, True)
                     findings.runs.setdefault((variant, producers), []).append(rate)
                     _reset_tables(db_url)
 
@@ -324,6 +350,12 @@ def report(findings: Findings) -> None:
     print(line)
     where = "; ".join(findings.sources) if findings.sources else "nowhere in schema outbox"
     print(f"where it notifies: {where}")
+    for producers in findings.counts:
+        with_index, without = rates.get(("sql", producers)), rates.get(("sql_no_key_index",
+                                                                          producers))  # fmt: skip
+        if with_index and without:
+            print(f"the unique key index (sql/0024) at {producers} producer(s): the SQL function "
+                  f"runs at {fmt_ratio(with_index / without)} x its rate without it")  # fmt: skip
     baseline = rates.get(("plain", TARGET_PRODUCERS))
     for variant in ("python", "sql"):
         key = (variant, TARGET_PRODUCERS)

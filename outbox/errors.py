@@ -17,19 +17,23 @@ class OutboxError(Exception):
 
 
 class OperationConflict(OutboxError):
-    """The identity is already taken by an operation with another provider, action or payload.
+    """The identity is already taken by an operation with another provider, action or payload;
+    or (``field`` "idempotency_key") the key already names another operation of the provider,
+    of any tenant (sql/0024).
 
     Nothing was written. As with any SQL error, the caller's transaction is aborted and must be
     rolled back.
     """
 
     def __init__(
-        self, message: str, *, tenant_id: str, operation_type: str, operation_key: str
-    ) -> None:
+        self, message: str, *, tenant_id: str, operation_type: str, operation_key: str,
+        field: str | None = None,
+    ) -> None:  # fmt: skip
         super().__init__(message)
         self.tenant_id = tenant_id
         self.operation_type = operation_type
         self.operation_key = operation_key
+        self.field = field
 
 
 class InvalidOperation(OutboxError, ValueError):

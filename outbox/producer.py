@@ -235,6 +235,7 @@ def _raise_translated(exc: psycopg.Error, params: Params) -> NoReturn:
             tenant_id=params["tenant_id"],
             operation_type=params["operation_type"],
             operation_key=params["operation_key"],
+            field=exc.diag.column_name,
         ) from exc
     if exc.sqlstate == SQLSTATE_INVALID_OPERATION:
         raise InvalidOperation(exc.diag.column_name or "unknown", message) from exc

@@ -419,6 +419,22 @@ MUTANTS: tuple[Mutant, ...] = (
         "",
         "tests/integration/test_search_path.py",
     ),
+    _one(
+        "caller-takes-derived-key",
+        "a producer occupies the derived key of another tenant's operation before it exists",
+        "sql/0024_keys_name_one_operation.sql",
+        "    IF idempotency_key LIKE 'ob1\\_%' OR idempotency_key ~ ':r[0-9]+$' THEN\n",
+        "    IF false THEN\n",
+        "tests/integration/test_key_namespace.py",
+    ),
+    _one(
+        "key-collision-reveals-tenant",
+        "a key collision tells a producer another tenant's operation id",
+        "sql/0024_keys_name_one_operation.sql",
+        "                      DETAIL = CASE WHEN v_holder.tenant_id = tenant_id\n",
+        "                      DETAIL = CASE WHEN true\n",
+        "tests/integration/test_key_namespace.py",
+    ),
     # --- what is claimed, and in what order ---------------------------------------------------
     _one(
         "stage-before-due",

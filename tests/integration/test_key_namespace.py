@@ -1,0 +1,136 @@
+"""A provider key names exactly one operation (issue 20, case 1).
+
+A producer of tenant A could enqueue an operation carrying the derived key of tenant B's future
+operation, or the same caller key as B: the provider then refused B's request (422, Stripe's
+idempotency_error) or replayed A's answer to it. Keys are now unique per provider across every
+tenant, refused at enqueue; the forms outbox makes (ob1_..., ...:rN) are its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from typing import Any
+
+import psycopg
+import pytest
+
+import outbox
+from outbox.db import migrations
+from tests.support.dispatch import rows
+
+
+def enqueue(conn: psycopg.Connection[Any], tenant: str, key: str, *,
+            idempotency_key: str | None = None, provider: str = "hook") -> Any:  # fmt: skip
+    return outbox.enqueue(conn, tenant_id=tenant, operation_type="order.ship",
+                          operation_key=key, provider=provider, action="ship",
+                          payload={"order": key}, idempotency_key=idempotency_key)  # fmt: skip
+
+
+def derived_key(tenant: str, operation_type: str, key: str) -> str:
+    """What enqueue derives: ob1_ and the SHA-256 of PostgreSQL's JSON text of the identity."""
+    text = json.dumps([tenant, operation_type, key], ensure_ascii=False).replace('", "', '", "')
+    return "ob1_" + hashlib.sha256(text.encode()).hexdigest()
+
+
+def test_nobody_can_occupy_another_tenants_derived_key_in_advance(db_url: str) -> None:
+    victim = derived_key("zz-victim", "order.ship", "ord-7")
+    with psycopg.connect(db_url) as conn:
+        with pytest.raises(outbox.InvalidOperation, match="ob1_") as refused:
+            enqueue(conn, "attacker", "mine", idempotency_key=victim)
+        assert refused.value.field == "idempotency_key"
+        conn.rollback()
+        result = enqueue(conn, "zz-victim", "ord-7")
+        conn.commit()
+    assert result.outcome == "accepted"
+    assert rows(db_url, "SELECT tenant_id, idempotency_key FROM outbox.operations") == [
+        ("zz-victim", victim)]  # derived as the test computed it: the attack was real  # fmt: skip
+
+
+@pytest.mark.parametrize("key", ["order-1:r2", "x:r10", "ob1_anything"])
+def test_the_forms_outbox_makes_are_refused_as_caller_keys(db_url: str, key: str) -> None:
+    with psycopg.connect(db_url) as conn, pytest.raises(outbox.InvalidOperation):
+        enqueue(conn, "acme", "k", idempotency_key=key)
+    assert rows(db_url, "SELECT count(*) FROM outbox.operations") == [(0,)]
+
+
+def test_two_tenants_with_one_caller_key_are_told_at_enqueue(db_url: str) -> None:
+    with psycopg.connect(db_url) as conn:
+        first = enqueue(conn, "tenant-a", "ord-1", idempotency_key="order-1")
+        conn.commit()
+        with pytest.raises(outbox.OperationConflict) as other_tenant:
+            enqueue(conn, "tenant-b", "ord-1", idempotency_key="order-1")
+        conn.rollback()
+        with pytest.raises(outbox.OperationConflict) as same_tenant:
+            enqueue(conn, "tenant-a", "ord-2", idempotency_key="order-1")
+        conn.rollback()
+        again = enqueue(conn, "tenant-a", "ord-1", idempotency_key="order-1")  # idempotent
+        elsewhere = enqueue(conn, "tenant-b", "ord-1", idempotency_key="order-1",
+                            provider="other")  # another provider: another namespace  # fmt: skip
+        conn.commit()
+    for refused in (other_tenant.value, same_tenant.value):
+        assert refused.field == "idempotency_key"
+    detail = other_tenant.value.__cause__.diag.message_detail  # type: ignore[union-attr]
+    assert detail == "it belongs to another tenant"  # never the other tenant's id
+    own = same_tenant.value.__cause__.diag.message_detail  # type: ignore[union-attr]
+    assert own == f"existing operation id: {first.operation_id}"
+    assert (again.outcome, again.operation_id) == ("duplicate", first.operation_id)
+    assert elsewhere.outcome == "accepted"
+    assert rows(db_url, "SELECT tenant_id, provider FROM outbox.operations ORDER BY id") == [
+        ("tenant-a", "hook"), ("tenant-b", "other")]  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_randomized_producers_never_share_a_providers_key(db_url: str, seed: int) -> None:
+    """Seeded: tenants enqueue identities with keys from a small pool, some derived, on two
+    providers. Every (provider, key) ends with exactly one operation, the first to take it, and
+    every refusal is a conflict or an invalid key, never a quarantine later."""
+    rng = random.Random(seed)
+    taken: dict[tuple[str, str], tuple[str, str]] = {}  # (provider, key) -> identity
+    providers: dict[tuple[str, str], str] = {}  # identity -> its provider
+    counts = {"accepted": 0, "duplicate": 0, "conflict": 0}
+    with psycopg.connect(db_url) as conn:
+        for _ in range(300):
+            tenant, key = rng.choice(["a", "b", "c"]), f"ord-{rng.randint(1, 20)}"
+            provider = rng.choice(["hook", "stripe"])
+            given = None if rng.random() < 0.3 else f"k-{rng.randint(1, 15)}"
+            sent = given or derived_key(tenant, "order.ship", key)
+            try:
+                result = enqueue(conn, tenant, key, idempotency_key=given, provider=provider)
+                conn.commit()
+            except outbox.OperationConflict as exc:
+                conn.rollback()
+                counts["conflict"] += 1
+                if exc.field == "idempotency_key":  # the key names another identity
+                    assert taken[(provider, sent)] != (tenant, key), (seed, provider, sent)
+                else:  # the identity exists, on the other provider
+                    assert providers[(tenant, key)] != provider, (seed, tenant, key)
+                continue
+            counts[result.outcome] += 1
+            if result.outcome == "accepted":
+                assert (provider, sent) not in taken, (seed, provider, sent)
+                taken[(provider, sent)] = (tenant, key)
+                providers[(tenant, key)] = provider
+    keys = rows(db_url, "SELECT provider, idempotency_key, tenant_id, operation_key "
+                        "FROM outbox.operations")  # fmt: skip
+    assert len(keys) == len({(p, k) for p, k, _, _ in keys}) == counts["accepted"]
+    assert {(p, k): (t, o) for p, k, t, o in keys} == taken
+    assert counts["conflict"] > 0 and counts["duplicate"] > 0  # both paths were walked
+
+
+def test_operations_that_already_share_a_key_are_kept_and_the_oldest_holds_it(
+    empty_db_url: str,
+) -> None:
+    """Upgrading a database where two operations already carry one key: migrate succeeds,
+    both stay, the oldest keeps the key and a new operation cannot take it."""
+    todo = migrations.load_migrations()
+    with psycopg.connect(empty_db_url, autocommit=True) as conn:
+        migrations.migrate(conn, migrations=[m for m in todo if m.version < 24])
+        for tenant in ("a", "b"):
+            enqueue(conn, tenant, "ord-1", idempotency_key="order-1")
+        migrations.migrate(conn, migrations=todo)
+    assert rows(empty_db_url, "SELECT tenant_id, key_shared FROM outbox.operations "
+                              "ORDER BY id") == [("a", False), ("b", True)]  # fmt: skip
+    with psycopg.connect(empty_db_url) as conn, pytest.raises(outbox.OperationConflict):
+        enqueue(conn, "c", "ord-1", idempotency_key="order-1")
