@@ -24,6 +24,7 @@ from outbox.config import ConfigError, load_settings
 from outbox.durations import format_duration
 from outbox.model import Status
 from outbox.providers.registry import build_providers
+from outbox.safe_text import printable
 from outbox.tables import render_table
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -348,15 +349,19 @@ def _describe(op: dict[str, Any]) -> str:
     ]  # fmt: skip
     if op.get("payload") is not None:
         lines.append(f"payload      {op['payload']}")  # as stored: PostgreSQL's JSON text
+    # Each of these lines is one line, whatever a producer, provider or person wrote into it.
+    lines = [printable(line) for line in lines]
     history = [(a["attempt"], a["started_at"], a["outcome"], "yes" if a["sent"] else "no",
                 a["error_class"], a["http_status"], a["provider_request_id"], a["worker"])
                for a in op["attempt_history"]]  # fmt: skip
     lines += ["", render_table(["attempt", "started", "outcome", "sent", "error", "http",
                                 "request id", "worker"], history)]  # fmt: skip
-    audit = [(a["at"], a["actor"], a["action"], a["from_status"], a["to_status"], a["reason"])
-             for a in op["audit"]]  # fmt: skip
+    # The actor is what a person claimed (--actor); the database user is who logged in.
+    audit = [(a["at"], a["actor"], a["db_user"], a["action"], a["from_status"], a["to_status"],
+              a["reason"]) for a in op["audit"]]  # fmt: skip
     if audit:
-        lines += ["", render_table(["at", "actor", "action", "from", "to", "reason"], audit)]
+        lines += ["", render_table(["at", "actor", "db user", "action", "from", "to", "reason"],
+                                   audit)]  # fmt: skip
     return "\n".join(lines)
 
 

@@ -45,10 +45,11 @@ def modes(dsn: str, as_json: bool) -> None:
 @click.argument("operation_type")
 @click.argument("mode", type=click.Choice(["block", "skip"]))
 @actor_option
-def set_mode(dsn: str, operation_type: str, mode: str, actor: str) -> None:
+@click.option("--reason", default=None, help="Why; recorded in the audit.")
+def set_mode(dsn: str, operation_type: str, mode: str, actor: str, reason: str | None) -> None:
     """Block or skip past OPERATION_TYPE's quarantined and reconciling operations. Switching
-    to skip releases the keys they hold up at once."""
-    params = {"operation_type": operation_type, "mode": mode, "actor": actor}
+    to skip releases the keys they hold up at once. Recorded in the audit."""
+    params = {"operation_type": operation_type, "mode": mode, "actor": actor, "reason": reason}
     with connect(dsn) as conn:
         try:
             row = conn.execute(statements.SET_ORDERING_MODE, params).fetchone()

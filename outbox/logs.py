@@ -10,6 +10,8 @@ from typing import Any, Final, TextIO
 
 import structlog
 
+from outbox.safe_text import printable
+
 # Keys whose values are never logged, wherever they appear in an event.
 _SECRET_KEYS: Final = frozenset(
     {"payload", "api_key", "password", "dsn", "authorization", "secret", "token", "headers"}
@@ -56,6 +58,15 @@ def scrub_text(text: str) -> str:
     return text
 
 
+def escape_controls(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """Console lines: no value may start a line of its own or drive the terminal (a reason
+    phrase, an actor, a tenant id). A traceback keeps its newlines."""
+    for name, value in event.items():
+        if isinstance(value, str) and name != "exception":
+            event[name] = printable(value)
+    return event
+
+
 def configure(level: str = "info", *, json: bool | None = None,
               stream: TextIO | None = None) -> None:  # fmt: skip
     """Configure structlog for the process: lines to ``stream`` (default stderr), as JSON
@@ -73,6 +84,8 @@ def configure(level: str = "info", *, json: bool | None = None,
             # Tracebacks rendered first, so that redaction sees them too.
             structlog.processors.format_exc_info,
             redact_secrets,
+            # JSON escapes control characters itself; a terminal must not act on them.
+            *(() if use_json else (escape_controls,)),
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from outbox.safe_text import printable
+
 
 def render_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """Columns padded to their widest cell; numbers right-aligned, text left-aligned."""
+    """Columns padded to their widest cell; numbers right-aligned, text left-aligned; control
+    characters escaped, so that no cell can draw a row or move the cursor."""
     cells = [[_cell(v) for v in row] for row in rows]
     widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
     numeric = [
@@ -25,4 +28,5 @@ def render_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> st
 
 
 def _cell(value: object) -> str:
-    return "-" if value is None else str(value)
+    # A cell is one line of plain text, whatever it holds (outbox.safe_text).
+    return "-" if value is None else printable(str(value))

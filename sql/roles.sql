@@ -147,5 +147,6 @@ GRANT EXECUTE ON FUNCTION
     outbox.touch_check(bigint),
     outbox.defer_check(bigint, interval, interval),
     outbox.defer_check(bigint, interval, interval, integer, integer),
-    outbox.set_ordering_mode(text, text, text)
+    outbox.set_ordering_mode(text, text, text),
+    outbox.set_ordering_mode(text, text, text, text)
 TO outbox_operator;

@@ -601,7 +601,8 @@ FROM outbox.attempts WHERE operation_id = %(id)s ORDER BY attempt
 """
 
 AUDIT_HISTORY: Final = """
-SELECT at, actor, action, reason, from_status, to_status, details
+SELECT at, actor, coalesce(db_user, details->>'db_user') AS db_user, action, reason,
+       from_status, to_status, details
 FROM outbox.audit WHERE operation_id = %(id)s ORDER BY at, id
 """
 
@@ -635,7 +636,7 @@ LIST_ORDERING_MODES: Final = (
     "ORDER BY operation_type"
 )
 SET_ORDERING_MODE: Final = (
-    "SELECT outbox.set_ordering_mode(%(operation_type)s, %(mode)s, %(actor)s)"
+    "SELECT outbox.set_ordering_mode(%(operation_type)s, %(mode)s, %(actor)s, %(reason)s)"
 )
 
 # --- reconciler ---------------------------------------------------------------------------------

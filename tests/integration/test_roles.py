@@ -145,6 +145,9 @@ _OPERATOR_ACTIONS: dict[str, LiteralString] = {
     "replay": "SELECT outbox.replay_operation(1, 'why', 'me')",
     "request reconciliation": "SELECT outbox.request_reconciliation(1, 'why', 'me')",
     "retry": "SELECT outbox.retry_operation(1, 'why', 'me', true)",
+    "cancel request": "SELECT outbox.request_cancel(1, 'why', 'me')",
+    "ordering set-mode": "SELECT outbox.set_ordering_mode('t', 'skip', 'me')",
+    "ordering set-mode with a reason": "SELECT outbox.set_ordering_mode('t', 'skip', 'me', 'x')",
 }
 _PRODUCER_API: dict[str, LiteralString] = {
     "enqueue": "SELECT * FROM outbox.enqueue('t', 't', 'k', 'hook', 'a', '{}'::jsonb)",
@@ -249,6 +252,7 @@ def test_every_function_is_pinned_and_executable_only_by_its_roles(roles_db: str
         ),
         "outbox.repair_ordering_key(text,text)": (True, ["outbox_dispatcher"]),
         "outbox.set_ordering_mode(text,text,text)": (True, ["outbox_operator"]),
+        "outbox.set_ordering_mode(text,text,text,text)": (True, ["outbox_operator"]),
     }
     # Only those entry points run as the owner, and the triggers: the wake-up and the ordering
     # key's turn fire at the producer's commit, after enqueue has returned (sql/0012, 0015);

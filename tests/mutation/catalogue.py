@@ -435,6 +435,22 @@ MUTANTS: tuple[Mutant, ...] = (
         "                      DETAIL = CASE WHEN true\n",
         "tests/integration/test_key_namespace.py",
     ),
+    _one(
+        "table-cells-unescaped",
+        "a reason or a provider's answer draws fake rows or drives the terminal in the CLI",
+        "outbox/tables.py",
+        'return "-" if value is None else printable(str(value))',
+        'return "-" if value is None else str(value)',
+        "tests/integration/test_audit_truth.py",
+    ),
+    _one(
+        "reason-unbounded",
+        "an operator action takes a reason of any size into the audit",
+        "sql/0025_an_audit_that_tells_the_truth.sql",
+        "    IF char_length(reason) > 2000 THEN\n",
+        "    IF false THEN\n",
+        "tests/integration/test_audit_truth.py",
+    ),
     # --- what is claimed, and in what order ---------------------------------------------------
     _one(
         "stage-before-due",
