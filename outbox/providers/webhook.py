@@ -202,6 +202,8 @@ def _headers(request: SendRequest) -> dict[str, str]:
         "Outbox-Operation-Id": str(request.operation_id),
         "Outbox-Action": _header_safe(request.action),
         "Outbox-Attempt": str(request.attempt),
+        # Whose operation this is: a receiver shared by tenants decides what each may do.
+        "Outbox-Tenant-Id": _header_safe(request.tenant_id),
     }
     if request.correlation_id:
         headers["Outbox-Correlation-Id"] = _header_safe(request.correlation_id)

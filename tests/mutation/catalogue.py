@@ -451,6 +451,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "    IF false THEN\n",
         "tests/integration/test_audit_truth.py",
     ),
+    _one(
+        "allow-list-ignored",
+        "a tenant enqueues an action the allow-list does not give it (payouts on a shared key)",
+        "sql/0026_enqueue_allow_lists.sql",
+        "        PERFORM outbox.require_allowance(tenant_id, provider, action);\n",
+        "",
+        "tests/integration/test_allow_lists.py",
+    ),
     # --- what is claimed, and in what order ---------------------------------------------------
     _one(
         "stage-before-due",
