@@ -1,4 +1,4 @@
-"""No name of outbox's resolves through public (issue 20, case 2).
+"""No name of outbox's resolves through public, function or operator (issue 20, case 2).
 
 Before PostgreSQL 15 (and in databases upgraded from it) anyone may create functions in public.
 A function there whose argument types fit a call better than pg_catalog's own takes it over:
@@ -66,6 +66,11 @@ BEGIN INSERT INTO public.hijacks VALUES ('unnest bigint[]');
 CREATE FUNCTION public.set_config(text, text, boolean) RETURNS text LANGUAGE plpgsql AS $$
 BEGIN INSERT INTO public.hijacks VALUES ('set_config');
       RETURN pg_catalog.set_config($1, $2, $3); END $$;
+-- An operator: text || integer beats pg_catalog's text || anynonarray.
+CREATE FUNCTION public.evil_concat(text, integer) RETURNS text LANGUAGE plpgsql AS $$
+BEGIN INSERT INTO public.hijacks VALUES ('operator ||');
+      RETURN pg_catalog.textcat($1, $2::text); END $$;
+CREATE OPERATOR public.|| (LEFTARG = text, RIGHTARG = integer, FUNCTION = public.evil_concat);
 CREATE FUNCTION public.current_setting(text, boolean) RETURNS text LANGUAGE plpgsql AS $$
 BEGIN INSERT INTO public.hijacks VALUES ('current_setting');
       RETURN pg_catalog.current_setting($1, $2); END $$;
@@ -93,7 +98,8 @@ def test_a_session_that_does_not_pin_its_path_is_taken_over(planted: str) -> Non
     """The control: without the pin, the planted format() runs as the caller."""
     with psycopg.connect(planted, autocommit=True) as conn:
         conn.execute("SELECT format('%s-%s', 'a', 'b')")
-    assert hijacks(planted) == ["format"]
+        conn.execute("SELECT 'attempt ' || 7")
+    assert hijacks(planted) == ["format", "operator ||"]
 
 
 def test_migrate_with_the_roles_dispatch_and_the_cli_never_run_a_planted_function(
