@@ -182,7 +182,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "fingerprint-payload",
         "an enqueue with another payload is taken for a duplicate",
-        "sql/0019_limits_schedule_and_key_locks.sql",
+        "sql/0026_enqueue_allow_lists.sql",
         "action || E'\\n' || v_payload_text\n",
         "action || E'\\n'\n",
         "tests/integration/test_enqueue.py",
@@ -422,7 +422,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "caller-takes-derived-key",
         "a producer occupies the derived key of another tenant's operation before it exists",
-        "sql/0024_keys_name_one_operation.sql",
+        "sql/0026_enqueue_allow_lists.sql",
         "    IF idempotency_key LIKE 'ob1\\_%' OR idempotency_key ~ ':r[0-9]+$' THEN\n",
         "    IF false THEN\n",
         "tests/integration/test_key_namespace.py",
@@ -430,7 +430,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "key-collision-reveals-tenant",
         "a key collision tells a producer another tenant's operation id",
-        "sql/0024_keys_name_one_operation.sql",
+        "sql/0026_enqueue_allow_lists.sql",
         "                      DETAIL = CASE WHEN v_holder.tenant_id = tenant_id\n",
         "                      DETAIL = CASE WHEN true\n",
         "tests/integration/test_key_namespace.py",
