@@ -129,6 +129,8 @@ def test_migrate_with_the_roles_dispatch_and_the_cli_never_run_a_planted_functio
     env = {**os.environ, "OUTBOX_DATABASE_URL": planted}
     for args in (["status"], ["quarantine", "list"], ["reconcile", "list"],
                  ["quarantine", "show", str(ids[0])], ["prune", "--older-than", "1d"],
+                 ["ordering", "modes"], ["ordering", "set-mode", "t", "skip", "--actor", "a"],
+                 ["status", "--json"],
                  ["migrate", "--with-roles", "--tenant-rls"]):  # fmt: skip
         done = outbox_cli(env, *args)
         assert done.returncode == 0, (args, done.stderr)
