@@ -97,7 +97,8 @@ def test_console_logs_escape_what_they_are_given() -> None:
     try:
         structlog.get_logger("t").warning("provider answered", reason=HOSTILE, tenant_id="a\nb")
     finally:
-        logs.configure("info", json=True, stream=io.StringIO())
+        # Not another configure: it caches loggers, and later tests' capture_logs miss them.
+        structlog.reset_defaults()
     text = out.getvalue()
     assert "\x1b[2K" not in text and "\u202e" not in text and text.count("\n") == 1
 
@@ -105,7 +106,10 @@ def test_console_logs_escape_what_they_are_given() -> None:
 def test_json_logs_keep_the_text_exact() -> None:
     out = io.StringIO()
     logs.configure("info", json=True, stream=out)
-    structlog.get_logger("t").warning("provider answered", reason=HOSTILE)
+    try:
+        structlog.get_logger("t").warning("provider answered", reason=HOSTILE)
+    finally:
+        structlog.reset_defaults()
     assert json.loads(out.getvalue())["reason"] == HOSTILE
 
 
