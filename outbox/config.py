@@ -102,6 +102,8 @@ DEFAULT_LOG_LEVEL: Final = "info"
 # pooler (PgBouncer's pool_mode = transaction) that lends a server session per transaction only.
 POOL_MODES: Final = ("session", "transaction")
 DEFAULT_POOL_MODE: Final = "session"
+# `outbox run` gives the database this long to answer at start-up, then exits saying so.
+DEFAULT_STARTUP_WAIT: Final = timedelta(seconds=60)
 # Where the URL of a direct connection for LISTEN is found unless the file names another place:
 # beside OUTBOX_DATABASE_URL, in the environment, and like it without a password (libpq's pgpass).
 DEFAULT_LISTEN_URL_ENV: Final = "OUTBOX_LISTEN_DATABASE_URL"
@@ -373,6 +375,7 @@ _DATABASE_CHECKS: Final[Mapping[str, Callable[[Any, _Where], Any]]] = MappingPro
         "listen_url_env": _env_name,
         "listen_url_file": _file_name,
         "listen": _boolean,
+        "startup_wait": _positive_duration,
     }
 )
 
@@ -442,6 +445,9 @@ class DatabaseSettings:
     pool_mode: str = DEFAULT_POOL_MODE
     listen_url: str | None = None
     listen: bool = DEFAULT_LISTEN
+    # How long `outbox run` waits for the database at start-up before it exits (code 2) saying
+    # so; once it has started, an unreachable database is waited out for ever.
+    startup_wait: timedelta = DEFAULT_STARTUP_WAIT
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -703,6 +709,7 @@ def _database_settings(values: _Values, environ: Mapping[str, str]) -> DatabaseS
         pool_mode=checked.get("pool_mode", DEFAULT_POOL_MODE),
         listen_url=_listen_url(values, environ),
         listen=checked.get("listen", DEFAULT_LISTEN),
+        startup_wait=checked.get("startup_wait", DEFAULT_STARTUP_WAIT),
     )
 
 

@@ -12,7 +12,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Final
+from typing import Final, Literal
 
 import prometheus_client
 import psycopg
@@ -20,7 +20,7 @@ import structlog
 from psycopg.conninfo import conninfo_to_dict
 
 import outbox
-from outbox import gauges, metrics, sdnotify, wakeup
+from outbox import gauges, metrics, sdnotify, startup, wakeup
 from outbox.config import DEFAULT_LISTEN_URL_ENV, Settings
 from outbox.db.connect import dispatcher_pool, shares_server_sessions
 from outbox.db.store import Store
@@ -87,32 +87,24 @@ async def serve(
     metrics.BUILD_INFO.info({"version": outbox.__version__})
     _tune_gc()
     database = settings.database
-    unparsable = database.listen_url is not None and not _parses(database.listen_url)
-    # Only a URL the daemon would use stops it: with listen off it is never opened.
-    bad_listen_url = unparsable and database.listen
-    if unparsable:  # never quoted: it may carry a password
-        (log.error if bad_listen_url else log.warning)(
-            "the LISTEN URL (database.listen_url) is not a valid connection string",
-            used=database.listen,
-        )
-    # Checked before our own pool adds traffic that could hide the pooler from the check.
-    checked = None
-    if not (bad_listen_url or database.transaction_pooling):
-        checked = await _check_pool_mode(dsn)
-    if bad_listen_url or checked:
-        for provider in providers.values():
-            await provider.aclose()
+    refusal, checked = await _preflight(dsn, settings)
+    if refusal:
+        await _close(providers)
         return EXIT_MISCONFIGURED
     pool = dispatcher_pool(
         dsn, max_size=POOL_MAX_SIZE, transaction_pooling=database.transaction_pooling
     )
-    await pool.open(wait=False)  # an unreachable database is retried, not fatal
     timeouts = {name: ps.timeout for name, ps in settings.providers.items()}
     limits = {name: ps.limits for name, ps in settings.providers.items()}
     dispatcher = Dispatcher(Store(pool), providers, settings.dispatcher, worker_id=worker_id(),
                             call_timeouts=timeouts, limits=limits)  # fmt: skip
     health = Health(dispatcher)
-    http = start_http(metrics_addr, health) if metrics_addr else None
+    # Before the pool opens: a port in use must end the run, not leave it half started.
+    http = _listen(metrics_addr, health) if metrics_addr else None
+    if http is False:
+        await _close(providers)
+        return EXIT_MISCONFIGURED
+    await pool.open(wait=False)  # once started, an unreachable database is retried, not fatal
     helpers = [asyncio.create_task(_tick(health), name="outbox-tick")]
     listen_url = _wakeup_url(dsn, settings)
     if listen_url is not None:
@@ -158,6 +150,49 @@ async def serve(
             http.server_close()
     log.info("outbox run stopped")
     return EXIT_MISCONFIGURED if refused.is_set() else 0
+
+
+async def _preflight(dsn: str, settings: Settings) -> tuple[bool, bool | None]:
+    """Whether `outbox run` must not start (each reason logged, with its fix), and the result
+    of the pool-mode check (None: postponed)."""
+    database = settings.database
+    # First: a database that never answers, or a schema that is not this outbox's, ends the
+    # run now with the fix, not an error loop (outbox/startup.py).
+    problem = await startup.check_database(dsn, database.startup_wait)
+    if problem is not None:
+        log.error(f"outbox run cannot start: {problem}")
+        return True, None
+    unparsable = database.listen_url is not None and not _parses(database.listen_url)
+    # Only a URL the daemon would use stops it: with listen off it is never opened.
+    bad_listen_url = unparsable and database.listen
+    if unparsable:  # never quoted: it may carry a password
+        (log.error if bad_listen_url else log.warning)(
+            "the LISTEN URL (database.listen_url) is not a valid connection string",
+            used=database.listen,
+        )
+    # Checked before our own pool adds traffic that could hide the pooler from the check.
+    checked = None
+    if not (bad_listen_url or database.transaction_pooling):
+        checked = await _check_pool_mode(dsn)
+    return bool(bad_listen_url or checked), checked
+
+
+def _listen(addr: tuple[str, int], health: Health) -> ThreadingHTTPServer | Literal[False]:
+    """The HTTP listener, or False (logged with the fix) when the address is taken."""
+    try:
+        return start_http(addr, health)
+    except OSError as exc:
+        log.error(  # noqa: TRY400 (one line with the fix: the traceback would say less)
+            f"outbox run cannot start: it cannot listen on {addr[0]}:{addr[1]} for /metrics "
+            f"({exc.strerror or exc}): another outbox run on this host? give each its own "
+            "--metrics-addr, or --metrics-addr off"
+        )
+        return False
+
+
+async def _close(providers: Mapping[str, Provider]) -> None:
+    for provider in providers.values():
+        await provider.aclose()
 
 
 def _listening_flag(dispatcher: Dispatcher) -> Callable[[bool], None]:

@@ -120,7 +120,9 @@ GRANT EXECUTE ON FUNCTION
     outbox.claim_checks(text[], interval, integer),
     outbox.defer_check(bigint, interval, interval),
     outbox.defer_check(bigint, interval, interval, integer, integer),
-    outbox.repair_ordering_key(text, text)
+    outbox.repair_ordering_key(text, text),
+    -- `outbox run` checks the schema at start-up (0027).
+    outbox.schema_version()
 TO outbox_dispatcher;
 -- Ordering keys whose next operation waits for a dispatcher (REPAIRS_DUE; see 0015).
 GRANT SELECT ON outbox.ordering_repairs, outbox.ordering_modes TO outbox_dispatcher;
@@ -148,5 +150,6 @@ GRANT EXECUTE ON FUNCTION
     outbox.defer_check(bigint, interval, interval),
     outbox.defer_check(bigint, interval, interval, integer, integer),
     outbox.set_ordering_mode(text, text, text),
-    outbox.set_ordering_mode(text, text, text, text)
+    outbox.set_ordering_mode(text, text, text, text),
+    outbox.schema_version()
 TO outbox_operator;

@@ -670,6 +670,9 @@ ORDER BY status_changed_at, id
 LIMIT %(limit)s::integer
 """
 
+# The newest migration applied (sql/0027), checked by `outbox run` at start-up.
+SCHEMA_VERSION: Final = "SELECT outbox.schema_version()"
+
 # One operation's payload, as text, for the check of a row listed without it.
 CHECK_PAYLOAD: Final = "SELECT payload::text FROM outbox.operations WHERE id = %(id)s"
 

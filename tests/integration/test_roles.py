@@ -253,6 +253,7 @@ def test_every_function_is_pinned_and_executable_only_by_its_roles(roles_db: str
         "outbox.repair_ordering_key(text,text)": (True, ["outbox_dispatcher"]),
         "outbox.set_ordering_mode(text,text,text)": (True, ["outbox_operator"]),
         "outbox.set_ordering_mode(text,text,text,text)": (True, ["outbox_operator"]),
+        "outbox.schema_version()": (True, ["outbox_dispatcher", "outbox_operator"]),
     }
     # Only those entry points run as the owner, and the triggers: the wake-up and the ordering
     # key's turn fire at the producer's commit, after enqueue has returned (sql/0012, 0015);
