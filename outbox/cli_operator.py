@@ -48,8 +48,12 @@ def build_group(name: str, status: Status) -> click.Group:
     @json_option
     def list_(dsn: str, provider: str | None, limit: int, as_json: bool) -> None:
         """List them, oldest first."""
-        with connect(dsn) as conn:
-            rows = operators.list_attention(conn, status, provider=provider, limit=limit)
+        with connect(dsn) as conn:  # one row more than shown: whether the list goes on
+            rows = operators.list_attention(conn, status, provider=provider, limit=limit + 1)
+        truncated, rows = len(rows) > limit, rows[:limit]
+        if truncated:  # on stderr, so that the table (or the JSON) stays whole for scripts
+            click.echo(f"outbox: the oldest {limit} shown; more are {status.value}: raise "
+                       "--limit, or narrow with --provider", err=True)  # fmt: skip
         if as_json:
             click.echo(json.dumps(rows, default=str))
             return

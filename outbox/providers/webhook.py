@@ -4,13 +4,14 @@ The body is the payload exactly as stored: PostgreSQL's JSON text of it (``paylo
 that every number reaches the receiver as it was enqueued (``19.999999999999999999``, not 20.0).
 
 Response classes follow the IETF Idempotency-Key draft: 2xx success; 409 (a request with that
-key is in progress), 408, 425 and 429 transient, honouring Retry-After; 422 and other 4xx
-permanent; every 5xx (503 included: a gateway may answer it after the receiver acted), timeouts
-and resets after sending unknown, retried with the same key only inside the key window; a refused
-connection transient (nothing was sent). An answer is read within bounds (outbox.providers.
-answers): one over ``max_response_bytes``, undecodable or too slow is unknown, since the receiver
-answered and so may have acted. The reference of a 2xx is its ``reference_field`` when that is an
-identifier (``answers.reference``), else the idempotency key.
+key is in progress), 408, 425 and 429 transient, honouring Retry-After; 401 and 403 pause the
+provider (our credentials are refused: nothing is spent); 422 and other 4xx permanent; every 5xx
+(503 included: a gateway may answer it after the receiver acted), timeouts and resets after
+sending unknown, retried with the same key only inside the key window; a refused connection
+transient (nothing was sent). An answer is read within bounds (outbox.providers.answers): one
+over ``max_response_bytes``, undecodable or too slow is unknown, since the receiver answered and
+so may have acted. The reference of a 2xx is its ``reference_field`` when that is an identifier
+(``answers.reference``), else the idempotency key.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ DEFAULT_REFERENCE_FIELD = "id"
 # in progress (409), rate limited (429), timed out waiting for the request itself (408), too early
 # (425).
 _TRANSIENT_STATUSES = frozenset({408, 409, 425, 429})
+# The receiver refuses our credentials (the secret headers): the provider pauses, as Stripe's
+# does on a 401, and nothing is spent or quarantined (provider_limits, reason "credentials").
+_REFUSED_CREDENTIALS = frozenset({401, 403})
 # Longest Retry-After we honour: a misconfigured receiver must not park operations for days.
 MAX_RETRY_AFTER = timedelta(hours=1)
 _JSON_TYPE: Final = {"Content-Type": "application/json"}
@@ -170,6 +174,10 @@ class WebhookProvider:
             # identifier) still knows the effect by its key.
             return Succeeded(ref or request.idempotency_key, body, status, request_id)
         retry_after = _retry_after(response)
+        if status in _REFUSED_CREDENTIALS:
+            # Our secret headers are refused: every operation would be, so the provider pauses
+            # (its breaker opens, reason credentials) and this one keeps its attempt.
+            return transient(f"http_{status}", _reason(response), pause=True, **details)
         if status in _TRANSIENT_STATUSES:
             # 409 (the key is in use) and 429 (slow down) concern this request, not the
             # receiver's health; 408 and 425 may.
@@ -227,6 +235,8 @@ def _fallback(status: int, exc: Exception) -> SendResult:
     note = f"HTTP {status} (answer unreadable: {type(exc).__name__})"
     if 200 <= status < 300:
         return unknown("unreadable_success", note, http_status=status)
+    if status in _REFUSED_CREDENTIALS:
+        return transient(f"http_{status}", note, http_status=status, pause=True)
     if status in _TRANSIENT_STATUSES:
         return transient(f"http_{status}", note, http_status=status)
     if 400 <= status < 500:

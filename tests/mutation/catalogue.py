@@ -459,6 +459,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "",
         "tests/integration/test_allow_lists.py",
     ),
+    _one(
+        "webhook-credentials-quarantine",
+        "a webhook that refuses outbox's credentials quarantines the whole backlog",
+        "outbox/providers/webhook.py",
+        "        if status in _REFUSED_CREDENTIALS:\n            # Our secret headers",
+        "        if False:\n            # Our secret headers",
+        "tests/integration/test_webhook_credentials.py",
+    ),
     # --- what is claimed, and in what order ---------------------------------------------------
     _one(
         "stage-before-due",
