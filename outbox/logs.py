@@ -67,6 +67,30 @@ def escape_controls(_: Any, __: str, event: MutableMapping[str, Any]) -> Mutable
     return event
 
 
+# The handler outbox puts on the root logger, replaced by each configure().
+_STDLIB_HANDLER: logging.Handler | None = None
+
+
+def _route_stdlib(out: TextIO, level: str, shared: list[Any], renderer: Any) -> None:
+    """Library loggers (psycopg_pool, httpx, asyncio) through the same processors: in JSON mode
+    every line is one JSON event, a traceback or a multi-line message included."""
+    global _STDLIB_HANDLER  # noqa: PLW0603 (one root handler per process, swapped, never added)
+    formatter = structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[structlog.stdlib.add_logger_name, *shared],
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+    )
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(formatter)
+    root = logging.getLogger()
+    if _STDLIB_HANDLER is not None:
+        root.removeHandler(_STDLIB_HANDLER)
+    root.addHandler(handler)
+    # Libraries' warnings and errors only, whatever outbox's own level: httpx alone logs every
+    # request at info, and none of their chatter is worth a line per operation.
+    root.setLevel(max(logging.WARNING, logging.getLevelNamesMapping()[level.upper()]))
+    _STDLIB_HANDLER = handler
+
+
 def configure(level: str = "info", *, json: bool | None = None,
               stream: TextIO | None = None) -> None:  # fmt: skip
     """Configure structlog for the process: lines to ``stream`` (default stderr), as JSON
@@ -76,21 +100,31 @@ def configure(level: str = "info", *, json: bool | None = None,
     renderer: Any = (
         structlog.processors.JSONRenderer() if use_json else structlog.dev.ConsoleRenderer()
     )
+    shared: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        # Tracebacks rendered first, so that redaction sees them too.
+        structlog.processors.format_exc_info,
+        redact_secrets,
+        # JSON escapes control characters itself; a terminal must not act on them.
+        *(() if use_json else (escape_controls,)),
+    ]
+    _route_stdlib(out, level, shared, renderer)
     structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            # Tracebacks rendered first, so that redaction sees them too.
-            structlog.processors.format_exc_info,
-            redact_secrets,
-            # JSON escapes control characters itself; a terminal must not act on them.
-            *(() if use_json else (escape_controls,)),
-            renderer,
-        ],
+        processors=[*shared, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.getLevelNamesMapping()[level.upper()]
         ),
         logger_factory=structlog.PrintLoggerFactory(out),
         cache_logger_on_first_use=True,
     )
+
+
+def unconfigure() -> None:
+    """Back to structlog's defaults, and no handler of outbox's on the root logger (tests)."""
+    global _STDLIB_HANDLER  # noqa: PLW0603 (the one handler configure() put there)
+    structlog.reset_defaults()
+    if _STDLIB_HANDLER is not None:
+        logging.getLogger().removeHandler(_STDLIB_HANDLER)
+        _STDLIB_HANDLER = None

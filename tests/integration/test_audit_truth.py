@@ -98,7 +98,7 @@ def test_console_logs_escape_what_they_are_given() -> None:
         structlog.get_logger("t").warning("provider answered", reason=HOSTILE, tenant_id="a\nb")
     finally:
         # Not another configure: it caches loggers, and later tests' capture_logs miss them.
-        structlog.reset_defaults()
+        logs.unconfigure()
     text = out.getvalue()
     assert "\x1b[2K" not in text and "\u202e" not in text and text.count("\n") == 1
 
@@ -109,7 +109,7 @@ def test_json_logs_keep_the_text_exact() -> None:
     try:
         structlog.get_logger("t").warning("provider answered", reason=HOSTILE)
     finally:
-        structlog.reset_defaults()
+        logs.unconfigure()
     assert json.loads(out.getvalue())["reason"] == HOSTILE
 
 

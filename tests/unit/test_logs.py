@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 from collections.abc import Iterator
 
 import pytest
@@ -17,7 +18,7 @@ def lines() -> Iterator[io.StringIO]:
     stream = io.StringIO()
     logs.configure("debug", json=True, stream=stream)
     yield stream
-    structlog.reset_defaults()
+    logs.unconfigure()
 
 
 def test_lines_are_json_and_secrets_never_appear(lines: io.StringIO) -> None:
@@ -45,7 +46,7 @@ def test_levels_filter() -> None:
         log.info("hidden")
         log.warning("shown")
     finally:
-        structlog.reset_defaults()
+        logs.unconfigure()
     assert "shown" in stream.getvalue() and "hidden" not in stream.getvalue()
 
 
@@ -63,3 +64,20 @@ def test_a_traceback_keeps_no_row_a_database_error_quoted(lines: io.StringIO) ->
     assert "violates check constraint" in event["exception"]  # the cause survives
     for secret in ("4242424242424242", "sk_live_abcdefgh12345678", "Failing row"):
         assert secret not in line, secret
+
+
+def test_library_loggers_write_json_lines_too(lines: io.StringIO) -> None:
+    """Issue 21, case 7: psycopg_pool's and any stdlib logger's lines bypassed structlog, plain
+    and some on several lines, during an outage. Each is one JSON event now, redacted."""
+    logging.getLogger("psycopg.pool").warning(
+        "error connecting in %r: %s", "outbox", "connection refused\nis the server running? "
+        "password=hunter2")  # fmt: skip
+    try:
+        _ = 1 // 0
+    except ZeroDivisionError:
+        logging.getLogger("asyncio").exception("Task exception was never retrieved")
+    logging.getLogger("httpx").info("HTTP Request: POST https://api.stripe.com/v1/x")  # dropped
+    events = [json.loads(line) for line in lines.getvalue().splitlines()]
+    assert [(e["logger"], e["level"]) for e in events] == [("psycopg.pool", "warning"),
+                                                           ("asyncio", "error")]  # fmt: skip
+    assert "hunter2" not in lines.getvalue() and "ZeroDivisionError" in events[1]["exception"]
