@@ -179,6 +179,9 @@ def add_reconcile_check(group: click.Group) -> None:
             providers = build_providers(configured)
         except ConfigError as exc:
             raise BadInput(str(exc)) from None
+        if not providers:  # it would find nothing to ask, and say nothing of why
+            raise BadInput("no provider is configured, so none can be asked: give --config (or "
+                           "OUTBOX_CONFIG) with the providers outbox run uses")  # fmt: skip
         limits = {name: ps.limits for name, ps in configured.items()}
         with click.progressbar(length=0, label="checking", file=sys.stderr,
                                hidden=as_json or not check_all) as bar:  # fmt: skip
@@ -198,8 +201,12 @@ def add_reconcile_check(group: click.Group) -> None:
 
 
 def _check_note(result: reconciler.CheckResult, dry_run: bool) -> str:
+    if result.finding == "no_lookup" and result.error == "not_configured":
+        return (f"no provider named {result.provider!r} in this config: give the config "
+                "outbox run uses")  # fmt: skip
     if result.finding == "no_lookup":
-        return "this provider cannot be asked: a person decides"
+        return ("this provider cannot be asked: check with its owner, then `reconcile resolve`, "
+                "or `reconcile retry --force` if it never acted")  # fmt: skip
     if result.finding == "error":
         return f"the look-up failed ({result.error}); nothing recorded"
     notes = []

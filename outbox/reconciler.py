@@ -78,8 +78,11 @@ class Reconciler:
                          askable_only: bool = True) -> list[dict[str, Any]]:  # fmt: skip
         """Reconciling operations to check; ``askable_only``: of providers with a lookup."""
         names = [n for n, p in self._providers.items() if isinstance(p, Lookup) or not askable_only]
+        # One operation asked for by id is checked whatever its provider: an unconfigured one
+        # is then named in the finding rather than leaving an empty table.
+        chosen = None if operation_id is not None and not askable_only else names
         params = {"id": operation_id, "recheck_after": recheck_after, "limit": limit,
-                  "providers": names}  # fmt: skip
+                  "providers": chosen}  # fmt: skip
         return await self._rows(statements.RECONCILING_TO_CHECK, params)
 
     async def check(self, row: Mapping[str, Any], *, dry_run: bool = False,
@@ -133,6 +136,8 @@ class Reconciler:
     async def _look(self, row: Mapping[str, Any]) -> CheckResult:
         base = {"operation_id": row["id"], "provider": row["provider"]}
         provider = self._providers.get(row["provider"])
+        if provider is None:
+            return CheckResult(finding="no_lookup", error="not_configured", **base)
         if not isinstance(provider, Lookup):
             return CheckResult(finding="no_lookup", **base)
         try:

@@ -663,7 +663,8 @@ FROM outbox.operations o
 WHERE status = 'reconciling'
   AND (%(id)s::bigint IS NULL OR id = %(id)s::bigint)
   -- Only providers that can be asked: the others wait for a person, and must not fill every batch.
-  AND provider = ANY (%(providers)s::text[])
+  -- NULL: any provider (one operation asked for by id, whose provider may not be configured).
+  AND (%(providers)s::text[] IS NULL OR provider = ANY (%(providers)s::text[]))
   AND (%(recheck_after)s::interval IS NULL OR checked_at IS NULL
        OR checked_at < now() - %(recheck_after)s::interval)
 ORDER BY status_changed_at, id
