@@ -176,6 +176,8 @@ class Dispatcher:
         self._limits = Limits(store, every)
         self._action_pauses = ActionPauses({n: lim.breaker_open_for for n, lim in every.items()})
         self._labels = Labels({name: getattr(p, "actions", None) for name, p in providers.items()})
+        # The alerts' counters exist at 0 from now: a first increase must show (issue 21).
+        metrics.start_at_zero(self._labels.provider(name) for name in providers)
         self._wake = asyncio.Event()
         # Claims in a row that a notification started and that found nothing (WAKE_GAP_MIN);
         # wake-ups of this process's own (a slot freed, rows staged) neither count nor wait.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Final
 
 from prometheus_client import Counter, Gauge, Histogram, Info
@@ -94,3 +95,35 @@ NEARING_KEY_EXPIRY: Final = Gauge(
     "Pending operations whose key window closes within the hour.", ["provider"],
 )  # fmt: skip
 BUILD_INFO: Final = Info("outbox_build", "The running outbox version.")
+
+
+# The label values outbox itself writes (outbox.policy's reasons, the reconciler's findings,
+# the breaker's states, the loops that count database errors), for start_at_zero.
+QUARANTINE_REASONS: Final = ("permanent_failure", "attempts_exhausted", "invalid_payload",
+                             "internal_error", "provider_declined")  # fmt: skip
+ROUTED_REASONS: Final = ("key_window_passed", "indeterminate_provider_error")
+CHECK_FINDINGS: Final = ("found", "refused", "undecided", "not_found", "no_lookup", "error",
+                         "stale")  # fmt: skip
+BREAKER_STATES: Final = ("open", "half_open", "closed")
+DB_OPERATIONS: Final = ("claim", "record", "unclaim", "heartbeat", "rescue", "stage", "gauges",
+                        "listen", "reconcile", "ordering_repair", "take_tokens",
+                        "throttle_bucket")  # fmt: skip
+
+
+def start_at_zero(providers: Iterable[str]) -> None:
+    """Every label set outbox knows of, present at 0 from start-up. A series that first
+    appears at 10 shows Prometheus no increase() (there is no earlier sample), so the first
+    quarantines of a new provider paged no one (issue 21)."""
+    for provider in providers:
+        for reason in QUARANTINE_REASONS:
+            QUARANTINED.labels(provider, reason)
+        for reason in ROUTED_REASONS:
+            RECONCILIATION_ROUTED.labels(provider, reason)
+        for finding in CHECK_FINDINGS:
+            RECONCILE_CHECKS.labels(provider, finding)
+        for state in BREAKER_STATES:
+            PROVIDER_TRANSITIONS.labels(provider, state)
+        RETRIES.labels(provider)
+        PROVIDER_THROTTLED.labels(provider)
+    for operation in DB_OPERATIONS:
+        DB_ERRORS.labels(operation)

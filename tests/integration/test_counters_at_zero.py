@@ -1,0 +1,34 @@
+"""Counters exist at 0 from start-up (issue 21, case 5). Labelled counters were created on their
+first increment, so ten quarantines on a new provider showed Prometheus a series that began at
+10: increase(outbox_quarantined_total[1h]) was 0 and OutboxQuarantineGrowing never fired."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import REGISTRY
+from psycopg_pool import AsyncConnectionPool
+
+from outbox import metrics
+from outbox.providers.base import Provider
+from tests.support.dispatch import dispatcher
+
+
+async def test_a_new_providers_label_sets_are_exported_at_zero_before_any_event(
+    pool: AsyncConnectionPool[Any], hook: Provider
+) -> None:
+    name = "fresh-provider-for-zero"
+    dispatcher(pool, {name: hook})  # construction alone: nothing claimed, nothing sent
+    sample = REGISTRY.get_sample_value
+    for reason in metrics.QUARANTINE_REASONS:
+        labels = {"provider": name, "reason": reason}
+        assert sample("outbox_quarantined_total", labels) == 0, reason
+    for reason in metrics.ROUTED_REASONS:
+        labels = {"provider": name, "reason": reason}
+        assert sample("outbox_reconciliation_routed_total", labels) == 0, reason
+    assert sample("outbox_retries_total", {"provider": name}) == 0
+    for finding in metrics.CHECK_FINDINGS:
+        labels = {"provider": name, "finding": finding}
+        assert sample("outbox_reconcile_checks_total", labels) == 0
+    for operation in metrics.DB_OPERATIONS:
+        assert sample("outbox_db_errors_total", {"operation": operation}) is not None
