@@ -426,6 +426,7 @@ class Dispatcher:
                                               caps=caps, after=self._cursor)  # fmt: skip
         except psycopg.Error as exc:
             self.database_ok = False
+            metrics.DATABASE_UP.set(0)
             metrics.DB_ERRORS.labels("claim").inc()
             log.warning(
                 "claim failed; retrying",
@@ -436,6 +437,7 @@ class Dispatcher:
             self._claim_retry = min(self._claim_retry * 2, CLAIM_RETRY_MAX)
             return []
         self.database_ok = True
+        metrics.DATABASE_UP.set(1)
         self._claim_retry = CLAIM_RETRY_MIN
         metrics.CLAIM_DURATION.observe(time.perf_counter() - started)
         self._advance_cursor(claimed)

@@ -25,6 +25,15 @@ DISPATCH_DURATION: Final = Histogram(
 END_TO_END: Final = Histogram(
     "outbox_end_to_end_seconds", "Enqueue to success.", ["provider"], buckets=_END_TO_END_BUCKETS
 )
+DATABASE_UP: Final = Gauge(
+    "outbox_database_up",
+    "1 while this process's last claim reached the database; 0 while it cannot (readiness).",
+)
+GAUGES_REFRESHED: Final = Gauge(
+    "outbox_gauges_refreshed_timestamp_seconds",
+    "When the database-wide gauges (outbox_operations, the oldest ages) were last read; they keep "
+    "their last values while the database cannot be reached, so alert on this going stale.",
+)
 IN_FLIGHT: Final = Gauge("outbox_in_flight", "Operations this process holds a lease on.")
 RETRIES: Final = Counter("outbox_retries", "Attempts scheduled for retry.", ["provider"])
 QUARANTINED: Final = Counter(

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import psycopg
+import pytest
 from prometheus_client import REGISTRY
 from psycopg_pool import AsyncConnectionPool
 
-from outbox import metrics
+from outbox import gauges, metrics
 from outbox.providers.base import Provider
+from tests.support.cluster import free_port
 from tests.support.dispatch import dispatcher
 
 
@@ -32,3 +35,28 @@ async def test_a_new_providers_label_sets_are_exported_at_zero_before_any_event(
         assert sample("outbox_reconcile_checks_total", labels) == 0
     for operation in metrics.DB_OPERATIONS:
         assert sample("outbox_db_errors_total", {"operation": operation}) is not None
+
+
+async def test_the_database_being_unreachable_and_stale_gauges_are_visible(
+    db_url: str, pool: AsyncConnectionPool[Any], hook: Provider
+) -> None:
+    """Issue 21, case 4: /readyz said 503 but nothing a scrape could alert on did, and the
+    gauges kept their last values (0 pending while 10 waited)."""
+    nowhere = f"host=127.0.0.1 port={free_port()} user=postgres connect_timeout=1"
+    dead = AsyncConnectionPool(nowhere, min_size=1, max_size=1, open=False, timeout=1.0)
+    await dead.open(wait=False)
+    try:
+        assert await dispatcher(dead, {"hook": hook}).run_once() == 0
+        assert REGISTRY.get_sample_value("outbox_database_up") == 0
+        before = REGISTRY.get_sample_value("outbox_gauges_refreshed_timestamp_seconds") or 0.0
+        with pytest.raises(psycopg.Error):
+            await gauges.refresh(dead, {})
+        assert (REGISTRY.get_sample_value("outbox_gauges_refreshed_timestamp_seconds") or 0.0
+                ) == before  # fmt: skip
+    finally:
+        await dead.close()
+    assert await dispatcher(pool, {"hook": hook}).run_once() == 0
+    assert REGISTRY.get_sample_value("outbox_database_up") == 1
+    await gauges.refresh(pool, {})
+    assert (REGISTRY.get_sample_value("outbox_gauges_refreshed_timestamp_seconds") or 0.0
+            ) > before  # fmt: skip
