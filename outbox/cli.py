@@ -16,7 +16,17 @@ from typing import IO, Any
 import click
 from psycopg.rows import dict_row
 
-from outbox import cli_operator, cli_ordering, daemon, event_loop, gauges, logs, producer, prune
+from outbox import (
+    cli_operator,
+    cli_ordering,
+    daemon,
+    event_loop,
+    gauges,
+    logs,
+    payloads,
+    producer,
+    prune,
+)
 from outbox import demo as demo_module
 from outbox.cli_common import (
     BadInput,
@@ -27,7 +37,7 @@ from outbox.cli_common import (
     dsn_option,
     json_option,
 )
-from outbox.config import ConfigError, load_settings
+from outbox.config import LOG_LEVELS, ConfigError, load_settings
 from outbox.db import dsn as dsn_util
 from outbox.db import migrations, statements
 from outbox.db.connect import migration_blocker
@@ -35,6 +45,7 @@ from outbox.durations import format_duration
 from outbox.errors import InvalidOperation, OperationConflict
 from outbox.model import Status
 from outbox.providers.registry import build_providers
+from outbox.safe_text import printable
 from outbox.tables import render_table
 
 # Loopback: metrics say how many operations of which tenants flow where; expose them on purpose.
@@ -46,7 +57,11 @@ DEFAULT_METRICS_ADDR = "127.0.0.1:9464"
 def main() -> None:
     """outbox: transactional-outbox dispatcher for PostgreSQL."""
     # Log lines go to stderr, so stdout stays the command's output; `run` sets its own level.
-    logs.configure(os.environ.get("OUTBOX_LOG_LEVEL", "warning"))
+    level = os.environ.get("OUTBOX_LOG_LEVEL", "warning").strip().lower()
+    if level not in LOG_LEVELS:  # a usage error, exit 2, never a KeyError's traceback
+        raise BadInput(f"OUTBOX_LOG_LEVEL must be one of {', '.join(LOG_LEVELS)}, not "
+                       f"{printable(level)!r}")  # fmt: skip
+    logs.configure(level)
 
 
 @main.command()
@@ -166,14 +181,19 @@ def _read_payload(text: str | None, file: IO[str] | None) -> Any:
     if text is not None and file is None:
         source = text
     elif file is not None and text is None:
-        source = file.read()
+        try:
+            source = file.read()
+        except UnicodeDecodeError as exc:
+            raise BadInput(f"the payload file is not UTF-8 text (byte {exc.start})") from None
     else:
         raise click.UsageError("give the payload with exactly one of --payload or --payload-file")
     try:
-        return json.loads(source)
-    except json.JSONDecodeError as exc:
+        # The stored payloads' own limits (nesting, digits): the decoder that enforces them, so
+        # that a 3,000-level or 5,000-digit payload is bad input, not a traceback.
+        return payloads.decode(source)
+    except payloads.InvalidPayload as exc:
         # The message gives the position only: the payload itself is never echoed.
-        raise BadInput(f"the payload is not valid JSON: {exc}") from None
+        raise BadInput(str(exc)) from None
 
 
 @main.command("prune")

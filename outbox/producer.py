@@ -59,6 +59,8 @@ def _check_binding(tenant_id: object, autocommit: bool, status: TransactionStatu
         )
     if "\x00" in tenant_id:
         raise InvalidOperation("tenant_id", "tenant_id must not contain NUL characters")
+    if not tenant_id.isascii() and not _encodable(tenant_id):
+        raise InvalidOperation("tenant_id", "tenant_id must be UTF-8 text")
     if autocommit and status == TransactionStatus.IDLE:
         raise psycopg.ProgrammingError(
             "bind_tenant needs an open transaction (use `with conn.transaction():`): on an "
@@ -184,8 +186,19 @@ def _enqueue_params(arguments: Mapping[str, Any]) -> Params:
             raise InvalidOperation(field, f"{field} must be a string, not {type(value).__name__}")
         if value is not None and "\x00" in value:
             raise InvalidOperation(field, f"{field} must not contain NUL characters")
+        if value is not None and not value.isascii() and not _encodable(value):
+            # A lone surrogate (undecodable bytes on a command line): no UTF-8 text has it.
+            raise InvalidOperation(field, f"{field} must be UTF-8 text")
     params["payload"] = _payload_json(params["payload"])
     return params
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _payload_json(payload: object) -> str:

@@ -66,12 +66,16 @@ def test_a_conflict_exits_3_and_changes_nothing(cli_env: dict[str, str], db_url:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--payload", "[1]"], "payload must be a JSON object"),
+        (["--payload", "[1]"], "the payload is a JSON array, not an object"),
         (["--payload", '{"amount": '], "the payload is not valid JSON"),
+        # Issue 21: these were tracebacks with exit 1.
+        (["--payload", '{"a": ' * 3000 + "1" + "}" * 3000], "nests deeper than 64 levels"),
+        (["--payload", '{"n": ' + "9" * 5000 + "}"], "a number of 1e100 or more"),
+        (["--payload", "{}", "--tenant-id", "t\udcff"], "tenant_id must be UTF-8 text"),
         (["--payload", PAYLOAD, "--idempotency-key", "a b"], "idempotency_key must be"),
         ([], "exactly one of --payload or --payload-file"),
     ],
-    ids=["array", "broken-json", "bad-key", "no-payload"],
+    ids=["array", "broken-json", "deep", "digits", "surrogate", "bad-key", "no-payload"],
 )
 def test_bad_input_exits_2_with_a_clear_message_and_writes_nothing(
     cli_env: dict[str, str], db_url: str, args: list[str], message: str
@@ -80,6 +84,19 @@ def test_bad_input_exits_2_with_a_clear_message_and_writes_nothing(
     assert done.returncode == 2
     assert message in done.stderr
     assert count(db_url) == 0
+
+
+def test_a_payload_file_that_is_not_utf8_and_an_unknown_log_level_exit_2(
+    cli_env: dict[str, str], db_url: str, tmp_path: Path
+) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(b"\xff\xfe{}")
+    done = outbox_cli(cli_env, "enqueue", *CHARGE, "--payload-file", str(bad))
+    assert (done.returncode, done.stderr.strip()) == (
+        2, "Error: the payload file is not UTF-8 text (byte 0)")  # fmt: skip
+    trace = outbox_cli({**cli_env, "OUTBOX_LOG_LEVEL": "trace"}, "status")
+    assert trace.returncode == 2 and "OUTBOX_LOG_LEVEL must be one of" in trace.stderr
+    assert "Traceback" not in done.stderr + trace.stderr and count(db_url) == 0
 
 
 def test_status_counts_every_status_as_table_and_json(cli_env: dict[str, str]) -> None:
