@@ -34,6 +34,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Final
 
+import structlog
+
 from outbox.durations import format_duration, parse_duration
 from outbox.errors import OutboxError
 from outbox.event_loop import EVENT_LOOPS, uvloop_available
@@ -187,6 +189,18 @@ def _positive_int(value: object, where: _Where) -> int:
     return number
 
 
+# The most calls one process may have in flight: past this a typo, not a setting (each call is a
+# task, a pool slot and a socket; PostgreSQL's default max_connections is 100).
+MAX_CONCURRENCY: Final = 10_000
+
+
+def _bounded_int(value: object, where: _Where, most: int) -> int:
+    number = _positive_int(value, where)
+    if number > most:
+        raise where.error(f"must be at most {most:,}, not {_show(value)}")
+    return number
+
+
 def _boolean(value: object, where: _Where) -> bool:
     """``value`` as a boolean; from the environment, true/false/1/0/yes/no."""
     if where.env is not None and isinstance(value, str):
@@ -328,7 +342,7 @@ def _file_name(value: object, where: _Where) -> str:
 # Every key of [dispatcher] and what its value must be: this table is the list of valid keys.
 _DISPATCHER_CHECKS: Final[Mapping[str, Callable[[Any, _Where], Any]]] = MappingProxyType(
     {
-        "concurrency": _positive_int,
+        "concurrency": lambda value, where: _bounded_int(value, where, MAX_CONCURRENCY),
         "batch_size": _positive_int,
         "lease": _positive_duration,
         "poll_interval": _positive_duration,
@@ -892,7 +906,21 @@ def _read_secret_file(name: str, key: str, credentials_directory: str | None) ->
     text = text.removesuffix("\n").removesuffix("\r") if text.endswith("\n") else text
     if not text:
         raise ConfigError(f"{key}: secret file {path} is empty", key=key)
+    _warn_if_readable(path, key)
     return text
+
+
+def _warn_if_readable(path: Path, key: str) -> None:
+    """A secret file others on the host may read is worth a word (systemd's credentials are
+    0400 of their own accord)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return
+    if mode & 0o077:
+        structlog.get_logger("outbox.config").warning(
+            "a secret file is readable by its group or by everyone: chmod 600 it", key=key,
+            file=str(path), mode=oct(mode & 0o777))  # fmt: skip
 
 
 # --- Freezing and redaction ------------------------------------------------------------------

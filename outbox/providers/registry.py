@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import urllib.parse
 from collections.abc import Callable, Mapping
 from importlib.metadata import entry_points
 from typing import Any, Final
@@ -31,10 +32,10 @@ from outbox.providers.webhook import DEFAULT_REFERENCE_FIELD, WebhookOptions, We
 ENTRY_POINT_GROUP: Final = "outbox.providers"
 Factory = Callable[[ProviderSettings], Provider]
 
-_WEBHOOK_KEYS: Final = ("url", "headers", "secret_headers", "reference_field",
+_WEBHOOK_KEYS: Final = ("url", "headers", "secret_headers", "reference_field", "allow_insecure",
                          "max_response_bytes")  # fmt: skip
 _STRIPE_KEYS: Final = ("api_key_env", "api_key_file", "api_base", "stripe_account",
-                       "max_response_bytes", "redact_fields", "stripe_version",
+                       "allow_insecure", "max_response_bytes", "redact_fields", "stripe_version",
                        "operation_accounts")  # fmt: skip
 # Stripe's API versions: a date, and since 2024-09-30 a release name (2026-10-28.endive).
 _STRIPE_VERSION: Final = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}(\.[a-z]+)?")
@@ -82,15 +83,26 @@ def webhook_options(
     secrets = _string_map(
         ps.options.get("secret_headers", {}), f"{where}.secret_headers", allow_tables=True
     )
+    headers = _string_map(ps.options.get("headers", {}), f"{where}.headers")
+    for name, value in headers.items():
+        _check_header(name, value, f"{where}.headers.{name}")
+        if _SECRET_HEADER.search(name):  # secrets come from the environment or files only
+            raise ConfigError(f"{where}.headers.{name} looks like a secret: move it to "
+                              "secret_headers (read from the environment or a file)")  # fmt: skip
+    secret_values = {
+        name: read_secret(spec, key=f"{where}.secret_headers.{name}", environ=environ)
+        for name, spec in secrets.items()
+    }
+    for name, value in secret_values.items():
+        _check_header(name, value, f"{where}.secret_headers.{name}")
+    _check_endpoint(url, where, carries_secrets=bool(secret_values),
+                    allow_insecure=_allow_insecure(ps))  # fmt: skip
     return WebhookOptions(
         url=url,
         timeout=ps.timeout,
         key_retention=ps.key_retention,
-        headers=_string_map(ps.options.get("headers", {}), f"{where}.headers"),
-        secret_headers={
-            name: read_secret(spec, key=f"{where}.secret_headers.{name}", environ=environ)
-            for name, spec in secrets.items()
-        },
+        headers=headers,
+        secret_headers=secret_values,
         reference_field=str(ps.options.get("reference_field", DEFAULT_REFERENCE_FIELD)),
         max_connections=connection_cap(concurrency, ps.max_in_flight),
         max_response_bytes=_max_response_bytes(ps),
@@ -119,6 +131,8 @@ def stripe_options(
     api_base = str(ps.options.get("api_base", DEFAULT_STRIPE_API))
     if not api_base.startswith(("http://", "https://")):
         raise ConfigError(f"{where}.api_base must be an http:// or https:// URL")
+    # The API key travels in every request: never in clear text to another host.
+    _check_endpoint(api_base, where, carries_secrets=True, allow_insecure=_allow_insecure(ps))
     account = ps.options.get("stripe_account")
     return StripeOptions(
         api_key=read_secret(spec, key=f"{where}.api_key", environ=env), api_base=api_base,
@@ -170,6 +184,42 @@ def _max_response_bytes(ps: ProviderSettings) -> int:
             f"not {value!r}",
             key=f"providers.{ps.name}.max_response_bytes",
         )
+    return value
+
+
+# A header field name (RFC 9110 token), and a value without CR, LF, NUL or other controls: a
+# CR/LF in a secret started the daemon fine, then every request failed to be built.
+_HEADER_NAME: Final = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_HEADER_VALUE_BAD: Final = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+_SECRET_HEADER: Final = re.compile(r"authorization|cookie|api[-_]?key|token|secret|password",
+                                   re.IGNORECASE)  # fmt: skip
+_LOOPBACK: Final = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
+
+
+def _check_header(name: str, value: str, key: str) -> None:
+    if not _HEADER_NAME.fullmatch(name):
+        raise ConfigError(f"{key}: {name!r} is not an HTTP header name", key=key)
+    if _HEADER_VALUE_BAD.search(value) or not value.isascii():  # never quoted: it may be secret
+        raise ConfigError(f"{key}: the value holds a line break, a control character or "
+                          "non-ASCII text, which no HTTP header may carry", key=key)  # fmt: skip
+
+
+def _check_endpoint(url: str, where: str, *, carries_secrets: bool, allow_insecure: bool) -> None:
+    """No credentials in the URL; no secret over clear text to another host."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.username is not None or parts.password is not None:
+        raise ConfigError(f"{where}.url holds credentials (user:password@): put them in "
+                          "secret_headers instead, where they are never logged")  # fmt: skip
+    host = (parts.hostname or "").lower()
+    if carries_secrets and parts.scheme == "http" and host not in _LOOPBACK and not allow_insecure:
+        raise ConfigError(f"{where}: http:// to {host}, and the requests carry secrets in "
+                          "clear text: use https://, or set allow_insecure = true")  # fmt: skip
+
+
+def _allow_insecure(ps: ProviderSettings) -> bool:
+    value = ps.options.get("allow_insecure", False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"providers.{ps.name}.allow_insecure must be true or false")
     return value
 
 

@@ -21,6 +21,7 @@ from outbox import event_loop
 from outbox.config import (
     DEFAULT_KEY_RETENTION,
     DEFAULT_TIMEOUT,
+    MAX_CONCURRENCY,
     ConfigError,
     DatabaseSettings,
     DispatcherSettings,
@@ -328,12 +329,22 @@ def test_a_boolean_from_the_environment_may_be_any_word_for_true(text: str) -> N
 
 
 @PROPERTY
-@given(number=st.integers(-1000, 10**9))
+@given(number=st.integers(-1000, 10**19))
 @hypothesis_example(number=1)
 @hypothesis_example(number=0)
+@hypothesis_example(number=MAX_CONCURRENCY)
+@hypothesis_example(number=MAX_CONCURRENCY + 1)
+@hypothesis_example(number=9223372036854775807)
 def test_a_count_is_any_integer_from_one_up(number: int) -> None:
+    """Concurrency stops at MAX_CONCURRENCY (issue 21: 2**63 - 1 was taken without a word)."""
+    if number > MAX_CONCURRENCY:
+        error = config_error({"dispatcher": {"concurrency": number}})
+        assert str(error) == (f"dispatcher.concurrency (in <config>) must be at most "
+                              f"{MAX_CONCURRENCY:,}, not {number}")  # fmt: skip
     if number >= 1:
-        assert load({"dispatcher": {"concurrency": number}}).dispatcher.concurrency == number
+        if number <= MAX_CONCURRENCY:
+            concurrency = load({"dispatcher": {"concurrency": number}}).dispatcher.concurrency
+            assert concurrency == number
         from_env = load({}, OUTBOX_DISPATCHER__BATCH_SIZE=str(number)).dispatcher
         assert from_env.batch_size == number
     else:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import structlog
 
 from outbox.config import ConfigError, ProviderSettings
 from outbox.providers.base import Provider
@@ -73,3 +75,73 @@ def test_stripe_settings_errors_name_the_key(
     with pytest.raises(ConfigError, match=message) as caught:
         stripe_options(ProviderSettings("s", "stripe", options=options), environ)
     assert "sk_live_x" not in str(caught.value)
+
+
+# --- issue 21, case 10: a config that cannot work, or leaks, is refused at start ---------------
+
+
+def _webhook(options: Mapping[str, object], env: dict[str, str] | None = None) -> None:
+    ps = ProviderSettings(
+        "hook", "webhook", options={"url": "https://hooks.example.com/", **options}
+    )
+    build_providers({"hook": ps}, environ=env or {})
+
+
+@pytest.mark.parametrize("value", ["Bearer x\r\nX-Evil: 1", "Bearer x\n", "a\x00b", "Bearer ü"])
+def test_a_header_no_request_could_carry_is_refused_and_never_quoted(value: str) -> None:
+    with pytest.raises(ConfigError, match="no HTTP header may carry") as refused:
+        _webhook({"secret_headers": {"Authorization": {"env": "TOKEN"}}}, {"TOKEN": value})
+    assert value.strip() not in str(refused.value)
+    with pytest.raises(ConfigError, match="no HTTP header may carry"):
+        _webhook({"headers": {"X-Source": value}})
+
+
+@pytest.mark.parametrize("name", ["Authorization", "X-Api-Key", "x-auth-token", "Cookie"])
+def test_a_secret_written_in_plain_headers_is_refused(name: str) -> None:
+    with pytest.raises(ConfigError, match="looks like a secret: move it to secret_headers"):
+        _webhook({"headers": {name: "Bearer hunter2"}})
+
+
+@pytest.mark.parametrize(("url", "allowed"), [
+    ("http://hooks.example.com/", False),
+    ("http://127.0.0.1:8080/", True),
+    ("http://localhost/", True),
+    ("https://hooks.example.com/", True),
+])  # fmt: skip
+def test_secrets_never_travel_in_clear_text_to_another_host(url: str, allowed: bool) -> None:
+    options = {"url": url, "secret_headers": {"Authorization": {"env": "TOKEN"}}}
+    env = {"TOKEN": "Bearer t"}
+    if allowed:
+        _webhook(options, env)
+    else:
+        with pytest.raises(ConfigError, match="clear text: use https://, or set allow_insecure"):
+            _webhook(options, env)
+        _webhook({**options, "allow_insecure": True}, env)
+    _webhook({"url": url})  # without secrets, clear text is the receiver's business
+
+
+def test_credentials_in_a_url_are_refused() -> None:
+    with pytest.raises(ConfigError, match="holds credentials"):
+        _webhook({"url": "https://user:hunter2@hooks.example.com/"})
+
+
+def test_stripe_never_sends_its_key_in_clear_text_to_another_host() -> None:
+    base = {"api_key_env": "KEY"}
+    env = {"KEY": "sk_test_x"}
+    with pytest.raises(ConfigError, match="clear text"):
+        stripe_options(ProviderSettings("s", "stripe", options={
+            **base, "api_base": "http://api.example.com"}), env)  # fmt: skip
+    stripe_options(ProviderSettings("s", "stripe", options={
+        **base, "api_base": "http://127.0.0.1:12111"}), env)  # fmt: skip
+
+
+def test_a_secret_file_others_can_read_is_warned_of(tmp_path: Path) -> None:
+    secret = tmp_path / "token"
+    secret.write_text("Bearer t\n")
+    secret.chmod(0o644)
+    with structlog.testing.capture_logs() as logs:
+        _webhook({"secret_headers": {"Authorization": {"file": str(secret)}}})
+        secret.chmod(0o600)
+        _webhook({"secret_headers": {"Authorization": {"file": str(secret)}}})
+    warned = "a secret file is readable by its group or by everyone: chmod 600 it"
+    assert [(e["event"], e["mode"]) for e in logs] == [(warned, "0o644")]
