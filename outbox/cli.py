@@ -41,6 +41,7 @@ from outbox.config import LOG_LEVELS, ConfigError, load_settings
 from outbox.db import dsn as dsn_util
 from outbox.db import migrations, statements
 from outbox.db.connect import migration_blocker
+from outbox.dispatcher import UNKNOWN_PROVIDER_GRACE
 from outbox.durations import format_duration
 from outbox.errors import InvalidOperation, OperationConflict
 from outbox.model import Status
@@ -153,12 +154,17 @@ def migrate(
 @click.option(
     "--ordering-key", help="Send after the tenant's earlier operations with this key, in order."
 )
+@click.option("--config", "config_path", envvar="OUTBOX_CONFIG", show_envvar=True,
+              type=click.Path(dir_okay=False, path_type=Path),
+              help="outbox run's settings: warn when the provider is not among them.")  # fmt: skip
 @json_option
 def enqueue(
-    dsn: str, payload_text: str | None, payload_file: IO[str] | None, as_json: bool, **fields: Any
-) -> None:
+    dsn: str, payload_text: str | None, payload_file: IO[str] | None, as_json: bool,
+    config_path: Path | None, **fields: Any,
+) -> None:  # fmt: skip
     """Record one operation, in a transaction of its own."""
     payload = _read_payload(payload_text, payload_file)
+    _warn_if_unconfigured(fields["provider"], config_path)
     with connect(dsn) as conn:
         try:
             # One operation for the tenant named on the command line: with tenant isolation on,
@@ -175,6 +181,22 @@ def enqueue(
         )
     else:
         click.echo(f"{result.outcome.value}: operation {result.operation_id}")
+
+
+def _warn_if_unconfigured(provider: str, config_path: Path | None) -> None:
+    """An operation for a provider nobody runs waits silently, then is quarantined: say so."""
+    if config_path is None:
+        return
+    try:
+        configured = load_settings(config_path).providers
+    except ConfigError as exc:
+        raise BadInput(str(exc)) from None
+    if provider not in configured:
+        grace = format_duration(UNKNOWN_PROVIDER_GRACE)
+        warning = (f"outbox: warning: no provider named {printable(provider)!r} in "
+                   f"{config_path}; the operation waits for a dispatcher that has it, and is "
+                   f"quarantined as unknown_provider {grace} after its enqueue")  # fmt: skip
+        click.echo(warning, err=True)
 
 
 def _read_payload(text: str | None, file: IO[str] | None) -> Any:

@@ -35,6 +35,7 @@ from outbox.db.store import (
     Store,
     assert_no_connection_held,
 )
+from outbox.durations import format_duration
 from outbox.metric_labels import Labels
 from outbox.model import Status
 from outbox.policy import (
@@ -176,6 +177,7 @@ class Dispatcher:
         self._limits = Limits(store, every)
         self._action_pauses = ActionPauses({n: lim.breaker_open_for for n, lim in every.items()})
         self._labels = Labels({name: getattr(p, "actions", None) for name, p in providers.items()})
+        self._unknown_told: set[str] = set()  # providers named by rows but not configured here
         # The alerts' counters exist at 0 from now: a first increase must show (issue 21).
         metrics.start_at_zero(self._labels.provider(name) for name in providers)
         self._wake = asyncio.Event()
@@ -594,6 +596,12 @@ class Dispatcher:
         row = flight.row
         if flight.db_now() - row.created_at < UNKNOWN_PROVIDER_GRACE:
             # Likely a rolling deploy that added the provider: a newer replica will take it.
+            if row.provider not in self._unknown_told:  # once per provider and process
+                self._unknown_told.add(row.provider)
+                flight.log.warning(
+                    "an operation names a provider this process does not have: it waits for a "
+                    "replica that has it, and is quarantined as unknown_provider "
+                    f"{format_duration(UNKNOWN_PROVIDER_GRACE)} after its enqueue")  # fmt: skip
             await self._unclaim(flight, Status.PENDING, None, delay=UNKNOWN_PROVIDER_RETRY)
             return
         failure = permanent("unknown_provider", f"no provider named {row.provider!r} is configured")
