@@ -298,7 +298,8 @@ def _refusing(call: Callable[[], Any]) -> Any:
     try:
         return call()
     except operators.ActionRefused as exc:
-        raise click.ClickException(str(exc)) from None
+        # Exit 2, as the README's table has it: the id, status or arguments do not apply.
+        raise BadInput(str(exc)) from None
 
 
 def _summary(r: dict[str, Any]) -> tuple[object, ...]:

@@ -67,7 +67,7 @@ def test_pending_scheduled_and_waiting_operations_are_cancelled_at_once(
     assert rows(db_url, "SELECT ordering_blocked FROM outbox.operations WHERE id = %s",
                 (ids["o3"],)) == [(False,)]  # fmt: skip
     again = cancel(cli_env, pending)
-    assert again.returncode == 1 and f"operation {pending} is cancelled" in again.stderr
+    assert again.returncode == 2 and f"operation {pending} is cancelled" in again.stderr
     assert rows(db_url, "SELECT count(*) FROM outbox.audit") == [(4,)]
 
 

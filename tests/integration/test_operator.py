@@ -135,7 +135,7 @@ async def test_retry_needs_a_check_that_found_nothing_or_force_and_sends_a_new_k
     set_reconciling(db_url, op, first_sent_ago=timedelta(hours=30))
 
     refused = outbox_cli(cli_env, "reconcile", "retry", str(op), "--reason", "not there")
-    assert refused.returncode == 1
+    assert refused.returncode == 2
     assert "reconcile check" in refused.stderr and "--force" in refused.stderr
     assert rows(db_url, "SELECT status FROM outbox.operations") == [("reconciling",)]
 
@@ -178,11 +178,14 @@ def test_actions_refuse_the_wrong_status_and_unknown_ids_and_need_a_reason(
 ) -> None:
     (op,) = enqueue_many(db_url, 1)  # pending
     wrong = outbox_cli(cli_env, "reconcile", "cancel", str(op), "--reason", "x")
-    assert wrong.returncode == 1
+    assert wrong.returncode == 2
     expected = f"cancel applies to reconciling or quarantined operations; operation {op} is pending"
     assert expected in wrong.stderr
     missing = outbox_cli(cli_env, "quarantine", "replay", "999999", "--reason", "x")
-    assert missing.returncode == 1 and "no operation with id 999999" in missing.stderr
+    assert missing.returncode == 2 and "no operation with id 999999" in missing.stderr
+    blank = outbox_cli(cli_env, "reconcile", "resolve", str(op), "--provider-ref", " ",
+                       "--reason", "x")  # fmt: skip
+    assert blank.returncode == 2 and "provider's reference" in blank.stderr
     no_reason = outbox_cli(cli_env, "quarantine", "replay", str(op))
     assert no_reason.returncode == 2 and "--reason" in no_reason.stderr
     assert rows(db_url, "SELECT count(*) FROM outbox.audit") == [(0,)]
