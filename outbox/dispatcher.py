@@ -515,7 +515,7 @@ class Dispatcher:
         pause = self._limits.observe(row, result)
         if pause is not None:
             await self._limits.throttle(row.provider, pause)
-        self._action_pauses.observe(row, result, self._label_pair(row))
+        self._action_pauses.observe(row, result, self._label_pair)
         if isinstance(result, Failed) and result.pause:
             # Refused credentials say nothing about this operation: it keeps its attempt and
             # waits, with the rest of its provider's, behind the breaker.

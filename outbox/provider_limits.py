@@ -393,6 +393,8 @@ class ActionPauses:
 
     def wait(self, row: Claimed) -> timedelta | None:
         """How long ``row`` must wait before its send; None: send it now."""
+        if not self._paused:  # the hot path: nothing paused anywhere
+            return None
         pause = self._paused.get((row.provider, row.action))
         if pause is None or pause.probe == row.id:
             return None
@@ -405,21 +407,25 @@ class ActionPauses:
             return None
         return timedelta(seconds=period)
 
-    def observe(self, row: Claimed, result: SendResult, labels: tuple[str, str]) -> None:
-        """Pause on a refusal; lift the pause when its probe got past it."""
+    def observe(self, row: Claimed, result: SendResult,
+                labels: Callable[[Claimed], tuple[str, str]]) -> None:  # fmt: skip
+        """Pause on a refusal; lift the pause when its probe got past it. ``labels`` gives the
+        metric labels, asked for only when a pause begins or ends."""
+        refused = not isinstance(result, Succeeded) and result.pause_action
+        if not refused and not self._paused:  # every call while nothing is paused
+            return
         key = (row.provider, row.action)
         pause = self._paused.get(key)
-        refused = not isinstance(result, Succeeded) and result.pause_action
         if refused:
             if pause is None or pause.probe in (None, row.id):
                 self._paused[key] = _Pause(self._clock() + self._period(row.provider))
-                metrics.ACTION_PAUSED.labels(*labels).set(1)
+                metrics.ACTION_PAUSED.labels(*labels(row)).set(1)
                 log.warning("action paused: the provider refused it permission; its "
                             "operations wait", provider=row.provider, action=row.action,
                             probe_in_s=self._period(row.provider))  # fmt: skip
         elif pause is not None and pause.probe == row.id:
             del self._paused[key]
-            metrics.ACTION_PAUSED.labels(*labels).set(0)
+            metrics.ACTION_PAUSED.labels(*labels(row)).set(0)
             log.info("action resumed: its probe got past the refusal", provider=row.provider,
                      action=row.action)  # fmt: skip
 

@@ -66,7 +66,6 @@ from outbox.providers.stripe_lookup import (
     Stripe,
     Window,
     not_found,
-    retrieve,
     retrieve_object,
     search_events,
     search_objects,
@@ -293,7 +292,7 @@ class StripeProvider:
             events = await search_events(api, searchable, match, (events_since, until))
             if events.matches:
                 reference = events.matches[0][0]
-                current = await retrieve(api, searchable, reference)
+                current = await retrieve_object(api, searchable.service, reference)
                 return self._found(request.action, [(reference, current), *events.matches[1:]])
         return not_found(objects, events, since, until, events_since)
 

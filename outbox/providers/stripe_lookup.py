@@ -72,13 +72,15 @@ class Match:
     operation_id: int
     keys: frozenset[str]
     current_key: str
+    family: frozenset[str] = field(init=False)  # the current key's, hashed once per lookup
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "family", key_family(self.current_key))
 
     def key(self, key: object) -> bool:
         # The stored keys are exact; the family also covers a generation whose attempt row was
         # never written (a worker that died mid-send).
-        return isinstance(key, str) and (
-            key in self.keys or bool(key_family(key) & key_family(self.current_key))
-        )
+        return isinstance(key, str) and (key in self.keys or bool(key_family(key) & self.family))
 
     def object(self, fields: Mapping[str, Any]) -> bool:
         metadata = fields.get("metadata") or {}
@@ -203,10 +205,6 @@ async def _pages(api: Stripe, service: str, params: dict[str, Any], window: Wind
     else:
         found.stopped = f"stopped after {LOOKUP_MAX_PAGES} pages of {LOOKUP_PAGE}"
     found.matches.reverse()  # lists are newest first: the earliest object is the effect
-
-
-async def retrieve(api: Stripe, searchable: Searchable, reference: str) -> dict[str, Any]:
-    return await retrieve_object(api, searchable.service, reference)
 
 
 async def retrieve_object(api: Stripe, service: str, reference: str) -> dict[str, Any]:
