@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import click
 
-from outbox import operators, payloads, reconciler
+from outbox import cli_bulk, operators, payloads, reconciler
 from outbox.cli_common import BadInput, actor_option, connect, dsn_option, json_option
 from outbox.config import ConfigError, load_settings
 from outbox.durations import format_duration
@@ -43,32 +43,28 @@ def build_group(name: str, status: Status) -> click.Group:
 
     @group.command("list")
     @dsn_option
-    @click.option("--provider", help="Only this provider's operations.")
+    @cli_bulk.filter_options
     @click.option("--limit", type=click.IntRange(1, 10_000), default=100, show_default=True)
+    @click.option("--after", help="Start after this cursor (what a truncated list printed).")
     @json_option
-    def list_(dsn: str, provider: str | None, limit: int, as_json: bool) -> None:
-        """List them, oldest first."""
+    def list_(dsn: str, limit: int, after: str | None, as_json: bool, **selection: Any) -> None:
+        """List them, oldest first, a page at a time."""
+        try:
+            cursor = operators.Cursor.parse(after) if after else None
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--after") from None
+        filters = cli_bulk.filters_of(selection)
         with connect(dsn) as conn:  # one row more than shown: whether the list goes on
-            rows = operators.list_attention(conn, status, provider=provider, limit=limit + 1)
+            rows = operators.list_attention(conn, status, filters, after=cursor, limit=limit + 1)
         truncated, rows = len(rows) > limit, rows[:limit]
         if truncated:  # on stderr, so that the table (or the JSON) stays whole for scripts
-            click.echo(f"outbox: the oldest {limit} shown; more are {status.value}: raise "
-                       "--limit, or narrow with --provider", err=True)  # fmt: skip
+            last = operators.Cursor(rows[-1]["status_changed_at"], rows[-1]["id"])
+            click.echo(f"outbox: {limit} shown; more are {status.value}: the next page is "
+                       f"`--after {last}`", err=True)  # fmt: skip
         if as_json:
             click.echo(json.dumps(rows, default=str))
             return
-        headers = [
-            "id",
-            "provider",
-            "action",
-            "reason",
-            "age",
-            "attempts",
-            "last error",
-            "last check",
-            "identity",
-        ]
-        click.echo(render_table(headers, [_summary(r) for r in rows]))
+        click.echo(cli_bulk.render_summary(rows))
 
     @group.command()
     @dsn_option
@@ -109,16 +105,16 @@ def build_group(name: str, status: Status) -> click.Group:
 
     @group.command()
     @dsn_option
-    @click.argument("operation_id", type=int)
+    @click.argument("operation_id", type=int, required=False)
     @_reason_option
     @actor_option
-    def cancel(dsn: str, operation_id: int, reason: str, actor: str) -> None:
-        """Give up: nothing more is sent."""
-        _run_action(
-            dsn,
-            operation_id,
-            lambda conn: operators.cancel(conn, operation_id, reason=reason, actor=actor),
-        )
+    @cli_bulk.bulk_options
+    def cancel(dsn: str, operation_id: int | None, reason: str, actor: str,
+               **selection: Any) -> None:  # fmt: skip
+        """Give up: nothing more is sent. One by ID, or every one the filters select."""
+        _one_or_many(dsn, status, operation_id, selection, "cancel",
+                     lambda conn, i: operators.cancel(conn, i, reason=reason,
+                                                      actor=actor))  # fmt: skip
 
     return group
 
@@ -164,16 +160,21 @@ def add_reconcile_check(group: click.Group) -> None:
     @dsn_option
     @click.argument("operation_id", type=int, required=False)
     @click.option("--all", "check_all", is_flag=True, help="Check every reconciling operation.")
+    @cli_bulk.filter_options
     @click.option("--dry-run", is_flag=True, help="Look, but record nothing.")
     @click.option("--config", "config_path", envvar="OUTBOX_CONFIG", show_envvar=True,
                   type=click.Path(dir_okay=False, path_type=Path),
                   help="The providers' settings (as for outbox run).")  # fmt: skip
     @json_option
     def check(dsn: str, operation_id: int | None, check_all: bool, dry_run: bool,
-              config_path: Path | None, as_json: bool) -> None:  # fmt: skip
-        """Ask the provider whether the effect exists: found -> succeeded; not found -> recorded."""
-        if (operation_id is None) != check_all:
-            raise click.UsageError("give an operation ID or --all")
+              config_path: Path | None, as_json: bool, **selection: Any) -> None:  # fmt: skip
+        """Ask the provider whether the effect exists: found -> succeeded; not found -> recorded.
+
+        One operation by ID, those the filters select, or --all. A check changes nothing at the
+        provider, so a selection is checked without a prompt.
+        """
+        filters = cli_bulk.filters_of(selection)
+        cli_bulk.require_one_selection(operation_id, filters, check_all)
         try:
             configured = load_settings(config_path).providers
             providers = build_providers(configured)
@@ -183,14 +184,21 @@ def add_reconcile_check(group: click.Group) -> None:
             raise BadInput("no provider is configured, so none can be asked: give --config (or "
                            "OUTBOX_CONFIG) with the providers outbox run uses")  # fmt: skip
         limits = {name: ps.limits for name, ps in configured.items()}
+        ids = None
+        if filters.given():
+            with connect(dsn) as conn:
+                ids = operators.select_ids(conn, Status.RECONCILING, filters)
+            if not ids:
+                click.echo(f"no reconciling operations match ({filters.describe()})")
+                return
         with click.progressbar(length=0, label="checking", file=sys.stderr,
-                               hidden=as_json or not check_all) as bar:  # fmt: skip
+                               hidden=as_json or operation_id is not None) as bar:  # fmt: skip
 
             def total(n: int) -> None:
                 bar.length = n
 
             results = asyncio.run(reconciler.run_checks(
-                dsn, providers, operation_id, dry_run=dry_run, on_total=total,
+                dsn, providers, operation_id, ids=ids, dry_run=dry_run, on_total=total,
                 on_result=lambda _: bar.update(1), limits=limits))  # fmt: skip
         if as_json:
             click.echo(json.dumps([dataclasses.asdict(r) for r in results]))
@@ -231,31 +239,43 @@ def _check_note(result: reconciler.CheckResult, dry_run: bool) -> str:
 def add_quarantine_actions(group: click.Group) -> None:
     @group.command()
     @dsn_option
-    @click.argument("operation_id", type=int)
+    @click.argument("operation_id", type=int, required=False)
     @_reason_option
     @actor_option
-    def replay(dsn: str, operation_id: int, reason: str, actor: str) -> None:
-        """Back to pending with the same key and a fresh attempt budget."""
-        _run_action(
-            dsn,
-            operation_id,
-            lambda conn: operators.replay(conn, operation_id, reason=reason, actor=actor),
-        )
+    @cli_bulk.bulk_options
+    def replay(dsn: str, operation_id: int | None, reason: str, actor: str,
+               **selection: Any) -> None:  # fmt: skip
+        """Back to pending with the same key and a fresh attempt budget (one, or a selection)."""
+        _one_or_many(dsn, Status.QUARANTINED, operation_id, selection, "replay",
+                     lambda conn, i: operators.replay(conn, i, reason=reason,
+                                                      actor=actor))  # fmt: skip
 
     @group.command("reconcile")
     @dsn_option
-    @click.argument("operation_id", type=int)
+    @click.argument("operation_id", type=int, required=False)
     @_reason_option
     @actor_option
-    def to_reconciliation(dsn: str, operation_id: int, reason: str, actor: str) -> None:
+    @cli_bulk.bulk_options
+    def to_reconciliation(dsn: str, operation_id: int | None, reason: str, actor: str,
+                          **selection: Any) -> None:  # fmt: skip
         """Send to reconciliation: the provider is asked before anyone decides."""
-        _run_action(
-            dsn,
-            operation_id,
-            lambda conn: operators.request_reconciliation(
-                conn, operation_id, reason=reason, actor=actor
-            ),
-        )
+        _one_or_many(dsn, Status.QUARANTINED, operation_id, selection, "send to reconciliation",
+                     lambda conn, i: operators.request_reconciliation(
+                         conn, i, reason=reason, actor=actor))  # fmt: skip
+
+
+def _one_or_many(dsn: str, status: Status, operation_id: int | None, selection: dict[str, Any],
+                 verb: str, action: cli_bulk.Action) -> None:  # fmt: skip
+    """One operation by id (as before bulk actions existed), or a confirmed selection."""
+    filters = cli_bulk.filters_of(selection)
+    cli_bulk.require_one_selection(operation_id, filters, selection["select_all"])
+    if operation_id is None:
+        cli_bulk.run(dsn, status, filters, verb=verb, action=action,
+                     dry_run=selection["dry_run"], yes=selection["yes"])  # fmt: skip
+        return
+    if selection["dry_run"]:
+        raise click.UsageError("--dry-run goes with a selection; `show ID` shows one operation")
+    _run_action(dsn, operation_id, lambda conn: action(conn, operation_id))
 
 
 @click.command("cancel")
@@ -300,22 +320,6 @@ def _refusing(call: Callable[[], Any]) -> Any:
     except operators.ActionRefused as exc:
         # Exit 2, as the README's table has it: the id, status or arguments do not apply.
         raise BadInput(str(exc)) from None
-
-
-def _summary(r: dict[str, Any]) -> tuple[object, ...]:
-    identity = f"{r['tenant_id']}/{r['operation_type']}/{r['operation_key']}"
-    age = format_duration(timedelta(seconds=r["age_seconds"]))
-    check = r["check_finding"] or "-"
-    if r.get("check_state"):
-        check += f" ({r['check_state']})"
-    return (r["id"], r["provider"], r["action"], r["status_reason"], age, r["attempts"],
-            _short(r["last_error"]), check, identity)  # fmt: skip
-
-
-def _short(text: str | None, width: int = 48) -> str:
-    if not text:
-        return "-"
-    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def _show_json(op: dict[str, Any]) -> str:

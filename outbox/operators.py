@@ -5,17 +5,23 @@ status and writes who, when and why to the append-only audit, in one transaction
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, LiteralString
+from datetime import datetime, timedelta
+from typing import Any, Final, LiteralString
 
 import psycopg
 from psycopg.rows import dict_row
 
 from outbox.db import statements
+from outbox.durations import format_duration
 from outbox.errors import OutboxError
 from outbox.model import Status
+from outbox.safe_text import printable
 
 SQLSTATE_OPERATOR_REFUSED = "OB004"
 SQLSTATE_NO_DATA_FOUND = "P0002"
+# One bulk action takes at most this many: a bigger backlog is worked through in several runs of
+# the same command (each run takes the oldest), so no run holds an unbounded list.
+MAX_BULK: Final = 100_000
 
 
 class ActionRefused(OutboxError):
@@ -32,11 +38,74 @@ class Identity:
 Row = dict[str, Any]
 
 
-def list_attention(conn: psycopg.Connection[Any], status: Status, *, provider: str | None = None,
-                   limit: int = 100) -> list[Row]:  # fmt: skip
-    """Operations in ``status`` (reconciling or quarantined), oldest first."""
-    params = {"status": status.value, "provider": provider, "limit": limit}
+_OPTION_OF: Final = {"reason": "status-reason"}  # as the command line spells them
+
+
+@dataclass(frozen=True)
+class Filters:
+    """Which operations of a status a list or a bulk action takes; None means any."""
+
+    provider: str | None = None
+    reason: str | None = None  # status_reason: permanent_failure, attempts_exhausted, ...
+    error: str | None = None  # the last attempt's error class: unknown_provider, http_422, ...
+    tenant: str | None = None
+    since: timedelta | datetime | None = None  # entered the status within, or at or after
+
+    def given(self) -> bool:
+        return any(v is not None for v in vars(self).values())
+
+    def describe(self) -> str:
+        """``provider=stripe, since=2h``, as the options were given."""
+        shown = {_OPTION_OF.get(k, k): format_duration(v) if isinstance(v, timedelta) else v
+                 for k, v in vars(self).items() if v is not None}  # fmt: skip
+        return ", ".join(f"{k}={printable(str(v))}" for k, v in shown.items()) or "all"
+
+    def params(self) -> Row:
+        since = self.since
+        return {"provider": self.provider, "reason": self.reason, "error": self.error,
+                "tenant": self.tenant,
+                "since_ago": since if isinstance(since, timedelta) else None,
+                "since_at": since if isinstance(since, datetime) else None}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """Where a page of ``list`` ended: the last row's place in the order, (entered, id)."""
+
+    at: datetime
+    id: int
+
+    def __str__(self) -> str:
+        return f"{self.at.isoformat()}/{self.id}"
+
+    @classmethod
+    def parse(cls, text: str) -> Cursor:
+        at, _, id_ = text.rpartition("/")
+        try:
+            cursor = cls(datetime.fromisoformat(at), int(id_))
+        except ValueError:
+            raise ValueError(f"{printable(text)!r} is not a cursor that `list` printed") from None
+        if cursor.at.tzinfo is None:
+            raise ValueError(f"{printable(text)!r} is not a cursor that `list` printed")
+        return cursor
+
+
+def list_attention(conn: psycopg.Connection[Any], status: Status, filters: Filters = Filters(),
+                   *, after: Cursor | None = None, limit: int = 100) -> list[Row]:  # fmt: skip
+    """Operations in ``status`` (reconciling or quarantined), oldest first, from ``after``."""
+    params = {"status": status.value, **filters.params(), "limit": limit,
+              "after_at": after.at if after else None,
+              "after_id": after.id if after else None}  # fmt: skip
     return _all(conn, statements.LIST_ATTENTION, params)
+
+
+def select_ids(conn: psycopg.Connection[Any], status: Status, filters: Filters,
+               limit: int = MAX_BULK) -> list[int]:  # fmt: skip
+    """The ids a bulk action takes, oldest first."""
+    params = {"status": status.value, **filters.params(), "limit": limit, "after_at": None,
+              "after_id": None}  # fmt: skip
+    with conn.cursor() as cur:
+        return [row[0] for row in cur.execute(statements.SELECT_ATTENTION_IDS, params)]
 
 
 def find_id(conn: psycopg.Connection[Any], identity: Identity) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Final, LiteralString
@@ -74,14 +74,18 @@ class Reconciler:
         self._pacer = LookupPacer(Store(pool), limits or {})
 
     async def candidates(self, operation_id: int | None = None, *,
+                         ids: Sequence[int] | None = None,
                          recheck_after: timedelta | None = None, limit: int = BATCH,
                          askable_only: bool = True) -> list[dict[str, Any]]:  # fmt: skip
-        """Reconciling operations to check; ``askable_only``: of providers with a lookup."""
+        """Reconciling operations to check (``operation_id``, ``ids`` or all), ``askable_only``:
+        of providers with a lookup."""
         names = [n for n, p in self._providers.items() if isinstance(p, Lookup) or not askable_only]
-        # One operation asked for by id is checked whatever its provider: an unconfigured one
+        # Operations asked for by id are checked whatever their provider: an unconfigured one
         # is then named in the finding rather than leaving an empty table.
-        chosen = None if operation_id is not None and not askable_only else names
-        params = {"id": operation_id, "recheck_after": recheck_after, "limit": limit,
+        named = operation_id is not None or ids is not None
+        chosen = None if named and not askable_only else names
+        params = {"id": operation_id, "ids": None if ids is None else list(ids),
+                  "recheck_after": recheck_after, "limit": limit,
                   "providers": chosen}  # fmt: skip
         return await self._rows(statements.RECONCILING_TO_CHECK, params)
 
@@ -229,18 +233,21 @@ def _request(row: Mapping[str, Any], pace: Callable[[], Awaitable[None]] | None)
 
 
 async def run_checks(dsn: str, providers: Mapping[str, Provider], operation_id: int | None, *,
-                     dry_run: bool, on_total: Callable[[int], None],
+                     ids: Sequence[int] | None = None, dry_run: bool,
+                     on_total: Callable[[int], None],
                      on_result: Callable[[CheckResult], None],
                      limits: Mapping[str, ProviderLimits] | None = None,
                      ) -> list[CheckResult]:  # fmt: skip
-    """Check one operation (or, with None, every reconciling one) for `outbox reconcile check`."""
+    """Check one operation, those of ``ids``, or (with neither) every reconciling one, for
+    `outbox reconcile check`."""
     # prepare_threshold None: `reconcile check --all` may run through a transaction pooler.
     options = {"autocommit": True, "prepare_threshold": None,
                **connection_options(dsn, "outbox-reconcile")}  # fmt: skip
     async with AsyncConnectionPool(dsn, min_size=1, max_size=2, kwargs=options,
                                    configure=pin_search_path_async) as pool:  # fmt: skip
         reconciler = Reconciler(pool, providers, actor=f"{ACTOR} (manual)", limits=limits)
-        rows = await reconciler.candidates(operation_id, limit=MANUAL_LIMIT, askable_only=False)
+        rows = await reconciler.candidates(operation_id, ids=ids, limit=MANUAL_LIMIT,
+                                           askable_only=False)  # fmt: skip
         on_total(len(rows))
         results = []
         for row in rows:

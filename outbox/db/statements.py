@@ -562,17 +562,41 @@ PROBE: Final = "SELECT 1"
 # --- operators ----------------------------------------------------------------------------------
 
 # The operations in one status that need a person, oldest first; served by operations_attention.
-LIST_ATTENTION: Final = """
-SELECT id, tenant_id, operation_type, operation_key, provider, action, status_reason, attempts,
-       last_error_class, last_error,
-       extract(epoch FROM now() - status_changed_at)::float8 AS age_seconds,
-       checked_at, check_finding, check_state
-FROM outbox.operations
+# The filters are those of `list` and of the bulk actions (outbox/operators.py, Filters); NULL
+# means "any". Paged by keyset on (status_changed_at, id): a page stays right while earlier rows
+# leave the status, as they do while someone replays them.
+_ATTENTION_WHERE: Final = """
+FROM outbox.operations o
 WHERE status = %(status)s::text
   AND (%(provider)s::text IS NULL OR provider = %(provider)s::text)
+  AND (%(reason)s::text IS NULL OR status_reason = %(reason)s::text)
+  -- --error: the last attempt's error class (unknown_provider, http_422, ...), what `show` prints
+  AND (%(error)s::text IS NULL
+       OR (SELECT a.error_class FROM outbox.attempts a WHERE a.operation_id = o.id
+           ORDER BY a.attempt DESC LIMIT 1) = %(error)s::text)
+  AND (%(tenant)s::text IS NULL OR tenant_id = %(tenant)s::text)
+  -- --since as a duration is measured on the database clock, like every other age.
+  AND (%(since_ago)s::interval IS NULL OR status_changed_at >= now() - %(since_ago)s::interval)
+  AND (%(since_at)s::timestamptz IS NULL OR status_changed_at >= %(since_at)s::timestamptz)
+  AND (%(after_at)s::timestamptz IS NULL
+       OR (status_changed_at, id) > (%(after_at)s::timestamptz, %(after_id)s::bigint))
 ORDER BY status_changed_at, id
 LIMIT %(limit)s::integer
 """
+
+LIST_ATTENTION: Final = (
+    """
+SELECT id, tenant_id, operation_type, operation_key, provider, action, status_reason, attempts,
+       last_error_class, last_error, status_changed_at,
+       extract(epoch FROM now() - status_changed_at)::float8 AS age_seconds,
+       checked_at, check_finding, check_state
+"""
+    + _ATTENTION_WHERE
+)
+
+# The ids a bulk action acts on: taken once, shown, confirmed, then acted on one by one, so that
+# the action touches exactly what the person saw counted (operations that match later do not).
+SELECT_ATTENTION_IDS: Final = "SELECT id" + _ATTENTION_WHERE
 
 # One operation, everything but the payload (shown only when asked for, as its stored JSON text:
 # decoding it here would turn exact numbers into floats, and fail on a row no one can decode).
@@ -662,6 +686,8 @@ SELECT id, provider, action, idempotency_key, key_generation, attempts,
 FROM outbox.operations o
 WHERE status = 'reconciling'
   AND (%(id)s::bigint IS NULL OR id = %(id)s::bigint)
+  -- `reconcile check` with filters: the ids they selected (outbox/cli_bulk.py).
+  AND (%(ids)s::bigint[] IS NULL OR id = ANY (%(ids)s::bigint[]))
   -- Only providers that can be asked: the others wait for a person, and must not fill every batch.
   -- NULL: any provider (one operation asked for by id, whose provider may not be configured).
   AND (%(providers)s::text[] IS NULL OR provider = ANY (%(providers)s::text[]))

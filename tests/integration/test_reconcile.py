@@ -154,7 +154,7 @@ async def test_a_not_found_is_audited_once_however_often_it_is_checked(
 
 def test_check_needs_an_id_or_all(check_env: dict[str, str]) -> None:
     done = outbox_cli(check_env, "reconcile", "check")
-    assert done.returncode == 2 and "give an operation ID or --all" in done.stderr
+    assert done.returncode == 2 and "give an operation ID, or select several" in done.stderr
 
 
 async def test_the_lookup_pages_through_lists_and_reports_duplicate_effects(
