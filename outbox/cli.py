@@ -14,14 +14,13 @@ from pathlib import Path
 from typing import IO, Any
 
 import click
-from psycopg.rows import dict_row
 
 from outbox import (
     cli_operator,
     cli_ordering,
+    cli_status,
     daemon,
     event_loop,
-    gauges,
     logs,
     payloads,
     producer,
@@ -39,15 +38,13 @@ from outbox.cli_common import (
 )
 from outbox.config import LOG_LEVELS, ConfigError, load_settings
 from outbox.db import dsn as dsn_util
-from outbox.db import migrations, statements
+from outbox.db import migrations
 from outbox.db.connect import migration_blocker
 from outbox.dispatcher import UNKNOWN_PROVIDER_GRACE
 from outbox.durations import format_duration
 from outbox.errors import InvalidOperation, OperationConflict
-from outbox.model import Status
 from outbox.providers.registry import build_providers
 from outbox.safe_text import printable
-from outbox.tables import render_table
 
 # Loopback: metrics say how many operations of which tenants flow where; expose them on purpose.
 DEFAULT_METRICS_ADDR = "127.0.0.1:9464"
@@ -248,44 +245,6 @@ def prune_command(dsn: str, older_than: timedelta, batch: int, dry_run: bool) ->
 
 @main.command()
 @dsn_option
-@json_option
-def status(dsn: str, as_json: bool) -> None:
-    """Operations per status, the age of the oldest pending operation that is due, and the
-    operations waiting for their ordering key's turn, by what they wait behind."""
-    # The gauges' query: partial indexes only, so it stays fast at ten million rows.
-    with connect(dsn) as conn:
-        cur = conn.cursor(row_factory=dict_row)
-        row = cur.execute(statements.GAUGES, {"exact_limit": gauges.EXACT_COUNT_LIMIT}).fetchone()
-        blocked = cur.execute(statements.ORDERING_BLOCKED).fetchall()
-    assert row is not None  # noqa: S101 (a SELECT of scalars returns one row)
-    counts, approx = gauges.counts(row), gauges.estimated(row)
-    oldest: float | None = row["oldest_pending_age"]
-    if as_json:
-        click.echo(
-            json.dumps(
-                {
-                    "operations": {s.value: counts[s] for s in Status},
-                    "succeeded_is_estimate": approx,
-                    "oldest_due_pending_age_seconds": oldest,
-                    "ordering_blocked": [dict(b) for b in blocked],
-                }
-            )
-        )
-        return
-    shown = [(s.value, f"~{counts[s]}" if approx and s is Status.SUCCEEDED else counts[s])
-             for s in Status]  # fmt: skip
-    click.echo(render_table(["status", "count"], shown))
-    age = "none due" if oldest is None else format_duration(timedelta(seconds=oldest))
-    click.echo(f"\noldest due pending: {age}")
-    if blocked:
-        # Pending operations that wait for an earlier one with their ordering key.
-        click.echo("\nwaiting for their ordering key's turn:")
-        lines = [(b["behind"], b["keys"], b["waiting"]) for b in blocked]
-        click.echo(render_table(["behind", "keys", "operations"], lines))
-
-
-@main.command()
-@dsn_option
 @click.option(
     "--config",
     "config_path",
@@ -334,6 +293,7 @@ def demo(dsn: str | None, keep: bool) -> None:
     sys.exit(code)
 
 
+main.add_command(cli_status.status)
 main.add_command(cli_operator.cancel)
 main.add_command(cli_operator.reconcile)
 main.add_command(cli_operator.quarantine)

@@ -838,6 +838,37 @@ LEFT JOIN LATERAL (
 GROUP BY 1 ORDER BY 1
 """
 
+# `outbox status`: the due pending operations per provider (the claim's index, provider first,
+# read as a skip scan: one probe per provider), each count capped, and when the first of them
+# would be quarantined as unknown_provider should no dispatcher know the provider (enqueue time
+# plus the grace, outbox/dispatcher.py). The cap on providers bounds a table a hostile producer
+# filled with a million provider names.
+PENDING_BY_PROVIDER: Final = """
+WITH RECURSIVE names (provider) AS (
+    (SELECT provider FROM outbox.operations
+     WHERE status = 'pending' AND NOT ordering_blocked AND NOT scheduled
+     ORDER BY provider LIMIT 1)
+    UNION ALL
+    SELECT (SELECT o.provider FROM outbox.operations o
+            WHERE o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
+              AND o.provider > n.provider
+            ORDER BY o.provider LIMIT 1)
+    FROM names n WHERE n.provider IS NOT NULL
+)
+SELECT n.provider, c.due, c.first_enqueued + %(grace)s::interval AS quarantined_from,
+       c.first_enqueued + %(grace)s::interval <= now() AS quarantine_due
+FROM names n
+CROSS JOIN LATERAL (
+    SELECT count(*) AS due, min(s.created_at) AS first_enqueued
+    FROM (SELECT o.created_at FROM outbox.operations o
+          WHERE o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
+            AND o.provider = n.provider
+          LIMIT %(count_limit)s::integer) AS s
+) AS c
+WHERE n.provider IS NOT NULL
+LIMIT %(provider_limit)s::integer
+"""
+
 # Per provider: pending operations whose key window closes within the hour, so they will go to
 # reconciliation unless they succeed first.
 NEARING_KEY_EXPIRY: Final = """
