@@ -39,6 +39,8 @@ def _one(name: str, breaks: str, path: str, find: str, replace: str,
 STATEMENTS = "outbox/db/statements.py"
 DISPATCHER = "outbox/dispatcher.py"
 POLICY = "outbox/policy.py"
+# The newest definitions of outbox.enqueue and outbox.check_text.
+ENQUEUE = "sql/0028_identities_refuse_format_characters.sql"
 
 MUTANTS: tuple[Mutant, ...] = (
     # --- the lease fence, in every path that writes after a provider call ----------------------
@@ -182,7 +184,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "fingerprint-payload",
         "an enqueue with another payload is taken for a duplicate",
-        "sql/0026_enqueue_allow_lists.sql",
+        ENQUEUE,
         "action || E'\\n' || v_payload_text\n",
         "action || E'\\n'\n",
         "tests/integration/test_enqueue.py",
@@ -422,7 +424,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "caller-takes-derived-key",
         "a producer occupies the derived key of another tenant's operation before it exists",
-        "sql/0026_enqueue_allow_lists.sql",
+        ENQUEUE,
         "    IF idempotency_key LIKE 'ob1\\_%' OR idempotency_key ~ ':r[0-9]+$' THEN\n",
         "    IF false THEN\n",
         "tests/integration/test_key_namespace.py",
@@ -430,10 +432,28 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "key-collision-reveals-tenant",
         "a key collision tells a producer another tenant's operation id",
-        "sql/0026_enqueue_allow_lists.sql",
+        ENQUEUE,
         "                      DETAIL = CASE WHEN v_holder.tenant_id = tenant_id\n",
         "                      DETAIL = CASE WHEN true\n",
         "tests/integration/test_key_namespace.py",
+    ),
+    _one(
+        "identity-format-characters-fast-path",
+        "an identity holding a bidi override or a line separator is enqueued (the usual path)",
+        ENQUEUE,
+        "            || coalesce(correlation_id, '') || coalesce(ordering_key, ''))\n"
+        "            !~ '[",
+        "            || coalesce(correlation_id, '') || coalesce(ordering_key, ''))\n"
+        "            !~ '[[:cntrl:]]' AND '' !~ '[",
+        "tests/integration/test_identity_characters.py",
+    ),
+    _one(
+        "identity-format-characters-check-text",
+        "an identity holding a bidi override or a line separator is enqueued (check_text)",
+        ENQUEUE,
+        "    v_bad := substring(value from '[",
+        "    v_bad := substring(value from '[[:cntrl:]]');\n    PERFORM substring(value from '[",
+        "tests/integration/test_identity_characters.py",
     ),
     _one(
         "table-cells-unescaped",
@@ -454,7 +474,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "allow-list-ignored",
         "a tenant enqueues an action the allow-list does not give it (payouts on a shared key)",
-        "sql/0026_enqueue_allow_lists.sql",
+        ENQUEUE,
         "        PERFORM outbox.require_allowance(tenant_id, provider, action);\n",
         "",
         "tests/integration/test_allow_lists.py",
