@@ -284,8 +284,19 @@ def run(dsn: str, config_path: Path | None, metrics_addr: str) -> None:
     help="Use this database instead of an embedded one (the demo adds rows to it).",
 )
 @click.option("--keep", is_flag=True, help="Leave the embedded database running afterwards.")
-def demo(dsn: str | None, keep: bool) -> None:
+@click.option("--stop", "stop_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Stop the database --keep left in this directory; delete it.")  # fmt: skip
+def demo(dsn: str | None, keep: bool, stop_dir: Path | None) -> None:
     """Watch outbox work: an embedded PostgreSQL, fake Stripe and webhook, a real dispatcher."""
+    if stop_dir is not None:
+        try:
+            demo_module.stop(stop_dir)
+        except ValueError as exc:
+            raise BadInput(str(exc)) from None
+        except RuntimeError as exc:
+            raise click.ClickException(str(exc)) from None
+        click.echo(f"stopped the demo's database and deleted {stop_dir}")
+        return
     try:
         code = asyncio.run(demo_module.run(dsn, keep=keep, say=click.echo))
     except RuntimeError as exc:

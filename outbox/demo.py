@@ -17,6 +17,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Final
 
 import psycopg
@@ -37,6 +38,7 @@ from outbox.reconciler import Reconciler
 from outbox.tables import render_table
 
 DEMO_STRIPE_KEY: Final = "sk_test_outbox_demo"
+DEMO_PREFIX: Final = "outbox-demo-"  # the embedded database's directory; `--stop` wants it
 _KEY_VARIABLE: Final = "OUTBOX_DEMO_STRIPE_KEY"
 # Short enough to watch: retries in a fraction of a second, and a Stripe key window that closes
 # two seconds after a send (real Stripe: 24 hours), so the timeout below goes to reconciliation.
@@ -85,8 +87,10 @@ def plan() -> list[Planned]:
 async def run(dsn: str | None, *, keep: bool, say: Say) -> int:
     """The demo; returns the exit code."""
     with contextlib.ExitStack() as stack:
+        kept: str | None = None
         if dsn is None:
-            dsn = stack.enter_context(_embedded_postgres(keep, say))
+            dsn, directory = stack.enter_context(_embedded_postgres(keep, say))
+            kept = directory if keep else None
         with psycopg.connect(dsn, autocommit=True) as conn:
             migrations.migrate(conn)
         stripe_fake = stack.enter_context(FakeStripe(api_key=DEMO_STRIPE_KEY))
@@ -97,7 +101,7 @@ async def run(dsn: str | None, *, keep: bool, say: Say) -> int:
             f"(fake Stripe at {stripe_fake.url}, fake webhook at {receiver.url})")  # fmt: skip
         await _dispatch_and_reconcile(dsn, stripe_fake, receiver, tenant, say)
         _report(dsn, tenant, stripe_fake=stripe_fake, receiver=receiver, say=say)
-        _next_steps(dsn, keep, say)
+        _next_steps(dsn, kept, say)
     return 0
 
 
@@ -186,12 +190,14 @@ def _report(dsn: str, tenant: str, *, stripe_fake: FakeStripe, receiver: FakeWeb
     )
 
 
-def _next_steps(dsn: str, keep: bool, say: Say) -> None:
+def _next_steps(dsn: str, kept: str | None, say: Say) -> None:
     say("")
-    if keep:
+    if kept is not None:
         say("the database is still running; look deeper with:")
         say(f"  export OUTBOX_DATABASE_URL='{dsn}'")
         say("  outbox status; outbox quarantine list; outbox reconcile show <id>")
+        say("then stop it and delete its directory with:")
+        say(f"  outbox demo --stop {kept}")
     else:
         say(
             "look deeper next time with `outbox demo --keep`, then `outbox quarantine list`, "
@@ -199,8 +205,20 @@ def _next_steps(dsn: str, keep: bool, say: Say) -> None:
         )
 
 
-@contextlib.contextmanager
-def _embedded_postgres(keep: bool, say: Say) -> Iterator[str]:
+def stop(directory: Path) -> None:
+    """Stop an embedded PostgreSQL that `demo --keep` left running, and delete its directory.
+
+    Only a directory the demo made (its name, a PostgreSQL data directory inside): a mistyped
+    path must never delete someone's real database."""
+    if not (directory.name.startswith(DEMO_PREFIX) and (directory / "PG_VERSION").is_file()):
+        raise ValueError(f"{directory} is not a directory `outbox demo --keep` left (those "
+                         f"are named {DEMO_PREFIX}... and hold a PostgreSQL data "
+                         "directory)")  # fmt: skip
+    pgserver = _pgserver()
+    pgserver.get_server(directory, cleanup_mode="delete").cleanup()
+
+
+def _pgserver() -> Any:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # platformdirs' note about XDG_RUNTIME_DIR
@@ -208,13 +226,17 @@ def _embedded_postgres(keep: bool, say: Say) -> Iterator[str]:
     except ImportError:
         raise RuntimeError("outbox demo needs an embedded PostgreSQL: pip install "
                            "'outbox[demo]', or pass --dsn") from None  # fmt: skip
-    directory = tempfile.mkdtemp(prefix="outbox-demo-")
+    return pgserver
+
+
+@contextlib.contextmanager
+def _embedded_postgres(keep: bool, say: Say) -> Iterator[tuple[str, str]]:
+    pgserver = _pgserver()
+    directory = tempfile.mkdtemp(prefix=DEMO_PREFIX)
     say(f"starting an embedded PostgreSQL in {directory}")
-    server = pgserver.get_server(  # type: ignore[attr-defined]
-        directory, cleanup_mode=None if keep else "delete"
-    )
+    server = pgserver.get_server(directory, cleanup_mode=None if keep else "delete")
     try:
-        yield str(server.get_uri())
+        yield str(server.get_uri()), directory
     finally:
         if not keep:
             server.cleanup()

@@ -52,8 +52,19 @@ def test_the_service_notifies_drains_restarts_and_is_hardened() -> None:
         assert service[key] == ["yes"], key
     assert service["ProtectSystem"] == ["strict"]
     assert service["CapabilityBoundingSet"] == [""]
-    assert any(c.startswith("stripe:") for c in service["LoadCredential"])
+    assert service["Environment"] and any(
+        "PGPASSFILE=%d/pgpass" in e for e in service["Environment"]
+    )
     assert "outbox-migrate.service" in service["After"][0]
+
+
+def test_no_unit_loads_a_credential_an_install_may_not_have() -> None:
+    # systemd will not start a unit whose LoadCredential= file is missing: a webhook-only install
+    # has no Stripe key, a peer- or certificate-authenticated database no password file.
+    for name in UNITS:
+        assert unit(name).get("LoadCredential", []) == [], name
+        text = (REPO / "systemd" / name).read_text()
+        assert "systemctl edit" in text and "LoadCredential=pgpass:" in text, name
 
 
 def test_no_secret_is_on_a_command_line() -> None:
@@ -83,3 +94,12 @@ def test_the_containerfile_is_multi_stage_non_root_and_runs_the_installed_wheel(
     assert "HEALTHCHECK" in final and "/healthz" in final
     assert re.search(r"^EXPOSE\s+9464\b", final, re.MULTILINE)
     assert 'ENTRYPOINT ["outbox"]' in final and '"run"' in final
+
+
+def test_every_documented_podman_build_keeps_the_healthcheck() -> None:
+    # podman builds OCI images by default, and the OCI format has no HEALTHCHECK: podman drops
+    # it with a warning, and the container is never health-checked.
+    for doc in ("README.md", "docs/operations.md", "Containerfile"):
+        builds = re.findall(r"podman build[^`\n]*", (REPO / doc).read_text())
+        assert builds, doc
+        assert all("--format docker" in b for b in builds), (doc, builds)
