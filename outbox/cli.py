@@ -31,6 +31,7 @@ from outbox.cli_common import (
     BadInput,
     Conflict,
     Duration,
+    JsonErrors,
     _check_dsn,
     connect,
     dsn_option,
@@ -50,7 +51,7 @@ from outbox.safe_text import printable
 DEFAULT_METRICS_ADDR = "127.0.0.1:9464"
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=JsonErrors, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="outbox")
 def main() -> None:
     """outbox: transactional-outbox dispatcher for PostgreSQL."""

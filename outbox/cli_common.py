@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import getpass
-from collections.abc import Callable, Iterator
+import json
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any, Final, TypeVar
 
@@ -44,6 +46,27 @@ class Duration(click.ParamType):  # type: ignore[type-arg]
             return parse_duration(str(value))
         except ValueError as exc:
             self.fail(str(exc), param, ctx)
+
+
+class JsonErrors(click.Group):
+    """The `outbox` group: a command given --json reports its failure as JSON too, one object
+    on stderr (``{"error": ..., "exit_code": ...}``), so that a script never parses prose."""
+
+    def main(self, args: Sequence[str] | None = None, *rest: Any, **options: Any) -> Any:
+        argv = list(sys.argv[1:] if args is None else args)
+        if "--json" not in argv or options.get("standalone_mode") is False:
+            return super().main(argv, *rest, **options)
+        options["standalone_mode"] = False
+        try:
+            result = super().main(argv, *rest, **options)
+        except click.ClickException as exc:
+            error = {"error": exc.format_message(), "exit_code": exc.exit_code}
+            click.echo(json.dumps(error), err=True)
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            click.echo(json.dumps({"error": "aborted", "exit_code": 1}), err=True)
+            sys.exit(1)
+        sys.exit(result if isinstance(result, int) else 0)
 
 
 class BadInput(click.ClickException):

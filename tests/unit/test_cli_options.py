@@ -1,9 +1,13 @@
-"""Every `outbox` command's options are distinct: click takes the last of two same-named
-options silently, so a filter named like an action's own option (the audit's --reason) would
-change what the action does, not fail."""
+"""The command tree as a whole. Every command's options are distinct: click takes the last of
+two same-named options silently, so a filter named like an action's own option (the audit's
+--reason) would change what the action does, not fail. Every --json command fails in JSON."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import Iterator
 
@@ -28,3 +32,21 @@ def test_no_command_has_two_options_of_one_name_or_spelling() -> None:
         spellings = Counter(o for p in command.params for o in (*p.opts, *p.secondary_opts))
         assert [n for n, k in names.items() if k > 1] == [], path
         assert [s for s, k in spellings.items() if k > 1] == [], path
+
+
+def test_every_json_command_reports_its_failures_as_json() -> None:
+    json_commands = [p for p, c in commands(main) if any(x.name == "as_json" for x in c.params)]
+    assert len(json_commands) >= 6
+    env = {**os.environ, "OUTBOX_DATABASE_URL": "host=127.0.0.1 port=1 user=nobody"}
+    for path in json_commands:
+        args = path.split()[1:]
+        for extra, code in ((["--no-such-option"], 2), ([], None)):
+            done = subprocess.run([sys.executable, "-m", "outbox", *args, "--json", *extra],
+                                  env=env, capture_output=True, text=True, timeout=60,
+                                  check=False)  # fmt: skip
+            if code is None and done.returncode == 0:
+                continue  # needs no database, and had nothing to fail on
+            error = json.loads(done.stderr)  # one JSON object, nothing else
+            assert error["exit_code"] == done.returncode != 0, (path, done.stderr)
+            assert code is None or done.returncode == code, (path, done.stderr)
+            assert done.stdout == "", path
