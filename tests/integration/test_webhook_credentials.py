@@ -5,13 +5,15 @@ in a tenth of a second, while docs/operations.md said the provider pauses."""
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from datetime import timedelta
 from typing import Any
 
 import pytest
 from prometheus_client import REGISTRY
 from psycopg_pool import AsyncConnectionPool
 
-from outbox.providers.base import Provider
+from outbox.providers.base import Provider, SendRequest, SendResult, transient
 from outbox.providers.fakes.webhook import FakeWebhookReceiver, Fault
 from tests.support.cli import outbox_cli
 from tests.support.dispatch import dispatcher, enqueue_many, rows
@@ -43,5 +45,42 @@ def test_a_list_that_stops_short_says_so(db_url: str) -> None:
     short = outbox_cli(env, "quarantine", "list", "--limit", "3")
     whole = outbox_cli(env, "quarantine", "list", "--limit", "5")
     assert short.returncode == whole.returncode == 0
-    assert len(short.stdout.splitlines()) == 4 and "the oldest 3 shown" in short.stderr
+    assert len(short.stdout.splitlines()) == 4 and "3 shown; more are quarantined" in short.stderr
     assert len(whole.stdout.splitlines()) == 6 and whole.stderr == ""
+
+
+class RefusedPlugin:
+    """A provider plug-in of no built-in type whose credentials are refused: it says so through
+    the provider interface (``Failed.pause``), as the built-in ones do."""
+
+    name = "plugin"
+    key_retention = timedelta(hours=24)
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def check(self, action: str, payload: Mapping[str, Any]) -> None:
+        pass
+
+    async def send(self, request: SendRequest) -> SendResult:
+        self.calls += 1
+        return transient("http_401", "the plug-in's key was refused", http_status=401, pause=True)
+
+    async def aclose(self) -> None:
+        pass
+
+
+async def test_a_plug_in_pauses_through_the_provider_interface(
+    db_url: str, pool: AsyncConnectionPool[Any]
+) -> None:
+    enqueue_many(db_url, 20, provider="plugin")
+    plugin = RefusedPlugin()
+    d = dispatcher(pool, {"plugin": plugin})
+    await d.run_once()
+    in_flight_when_paused = plugin.calls
+    for _ in range(2):
+        await d.run_once()
+    assert rows(db_url, "SELECT status, count(*), sum(attempts) FROM outbox.operations "
+                        "GROUP BY 1") == [("pending", 20, 0)]  # fmt: skip
+    assert plugin.calls == in_flight_when_paused >= 1  # none sent once it paused
+    assert REGISTRY.get_sample_value("outbox_provider_paused", {"provider": "plugin"}) == 1
