@@ -109,7 +109,8 @@ BUILD_INFO: Final = Info("outbox_build", "The running outbox version.")
 # The label values outbox itself writes (outbox.policy's reasons, the reconciler's findings,
 # the breaker's states, the loops that count database errors), for start_at_zero.
 QUARANTINE_REASONS: Final = ("permanent_failure", "attempts_exhausted", "invalid_payload",
-                             "internal_error", "provider_declined")  # fmt: skip
+                             "internal_error", "provider_declined",
+                             "unencodable_request")  # fmt: skip
 ROUTED_REASONS: Final = ("key_window_passed", "indeterminate_provider_error")
 CHECK_FINDINGS: Final = ("found", "refused", "undecided", "not_found", "no_lookup", "error",
                          "stale")  # fmt: skip

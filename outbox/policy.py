@@ -73,6 +73,9 @@ REASON_INVALID_PAYLOAD = "invalid_payload"
 # outbox itself failed before sending (a bug): quarantined rather than left to be rescued as an
 # attempt that may have reached the provider.
 REASON_INTERNAL_ERROR = "internal_error"
+# The provider could not build the row's request (a key or header value HTTP cannot carry, a
+# payload its encoding cannot hold): nothing was sent (outbox.providers.building).
+REASON_UNENCODABLE_REQUEST = "unencodable_request"
 
 
 def after_failure(

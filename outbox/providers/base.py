@@ -86,11 +86,14 @@ class Failed:
     reference: str | None = None
     # The quarantine reason when more precise than permanent_failure (provider_declined).
     reason: str | None = None
+    # Nothing of the request left this host: it could not be built (outbox.providers.building).
+    # Recorded as not sent whatever ``failure`` says: no key window starts.
+    not_sent: bool = False
 
     @property
     def may_have_reached_provider(self) -> bool:
         # A transient failure means the provider did not act, so its key window has not begun.
-        return self.failure is not FailureClass.TRANSIENT
+        return not self.not_sent and self.failure is not FailureClass.TRANSIENT
 
 
 def transient(error_class: str, message: str, **details: Any) -> Failed:

@@ -23,6 +23,7 @@ import math
 import re
 import ssl
 from collections.abc import Awaitable, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import timedelta
 from decimal import Decimal
@@ -33,7 +34,7 @@ import stripe
 
 from outbox import payloads
 from outbox.config import DEFAULT_CONCURRENCY, DEFAULT_MAX_RESPONSE_BYTES
-from outbox.providers import stripe_states
+from outbox.providers import building, stripe_states
 from outbox.providers.answers import (
     MAX_BYTES_EXTENSION,
     AnswerLimits,
@@ -227,39 +228,29 @@ class StripeProvider:
 
     async def send(self, request: SendRequest) -> SendResult:
         act = ACTIONS[request.action]
-        # Neither the account nor a change's target is a parameter of the call.
-        taken = {OPERATION_ACCOUNT, TARGET} if act.is_change else {OPERATION_ACCOUNT}
-        try:
-            params: dict[str, Any] = _form(
-                {k: v for k, v in request.payload.items() if k not in taken}
-            )
-        except _Unsendable as exc:
-            # Nothing left this host. The message is ours: it never quotes the payload.
-            return permanent("unencodable_request", f"the payload cannot be sent: {exc}")
-        except RecursionError:
-            return permanent("unencodable_request", "the payload cannot be sent: it nests too "
-                             "deep")  # fmt: skip
-        if not act.is_change:  # how the reconciler finds what a create made
-            params["metadata"] = {
-                **dict(params.get("metadata") or {}),
-                METADATA_OPERATION_ID: str(request.operation_id),
-                METADATA_IDEMPOTENCY_KEY: request.idempotency_key,
-            }
+        # What cannot be built is recorded as not sent (outbox.providers.building): a key no
+        # request can carry (an empty one the SDK would leave out), a payload the form cannot
+        # hold, a value the SDK, httpx or h11 refuses before anything is written.
+        params = _params(request, act.is_change)
+        if isinstance(params, Failed):
+            return params
         target = (str(request.payload[TARGET]),) if act.is_change else ()
         with self._shards.take() as client:
             call = act.resolve(client.v1)
+            handover = _Handover()
+            token = _HANDOVER.set(handover)
             try:
                 version = request.api_version or self._options.stripe_version
                 options: Any = {"idempotency_key": request.idempotency_key,
                                 "stripe_version": version,
                                 "stripe_account": self._account(request.payload)}  # fmt: skip
                 created = await call(*target, params=params, options=options)
-            except stripe.StripeError as exc:
-                return classify(exc)
+            except building.Unbuilt as exc:  # httpx could not build it, h11 not write it
+                return exc.failure
             except Exception as exc:  # noqa: BLE001 (an answer the SDK chokes on must not raise)
-                # The params are plain text by now, so this is the answer: nested too deep for
-                # the SDK's objects, say. Stripe answered, so it may have acted.
-                return unknown("unreadable_success", _choked(exc))
+                return _raised(exc, handover)
+            finally:
+                _HANDOVER.reset(token)
         try:
             return _succeeded(created, request.idempotency_key, self._options.redact_fields)
         except Exception as exc:  # noqa: BLE001 (likewise: an object with no last_response...)
@@ -316,6 +307,54 @@ class StripeProvider:
             await http.close_async()
 
 
+def _params(request: SendRequest, is_change: bool) -> dict[str, Any] | Failed:
+    """The call's parameters, or why it cannot be built (not sent)."""
+    problem = building.key_problem(request.idempotency_key)
+    if problem is not None:
+        return problem
+    # Neither the account nor a change's target is a parameter of the call.
+    taken = {OPERATION_ACCOUNT, TARGET} if is_change else {OPERATION_ACCOUNT}
+    try:
+        params: dict[str, Any] = _form({k: v for k, v in request.payload.items() if k not in taken})
+    except _Unsendable as exc:
+        # The message is ours: it never quotes the payload.
+        return building.unsendable(f"the payload cannot be sent: {exc}")
+    except RecursionError:
+        return building.unsendable("the payload cannot be sent: it nests too deep")
+    if not is_change:  # how the reconciler finds what a create made
+        params["metadata"] = {
+            **dict(params.get("metadata") or {}),
+            METADATA_OPERATION_ID: str(request.operation_id),
+            METADATA_IDEMPOTENCY_KEY: request.idempotency_key,
+        }
+    return params
+
+
+def _raised(exc: Exception, handover: _Handover) -> Failed:
+    """What an exception of the SDK's call means: where it came before the SDK handed its
+    request to the HTTP client, nothing left this host."""
+    if not handover.done:
+        return building.not_built(exc)
+    if isinstance(exc, stripe.StripeError):
+        return classify(exc)
+    # The params are plain text by now, and the request was handed over, so this is the answer:
+    # nested too deep for the SDK's objects, say. Stripe answered, so it may have acted.
+    return unknown("unreadable_success", _choked(exc))
+
+
+class _Handover:
+    """Whether the SDK handed this call's request to the HTTP client (_SDKClient)."""
+
+    __slots__ = ("done",)
+
+    def __init__(self) -> None:
+        self.done = False
+
+
+# The send under way in this task, if any: _SDKClient marks it when the SDK hands it a request.
+_HANDOVER: ContextVar[_Handover | None] = ContextVar("outbox_stripe_handover", default=None)
+
+
 class _SDKClient(stripe.HTTPClient):
     """The SDK's HTTP client (its documented extension point), on an httpx client that reads
     every answer within bounds; a lookup's list page (a GET) may have LIST_PAGE_BYTES. Like
@@ -334,10 +373,20 @@ class _SDKClient(stripe.HTTPClient):
         self, method: str, url: str, headers: Mapping[str, str], post_data: Any = None
     ) -> tuple[bytes, int, Mapping[str, str]]:
         extensions = self._list_extensions if method.lower() == "get" else None
+        handover = _HANDOVER.get()
+        if handover is not None:
+            handover.done = True
+        # Building the request and writing its head fail before anything is sent: raised as
+        # Unbuilt, which the SDK lets through (it retries and wraps only APIConnectionError).
         try:
-            response = await self._client.request(
-                method, url, headers=headers, content=post_data, extensions=extensions
-            )
+            built = self._client.build_request(method, url, headers=headers, content=post_data,
+                                               extensions=extensions)  # fmt: skip
+        except building.BUILD_ERRORS as exc:
+            raise building.Unbuilt(building.not_built(exc, headers)) from exc
+        try:
+            response = await self._client.send(built)
+        except building.NOT_WRITTEN as exc:
+            raise building.Unbuilt(building.not_built(exc, headers)) from exc
         except Exception as exc:
             raise stripe.APIConnectionError(  # type: ignore[no-untyped-call]  # the SDK's own
                 f"Network error: a {type(exc).__name__} was raised", should_retry=True

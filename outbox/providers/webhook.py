@@ -8,10 +8,12 @@ key is in progress), 408, 425 and 429 transient, honouring Retry-After; 401 and 
 provider (our credentials are refused: nothing is spent); 422 and other 4xx permanent; every 5xx
 (503 included: a gateway may answer it after the receiver acted), timeouts and resets after
 sending unknown, retried with the same key only inside the key window; a refused connection
-transient (nothing was sent). An answer is read within bounds (outbox.providers.answers): one
-over ``max_response_bytes``, undecodable or too slow is unknown, since the receiver answered and
-so may have acted. The reference of a 2xx is its ``reference_field`` when that is an identifier
-(``answers.reference``), else the idempotency key.
+transient (nothing was sent); a request that cannot be built, or whose head h11 refuses to
+write, permanent and not sent (outbox.providers.building). An answer is read within bounds
+(outbox.providers.answers): one over ``max_response_bytes``, undecodable or too slow is unknown,
+since the receiver answered and so may have acted. The reference of a 2xx is its
+``reference_field`` when that is an identifier (``answers.reference``), else the idempotency
+key.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ import httpx
 
 from outbox import payloads
 from outbox.config import DEFAULT_CONCURRENCY, DEFAULT_MAX_RESPONSE_BYTES
+from outbox.providers import building
 from outbox.providers.answers import AnswerLimits, AnswerRefused, BodyTimeout, Tally, reference
 from outbox.providers.base import (
+    Failed,
     SendRequest,
     SendResult,
     Succeeded,
@@ -51,6 +55,8 @@ _REFUSED_CREDENTIALS = frozenset({401, 403})
 # Longest Retry-After we honour: a misconfigured receiver must not park operations for days.
 MAX_RETRY_AFTER = timedelta(hours=1)
 _JSON_TYPE: Final = {"Content-Type": "application/json"}
+# What _header_safe leaves as it is when it percent-encodes: visible ASCII but "%".
+_HEADER_SAFE: Final = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "%")
 # Retry-After in seconds, in ASCII digits only (str.isdigit also takes "²", which int refuses).
 _SECONDS = re.compile(r"[0-9]+")
 # An idle keep-alive connection is closed after this many seconds (httpx's default, stated): after
@@ -139,25 +145,37 @@ class WebhookProvider:
 
     async def send(self, request: SendRequest) -> SendResult:
         with self._shards.take() as client:
-            try:
-                built = client.build_request("POST", self._options.url, content=_body(request),
-                                             headers={**self._content_type,
-                                                      **_headers(request)})  # fmt: skip
-            except (ValueError, TypeError, RecursionError) as exc:
-                # Nothing left this host: the payload or a header cannot be encoded at all. Only
-                # the exception's type is kept, since its text may quote the payload.
-                return permanent("unencodable_request",
-                                 f"the request cannot be built: {type(exc).__name__}")  # fmt: skip
+            built = self._build(client, request)
+            if not isinstance(built, httpx.Request):
+                return built
             try:
                 response = await client.send(built)
             except AnswerRefused as exc:
                 return unknown(exc.error_class, str(exc), http_status=exc.status)
+            except building.NOT_WRITTEN as exc:
+                # h11 refused to write the head: nothing left this host.
+                return building.not_built(exc, _headers(request))
             except httpx.HTTPError as exc:
                 return _classify_exception(exc)
         try:
             return self._classify_response(response, request)
         except Exception as exc:  # noqa: BLE001 (an odd answer must not lose a classified status)
             return _fallback(response.status_code, exc)
+
+    def _build(self, client: httpx.AsyncClient, request: SendRequest) -> httpx.Request | Failed:
+        """The request, or, when it cannot be built, what to record: not sent
+        (outbox.providers.building). Only an exception's type is kept, since its text may quote
+        the payload or a header."""
+        problem = building.key_problem(request.idempotency_key)
+        if problem is not None:
+            return problem
+        own: dict[str, str] = {}
+        try:
+            own = _headers(request)
+            return client.build_request("POST", self._options.url, content=_body(request),
+                                        headers={**self._content_type, **own})  # fmt: skip
+        except building.BUILD_ERRORS as exc:
+            return building.not_built(exc, own)
 
     async def aclose(self) -> None:
         for client in self._shards.clients:
@@ -224,10 +242,17 @@ def _sf_string(value: str) -> str:
 
 
 def _header_safe(value: str) -> str:
-    """Header values are ASCII: anything else travels percent-encoded as UTF-8."""
-    if value.isascii() and value.isprintable():
+    """An identity as a header value. A header carries visible ASCII with spaces only between
+    (RFC 9110), and a tenant id, an action or a correlation id may be any text but control
+    characters (sql/0028). One a header cannot carry as it is (a character past ASCII, a control
+    in a row older than that check, a space at either end), or one that holds a "%", travels
+    percent-encoded as UTF-8 (RFC 3986, the value-chars of RFC 8187 without their charset
+    prefix), spaces as %20: "café" as caf%C3%A9, " acme" as %20acme, "50%" as 50%25. A receiver
+    can always percent-decode a value and get the text back, and no two identities arrive the
+    same."""
+    if value.isascii() and value.isprintable() and "%" not in value and value.strip(" ") == value:
         return value
-    return urllib.parse.quote(value, safe="".join(chr(c) for c in range(0x21, 0x7F)))
+    return urllib.parse.quote(value, safe=_HEADER_SAFE)
 
 
 def _fallback(status: int, exc: Exception) -> SendResult:

@@ -487,6 +487,30 @@ MUTANTS: tuple[Mutant, ...] = (
         "        if False:\n            # Our secret headers",
         "tests/integration/test_webhook_credentials.py",
     ),
+    _one(
+        "unbuilt-request-counted-sent",
+        "a request that could not be built is recorded as one that may have reached the provider",
+        "outbox/providers/base.py",
+        "return not self.not_sent and self.failure is not FailureClass.TRANSIENT",
+        "return self.failure is not FailureClass.TRANSIENT",
+        "tests/integration/test_unbuildable_requests.py",
+    ),
+    _one(
+        "webhook-identity-header-unencoded",
+        'a webhook operation of tenant "acme " (a space h11 refuses) is never delivered',
+        "outbox/providers/webhook.py",
+        'and "%" not in value and value.strip(" ") == value:',
+        ":",
+        "tests/integration/test_unbuildable_requests.py",
+    ),
+    _one(
+        "stripe-unwritable-head-unknown",
+        "a Stripe request whose head h11 refuses to write is taken for one that reached Stripe",
+        "outbox/providers/stripe.py",
+        "        except building.NOT_WRITTEN as exc:\n            raise building.Unbuilt",
+        "        except ZeroDivisionError as exc:\n            raise building.Unbuilt",
+        "tests/integration/test_unbuildable_requests.py",
+    ),
     # --- what is claimed, and in what order ---------------------------------------------------
     _one(
         "stage-before-due",
