@@ -39,7 +39,10 @@ def status(dsn: str, config_path: Path | None, as_json: bool) -> None:
     # The gauges' query and the skip scans: partial indexes only, fast at ten million rows.
     with connect(dsn) as conn:
         cur = conn.cursor(row_factory=dict_row)
-        row = cur.execute(statements.GAUGES, {"exact_limit": gauges.EXACT_COUNT_LIMIT}).fetchone()
+        row = cur.execute(
+            statements.GAUGES,
+            {"exact_limit": gauges.EXACT_COUNT_LIMIT, "providers": sorted(configured or ())},
+        ).fetchone()
         blocked = cur.execute(statements.ORDERING_BLOCKED).fetchall()
         providers = _pending_by_provider(conn, configured)
     assert row is not None  # noqa: S101 (a SELECT of scalars returns one row)

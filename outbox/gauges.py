@@ -13,6 +13,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from outbox import loops, metrics
 from outbox.db import statements
+from outbox.metric_labels import UNCONFIGURED
 from outbox.model import Status
 
 # Counting succeeded rows reads them all; beyond this many rows the planner's estimate serves.
@@ -42,8 +43,8 @@ async def refresh(pool: AsyncConnectionPool[Any], windows: Mapping[str, timedelt
     """Read the gauges' values from the database and set them."""
     async with pool.connection() as conn:
         cur = conn.cursor(row_factory=dict_row)
-        row = await (await cur.execute(statements.GAUGES,
-                                       {"exact_limit": EXACT_COUNT_LIMIT})).fetchone()  # fmt: skip
+        row = await (await cur.execute(statements.GAUGES, {
+            "exact_limit": EXACT_COUNT_LIMIT, "providers": list(windows)})).fetchone()  # fmt: skip
         near = await (await conn.cursor(row_factory=tuple_row).execute(
             statements.NEARING_KEY_EXPIRY,
             {"providers": list(windows), "windows": list(windows.values())},
@@ -54,6 +55,9 @@ async def refresh(pool: AsyncConnectionPool[Any], windows: Mapping[str, timedelt
     for status, value in counts(row).items():
         metrics.OPERATIONS.labels(status.value).set(value)
     metrics.OLDEST_PENDING_AGE.set(row["oldest_pending_age"] or 0)
+    ages: Mapping[str, float] = row["oldest_pending_by_provider"]
+    for provider in (*windows, UNCONFIGURED):  # every known label, 0 when none is due
+        metrics.PROVIDER_OLDEST_PENDING_AGE.labels(provider).set(ages.get(provider, 0))
     metrics.OLDEST_RECONCILING_AGE.set(row["oldest_reconciling_age"] or 0)
     for provider, count in near:
         metrics.NEARING_KEY_EXPIRY.labels(provider).set(count)

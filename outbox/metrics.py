@@ -90,6 +90,13 @@ OPERATIONS: Final = Gauge("outbox_operations", "Operations by status, database-w
 OLDEST_PENDING_AGE: Final = Gauge(
     "outbox_oldest_pending_age_seconds", "Age of the oldest due pending operation (0: none)."
 )
+# Per provider (configured ones by name, any other as _unconfigured), from the same query: the
+# age alert leaves out a provider whose credentials are refused, which pages as paused instead.
+PROVIDER_OLDEST_PENDING_AGE: Final = Gauge(
+    "outbox_provider_oldest_pending_age_seconds",
+    "Age of the provider's oldest due pending operation (0: none).",
+    ["provider"],
+)
 OLDEST_RECONCILING_AGE: Final = Gauge(
     "outbox_oldest_reconciling_age_seconds", "Time the oldest reconciling operation has waited."
 )

@@ -789,11 +789,21 @@ SELECT
      FROM pg_class c WHERE c.oid = 'outbox.operations'::regclass) AS succeeded_exact,
     (SELECT greatest(c.reltuples, 0)::bigint FROM pg_class c
      WHERE c.oid = 'outbox.operations'::regclass) AS estimated_rows,
+    -- The oldest due pending operation's age, overall and per provider (the alerts hold back a
+    -- provider's age while its credentials are refused: one cause pages once). Providers not in
+    -- %(providers)s share one entry, '_unconfigured' (outbox/metric_labels.py): a producer that
+    -- names a thousand providers adds no entries.
+    (SELECT max(e.age::float8) FROM jsonb_each_text(g.by_provider) AS e (provider, age))
+      AS oldest_pending_age,
+    g.by_provider AS oldest_pending_by_provider,
+    (SELECT extract(epoch FROM now() - min(status_changed_at))::float8 FROM outbox.operations
+     WHERE status = 'reconciling') AS oldest_reconciling_age
+FROM (SELECT
     -- The earliest row of each (provider, tenant) group by a loose index scan: one probe per
     -- group instead of a read of every pending row.
-    -- A scheduled row that is due but not staged yet (no dispatcher runs) counts too. The
-    -- time is bounded below: a row written around enqueue's checks (0019) with '-infinity'
-    -- must not break the gauges.
+    -- A scheduled row that is due but not staged yet (no dispatcher runs) counts too, for its
+    -- provider. The time is bounded below: a row written around enqueue's checks (0019) with
+    -- '-infinity' must not break the gauges.
     (WITH RECURSIVE heads AS (
          (SELECT provider, tenant_id, available_at FROM outbox.operations
           WHERE status = 'pending' AND NOT ordering_blocked AND NOT scheduled
@@ -806,17 +816,19 @@ SELECT
              ORDER BY provider, tenant_id, available_at LIMIT 1) nx
      ),
      due AS (
-         SELECT available_at FROM heads WHERE available_at <= now()
+         SELECT provider, available_at FROM heads WHERE available_at <= now()
          UNION ALL
-         (SELECT available_at FROM outbox.operations
+         (SELECT provider, available_at FROM outbox.operations
           WHERE scheduled AND NOT ordering_blocked AND available_at <= now()
           ORDER BY available_at LIMIT 1)
      )
-     SELECT extract(epoch FROM now() - min(greatest(available_at,
-                                                    now() - interval '100 years')))::float8
-     FROM due) AS oldest_pending_age,
-    (SELECT extract(epoch FROM now() - min(status_changed_at))::float8 FROM outbox.operations
-     WHERE status = 'reconciling') AS oldest_reconciling_age
+     SELECT coalesce(jsonb_object_agg(d.provider, d.age), '{}'::jsonb)
+     FROM (SELECT CASE WHEN provider = ANY (%(providers)s::text[]) THEN provider
+                       ELSE '_unconfigured' END AS provider,
+                  extract(epoch FROM now() - min(greatest(available_at,
+                                                 now() - interval '100 years')))::float8 AS age
+           FROM due GROUP BY 1) AS d) AS by_provider
+) AS g
 """
 
 # Operations waiting for an earlier one with their ordering key, by what holds up the key: the

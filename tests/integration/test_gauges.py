@@ -59,3 +59,31 @@ async def test_a_row_due_at_minus_infinity_planted_behind_enqueues_back_breaks_n
     assert metrics.OLDEST_PENDING_AGE._value.get() >= 99 * 365 * 86400
     done = outbox_cli(cli_env, "status", "--json")
     assert done.returncode == 0, done.stderr
+
+
+async def test_the_oldest_due_age_is_kept_per_provider_and_unconfigured_ones_share_one(
+    db_url: str, pool: AsyncConnectionPool[Any]
+) -> None:
+    """What the age alert leaves out a paused provider by (deploy/prometheus): each configured
+    provider's own age, 0 when none is due, and every other name under _unconfigured."""
+    ages = {"hook": 600, "stripe": 0, "typo-1": 120, "typo-2": 900}
+    for provider, seconds in ages.items():
+        if seconds:
+            enqueue_many(db_url, 3, provider=provider, prefix=provider)
+            with psycopg.connect(db_url) as conn:
+                conn.execute("UPDATE outbox.operations SET available_at = now() - "
+                             "make_interval(secs => %s) WHERE provider = %s AND operation_key "
+                             "LIKE '%%-0'", (seconds, provider))  # fmt: skip
+    enqueue_many(db_url, 2, provider="later", prefix="s", available_at=None)
+    await gauges.refresh(pool, {"hook": timedelta(hours=23), "stripe": timedelta(hours=23)})
+
+    def age(provider: str) -> float:
+        return float(metrics.PROVIDER_OLDEST_PENDING_AGE.labels(provider)._value.get())
+
+    assert 595 <= age("hook") <= 700
+    assert age("stripe") == 0  # configured, nothing due: present at 0
+    assert 895 <= age("_unconfigured") <= 1000  # the older of typo-1 and typo-2
+    assert 895 <= metrics.OLDEST_PENDING_AGE._value.get() <= 1000  # the overall: the max
+    labelled = {s.labels["provider"] for m in metrics.PROVIDER_OLDEST_PENDING_AGE.collect()
+                for s in m.samples}  # fmt: skip
+    assert not labelled & {"typo-1", "typo-2", "later"}
