@@ -28,6 +28,7 @@ from outbox import (
 )
 from outbox import demo as demo_module
 from outbox.cli_common import (
+    TEXT,
     BadInput,
     Conflict,
     Duration,
@@ -137,20 +138,26 @@ def migrate(
 
 @main.command()
 @dsn_option
-@click.option("--tenant-id", required=True)
-@click.option("--operation-type", required=True)
-@click.option("--operation-key", required=True, help="The application's key for this intent.")
-@click.option("--provider", required=True, help="A configured provider name.")
-@click.option("--action", required=True, help="What to ask of the provider.")
-@click.option("--payload", "payload_text", help="The payload, a JSON object.")
+@click.option("--tenant-id", type=TEXT, required=True)
+@click.option("--operation-type", type=TEXT, required=True)
+@click.option(
+    "--operation-key", type=TEXT, required=True, help="The application's key for this intent."
+)
+@click.option("--provider", type=TEXT, required=True, help="A configured provider name.")
+@click.option("--action", type=TEXT, required=True, help="What to ask of the provider.")
+@click.option("--payload", "payload_text", type=TEXT, help="The payload, a JSON object.")
 @click.option(
     "--payload-file", type=click.File("r"), help="Read the payload from a file ('-': stdin)."
 )
-@click.option("--correlation-id")
-@click.option("--idempotency-key", help="Use this key instead of deriving one from the identity.")
+@click.option("--correlation-id", type=TEXT)
+@click.option(
+    "--idempotency-key", type=TEXT, help="Use this key instead of deriving one from the identity."
+)
 @click.option("--max-attempts", type=click.IntRange(min=1))
 @click.option(
-    "--ordering-key", help="Send after the tenant's earlier operations with this key, in order."
+    "--ordering-key",
+    type=TEXT,
+    help="Send after the tenant's earlier operations with this key, in order.",
 )
 @click.option("--config", "config_path", envvar="OUTBOX_CONFIG", show_envvar=True,
               type=click.Path(dir_okay=False, path_type=Path),
@@ -256,6 +263,7 @@ def prune_command(dsn: str, older_than: timedelta, batch: int, dry_run: bool) ->
 )
 @click.option(
     "--metrics-addr",
+    type=TEXT,
     default=DEFAULT_METRICS_ADDR,
     show_default=True,
     envvar="OUTBOX_METRICS_ADDR",
@@ -281,6 +289,7 @@ def run(dsn: str, config_path: Path | None, metrics_addr: str) -> None:
 @main.command()
 @click.option(
     "--dsn",
+    type=TEXT,
     callback=_check_dsn,
     help="Use this database instead of an embedded one (the demo adds rows to it).",
 )

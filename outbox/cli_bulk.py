@@ -21,7 +21,7 @@ import click
 import psycopg
 
 from outbox import operators
-from outbox.cli_common import EXIT_CONFLICT, BadInput, connect
+from outbox.cli_common import EXIT_CONFLICT, TEXT, BadInput, connect
 from outbox.db import dsn as dsn_util
 from outbox.durations import format_duration, parse_duration
 from outbox.model import Status
@@ -46,11 +46,13 @@ class Since(click.ParamType):  # type: ignore[type-arg]
         text = str(value).strip()
         try:
             return parse_duration(text)
-        except ValueError:
-            pass
+        except ValueError as exc:
+            not_a_duration = str(exc)
         try:
             at = datetime.fromisoformat(text)
         except ValueError:
+            if not not_a_duration.startswith("invalid"):  # a duration, but too long
+                self.fail(not_a_duration, param, ctx)
             self.fail(f"{printable(text)!r} is neither a duration (2h, 30m) nor a time "
                       "(2026-12-01T09:30:00Z)", param, ctx)  # fmt: skip
         if at.tzinfo is None:  # the database's zone or the shell's? Neither, said once.
@@ -61,12 +63,13 @@ class Since(click.ParamType):  # type: ignore[type-arg]
 def filter_options(command: F) -> F:
     """--provider, --status-reason, --error, --tenant and --since: which operations."""
     for option in reversed([
-        click.option("--provider", help="Only this provider's operations."),
+        click.option("--provider", type=TEXT, help="Only this provider's operations."),
         # Not --reason: that is the audit's why, which every action requires.
-        click.option("--status-reason", "status_reason",
+        click.option("--status-reason", "status_reason", type=TEXT,
                      help="Only this status reason (permanent_failure, key_window_passed, ...)."),
-        click.option("--error", help="Only those whose last attempt failed so (http_422, ...)."),
-        click.option("--tenant", help="Only this tenant's operations."),
+        click.option("--error", type=TEXT,
+                     help="Only those whose last attempt failed so (http_422, ...)."),
+        click.option("--tenant", type=TEXT, help="Only this tenant's operations."),
         click.option("--since", type=Since(),
                      help="Only those that entered the status since: 2h ago, or a time."),
     ]):  # fmt: skip

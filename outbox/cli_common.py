@@ -48,6 +48,27 @@ class Duration(click.ParamType):  # type: ignore[type-arg]
             self.fail(str(exc), param, ctx)
 
 
+class Text(click.ParamType):  # type: ignore[type-arg]
+    """A text option or argument: refuses what no database text can hold, at parse time, with
+    exit 2 (before: a traceback from the driver). Bytes that are not UTF-8 on a command line
+    reach Python as lone surrogates; a NUL can come from a file or the environment."""
+
+    name = "text"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        text = str(value)
+        if "\x00" in text:
+            self.fail("must not contain a NUL character", param, ctx)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            self.fail(f"is not UTF-8 text (character {exc.start + 1})", param, ctx)
+        return text
+
+
+TEXT: Final = Text()
+
+
 class JsonErrors(click.Group):
     """The `outbox` group: a command given --json reports its failure as JSON too, one object
     on stderr (``{"error": ..., "exit_code": ...}``), so that a script never parses prose."""
@@ -99,6 +120,7 @@ def dsn_option(command: F) -> F:
     """``--dsn``, defaulting to $OUTBOX_DATABASE_URL; passwords only from the environment."""
     return click.option(
         "--dsn",
+        type=TEXT,
         envvar="OUTBOX_DATABASE_URL",
         show_envvar=True,
         required=True,
@@ -109,7 +131,8 @@ def dsn_option(command: F) -> F:
 
 def actor_option(command: F) -> F:
     """--actor: who is acting, recorded with what they do (the audit, an ordering mode)."""
-    option = click.option("--actor", default=getpass.getuser, show_default="the login user",
+    option = click.option("--actor", type=TEXT, default=getpass.getuser,
+                          show_default="the login user",
                           help="Who is acting; recorded with the change.")  # fmt: skip
     return option(command)
 

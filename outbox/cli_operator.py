@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import click
 
 from outbox import cli_bulk, operators, payloads, reconciler
-from outbox.cli_common import BadInput, actor_option, connect, dsn_option, json_option
+from outbox.cli_common import TEXT, BadInput, actor_option, connect, dsn_option, json_option
 from outbox.config import ConfigError, load_settings
 from outbox.durations import format_duration
 from outbox.model import Status
@@ -31,7 +31,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _reason_option(command: F) -> F:
-    return click.option("--reason", required=True, help="Why; recorded in the audit.")(command)
+    return click.option("--reason", type=TEXT, required=True, help="Why; recorded in the audit.")(
+        command
+    )
 
 
 def build_group(name: str, status: Status) -> click.Group:
@@ -45,7 +47,9 @@ def build_group(name: str, status: Status) -> click.Group:
     @dsn_option
     @cli_bulk.filter_options
     @click.option("--limit", type=click.IntRange(1, 10_000), default=100, show_default=True)
-    @click.option("--after", help="Start after this cursor (what a truncated list printed).")
+    @click.option(
+        "--after", type=TEXT, help="Start after this cursor (what a truncated list printed)."
+    )
     @json_option
     def list_(dsn: str, limit: int, after: str | None, as_json: bool, **selection: Any) -> None:
         """List them, oldest first, a page at a time."""
@@ -69,9 +73,9 @@ def build_group(name: str, status: Status) -> click.Group:
     @group.command()
     @dsn_option
     @click.argument("operation_id", type=int, required=False)
-    @click.option("--tenant-id")
-    @click.option("--operation-type")
-    @click.option("--operation-key")
+    @click.option("--tenant-id", type=TEXT)
+    @click.option("--operation-type", type=TEXT)
+    @click.option("--operation-key", type=TEXT)
     @click.option(
         "--payload",
         "with_payload",
@@ -123,7 +127,9 @@ def add_reconcile_actions(group: click.Group) -> None:
     @group.command()
     @dsn_option
     @click.argument("operation_id", type=int)
-    @click.option("--provider-ref", required=True, help="The provider's id of the effect.")
+    @click.option(
+        "--provider-ref", type=TEXT, required=True, help="The provider's id of the effect."
+    )
     @_reason_option
     @actor_option
     def resolve(dsn: str, operation_id: int, provider_ref: str, reason: str, actor: str) -> None:

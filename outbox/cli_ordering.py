@@ -12,7 +12,7 @@ import json
 import click
 import psycopg
 
-from outbox.cli_common import BadInput, actor_option, connect, dsn_option, json_option
+from outbox.cli_common import TEXT, BadInput, actor_option, connect, dsn_option, json_option
 from outbox.db import statements
 from outbox.errors import SQLSTATE_INVALID_OPERATION
 from outbox.tables import render_table
@@ -42,10 +42,10 @@ def modes(dsn: str, as_json: bool) -> None:
 
 @ordering.command("set-mode")
 @dsn_option
-@click.argument("operation_type")
+@click.argument("operation_type", type=TEXT)
 @click.argument("mode", type=click.Choice(["block", "skip"]))
 @actor_option
-@click.option("--reason", default=None, help="Why; recorded in the audit.")
+@click.option("--reason", type=TEXT, default=None, help="Why; recorded in the audit.")
 def set_mode(dsn: str, operation_type: str, mode: str, actor: str, reason: str | None) -> None:
     """Block or skip past OPERATION_TYPE's quarantined and reconciling operations. Switching
     to skip releases the keys they hold up at once. Recorded in the audit."""

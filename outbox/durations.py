@@ -10,20 +10,29 @@ from datetime import timedelta
 
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
+# No setting or flag means more than a century; past it a timedelta (or PostgreSQL's interval
+# arithmetic on now()) overflows, and a typo of extra digits deserves a message, not a traceback.
+MAX_DURATION = timedelta(days=36500)
 
 
 def parse_duration(text: str) -> timedelta:
     """Parse a duration: one or more number-unit pairs (ms, s, m, h, d), or bare seconds.
 
-    Raises ValueError with the accepted forms for anything else, including negative values.
+    Raises ValueError with the accepted forms for anything else, including negative values and
+    durations over MAX_DURATION.
     """
     value = text.strip()
     if re.fullmatch(r"\d+(?:\.\d+)?", value):
-        return timedelta(seconds=float(value))
-    parts = _PART.findall(value)
-    if not value or "".join(number + unit for number, unit in parts) != value:
-        raise ValueError(f"invalid duration {text!r}: write it like 500ms, 30s, 10m, 24h or 1h30m")
-    return timedelta(seconds=sum(float(number) * _UNITS[unit] for number, unit in parts))
+        seconds = float(value)
+    else:
+        parts = _PART.findall(value)
+        if not value or "".join(number + unit for number, unit in parts) != value:
+            raise ValueError(f"invalid duration {text!r}: write it like 500ms, 30s, 10m, 24h or "
+                             "1h30m")  # fmt: skip
+        seconds = sum(float(number) * _UNITS[unit] for number, unit in parts)
+    if not seconds <= MAX_DURATION.total_seconds():  # also inf, from a thousand digits
+        raise ValueError(f"duration {text[:40]!r} is longer than {MAX_DURATION.days} days")
+    return timedelta(seconds=seconds)
 
 
 def format_duration(value: timedelta) -> str:

@@ -85,7 +85,7 @@ class Cursor:
             cursor = cls(datetime.fromisoformat(at), int(id_))
         except ValueError:
             raise ValueError(f"{printable(text)!r} is not a cursor that `list` printed") from None
-        if cursor.at.tzinfo is None:
+        if cursor.at.tzinfo is None or not 0 <= cursor.id < 2**63:  # an id is a bigint
             raise ValueError(f"{printable(text)!r} is not a cursor that `list` printed")
         return cursor
 

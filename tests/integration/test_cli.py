@@ -71,7 +71,7 @@ def test_a_conflict_exits_3_and_changes_nothing(cli_env: dict[str, str], db_url:
         # Issue 21: these were tracebacks with exit 1.
         (["--payload", '{"a": ' * 3000 + "1" + "}" * 3000], "nests deeper than 64 levels"),
         (["--payload", '{"n": ' + "9" * 5000 + "}"], "a number of 1e100 or more"),
-        (["--payload", "{}", "--tenant-id", "t\udcff"], "tenant_id must be UTF-8 text"),
+        (["--payload", "{}", "--tenant-id", "t\udcff"], "'--tenant-id': is not UTF-8 text"),
         (["--payload", PAYLOAD, "--idempotency-key", "a b"], "idempotency_key must be"),
         ([], "exactly one of --payload or --payload-file"),
     ],

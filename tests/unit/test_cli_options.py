@@ -12,8 +12,10 @@ from collections import Counter
 from collections.abc import Iterator
 
 import click
+from click.testing import CliRunner
 
 from outbox.cli import main
+from outbox.cli_common import TEXT
 
 
 def commands(group: click.Group, path: str = "outbox") -> Iterator[tuple[str, click.Command]]:
@@ -50,3 +52,24 @@ def test_every_json_command_reports_its_failures_as_json() -> None:
             assert error["exit_code"] == done.returncode != 0, (path, done.stderr)
             assert code is None or done.returncode == code, (path, done.stderr)
             assert done.stdout == "", path
+
+
+def test_every_text_parameter_refuses_what_no_database_text_holds() -> None:
+    """Bytes that are not UTF-8 on a command line arrive as lone surrogates, which the driver
+    could not encode: a traceback and exit 1, where the README promises exit 2. Every text
+    parameter is cli_common.TEXT, and refuses them (and NUL) by name."""
+    runner = CliRunner()
+    checked = 0
+    for path, command in commands(main):
+        for param in command.params:
+            if param.type is click.STRING:
+                raise AssertionError(f"{path} {param.name}: a text parameter must be TEXT")
+            if param.type is not TEXT:
+                continue
+            for bad in ("caf\udce9", "a\x00b"):
+                given = [param.opts[0], bad] if isinstance(param, click.Option) else [bad]
+                done = runner.invoke(main, [*path.split()[1:], *given])
+                assert done.exit_code == 2, (path, param.name, done.output)
+                assert "not UTF-8 text" in done.output or "NUL" in done.output, done.output
+            checked += 1
+    assert checked >= 25

@@ -76,3 +76,21 @@ def test_whole_seconds_under_an_hour_read_back_exactly(seconds: int) -> None:
 def test_one_second_is_written_in_seconds() -> None:
     assert format_duration(timedelta(seconds=1)) == "1s"
     assert format_duration(timedelta(milliseconds=999)) == "999ms"
+
+
+@given(st.text(alphabet="0123456789.smhd ", max_size=400))
+def test_any_text_is_a_bounded_duration_or_a_value_error(text: str) -> None:
+    # A flag or setting of extra digits (99999999999d, a thousand 9s) was an OverflowError's
+    # traceback; now it is a message, as any other bad duration.
+    try:
+        parsed = parse_duration(text)
+    except ValueError:
+        return
+    assert timedelta(0) <= parsed <= timedelta(days=36500)
+
+
+def test_a_duration_past_a_century_is_refused_by_name() -> None:
+    for text in ("99999999999d", "9" * 1000 + "s", "36501d"):
+        with pytest.raises(ValueError, match="longer than 36500 days"):
+            parse_duration(text)
+    assert parse_duration("36500d") == timedelta(days=36500)
