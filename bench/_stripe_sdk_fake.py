@@ -1,4 +1,4 @@
-"""The fake Stripe (outbox/providers/fakes/stripe.py) in a process of its own, for
+"""The fake Stripe (outbox/testing/stripe.py) in a process of its own, for
 bench/stripe_sdk.py: the fake is a ThreadingHTTPServer, and in the benchmark's process it would
 share the GIL with the client loop it is measured against.
 
@@ -60,7 +60,7 @@ class FakeStripeProcess:
 
 def _serve() -> None:
     sys.path.insert(0, str(REPO))
-    from outbox.providers.fakes.stripe import FakeStripe  # noqa: PLC0415 (after the path)
+    from outbox.testing.stripe import FakeStripe  # noqa: PLC0415 (after the path)
 
     with FakeStripe() as fake:
         print(f"URL {fake.url}", flush=True)

@@ -7,7 +7,7 @@ each (outbox/providers/shards.py), which shows what is left of outbox's own over
     python bench/stripe_sdk.py [--count 5000] [--concurrency 64]
 
 (Not bench/stripe.py: that would shadow the `stripe` package.) The fake Stripe
-(outbox/providers/fakes/stripe.py, a ThreadingHTTPServer that keeps Stripe's idempotency
+(outbox/testing/stripe.py, a ThreadingHTTPServer that keeps Stripe's idempotency
 semantics) runs in a process of its own, a fresh one per phase. Its own ceiling is measured
 first, by a bare httpx loop posting the same form-encoded creates: neither SDK figure can beat
 it. Target: outbox at least 0.7 times the bare SDK loop. Exits non-zero only on errors.
@@ -44,8 +44,8 @@ from _support import (
     wait_drained,
 )
 
-from outbox.providers.fakes.stripe import DEFAULT_API_KEY
 from outbox.providers.shards import Shards, shard_sizes
+from outbox.testing.stripe import DEFAULT_API_KEY
 
 PROVIDER = "stripe"
 ACTION = "payment_intents.create"

@@ -29,13 +29,10 @@ from outbox.config import DispatcherSettings, ProviderSettings
 from outbox.db import migrations, statements
 from outbox.db.store import Store
 from outbox.dispatcher import Dispatcher
-from outbox.providers.fakes.stripe import FakeStripe
-from outbox.providers.fakes.stripe import Fault as StripeFault
-from outbox.providers.fakes.webhook import FakeWebhookReceiver
-from outbox.providers.fakes.webhook import Fault as HookFault
 from outbox.providers.registry import build_providers
 from outbox.reconciler import Reconciler
 from outbox.tables import render_table
+from outbox.testing import FakeStripe, FakeWebhookReceiver, StripeFault, WebhookFault
 
 DEMO_STRIPE_KEY: Final = "sk_test_outbox_demo"
 DEMO_PREFIX: Final = "outbox-demo-"  # the embedded database's directory; `--stop` wants it
@@ -116,7 +113,7 @@ def _enqueue(dsn: str, tenant: str, planned: list[Planned], stripe_fake: FakeStr
             ids[p.key] = result.operation_id
         conn.commit()
         keys = {p.key: _key(conn, tenant, p.key) for p in planned}
-    receiver.inject(HookFault.status(429, retry_after=0), key=keys["invoice-5-paid"], times=2)
+    receiver.inject(WebhookFault.status(429, retry_after=0), key=keys["invoice-5-paid"], times=2)
     stripe_fake.inject(StripeFault.status(402, error_type="card_error", code_str="card_declined"),
                        key=keys["invoice-6-charge"])  # fmt: skip
     stripe_fake.inject(StripeFault.delay_after_apply(1.5), key=keys["invoice-7-charge"])

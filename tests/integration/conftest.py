@@ -12,8 +12,8 @@ import pytest
 from psycopg_pool import AsyncConnectionPool
 
 from outbox.providers.base import Provider
-from outbox.providers.fakes.stripe import FakeStripe
-from outbox.providers.fakes.webhook import FakeWebhookReceiver
+from outbox.testing.stripe import FakeStripe
+from outbox.testing.webhook import FakeWebhookReceiver
 from tests.support.daemon import write_config
 from tests.support.dispatch import stripe_provider, webhook
 

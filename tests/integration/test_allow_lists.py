@@ -15,7 +15,7 @@ import pytest
 
 import outbox
 from outbox.providers.base import Provider
-from outbox.providers.fakes.webhook import FakeWebhookReceiver
+from outbox.testing.webhook import FakeWebhookReceiver
 from tests.integration.test_roles import APP, as_role, roles_db, sqlstate_of
 from tests.support.dispatch import dispatcher, rows
 

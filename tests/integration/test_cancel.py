@@ -18,7 +18,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from outbox.db.store import Store
 from outbox.model import Status
-from outbox.providers.fakes.webhook import FakeWebhookReceiver
+from outbox.testing.webhook import FakeWebhookReceiver
 from tests.support.cli import outbox_cli
 from tests.support.dispatch import dispatcher, enqueue_many, key_of, rows, webhook
 

@@ -19,7 +19,7 @@ import outbox
 from outbox import metrics
 from outbox.db.store import Store
 from outbox.providers.base import Provider, SendRequest, SendResult, Succeeded
-from outbox.providers.fakes.webhook import FakeWebhookReceiver, Fault
+from outbox.testing.webhook import FakeWebhookReceiver, WebhookFault
 from tests.support.dispatch import (
     dispatcher,
     enqueue_many,
@@ -55,9 +55,9 @@ async def test_transient_failures_retry_with_bounded_jittered_delays_then_succee
 ) -> None:
     (op,) = enqueue_many(db_url, 1)
     key = key_of(db_url, op)
-    receiver.inject(Fault.status(429, retry_after=3), key=key)
-    receiver.inject(Fault.status(409), key=key)
-    receiver.inject(Fault.status(408), key=key)
+    receiver.inject(WebhookFault.status(429, retry_after=3), key=key)
+    receiver.inject(WebhookFault.status(409), key=key)
+    receiver.inject(WebhookFault.status(408), key=key)
     d = dispatcher(
         pool, {"hook": hook}, backoff_base=timedelta(seconds=10), backoff_max=timedelta(minutes=5)
     )
@@ -88,7 +88,7 @@ async def test_an_operation_that_never_succeeds_is_quarantined_with_every_attemp
     db_url: str, pool: AsyncConnectionPool[Any], receiver: FakeWebhookReceiver, hook: Provider
 ) -> None:
     (op,) = enqueue_many(db_url, 1)
-    receiver.inject(Fault.status(429), times=100)
+    receiver.inject(WebhookFault.status(429), times=100)
     d = dispatcher(pool, {"hook": hook}, max_attempts=4)
     for _ in range(4):
         assert await d.run_once() == 1
@@ -111,7 +111,7 @@ async def test_a_permanent_answer_quarantines_after_one_attempt(
     code: int,
 ) -> None:
     (op,) = enqueue_many(db_url, 1)
-    receiver.inject(Fault.status(code), times=10)
+    receiver.inject(WebhookFault.status(code), times=10)
     d = dispatcher(pool, {"hook": hook})
     assert await d.run_once() == 1
     make_due(db_url)
@@ -128,7 +128,7 @@ async def test_a_timeout_after_the_provider_acted_is_retried_with_the_same_key_o
 ) -> None:
     (op,) = enqueue_many(db_url, 1)
     key = key_of(db_url, op)
-    receiver.inject(Fault.delay_after_apply(1.5), key=key)
+    receiver.inject(WebhookFault.delay_after_apply(1.5), key=key)
     slow = webhook("hook", receiver.url, timeout=0.3)
     try:
         d = dispatcher(pool, {"hook": slow})
@@ -343,7 +343,7 @@ async def test_a_503_may_have_acted_so_it_starts_the_key_window_and_keeps_the_ke
 ) -> None:
     (op,) = enqueue_many(db_url, 1)
     key = key_of(db_url, op)
-    receiver.inject(Fault.status(503, retry_after=1), key=key)
+    receiver.inject(WebhookFault.status(503, retry_after=1), key=key)
     d = dispatcher(pool, {"hook": hook})
     assert await d.run_once() == 1
     ((status, first_sent, delay),) = rows(db_url, "SELECT status, first_sent_at, "
@@ -476,7 +476,7 @@ async def test_every_log_line_about_an_operation_carries_the_design_fields(
     db_url: str, pool: AsyncConnectionPool[Any], receiver: FakeWebhookReceiver, hook: Provider
 ) -> None:
     ids = enqueue_many(db_url, 3, correlation_id="req-1")
-    receiver.inject(Fault.status(422), key=key_of(db_url, ids[0]))
+    receiver.inject(WebhookFault.status(422), key=key_of(db_url, ids[0]))
     with psycopg.connect(db_url) as conn:  # one past its key window: routed, not sent
         conn.execute("UPDATE outbox.operations SET attempts = 1, first_sent_at = now() - "
                      "interval '30 hours' WHERE id = %s", (ids[1],))  # fmt: skip

@@ -27,9 +27,9 @@ from outbox import payloads
 from outbox.config import ProviderSettings
 from outbox.model import FailureClass
 from outbox.providers.base import Failed, Provider, SendRequest, Succeeded
-from outbox.providers.fakes.stripe import DEFAULT_API_KEY, FakeStripe
-from outbox.providers.fakes.webhook import FakeWebhookReceiver
 from outbox.providers.registry import build_providers
+from outbox.testing.stripe import DEFAULT_API_KEY, FakeStripe
+from outbox.testing.webhook import FakeWebhookReceiver
 from tests.support.dispatch import dispatcher, rows
 
 PROPERTY = settings(max_examples=60, deadline=None, database=None,

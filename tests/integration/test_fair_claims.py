@@ -15,8 +15,8 @@ import outbox
 from outbox.db import statements
 from outbox.db.store import FAIR_ONLY_CLAIMS, Store, claim_params
 from outbox.providers.base import Provider
-from outbox.providers.fakes.webhook import FakeWebhookReceiver
 from outbox.providers.noop import NoopProvider
+from outbox.testing.webhook import FakeWebhookReceiver
 from tests.support.dispatch import dispatcher, key_of, rows
 
 LEASE = timedelta(seconds=30)

@@ -17,10 +17,10 @@ import requests
 import stripe
 from stripe.params import PaymentIntentCreateParams
 
-from outbox.providers.fakes.stripe import (
+from outbox.testing.stripe import (
     DEFAULT_API_KEY,
     FakeStripe,
-    Fault,
+    StripeFault,
     mask_api_key,
     parse_form,
 )
@@ -298,7 +298,7 @@ def test_validation_errors_are_not_saved(fake: FakeStripe, client: stripe.Stripe
 def test_a_429_is_not_saved_and_the_retry_creates_one_object(
     fake: FakeStripe, client: stripe.StripeClient
 ) -> None:
-    fake.inject(Fault.status(429, error_type="invalid_request_error", code_str="rate_limit"))
+    fake.inject(StripeFault.status(429, error_type="invalid_request_error", code_str="rate_limit"))
     with pytest.raises(stripe.RateLimitError) as limited:
         create(client, "ob_1")
     assert limited.value.http_status == 429 and error_code(limited.value) == "rate_limit"
@@ -344,7 +344,7 @@ def test_a_confirmed_create_declined_by_the_issuer_leaves_the_object_and_saves_t
 def test_an_injected_402_is_refused_before_execution_and_not_saved(
     fake: FakeStripe, client: stripe.StripeClient
 ) -> None:
-    fault = Fault.status(402, error_type="card_error", code_str="card_declined")
+    fault = StripeFault.status(402, error_type="card_error", code_str="card_declined")
     fake.inject(fault, key="ob_1")
     create(client, "ob_other")  # another key: the fault waits for ob_1
     with pytest.raises(stripe.CardError) as declined:
@@ -371,7 +371,7 @@ def test_injected_statuses_map_to_the_sdk_exceptions(
     expected: type[stripe.StripeError],
     should_retry: str | None,
 ) -> None:
-    fake.inject(Fault.status(status, error_type=error_type, retry_after=2), times=2)
+    fake.inject(StripeFault.status(status, error_type=error_type, retry_after=2), times=2)
     for _ in range(2):
         with pytest.raises(expected) as failed:
             create(client, "ob_1")
@@ -402,7 +402,7 @@ def test_a_wrong_key_gets_a_masked_401_until_the_key_is_rotated(fake: FakeStripe
 def test_a_500_after_apply_is_saved_and_the_object_exists(
     fake: FakeStripe, client: stripe.StripeClient
 ) -> None:
-    fake.inject(Fault.error_500_after_apply())
+    fake.inject(StripeFault.error_500_after_apply())
     for replayed in (None, "true"):
         with pytest.raises(stripe.APIError) as failed:
             create(client, "ob_1")
@@ -416,7 +416,7 @@ def test_a_500_after_apply_is_saved_and_the_object_exists(
 def test_a_500_before_apply_is_saved_and_nothing_exists(
     fake: FakeStripe, client: stripe.StripeClient
 ) -> None:
-    fake.inject(Fault.error_500_before_apply())
+    fake.inject(StripeFault.error_500_before_apply())
     for _ in range(2):
         with pytest.raises(stripe.APIError) as failed:
             create(client, "ob_1")
@@ -426,7 +426,7 @@ def test_a_500_before_apply_is_saved_and_nothing_exists(
 
 
 def test_a_timeout_after_apply_then_a_retry_replays(fake: FakeStripe) -> None:
-    fake.inject(Fault.delay_after_apply(2.0))
+    fake.inject(StripeFault.delay_after_apply(2.0))
     with stripe_client(fake, timeout=0.2) as impatient:
         with pytest.raises(stripe.APIConnectionError) as timed_out:
             create(impatient, "ob_1")
@@ -438,10 +438,11 @@ def test_a_timeout_after_apply_then_a_retry_replays(fake: FakeStripe) -> None:
 
 
 @pytest.mark.parametrize(
-    ("fault", "objects"), [(Fault.reset_before_apply(), 0), (Fault.reset_after_apply(), 1)]
+    ("fault", "objects"),
+    [(StripeFault.reset_before_apply(), 0), (StripeFault.reset_after_apply(), 1)],
 )
 def test_a_reset_connection_is_a_connection_error(
-    fake: FakeStripe, client: stripe.StripeClient, fault: Fault, objects: int
+    fake: FakeStripe, client: stripe.StripeClient, fault: StripeFault, objects: int
 ) -> None:
     fake.inject(fault)
     with pytest.raises(stripe.APIConnectionError):
@@ -505,7 +506,7 @@ def test_a_bad_answer_still_creates_one_object_and_the_replay_is_the_saved_one(
     fake: FakeStripe, client: stripe.StripeClient
 ) -> None:
     """The SDK (requests) reads the whole bomb here: 8 MiB, decoded by requests itself."""
-    fake.inject(Fault.gzip_bomb_after_apply(8 << 20))
+    fake.inject(StripeFault.gzip_bomb_after_apply(8 << 20))
     bombed = create(client, "ob_1")
     (obj,) = fake.objects()
     assert bombed.id == obj["id"]  # the padding is whitespace: the JSON is the object
@@ -518,7 +519,7 @@ def test_a_bad_answer_still_creates_one_object_and_the_replay_is_the_saved_one(
 def test_a_raw_answer_replaces_the_object_on_the_wire_only(
     fake: FakeStripe, client: stripe.StripeClient
 ) -> None:
-    fake.inject(Fault.raw_answer_after_apply(b"<html>oops</html>"))
+    fake.inject(StripeFault.raw_answer_after_apply(b"<html>oops</html>"))
     with pytest.raises(stripe.APIError) as caught:
         create(client, "ob_1")
     assert caught.value.http_status == 200

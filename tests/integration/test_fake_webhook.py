@@ -16,10 +16,10 @@ from typing import Any
 import httpx
 import pytest
 
-from outbox.providers.fakes.webhook import (
+from outbox.testing.webhook import (
     FakeWebhookReceiver,
-    Fault,
-    Received,
+    WebhookFault,
+    WebhookRequest,
     parse_idempotency_key,
 )
 
@@ -51,7 +51,7 @@ def post(
     return client.post(receiver.url, json=body, headers=headers)
 
 
-def statuses(received: list[Received]) -> list[int | None]:
+def statuses(received: list[WebhookRequest]) -> list[int | None]:
     return [r.status for r in received]
 
 
@@ -235,7 +235,7 @@ def test_wait_for_effects_sees_effects_applied_by_another_thread(
 def test_delay_after_apply_times_the_client_out_but_the_effect_exists(
     receiver: FakeWebhookReceiver, client: httpx.Client
 ) -> None:
-    receiver.inject(Fault.delay_after_apply(0.7))
+    receiver.inject(WebhookFault.delay_after_apply(0.7))
     with httpx.Client(timeout=0.2) as impatient, pytest.raises(httpx.ReadTimeout):
         post(impatient, receiver, "k1")
     assert receiver.effect_count("k1") == 1
@@ -251,7 +251,7 @@ def test_delay_after_apply_times_the_client_out_but_the_effect_exists(
 def test_500_after_apply_is_saved_and_replayed(
     receiver: FakeWebhookReceiver, client: httpx.Client
 ) -> None:
-    receiver.inject(Fault.error_500_after_apply())
+    receiver.inject(WebhookFault.error_500_after_apply())
     first = post(client, receiver, "k1")
     assert first.status_code == 500
     assert "idempotent-replayed" not in first.headers
@@ -265,17 +265,17 @@ def test_500_after_apply_is_saved_and_replayed(
 @pytest.mark.parametrize(
     ("fault", "status", "retry_after"),
     [
-        (Fault.status(503, retry_after=7), 503, "7"),
-        (Fault.status(429, retry_after=2), 429, "2"),
-        (Fault.status(502), 502, None),
-        (Fault.status(400), 400, None),
-        (Fault.error_500_before_apply(), 500, None),
+        (WebhookFault.status(503, retry_after=7), 503, "7"),
+        (WebhookFault.status(429, retry_after=2), 429, "2"),
+        (WebhookFault.status(502), 502, None),
+        (WebhookFault.status(400), 400, None),
+        (WebhookFault.error_500_before_apply(), 500, None),
     ],
 )
 def test_a_status_before_apply_is_not_saved_so_the_retry_applies_once(
     receiver: FakeWebhookReceiver,
     client: httpx.Client,
-    fault: Fault,
+    fault: WebhookFault,
     status: int,
     retry_after: str | None,
 ) -> None:
@@ -293,7 +293,7 @@ def test_a_status_before_apply_is_not_saved_so_the_retry_applies_once(
 def test_reset_before_apply_is_a_transport_error_and_applies_nothing(
     receiver: FakeWebhookReceiver, client: httpx.Client
 ) -> None:
-    receiver.inject(Fault.reset_before_apply())
+    receiver.inject(WebhookFault.reset_before_apply())
     with pytest.raises(httpx.TransportError):
         post(client, receiver, "k1")
     assert receiver.effect_count() == 0
@@ -305,7 +305,7 @@ def test_reset_before_apply_is_a_transport_error_and_applies_nothing(
 def test_reset_after_apply_loses_the_answer_not_the_effect(
     receiver: FakeWebhookReceiver, client: httpx.Client
 ) -> None:
-    receiver.inject(Fault.reset_after_apply())
+    receiver.inject(WebhookFault.reset_after_apply())
     with pytest.raises(httpx.TransportError):
         post(client, receiver, "k1")
     assert receiver.effect_count("k1") == 1
@@ -319,7 +319,7 @@ def test_reset_after_apply_loses_the_answer_not_the_effect(
 def test_a_fault_for_one_key_spares_the_others_and_is_used_up(
     receiver: FakeWebhookReceiver, client: httpx.Client
 ) -> None:
-    receiver.inject(Fault.status(503), key="k2", times=2)
+    receiver.inject(WebhookFault.status(503), key="k2", times=2)
     assert post(client, receiver, "k1").status_code == 201
     assert post(client, receiver, "k2").status_code == 503
     assert post(client, receiver, "k2").status_code == 503
@@ -367,7 +367,7 @@ def test_a_gzip_bomb_is_small_on_the_wire_and_decodes_to_the_saved_answer(
     chunked: bool,
 ) -> None:
     size = 8 << 20
-    receiver.inject(Fault.gzip_bomb_after_apply(size, coding=coding, chunked=chunked))
+    receiver.inject(WebhookFault.gzip_bomb_after_apply(size, coding=coding, chunked=chunked))
     bomb, wire = raw_answer(client, receiver, "k1")
     assert bomb.status_code == 201
     assert bomb.headers["content-encoding"] == coding
@@ -387,7 +387,7 @@ def test_a_gzip_bomb_is_small_on_the_wire_and_decodes_to_the_saved_answer(
 def test_a_gzip_bomb_may_come_without_its_content_encoding(
     receiver: FakeWebhookReceiver, client: httpx.Client
 ) -> None:
-    receiver.inject(Fault.gzip_bomb_after_apply(1 << 20, content_encoding=None))
+    receiver.inject(WebhookFault.gzip_bomb_after_apply(1 << 20, content_encoding=None))
     bomb, wire = raw_answer(client, receiver, "k1")
     assert "content-encoding" not in bomb.headers
     assert wire.startswith(b"\x1f\x8b")
@@ -398,7 +398,7 @@ def test_a_gzip_bomb_may_come_without_its_content_encoding(
 def test_a_huge_answer_is_the_saved_json_padded(
     receiver: FakeWebhookReceiver, client: httpx.Client, chunked: bool
 ) -> None:
-    receiver.inject(Fault.huge_answer_after_apply(3 << 20, chunked=chunked))
+    receiver.inject(WebhookFault.huge_answer_after_apply(3 << 20, chunked=chunked))
     huge, wire = raw_answer(client, receiver, "k1")
     assert huge.headers.get("transfer-encoding") == ("chunked" if chunked else None)
     assert len(wire) == 3 << 20
@@ -409,7 +409,7 @@ def test_a_huge_answer_is_the_saved_json_padded(
 def test_a_dribbled_answer_comes_a_byte_at_a_time_and_stopping_ends_it() -> None:
     receiver = FakeWebhookReceiver().start()
     try:
-        receiver.inject(Fault.dribble_after_apply(0.01, size=1 << 20))
+        receiver.inject(WebhookFault.dribble_after_apply(0.01, size=1 << 20))
         with (
             httpx.Client(timeout=5.0) as client,
             client.stream(
@@ -429,7 +429,7 @@ def test_a_dribbled_answer_comes_a_byte_at_a_time_and_stopping_ends_it() -> None
 def test_a_raw_answer_is_sent_as_given_with_the_coding_it_claims(
     receiver: FakeWebhookReceiver, client: httpx.Client
 ) -> None:
-    receiver.inject(Fault.raw_answer_after_apply(b"not gzip", content_encoding="gzip"))
+    receiver.inject(WebhookFault.raw_answer_after_apply(b"not gzip", content_encoding="gzip"))
     lie, wire = raw_answer(client, receiver, "k1")
     assert (lie.status_code, lie.headers["content-encoding"], wire) == (201, "gzip", b"not gzip")
     assert receiver.effect_count() == 1
@@ -450,5 +450,5 @@ def test_bodies_are_parsed_with_exact_decimals_and_kept_as_sent(
 
 
 def test_a_retry_after_can_be_any_text(receiver: FakeWebhookReceiver, client: httpx.Client) -> None:
-    receiver.inject(Fault.status(429, retry_after="9" * 5000))
+    receiver.inject(WebhookFault.status(429, retry_after="9" * 5000))
     assert post(client, receiver, "k1").headers["retry-after"] == "9" * 5000

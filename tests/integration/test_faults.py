@@ -15,7 +15,7 @@ from psycopg_pool import AsyncConnectionPool
 from outbox import metrics
 from outbox.db.connect import dispatcher_pool
 from outbox.providers.base import Provider
-from outbox.providers.fakes.webhook import FakeWebhookReceiver
+from outbox.testing.webhook import FakeWebhookReceiver
 from tests.support.dispatch import dispatcher, enqueue_many, statuses
 
 

@@ -16,7 +16,7 @@ from psycopg_pool import AsyncConnectionPool
 from outbox import wakeup
 from outbox.db.connect import dispatcher_pool
 from outbox.providers.base import Provider
-from outbox.providers.fakes.webhook import FakeWebhookReceiver
+from outbox.testing.webhook import FakeWebhookReceiver
 from tests.support.dispatch import dispatcher, enqueue_many, key_of, rows, statuses
 from tests.support.tcp_proxy import TcpProxy
 

@@ -12,7 +12,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from outbox.providers.fakes.webhook import FakeWebhookReceiver, Fault
+from outbox.testing.webhook import FakeWebhookReceiver, WebhookFault
 from tests.support.daemon import OutboxProcess, wait_until, write_config
 from tests.support.dispatch import enqueue_many, key_of, rows, statuses
 from tests.support.tools import require_tool
@@ -74,7 +74,7 @@ def test_the_wrong_wall_clock_changes_nothing_because_every_comparison_uses_the_
     ops = enqueue_many(db_url, 12)
     keys = {op: key_of(db_url, op) for op in ops}
     for op in ops[:4]:  # an unknown outcome each: retried with the same key inside its window
-        receiver.inject(Fault.error_500_before_apply(), key=keys[op])
+        receiver.inject(WebhookFault.error_500_before_apply(), key=keys[op])
     slow = receiver.hold(keys[ops[4]])  # held past the lease: only heartbeats keep it
     # A 6 s lease, renewed every 2 s: a CI machine at a load of 14 delayed a 1 s heartbeat past a
     # 3 s lease once, and the rescue's resend then met the held key's 409s.

@@ -10,7 +10,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from outbox import gauges, metrics
 from outbox.providers.base import Provider
-from outbox.providers.fakes.webhook import FakeWebhookReceiver, Fault
+from outbox.testing.webhook import FakeWebhookReceiver, WebhookFault
 from tests.support.cli import outbox_cli
 from tests.support.dispatch import dispatcher, enqueue_many, key_of, rows
 
@@ -23,8 +23,8 @@ async def test_gauges_match_the_table_after_a_dispatch_run(
     db_url: str, pool: AsyncConnectionPool[Any], receiver: FakeWebhookReceiver, hook: Provider
 ) -> None:
     ids = enqueue_many(db_url, 12)
-    receiver.inject(Fault.status(422), key=key_of(db_url, ids[0]))
-    receiver.inject(Fault.status(422), key=key_of(db_url, ids[1]))
+    receiver.inject(WebhookFault.status(422), key=key_of(db_url, ids[0]))
+    receiver.inject(WebhookFault.status(422), key=key_of(db_url, ids[1]))
     assert await dispatcher(pool, {"hook": hook}, batch_size=8).run_once() == 8
     with psycopg.connect(db_url) as conn:
         conn.execute("UPDATE outbox.operations SET status = 'reconciling', status_changed_at = "

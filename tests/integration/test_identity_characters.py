@@ -25,8 +25,8 @@ from psycopg_pool import AsyncConnectionPool
 import outbox
 from outbox import InvalidOperation
 from outbox.providers.base import Provider
-from outbox.providers.fakes.webhook import FakeWebhookReceiver
 from outbox.safe_text import printable
+from outbox.testing.webhook import FakeWebhookReceiver
 from tests.support.dispatch import dispatcher, rows
 from tests.support.producers import charge, count
 

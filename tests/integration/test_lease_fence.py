@@ -28,9 +28,9 @@ from outbox.db.group_record import GroupRecorder
 from outbox.db.store import Claimed, Record, Store
 from outbox.model import Status
 from outbox.providers.base import Provider
-from outbox.providers.fakes.stripe import FakeStripe
-from outbox.providers.fakes.webhook import FakeWebhookReceiver
 from outbox.reconciler import Reconciler
+from outbox.testing.stripe import FakeStripe
+from outbox.testing.webhook import FakeWebhookReceiver
 from tests.support.dispatch import (
     dispatcher,
     enqueue_charges,

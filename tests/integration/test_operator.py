@@ -12,7 +12,7 @@ import pytest
 from psycopg_pool import AsyncConnectionPool
 
 from outbox.providers.base import Provider
-from outbox.providers.fakes.webhook import FakeWebhookReceiver, Fault
+from outbox.testing.webhook import FakeWebhookReceiver, WebhookFault
 from tests.support.cli import outbox_cli
 from tests.support.dispatch import dispatcher, enqueue_many, key_of, make_due, rows
 
@@ -20,7 +20,7 @@ from tests.support.dispatch import dispatcher, enqueue_many, key_of, make_due, r
 async def quarantined_operation(db_url: str, pool: AsyncConnectionPool[Any],
                                 receiver: FakeWebhookReceiver, hook: Provider) -> int:  # fmt: skip
     (op,) = enqueue_many(db_url, 1)
-    receiver.inject(Fault.status(422), key=key_of(db_url, op))
+    receiver.inject(WebhookFault.status(422), key=key_of(db_url, op))
     assert await dispatcher(pool, {"hook": hook}).run_once() == 1
     assert rows(db_url, "SELECT status FROM outbox.operations") == [("quarantined",)]
     return op
@@ -87,7 +87,7 @@ async def test_a_replay_past_the_key_window_lands_in_reconciling_not_at_the_prov
     hook: Provider,
 ) -> None:
     (op,) = enqueue_many(db_url, 1)
-    receiver.inject(Fault.status(500))  # unknown: it may have acted
+    receiver.inject(WebhookFault.status(500))  # unknown: it may have acted
     d = dispatcher(pool, {"hook": hook}, max_attempts=1)
     assert await d.run_once() == 1
     assert rows(db_url, "SELECT status FROM outbox.operations") == [("quarantined",)]

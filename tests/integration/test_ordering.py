@@ -21,7 +21,7 @@ from outbox import gauges, metrics, operators
 from outbox.db.store import Store
 from outbox.model import Status
 from outbox.providers.base import Provider
-from outbox.providers.fakes.webhook import FakeWebhookReceiver, Fault, Received
+from outbox.testing.webhook import FakeWebhookReceiver, WebhookFault, WebhookRequest
 from tests.support.cli import outbox_cli
 from tests.support.daemon import outbox_processes, wait_until, write_config
 from tests.support.dispatch import dispatcher, key_of, rows, statuses
@@ -45,14 +45,14 @@ def enqueue_ordered(url: str, keys: list[str], per_key: int, *, tenant: str = "a
     return ids
 
 
-def by_key(received: list[Received]) -> dict[str, list[Received]]:
-    requests: dict[str, list[Received]] = defaultdict(list)
+def by_key(received: list[WebhookRequest]) -> dict[str, list[WebhookRequest]]:
+    requests: dict[str, list[WebhookRequest]] = defaultdict(list)
     for r in sorted(received, key=lambda r: r.at):
         requests[r.body["ordering_key"]].append(r)
     return requests
 
 
-def assert_one_at_a_time_in_order(received: list[Received], per_key: int) -> None:
+def assert_one_at_a_time_in_order(received: list[WebhookRequest], per_key: int) -> None:
     for key, requests in by_key(received).items():
         seqs = [r.body["seq"] for r in requests]
         # Retries repeat a sequence number; it never goes back, and every one is there.
@@ -74,8 +74,8 @@ def test_2000_operations_over_20_keys_with_4_dispatchers_keep_each_keys_order(
     # key waiting, and a slow one would let the next overtake it if the line were not kept.
     rng = random.Random(8)
     for op_id in rng.sample([i for key_ids in ids.values() for i in key_ids], 200):
-        fault = rng.choice([Fault.status(503), Fault.reset_before_apply(),
-                            Fault.delay_after_apply(0.05)])  # fmt: skip
+        fault = rng.choice([WebhookFault.status(503), WebhookFault.reset_before_apply(),
+                            WebhookFault.delay_after_apply(0.05)])  # fmt: skip
         receiver.inject(fault, key=key_of(db_url, op_id))
     # Unordered operations in the mix go in parallel with the lines.
     with psycopg.connect(db_url) as conn:
@@ -105,7 +105,7 @@ async def test_a_quarantined_operation_blocks_its_key_until_replayed_then_the_re
     db_url: str, pool: AsyncConnectionPool[Any], receiver: FakeWebhookReceiver, hook: Provider
 ) -> None:
     ids = enqueue_ordered(db_url, ["a", "b"], 4)
-    receiver.inject(Fault.status(422), key=key_of(db_url, ids["a"][1]))  # permanent
+    receiver.inject(WebhookFault.status(422), key=key_of(db_url, ids["a"][1]))  # permanent
     d = dispatcher(pool, {"hook": hook})
     while await d.run_once():
         pass
@@ -134,7 +134,7 @@ async def test_a_cancelled_head_lets_its_key_go_on(
     db_url: str, pool: AsyncConnectionPool[Any], receiver: FakeWebhookReceiver, hook: Provider
 ) -> None:
     ids = enqueue_ordered(db_url, ["a"], 3)
-    receiver.inject(Fault.status(422), key=key_of(db_url, ids["a"][0]))
+    receiver.inject(WebhookFault.status(422), key=key_of(db_url, ids["a"][0]))
     d = dispatcher(pool, {"hook": hook})
     while await d.run_once():
         pass
@@ -153,7 +153,7 @@ async def test_in_mode_skip_the_key_goes_on_and_a_replay_rejoins_the_line(
     with psycopg.connect(db_url) as conn:
         conn.execute("SELECT outbox.set_ordering_mode('ledger.post', 'skip', 'alice')")
     ids = enqueue_ordered(db_url, ["a"], 3)
-    receiver.inject(Fault.status(422), key=key_of(db_url, ids["a"][0]))
+    receiver.inject(WebhookFault.status(422), key=key_of(db_url, ids["a"][0]))
     d = dispatcher(pool, {"hook": hook})
     assert await d.run_once() == 1  # seq 0, quarantined: seq 1 may go
     assert await d.run_once() == 1  # seq 1

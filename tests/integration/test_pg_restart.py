@@ -14,7 +14,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from outbox.providers.fakes.webhook import FakeWebhookReceiver
+from outbox.testing.webhook import FakeWebhookReceiver
 from tests.support.cluster import PrivateCluster, private_cluster
 from tests.support.daemon import outbox_processes, wait_until, write_config
 from tests.support.dispatch import rows

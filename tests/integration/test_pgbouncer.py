@@ -18,7 +18,7 @@ import pytest
 import outbox
 from outbox.db import statements
 from outbox.db.connect import MIGRATE_THROUGH_POOLER, migration_blocker, shares_server_sessions
-from outbox.providers.fakes.webhook import FakeWebhookReceiver
+from outbox.testing.webhook import FakeWebhookReceiver
 from tests.support.cli import outbox_cli
 from tests.support.daemon import OutboxProcess, outbox_processes, wait_until, write_config
 from tests.support.dispatch import rows, statuses

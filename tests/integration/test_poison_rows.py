@@ -17,7 +17,7 @@ import psycopg
 
 import outbox
 from outbox.loops import LOOPS
-from outbox.providers.fakes.webhook import FakeWebhookReceiver
+from outbox.testing.webhook import FakeWebhookReceiver
 from tests.support.daemon import OutboxProcess, outbox_processes, wait_until, write_config
 from tests.support.dispatch import rows, statuses
 from tests.support.producers import nested_payload, plant

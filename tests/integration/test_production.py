@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from outbox.providers.fakes.webhook import FakeWebhookReceiver
+from outbox.testing.webhook import FakeWebhookReceiver
 from tests.support.daemon import OutboxProcess, wait_until, write_config
 from tests.support.dispatch import enqueue_many, key_of, rows
 from tests.support.tools import require_tool
@@ -134,12 +134,12 @@ def sample(text: str, name: str, **labels: str) -> float:
 def test_a_scrape_after_a_run_matches_the_rows(
     db_url: str, receiver: FakeWebhookReceiver, tmp_path: Path
 ) -> None:
-    from outbox.providers.fakes.webhook import Fault  # noqa: PLC0415
+    from outbox.testing.webhook import WebhookFault  # noqa: PLC0415
 
     ids = enqueue_many(db_url, 10)
     for op in ids[:2]:
-        receiver.inject(Fault.status(422), key=key_of(db_url, op))
-    receiver.inject(Fault.status(429), key=key_of(db_url, ids[2]))
+        receiver.inject(WebhookFault.status(422), key=key_of(db_url, op))
+    receiver.inject(WebhookFault.status(429), key=key_of(db_url, ids[2]))
     cfg = write_config(tmp_path / "outbox.toml", providers={
         "hook": {"type": "webhook", "url": receiver.url}}, poll_interval="100ms",
         backoff_base="50ms", backoff_max="100ms", gauge_interval="200ms")  # fmt: skip

@@ -22,7 +22,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
 from outbox import metrics
-from outbox.providers.fakes.webhook import FakeWebhookReceiver, Fault
+from outbox.testing.webhook import FakeWebhookReceiver, WebhookFault
 from tests.support.cluster import free_port
 from tests.support.daemon import OutboxProcess, wait_until, write_config
 from tests.support.dispatch import enqueue_many, statuses
@@ -188,7 +188,7 @@ def test_quarantines_from_the_first_show_as_an_increase_and_open_a_ticket(
         prom.wait_for(lambda: prom.query("sum(increase(outbox_quarantined_total[1h]))") == {
             "{}": 0.0}, "an increase of 0")  # fmt: skip
         assert prom.alerts() == []
-        receiver.inject(Fault.status(422), times=10)  # permanent: quarantined at once
+        receiver.inject(WebhookFault.status(422), times=10)  # permanent: quarantined at once
         enqueue_many(db_url, 10)
         wait_until(lambda: statuses(db_url) == {"quarantined": 10}, timeout=WAIT,
                    what="ten quarantines")  # fmt: skip
@@ -240,7 +240,7 @@ def test_refused_credentials_page_once_as_provider_paused(
     OutboxProviderCircuitOpen (the breaker open or half-open) and OutboxOldestPendingTooOld
     (the backlog older than its threshold) hold in Prometheus too, for several evaluations,
     yet neither is pending or firing: their `unless` clauses hold them back."""
-    receiver.inject(Fault.status(401), times=10_000)
+    receiver.inject(WebhookFault.status(401), times=10_000)
     with watched(prometheus_binary, db_url, receiver, tmp_path) as (_proc, prom, _target):
         enqueue_many(db_url, 3)
         prom.wait_for(lambda: [a["provider"] for a in prom.firing("OutboxProviderPaused")]

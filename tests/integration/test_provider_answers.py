@@ -31,14 +31,12 @@ from outbox.config import DEFAULT_MAX_RESPONSE_BYTES, ProviderSettings
 from outbox.model import FailureClass
 from outbox.providers.answers import MAX_REFERENCE_CHARS, READ_PIECE
 from outbox.providers.base import Failed, Found, SendRequest, SendResult, Succeeded
-from outbox.providers.fakes import stripe as fake_stripe
-from outbox.providers.fakes import webhook as fake_webhook
-from outbox.providers.fakes.loopback import compressed
-from outbox.providers.fakes.stripe import DEFAULT_API_KEY, FakeStripe
-from outbox.providers.fakes.webhook import FakeWebhookReceiver
 from outbox.providers.registry import build_providers
 from outbox.providers.stripe import StripeProvider
 from outbox.providers.webhook import WebhookProvider
+from outbox.testing.loopback import compressed
+from outbox.testing.stripe import DEFAULT_API_KEY, FakeStripe, StripeFault
+from outbox.testing.webhook import FakeWebhookReceiver, WebhookFault
 from tests.support.dispatch import dispatcher, enqueue_many, make_due, rows, statuses
 from tests.support.lookups import lookup_request
 
@@ -100,7 +98,7 @@ async def send_webhook(url: str, key: str, **options: Any) -> tuple[SendResult, 
 async def test_the_issues_1_mib_of_gzip_that_decodes_to_1_gib_is_refused_within_the_cap(
     receiver: FakeWebhookReceiver, chunked: bool
 ) -> None:
-    receiver.inject(fake_webhook.Fault.gzip_bomb_after_apply(GIB, chunked=chunked))
+    receiver.inject(WebhookFault.gzip_bomb_after_apply(GIB, chunked=chunked))
     tracemalloc.start()
     try:
         result, provider = await send_webhook(receiver.url, "ob1_bomb")
@@ -125,7 +123,7 @@ async def test_httpx_alone_expands_one_network_read_far_past_any_cap(
     """Why the providers decode answers themselves: httpx's gzip decoder hands over what one
     read decompresses to, whole. Against 64 MiB (not the issue's 1 GiB, which would take this
     process past a gigabyte), its first decoded chunk is already many times the cap."""
-    receiver.inject(fake_webhook.Fault.gzip_bomb_after_apply(64 << 20, chunked=True))
+    receiver.inject(WebhookFault.gzip_bomb_after_apply(64 << 20, chunked=True))
     async with (
         httpx.AsyncClient(timeout=5.0) as client,
         client.stream("POST", receiver.url, json={}, headers={"Idempotency-Key": '"k"'}) as answer,
@@ -142,7 +140,7 @@ async def test_through_the_dispatcher_the_bomb_is_one_unknown_attempt_then_the_r
     """The issue's operation: the bomb's attempt is unknown (the receiver acted) and costs the
     process nothing; the retry with the same key gets the saved 201 and the one effect."""
     enqueue_many(db_url, 1)
-    receiver.inject(fake_webhook.Fault.gzip_bomb_after_apply(GIB, chunked=True))
+    receiver.inject(WebhookFault.gzip_bomb_after_apply(GIB, chunked=True))
     hook = webhook_provider(receiver.url)
     try:
         d = dispatcher(pool, {"hook": hook})
@@ -185,9 +183,9 @@ def test_an_answer_is_read_whole_within_its_cap_and_refused_past_it(
     coding, _, framing = shape.partition("-")
     chunked = framing == "chunked" or coding == "chunked"
     if coding in ("plain", "chunked"):
-        fault = fake_webhook.Fault.huge_answer_after_apply(size, chunked=chunked)
+        fault = WebhookFault.huge_answer_after_apply(size, chunked=chunked)
     else:
-        fault = fake_webhook.Fault.gzip_bomb_after_apply(size, coding=coding, chunked=chunked)
+        fault = WebhookFault.gzip_bomb_after_apply(size, coding=coding, chunked=chunked)
     key = f"ob1_{len(receiver.received)}"
     receiver.inject(fault, key=key)
     result, provider = asyncio.run(send_webhook(receiver.url, key, max_response_bytes=cap))
@@ -213,7 +211,7 @@ async def test_an_answer_dribbled_a_byte_at_a_time_ends_at_the_timeout(
 ) -> None:
     """Each byte comes well within the read timeout, so httpx alone would wait for the last of
     them (some 20 minutes here); the body's deadline ends it at the provider's timeout."""
-    receiver.inject(fake_webhook.Fault.dribble_after_apply(0.02, size=1 << 16))
+    receiver.inject(WebhookFault.dribble_after_apply(0.02, size=1 << 16))
     result, provider = await send_webhook(receiver.url, "ob1_slow", timeout=0.5)
     failed = assert_unknown(result, "timeout")
     assert "took longer than 0.5s" in failed.message
@@ -243,7 +241,7 @@ _ANSWER = b'{"id": "wh_lie"}'
 async def test_an_answer_in_a_coding_it_is_not_or_was_not_asked_for_is_undecodable(
     receiver: FakeWebhookReceiver, body: bytes, coding: str
 ) -> None:
-    receiver.inject(fake_webhook.Fault.raw_answer_after_apply(body, content_encoding=coding))
+    receiver.inject(WebhookFault.raw_answer_after_apply(body, content_encoding=coding))
     result, provider = await send_webhook(receiver.url, "ob1_enc")
     assert_unknown(result, "undecodable_response", 201)
     assert receiver.effect_count("ob1_enc") == 1
@@ -263,7 +261,7 @@ async def test_every_honest_form_of_the_codings_asked_for_is_read(
     receiver: FakeWebhookReceiver, body: bytes
 ) -> None:
     coding = "gzip" if body.startswith(b"\x1f\x8b") else "deflate"
-    receiver.inject(fake_webhook.Fault.raw_answer_after_apply(body, content_encoding=coding))
+    receiver.inject(WebhookFault.raw_answer_after_apply(body, content_encoding=coding))
     result, _ = await send_webhook(receiver.url, "ob1_ok")
     assert isinstance(result, Succeeded) and result.reference == "wh_lie"
 
@@ -286,7 +284,7 @@ async def test_a_2xx_with_no_readable_json_object_is_a_success_known_by_its_key(
 ) -> None:
     """A 2xx is the receiver's word that it acted; the body only names the effect. One that
     names nothing readable is never a permanent failure, nor a crash: the key is the name."""
-    receiver.inject(fake_webhook.Fault.raw_answer_after_apply(body))
+    receiver.inject(WebhookFault.raw_answer_after_apply(body))
     result, _ = await send_webhook(receiver.url, "ob1_lie")
     assert isinstance(result, Succeeded), result
     assert (result.reference, result.result) == ("ob1_lie", None)
@@ -324,7 +322,7 @@ def test_the_reference_is_the_answers_id_only_when_that_is_an_identifier(
     receiver = shared_receiver
     key = f"ob1_ref_{len(receiver.received)}"
     body = json.dumps({"id": value}).encode()
-    receiver.inject(fake_webhook.Fault.raw_answer_after_apply(body), key=key)
+    receiver.inject(WebhookFault.raw_answer_after_apply(body), key=key)
     result, _ = asyncio.run(send_webhook(receiver.url, key))
     assert isinstance(result, Succeeded), result
     assert result.reference == documented_reference(value, key)
@@ -334,7 +332,7 @@ def test_the_reference_is_the_answers_id_only_when_that_is_an_identifier(
 async def test_a_retry_after_of_thousands_of_digits_is_the_longest_wait(
     receiver: FakeWebhookReceiver,
 ) -> None:
-    receiver.inject(fake_webhook.Fault.status(429, retry_after="9" * 5000))
+    receiver.inject(WebhookFault.status(429, retry_after="9" * 5000))
     result, _ = await send_webhook(receiver.url, "ob1_wait")
     assert isinstance(result, Failed) and result.error_class == "http_429"
     assert result.retry_after == timedelta(hours=1)
@@ -354,15 +352,15 @@ async def create(fake: FakeStripe, key: str, **options: Any) -> tuple[SendResult
 @pytest.mark.parametrize(
     "fault",
     [
-        fake_stripe.Fault.gzip_bomb_after_apply(GIB, chunked=True),
-        fake_stripe.Fault.gzip_bomb_after_apply(64 << 20, coding="deflate"),
-        fake_stripe.Fault.huge_answer_after_apply(50 << 20),
-        fake_stripe.Fault.huge_answer_after_apply(50 << 20, chunked=True),
+        StripeFault.gzip_bomb_after_apply(GIB, chunked=True),
+        StripeFault.gzip_bomb_after_apply(64 << 20, coding="deflate"),
+        StripeFault.huge_answer_after_apply(50 << 20),
+        StripeFault.huge_answer_after_apply(50 << 20, chunked=True),
     ],
     ids=["gzip-1gib", "deflate", "plain", "plain-chunked"],
 )
 async def test_a_stripe_answer_past_the_cap_is_unknown_and_the_retry_replays_the_object(
-    fake: FakeStripe, fault: fake_stripe.Fault
+    fake: FakeStripe, fault: StripeFault
 ) -> None:
     fake.inject(fault)
     result, provider = await create(fake, "ob1_pi")
@@ -394,7 +392,7 @@ async def test_a_stripe_2xx_the_sdk_cannot_read_is_unknown_never_permanent(
 ) -> None:
     """It used to be classified by its status like an error: a 200 is not >= 500, so it was
     permanent, and a charge that exists went to quarantine (or, past the SDK, it raised)."""
-    fake.inject(fake_stripe.Fault.raw_answer_after_apply(body, content_encoding=coding))
+    fake.inject(StripeFault.raw_answer_after_apply(body, content_encoding=coding))
     result, _ = await create(fake, "ob1_pi")
     assert_unknown(result, error_class, status)
     again, _ = await create(fake, "ob1_pi")
@@ -410,7 +408,7 @@ async def test_a_stripe_2xx_the_sdk_cannot_read_is_unknown_never_permanent(
 async def test_a_stripe_object_whose_id_is_no_identifier_is_known_by_its_key(
     fake: FakeStripe, body: bytes
 ) -> None:
-    fake.inject(fake_stripe.Fault.raw_answer_after_apply(body))
+    fake.inject(StripeFault.raw_answer_after_apply(body))
     result, _ = await create(fake, "ob1_pi")
     assert isinstance(result, Succeeded), result
     assert result.reference == "ob1_pi"
@@ -418,7 +416,7 @@ async def test_a_stripe_object_whose_id_is_no_identifier_is_known_by_its_key(
 
 
 async def test_a_dribbled_stripe_answer_ends_at_the_timeout(fake: FakeStripe) -> None:
-    fake.inject(fake_stripe.Fault.dribble_after_apply(0.02, size=1 << 16))
+    fake.inject(StripeFault.dribble_after_apply(0.02, size=1 << 16))
     result, provider = await create(fake, "ob1_pi", timeout=0.5)
     assert "took longer than 0.5s" in assert_unknown(result, "timeout").message
     assert fake.object_count() == 1
@@ -438,7 +436,7 @@ async def test_a_lookup_page_may_be_larger_than_a_create_answer(fake: FakeStripe
         found = await provider.lookup(lookup_request("payment_intents.create", 7, "ob1_29",
                                                      now, now))  # fmt: skip
         assert provider.tally.most_decoded > cap  # the page was larger than the cap
-        fake.inject(fake_stripe.Fault.huge_answer_after_apply(cap + 1))
+        fake.inject(StripeFault.huge_answer_after_apply(cap + 1))
         too_large = await provider.send(request("ob1_big", "payment_intents.create"))
     finally:
         await provider.aclose()
@@ -453,7 +451,7 @@ async def test_an_answer_within_the_cap_but_past_64_kib_keeps_its_reference_not_
     the reference of the effect is always kept."""
     (op,) = enqueue_many(db_url, 1)
     body = json.dumps({"id": "wh_big", "padding": "x" * 200_000}).encode()
-    receiver.inject(fake_webhook.Fault.raw_answer_after_apply(body))
+    receiver.inject(WebhookFault.raw_answer_after_apply(body))
     hook = webhook_provider(receiver.url)
     try:
         assert await dispatcher(pool, {"hook": hook}).run_once() == 1

@@ -20,9 +20,8 @@ from outbox import metrics
 from outbox.config import ProviderLimits, default_burst
 from outbox.dispatcher import Dispatcher
 from outbox.providers.base import Provider
-from outbox.providers.fakes.stripe import FakeStripe
-from outbox.providers.fakes.stripe import Fault as StripeFault
-from outbox.providers.fakes.webhook import FakeWebhookReceiver, Fault
+from outbox.testing.stripe import FakeStripe, StripeFault
+from outbox.testing.webhook import FakeWebhookReceiver, WebhookFault
 from tests.support.dispatch import (
     dispatcher,
     enqueue_charges,
@@ -74,7 +73,7 @@ async def test_a_run_of_failures_opens_the_breaker_and_only_a_probe_goes_until_o
     db_url: str, pool: AsyncConnectionPool[Any], receiver: FakeWebhookReceiver, hook: Provider
 ) -> None:
     enqueue_many(db_url, 6)
-    receiver.inject(Fault.status(503), times=4)  # three in a row, then the first probe
+    receiver.inject(WebhookFault.status(503), times=4)  # three in a row, then the first probe
     before = transitions("hook")
     limits = {"hook": ProviderLimits(breaker_failures=3, breaker_open_for=FAST_BREAKER)}
     d = dispatcher(pool, {"hook": hook}, concurrency=1, limits=limits)  # one call at a time
@@ -116,7 +115,7 @@ async def test_permanent_answers_never_open_the_breaker(
     db_url: str, pool: AsyncConnectionPool[Any], receiver: FakeWebhookReceiver, hook: Provider
 ) -> None:
     enqueue_many(db_url, 5)
-    receiver.inject(Fault.status(422), times=5)
+    receiver.inject(WebhookFault.status(422), times=5)
     limits = {"hook": ProviderLimits(breaker_failures=2)}
     d = dispatcher(pool, {"hook": hook}, concurrency=1, limits=limits)
     for _ in range(5):
@@ -132,7 +131,7 @@ async def test_a_saved_500_goes_to_reconciliation_and_its_replays_never_open_the
     burns attempts, and the replays say nothing of the receiver's health (its other requests
     succeed), so they must not count toward the breaker."""
     enqueue_many(db_url, 3, prefix="saved")
-    receiver.inject(Fault.error_500_after_apply(), times=3)
+    receiver.inject(WebhookFault.error_500_after_apply(), times=3)
     before = transitions("hook")
     limits = {"hook": ProviderLimits(breaker_failures=4, breaker_open_for=timedelta(minutes=5))}
     d = dispatcher(pool, {"hook": hook}, limits=limits)
@@ -174,7 +173,7 @@ async def test_a_failing_stripe_leaves_the_webhook_its_throughput_and_gets_only_
     limits = {"stripe": ProviderLimits(breaker_open_for=timedelta(seconds=open_for))}
     fake.inject(StripeFault.status(503, error_type="api_error"), times=100_000)
     with FakeWebhookReceiver() as receiver:
-        receiver.inject(Fault.delay_after_apply(0.2), times=100_000)
+        receiver.inject(WebhookFault.delay_after_apply(0.2), times=100_000)
         hook = webhook("hook", receiver.url)
         try:
             enqueue_many(db_url, count, prefix="solo")
@@ -217,7 +216,7 @@ async def test_a_slow_provider_holds_only_its_own_slots(
     enqueue_many(db_url, 40, provider="fast", prefix="fast")
     with FakeWebhookReceiver() as slow_end, FakeWebhookReceiver() as fast_end:
         # Two seconds a call: room for the other provider's 40 even on a busy machine.
-        slow_end.inject(Fault.delay_after_apply(2.0), times=100)
+        slow_end.inject(WebhookFault.delay_after_apply(2.0), times=100)
         slow, fast = webhook("slow", slow_end.url, timeout=5.0), webhook("fast", fast_end.url)
         try:
             d = dispatcher(pool, {"slow": slow, "fast": fast}, concurrency=16,
@@ -251,7 +250,7 @@ async def test_a_429_empties_the_shared_bucket_for_every_replica(
     enqueue_many(db_url, 10)
     rows(db_url, "INSERT INTO outbox.provider_buckets (provider, rate, burst, tokens, refilled_at)"
                  " VALUES ('hook', 20, 20, 20, now()) RETURNING 1")  # a full bucket  # fmt: skip
-    receiver.inject(Fault.status(429, retry_after=2))
+    receiver.inject(WebhookFault.status(429, retry_after=2))
     limits = {"hook": ProviderLimits(rate=20, burst=20)}
     first = dispatcher(pool, {"hook": hook}, worker="first", concurrency=1, limits=limits)
     other = dispatcher(pool, {"hook": hook}, worker="other", limits=limits)

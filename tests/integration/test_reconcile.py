@@ -16,8 +16,8 @@ from psycopg_pool import AsyncConnectionPool
 
 from outbox.config import ProviderLimits
 from outbox.providers.base import Found, NotFound, Provider
-from outbox.providers.fakes.stripe import FakeStripe, Fault
 from outbox.reconciler import Reconciler
+from outbox.testing.stripe import FakeStripe, StripeFault
 from tests.support.cli import outbox_cli
 from tests.support.dispatch import (
     dispatcher,
@@ -66,7 +66,7 @@ async def test_an_effect_stripe_applied_is_found_and_the_operation_succeeds_with
     provider: Provider,
     check_env: dict[str, str],
 ) -> None:
-    fake.inject(Fault.delay_after_apply(1.0))  # applied, but the answer comes too late
+    fake.inject(StripeFault.delay_after_apply(1.0))  # applied, but the answer comes too late
     op = await unknown_then_past_the_window(db_url, pool, fake, provider)
     assert fake.object_count() == 1
 
@@ -95,7 +95,7 @@ async def test_an_effect_stripe_never_applied_is_recorded_missing_then_retried_o
     provider: Provider,
     check_env: dict[str, str],
 ) -> None:
-    fake.inject(Fault.reset_before_apply())  # the connection dies; nothing was created
+    fake.inject(StripeFault.reset_before_apply())  # the connection dies; nothing was created
     op = await unknown_then_past_the_window(db_url, pool, fake, provider)
     first_key = key_of(db_url, op)
     with psycopg.connect(db_url) as conn:  # a check right after an attempt proves little
@@ -122,7 +122,7 @@ async def test_the_periodic_reconciler_finds_a_500_that_stripe_rolled_forward(
     db_url: str, pool: AsyncConnectionPool[Any], fake: FakeStripe, provider: Provider
 ) -> None:
     enqueue_charges(db_url, 1)
-    fake.inject(Fault.error_500_after_apply())  # created, saved 500: indeterminate
+    fake.inject(StripeFault.error_500_after_apply())  # created, saved 500: indeterminate
     d = dispatcher(pool, {"stripe": provider})
     assert await d.run_once() == 1
     make_due(db_url)
@@ -142,7 +142,7 @@ async def test_the_periodic_reconciler_finds_a_500_that_stripe_rolled_forward(
 async def test_a_not_found_is_audited_once_however_often_it_is_checked(
     db_url: str, pool: AsyncConnectionPool[Any], fake: FakeStripe, provider: Provider
 ) -> None:
-    fake.inject(Fault.reset_before_apply())
+    fake.inject(StripeFault.reset_before_apply())
     await unknown_then_past_the_window(db_url, pool, fake, provider)
     checker = Reconciler(pool, {"stripe": provider})
     for _ in range(3):
@@ -204,7 +204,7 @@ async def test_an_operator_sends_a_quarantined_operation_to_the_reconciler(
     check_env: dict[str, str],
 ) -> None:
     (op,) = enqueue_charges(db_url, 1)
-    fake.inject(Fault.delay_after_apply(1.0))  # applied; the answer comes too late
+    fake.inject(StripeFault.delay_after_apply(1.0))  # applied; the answer comes too late
     d = dispatcher(pool, {"stripe": provider}, max_attempts=1)
     assert await d.run_once() == 1
     assert rows(db_url, "SELECT status, status_reason FROM outbox.operations") == [
@@ -283,7 +283,7 @@ async def test_replicas_reconciling_at_once_look_each_operation_up_once(
     provider is asked once and nobody reports the others' findings as a stranger's effect."""
     for n in range(6):
         enqueue_charges(db_url, 1, prefix=f"race-{n}")
-        fake.inject(Fault.error_500_after_apply())  # created, saved 500: indeterminate
+        fake.inject(StripeFault.error_500_after_apply())  # created, saved 500: indeterminate
     # Six 500s in a row would open Stripe's circuit breaker; this test is about reconcilers.
     limits = {"stripe": ProviderLimits(breaker_failures=100)}
     d = dispatcher(pool, {"stripe": provider}, limits=limits)
@@ -313,13 +313,13 @@ async def test_replicas_reconciling_at_once_look_each_operation_up_once(
 async def test_a_failed_lookup_is_due_again_in_minutes_not_an_hour(
     db_url: str, pool: AsyncConnectionPool[Any], fake: FakeStripe, provider: Provider
 ) -> None:
-    fake.inject(Fault.error_500_after_apply())
+    fake.inject(StripeFault.error_500_after_apply())
     (op,) = enqueue_charges(db_url, 1)
     d = dispatcher(pool, {"stripe": provider})
     assert await d.run_once() == 1
     make_due(db_url)
     assert await d.run_once() == 1
-    fake.inject(Fault.status(503, error_type="api_error"), times=5)  # the lookup fails
+    fake.inject(StripeFault.status(503, error_type="api_error"), times=5)  # the lookup fails
     checker = Reconciler(pool, {"stripe": provider})
     with structlog.testing.capture_logs() as logs:
         assert await checker.run_once() == 1

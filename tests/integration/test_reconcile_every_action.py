@@ -16,9 +16,9 @@ from psycopg_pool import AsyncConnectionPool
 
 import outbox
 from outbox import operators
-from outbox.providers.fakes.stripe import FakeStripe, Fault
 from outbox.providers.stripe_actions import ACTIONS
 from outbox.reconciler import Reconciler
+from outbox.testing.stripe import FakeStripe, StripeFault
 from tests.support.cli import outbox_cli
 from tests.support.dispatch import dispatcher, make_due, rows, stripe_provider
 
@@ -68,7 +68,7 @@ async def lost_then_checked(db_url: str, pool: AsyncConnectionPool[Any], fake: F
     stripe = stripe_provider("stripe", fake.url, timeout=0.5)
     try:
         d = dispatcher(pool, {"stripe": stripe})
-        fake.inject(Fault.reset_after_apply())
+        fake.inject(StripeFault.reset_after_apply())
         assert await d.run_once() == 1
         with psycopg.connect(db_url) as conn:  # Stripe forgets the key in half an hour
             conn.execute("UPDATE outbox.operations SET first_sent_at = now() - interval '23h 30m'")
@@ -158,7 +158,7 @@ async def test_a_change_that_did_not_happen_is_not_found_and_may_be_retried(
     stripe = stripe_provider("stripe", fake.url, timeout=0.5)
     try:
         d = dispatcher(pool, {"stripe": stripe})
-        fake.inject(Fault.reset_before_apply())
+        fake.inject(StripeFault.reset_before_apply())
         assert await d.run_once() == 1
         with psycopg.connect(db_url) as conn:
             conn.execute("UPDATE outbox.operations SET first_sent_at = now() - interval '23h 30m'")

@@ -19,8 +19,8 @@ from psycopg_pool import AsyncConnectionPool
 import outbox
 from outbox import operators
 from outbox.providers.base import Found, Lookup, NotFound, Provider
-from outbox.providers.fakes.stripe import FakeStripe, Fault
 from outbox.reconciler import Reconciler
+from outbox.testing.stripe import FakeStripe, StripeFault
 from tests.support.cli import outbox_cli
 from tests.support.dispatch import dispatcher, make_due, rows, stripe_provider
 from tests.support.lookups import lookup_request
@@ -95,7 +95,7 @@ async def test_a_decline_whose_answer_was_lost_is_quarantined_by_the_periodic_ch
     """The decline executed and its 402 came too late: unknown, then past the key window, then
     the daemon's own check: quarantined as declined, with no resend."""
     charge(db_url, DECLINED)
-    fake.inject(Fault.delay_after_apply(1.0))
+    fake.inject(StripeFault.delay_after_apply(1.0))
     d = dispatcher(pool, {"stripe": stripe})
     assert await d.run_once() == 1
     fake.wait_idle(timeout=5)
@@ -128,7 +128,7 @@ async def test_a_payment_that_happened_is_found_and_succeeds(
     payload: dict[str, Any], state: str,
 ) -> None:  # fmt: skip
     op = charge(db_url, {"amount": 2500, "currency": "usd", **payload})
-    fake.inject(Fault.reset_after_apply())  # created, and the answer lost on the wire
+    fake.inject(StripeFault.reset_after_apply())  # created, and the answer lost on the wire
     d = dispatcher(pool, {"stripe": stripe})
     assert await d.run_once() == 1
     with psycopg.connect(db_url) as conn:  # past the key window
@@ -149,7 +149,7 @@ async def test_a_payment_awaiting_the_customer_stays_reconciling_until_its_state
 ) -> None:
     """requires_action (3-D Secure): neither paid nor declined yet. Re-checked once it moved on."""
     op = charge(db_url, {"amount": 2500, "currency": "usd"})
-    fake.inject(Fault.reset_after_apply())
+    fake.inject(StripeFault.reset_after_apply())
     d = dispatcher(pool, {"stripe": stripe})
     assert await d.run_once() == 1
     (pi,) = fake.objects("payment_intents")
@@ -192,7 +192,7 @@ async def test_every_generation_of_a_long_key_finds_the_first_generations_object
                             operation_key="long", provider="stripe",
                             action="payment_intents.create", idempotency_key=first,
                             payload={"amount": 2500, "currency": "usd"}).operation_id  # fmt: skip
-    fake.inject(Fault.reset_after_apply())
+    fake.inject(StripeFault.reset_after_apply())
     assert await dispatcher(pool, {"stripe": stripe}).run_once() == 1
     (pi,) = fake.objects("payment_intents")
     ((sent, last),) = rows(db_url, "SELECT first_sent_at, last_attempt_at FROM outbox.operations")
@@ -214,7 +214,7 @@ async def test_after_reconcile_retry_the_check_still_finds_what_generation_1_mad
     """Issue 19, case 2: retry resets first_sent_at for the new generation's key window; the
     check must still search from generation 1's attempt."""
     op = charge(db_url, {"amount": 2500, "currency": "usd"})
-    fake.inject(Fault.reset_after_apply())  # generation 1 creates the PaymentIntent, unseen
+    fake.inject(StripeFault.reset_after_apply())  # generation 1 creates the PaymentIntent, unseen
     d = dispatcher(pool, {"stripe": stripe})
     assert await d.run_once() == 1
     (pi,) = fake.objects("payment_intents")
@@ -228,7 +228,8 @@ async def test_after_reconcile_retry_the_check_still_finds_what_generation_1_mad
         who = {"reason": "no charge in the dashboard", "actor": "alice"}
         operators.request_cancel(conn, op, **who)
         operators.retry(conn, op, force=True, **who)  # generation 2, first_sent_at reset
-        fake.inject(Fault.status(503, error_type="api_error"))  # it never reaches Stripe's ledger
+        # It never reaches Stripe's ledger.
+        fake.inject(StripeFault.status(503, error_type="api_error"))
         assert await d.run_once() == 1
         operators.request_cancel(conn, op, **who)
     assert rows(db_url, "SELECT status, key_generation, first_sent_at > now() - interval '1 hour' "

@@ -23,9 +23,9 @@ from outbox.config import ProviderLimits
 from outbox.db.store import Store
 from outbox.provider_limits import LookupPacer, LookupThrottled
 from outbox.providers.base import Found, Lookup, NotFound, Provider, SendRequest, Succeeded
-from outbox.providers.fakes.stripe import FakeStripe, Fault
 from outbox.providers.stripe_lookup import LOOKUP_MAX_PAGES
 from outbox.reconciler import Reconciler
+from outbox.testing.stripe import FakeStripe, StripeFault
 from tests.support.cli import outbox_cli
 from tests.support.dispatch import dispatcher, make_due, rows, stripe_provider
 from tests.support.lookups import lookup_request
@@ -51,7 +51,7 @@ async def lost_then_reconciling(url: str, pool: AsyncConnectionPool[Any], fake: 
                                 stripe: Provider, *, hours_ago: float = 0) -> None:  # fmt: skip
     """Send every pending operation once with its answer lost, then past its key window:
     reconciling. ``hours_ago`` moves the attempts (not the objects) back in time."""
-    fake.inject(Fault.reset_after_apply())
+    fake.inject(StripeFault.reset_after_apply())
     d = dispatcher(pool, {"stripe": stripe})
     assert await d.run_once() == 1
     with psycopg.connect(url, autocommit=True) as conn:
@@ -141,7 +141,7 @@ async def test_a_search_stopped_by_its_page_cap_is_undecided_with_the_reason(
     """More objects in the window than the cap reads, and nothing to narrow by: no proof of
     absence, so undecided (a retry needs --force), in a bounded number of requests."""
     op = enqueue(db_url, "payment_intents.create", {"amount": 100, "currency": "usd"})
-    fake.inject(Fault.status(503, error_type="api_error"))  # nothing created
+    fake.inject(StripeFault.status(503, error_type="api_error"))  # nothing created
     d = dispatcher(pool, {"stripe": stripe})
     assert await d.run_once() == 1
     with psycopg.connect(db_url, autocommit=True) as conn:
@@ -199,7 +199,7 @@ async def test_a_not_found_says_what_it_searched(
 ) -> None:  # fmt: skip
     op = enqueue(db_url, "payment_intents.create", {"amount": 1, "currency": "usd",
                                                     "customer": "cus_9"})  # fmt: skip
-    fake.inject(Fault.status(503, error_type="api_error"))
+    fake.inject(StripeFault.status(503, error_type="api_error"))
     assert await dispatcher(pool, {"stripe": stripe}).run_once() == 1
     with psycopg.connect(db_url, autocommit=True) as conn:
         operators.request_cancel(conn, op, reason="stuck", actor="alice")
@@ -267,7 +267,7 @@ async def test_lookups_go_through_the_providers_rate_limit(
     """Each request of a lookup takes a token of the shared bucket: six pages at 20 a second
     (burst 1) span at least a quarter of a second, whatever else the machine does."""
     op = enqueue(db_url, "payment_intents.create", {"amount": 1, "currency": "usd"})
-    fake.inject(Fault.status(503, error_type="api_error"))
+    fake.inject(StripeFault.status(503, error_type="api_error"))
     assert await dispatcher(pool, {"stripe": stripe}).run_once() == 1
     with psycopg.connect(db_url, autocommit=True) as conn:
         operators.request_cancel(conn, op, reason="stuck", actor="alice")

@@ -18,7 +18,7 @@ from outbox import operators
 from outbox.db import connect, migrations, statements
 from outbox.model import Status
 from outbox.providers.base import Provider
-from outbox.providers.fakes.webhook import FakeWebhookReceiver
+from outbox.testing.webhook import FakeWebhookReceiver
 from tests.integration.test_query_plans import CLAIM_PARAMS
 from tests.integration.test_roles import (
     APP,

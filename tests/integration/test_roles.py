@@ -33,8 +33,8 @@ from outbox.db import connect, migrations, statements
 from outbox.db.store import Store, TokenTake
 from outbox.model import Status
 from outbox.providers.base import Provider
-from outbox.providers.fakes.webhook import FakeWebhookReceiver
 from outbox.reconciler import Reconciler
+from outbox.testing.webhook import FakeWebhookReceiver
 from tests.support.cli import outbox_cli
 from tests.support.daemon import OutboxProcess, wait_until, write_config
 from tests.support.dispatch import dispatcher, enqueue_many, rows, statuses

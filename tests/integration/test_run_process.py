@@ -11,7 +11,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from outbox.providers.fakes.webhook import FakeWebhookReceiver, Fault
+from outbox.testing.webhook import FakeWebhookReceiver, WebhookFault
 from tests.support.daemon import OutboxProcess, outbox_processes, wait_until, write_config
 from tests.support.dispatch import enqueue_many, key_of, rows, statuses
 
@@ -237,7 +237,7 @@ def test_sigterm_lets_in_flight_calls_finish_and_records_them(
     db_url: str, receiver: FakeWebhookReceiver, tmp_path: Path
 ) -> None:
     enqueue_many(db_url, 3)
-    receiver.inject(Fault.delay_after_apply(1.0), times=3)
+    receiver.inject(WebhookFault.delay_after_apply(1.0), times=3)
     proc = OutboxProcess(db_url, config(tmp_path, receiver), tmp_path / "run.log")
     try:
         wait_until(lambda: len(receiver.received) == 3, timeout=30, what="three calls")
@@ -253,7 +253,7 @@ def test_calls_cut_off_at_the_grace_deadline_are_unknown_never_succeeded(
     db_url: str, receiver: FakeWebhookReceiver, tmp_path: Path
 ) -> None:
     enqueue_many(db_url, 2)
-    receiver.inject(Fault.delay_after_apply(4.0), times=2)
+    receiver.inject(WebhookFault.delay_after_apply(4.0), times=2)
     proc = OutboxProcess(db_url, config(tmp_path, receiver, shutdown_grace="500ms"),
                          tmp_path / "run.log")  # fmt: skip
     try:
@@ -373,8 +373,7 @@ def test_1000_payment_intents_through_two_processes_with_random_faults(
 ) -> None:
     import random  # noqa: PLC0415
 
-    from outbox.providers.fakes.stripe import FakeStripe  # noqa: PLC0415
-    from outbox.providers.fakes.stripe import Fault as StripeFault  # noqa: PLC0415
+    from outbox.testing.stripe import FakeStripe, StripeFault  # noqa: PLC0415
     from tests.support.dispatch import enqueue_charges  # noqa: PLC0415
 
     ids = enqueue_charges(db_url, 1_000)

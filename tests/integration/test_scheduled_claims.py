@@ -25,7 +25,7 @@ from psycopg_pool import AsyncConnectionPool
 from outbox.db.store import Claimed, Store
 from outbox.dispatcher import next_cursor
 from outbox.providers.base import Provider
-from outbox.providers.fakes.webhook import FakeWebhookReceiver
+from outbox.testing.webhook import FakeWebhookReceiver
 from tests.support.daemon import OutboxProcess, wait_until, write_config
 from tests.support.dispatch import dispatcher, rows, statuses
 

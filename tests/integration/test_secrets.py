@@ -17,10 +17,9 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import outbox
 from outbox.config import load_settings
-from outbox.providers.fakes.stripe import FakeStripe
-from outbox.providers.fakes.stripe import Fault as StripeFault
-from outbox.providers.fakes.webhook import FakeWebhookReceiver, Fault
 from outbox.providers.registry import build_providers
+from outbox.testing.stripe import FakeStripe, StripeFault
+from outbox.testing.webhook import FakeWebhookReceiver, WebhookFault
 from tests.support.cli import outbox_cli
 from tests.support.daemon import OutboxProcess, wait_until, write_config
 from tests.support.dispatch import key_of, statuses
@@ -73,14 +72,14 @@ def test_no_secret_appears_in_any_output_log_metric_repr_or_table(
         # Faults on both providers: retries, a permanent failure, an unknown outcome.
         for _ in range(3):
             fake.inject(StripeFault.status(503, error_type="api_error"))
-            receiver.inject(Fault.status(503))
+            receiver.inject(WebhookFault.status(503))
         fake.inject(StripeFault.reset_before_apply())
         for n in range(6):
             enqueue(url, "stripe", f"pi-{n}", amount=100 + n, currency="usd",
                     description=PAYLOAD_MARKER)  # fmt: skip
             enqueue(url, "hook", f"hook-{n}", n=n, note=PAYLOAD_MARKER)
         bad = enqueue(url, "hook", "hook-bad", n=99)
-        receiver.inject(Fault.status(400), key=key_of(url, bad))
+        receiver.inject(WebhookFault.status(400), key=key_of(url, bad))
         cli("status")
         daemon = OutboxProcess(url, cfg, tmp_path / "run.log", env, metrics_addr="127.0.0.1:0")
         try:

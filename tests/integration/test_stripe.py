@@ -16,8 +16,8 @@ from psycopg_pool import AsyncConnectionPool
 from outbox import metrics
 from outbox.config import ProviderLimits
 from outbox.providers.base import Provider
-from outbox.providers.fakes.stripe import FakeStripe, Fault
-from outbox.providers.fakes.webhook import FakeWebhookReceiver
+from outbox.testing.stripe import FakeStripe, StripeFault
+from outbox.testing.webhook import FakeWebhookReceiver
 from tests.support.dispatch import (
     dispatcher,
     enqueue_charges,
@@ -58,35 +58,43 @@ async def test_each_operation_creates_one_object_carrying_its_id_and_key(
     ("fault", "outcome", "status"),
     [
         (
-            Fault.status(429, error_type="invalid_request_error", code_str="rate_limit"),
+            StripeFault.status(429, error_type="invalid_request_error", code_str="rate_limit"),
             "transient",
             "pending",
         ),
         (
-            Fault.status(
+            StripeFault.status(
                 409, error_type="invalid_request_error", code_str="idempotency_key_in_use"
             ),
             "transient",
             "pending",
         ),
-        (Fault.status(503, error_type="api_error"), "unknown", "pending"),
+        (StripeFault.status(503, error_type="api_error"), "unknown", "pending"),
         (
-            Fault.status(402, error_type="card_error", code_str="card_declined"),
+            StripeFault.status(402, error_type="card_error", code_str="card_declined"),
             "permanent",
             "quarantined",
         ),
         (
-            Fault.status(400, error_type="invalid_request_error", code_str="parameter_missing"),
+            StripeFault.status(
+                400, error_type="invalid_request_error", code_str="parameter_missing"
+            ),
             "permanent",
             "quarantined",
         ),
         (
-            Fault.status(404, error_type="invalid_request_error", code_str="resource_missing"),
+            StripeFault.status(
+                404, error_type="invalid_request_error", code_str="resource_missing"
+            ),
             "permanent",
             "quarantined",
         ),
         # A 5xx may follow Stripe's action: never permanent, whatever the header says.
-        (Fault.status(503, error_type="api_error", should_retry=False), "unknown", "reconciling"),
+        (
+            StripeFault.status(503, error_type="api_error", should_retry=False),
+            "unknown",
+            "reconciling",
+        ),
     ],
     ids=["429", "409", "503", "402-card", "400", "404", "should-retry-false"],
 )
@@ -95,7 +103,7 @@ async def test_the_error_map(
     pool: AsyncConnectionPool[Any],
     fake: FakeStripe,
     provider: Provider,
-    fault: Fault,
+    fault: StripeFault,
     outcome: str,
     status: str,
 ) -> None:
@@ -115,7 +123,7 @@ async def test_a_timeout_after_stripe_acted_is_retried_with_the_same_key_once(
     db_url: str, pool: AsyncConnectionPool[Any], fake: FakeStripe
 ) -> None:
     enqueue_charges(db_url, 1)
-    fake.inject(Fault.delay_after_apply(1.5))
+    fake.inject(StripeFault.delay_after_apply(1.5))
     slow = stripe_provider("stripe", fake.url, timeout=0.3)
     try:
         d = dispatcher(pool, {"stripe": slow})
@@ -139,7 +147,7 @@ async def test_a_saved_500_goes_to_reconciling_without_a_loop_of_requests(
     db_url: str, pool: AsyncConnectionPool[Any], fake: FakeStripe, provider: Provider
 ) -> None:
     enqueue_charges(db_url, 1)
-    fake.inject(Fault.error_500_before_apply())  # saved: every replay answers the same 500
+    fake.inject(StripeFault.error_500_before_apply())  # saved: every replay answers the same 500
     d = dispatcher(pool, {"stripe": provider})
     assert await d.run_once() == 1
     ((status, delay),) = rows(db_url, "SELECT status, extract(epoch FROM available_at - now()) "
@@ -162,7 +170,7 @@ async def test_an_idempotency_error_is_quarantined_as_a_producer_bug_without_a_n
 ) -> None:
     (op,) = enqueue_charges(db_url, 1)
     key = key_of(db_url, op)
-    fake.inject(Fault.reset_after_apply())  # created, but the answer never arrives
+    fake.inject(StripeFault.reset_after_apply())  # created, but the answer never arrives
     d = dispatcher(pool, {"stripe": provider})
     assert await d.run_once() == 1
     with psycopg.connect(db_url) as conn:  # the payload changes under the stored key
@@ -235,7 +243,7 @@ async def test_no_api_key_or_request_body_reaches_any_log_line(
     fake.set_api_key(secret)
     provider = stripe_provider("stripe", fake.url, api_key=secret)
     enqueue_charges(db_url, 2)
-    fake.inject(Fault.status(402, error_type="card_error", code_str="card_declined"))
+    fake.inject(StripeFault.status(402, error_type="card_error", code_str="card_declined"))
     logging.getLogger("stripe").setLevel(logging.DEBUG)
     caplog.set_level(logging.DEBUG)
     try:

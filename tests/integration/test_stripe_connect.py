@@ -17,8 +17,8 @@ from psycopg_pool import AsyncConnectionPool
 
 import outbox
 from outbox.providers.base import Provider
-from outbox.providers.fakes.stripe import FakeStripe, Fault
 from outbox.reconciler import Reconciler
+from outbox.testing.stripe import FakeStripe, StripeFault
 from tests.support.dispatch import dispatcher, make_due, rows, stripe_provider
 
 CHARGE = {"amount": 2500, "currency": "usd"}
@@ -34,7 +34,7 @@ def enqueue(url: str, payload: dict[str, Any], key: str = "k-1") -> int:
 
 async def lost_past_the_window(url: str, pool: AsyncConnectionPool[Any], fake: FakeStripe,
                                stripe: Provider) -> None:  # fmt: skip
-    fake.inject(Fault.reset_after_apply())
+    fake.inject(StripeFault.reset_after_apply())
     d = dispatcher(pool, {"stripe": stripe})
     assert await d.run_once() == 1
     with psycopg.connect(url) as conn:

@@ -21,16 +21,16 @@ from psycopg_pool import AsyncConnectionPool
 
 from outbox.config import ProviderLimits
 from outbox.providers.base import Provider
-from outbox.providers.fakes.stripe import FakeStripe, Fault
+from outbox.testing.stripe import FakeStripe, StripeFault
 from tests.support.dispatch import dispatcher, enqueue_charges, make_due, rows, stripe_provider
 
 MAX_ATTEMPTS = 3
 NOT_ACTED = {
-    "rate_limited": lambda: Fault.status(429, error_type="invalid_request_error",
+    "rate_limited": lambda: StripeFault.status(429, error_type="invalid_request_error",
                                          code_str="rate_limit"),
-    "lock_timeout": lambda: Fault.status(429, error_type="invalid_request_error",
+    "lock_timeout": lambda: StripeFault.status(429, error_type="invalid_request_error",
                                          code_str="lock_timeout", should_retry=False),
-    "key_in_use": lambda: Fault.status(409, error_type="idempotency_error",
+    "key_in_use": lambda: StripeFault.status(409, error_type="idempotency_error",
                                        code_str="idempotency_key_in_use"),
 }  # fmt: skip
 
@@ -90,7 +90,7 @@ async def test_an_unknown_answer_still_spends_its_attempt(
 ) -> None:
     """Only answers that prove Stripe did not act are free: a 503 may have acted."""
     for _ in range(MAX_ATTEMPTS):
-        fake.inject(Fault.status(503, error_type="api_error"))
+        fake.inject(StripeFault.status(503, error_type="api_error"))
     enqueue_charges(db_url, 1)
     await _run(pool, stripe, db_url, MAX_ATTEMPTS)
     assert rows(db_url, "SELECT status, attempts, attempt_base FROM outbox.operations") == [

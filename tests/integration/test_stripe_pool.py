@@ -14,8 +14,8 @@ from datetime import timedelta
 
 from outbox.config import ProviderSettings
 from outbox.providers.base import SendRequest, Succeeded
-from outbox.providers.fakes.stripe import DEFAULT_API_KEY, FakeStripe, Fault
 from outbox.providers.registry import build_providers
+from outbox.testing.stripe import DEFAULT_API_KEY, FakeStripe, StripeFault
 
 # More than the 100 connections one SDK client holds.
 CALLS = 160
@@ -33,7 +33,7 @@ def request(i: int) -> SendRequest:
 async def test_slow_creates_reach_stripe_at_once_past_one_sdk_clients_pool(
     fake: FakeStripe,
 ) -> None:
-    fake.inject(Fault.delay_after_apply(HOLD_S), times=CALLS)
+    fake.inject(StripeFault.delay_after_apply(HOLD_S), times=CALLS)
     ps = ProviderSettings("stripe", "stripe", timeout=timedelta(seconds=30),
                           options={"api_key_env": "KEY", "api_base": fake.url})  # fmt: skip
     provider = build_providers({"stripe": ps}, {"KEY": DEFAULT_API_KEY}, concurrency=256)

@@ -20,9 +20,9 @@ from psycopg_pool import AsyncConnectionPool
 
 from outbox.config import ConfigError
 from outbox.providers.base import Lookup
-from outbox.providers.fakes.stripe import FakeStripe, Fault
 from outbox.providers.stripe import DEFAULT_STRIPE_VERSION
 from outbox.reconciler import Reconciler
+from outbox.testing.stripe import FakeStripe, StripeFault
 from tests.support.dispatch import dispatcher, enqueue_charges, make_due, rows, stripe_provider
 from tests.support.lookups import lookup_request
 
@@ -53,7 +53,7 @@ async def test_an_operation_keeps_its_first_sends_version_across_a_config_change
     """Sent under OLD with the answer lost; the config moves to the default. Its retry, and
     the lookup of it, still speak OLD; a new operation speaks the new version."""
     old = stripe_provider("stripe", fake.url, stripe_version=OLD)
-    fake.inject(Fault.reset_after_apply())
+    fake.inject(StripeFault.reset_after_apply())
     enqueue_charges(db_url, 1, prefix="early")
     try:
         assert await dispatcher(pool, {"stripe": old}).run_once() == 1

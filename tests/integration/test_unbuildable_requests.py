@@ -27,8 +27,8 @@ from psycopg_pool import AsyncConnectionPool
 import outbox
 from outbox.providers import webhook as webhook_module
 from outbox.providers.base import Provider
-from outbox.providers.fakes.stripe import FakeStripe
-from outbox.providers.fakes.webhook import FakeWebhookReceiver
+from outbox.testing.stripe import FakeStripe
+from outbox.testing.webhook import FakeWebhookReceiver
 from tests.support.dispatch import dispatcher, enqueue_charges, enqueue_many, rows, statuses
 
 # Keys no request can carry as outbox sends them (1 to 255 visible ASCII characters).

@@ -19,7 +19,7 @@ from psycopg_pool import AsyncConnectionPool
 
 import outbox
 from outbox.dispatcher import WAKE_GAP_MAX
-from outbox.providers.fakes.webhook import FakeWebhookReceiver
+from outbox.testing.webhook import FakeWebhookReceiver
 from tests.support.daemon import OutboxProcess, wait_until, write_config
 from tests.support.dispatch import dispatcher
 

@@ -14,7 +14,7 @@ from prometheus_client import REGISTRY
 from psycopg_pool import AsyncConnectionPool
 
 from outbox.providers.base import Provider, SendRequest, SendResult, transient
-from outbox.providers.fakes.webhook import FakeWebhookReceiver, Fault
+from outbox.testing.webhook import FakeWebhookReceiver, WebhookFault
 from tests.support.cli import outbox_cli
 from tests.support.dispatch import dispatcher, enqueue_many, rows
 
@@ -25,7 +25,7 @@ async def test_refused_credentials_pause_the_provider_and_quarantine_nothing(
     status: int,
 ) -> None:  # fmt: skip
     enqueue_many(db_url, 101)
-    receiver.inject(Fault.status(status), times=1000)
+    receiver.inject(WebhookFault.status(status), times=1000)
     d = dispatcher(pool, {"hook": hook})
     for _ in range(3):
         await d.run_once()

@@ -14,9 +14,9 @@ import pytest
 
 from outbox.config import ProviderSettings
 from outbox.providers.base import SendRequest, Succeeded
-from outbox.providers.fakes.webhook import FakeWebhookReceiver, Fault
 from outbox.providers.registry import build_providers
 from outbox.providers.shards import connection_cap
+from outbox.testing.webhook import FakeWebhookReceiver, WebhookFault
 from tests.support.daemon import outbox_processes, wait_until, write_config
 from tests.support.dispatch import enqueue_many, statuses
 
@@ -42,7 +42,7 @@ def request(i: int) -> SendRequest:
 async def test_slow_calls_reach_the_receiver_at_once_up_to_the_cap(
     receiver: FakeWebhookReceiver, max_in_flight: int | None, at_once: int
 ) -> None:
-    receiver.inject(Fault.delay_after_apply(HOLD_S), times=CALLS)
+    receiver.inject(WebhookFault.delay_after_apply(HOLD_S), times=CALLS)
     ps = ProviderSettings("hook", "webhook", timeout=timedelta(seconds=30),
                           max_in_flight=max_in_flight,
                           options={"url": receiver.url})  # fmt: skip
@@ -66,7 +66,7 @@ def test_outbox_run_holds_as_many_slow_calls_as_its_concurrency(
         concurrency=CALLS, poll_interval="200ms", lease="60s",
     )  # fmt: skip
     enqueue_many(db_url, CALLS)
-    receiver.inject(Fault.delay_after_apply(HOLD_S), times=CALLS)
+    receiver.inject(WebhookFault.delay_after_apply(HOLD_S), times=CALLS)
     with outbox_processes(1, db_url, cfg, tmp_path):
         wait_until(lambda: statuses(db_url) == {"succeeded": CALLS}, timeout=90,
                    what=f"{CALLS} slow calls to succeed")  # fmt: skip

@@ -35,8 +35,8 @@ from typing import Final
 
 import psycopg
 
-from outbox.providers.fakes.stripe import FakeStripe
-from outbox.providers.fakes.webhook import FakeWebhookReceiver
+from outbox.testing.stripe import FakeStripe
+from outbox.testing.webhook import FakeWebhookReceiver
 from tests.support.chaos_audit import verify
 from tests.support.chaos_mayhem import Dispatchers, FaultInjector, Mayhem, monkey
 from tests.support.chaos_producers import Ledger, Producer, schedule_far_ahead

@@ -36,8 +36,8 @@ from typing import Any, Final
 import psycopg
 
 from outbox import payloads
-from outbox.providers.fakes.stripe import FakeStripe
-from outbox.providers.fakes.webhook import Effect, FakeWebhookReceiver
+from outbox.testing.stripe import FakeStripe
+from outbox.testing.webhook import Effect, FakeWebhookReceiver
 from tests.support.chaos_producers import Ledger
 from tests.support.chaos_report import Report
 from tests.support.chaos_settings import PROVIDER_TIMEOUT, Settings

@@ -14,10 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from outbox.providers.fakes.stripe import FakeStripe
-from outbox.providers.fakes.stripe import Fault as StripeFault
-from outbox.providers.fakes.webhook import FakeWebhookReceiver
-from outbox.providers.fakes.webhook import Fault as HookFault
+from outbox.testing.stripe import FakeStripe, StripeFault
+from outbox.testing.webhook import FakeWebhookReceiver, WebhookFault
 from tests.support.chaos_settings import (
     LONGEST_STOP,
     PG_DOWN,
@@ -45,17 +43,17 @@ STRIPE_FAULTS: Final = {
 # --- provider faults -----------------------------------------------------------------------
 
 
-def _hook_fault(name: str) -> HookFault:
-    makers: dict[str, Callable[[], HookFault]] = {
-        "503_retry_after": lambda: HookFault.status(503, retry_after=1),
-        "429_retry_after": lambda: HookFault.status(429, retry_after=1),
-        "409_in_progress": lambda: HookFault.status(409),
-        "500_before": HookFault.error_500_before_apply,
-        "reset_before": HookFault.reset_before_apply,
-        "reset_after": HookFault.reset_after_apply,
-        "slow_after": lambda: HookFault.delay_after_apply(SLOW_ANSWER),
-        "500_after_saved": HookFault.error_500_after_apply,
-        "422": lambda: HookFault.status(422),
+def _hook_fault(name: str) -> WebhookFault:
+    makers: dict[str, Callable[[], WebhookFault]] = {
+        "503_retry_after": lambda: WebhookFault.status(503, retry_after=1),
+        "429_retry_after": lambda: WebhookFault.status(429, retry_after=1),
+        "409_in_progress": lambda: WebhookFault.status(409),
+        "500_before": WebhookFault.error_500_before_apply,
+        "reset_before": WebhookFault.reset_before_apply,
+        "reset_after": WebhookFault.reset_after_apply,
+        "slow_after": lambda: WebhookFault.delay_after_apply(SLOW_ANSWER),
+        "500_after_saved": WebhookFault.error_500_after_apply,
+        "422": lambda: WebhookFault.status(422),
     }
     return makers[name]()
 

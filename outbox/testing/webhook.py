@@ -14,7 +14,7 @@ dispatcher recorded it".
 
 Bodies are parsed as a careful payment receiver parses them: numbers with a point as
 ``decimal.Decimal``, so ``19.999999999999999999`` and ``20.0`` are different bodies (and a
-retry that changed one into the other gets 422). ``Received.raw`` keeps the bytes.
+retry that changed one into the other gets 422). ``WebhookRequest.raw`` keeps the bytes.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from decimal import Decimal
 from typing import Any, Self
 from urllib.parse import urlsplit
 
-from outbox.providers.fakes.loopback import (
+from outbox.testing.loopback import (
     HOST,
     BadAnswer,
     BadAnswerFaults,
@@ -49,10 +49,10 @@ __all__ = [
     "BadAnswer",
     "Effect",
     "FakeWebhookReceiver",
-    "Fault",
-    "FaultKind",
     "Hold",
-    "Received",
+    "WebhookFault",
+    "WebhookFaultKind",
+    "WebhookRequest",
     "parse_idempotency_key",
 ]
 
@@ -72,7 +72,7 @@ class Effect:
 
 
 @dataclass(frozen=True)
-class Received:
+class WebhookRequest:
     """One request that arrived, whatever became of it.
 
     ``body`` is the parsed JSON, numbers with a point as Decimal (None for an empty body; the
@@ -91,7 +91,7 @@ class Received:
     raw: bytes = b""
 
 
-class FaultKind(enum.Enum):
+class WebhookFaultKind(enum.Enum):
     """Where a fault strikes: before the ledger is consulted, or after the effect is applied."""
 
     STATUS_BEFORE_APPLY = "status_before_apply"
@@ -102,12 +102,15 @@ class FaultKind(enum.Enum):
     BAD_ANSWER_AFTER_APPLY = "bad_answer_after_apply"
 
 
-_BEFORE_APPLY = frozenset({FaultKind.STATUS_BEFORE_APPLY, FaultKind.RESET_BEFORE_APPLY})
+_BEFORE_APPLY = frozenset(
+    {WebhookFaultKind.STATUS_BEFORE_APPLY, WebhookFaultKind.RESET_BEFORE_APPLY}
+)
 
 
 @dataclass(frozen=True)
-class Fault(BadAnswerFaults):
-    """A misbehaviour to inject; build one with the class methods, e.g. ``Fault.status(503)``.
+class WebhookFault(BadAnswerFaults):
+    """A misbehaviour to inject; build one with the class methods, e.g.
+    ``WebhookFault.status(503)``.
 
     Before-apply faults hit any request carrying a key (a replay too): nothing is applied or
     saved. After-apply faults hit only a request that applies a new effect; the bad answers
@@ -115,49 +118,49 @@ class Fault(BadAnswerFaults):
     ``raw_answer_after_apply``) come from :class:`BadAnswerFaults`.
     """
 
-    kind: FaultKind
+    kind: WebhookFaultKind
     seconds: float = 0.0
     code: int = 500
     retry_after: int | str | None = None
     answer: BadAnswer | None = None
 
     @classmethod
-    def status(cls, code: int, retry_after: int | str | None = None) -> Fault:
+    def status(cls, code: int, retry_after: int | str | None = None) -> WebhookFault:
         """Answer ``code`` without applying or saving; ``Retry-After: <retry_after>`` when given
         (a string goes as it is: a date, or digits no int could hold)."""
         if not 200 <= code <= 599:
             raise ValueError(f"status {code} is not a final HTTP status")
-        return cls(FaultKind.STATUS_BEFORE_APPLY, code=code, retry_after=retry_after)
+        return cls(WebhookFaultKind.STATUS_BEFORE_APPLY, code=code, retry_after=retry_after)
 
     @classmethod
-    def error_500_before_apply(cls) -> Fault:
+    def error_500_before_apply(cls) -> WebhookFault:
         """Answer 500 without applying or saving anything."""
         return cls.status(500)
 
     @classmethod
-    def reset_before_apply(cls) -> Fault:
+    def reset_before_apply(cls) -> WebhookFault:
         """Reset the TCP connection without answering and without applying."""
-        return cls(FaultKind.RESET_BEFORE_APPLY)
+        return cls(WebhookFaultKind.RESET_BEFORE_APPLY)
 
     @classmethod
-    def delay_after_apply(cls, seconds: float) -> Fault:
+    def delay_after_apply(cls, seconds: float) -> WebhookFault:
         """Apply and save, then wait ``seconds`` before answering (the key stays in progress)."""
-        return cls(FaultKind.DELAY_AFTER_APPLY, seconds=seconds)
+        return cls(WebhookFaultKind.DELAY_AFTER_APPLY, seconds=seconds)
 
     @classmethod
-    def error_500_after_apply(cls) -> Fault:
+    def error_500_after_apply(cls) -> WebhookFault:
         """Apply, save a 500 as the response and answer it (replays repeat the 500)."""
-        return cls(FaultKind.ERROR_500_AFTER_APPLY)
+        return cls(WebhookFaultKind.ERROR_500_AFTER_APPLY)
 
     @classmethod
-    def reset_after_apply(cls) -> Fault:
+    def reset_after_apply(cls) -> WebhookFault:
         """Apply and save the normal 201, then reset the connection without answering."""
-        return cls(FaultKind.RESET_AFTER_APPLY)
+        return cls(WebhookFaultKind.RESET_AFTER_APPLY)
 
     @classmethod
     def bad_answer_after_apply(cls, answer: BadAnswer) -> Self:
         """Apply and save the normal 201, then send it as ``answer`` says."""
-        return cls(FaultKind.BAD_ANSWER_AFTER_APPLY, answer=answer)
+        return cls(WebhookFaultKind.BAD_ANSWER_AFTER_APPLY, answer=answer)
 
     @property
     def before_apply(self) -> bool:
@@ -190,7 +193,7 @@ class _Entry(KeyEntry):
     body: Any
 
 
-class _Ledger(Ledger[Fault, Received, _Entry]):
+class _Ledger(Ledger[WebhookFault, WebhookRequest, _Entry]):
     """The provider's state: keys, effects, requests, armed faults and holds, under one lock."""
 
     def __init__(self, key_retention: float) -> None:
@@ -213,14 +216,14 @@ class _Ledger(Ledger[Fault, Received, _Entry]):
         fault = self._take_fault(key, lambda f: not f.before_apply)
         effect = Effect(f"wh_{len(self._effects) + 1}", key, body, headers, now)
         self._effects.append(effect)
-        if fault is not None and fault.kind is FaultKind.ERROR_500_AFTER_APPLY:
+        if fault is not None and fault.kind is WebhookFaultKind.ERROR_500_AFTER_APPLY:
             saved = _error(500, "injected 500 after apply")
         else:
             saved = Reply(201, {"id": effect.effect_id, "key": key})
         entry = _Entry(body, reply=saved, expires_at=now + self._retention)
         self._entries[key] = entry
         self.cond.notify_all()
-        reset = fault is not None and fault.kind is FaultKind.RESET_AFTER_APPLY
+        reset = fault is not None and fault.kind is WebhookFaultKind.RESET_AFTER_APPLY
         delay = fault.seconds if fault is not None else 0.0
         reply = saved if fault is None or fault.answer is None else saved.badly(fault.answer)
         return Plan(None if reset else reply, entry, self._holds.pop(key, None), delay)
@@ -234,8 +237,8 @@ class _Ledger(Ledger[Fault, Received, _Entry]):
         return len(self._effects)
 
 
-def _before_apply_reply(fault: Fault) -> Reply | None:
-    if fault.kind is FaultKind.RESET_BEFORE_APPLY:
+def _before_apply_reply(fault: WebhookFault) -> Reply | None:
+    if fault.kind is WebhookFaultKind.RESET_BEFORE_APPLY:
         return None
     headers = () if fault.retry_after is None else (("Retry-After", str(fault.retry_after)),)
     return Reply(fault.code, {"error": f"injected {fault.code}"}, headers)
@@ -286,7 +289,7 @@ class _Handler(JsonHandler):
         headers = {name.lower(): str(value) for name, value in self.headers.items()}
         recorded = body.text if isinstance(body, _InvalidJson) else body
         self._respond(
-            lambda at: Received(key, recorded, headers, None, False, at, raw=raw),
+            lambda at: WebhookRequest(key, recorded, headers, None, False, at, raw=raw),
             lambda: decide(key, body, headers),
         )
 
@@ -340,7 +343,7 @@ def _parse_json(raw: bytes) -> Any:
         return _InvalidJson(raw.decode("utf-8", "replace"))
 
 
-class FakeWebhookReceiver(LoopbackFake[Fault, Received]):
+class FakeWebhookReceiver(LoopbackFake[WebhookFault, WebhookRequest]):
     """A loopback webhook provider that applies each idempotency key's effect once.
 
     Use as a context manager (or ``start()``/``stop()``); ``url`` is valid once started.
@@ -384,7 +387,7 @@ class FakeWebhookReceiver(LoopbackFake[Fault, Received]):
         """The effects applied for ``key``, in order."""
         return [e for e in self.effects if e.key == key]
 
-    def received_for(self, key: str) -> list[Received]:
+    def received_for(self, key: str) -> list[WebhookRequest]:
         """The requests that carried ``key``, in order of arrival."""
         return [r for r in self.received if r.key == key]
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Self
 from urllib.parse import parse_qsl, urlsplit
 
-from outbox.providers.fakes.loopback import (
+from outbox.testing.loopback import (
     HOST,
     BadAnswer,
     BadAnswerFaults,
@@ -49,7 +49,7 @@ from outbox.providers.fakes.loopback import (
     Plan,
     Reply,
 )
-from outbox.providers.fakes.stripe_changes import change, changes
+from outbox.testing.stripe_changes import change, changes
 
 __all__ = [
     "DEFAULT_API_KEY",
@@ -57,11 +57,11 @@ __all__ = [
     "RESOURCES",
     "BadAnswer",
     "FakeStripe",
-    "Fault",
-    "FaultKind",
     "Hold",
-    "Received",
     "Resource",
+    "StripeFault",
+    "StripeFaultKind",
+    "StripeRequest",
     "mask_api_key",
     "parse_form",
 ]
@@ -138,7 +138,7 @@ _CREATED_OPS: dict[str, Callable[[int, int], bool]] = {
 
 
 @dataclass(frozen=True)
-class Received:
+class StripeRequest:
     """One request that arrived, whatever became of it.
 
     ``path`` has no query string; ``params`` is the parsed form body (POST) or query (GET),
@@ -161,8 +161,8 @@ class Received:
     version: str | None = None
 
 
-class FaultKind(enum.Enum):
-    """What a fault does; see the class methods of :class:`Fault`."""
+class StripeFaultKind(enum.Enum):
+    """What a fault does; see the class methods of :class:`StripeFault`."""
 
     STATUS = "status"
     RESET_BEFORE_APPLY = "reset_before_apply"
@@ -175,12 +175,13 @@ class FaultKind(enum.Enum):
 
 # Faults that strike before the idempotency ledger is consulted (any request, a replay too);
 # the others strike only a POST that executes, i.e. would create an object.
-_BEFORE_LEDGER = frozenset({FaultKind.STATUS, FaultKind.RESET_BEFORE_APPLY})
+_BEFORE_LEDGER = frozenset({StripeFaultKind.STATUS, StripeFaultKind.RESET_BEFORE_APPLY})
 
 
 @dataclass(frozen=True)
-class Fault(BadAnswerFaults):
-    """A misbehaviour to inject; build one with the class methods, e.g. ``Fault.status(429, ...)``.
+class StripeFault(BadAnswerFaults):
+    """A misbehaviour to inject; build one with the class methods, e.g.
+    ``StripeFault.status(429, ...)``.
 
     ``status`` and ``reset_before_apply`` hit any matching request (GETs and replays too) and
     save nothing. The others hit only a POST that executes, so a replay is never disturbed; the
@@ -188,7 +189,7 @@ class Fault(BadAnswerFaults):
     ``raw_answer_after_apply``) come from :class:`BadAnswerFaults`.
     """
 
-    kind: FaultKind
+    kind: StripeFaultKind
     http_status: int = 500
     error_type: str = "api_error"
     error_code: str | None = None
@@ -208,7 +209,7 @@ class Fault(BadAnswerFaults):
         should_retry: bool | None = None,
         retry_after: int | None = None,
         message: str | None = None,
-    ) -> Fault:
+    ) -> StripeFault:
         """Answer ``code`` with Stripe's error JSON before executing; nothing is saved.
 
         ``code_str`` becomes ``error.code`` (``card_declined``, ``rate_limit``...).
@@ -218,7 +219,7 @@ class Fault(BadAnswerFaults):
         if not 400 <= code <= 599:
             raise ValueError(f"status {code} is not an error status")
         return cls(
-            FaultKind.STATUS,
+            StripeFaultKind.STATUS,
             http_status=code,
             error_type=error_type,
             error_code=code_str,
@@ -228,22 +229,22 @@ class Fault(BadAnswerFaults):
         )
 
     @classmethod
-    def reset_before_apply(cls) -> Fault:
+    def reset_before_apply(cls) -> StripeFault:
         """Reset the TCP connection without answering and without executing."""
-        return cls(FaultKind.RESET_BEFORE_APPLY)
+        return cls(StripeFaultKind.RESET_BEFORE_APPLY)
 
     @classmethod
-    def error_500_before_apply(cls) -> Fault:
+    def error_500_before_apply(cls) -> StripeFault:
         """Create nothing, save a 500 ``api_error`` and answer it: Stripe rolled back."""
-        return cls(FaultKind.ERROR_500_BEFORE_APPLY)
+        return cls(StripeFaultKind.ERROR_500_BEFORE_APPLY)
 
     @classmethod
-    def error_500_after_apply(cls) -> Fault:
+    def error_500_after_apply(cls) -> StripeFault:
         """Create the object, save a 500 ``api_error`` and answer it: Stripe rolled forward."""
-        return cls(FaultKind.ERROR_500_AFTER_APPLY)
+        return cls(StripeFaultKind.ERROR_500_AFTER_APPLY)
 
     @classmethod
-    def delay_after_apply(cls, seconds: float) -> Fault:
+    def delay_after_apply(cls, seconds: float) -> StripeFault:
         """Create and save the 200, then wait ``seconds`` before answering.
 
         The key is complete during the wait (the answer is only slow on the wire), so a client
@@ -251,17 +252,17 @@ class Fault(BadAnswerFaults):
         """
         if seconds < 0:
             raise ValueError("seconds must not be negative")
-        return cls(FaultKind.DELAY_AFTER_APPLY, seconds=seconds)
+        return cls(StripeFaultKind.DELAY_AFTER_APPLY, seconds=seconds)
 
     @classmethod
-    def reset_after_apply(cls) -> Fault:
+    def reset_after_apply(cls) -> StripeFault:
         """Create and save the 200, then reset the connection without answering."""
-        return cls(FaultKind.RESET_AFTER_APPLY)
+        return cls(StripeFaultKind.RESET_AFTER_APPLY)
 
     @classmethod
     def bad_answer_after_apply(cls, answer: BadAnswer) -> Self:
         """Create and save the 200, then send it as ``answer`` says."""
-        return cls(FaultKind.BAD_ANSWER_AFTER_APPLY, answer=answer)
+        return cls(StripeFaultKind.BAD_ANSWER_AFTER_APPLY, answer=answer)
 
     @property
     def before_ledger(self) -> bool:
@@ -499,9 +500,9 @@ class _Request:
     request_id: str
     version: str | None = None
 
-    def received(self, at: float) -> Received:
+    def received(self, at: float) -> StripeRequest:
         """Its record in ``received``, as it arrived at ``at``, before any outcome."""
-        return Received(
+        return StripeRequest(
             self.method,
             self.path,
             self.key,
@@ -591,7 +592,7 @@ class _Entry(KeyEntry):
     request_id: str
 
 
-class _Ledger(Ledger[Fault, Received, _Entry]):
+class _Ledger(Ledger[StripeFault, StripeRequest, _Entry]):
     """The API's state: keys, objects, requests, armed faults and holds, under one lock."""
 
     def __init__(self, api_key: str, key_retention: float, clock: Callable[[], float]) -> None:
@@ -694,9 +695,9 @@ class _Ledger(Ledger[Fault, Received, _Entry]):
         fault = self._take_fault(request.key, lambda f: not f.before_ledger)
         kind = fault.kind if fault is not None else None
         saved = _api_error_500()
-        if kind is not FaultKind.ERROR_500_BEFORE_APPLY:
+        if kind is not StripeFaultKind.ERROR_500_BEFORE_APPLY:
             made = make()
-            if kind is not FaultKind.ERROR_500_AFTER_APPLY:
+            if kind is not StripeFaultKind.ERROR_500_AFTER_APPLY:
                 saved = made
         entry = hold = None
         if request.key is not None:
@@ -710,7 +711,7 @@ class _Ledger(Ledger[Fault, Received, _Entry]):
             self._entries[request.key] = entry
             hold = self._holds.pop(request.key, None)
         self.cond.notify_all()
-        reply = None if kind is FaultKind.RESET_AFTER_APPLY else saved
+        reply = None if kind is StripeFaultKind.RESET_AFTER_APPLY else saved
         if reply is not None and fault is not None and fault.answer is not None:
             reply = reply.badly(fault.answer)
         return Plan(reply, entry, hold, fault.seconds if fault is not None else 0.0)
@@ -853,8 +854,8 @@ def _forbidden(resource: Resource) -> Reply:
     return _error(403, "invalid_request_error", message)
 
 
-def _status_reply(fault: Fault) -> Reply | None:
-    if fault.kind is FaultKind.RESET_BEFORE_APPLY:
+def _status_reply(fault: StripeFault) -> Reply | None:
+    if fault.kind is StripeFaultKind.RESET_BEFORE_APPLY:
         return None
     headers: list[tuple[str, str]] = []
     if fault.should_retry is not None:
@@ -976,7 +977,7 @@ def _headers(request: _Request) -> Headers:
 # --- the fake -------------------------------------------------------------------------------
 
 
-class FakeStripe(LoopbackFake[Fault, Received]):
+class FakeStripe(LoopbackFake[StripeFault, StripeRequest]):
     """A loopback Stripe v1 API that creates each idempotency key's object once.
 
     Use as a context manager (or ``start()``/``stop()``); ``url`` is valid once started and is
@@ -1069,7 +1070,7 @@ class FakeStripe(LoopbackFake[Fault, Received]):
         """The objects whose ``metadata[key]`` is ``value``, in order of creation."""
         return [o for o in self._ledger.objects() if o["metadata"].get(key) == value]
 
-    def received_for(self, key: str) -> list[Received]:
+    def received_for(self, key: str) -> list[StripeRequest]:
         """The requests that carried idempotency key ``key``, in order of arrival."""
         return [r for r in self.received if r.idempotency_key == key]
 

@@ -1,4 +1,4 @@
-"""What the loopback fakes (``fake_webhook``, ``fake_stripe``) share.
+"""What the loopback fakes (``outbox.testing.webhook``, ``outbox.testing.stripe``) share.
 
 Each fake is a real HTTP server on loopback inside the pytest process, in front of a ledger
 that records requests, remembers idempotency keys and arms faults and holds, all under one
@@ -171,10 +171,10 @@ class BadAnswer:
 
 
 class BadAnswerFaults:
-    """The fault constructors for bad answers, shared by the fakes' Fault classes (each defines
-    ``bad_answer_after_apply``). Every one applies the effect and saves the normal answer (a
-    replay gets that), then sends this request's answer as the :class:`BadAnswer` says: the
-    provider acted, and only its answer misbehaves."""
+    """The fault constructors for bad answers, shared by the fakes' fault classes (StripeFault,
+    WebhookFault; each defines ``bad_answer_after_apply``). Every one applies the effect and
+    saves the normal answer (a replay gets that), then sends this request's answer as the
+    :class:`BadAnswer` says: the provider acted, and only its answer misbehaves."""
 
     @classmethod
     def bad_answer_after_apply(cls, answer: BadAnswer) -> Self:
