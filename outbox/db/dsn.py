@@ -5,6 +5,8 @@ from __future__ import annotations
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from outbox import redaction
+
 REDACTED = "********"
 
 
@@ -22,9 +24,10 @@ def redact(dsn: str) -> str:
 
 
 def scrub(text: str, dsn: str) -> str:
-    """``text`` (an error message, say) with every occurrence of the DSN's password masked."""
+    """``text`` (an error message, say) with every occurrence of the DSN's password masked, and
+    any other secret :func:`outbox.redaction.scrub` finds in it."""
     password = _parse(dsn).get("password")
-    return text.replace(str(password), REDACTED) if password else text
+    return redaction.scrub(text, marker=REDACTED, known=[str(password) if password else None])
 
 
 def _parse(dsn: str) -> dict[str, object]:
