@@ -19,7 +19,8 @@ from typing import Any
 import psycopg
 import pytest
 
-from outbox import cli_bulk, operators
+from outbox import operators
+from outbox.cli import bulk
 from outbox.model import Status
 from tests.support.cli import outbox_cli
 from tests.support.dispatch import rows
@@ -247,8 +248,8 @@ def test_an_operation_that_changed_meanwhile_is_skipped_and_the_run_says_so(
         return operators.replay(conn, operation_id, reason="bulk", actor="alice")
 
     with pytest.raises(SystemExit) as exited:
-        cli_bulk.run(db_url, Status.QUARANTINED, operators.Filters(provider=None, since=None),
-                     verb="replay", action=replay, dry_run=False, yes=True)  # fmt: skip
+        bulk.run(db_url, Status.QUARANTINED, operators.Filters(provider=None, since=None),
+                 verb="replay", action=replay, dry_run=False, yes=True)  # fmt: skip
     assert exited.value.code == 3
     assert rows(db_url, "SELECT actor, count(*) FROM outbox.audit GROUP BY actor ORDER BY 1") == [
         ("alice", 5), ("bob", 1)
@@ -273,8 +274,8 @@ def test_a_run_cut_short_by_the_database_says_how_far_it_got_and_a_rerun_finishe
     import click  # noqa: PLC0415
 
     with pytest.raises(click.ClickException) as stopped:
-        cli_bulk.run(db_url, Status.QUARANTINED, operators.Filters(), verb="replay",
-                     action=replay_then_lose_the_connection, dry_run=False, yes=True)  # fmt: skip
+        bulk.run(db_url, Status.QUARANTINED, operators.Filters(), verb="replay",
+                 action=replay_then_lose_the_connection, dry_run=False, yes=True)  # fmt: skip
     assert "stopped after 3 of 10" in stopped.value.message
     assert rows(db_url, "SELECT count(*) FROM outbox.audit") == [(3,)]
     again = outbox_cli(cli_env, "quarantine", "replay", "--all", "--reason", "bulk", "--yes")

@@ -23,7 +23,7 @@ import pytest
 
 import outbox
 from outbox import gauges
-from outbox.cli_common import connect as cli_connect
+from outbox.cli.common import connect as cli_connect
 from outbox.config import DispatcherSettings, ProviderLimits
 from outbox.db import connect, migrations
 from outbox.db.store import Store

@@ -15,7 +15,7 @@ import click
 from click.testing import CliRunner
 
 from outbox.cli import main
-from outbox.cli_common import TEXT
+from outbox.cli.common import TEXT
 
 
 def commands(group: click.Group, path: str = "outbox") -> Iterator[tuple[str, click.Command]]:
@@ -57,7 +57,7 @@ def test_every_json_command_reports_its_failures_as_json() -> None:
 def test_every_text_parameter_refuses_what_no_database_text_holds() -> None:
     """Bytes that are not UTF-8 on a command line arrive as lone surrogates, which the driver
     could not encode: a traceback and exit 1, where the README promises exit 2. Every text
-    parameter is cli_common.TEXT, and refuses them (and NUL) by name."""
+    parameter is outbox.cli.common.TEXT, and refuses them (and NUL) by name."""
     runner = CliRunner()
     checked = 0
     for path, command in commands(main):

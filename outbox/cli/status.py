@@ -13,7 +13,7 @@ import psycopg
 from psycopg.rows import dict_row
 
 from outbox import gauges
-from outbox.cli_common import BadInput, connect, dsn_option, json_option
+from outbox.cli.common import BadInput, connect, dsn_option, json_option
 from outbox.config import ConfigError, load_settings
 from outbox.db import statements
 from outbox.dispatcher import UNKNOWN_PROVIDER_GRACE

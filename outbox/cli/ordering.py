@@ -12,7 +12,7 @@ import json
 import click
 import psycopg
 
-from outbox.cli_common import TEXT, BadInput, actor_option, connect, dsn_option, json_option
+from outbox.cli.common import TEXT, BadInput, actor_option, connect, dsn_option, json_option
 from outbox.db import statements
 from outbox.errors import SQLSTATE_INVALID_OPERATION
 from outbox.tables import render_table

@@ -18,8 +18,9 @@ from typing import Any, TypeVar
 
 import click
 
-from outbox import cli_bulk, operators, payloads, reconciler
-from outbox.cli_common import TEXT, BadInput, actor_option, connect, dsn_option, json_option
+from outbox import operators, payloads, reconciler
+from outbox.cli import bulk
+from outbox.cli.common import TEXT, BadInput, actor_option, connect, dsn_option, json_option
 from outbox.config import ConfigError, load_settings
 from outbox.durations import format_duration
 from outbox.model import Status
@@ -45,7 +46,7 @@ def build_group(name: str, status: Status) -> click.Group:
 
     @group.command("list")
     @dsn_option
-    @cli_bulk.filter_options
+    @bulk.filter_options
     @click.option("--limit", type=click.IntRange(1, 10_000), default=100, show_default=True)
     @click.option(
         "--after", type=TEXT, help="Start after this cursor (what a truncated list printed)."
@@ -57,7 +58,7 @@ def build_group(name: str, status: Status) -> click.Group:
             cursor = operators.Cursor.parse(after) if after else None
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--after") from None
-        filters = cli_bulk.filters_of(selection)
+        filters = bulk.filters_of(selection)
         with connect(dsn) as conn:  # one row more than shown: whether the list goes on
             rows = operators.list_attention(conn, status, filters, after=cursor, limit=limit + 1)
         truncated, rows = len(rows) > limit, rows[:limit]
@@ -68,7 +69,7 @@ def build_group(name: str, status: Status) -> click.Group:
         if as_json:
             click.echo(json.dumps(rows, default=str))
             return
-        click.echo(cli_bulk.render_summary(rows))
+        click.echo(bulk.render_summary(rows))
 
     @group.command()
     @dsn_option
@@ -112,7 +113,7 @@ def build_group(name: str, status: Status) -> click.Group:
     @click.argument("operation_id", type=int, required=False)
     @_reason_option
     @actor_option
-    @cli_bulk.bulk_options
+    @bulk.bulk_options
     def cancel(dsn: str, operation_id: int | None, reason: str, actor: str,
                **selection: Any) -> None:  # fmt: skip
         """Give up: nothing more is sent. One by ID, or every one the filters select."""
@@ -166,7 +167,7 @@ def add_reconcile_check(group: click.Group) -> None:
     @dsn_option
     @click.argument("operation_id", type=int, required=False)
     @click.option("--all", "check_all", is_flag=True, help="Check every reconciling operation.")
-    @cli_bulk.filter_options
+    @bulk.filter_options
     @click.option("--dry-run", is_flag=True, help="Look, but record nothing.")
     @click.option("--config", "config_path", envvar="OUTBOX_CONFIG", show_envvar=True,
                   type=click.Path(dir_okay=False, path_type=Path),
@@ -179,8 +180,8 @@ def add_reconcile_check(group: click.Group) -> None:
         One operation by ID, those the filters select, or --all. A check changes nothing at the
         provider, so a selection is checked without a prompt.
         """
-        filters = cli_bulk.filters_of(selection)
-        cli_bulk.require_one_selection(operation_id, filters, check_all)
+        filters = bulk.filters_of(selection)
+        bulk.require_one_selection(operation_id, filters, check_all)
         try:
             configured = load_settings(config_path).providers
             providers = build_providers(configured)
@@ -248,7 +249,7 @@ def add_quarantine_actions(group: click.Group) -> None:
     @click.argument("operation_id", type=int, required=False)
     @_reason_option
     @actor_option
-    @cli_bulk.bulk_options
+    @bulk.bulk_options
     def replay(dsn: str, operation_id: int | None, reason: str, actor: str,
                **selection: Any) -> None:  # fmt: skip
         """Back to pending with the same key and a fresh attempt budget (one, or a selection)."""
@@ -261,7 +262,7 @@ def add_quarantine_actions(group: click.Group) -> None:
     @click.argument("operation_id", type=int, required=False)
     @_reason_option
     @actor_option
-    @cli_bulk.bulk_options
+    @bulk.bulk_options
     def to_reconciliation(dsn: str, operation_id: int | None, reason: str, actor: str,
                           **selection: Any) -> None:  # fmt: skip
         """Send to reconciliation: the provider is asked before anyone decides."""
@@ -271,13 +272,13 @@ def add_quarantine_actions(group: click.Group) -> None:
 
 
 def _one_or_many(dsn: str, status: Status, operation_id: int | None, selection: dict[str, Any],
-                 verb: str, action: cli_bulk.Action) -> None:  # fmt: skip
+                 verb: str, action: bulk.Action) -> None:  # fmt: skip
     """One operation by id (as before bulk actions existed), or a confirmed selection."""
-    filters = cli_bulk.filters_of(selection)
-    cli_bulk.require_one_selection(operation_id, filters, selection["select_all"])
+    filters = bulk.filters_of(selection)
+    bulk.require_one_selection(operation_id, filters, selection["select_all"])
     if operation_id is None:
-        cli_bulk.run(dsn, status, filters, verb=verb, action=action,
-                     dry_run=selection["dry_run"], yes=selection["yes"])  # fmt: skip
+        bulk.run(dsn, status, filters, verb=verb, action=action,
+                 dry_run=selection["dry_run"], yes=selection["yes"])  # fmt: skip
         return
     if selection["dry_run"]:
         raise click.UsageError("--dry-run goes with a selection; `show ID` shows one operation")

@@ -1,6 +1,9 @@
 """The ``outbox`` command: thin click commands that parse, call the library, and print.
 
-Exit codes are those of outbox.cli_common.
+This module holds the group (``main``, the console script) and the commands of one screen each;
+the others live beside it: ``status``, ``operator`` (reconcile, quarantine, cancel), ``bulk`` (the
+same action on every operation a set of filters selects) and ``ordering``. ``common`` holds what
+they share, the exit codes among it. Only this package imports click.
 """
 
 from __future__ import annotations
@@ -16,9 +19,6 @@ from typing import IO, Any
 import click
 
 from outbox import (
-    cli_operator,
-    cli_ordering,
-    cli_status,
     daemon,
     event_loop,
     logs,
@@ -27,7 +27,8 @@ from outbox import (
     prune,
 )
 from outbox import demo as demo_module
-from outbox.cli_common import (
+from outbox.cli import operator, ordering, status
+from outbox.cli.common import (
     TEXT,
     BadInput,
     Conflict,
@@ -314,11 +315,11 @@ def demo(dsn: str | None, keep: bool, stop_dir: Path | None) -> None:
     sys.exit(code)
 
 
-main.add_command(cli_status.status)
-main.add_command(cli_operator.cancel)
-main.add_command(cli_operator.reconcile)
-main.add_command(cli_operator.quarantine)
-main.add_command(cli_ordering.ordering)
+main.add_command(status.status)
+main.add_command(operator.cancel)
+main.add_command(operator.reconcile)
+main.add_command(operator.quarantine)
+main.add_command(ordering.ordering)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -21,7 +21,7 @@ import click
 import psycopg
 
 from outbox import operators
-from outbox.cli_common import EXIT_CONFLICT, TEXT, BadInput, connect
+from outbox.cli.common import EXIT_CONFLICT, TEXT, BadInput, connect
 from outbox.db import dsn as dsn_util
 from outbox.durations import format_duration, parse_duration
 from outbox.model import Status
