@@ -2,18 +2,27 @@
 
 Schema changes live in the numbered files of ``sql/``; this module holds the statements that run
 against that schema. Parameters are always bound, never formatted into the text.
+
+The schema as the migrations leave it, every function's definition in force included, is
+``sql/schema.sql`` (generated: ``python -m outbox.db.schema_dump``). A statement that calls SQL
+functions of outbox, or fires triggers of its tables, names them in a ``Relies on:`` line; one
+without calls none and fires none (but the internal ones of the foreign key of attempts).
 """
 
 from __future__ import annotations
 
 from typing import Final
 
-# The channel outbox.enqueue notifies on commit; dispatchers LISTEN on it.
+# The channel dispatchers LISTEN on. Not outbox.enqueue but the trigger it fires,
+# operations_wake_dispatchers (outbox.wake_dispatchers(), sql/0012), notifies on it at the
+# producer's COMMIT, and only while a dispatcher is marked waiting (MARK_WAITING).
 ENQUEUE_CHANNEL: Final = "outbox_enqueue"
 
 # --- producer API -------------------------------------------------------------------------------
 
 # Record an operation in the caller's transaction (the SQL function validates and deduplicates).
+# Relies on: outbox.enqueue() (sql/schema.sql); its INSERT fires, deferred to COMMIT, the
+# triggers operations_wake_dispatchers and (with an ordering_key) operations_take_turn.
 ENQUEUE: Final = """
 SELECT operation_id, outcome FROM outbox.enqueue(
     tenant_id       => %(tenant_id)s::text,
@@ -31,11 +40,12 @@ SELECT operation_id, outcome FROM outbox.enqueue(
 )
 """
 
-# An operation's persisted state by identity, through the read API function.
 # Bind this transaction to a tenant: set_config's third argument (true) makes the setting end
 # with the transaction, so a pooled connection never carries it into the next one.
 BIND_TENANT: Final = "SELECT pg_catalog.set_config('outbox.tenant_id', %s::text, true)"
 
+# An operation's persisted state by identity, through the read API function.
+# Relies on: outbox.get_operation().
 GET_OPERATION: Final = """
 SELECT operation_id, tenant_id, operation_type, operation_key, provider, action, status,
        status_reason, attempts, provider_ref, result, last_error, last_error_class,
@@ -351,6 +361,8 @@ due AS (
 # operator requested while it was in flight becomes cancelled instead of its next status (unless
 # it succeeded): the trigger operations_cancel_when_attempt_ends (sql/0019) sees to it, here and
 # in UNCLAIM and RESCUE.
+# Relies on: triggers operations_cancel_when_attempt_ends (a cancel requested in flight) and
+# operations_pass_turn (an ordered operation settles: the next of its key may go).
 RECORD_MANY: Final = """
 WITH input AS (
     -- One JSON document for the whole batch: encoded in C by json.dumps, where a dozen
@@ -412,6 +424,8 @@ RETURNING operation_id, attempt
 
 # Give a claimed row back without an attempt having been made: released at shutdown (to
 # pending) or routed to reconciliation by the key-window rule before sending.
+# Relies on: triggers operations_cancel_when_attempt_ends and, to reconciling,
+# operations_pass_turn.
 UNCLAIM: Final = """
 UPDATE outbox.operations AS o
 SET status = %(status)s::text,
@@ -450,6 +464,8 @@ RETURNING o.id
 
 # Take back rows whose dispatcher stopped renewing its lease. Its attempt may have reached the
 # provider, so it is recorded as unknown and the key window starts from it.
+# Relies on: triggers operations_cancel_when_attempt_ends and, when quarantined,
+# operations_pass_turn.
 RESCUE: Final = """
 WITH expired AS MATERIALIZED (
     -- Served by the partial index operations_lease; SKIP LOCKED so that rescuers in several
@@ -506,6 +522,7 @@ REPAIRS_DUE: Final = """
 SELECT tenant_id, ordering_key FROM outbox.ordering_repairs
 GROUP BY tenant_id, ordering_key ORDER BY min(noted_at) LIMIT %(limit)s::integer
 """
+# Relies on: outbox.repair_ordering_key().
 REPAIR_ORDERING_KEY: Final = "SELECT outbox.repair_ordering_key(%(tenant_id)s, %(ordering_key)s)"
 
 # Scheduled operations that are due join the claim index (sql/0019): the oldest first, a batch
@@ -553,7 +570,7 @@ ON CONFLICT (worker) DO UPDATE SET seen_at = now()
 # Busy with a backlog (or stopping): producers need not notify on this dispatcher's account.
 UNMARK_WAITING: Final = "DELETE FROM outbox.waiting_dispatchers WHERE worker = %(worker)s"
 
-# Wake-ups: dispatchers LISTEN on the channel enqueue notifies.
+# Wake-ups: dispatchers LISTEN on the channel of ENQUEUE_CHANNEL.
 LISTEN: Final = "LISTEN outbox_enqueue"
 
 # Is this connection still alive? Sent on the LISTEN connection after a quiet spell.
@@ -631,6 +648,10 @@ FROM outbox.audit WHERE operation_id = %(id)s ORDER BY at, id
 """
 
 # Operator actions: each a SQL function that changes the status and writes the audit at once.
+# Relies on: the function named, and its UPDATE fires the triggers of a status change:
+# operations_pass_turn (RESOLVE, CANCEL, REQUEST_CANCEL, REQUEST_RECONCILIATION, RECORD_FINDING
+# when found or refused), operations_rejoin_line (REPLAY, RETRY) and operations_immutable (RETRY:
+# the key moves to its next generation).
 RESOLVE: Final = "SELECT outbox.resolve_operation(%(id)s, %(provider_ref)s, %(reason)s, %(actor)s)"
 CANCEL: Final = "SELECT outbox.cancel_operation(%(id)s, %(reason)s, %(actor)s)"
 # `outbox cancel`: any unfinished operation; one in flight when its attempt ends (sql/0019).
@@ -649,6 +670,7 @@ SELECT outbox.record_finding(%(id)s, %(finding)s, %(found_ref)s, %(state)s, %(ac
 # A look-up failed: note the time, so the periodic reconciler moves on to other operations.
 # A failed lookup proves nothing: the operation is due again after retry_in (sql/0013). Fenced
 # as RECORD_FINDING is: a check of an earlier episode of the operation defers nothing (sql/0020).
+# Relies on: outbox.defer_check(bigint, interval, interval, integer, integer).
 DEFER_CHECK: Final = """
 SELECT outbox.defer_check(%(id)s, %(recheck_after)s::interval, %(retry_in)s::interval,
                           %(generation)s::integer, %(attempts)s::integer)
@@ -659,6 +681,7 @@ LIST_ORDERING_MODES: Final = (
     "SELECT operation_type, on_failure, updated_at, updated_by FROM outbox.ordering_modes "
     "ORDER BY operation_type"
 )
+# Relies on: outbox.set_ordering_mode(text, text, text, text).
 SET_ORDERING_MODE: Final = (
     "SELECT outbox.set_ordering_mode(%(operation_type)s, %(mode)s, %(actor)s, %(reason)s)"
 )
@@ -698,6 +721,7 @@ LIMIT %(limit)s::integer
 """
 
 # The newest migration applied (sql/0027), checked by `outbox run` at start-up.
+# Relies on: outbox.schema_version().
 SCHEMA_VERSION: Final = "SELECT outbox.schema_version()"
 
 # One operation's payload, as text, for the check of a row listed without it.
@@ -705,6 +729,7 @@ CHECK_PAYLOAD: Final = "SELECT payload::text FROM outbox.operations WHERE id = %
 
 # The daemon's passes: the due checks, marked checked as they are taken, so that each is looked
 # up by one replica (sql/0013).
+# Relies on: outbox.claim_checks().
 CLAIM_CHECKS: Final = """
 SELECT * FROM outbox.claim_checks(%(providers)s::text[], %(recheck_after)s::interval,
                                   %(limit)s::integer)
@@ -922,6 +947,7 @@ FROM outbox.operations WHERE tenant_id = %(tenant)s ORDER BY id
 
 # Give back unused tokens and take new ones, several providers in one round trip. The providers
 # come sorted by name, so two dispatchers lock bucket rows in the same order and never deadlock.
+# Relies on: outbox.take_tokens().
 TAKE_TOKENS: Final = """
 SELECT b.provider, t.granted, t.tokens
 FROM unnest(%(providers)s::text[], %(rates)s::float8[], %(bursts)s::float8[],
@@ -932,6 +958,7 @@ ORDER BY b.n
 """
 
 # A 429: the provider's bucket goes into debt for the provider's Retry-After.
+# Relies on: outbox.throttle_bucket().
 THROTTLE_BUCKET: Final = """
 SELECT outbox.throttle_bucket(%(provider)s::text, %(rate)s::float8, %(burst)s::float8,
                               %(pause)s::interval)

@@ -1,0 +1,1757 @@
+-- sql/schema.sql: the outbox schema as the migrations of sql/ leave it
+-- (every migration up to 0028_identities_refuse_format_characters).
+--
+-- GENERATED FILE: DO NOT EDIT IT BY HAND. It is regenerated, after adding a migration, by
+--     python -m outbox.db.schema_dump --dsn postgresql://postgres@127.0.0.1:5432/postgres --output sql/schema.sql
+-- (--dsn: any database of a server where you may CREATE DATABASE; the command makes a scratch
+-- database there, migrates it, reads its catalogs and drops it). The numbered migrations remain
+-- the source of truth: `outbox migrate` applies them, never this file, and
+-- tests/integration/test_schema_file.py fails when the two disagree.
+--
+-- Read it for the current definition of anything: where a later migration replaced a function
+-- or a trigger, this file has the one in force. It is not a script to run: objects are grouped
+-- for reading (each table with its columns, constraints, indexes, triggers, comments and
+-- privileges; then the functions alphabetically), not in the order PostgreSQL needs them.
+-- The `-- history:` line of each object names the migration that created it and those
+-- that changed it since: the files whose comments say why it is the way it is.
+--
+-- Left out: rows (0019 writes the one row of outbox.limits; outbox.schema_migrations records
+-- the migrations applied); the roles of sql/roles.sql and sql/roles_tenant_rls.sql and their
+-- grants, policies and row-level security (optional, cluster-wide, applied per deployment by
+-- `outbox migrate --with-roles`); owner names: every object belongs to the owner of schema
+-- outbox, the role that ran the migrations, unless its `-- owner:` line says otherwise.
+
+-- =================================================================================================
+-- schema outbox
+-- history: created by outbox migrate itself (outbox/db/migrations.py), before 0001
+
+CREATE SCHEMA outbox;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- table outbox.attempts
+-- history: created by 0002_attempts
+
+CREATE TABLE outbox.attempts (
+    operation_id        bigint NOT NULL,
+    attempt             integer NOT NULL,
+    idempotency_key     text NOT NULL,
+    worker              text NOT NULL,
+    started_at          timestamp with time zone NOT NULL,
+    finished_at         timestamp with time zone DEFAULT now() NOT NULL,
+    outcome             text NOT NULL,
+    sent                boolean NOT NULL,
+    error_class         text,
+    error_message       text,
+    http_status         integer,
+    provider_request_id text,
+    CONSTRAINT attempts_pkey PRIMARY KEY (operation_id, attempt),
+    CONSTRAINT attempts_operation_id_fkey FOREIGN KEY (operation_id) REFERENCES outbox.operations(id) ON DELETE CASCADE,
+    CONSTRAINT attempts_number_valid CHECK ((attempt >= 1)),
+    CONSTRAINT attempts_outcome_valid CHECK ((outcome = ANY (ARRAY['succeeded'::text, 'transient'::text, 'permanent'::text, 'unknown'::text])))
+);
+
+COMMENT ON TABLE outbox.attempts IS 'The delivery history of every operation, one row per attempt.';
+
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- table outbox.audit
+-- history: created by 0003_audit; changed by 0009_review_fixes, 0025_an_audit_that_tells_the_truth
+
+CREATE TABLE outbox.audit (
+    id           bigint NOT NULL GENERATED ALWAYS AS IDENTITY,
+    operation_id bigint,
+    at           timestamp with time zone DEFAULT now() NOT NULL,
+    actor        text NOT NULL,
+    action       text NOT NULL,
+    reason       text NOT NULL,
+    from_status  text,
+    to_status    text,
+    details      jsonb DEFAULT '{}'::jsonb NOT NULL,
+    db_user      text DEFAULT SESSION_USER,
+    CONSTRAINT audit_pkey PRIMARY KEY (id)
+);
+
+COMMENT ON TABLE outbox.audit IS 'Operator actions on operations; append-only.';
+
+CREATE INDEX audit_operation ON outbox.audit USING btree (operation_id, at);
+CREATE TRIGGER audit_append_only BEFORE UPDATE ON outbox.audit FOR EACH ROW EXECUTE FUNCTION outbox.audit_is_append_only();
+CREATE TRIGGER audit_no_delete BEFORE DELETE ON outbox.audit FOR EACH ROW EXECUTE FUNCTION outbox.audit_is_kept();
+CREATE TRIGGER audit_no_truncate BEFORE TRUNCATE ON outbox.audit FOR EACH STATEMENT EXECUTE FUNCTION outbox.audit_is_kept();
+
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- table outbox.enqueue_allowances
+-- history: created by 0026_enqueue_allow_lists
+
+CREATE TABLE outbox.enqueue_allowances (
+    tenant_pattern text NOT NULL,
+    provider       text NOT NULL,
+    action         text DEFAULT '*'::text NOT NULL,
+    note           text,
+    created_at     timestamp with time zone DEFAULT now() NOT NULL,
+    created_by     text DEFAULT SESSION_USER NOT NULL,
+    CONSTRAINT enqueue_allowances_pkey PRIMARY KEY (tenant_pattern, provider, action),
+    CONSTRAINT enqueue_allowances_not_blank CHECK (((btrim(tenant_pattern) <> ''::text) AND (btrim(provider) <> ''::text) AND (btrim(action) <> ''::text)))
+);
+
+COMMENT ON TABLE outbox.enqueue_allowances IS 'What each tenant may enqueue (tenant_pattern LIKE, provider, action or *); empty: everything.';
+
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- table outbox.limits
+-- history: created by 0019_limits_schedule_and_key_locks
+
+CREATE TABLE outbox.limits (
+    one               boolean DEFAULT true NOT NULL,
+    max_payload_bytes integer DEFAULT 1048576 NOT NULL,
+    CONSTRAINT limits_pkey PRIMARY KEY (one),
+    CONSTRAINT limits_max_payload_bytes_check CHECK (((max_payload_bytes >= 4096) AND (max_payload_bytes <= 67108864))),
+    CONSTRAINT limits_one_check CHECK (one)
+);
+
+COMMENT ON TABLE outbox.limits IS 'Limits only the schema owner may change: max_payload_bytes (bytes of the JSON text of a payload, 4096 to 67108864; enqueue refuses larger payloads, the claim hands none over).';
+
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- table outbox.operations
+-- history: created by 0001_operations; changed by 0005_operator, 0008_gauges,
+--     0010_immutable_operations, 0012_wake_only_idle_dispatchers, 0014_fair_claims,
+--     0015_ordering_keys, 0018_operations_fillfactor, 0019_limits_schedule_and_key_locks,
+--     0021_findings_carry_the_state, 0023_lookups_say_what_they_searched,
+--     0024_keys_name_one_operation
+
+CREATE TABLE outbox.operations (
+    id                  bigint NOT NULL GENERATED ALWAYS AS IDENTITY,
+    tenant_id           text NOT NULL,
+    operation_type      text NOT NULL,
+    operation_key       text NOT NULL,
+    fingerprint         bytea NOT NULL,
+    provider            text NOT NULL,
+    action              text NOT NULL,
+    payload             jsonb NOT NULL,
+    idempotency_key     text NOT NULL,
+    key_generation      integer DEFAULT 1 NOT NULL,
+    correlation_id      text,
+    traceparent         text,
+    status              text DEFAULT 'pending'::text NOT NULL,
+    status_reason       text,
+    attempts            integer DEFAULT 0 NOT NULL,
+    max_attempts        integer,
+    available_at        timestamp with time zone DEFAULT now() NOT NULL,
+    lease_owner         text,
+    lease_token         uuid,
+    lease_expires_at    timestamp with time zone,
+    first_sent_at       timestamp with time zone,
+    last_attempt_at     timestamp with time zone,
+    provider_ref        text,
+    result              jsonb,
+    last_error          text,
+    last_error_class    text,
+    created_at          timestamp with time zone DEFAULT now() NOT NULL,
+    updated_at          timestamp with time zone DEFAULT now() NOT NULL,
+    status_changed_at   timestamp with time zone DEFAULT now() NOT NULL,
+    finished_at         timestamp with time zone,
+    attempt_base        integer DEFAULT 0 NOT NULL,
+    checked_at          timestamp with time zone,
+    check_finding       text,
+    ordering_key        text,
+    ordering_blocked    boolean DEFAULT false NOT NULL,
+    scheduled           boolean DEFAULT false NOT NULL,
+    payload_bytes       integer,
+    cancel_requested_at timestamp with time zone,
+    check_state         text,
+    check_details       jsonb,
+    api_version         text,
+    sent_scope          text,
+    key_shared          boolean DEFAULT false NOT NULL,
+    CONSTRAINT operations_pkey PRIMARY KEY (id),
+    CONSTRAINT operations_identity UNIQUE (tenant_id, operation_type, operation_key),
+    CONSTRAINT operations_attempt_base_valid CHECK (((attempt_base >= 0) AND (attempt_base <= attempts))),
+    CONSTRAINT operations_attempts_valid CHECK ((attempts >= 0)),
+    CONSTRAINT operations_blocked_only_pending CHECK (((NOT ordering_blocked) OR (status = 'pending'::text))),
+    CONSTRAINT operations_check_finding_valid CHECK ((check_finding = ANY (ARRAY['found'::text, 'not_found'::text, 'refused'::text, 'undecided'::text]))),
+    CONSTRAINT operations_error_class_valid CHECK ((last_error_class = ANY (ARRAY['transient'::text, 'permanent'::text, 'unknown'::text]))),
+    CONSTRAINT operations_key_generation_valid CHECK ((key_generation >= 1)),
+    CONSTRAINT operations_lease_only_in_flight CHECK (((status = 'in_flight'::text) = ((lease_token IS NOT NULL) AND (lease_expires_at IS NOT NULL)))),
+    CONSTRAINT operations_max_attempts_valid CHECK (((max_attempts IS NULL) OR (max_attempts > 0))),
+    CONSTRAINT operations_scheduled_only_pending CHECK (((NOT scheduled) OR (status = 'pending'::text))),
+    CONSTRAINT operations_status_valid CHECK ((status = ANY (ARRAY['pending'::text, 'in_flight'::text, 'succeeded'::text, 'quarantined'::text, 'reconciling'::text, 'cancelled'::text]))),
+    CONSTRAINT operations_succeeded_has_ref CHECK (((status <> 'succeeded'::text) OR (provider_ref IS NOT NULL)))
+) WITH (fillfactor=80);
+
+COMMENT ON TABLE outbox.operations IS 'Operations recorded by producers through outbox.enqueue and delivered by outbox run.';
+
+CREATE INDEX operations_attention ON outbox.operations USING btree (status, status_changed_at) WHERE (status = ANY (ARRAY['reconciling'::text, 'quarantined'::text]));
+CREATE INDEX operations_cancelled ON outbox.operations USING btree (status_changed_at) WHERE (status = 'cancelled'::text);
+CREATE INDEX operations_claim_group ON outbox.operations USING btree (provider, tenant_id, available_at, id) WHERE ((status = 'pending'::text) AND (NOT ordering_blocked) AND (NOT scheduled));
+CREATE INDEX operations_lease ON outbox.operations USING btree (lease_expires_at) WHERE (status = 'in_flight'::text);
+CREATE INDEX operations_ordering_blocked ON outbox.operations USING btree (tenant_id, ordering_key, id) WHERE ordering_blocked;
+CREATE INDEX operations_ordering_heads ON outbox.operations USING btree (tenant_id, ordering_key) WHERE ((ordering_key IS NOT NULL) AND (NOT ordering_blocked) AND (status = ANY (ARRAY['pending'::text, 'in_flight'::text, 'quarantined'::text, 'reconciling'::text])));
+CREATE UNIQUE INDEX operations_provider_key ON outbox.operations USING btree (provider, idempotency_key) WHERE (NOT key_shared);
+CREATE INDEX operations_scheduled ON outbox.operations USING btree (available_at, id) INCLUDE (provider, first_sent_at, ordering_blocked) WHERE scheduled;
+CREATE TRIGGER operations_cancel_when_attempt_ends BEFORE UPDATE OF status ON outbox.operations FOR EACH ROW WHEN (((old.status = 'in_flight'::text) AND (old.cancel_requested_at IS NOT NULL) AND (new.status <> 'in_flight'::text))) EXECUTE FUNCTION outbox.cancel_when_attempt_ends();
+CREATE TRIGGER operations_immutable BEFORE UPDATE OF tenant_id, operation_type, operation_key, provider, action, payload, fingerprint, idempotency_key, key_generation, ordering_key ON outbox.operations FOR EACH ROW EXECUTE FUNCTION outbox.operations_keep_immutable();
+CREATE TRIGGER operations_pass_turn AFTER UPDATE OF status ON outbox.operations FOR EACH ROW WHEN (((new.ordering_key IS NOT NULL) AND (old.status IS DISTINCT FROM new.status) AND (new.status = ANY (ARRAY['succeeded'::text, 'cancelled'::text, 'quarantined'::text, 'reconciling'::text])))) EXECUTE FUNCTION outbox.pass_turn();
+CREATE TRIGGER operations_rejoin_line BEFORE UPDATE OF status ON outbox.operations FOR EACH ROW WHEN (((new.ordering_key IS NOT NULL) AND (new.status = 'pending'::text) AND (old.status = ANY (ARRAY['quarantined'::text, 'reconciling'::text])))) EXECUTE FUNCTION outbox.rejoin_line();
+CREATE CONSTRAINT TRIGGER operations_take_turn AFTER INSERT ON outbox.operations DEFERRABLE INITIALLY DEFERRED FOR EACH ROW WHEN ((new.ordering_key IS NOT NULL)) EXECUTE FUNCTION outbox.take_turn();
+CREATE CONSTRAINT TRIGGER operations_wake_dispatchers AFTER INSERT ON outbox.operations DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION outbox.wake_dispatchers();
+
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- table outbox.ordering_keys
+-- history: created by 0019_limits_schedule_and_key_locks
+
+CREATE TABLE outbox.ordering_keys (
+    tenant_id    text NOT NULL,
+    ordering_key text NOT NULL,
+    CONSTRAINT ordering_keys_pkey PRIMARY KEY (tenant_id, ordering_key)
+);
+
+COMMENT ON TABLE outbox.ordering_keys IS 'The lock of each ordering key: producers lock it at COMMIT, settlers try it (sql/0019).';
+
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- table outbox.ordering_modes
+-- history: created by 0015_ordering_keys
+
+CREATE TABLE outbox.ordering_modes (
+    operation_type text NOT NULL,
+    on_failure     text NOT NULL,
+    updated_at     timestamp with time zone DEFAULT now() NOT NULL,
+    updated_by     text NOT NULL,
+    CONSTRAINT ordering_modes_pkey PRIMARY KEY (operation_type),
+    CONSTRAINT ordering_modes_on_failure_check CHECK ((on_failure = ANY (ARRAY['block'::text, 'skip'::text])))
+);
+
+COMMENT ON TABLE outbox.ordering_modes IS 'Per operation type: block (default) or skip the later operations of an ordering key while an earlier one is quarantined or reconciling. Set with outbox.set_ordering_mode.';
+
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- table outbox.ordering_repairs
+-- history: created by 0015_ordering_keys; changed by 0019_limits_schedule_and_key_locks
+
+CREATE TABLE outbox.ordering_repairs (
+    tenant_id    text NOT NULL,
+    ordering_key text NOT NULL,
+    noted_at     timestamp with time zone DEFAULT now() NOT NULL
+);
+
+CREATE INDEX ordering_repairs_noted ON outbox.ordering_repairs USING btree (noted_at);
+
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- table outbox.ordering_turns
+-- history: created by 0019_limits_schedule_and_key_locks
+
+CREATE UNLOGGED TABLE outbox.ordering_turns (
+    xid          xid8 NOT NULL,
+    tenant_id    text NOT NULL,
+    ordering_key text NOT NULL,
+    CONSTRAINT ordering_turns_pkey PRIMARY KEY (xid, tenant_id, ordering_key)
+);
+
+COMMENT ON TABLE outbox.ordering_turns IS 'Ordering keys enqueued by transactions in progress; emptied by their COMMIT (take_turn).';
+
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- table outbox.provider_buckets
+-- history: created by 0016_provider_buckets
+
+CREATE TABLE outbox.provider_buckets (
+    provider    text NOT NULL,
+    rate        double precision NOT NULL,
+    burst       double precision NOT NULL,
+    tokens      double precision NOT NULL,
+    refilled_at timestamp with time zone NOT NULL,
+    taken       integer DEFAULT 0 NOT NULL,
+    CONSTRAINT provider_buckets_pkey PRIMARY KEY (provider),
+    CONSTRAINT provider_buckets_burst_check CHECK ((burst >= (1)::double precision)),
+    CONSTRAINT provider_buckets_rate_check CHECK ((rate > (0)::double precision))
+);
+
+COMMENT ON TABLE outbox.provider_buckets IS 'One token bucket per rate-limited provider, shared by every dispatcher (0016).';
+
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- table outbox.schema_migrations
+-- history: created by outbox migrate itself (outbox/db/migrations.py), before 0001
+
+CREATE TABLE outbox.schema_migrations (
+    version    integer NOT NULL,
+    name       text NOT NULL,
+    checksum   text NOT NULL,
+    applied_at timestamp with time zone DEFAULT now() NOT NULL,
+    applied_by text DEFAULT CURRENT_USER NOT NULL,
+    CONSTRAINT schema_migrations_pkey PRIMARY KEY (version)
+);
+
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- table outbox.waiting_dispatchers
+-- history: created by 0012_wake_only_idle_dispatchers
+
+CREATE UNLOGGED TABLE outbox.waiting_dispatchers (
+    worker  text NOT NULL,
+    seen_at timestamp with time zone DEFAULT now() NOT NULL,
+    CONSTRAINT waiting_dispatchers_pkey PRIMARY KEY (worker)
+);
+
+COMMENT ON TABLE outbox.waiting_dispatchers IS 'Dispatchers idle and LISTENing: producers notify only while one is here. Rows older than 10 minutes (a dispatcher that died waiting) are ignored; dispatchers refresh theirs.';
+
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.audit_is_append_only()
+-- history: created by 0003_audit; changed by 0011_security_definer
+-- fired by trigger audit_append_only ON outbox.audit
+
+CREATE OR REPLACE FUNCTION outbox.audit_is_append_only()
+ RETURNS trigger
+ LANGUAGE plpgsql
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+BEGIN
+    RAISE EXCEPTION 'outbox.audit is append-only: rows are never updated'
+        USING ERRCODE = 'OB003', TABLE = 'audit', SCHEMA = 'outbox';
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.audit_is_kept()
+-- history: created by 0009_review_fixes; changed by 0011_security_definer
+-- fired by trigger audit_no_delete ON outbox.audit
+-- fired by trigger audit_no_truncate ON outbox.audit
+
+CREATE OR REPLACE FUNCTION outbox.audit_is_kept()
+ RETURNS trigger
+ LANGUAGE plpgsql
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+BEGIN
+    RAISE EXCEPTION 'outbox.audit keeps every row: % is refused', TG_OP
+        USING ERRCODE = 'OB003', TABLE = 'audit', SCHEMA = 'outbox';
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.bound_tenant()
+-- history: created by 0011_security_definer
+
+CREATE OR REPLACE FUNCTION outbox.bound_tenant()
+ RETURNS text
+ LANGUAGE sql
+ STABLE
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+    SELECT nullif(current_setting('outbox.tenant_id', true), '')
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.cancel_operation(bigint,text,text)
+-- history: created by 0005_operator; changed by 0011_security_definer
+
+CREATE OR REPLACE FUNCTION outbox.cancel_operation(operation_id bigint, reason text, actor text)
+ RETURNS text
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+DECLARE
+    op outbox.operations;
+BEGIN
+    PERFORM outbox.require_reason(actor, reason);
+    op := outbox.lock_for_action(operation_id, 'cancel', ARRAY['reconciling', 'quarantined']);
+    UPDATE outbox.operations o
+    SET status = 'cancelled', status_reason = 'cancelled by operator', updated_at = now(),
+        status_changed_at = now(), finished_at = now()
+    WHERE o.id = op.id;
+    PERFORM outbox.write_audit(op, actor, 'cancel', reason, 'cancelled', '{}'::jsonb);
+    RETURN 'cancelled';
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.cancel_when_attempt_ends()
+-- history: created by 0019_limits_schedule_and_key_locks
+-- fired by trigger operations_cancel_when_attempt_ends ON outbox.operations
+
+CREATE OR REPLACE FUNCTION outbox.cancel_when_attempt_ends()
+ RETURNS trigger
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+BEGIN
+    IF NEW.status = 'succeeded' THEN
+        PERFORM outbox.write_audit(OLD, 'outbox', 'cancel_not_applied',
+            'the attempt under way when the cancel was requested succeeded', 'succeeded',
+            jsonb_build_object('requested_at', OLD.cancel_requested_at));
+        RETURN NEW;
+    END IF;
+    IF NEW.first_sent_at IS NOT NULL THEN
+        PERFORM outbox.write_audit(OLD, 'outbox', 'cancel_to_reconciliation',
+            'cancel requested while the operation was in flight; its attempts may have reached '
+            'the provider, so reconciliation decides', 'reconciling',
+            jsonb_build_object('requested_at', OLD.cancel_requested_at,
+                               'instead_of', NEW.status));
+        NEW.status := 'reconciling';
+        NEW.status_reason := 'cancel_requested';
+        NEW.scheduled := false;
+        NEW.finished_at := NULL;
+        RETURN NEW;
+    END IF;
+    PERFORM outbox.write_audit(OLD, 'outbox', 'cancel',
+        'cancel requested while the operation was in flight; applied when its attempt ended',
+        'cancelled', jsonb_build_object('requested_at', OLD.cancel_requested_at,
+                                        'instead_of', NEW.status));
+    NEW.status := 'cancelled';
+    NEW.status_reason := 'cancelled by operator';
+    NEW.scheduled := false;
+    NEW.finished_at := now();
+    RETURN NEW;
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.check_text(text,text,integer,boolean)
+-- history: created by 0004_enqueue; changed by 0011_security_definer,
+--     0028_identities_refuse_format_characters
+
+CREATE OR REPLACE FUNCTION outbox.check_text(field text, value text, max_length integer, required boolean DEFAULT true)
+ RETURNS void
+ LANGUAGE plpgsql
+ IMMUTABLE
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+DECLARE
+    v_bad text;
+    v_hex text;
+BEGIN
+    IF value IS NULL THEN
+        IF required THEN
+            RAISE EXCEPTION '% is required', field USING ERRCODE = 'OB002', COLUMN = field;
+        END IF;
+        RETURN;
+    END IF;
+    IF btrim(value) = '' THEN
+        RAISE EXCEPTION '% must not be empty', field USING ERRCODE = 'OB002', COLUMN = field;
+    END IF;
+    IF char_length(value) > max_length THEN
+        RAISE EXCEPTION '% is % characters long; at most % are allowed',
+            field, char_length(value), max_length
+            USING ERRCODE = 'OB002', COLUMN = field;
+    END IF;
+    -- Identities end up in log lines, HTTP headers and operators' terminals. The class is
+    -- Cc, Cf, Zl and Zp (above); enqueue's usual path matches the very same one.
+    v_bad := substring(value from '[\u0001-\u001f\u007f-\u009f\u00ad\u0600-\u0605\u061c\u06dd\u070f\u0890\u0891\u08e2\u180e\u200b-\u200f\u2028-\u202e\u2060-\u2064\u2066-\u206f\ufeff\ufff9-\ufffb\U000110bd\U000110cd\U00013430-\U0001343f\U0001bca0-\U0001bca3\U0001d173-\U0001d17a\U000e0001\U000e0020-\U000e007f]');
+    IF v_bad IS NOT NULL THEN
+        v_hex := upper(to_hex(ascii(v_bad)));
+        RAISE EXCEPTION '% must not contain control characters (U+% at character %)',
+            field, lpad(v_hex, greatest(4, length(v_hex)), '0'), strpos(value, v_bad)
+            USING ERRCODE = 'OB002', COLUMN = field,
+                  HINT = 'control, format (bidi, zero-width) and line or paragraph separator '
+                         'characters are refused';
+    END IF;
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.claim_checks(text[],interval,integer)
+-- history: created by 0013_claim_checks; changed by 0022_lookups_cover_every_generation,
+--     0023_lookups_say_what_they_searched
+
+CREATE OR REPLACE FUNCTION outbox.claim_checks(providers text[], recheck_after interval, max_rows integer)
+ RETURNS TABLE(id bigint, provider text, action text, idempotency_key text, key_generation integer, attempts integer, first_sent_at timestamp with time zone, last_attempt_at timestamp with time zone, keys text[], payload text, search_until timestamp with time zone, checked_now timestamp with time zone, api_version text, sent_scope text)
+ LANGUAGE sql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+    WITH due AS MATERIALIZED (
+        SELECT o.id, o.checked_at AS checked_before
+        FROM outbox.operations o
+        WHERE o.status = 'reconciling'
+          AND o.provider = ANY (claim_checks.providers)
+          AND (o.checked_at IS NULL OR o.checked_at < now() - claim_checks.recheck_after)
+        ORDER BY o.status_changed_at, o.id
+        LIMIT claim_checks.max_rows
+        FOR UPDATE SKIP LOCKED
+    )
+    UPDATE outbox.operations o SET checked_at = now()
+    FROM due
+    WHERE o.id = due.id
+    RETURNING o.id, o.provider, o.action, o.idempotency_key, o.key_generation, o.attempts,
+              least(coalesce(o.first_sent_at, o.created_at),
+                    (SELECT min(a.started_at) FROM outbox.attempts a
+                     WHERE a.operation_id = o.id AND a.sent)),
+              coalesce(o.last_attempt_at, o.created_at),
+              ARRAY(SELECT k FROM (SELECT a.idempotency_key FROM outbox.attempts a
+                                   WHERE a.operation_id = o.id AND a.sent
+                                   UNION SELECT o.idempotency_key) AS ks (k) ORDER BY k),
+              o.payload::text,
+              -- least() would take now() for a NULL: never checked, the last attempt it is.
+              greatest(coalesce(o.last_attempt_at, o.created_at),
+                       CASE WHEN due.checked_before IS NOT NULL
+                            THEN least(due.checked_before, now()) END),
+              now(), o.api_version, o.sent_scope
+$function$;
+COMMENT ON FUNCTION outbox.claim_checks(text[],interval,integer) IS 'Reconciling operations due for a provider lookup, marked checked as they are taken (SKIP LOCKED): one replica per check. With every key that may have reached the provider and the window to search.';
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.defer_check(bigint,interval,interval)
+-- history: created by 0013_claim_checks
+
+CREATE OR REPLACE FUNCTION outbox.defer_check(operation_id bigint, recheck_after interval, retry_in interval)
+ RETURNS void
+ LANGUAGE sql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+    UPDATE outbox.operations o
+    SET checked_at = now() - defer_check.recheck_after + defer_check.retry_in
+    WHERE o.id = defer_check.operation_id AND o.status = 'reconciling';
+$function$;
+COMMENT ON FUNCTION outbox.defer_check(bigint,interval,interval) IS 'After a failed lookup: the operation is due for another check after retry_in.';
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.defer_check(bigint,interval,interval,integer,integer)
+-- history: created by 0020_fenced_defer_check
+
+CREATE OR REPLACE FUNCTION outbox.defer_check(operation_id bigint, recheck_after interval, retry_in interval, expected_generation integer, expected_attempts integer)
+ RETURNS boolean
+ LANGUAGE sql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+    WITH deferred AS (
+        UPDATE outbox.operations o
+        SET checked_at = now() - defer_check.recheck_after + defer_check.retry_in
+        WHERE o.id = defer_check.operation_id AND o.status = 'reconciling'
+          AND o.key_generation = defer_check.expected_generation
+          AND o.attempts = defer_check.expected_attempts
+        RETURNING 1
+    )
+    SELECT EXISTS (SELECT FROM deferred)
+$function$;
+COMMENT ON FUNCTION outbox.defer_check(bigint,interval,interval,integer,integer) IS 'After a failed lookup: the operation is due for another check after retry_in, if it is still in the episode the check was taken in (then true).';
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.derive_idempotency_key(text,text,text)
+-- history: created by 0004_enqueue; changed by 0011_security_definer
+
+CREATE OR REPLACE FUNCTION outbox.derive_idempotency_key(tenant_id text, operation_type text, operation_key text)
+ RETURNS text
+ LANGUAGE sql
+ IMMUTABLE PARALLEL SAFE STRICT
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+    SELECT 'ob1_' || encode(sha256(convert_to(
+        jsonb_build_array(tenant_id, operation_type, operation_key)::text, 'UTF8')), 'hex')
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.enqueue(text,text,text,text,text,jsonb,text,text,timestamp with time zone,integer,text,text)
+-- history: created by 0015_ordering_keys; changed by 0017_cheaper_enqueue,
+--     0019_limits_schedule_and_key_locks, 0024_keys_name_one_operation, 0026_enqueue_allow_lists,
+--     0028_identities_refuse_format_characters
+
+CREATE OR REPLACE FUNCTION outbox.enqueue(tenant_id text, operation_type text, operation_key text, provider text, action text, payload jsonb, correlation_id text DEFAULT NULL::text, idempotency_key text DEFAULT NULL::text, available_at timestamp with time zone DEFAULT NULL::timestamp with time zone, max_attempts integer DEFAULT NULL::integer, traceparent text DEFAULT NULL::text, ordering_key text DEFAULT NULL::text)
+ RETURNS TABLE(operation_id bigint, outcome text)
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+#variable_conflict use_variable
+DECLARE
+    v_payload_text text;
+    v_bytes        integer;
+    v_max_bytes    integer;
+    v_available_at timestamptz;
+    v_fingerprint  bytea;
+    v_id           bigint;
+    v_existing     bytea;
+    v_isolated     boolean;
+    v_key          text;
+    v_holder       outbox.operations;
+BEGIN
+    -- The tenant check (require_tenant, 0011), as in 0017.
+    IF nullif(current_setting('outbox.tenant_id', true), '') IS DISTINCT FROM tenant_id
+       AND btrim(tenant_id) <> '' THEN
+        SELECT c.relrowsecurity INTO v_isolated FROM pg_catalog.pg_class c
+        WHERE c.oid = 'outbox.operations'::regclass;
+        IF v_isolated THEN
+            PERFORM outbox.require_tenant(tenant_id);  -- raises its 42501
+        END IF;
+    END IF;
+
+    -- check_text's conditions on every text field at once, as in 0017; the characters no
+    -- identity may hold (check_text, above) by one match over all seven fields together.
+    IF (    tenant_id IS NOT NULL AND btrim(tenant_id) <> '' AND char_length(tenant_id) <= 128
+        AND operation_type IS NOT NULL AND btrim(operation_type) <> ''
+            AND char_length(operation_type) <= 128
+        AND operation_key IS NOT NULL AND btrim(operation_key) <> ''
+            AND char_length(operation_key) <= 255
+        AND provider IS NOT NULL AND btrim(provider) <> '' AND char_length(provider) <= 64
+        AND action IS NOT NULL AND btrim(action) <> '' AND char_length(action) <= 128
+        AND (correlation_id IS NULL
+             OR (btrim(correlation_id) <> '' AND char_length(correlation_id) <= 255))
+        AND (ordering_key IS NULL
+             OR (btrim(ordering_key) <> '' AND char_length(ordering_key) <= 255))
+        AND (tenant_id || operation_type || operation_key || provider || action
+             || coalesce(correlation_id, '') || coalesce(ordering_key, ''))
+            !~ '[\u0001-\u001f\u007f-\u009f\u00ad\u0600-\u0605\u061c\u06dd\u070f\u0890\u0891\u08e2\u180e\u200b-\u200f\u2028-\u202e\u2060-\u2064\u2066-\u206f\ufeff\ufff9-\ufffb\U000110bd\U000110cd\U00013430-\U0001343f\U0001bca0-\U0001bca3\U0001d173-\U0001d17a\U000e0001\U000e0020-\U000e007f]'
+       ) IS NOT TRUE THEN
+        PERFORM outbox.check_text('tenant_id', tenant_id, 128);
+        PERFORM outbox.check_text('operation_type', operation_type, 128);
+        PERFORM outbox.check_text('operation_key', operation_key, 255);
+        PERFORM outbox.check_text('provider', provider, 64);
+        PERFORM outbox.check_text('action', action, 128);
+        PERFORM outbox.check_text('correlation_id', correlation_id, 255, false);
+        PERFORM outbox.check_text('ordering_key', ordering_key, 255, false);
+    END IF;
+
+    IF payload IS NULL THEN
+        RAISE EXCEPTION 'payload is required' USING ERRCODE = 'OB002', COLUMN = 'payload';
+    END IF;
+    IF jsonb_typeof(payload) <> 'object' THEN
+        RAISE EXCEPTION 'payload must be a JSON object, not %', jsonb_typeof(payload)
+            USING ERRCODE = 'OB002', COLUMN = 'payload';
+    END IF;
+    v_payload_text := payload::text;
+    v_bytes := octet_length(v_payload_text);
+    -- outbox.limits is read only for a payload over the least limit it can hold (4 KiB).
+    IF v_bytes > 4096 THEN
+        SELECT l.max_payload_bytes INTO v_max_bytes FROM outbox.limits l;
+        v_max_bytes := coalesce(v_max_bytes, 1048576);  -- the row deleted: the default
+        IF v_bytes > v_max_bytes THEN
+            RAISE EXCEPTION 'payload is % bytes of JSON; at most % are allowed',
+                v_bytes, v_max_bytes
+                USING ERRCODE = 'OB002', COLUMN = 'payload',
+                      HINT = 'the limit is outbox.limits.max_payload_bytes, set by the owner '
+                             'of the outbox schema';
+        END IF;
+    END IF;
+    -- What the dispatcher could not carry (outbox/payloads.py): first the depth, so that the
+    -- number check never walks a document nested absurdly deep.
+    IF jsonb_path_exists(payload,
+                         'strict $.**{64} ? (@.type() == "object" || @.type() == "array")') THEN
+        RAISE EXCEPTION 'payload nests objects and arrays deeper than 64 levels'
+            USING ERRCODE = 'OB002', COLUMN = 'payload';
+    END IF;
+    IF jsonb_path_exists(payload,
+                         'strict $.** ? (@.type() == "number" && (@ >= 1e100 || @ <= -1e100))')
+    THEN
+        RAISE EXCEPTION 'payload holds a number of 1e100 or more in magnitude; at most 100 '
+                        'digits before the decimal point are allowed'
+            USING ERRCODE = 'OB002', COLUMN = 'payload',
+                  HINT = 'send such a value as a string';
+    END IF;
+    -- Visible ASCII only: the key travels in an HTTP header and Stripe allows 255 characters.
+    IF idempotency_key IS NOT NULL AND idempotency_key !~ '^[!-~]{1,255}$' THEN
+        RAISE EXCEPTION 'idempotency_key must be 1 to 255 visible ASCII characters without spaces'
+            USING ERRCODE = 'OB002', COLUMN = 'idempotency_key';
+    END IF;
+    -- outbox's own keys: derived ones (ob1_ and a hash anyone can compute of an identity), and
+    -- the later generations of any key (:r2...). A caller taking one would occupy the key of
+    -- an operation not enqueued yet, or of a reconcile retry.
+    IF idempotency_key LIKE 'ob1\_%' OR idempotency_key ~ ':r[0-9]+$' THEN
+        RAISE EXCEPTION 'idempotency_key may not begin with ob1_ or end with :r and a number: '
+                        'outbox keeps those forms for the keys it makes'
+            USING ERRCODE = 'OB002', COLUMN = 'idempotency_key';
+    END IF;
+    v_key := coalesce(idempotency_key,
+                      'ob1_' || encode(sha256(convert_to(
+                          jsonb_build_array(tenant_id, operation_type, operation_key)::text,
+                          'UTF8')), 'hex'));
+    IF max_attempts IS NOT NULL AND max_attempts < 1 THEN
+        RAISE EXCEPTION 'max_attempts must be at least 1, not %', max_attempts
+            USING ERRCODE = 'OB002', COLUMN = 'max_attempts';
+    END IF;
+    IF max_attempts > 1000 THEN
+        RAISE EXCEPTION 'max_attempts may be at most 1000, not %', max_attempts
+            USING ERRCODE = 'OB002', COLUMN = 'max_attempts';
+    END IF;
+    IF available_at IS NOT NULL
+       AND (NOT isfinite(available_at) OR available_at > now() + interval '10 years') THEN
+        RAISE EXCEPTION 'available_at must be a finite time at most 10 years ahead, not %',
+            available_at
+            USING ERRCODE = 'OB002', COLUMN = 'available_at';
+    END IF;
+    v_available_at := greatest(coalesce(available_at, now()), now());
+    IF traceparent IS NOT NULL
+       AND traceparent !~ '^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$' THEN
+        RAISE EXCEPTION 'traceparent must be a W3C trace context header value'
+            USING ERRCODE = 'OB002', COLUMN = 'traceparent';
+    END IF;
+
+    -- What this tenant may enqueue, where an operator said so (enqueue_allowances).
+    IF EXISTS (SELECT FROM outbox.enqueue_allowances) THEN
+        PERFORM outbox.require_allowance(tenant_id, provider, action);
+    END IF;
+
+    v_fingerprint := sha256(convert_to(provider || E'\n' || action || E'\n' || v_payload_text
+                                       || coalesce(E'\n' || ordering_key, ''), 'UTF8'));
+
+    LOOP
+        INSERT INTO outbox.operations AS o (
+            tenant_id, operation_type, operation_key, fingerprint, provider, action, payload,
+            idempotency_key, correlation_id, traceparent, max_attempts, available_at,
+            scheduled, payload_bytes, ordering_key, ordering_blocked
+        ) VALUES (
+            tenant_id, operation_type, operation_key, v_fingerprint, provider, action, payload,
+            v_key,
+            correlation_id, traceparent, max_attempts, v_available_at,
+            -- Not due yet: out of the claim index until a dispatcher stages it.
+            v_available_at > now(), v_bytes,
+            ordering_key, ordering_key IS NOT NULL
+        )
+        -- The identity, or the provider's key (operations_provider_key): either conflict.
+        ON CONFLICT DO NOTHING
+        RETURNING o.id INTO v_id;
+
+        IF v_id IS NOT NULL THEN
+            IF ordering_key IS NOT NULL THEN
+                -- Its turn is taken at COMMIT, with this transaction's other keys (take_turn).
+                INSERT INTO outbox.ordering_turns AS t (xid, tenant_id, ordering_key)
+                VALUES (pg_current_xact_id(), tenant_id, ordering_key) ON CONFLICT DO NOTHING;
+            END IF;
+            operation_id := v_id;
+            outcome := 'accepted';
+            RETURN NEXT;
+            RETURN;
+        END IF;
+
+        SELECT o.id, o.fingerprint INTO v_id, v_existing
+        FROM outbox.operations o
+        WHERE o.tenant_id = tenant_id
+          AND o.operation_type = operation_type
+          AND o.operation_key = operation_key;
+
+        IF v_id IS NOT NULL THEN
+            IF v_existing <> v_fingerprint THEN
+                RAISE EXCEPTION 'operation %/%/% already exists with another provider, action or payload',
+                    tenant_id, operation_type, operation_key
+                    USING ERRCODE = 'OB001',
+                          DETAIL = format('existing operation id: %s', v_id),
+                          HINT = 'a different intent needs its own operation_key';
+            END IF;
+            operation_id := v_id;
+            outcome := 'duplicate';
+            RETURN NEXT;
+            RETURN;
+        END IF;
+
+        -- Not this identity: its key names another operation at the provider, whose answers
+        -- this one would be given (or refused with). Its id only to the same tenant.
+        SELECT * INTO v_holder FROM outbox.operations o
+        WHERE o.provider = provider AND o.idempotency_key = v_key AND NOT o.key_shared;
+        IF v_holder.id IS NOT NULL THEN
+            RAISE EXCEPTION 'idempotency_key % already names another operation of provider %',
+                v_key, provider
+                USING ERRCODE = 'OB001', COLUMN = 'idempotency_key',
+                      DETAIL = CASE WHEN v_holder.tenant_id = tenant_id
+                                    THEN format('existing operation id: %s', v_holder.id)
+                                    ELSE 'it belongs to another tenant' END,
+                      HINT = 'a key is sent to the provider as it is: each operation needs its own';
+        END IF;
+    END LOOP;
+END;
+$function$;
+COMMENT ON FUNCTION outbox.enqueue(text,text,text,text,text,jsonb,text,text,timestamp with time zone,integer,text,text) IS 'Records an operation in the caller''s transaction: accepted (new) or duplicate; SQLSTATE OB001 on conflict, OB002 on invalid input, 42501 for another tenant than the bound one. Operations with the same ordering_key (per tenant) are sent one at a time, in enqueue order.';
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.get_operation(text,text,text)
+-- history: created by 0004_enqueue; changed by 0011_security_definer
+
+CREATE OR REPLACE FUNCTION outbox.get_operation(tenant_id text, operation_type text, operation_key text)
+ RETURNS TABLE(operation_id bigint, tenant_id text, operation_type text, operation_key text, provider text, action text, status text, status_reason text, attempts integer, provider_ref text, result jsonb, last_error text, last_error_class text, idempotency_key text, correlation_id text, created_at timestamp with time zone, updated_at timestamp with time zone, available_at timestamp with time zone, finished_at timestamp with time zone)
+ LANGUAGE sql
+ STABLE SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+    SELECT outbox.require_tenant(get_operation.tenant_id);
+    SELECT o.id, o.tenant_id, o.operation_type, o.operation_key, o.provider, o.action, o.status,
+           o.status_reason, o.attempts, o.provider_ref, o.result, o.last_error, o.last_error_class,
+           o.idempotency_key, o.correlation_id, o.created_at, o.updated_at, o.available_at,
+           o.finished_at
+    FROM outbox.operations o
+    WHERE o.tenant_id = get_operation.tenant_id
+      AND o.operation_type = get_operation.operation_type
+      AND o.operation_key = get_operation.operation_key
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.key_for_generation(text,integer)
+-- history: created by 0005_operator; changed by 0011_security_definer
+
+CREATE OR REPLACE FUNCTION outbox.key_for_generation(first_key text, generation integer)
+ RETURNS text
+ LANGUAGE sql
+ IMMUTABLE STRICT
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+    SELECT CASE
+        WHEN generation = 1 THEN first_key
+        WHEN octet_length(first_key) + octet_length(':r' || generation) <= 255
+            THEN first_key || ':r' || generation
+        -- Too long for Stripe's 255 characters with a suffix: a hash of it, still deterministic.
+        ELSE 'ob1_' || encode(sha256(convert_to(first_key, 'UTF8')), 'hex') || ':r' || generation
+    END
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.lock_for_action(bigint,text,text[])
+-- history: created by 0005_operator; changed by 0011_security_definer
+
+CREATE OR REPLACE FUNCTION outbox.lock_for_action(operation_id bigint, action text, allowed text[])
+ RETURNS outbox.operations
+ LANGUAGE plpgsql
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+DECLARE
+    op outbox.operations;
+BEGIN
+    SELECT * INTO op FROM outbox.operations o WHERE o.id = lock_for_action.operation_id FOR UPDATE;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'no operation with id %', lock_for_action.operation_id
+            USING ERRCODE = 'no_data_found';
+    END IF;
+    IF NOT op.status = ANY (allowed) THEN
+        RAISE EXCEPTION '% applies to % operations; operation % is %',
+            action, array_to_string(allowed, ' or '), op.id, op.status
+            USING ERRCODE = 'OB004';
+    END IF;
+    RETURN op;
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.lock_ordering_key(text,text)
+-- history: created by 0019_limits_schedule_and_key_locks
+
+CREATE OR REPLACE FUNCTION outbox.lock_ordering_key(tenant_id text, ordering_key text)
+ RETURNS void
+ LANGUAGE plpgsql
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+#variable_conflict use_variable
+BEGIN
+    LOOP
+        PERFORM 1 FROM outbox.ordering_keys k
+        WHERE k.tenant_id = tenant_id AND k.ordering_key = ordering_key FOR UPDATE;
+        EXIT WHEN FOUND;
+        -- A new key, or one pruned a moment ago. Inserted: ours until we commit. Inserted by
+        -- another transaction meanwhile: locked on the next round.
+        INSERT INTO outbox.ordering_keys AS k (tenant_id, ordering_key)
+        VALUES (tenant_id, ordering_key) ON CONFLICT DO NOTHING;
+        EXIT WHEN FOUND;
+    END LOOP;
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.next_generation_key(text,integer)
+-- history: created by 0010_immutable_operations; changed by 0011_security_definer
+
+CREATE OR REPLACE FUNCTION outbox.next_generation_key(current_key text, generation integer)
+ RETURNS text
+ LANGUAGE sql
+ IMMUTABLE STRICT
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+    SELECT outbox.key_for_generation(
+        CASE WHEN generation = 1 THEN current_key
+             ELSE left(current_key, length(current_key) - length(':r' || generation)) END,
+        generation + 1)
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.operations_keep_immutable()
+-- history: created by 0010_immutable_operations; changed by 0011_security_definer,
+--     0015_ordering_keys
+-- fired by trigger operations_immutable ON outbox.operations
+
+CREATE OR REPLACE FUNCTION outbox.operations_keep_immutable()
+ RETURNS trigger
+ LANGUAGE plpgsql
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+DECLARE
+    changed text;
+BEGIN
+    changed := CASE
+        WHEN NEW.tenant_id IS DISTINCT FROM OLD.tenant_id THEN 'tenant_id'
+        WHEN NEW.operation_type IS DISTINCT FROM OLD.operation_type THEN 'operation_type'
+        WHEN NEW.operation_key IS DISTINCT FROM OLD.operation_key THEN 'operation_key'
+        WHEN NEW.provider IS DISTINCT FROM OLD.provider THEN 'provider'
+        WHEN NEW.action IS DISTINCT FROM OLD.action THEN 'action'
+        WHEN NEW.payload IS DISTINCT FROM OLD.payload THEN 'payload'
+        WHEN NEW.fingerprint IS DISTINCT FROM OLD.fingerprint THEN 'fingerprint'
+        WHEN NEW.ordering_key IS DISTINCT FROM OLD.ordering_key THEN 'ordering_key'
+    END;
+    IF changed IS NULL
+       AND (NEW.idempotency_key IS DISTINCT FROM OLD.idempotency_key
+            OR NEW.key_generation IS DISTINCT FROM OLD.key_generation)
+       AND NOT (OLD.status = 'reconciling' AND NEW.status = 'pending'
+                AND NEW.key_generation = OLD.key_generation + 1
+                AND NEW.idempotency_key
+                    = outbox.next_generation_key(OLD.idempotency_key, OLD.key_generation)) THEN
+        changed := CASE WHEN NEW.idempotency_key IS DISTINCT FROM OLD.idempotency_key
+                        THEN 'idempotency_key' ELSE 'key_generation' END;
+    END IF;
+    IF changed IS NOT NULL THEN
+        RAISE EXCEPTION 'operation %: % never changes after enqueue', OLD.id, changed
+            USING ERRCODE = 'OB005', COLUMN = changed, TABLE = 'operations', SCHEMA = 'outbox',
+                  HINT = 'a different request is a new operation; only `outbox reconcile retry` '
+                         'moves the idempotency key to its next generation';
+    END IF;
+    RETURN NEW;
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.ordering_has_head(text,text,bigint)
+-- history: created by 0015_ordering_keys
+
+CREATE OR REPLACE FUNCTION outbox.ordering_has_head(tenant_id text, ordering_key text, except_id bigint)
+ RETURNS boolean
+ LANGUAGE sql
+ STABLE
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+    SELECT EXISTS (
+        SELECT 1 FROM outbox.operations o
+        WHERE o.tenant_id = ordering_has_head.tenant_id
+          AND o.ordering_key = ordering_has_head.ordering_key
+          AND NOT o.ordering_blocked
+          AND o.status IN ('pending', 'in_flight', 'quarantined', 'reconciling')
+          AND o.id <> ordering_has_head.except_id
+          AND (o.status IN ('pending', 'in_flight')
+               OR outbox.ordering_mode(o.operation_type) = 'block'))
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.ordering_mode(text)
+-- history: created by 0015_ordering_keys
+
+CREATE OR REPLACE FUNCTION outbox.ordering_mode(operation_type text)
+ RETURNS text
+ LANGUAGE sql
+ STABLE
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+    SELECT coalesce((SELECT m.on_failure FROM outbox.ordering_modes m
+                     WHERE m.operation_type = ordering_mode.operation_type), 'block')
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.pass_turn()
+-- history: created by 0015_ordering_keys; changed by 0019_limits_schedule_and_key_locks
+-- fired by trigger operations_pass_turn ON outbox.operations
+
+CREATE OR REPLACE FUNCTION outbox.pass_turn()
+ RETURNS trigger
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+BEGIN
+    IF OLD.ordering_blocked
+       OR (NEW.status IN ('quarantined', 'reconciling')
+           AND outbox.ordering_mode(NEW.operation_type) = 'block') THEN
+        RETURN NULL;  -- it was not the head, or it still is
+    END IF;
+    IF outbox.try_lock_ordering_key(NEW.tenant_id, NEW.ordering_key) THEN
+        PERFORM outbox.promote_next(NEW.tenant_id, NEW.ordering_key);
+    ELSE
+        INSERT INTO outbox.ordering_repairs (tenant_id, ordering_key)
+        VALUES (NEW.tenant_id, NEW.ordering_key);
+    END IF;
+    RETURN NULL;
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.promote_next(text,text)
+-- history: created by 0015_ordering_keys
+
+CREATE OR REPLACE FUNCTION outbox.promote_next(tenant_id text, ordering_key text)
+ RETURNS bigint
+ LANGUAGE plpgsql
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+#variable_conflict use_variable
+DECLARE
+    v_next bigint;
+BEGIN
+    LOOP
+        IF outbox.ordering_has_head(tenant_id, ordering_key, 0) THEN
+            RETURN NULL;
+        END IF;
+        SELECT o.id INTO v_next FROM outbox.operations o
+        WHERE o.tenant_id = tenant_id AND o.ordering_key = ordering_key AND o.ordering_blocked
+        ORDER BY o.id LIMIT 1;
+        IF v_next IS NULL THEN
+            RETURN NULL;
+        END IF;
+        -- Re-checked under the row lock; if it changed meanwhile, look again.
+        UPDATE outbox.operations o SET ordering_blocked = false, updated_at = now()
+        WHERE o.id = v_next AND o.ordering_blocked AND o.status = 'pending';
+        IF FOUND THEN
+            -- An idle dispatcher would otherwise find it only at its next poll (see 0012).
+            IF EXISTS (SELECT 1 FROM outbox.waiting_dispatchers
+                       WHERE seen_at > now() - interval '10 minutes') THEN
+                PERFORM pg_notify('outbox_enqueue', '');
+            END IF;
+            RETURN v_next;
+        END IF;
+    END LOOP;
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.record_check(bigint,text,text,jsonb)
+-- history: created by 0005_operator; changed by 0006_check_audit, 0011_security_definer
+
+CREATE OR REPLACE FUNCTION outbox.record_check(operation_id bigint, found_ref text, actor text, details jsonb DEFAULT '{}'::jsonb)
+ RETURNS text
+ LANGUAGE plpgsql
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+DECLARE
+    op outbox.operations;
+BEGIN
+    op := outbox.lock_for_action(operation_id, 'check', ARRAY['reconciling']);
+    IF found_ref IS NOT NULL THEN
+        UPDATE outbox.operations o
+        SET status = 'succeeded', provider_ref = found_ref, status_reason = NULL,
+            checked_at = now(), check_finding = 'found', updated_at = now(),
+            status_changed_at = now(), finished_at = now()
+        WHERE o.id = op.id;
+        PERFORM outbox.write_audit(op, actor, 'check', 'found at the provider', 'succeeded',
+                                   details || jsonb_build_object('provider_ref', found_ref));
+        RETURN 'succeeded';
+    END IF;
+    UPDATE outbox.operations o
+    SET checked_at = now(), check_finding = 'not_found', updated_at = now()
+    WHERE o.id = op.id;
+    IF op.check_finding IS DISTINCT FROM 'not_found' THEN
+        PERFORM outbox.write_audit(op, actor, 'check',
+                                   'not found at the provider as of ' || now()::text,
+                                   'reconciling', details);
+    END IF;
+    RETURN 'reconciling';
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.record_check(bigint,text,text,jsonb,integer,integer)
+-- history: created by 0009_review_fixes; changed by 0011_security_definer
+
+CREATE OR REPLACE FUNCTION outbox.record_check(operation_id bigint, found_ref text, actor text, details jsonb, expected_generation integer, expected_attempts integer)
+ RETURNS text
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+DECLARE
+    op outbox.operations;
+BEGIN
+    op := outbox.lock_for_action(operation_id, 'check', ARRAY['reconciling']);
+    IF op.key_generation <> expected_generation OR op.attempts <> expected_attempts THEN
+        RETURN 'stale';
+    END IF;
+    IF found_ref IS NOT NULL AND btrim(found_ref) = '' THEN
+        RAISE EXCEPTION 'a check that found the effect must give its reference' USING ERRCODE = 'OB004';
+    END IF;
+    RETURN outbox.record_check(operation_id, found_ref, actor, coalesce(details, '{}'::jsonb));
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.record_finding(bigint,text,text,text,text,jsonb,integer,integer)
+-- history: created by 0021_findings_carry_the_state; changed by 0023_lookups_say_what_they_searched
+
+CREATE OR REPLACE FUNCTION outbox.record_finding(operation_id bigint, finding text, found_ref text, state text, actor text, details jsonb, expected_generation integer, expected_attempts integer)
+ RETURNS text
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+DECLARE
+    op outbox.operations;
+    v_details jsonb := coalesce(details, '{}'::jsonb);
+    v_state text := left(state, 64);
+BEGIN
+    IF finding IS NULL OR finding NOT IN ('found', 'not_found', 'refused', 'undecided') THEN
+        RAISE EXCEPTION 'a finding is found, not_found, refused or undecided, not %',
+            coalesce(finding, 'NULL') USING ERRCODE = 'OB004';
+    END IF;
+    op := outbox.lock_for_action(operation_id, 'check', ARRAY['reconciling']);
+    IF op.key_generation <> expected_generation OR op.attempts <> expected_attempts THEN
+        RETURN 'stale';
+    END IF;
+    IF finding IN ('found', 'refused') AND (found_ref IS NULL OR btrim(found_ref) = '') THEN
+        RAISE EXCEPTION 'a check that found an object must give its reference'
+            USING ERRCODE = 'OB004';
+    END IF;
+    IF finding IN ('found', 'not_found') THEN
+        PERFORM outbox.record_check(operation_id, CASE WHEN finding = 'found' THEN found_ref END,
+                                    actor, v_details);
+        UPDATE outbox.operations o SET check_state = v_state, check_details = v_details
+        WHERE o.id = op.id;
+        RETURN CASE WHEN finding = 'found' THEN 'succeeded' ELSE 'reconciling' END;
+    END IF;
+    IF finding = 'refused' THEN
+        UPDATE outbox.operations o
+        SET status = 'quarantined', status_reason = 'provider_declined', provider_ref = found_ref,
+            checked_at = now(), check_finding = 'refused', check_state = v_state,
+            check_details = v_details,
+            -- As a permanent failure of the send path would say it: the class, and the
+            -- provider's own words with its codes (card_declined: generic_decline: ...).
+            last_error = left(concat_ws(': ', v_details->>'code', v_details->>'decline_code',
+                                        coalesce(v_details->>'message', 'refused by the provider'
+                                        )), 1000),
+            last_error_class = 'permanent',
+            updated_at = now(), status_changed_at = now()
+        WHERE o.id = op.id;
+        PERFORM outbox.write_audit(op, actor, 'check',
+                                   'found at the provider, refused: ' || coalesce(v_state, '?'),
+                                   'quarantined',
+                                   v_details || jsonb_build_object('provider_ref', found_ref,
+                                                                   'state', v_state));
+        RETURN 'quarantined';
+    END IF;
+    UPDATE outbox.operations o
+    SET checked_at = now(), check_finding = 'undecided', check_state = v_state,
+        check_details = v_details, updated_at = now()
+    WHERE o.id = op.id;
+    IF op.check_finding IS DISTINCT FROM 'undecided' OR op.check_state IS DISTINCT FROM v_state THEN
+        PERFORM outbox.write_audit(op, actor, 'check',
+                                   CASE WHEN found_ref IS NULL
+                                        THEN 'search incomplete, undecided: '
+                                             || coalesce(v_details->>'reason', '?')
+                                        ELSE 'found at the provider, undecided: '
+                                             || coalesce(v_state, '?') END,
+                                   'reconciling',
+                                   v_details || jsonb_build_object('provider_ref', found_ref,
+                                                                   'state', v_state));
+    END IF;
+    RETURN 'reconciling';
+END;
+$function$;
+COMMENT ON FUNCTION outbox.record_finding(bigint,text,text,text,text,jsonb,integer,integer) IS 'A reconciliation finding with the state of the object found: found (succeeded), refused (quarantined, provider_declined), undecided or not_found (still reconciling).';
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.rejoin_line()
+-- history: created by 0015_ordering_keys; changed by 0019_limits_schedule_and_key_locks
+-- fired by trigger operations_rejoin_line ON outbox.operations
+
+CREATE OR REPLACE FUNCTION outbox.rejoin_line()
+ RETURNS trigger
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+BEGIN
+    PERFORM outbox.lock_ordering_key(NEW.tenant_id, NEW.ordering_key);
+    NEW.ordering_blocked := outbox.ordering_has_head(NEW.tenant_id, NEW.ordering_key, NEW.id);
+    RETURN NEW;
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.repair_ordering_key(text,text)
+-- history: created by 0015_ordering_keys; changed by 0019_limits_schedule_and_key_locks
+
+CREATE OR REPLACE FUNCTION outbox.repair_ordering_key(tenant_id text, ordering_key text)
+ RETURNS bigint
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+#variable_conflict use_variable
+BEGIN
+    IF NOT outbox.try_lock_ordering_key(tenant_id, ordering_key) THEN
+        -- No row yet (the key's first operations came before 0019): make one, then try again.
+        INSERT INTO outbox.ordering_keys AS k (tenant_id, ordering_key)
+        VALUES (tenant_id, ordering_key) ON CONFLICT DO NOTHING;
+        IF NOT FOUND AND NOT outbox.try_lock_ordering_key(tenant_id, ordering_key) THEN
+            UPDATE outbox.ordering_repairs r SET noted_at = now()
+            WHERE r.tenant_id = tenant_id AND r.ordering_key = ordering_key;
+            RETURN NULL;
+        END IF;
+    END IF;
+    DELETE FROM outbox.ordering_repairs r
+    WHERE r.tenant_id = tenant_id AND r.ordering_key = ordering_key;
+    RETURN outbox.promote_next(tenant_id, ordering_key);
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.replay_operation(bigint,text,text)
+-- history: created by 0005_operator; changed by 0011_security_definer
+
+CREATE OR REPLACE FUNCTION outbox.replay_operation(operation_id bigint, reason text, actor text)
+ RETURNS text
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+DECLARE
+    op outbox.operations;
+BEGIN
+    PERFORM outbox.require_reason(actor, reason);
+    op := outbox.lock_for_action(operation_id, 'replay', ARRAY['quarantined']);
+    UPDATE outbox.operations o
+    SET status = 'pending', status_reason = NULL, attempt_base = o.attempts,
+        available_at = now(), updated_at = now(), status_changed_at = now()
+    WHERE o.id = op.id;
+    PERFORM outbox.write_audit(op, actor, 'replay', reason, 'pending', '{}'::jsonb);
+    RETURN 'pending';
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.request_cancel(bigint,text,text)
+-- history: created by 0019_limits_schedule_and_key_locks
+
+CREATE OR REPLACE FUNCTION outbox.request_cancel(operation_id bigint, reason text, actor text)
+ RETURNS text
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+DECLARE
+    op outbox.operations;
+BEGIN
+    PERFORM outbox.require_reason(actor, reason);
+    op := outbox.lock_for_action(operation_id, 'cancel',
+                                 ARRAY['pending', 'in_flight', 'reconciling', 'quarantined']);
+    IF op.status = 'in_flight' THEN
+        IF op.cancel_requested_at IS NULL THEN
+            UPDATE outbox.operations o SET cancel_requested_at = now(), updated_at = now()
+            WHERE o.id = op.id;
+        END IF;
+        PERFORM outbox.write_audit(op, actor, 'cancel_requested', reason, 'in_flight',
+                                   jsonb_build_object('attempt', op.attempts));
+        RETURN 'in_flight';
+    END IF;
+    IF op.status = 'pending' AND op.first_sent_at IS NOT NULL THEN
+        UPDATE outbox.operations o
+        SET status = 'reconciling', status_reason = 'cancel_requested', scheduled = false,
+            ordering_blocked = false, checked_at = NULL, check_finding = NULL,
+            updated_at = now(), status_changed_at = now()
+        WHERE o.id = op.id;
+        PERFORM outbox.write_audit(op, actor, 'cancel_requested', reason, 'reconciling',
+            jsonb_build_object('first_sent_at', op.first_sent_at));
+        RETURN 'reconciling';
+    END IF;
+    UPDATE outbox.operations o
+    SET status = 'cancelled', status_reason = 'cancelled by operator', scheduled = false,
+        ordering_blocked = false, updated_at = now(), status_changed_at = now(),
+        finished_at = now()
+    WHERE o.id = op.id;
+    PERFORM outbox.write_audit(op, actor, 'cancel', reason, 'cancelled', '{}'::jsonb);
+    RETURN 'cancelled';
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.request_reconciliation(bigint,text,text)
+-- history: created by 0007_request_reconciliation; changed by 0011_security_definer
+
+CREATE OR REPLACE FUNCTION outbox.request_reconciliation(operation_id bigint, reason text, actor text)
+ RETURNS text
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+DECLARE
+    op outbox.operations;
+BEGIN
+    PERFORM outbox.require_reason(actor, reason);
+    op := outbox.lock_for_action(operation_id, 'reconcile', ARRAY['quarantined']);
+    UPDATE outbox.operations o
+    SET status = 'reconciling', status_reason = 'operator_request', checked_at = NULL,
+        check_finding = NULL, updated_at = now(), status_changed_at = now()
+    WHERE o.id = op.id;
+    PERFORM outbox.write_audit(op, actor, 'reconcile', reason, 'reconciling', '{}'::jsonb);
+    RETURN 'reconciling';
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.require_allowance(text,text,text)
+-- history: created by 0026_enqueue_allow_lists
+
+CREATE OR REPLACE FUNCTION outbox.require_allowance(tenant_id text, provider text, action text)
+ RETURNS void
+ LANGUAGE plpgsql
+ STABLE
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+#variable_conflict use_variable
+BEGIN
+    IF EXISTS (SELECT FROM outbox.enqueue_allowances a
+               WHERE tenant_id LIKE a.tenant_pattern AND a.provider = provider
+                 AND (a.action = '*' OR a.action = action)) THEN
+        RETURN;
+    END IF;
+    IF NOT EXISTS (SELECT FROM outbox.enqueue_allowances a
+                   WHERE tenant_id LIKE a.tenant_pattern AND a.provider = provider) THEN
+        RAISE EXCEPTION 'tenant % may not enqueue to provider %', tenant_id, provider
+            USING ERRCODE = 'OB002', COLUMN = 'provider',
+                  HINT = 'the allow-list (outbox.enqueue_allowances) has no rule for it';
+    END IF;
+    RAISE EXCEPTION 'tenant % may not enqueue % to provider %', tenant_id, action, provider
+        USING ERRCODE = 'OB002', COLUMN = 'action',
+              HINT = 'the allow-list (outbox.enqueue_allowances) has no rule for it';
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.require_reason(text,text)
+-- history: created by 0005_operator; changed by 0011_security_definer,
+--     0025_an_audit_that_tells_the_truth
+
+CREATE OR REPLACE FUNCTION outbox.require_reason(actor text, reason text)
+ RETURNS void
+ LANGUAGE plpgsql
+ IMMUTABLE
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+BEGIN
+    IF actor IS NULL OR btrim(actor) = '' THEN
+        RAISE EXCEPTION 'an operator action needs an actor' USING ERRCODE = 'OB004';
+    END IF;
+    IF reason IS NULL OR btrim(reason) = '' THEN
+        RAISE EXCEPTION 'an operator action needs a reason' USING ERRCODE = 'OB004';
+    END IF;
+    IF char_length(actor) > 255 THEN
+        RAISE EXCEPTION 'the actor is % characters long; at most 255 are allowed',
+            char_length(actor) USING ERRCODE = 'OB004';
+    END IF;
+    IF char_length(reason) > 2000 THEN
+        RAISE EXCEPTION 'the reason is % characters long; at most 2000 are allowed',
+            char_length(reason) USING ERRCODE = 'OB004';
+    END IF;
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.require_tenant(text)
+-- history: created by 0011_security_definer
+
+CREATE OR REPLACE FUNCTION outbox.require_tenant(tenant_id text)
+ RETURNS void
+ LANGUAGE plpgsql
+ STABLE
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+DECLARE
+    bound text := outbox.bound_tenant();
+BEGIN
+    IF tenant_id IS NULL OR btrim(tenant_id) = ''
+       OR NOT (SELECT c.relrowsecurity FROM pg_catalog.pg_class c
+               WHERE c.oid = 'outbox.operations'::regclass) THEN
+        RETURN;  -- a missing or blank tenant_id is enqueue's OB002
+    END IF;
+    IF bound IS NULL THEN
+        RAISE EXCEPTION 'tenant isolation is on: bind this transaction to its tenant first'
+            USING ERRCODE = 'insufficient_privilege',
+                  HINT = 'SELECT set_config(''outbox.tenant_id'', <tenant>, true) in the same '
+                         'transaction, or outbox.bind_tenant(conn, tenant) in Python';
+    END IF;
+    IF bound <> tenant_id THEN
+        RAISE EXCEPTION 'this transaction is bound to tenant %: it may not act for tenant %',
+            bound, tenant_id
+            USING ERRCODE = 'insufficient_privilege';
+    END IF;
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.resolve_operation(bigint,text,text,text)
+-- history: created by 0005_operator; changed by 0011_security_definer
+
+CREATE OR REPLACE FUNCTION outbox.resolve_operation(operation_id bigint, provider_ref text, reason text, actor text)
+ RETURNS text
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+DECLARE
+    op outbox.operations;
+BEGIN
+    PERFORM outbox.require_reason(actor, reason);
+    IF provider_ref IS NULL OR btrim(provider_ref) = '' THEN
+        RAISE EXCEPTION 'resolve needs the provider''s reference of the effect' USING ERRCODE = 'OB004';
+    END IF;
+    op := outbox.lock_for_action(operation_id, 'resolve', ARRAY['reconciling', 'quarantined']);
+    UPDATE outbox.operations o
+    SET status = 'succeeded', provider_ref = resolve_operation.provider_ref, status_reason = NULL,
+        updated_at = now(), status_changed_at = now(), finished_at = now()
+    WHERE o.id = op.id;
+    PERFORM outbox.write_audit(op, actor, 'resolve', reason, 'succeeded',
+                               jsonb_build_object('provider_ref', provider_ref));
+    RETURN 'succeeded';
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.retry_operation(bigint,text,text,boolean)
+-- history: created by 0005_operator; changed by 0009_review_fixes, 0011_security_definer
+
+CREATE OR REPLACE FUNCTION outbox.retry_operation(operation_id bigint, reason text, actor text, force boolean DEFAULT false)
+ RETURNS text
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+DECLARE
+    op outbox.operations;
+    forced boolean := coalesce(force, false);
+    first_key text;
+    new_key text;
+BEGIN
+    PERFORM outbox.require_reason(actor, reason);
+    op := outbox.lock_for_action(operation_id, 'retry', ARRAY['reconciling']);
+    IF NOT forced AND op.check_finding IS DISTINCT FROM 'not_found' THEN
+        RAISE EXCEPTION 'operation % was not checked against the provider, or its effect was found; '
+                        'run `outbox reconcile check %` first, or retry with --force', op.id, op.id
+            USING ERRCODE = 'OB004';
+    END IF;
+    IF NOT forced AND op.checked_at < op.last_attempt_at + interval '30 seconds' THEN
+        RAISE EXCEPTION 'operation %: the last check came too soon after the last attempt to prove '
+                        'anything; run `outbox reconcile check %` again, or retry with --force',
+                        op.id, op.id
+            USING ERRCODE = 'OB004';
+    END IF;
+    first_key := CASE WHEN op.key_generation = 1 THEN op.idempotency_key
+                      ELSE left(op.idempotency_key,
+                                length(op.idempotency_key) - length(':r' || op.key_generation)) END;
+    new_key := outbox.key_for_generation(first_key, op.key_generation + 1);
+    UPDATE outbox.operations o
+    SET status = 'pending', status_reason = NULL, idempotency_key = new_key,
+        key_generation = o.key_generation + 1, first_sent_at = NULL, attempt_base = o.attempts,
+        available_at = now(), checked_at = NULL, check_finding = NULL, updated_at = now(),
+        status_changed_at = now()
+    WHERE o.id = op.id;
+    PERFORM outbox.write_audit(op, actor, 'retry', reason, 'pending', jsonb_build_object(
+        'previous_key', op.idempotency_key, 'new_key', new_key, 'forced', forced,
+        'key_generation', op.key_generation + 1));
+    RETURN 'pending';
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.schema_version()
+-- history: created by 0027_schema_version
+
+CREATE OR REPLACE FUNCTION outbox.schema_version()
+ RETURNS integer
+ LANGUAGE sql
+ STABLE SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+    SELECT max(version) FROM outbox.schema_migrations
+$function$;
+COMMENT ON FUNCTION outbox.schema_version() IS 'The newest migration applied: outbox run refuses to start on an older schema than its own.';
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.set_ordering_mode(text,text,text)
+-- history: created by 0015_ordering_keys; changed by 0019_limits_schedule_and_key_locks,
+--     0025_an_audit_that_tells_the_truth
+
+CREATE OR REPLACE FUNCTION outbox.set_ordering_mode(operation_type text, on_failure text, actor text)
+ RETURNS integer
+ LANGUAGE sql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+    SELECT outbox.set_ordering_mode(operation_type, on_failure, actor, NULL::text)
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.set_ordering_mode(text,text,text,text)
+-- history: created by 0025_an_audit_that_tells_the_truth
+
+CREATE OR REPLACE FUNCTION outbox.set_ordering_mode(operation_type text, on_failure text, actor text, reason text)
+ RETURNS integer
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+#variable_conflict use_variable
+DECLARE
+    v_key record;
+    v_promoted integer := 0;
+    v_before text;
+BEGIN
+    IF on_failure IS NULL OR on_failure NOT IN ('block', 'skip') THEN
+        RAISE EXCEPTION 'on_failure must be block or skip, not %', coalesce(on_failure, 'NULL')
+            USING ERRCODE = 'OB002', COLUMN = 'on_failure';
+    END IF;
+    PERFORM outbox.check_text('operation_type', operation_type, 128);
+    PERFORM outbox.check_text('actor', actor, 255);
+    PERFORM outbox.check_text('reason', reason, 2000, false);
+    SELECT m.on_failure INTO v_before FROM outbox.ordering_modes m
+    WHERE m.operation_type = operation_type;
+    INSERT INTO outbox.ordering_modes AS m (operation_type, on_failure, updated_by)
+    VALUES (operation_type, on_failure, actor)
+    ON CONFLICT ON CONSTRAINT ordering_modes_pkey
+    DO UPDATE SET on_failure = EXCLUDED.on_failure, updated_at = now(),
+                  updated_by = EXCLUDED.updated_by;
+    IF on_failure = 'skip' THEN
+        FOR v_key IN
+            SELECT DISTINCT o.tenant_id, o.ordering_key
+            FROM outbox.operations o
+            WHERE o.operation_type = operation_type AND o.ordering_key IS NOT NULL
+              AND NOT o.ordering_blocked AND o.status IN ('quarantined', 'reconciling')
+            ORDER BY o.tenant_id, o.ordering_key
+        LOOP
+            PERFORM outbox.lock_ordering_key(v_key.tenant_id, v_key.ordering_key);
+            IF outbox.promote_next(v_key.tenant_id, v_key.ordering_key) IS NOT NULL THEN
+                v_promoted := v_promoted + 1;
+            END IF;
+        END LOOP;
+    END IF;
+    INSERT INTO outbox.audit (operation_id, actor, action, reason, details, db_user)
+    VALUES (NULL, actor, 'ordering_mode',
+            coalesce(nullif(btrim(reason), ''), 'ordering set-mode, no reason given'),
+            jsonb_build_object('operation_type', operation_type, 'on_failure', on_failure,
+                               'before', coalesce(v_before, 'block'), 'keys_released', v_promoted,
+                               'db_user', session_user),
+            session_user);
+    RETURN v_promoted;
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.take_tokens(text,double precision,double precision,integer,integer)
+-- history: created by 0016_provider_buckets
+
+CREATE OR REPLACE FUNCTION outbox.take_tokens(provider text, rate double precision, burst double precision, wanted integer, returned integer)
+ RETURNS TABLE(granted integer, tokens double precision)
+ LANGUAGE sql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+    INSERT INTO outbox.provider_buckets AS b (provider, rate, burst, tokens, refilled_at, taken)
+    VALUES (take_tokens.provider, take_tokens.rate, take_tokens.burst, 0, now(), 0)
+    ON CONFLICT ON CONSTRAINT provider_buckets_pkey DO UPDATE
+    -- Every right-hand side reads the row as it was: `taken` and `tokens` agree on the level.
+    -- greatest(..., 0): a transaction that began before the last refill must not refill
+    -- backwards.
+    SET taken = greatest(0, least(take_tokens.wanted, floor(least(take_tokens.burst,
+                    b.tokens + take_tokens.returned + take_tokens.rate
+                    * greatest(extract(epoch FROM now() - b.refilled_at)::float8, 0)))))::integer,
+        tokens = least(take_tokens.burst,
+                    b.tokens + take_tokens.returned + take_tokens.rate
+                    * greatest(extract(epoch FROM now() - b.refilled_at)::float8, 0))
+                 - greatest(0, least(take_tokens.wanted, floor(least(take_tokens.burst,
+                    b.tokens + take_tokens.returned + take_tokens.rate
+                    * greatest(extract(epoch FROM now() - b.refilled_at)::float8, 0))))),
+        refilled_at = greatest(b.refilled_at, now()),
+        rate = take_tokens.rate,
+        burst = take_tokens.burst
+    RETURNING b.taken, b.tokens
+$function$;
+COMMENT ON FUNCTION outbox.take_tokens(text,double precision,double precision,integer,integer) IS 'Give back `returned` tokens and take up to `wanted` from a provider''s bucket, refilled by now().';
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.take_turn()
+-- history: created by 0015_ordering_keys; changed by 0019_limits_schedule_and_key_locks
+-- fired by trigger operations_take_turn ON outbox.operations
+
+CREATE OR REPLACE FUNCTION outbox.take_turn()
+ RETURNS trigger
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+DECLARE
+    v_xid xid8 := pg_current_xact_id();
+    -- This row's key still noted: this is the first firing for the transaction's notes.
+    v_first boolean := EXISTS (SELECT 1 FROM outbox.ordering_turns t
+                               WHERE t.xid = v_xid AND t.tenant_id = NEW.tenant_id
+                                 AND t.ordering_key = NEW.ordering_key);
+    v_key record;
+BEGIN
+    IF current_setting('transaction_isolation') NOT IN ('read committed', 'read uncommitted') THEN
+        IF v_first THEN
+            INSERT INTO outbox.ordering_repairs (tenant_id, ordering_key)
+            SELECT t.tenant_id, t.ordering_key FROM outbox.ordering_turns t WHERE t.xid = v_xid;
+            DELETE FROM outbox.ordering_turns t WHERE t.xid = v_xid;
+        ELSE
+            INSERT INTO outbox.ordering_repairs (tenant_id, ordering_key)
+            VALUES (NEW.tenant_id, NEW.ordering_key);
+        END IF;
+        RETURN NULL;
+    END IF;
+    IF v_first THEN
+        FOR v_key IN
+            SELECT t.tenant_id, t.ordering_key FROM outbox.ordering_turns t
+            WHERE t.xid = v_xid
+            ORDER BY t.tenant_id, t.ordering_key
+        LOOP
+            PERFORM outbox.lock_ordering_key(v_key.tenant_id, v_key.ordering_key);
+            PERFORM outbox.promote_next(v_key.tenant_id, v_key.ordering_key);
+        END LOOP;
+        DELETE FROM outbox.ordering_turns t WHERE t.xid = v_xid;
+        RETURN NULL;
+    END IF;
+    PERFORM outbox.lock_ordering_key(NEW.tenant_id, NEW.ordering_key);
+    PERFORM outbox.promote_next(NEW.tenant_id, NEW.ordering_key);
+    RETURN NULL;
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.throttle_bucket(text,double precision,double precision,interval)
+-- history: created by 0016_provider_buckets
+
+CREATE OR REPLACE FUNCTION outbox.throttle_bucket(provider text, rate double precision, burst double precision, pause interval)
+ RETURNS double precision
+ LANGUAGE sql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+    INSERT INTO outbox.provider_buckets AS b (provider, rate, burst, tokens, refilled_at)
+    VALUES (throttle_bucket.provider, throttle_bucket.rate, throttle_bucket.burst,
+            -throttle_bucket.rate * extract(epoch FROM throttle_bucket.pause)::float8, now())
+    ON CONFLICT ON CONSTRAINT provider_buckets_pkey DO UPDATE
+    SET tokens = least(least(throttle_bucket.burst, b.tokens + throttle_bucket.rate
+                             * greatest(extract(epoch FROM now() - b.refilled_at)::float8, 0)),
+                       -throttle_bucket.rate * extract(epoch FROM throttle_bucket.pause)::float8),
+        refilled_at = greatest(b.refilled_at, now()),
+        taken = 0,
+        rate = throttle_bucket.rate,
+        burst = throttle_bucket.burst
+    RETURNING b.tokens
+$function$;
+COMMENT ON FUNCTION outbox.throttle_bucket(text,double precision,double precision,interval) IS 'After a 429: empty a provider''s bucket and push it into debt for the provider''s Retry-After.';
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.touch_check(bigint)
+-- history: created by 0009_review_fixes; changed by 0011_security_definer
+
+CREATE OR REPLACE FUNCTION outbox.touch_check(operation_id bigint)
+ RETURNS void
+ LANGUAGE sql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+    UPDATE outbox.operations o SET checked_at = now()
+    WHERE o.id = touch_check.operation_id AND o.status = 'reconciling';
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.try_lock_ordering_key(text,text)
+-- history: created by 0019_limits_schedule_and_key_locks
+
+CREATE OR REPLACE FUNCTION outbox.try_lock_ordering_key(tenant_id text, ordering_key text)
+ RETURNS boolean
+ LANGUAGE plpgsql
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+#variable_conflict use_variable
+BEGIN
+    PERFORM 1 FROM outbox.ordering_keys k
+    WHERE k.tenant_id = tenant_id AND k.ordering_key = ordering_key FOR UPDATE SKIP LOCKED;
+    RETURN FOUND;
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.wake_dispatchers()
+-- history: created by 0012_wake_only_idle_dispatchers
+-- fired by trigger operations_wake_dispatchers ON outbox.operations
+
+CREATE OR REPLACE FUNCTION outbox.wake_dispatchers()
+ RETURNS trigger
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+BEGIN
+    IF EXISTS (SELECT 1 FROM outbox.waiting_dispatchers
+               WHERE seen_at > now() - interval '10 minutes') THEN
+        -- Folded by PostgreSQL into one notification per transaction.
+        PERFORM pg_notify('outbox_enqueue', '');
+    END IF;
+    RETURN NULL;
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.write_audit(outbox.operations,text,text,text,text,jsonb)
+-- history: created by 0005_operator; changed by 0011_security_definer,
+--     0025_an_audit_that_tells_the_truth
+
+CREATE OR REPLACE FUNCTION outbox.write_audit(op outbox.operations, actor text, action text, reason text, to_status text, details jsonb)
+ RETURNS void
+ LANGUAGE sql
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+    INSERT INTO outbox.audit (operation_id, actor, action, reason, from_status, to_status, details,
+                              db_user)
+    VALUES (op.id, actor, action, reason, op.status, to_status,
+            details || jsonb_build_object('db_user', session_user), session_user);
+$function$;
+-- privileges: the owner's only
