@@ -117,9 +117,9 @@ async def serve(
     if checked is None and not database.transaction_pooling:
         guard = _check_pool_mode_later(dsn, dispatcher, refused)
         helpers.append(asyncio.create_task(guard, name="outbox-pool-mode"))
-    # When each provider's key window closes after the first send (retention less the margin).
-    windows = {name: ps.key_retention - settings.dispatcher.retention_margin
-               for name, ps in settings.providers.items()}  # fmt: skip
+    # When each provider's key window closes after the first send: the dispatcher's own rules,
+    # so the gauges and the dispatch agree for a plug-in with a key_retention of its own.
+    windows = dispatcher.rules.closes_after()
     refresh = gauges.refresh_forever(pool, windows, settings.dispatcher.gauge_interval)
     helpers.append(asyncio.create_task(refresh, name="outbox-gauges"))
     if settings.dispatcher.auto_reconcile:

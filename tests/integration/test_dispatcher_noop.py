@@ -56,7 +56,7 @@ async def test_several_claim_loops_never_lease_more_than_concurrency(
     provider = CountingProvider()
     d = dispatcher(pool, {"slow": provider}, concurrency=20, batch_size=5,
                    poll_interval=timedelta(milliseconds=50))  # fmt: skip
-    assert d._claimers() == 3
+    assert d.claims.claimers() == 3
     runner = asyncio.create_task(d.run())
     for _ in range(600):
         if statuses(db_url) == {"succeeded": 400}:

@@ -18,7 +18,7 @@ import psycopg
 from psycopg_pool import AsyncConnectionPool
 
 import outbox
-from outbox.dispatcher import WAKE_GAP_MAX
+from outbox.dispatch.claims import WAKE_GAP_MAX
 from outbox.testing.webhook import FakeWebhookReceiver
 from tests.support.daemon import OutboxProcess, wait_until, write_config
 from tests.support.dispatch import dispatcher
@@ -78,12 +78,12 @@ async def test_only_notifications_that_find_nothing_make_the_next_one_wait(
     flood, or a provider with max_in_flight would make every real notification wait."""
     d = dispatcher(pool, {}, poll_interval=timedelta(seconds=30))
     d.wake()  # a notification: its claim found nothing
-    await d._idle(found=False)
-    assert d._empty_wakes == 1
+    await d.claims.idle(found=False)
+    assert d.claims.empty_wakes == 1
     for _ in range(5):  # wake-ups of the process's own, finding nothing
-        d._wake.set()
-        await d._idle(found=False)
-    assert d._empty_wakes == 1
+        d.claims.woken.set()
+        await d.claims.idle(found=False)
+    assert d.claims.empty_wakes == 1
     d.wake()
-    await d._idle(found=True)
-    assert d._empty_wakes == 1
+    await d.claims.idle(found=True)
+    assert d.claims.empty_wakes == 1

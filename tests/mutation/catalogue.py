@@ -37,7 +37,9 @@ def _one(name: str, breaks: str, path: str, find: str, replace: str,
 
 
 STATEMENTS = "outbox/db/statements.py"
-DISPATCHER = "outbox/dispatcher.py"
+# The dispatcher's parts (outbox/dispatch/): one operation's way, and the recording of outcomes.
+PIPELINE = "outbox/dispatch/pipeline.py"
+RECORDER = "outbox/dispatch/recorder.py"
 POLICY = "outbox/policy.py"
 # The newest definitions of outbox.enqueue and outbox.check_text.
 ENQUEUE = "sql/0028_identities_refuse_format_characters.sql"
@@ -113,7 +115,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "send-after-lease",
         "a worker frozen past its lease sends when it wakes",
-        DISPATCHER,
+        PIPELINE,
         "if time.monotonic() >= flight.lease_deadline - self._send_margin:",
         "if False:",
         "tests/integration/test_run_process.py::"
@@ -131,9 +133,9 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "send-key-window",
         "a row past its key window is sent instead of reconciled",
-        DISPATCHER,
-        "if row.first_sent_at is not None and self._window(provider).has_passed(",
-        "if False and self._window(provider).has_passed(",
+        PIPELINE,
+        "if row.first_sent_at is not None and self._rules.window(row.provider).has_passed(",
+        "if False and self._rules.window(row.provider).has_passed(",
         "tests/integration/test_dispatch.py::"
         "test_the_key_window_decides_between_resending_and_reconciling",
     ),
@@ -149,7 +151,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "unknown-not-sent",
         "a call that may have reached the provider counts as never sent",
-        DISPATCHER,
+        RECORDER,
         "reached = result.may_have_reached_provider if sent is None else sent",
         "reached = False",
         "tests/integration/test_dispatch.py",
@@ -319,7 +321,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "not-acted-free-for-ever",
         "a rate limit that never lifts keeps an operation retrying for ever",
-        DISPATCHER,
+        RECORDER,
         "and flight.db_now() - row.created_at < UNSPENT_FOR)",
         "and True)",
         "tests/integration/test_stripe_not_acted.py",
@@ -327,7 +329,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "paused-action-sent",
         "operations of an action the provider refused permission are sent again and again",
-        DISPATCHER,
+        PIPELINE,
         "        paused = self._action_pauses.wait(flight.row)\n",
         "        paused = None\n",
         "tests/integration/test_stripe_not_acted.py",

@@ -9,7 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Final, TypeVar
 
-from outbox.dispatcher import CLAIM_RETRY_MAX, ORDERING_REPAIR_INTERVAL
+from outbox.dispatch.claims import CLAIM_RETRY_MAX
+from outbox.dispatch.maintenance import ORDERING_REPAIR_INTERVAL
 
 STRIPE: Final = "stripe"
 HOOK: Final = "hook"

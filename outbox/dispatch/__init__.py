@@ -1,0 +1,12 @@
+"""The dispatcher's parts, each with one job; ``outbox.dispatcher.Dispatcher`` puts them together.
+
+- ``claims``: the claim scheduler (free slots, claim loops, the fairness cursor, wake-ups).
+- ``pipeline``: one operation's way from claim to send (check, send, classify, decide).
+- ``recorder``: writing each outcome, fenced by the lease; it alone handles record errors.
+- ``leases``: keeping leases (heartbeat) and cutting off calls that outlive their time.
+- ``maintenance``: rescue of dead workers' rows, ordering-key repair, staging scheduled rows.
+- ``rules``: per provider, the key window and the call limit, computed in this one place.
+- ``flight``, ``meters``, ``shared``: what the parts pass between them.
+
+The claim protocol they implement is docs/design.md's, "Claim protocol".
+"""

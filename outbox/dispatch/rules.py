@@ -1,0 +1,40 @@
+"""Per provider: when its key window closes, and how long one call may run. Computed here only,
+from the provider itself (a plug-in's own ``key_retention``), for the dispatcher and the gauges
+alike: computed apart, the two could disagree for a plug-in."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Final
+
+from outbox.policy import KeyWindow
+from outbox.providers.base import Provider
+
+# A provider call that outlives its own timeout by this much is cut off: a hung plug-in must
+# not hold a lease forever.
+CALL_GUARD_MARGIN: Final = 5.0
+# Without a provider the failure is permanent and the window is never read; an empty one would
+# err towards reconciliation, never towards a resend.
+NO_WINDOW: Final = KeyWindow(timedelta(0), timedelta(0))
+
+
+class ProviderRules:
+    def __init__(self, providers: Mapping[str, Provider], retention_margin: timedelta,
+                 call_timeouts: Mapping[str, timedelta] | None = None) -> None:  # fmt: skip
+        # A provider's key retention is fixed: each window is made once.
+        self._windows = {name: KeyWindow(p.key_retention, retention_margin)
+                         for name, p in providers.items()}  # fmt: skip
+        self._call_limits = {name: t.total_seconds() + CALL_GUARD_MARGIN
+                             for name, t in (call_timeouts or {}).items()}  # fmt: skip
+
+    def window(self, provider: str) -> KeyWindow:
+        return self._windows.get(provider, NO_WINDOW)
+
+    def closes_after(self) -> dict[str, timedelta]:
+        """Per provider, how long after the first send its key window closes (the gauges)."""
+        return {name: w.retention - w.margin for name, w in self._windows.items()}
+
+    def call_limit(self, provider: str) -> float | None:
+        """Seconds one call may run before the guard cuts it off, or None: no guard."""
+        return self._call_limits.get(provider)
