@@ -1,4 +1,5 @@
-"""Every metric outbox exports, defined once. Names follow DESIGN.md and Prometheus conventions."""
+"""Every metric outbox exports, defined once. Names follow docs/design.md ("Metrics") and Prometheus
+conventions."""
 
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ class Status(enum.StrEnum):
 
 
 class FailureClass(enum.StrEnum):
-    """What a failed attempt leads to (DESIGN.md, failure classes)."""
+    """What a failed attempt leads to (docs/design.md, "Failure classes")."""
 
     TRANSIENT = "transient"  # the provider did not act: retry
     PERMANENT = "permanent"  # another attempt will not help: quarantine
