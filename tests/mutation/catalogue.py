@@ -194,7 +194,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "retry-key-generation",
         "`reconcile retry` sends again under the key it gave up on",
-        "sql/0009_review_fixes.sql",
+        "sql/0009_stricter_retry_checks_and_audit.sql",
         "idempotency_key = new_key,\n        key_generation = o.key_generation + 1,",
         "idempotency_key = o.idempotency_key,\n        key_generation = o.key_generation,",
         "tests/integration/test_reconcile.py",
