@@ -57,7 +57,8 @@ COMMENT ON TABLE outbox.attempts IS 'The delivery history of every operation, on
 
 -- =================================================================================================
 -- table outbox.audit
--- history: created by 0003_audit; changed by 0009_review_fixes, 0025_an_audit_that_tells_the_truth
+-- history: created by 0003_audit; changed by 0009_stricter_retry_checks_and_audit,
+--     0025_an_audit_that_tells_the_truth
 
 CREATE TABLE outbox.audit (
     id           bigint NOT NULL GENERATED ALWAYS AS IDENTITY,
@@ -331,7 +332,7 @@ $function$;
 
 -- =================================================================================================
 -- function outbox.audit_is_kept()
--- history: created by 0009_review_fixes; changed by 0011_security_definer
+-- history: created by 0009_stricter_retry_checks_and_audit; changed by 0011_security_definer
 -- fired by trigger audit_no_delete ON outbox.audit
 -- fired by trigger audit_no_truncate ON outbox.audit
 
@@ -1079,7 +1080,7 @@ $function$;
 
 -- =================================================================================================
 -- function outbox.record_check(bigint,text,text,jsonb,integer,integer)
--- history: created by 0009_review_fixes; changed by 0011_security_definer
+-- history: created by 0009_stricter_retry_checks_and_audit; changed by 0011_security_definer
 
 CREATE OR REPLACE FUNCTION outbox.record_check(operation_id bigint, found_ref text, actor text, details jsonb, expected_generation integer, expected_attempts integer)
  RETURNS text
@@ -1445,7 +1446,8 @@ $function$;
 
 -- =================================================================================================
 -- function outbox.retry_operation(bigint,text,text,boolean)
--- history: created by 0005_operator; changed by 0009_review_fixes, 0011_security_definer
+-- history: created by 0005_operator; changed by 0009_stricter_retry_checks_and_audit,
+--     0011_security_definer
 
 CREATE OR REPLACE FUNCTION outbox.retry_operation(operation_id bigint, reason text, actor text, force boolean DEFAULT false)
  RETURNS text
@@ -1686,7 +1688,7 @@ COMMENT ON FUNCTION outbox.throttle_bucket(text,double precision,double precisio
 
 -- =================================================================================================
 -- function outbox.touch_check(bigint)
--- history: created by 0009_review_fixes; changed by 0011_security_definer
+-- history: created by 0009_stricter_retry_checks_and_audit; changed by 0011_security_definer
 
 CREATE OR REPLACE FUNCTION outbox.touch_check(operation_id bigint)
  RETURNS void
