@@ -1,15 +1,28 @@
-"""Exceptions of the public API, and the SQLSTATEs the SQL functions raise for them."""
+"""Exceptions of the public API, and every SQLSTATE outbox's SQL raises on purpose.
+
+Each constant's comment names what raises it: the SQL function or trigger function, and the
+migration (sql/) that defines it last.
+"""
 
 from __future__ import annotations
 
 from typing import Final
 
 # Class OB is ours; PostgreSQL defines no class that starts with O. Documented in sql/0004.
+# outbox.enqueue (sql/0028): the identity or the idempotency key is taken (OperationConflict).
 SQLSTATE_OPERATION_CONFLICT: Final = "OB001"
+# enqueue, check_text (0028), require_allowance (0026), set_ordering_mode (0025): a bad argument.
 SQLSTATE_INVALID_OPERATION: Final = "OB002"
+# Triggers on outbox.audit: audit_is_append_only (sql/0003), audit_is_kept (sql/0009).
 SQLSTATE_AUDIT_APPEND_ONLY: Final = "OB003"
-# OB004 is the operator functions' refusal (outbox.operators).
-SQLSTATE_OPERATION_IMMUTABLE: Final = "OB005"  # identity, payload or key changed after enqueue
+# Operator functions: lock_for_action (sql/0005), require_reason (0025), record_finding (0023)...
+SQLSTATE_OPERATOR_REFUSED: Final = "OB004"
+# Trigger on outbox.operations, operations_keep_immutable (sql/0015): what it asks changed.
+SQLSTATE_OPERATION_IMMUTABLE: Final = "OB005"
+# no_data_found, from outbox.lock_for_action (sql/0005): an operator function names no operation.
+SQLSTATE_NO_DATA_FOUND: Final = "P0002"
+# insufficient_privilege, from outbox.require_tenant (sql/0011): unbound, or another tenant.
+SQLSTATE_INSUFFICIENT_PRIVILEGE: Final = "42501"
 
 
 class OutboxError(Exception):

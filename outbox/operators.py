@@ -13,12 +13,10 @@ from psycopg.rows import dict_row
 
 from outbox.db import statements
 from outbox.durations import format_duration
-from outbox.errors import OutboxError
+from outbox.errors import SQLSTATE_NO_DATA_FOUND, SQLSTATE_OPERATOR_REFUSED, OutboxError
 from outbox.model import Status
 from outbox.safe_text import printable
 
-SQLSTATE_OPERATOR_REFUSED = "OB004"
-SQLSTATE_NO_DATA_FOUND = "P0002"
 # One bulk action takes at most this many: a bigger backlog is worked through in several runs of
 # the same command (each run takes the oldest), so no run holds an unbounded list.
 MAX_BULK: Final = 100_000

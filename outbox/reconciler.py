@@ -27,7 +27,7 @@ from outbox.config import ProviderLimits
 from outbox.db import statements
 from outbox.db.connect import connection_options, pin_search_path_async
 from outbox.db.store import Store
-from outbox.operators import SQLSTATE_OPERATOR_REFUSED
+from outbox.errors import SQLSTATE_OPERATOR_REFUSED
 from outbox.provider_limits import LookupPacer
 from outbox.providers.base import Lookup, LookupRequest, NotFound, Provider, Verdict
 
