@@ -16,18 +16,24 @@ LISTEN (see :class:`DatabaseSettings`). Secrets are never written in the file: i
 are (``{env = ...}``, ``{file = ...}``, ``*_env``, ``*_file``); providers read theirs with
 :func:`read_secret`, and the LISTEN URL, read while loading, never appears in a repr.
 
+**Every key is declared once, here**: a field of DispatcherSettings, DatabaseSettings,
+ProviderSettings or Settings whose metadata is ``setting(kind, doc)``, or an entry of
+PROVIDER_OPTIONS for the options a provider type reads. The valid keys, the parsing, the checks
+of settings built in Python, the error messages, the reprs and docs/config-reference.md all come
+from those declarations (outbox.settings_schema). Rules between keys (``backoff_base`` at most
+``backoff_max``...) are the ``__post_init__`` code below them.
+
 Pure: imports nothing from the database or provider layers.
 """
 
 from __future__ import annotations
 
-import decimal
 import json
 import math
 import os
 import re
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -36,394 +42,172 @@ from typing import Any, Final
 
 import structlog
 
-from outbox.durations import format_duration, parse_duration
-from outbox.errors import OutboxError
+from outbox import redaction
+from outbox.durations import format_duration
 from outbox.event_loop import EVENT_LOOPS, uvloop_available
+from outbox.settings_schema import (
+    Boolean,
+    Choice,
+    ConfigError,
+    Count,
+    Duration,
+    Kind,
+    Opaque,
+    ProviderType,
+    Rate,
+    Secret,
+    Setting,
+    Where,
+    check_fields,
+    default_of,
+    file_keys,
+    format_rate,
+    setting,
+    settings_of,
+    show,
+    shown_fields,
+)
 
-# --- Defaults, and why -----------------------------------------------------------------------
+# What other modules import, ConfigError and format_rate among it (from outbox.settings_schema).
+__all__ = [
+    "BREAKER_OPEN_MAX", "DEFAULT_CONCURRENCY", "DEFAULT_KEY_RETENTION", "DEFAULT_LISTEN_URL_ENV",
+    "DEFAULT_MAX_RESPONSE_BYTES", "DEFAULT_SHUTDOWN_GRACE", "DEFAULT_TIMEOUT",
+    "HEARTBEATS_PER_LEASE", "LIMIT_KEYS", "LOG_LEVELS", "MAX_CONCURRENCY", "POOL_MODES",
+    "PROVIDER_KEYS", "PROVIDER_NAME", "PROVIDER_OPTIONS", "REDACTED", "TABLES", "ConfigError",
+    "DatabaseSettings", "DispatcherSettings", "ProviderLimits", "ProviderSettings", "Settings",
+    "default_burst", "format_rate", "load_settings", "read_secret", "settings_from_mapping",
+]  # fmt: skip
 
-# Enough calls in flight to hide provider latency (at ~100 ms a call, over 600 calls a second)
-# while staying far below providers' rate limits and a database pool's size.
-DEFAULT_CONCURRENCY: Final = 64
-# One claim query per 100 rows amortises its round trip without leasing rows that the workers
-# will not reach before their lease runs out.
-DEFAULT_BATCH_SIZE: Final = 100
-# Outlives a provider call at its timeout (10-20 s) plus recording the result, yet a crashed
-# process's operations are claimed again within half a minute.
-DEFAULT_LEASE: Final = timedelta(seconds=30)
-# NOTIFY wakes the dispatcher at once; polling only covers lost notifications and retries coming
-# due, so once a second bounds their delay at a negligible cost to the database.
-DEFAULT_POLL_INTERVAL: Final = timedelta(seconds=1)
-# Lets in-flight calls finish within Kubernetes' default 30 s termination grace period, with 5 s
-# left to release leases and exit before SIGKILL.
-DEFAULT_SHUTDOWN_GRACE: Final = timedelta(seconds=25)
-# With doubling backoff from 1 s, ten attempts ride out a provider outage of several minutes
-# before the operation needs a human.
-DEFAULT_MAX_ATTEMPTS: Final = 10
-# Most transient failures (a reset connection, a 502 during a deploy) clear within a second.
-DEFAULT_BACKOFF_BASE: Final = timedelta(seconds=1)
-# A recovered provider is tried again within ten minutes, and a long outage costs each
-# operation no more than six calls an hour.
-DEFAULT_BACKOFF_MAX: Final = timedelta(minutes=10)
-# A retry after the provider forgot the idempotency key could repeat the effect, so retries stop
-# this long before that; an hour absorbs clock skew and a slow last attempt with room to spare.
-DEFAULT_RETENTION_MARGIN: Final = timedelta(hours=1)
-# The reconciler asks providers about reconciling operations on its own; only a person's
-# decision is needed for what it cannot find.
-DEFAULT_AUTO_RECONCILE: Final = True
-# A lookup lists a page or two of objects per operation: every few minutes finds an effect soon
-# after it appears (Stripe may roll a 500 forward) without loading the provider's API.
-DEFAULT_RECONCILE_INTERVAL: Final = timedelta(minutes=5)
-# The database-wide gauges: a scrape interval's worth of staleness, one cheap query per period.
-DEFAULT_GAUGE_INTERVAL: Final = timedelta(seconds=15)
-# Without a heartbeat setting, leases are renewed three times per lease: one late renewal still
-# leaves the lease held.
-HEARTBEATS_PER_LEASE: Final = 3
-# Stripe keeps idempotency keys for at least 24 hours; other providers must say otherwise.
-DEFAULT_KEY_RETENTION: Final = timedelta(hours=24)
-# A provider that has not answered in 10 s is probably stuck; well under the lease, so the
-# lease outlives the call.
-DEFAULT_TIMEOUT: Final = timedelta(seconds=10)
-# The most bytes of one answer an HTTP provider reads (``max_response_bytes``), counted as
-# decoded, so a compressed answer cannot expand past it: an answer is held in memory whole while
-# its reference is read, and 1 MiB is hundreds of times a webhook's or a Stripe object's
-# answer, yet the 64 calls in flight of the default concurrency hold at most 64 MiB of answers.
-DEFAULT_MAX_RESPONSE_BYTES: Final = 1 << 20
-# Five failures in a row (transient or unknown) are an outage, not bad luck: at a few percent of
-# random errors, five in a row happen about once in ten million calls.
-DEFAULT_BREAKER_FAILURES: Final = 5
-# An open provider is probed again after this long: a provider back after a blip resumes within
-# half a minute, and one still down costs one request per probe. Doubles while probes fail, up
-# to BREAKER_OPEN_MAX (or breaker_open_for, if longer).
-DEFAULT_BREAKER_OPEN_FOR: Final = timedelta(seconds=30)
-BREAKER_OPEN_MAX: Final = timedelta(minutes=5)
-DEFAULT_LOG_LEVEL: Final = "info"
-# How the database URL reaches PostgreSQL. "session": a session of our own per connection (a
-# direct connection, or a pooler in session mode), so prepared statements, session settings and
-# LISTEN all work; the default, because it is what a plain PostgreSQL URL gives. "transaction": a
-# pooler (PgBouncer's pool_mode = transaction) that lends a server session per transaction only.
-POOL_MODES: Final = ("session", "transaction")
-DEFAULT_POOL_MODE: Final = "session"
-# `outbox run` gives the database this long to answer at start-up, then exits saying so.
-DEFAULT_STARTUP_WAIT: Final = timedelta(seconds=60)
-# Where the URL of a direct connection for LISTEN is found unless the file names another place:
-# beside OUTBOX_DATABASE_URL, in the environment, and like it without a password (libpq's pgpass).
-DEFAULT_LISTEN_URL_ENV: Final = "OUTBOX_LISTEN_DATABASE_URL"
-# Whether the daemon LISTENs for enqueue notifications at all. On by default: an idle dispatcher
-# then claims a committed row within milliseconds instead of at its next poll. Off, it polls only
-# (every poll_interval), and producers never notify, since no dispatcher registers as waiting.
-DEFAULT_LISTEN: Final = True
-
-LOG_LEVELS: Final = ("debug", "info", "warning", "error")
-PROVIDER_NAME: Final = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
-# What repr() shows instead of anything that might be a secret.
-REDACTED: Final = "***"
-
-_TOP_KEYS: Final = ("database", "dispatcher", "log_level", "providers")
-# Option names that might hold a secret, matched case-insensitively anywhere in the name.
-_SECRET_WORDS: Final = ("key", "secret", "token", "password", "authorization")
-_ENV_LOG_LEVEL: Final = "OUTBOX_LOG_LEVEL"
-_ENV_DISPATCHER: Final = "OUTBOX_DISPATCHER__"
-_ENV_DATABASE: Final = "OUTBOX_DATABASE__"
-_ENV_PROVIDERS: Final = "OUTBOX_PROVIDERS__"
-_DURATION_FORMS: Final = "like 500ms, 30s, 10m, 24h, 1h30m or a number of seconds"
-# A provider's rate limit: a number of calls per second or per minute.
-_RATE: Final = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*/\s*(s|m)\s*")
-_RATE_UNITS: Final = {"s": 1.0, "m": 60.0}
-
-
-class ConfigError(OutboxError):
-    """The settings are invalid; the message names the offending key or environment variable.
-
-    ``key`` is the dotted key (``dispatcher.lease``), or the variable's name when no key applies.
-    """
-
-    def __init__(self, message: str, *, key: str | None = None) -> None:
-        super().__init__(message)
-        self.key = key
-
-
-@dataclass(frozen=True, slots=True)
-class _Where:
-    """Where a value came from, as error messages name it."""
-
-    key: str
-    source: str | None = None
-    env: str | None = None
-
-    def __str__(self) -> str:
-        if self.env is not None:
-            return f"{self.key} (from {self.env})"
-        return self.key if self.source is None else f"{self.key} (in {self.source})"
-
-    def error(self, message: str) -> ConfigError:
-        return ConfigError(f"{self} {message}", key=self.key)
-
-
-# --- Single values ---------------------------------------------------------------------------
-
-
-def _show(value: object) -> str:
-    """``value`` as a message quotes it: in TOML's spelling, tables and arrays by kind only."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return json.dumps(value, ensure_ascii=False)
-    if isinstance(value, Mapping):
-        return "a table"
-    if isinstance(value, list | tuple):
-        return "an array"
-    if isinstance(value, timedelta):
-        return format_duration(value) if value >= timedelta(0) else f"-{format_duration(-value)}"
-    return str(value)
-
-
-def _positive_int(value: object, where: _Where) -> int:
-    """``value`` as an integer of at least 1; from the environment, its decimal text."""
-    number = value
-    # Only the environment gives integers as text: "64" in the file is a mistake worth naming.
-    if where.env is not None and isinstance(value, str) and re.fullmatch(r"[0-9]+", value.strip()):
-        number = int(value)
-    if isinstance(number, bool) or not isinstance(number, int) or number < 1:
-        raise where.error(f"must be a positive integer, not {_show(value)}")
-    return number
-
+# --- Bounds and names that are no key's default ----------------------------------------------
 
 # The most calls one process may have in flight: past this a typo, not a setting (each call is a
 # task, a pool slot and a socket; PostgreSQL's default max_connections is 100).
 MAX_CONCURRENCY: Final = 10_000
+# Without a heartbeat setting, leases are renewed three times per lease: one late renewal still
+# leaves the lease held.
+HEARTBEATS_PER_LEASE: Final = 3
+# An open breaker's probes, doubling while they fail, come at least this often (or every
+# breaker_open_for, if longer).
+BREAKER_OPEN_MAX: Final = timedelta(minutes=5)
+LOG_LEVELS: Final = ("debug", "info", "warning", "error")
+POOL_MODES: Final = ("session", "transaction")
+PROVIDER_NAME: Final = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
+# Where the URL of a direct connection for LISTEN is found unless the file names another place:
+# beside OUTBOX_DATABASE_URL, in the environment, and like it without a password (libpq's pgpass).
+DEFAULT_LISTEN_URL_ENV: Final = "OUTBOX_LISTEN_DATABASE_URL"
+# What repr() shows instead of anything that might be a secret.
+REDACTED: Final = redaction.REDACTED
+
+_ENV: Final = "OUTBOX_"
+_ENV_PROVIDERS: Final = "OUTBOX_PROVIDERS__"
 
 
-def _bounded_int(value: object, where: _Where, most: int) -> int:
-    number = _positive_int(value, where)
-    if number > most:
-        raise where.error(f"must be at most {most:,}, not {_show(value)}")
-    return number
-
-
-def _boolean(value: object, where: _Where) -> bool:
-    """``value`` as a boolean; from the environment, true/false/1/0/yes/no."""
-    if where.env is not None and isinstance(value, str):
-        text = value.strip().lower()
-        if text in ("true", "1", "yes", "on"):
-            return True
-        if text in ("false", "0", "no", "off"):
-            return False
-    if not isinstance(value, bool):
-        raise where.error(f"must be true or false, not {_show(value)}")
-    return value
-
-
-def _as_timedelta(value: object) -> timedelta | None:
-    """``value`` (a duration string, seconds or a timedelta) as a timedelta, else None."""
-    if isinstance(value, timedelta):
-        return value
-    try:
-        if isinstance(value, str):
-            return parse_duration(value)
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return timedelta(seconds=value)
-    except (ValueError, OverflowError):  # not a duration, NaN, or beyond timedelta's range
-        return None
+def _uvloop_missing(loop: str) -> str | None:
+    if loop == "uvloop" and not uvloop_available():
+        return 'is "uvloop", which is not installed here; use "auto" or "asyncio"'
     return None
 
 
-def _duration(value: object, where: _Where, *, allow_zero: bool) -> timedelta:
-    duration = _as_timedelta(value)
-    if duration is None or duration < timedelta(0) or (not duration and not allow_zero):
-        bound = "zero or more" if allow_zero else "greater than zero"
-        raise where.error(f"must be a duration {bound} ({_DURATION_FORMS}), not {_show(value)}")
-    return duration
-
-
-def _positive_duration(value: object, where: _Where) -> timedelta:
-    """``value`` as a duration greater than zero."""
-    return _duration(value, where, allow_zero=False)
-
-
-def _nonnegative_duration(value: object, where: _Where) -> timedelta:
-    """``value`` as a duration of zero or more."""
-    return _duration(value, where, allow_zero=True)
-
-
-def _optional_positive_duration(value: object, where: _Where) -> timedelta | None:
-    """``value`` as a duration greater than zero, or None (only possible from Python code)."""
-    return None if value is None else _positive_duration(value, where)
-
-
-def _rate(value: object, where: _Where) -> float:
-    """``value``, such as "100/s" or "600/m", as calls per second (greater than zero)."""
-    match = _RATE.fullmatch(value) if isinstance(value, str) else None
-    per_second = float(match.group(1)) / _RATE_UNITS[match.group(2)] if match else 0.0
-    if not per_second > 0:
-        raise where.error(
-            f'must be a rate such as "100/s" or "600/m" (calls per second or per minute), '
-            f"not {_show(value)}"
-        )
-    return per_second
-
-
-def format_rate(per_second: float) -> str:
-    """Calls per second as a config value the rate parser reads back: "100/s", or "30/m" for a
-    whole number of calls a minute under one a second."""
-    per_minute = per_second * 60
-    if per_second < 1 and math.isclose(per_minute, round(per_minute)) and round(per_minute):
-        return f"{round(per_minute)}/m"
-    # The shortest text that reads back as the same float, in fixed point: never an exponent
-    # ("1e+06/s" is no config value).
-    fixed = format(decimal.Decimal(repr(per_second)), "f")
-    return (fixed.rstrip("0").rstrip(".") if "." in fixed else fixed) + "/s"
-
-
-def _log_level(value: object, where: _Where) -> str:
-    """``value`` as one of LOG_LEVELS, in lower case."""
-    if isinstance(value, str) and value.strip().lower() in LOG_LEVELS:
-        return value.strip().lower()
-    raise where.error(f"must be one of {', '.join(LOG_LEVELS)}, not {_show(value)}")
-
-
-def _provider_type(value: object, where: _Where) -> str:
-    """``value`` as a provider type: a built-in type or a third-party entry-point name."""
-    if isinstance(value, str) and value.strip():
-        return value
-    raise where.error(
-        f'must name a provider type such as "webhook", "stripe" or "noop", not {_show(value)}'
-    )
-
-
-def _provider_name(value: object, where: _Where) -> str:
-    if isinstance(value, str) and PROVIDER_NAME.fullmatch(value):
-        return value
-    raise where.error(
-        f"is not a valid provider name: names must match ^{PROVIDER_NAME.pattern}$ (lower-case "
-        'letters, digits, "_" and "-", at most 64 characters)'
-    )
-
-
-def _pool_mode(value: object, where: _Where) -> str:
-    """``value`` as one of POOL_MODES, in lower case."""
-    text = value.strip().lower() if isinstance(value, str) else None
-    if text in POOL_MODES:
-        return text
-    if text == "statement":
-        raise where.error(
-            'cannot be "statement": statement pooling forbids the multi-statement transactions '
-            "that outbox's producers and operator commands rely on; use "
-            'pool_mode = "transaction" in the pooler and here'
-        )
-    raise where.error(f"must be one of {', '.join(POOL_MODES)}, not {_show(value)}")
-
-
-def _event_loop(value: object, where: _Where) -> str:
-    """``value`` as one of EVENT_LOOPS, in lower case; "uvloop" only where it is installed."""
-    text = value.strip().lower() if isinstance(value, str) else None
-    if text not in EVENT_LOOPS:
-        raise where.error(f"must be one of {', '.join(EVENT_LOOPS)}, not {_show(value)}")
-    if text == "uvloop" and not uvloop_available():
-        raise where.error('is "uvloop", which is not installed here; use "auto" or "asyncio"')
-    return text
-
-
-def _env_name(value: object, where: _Where) -> str:
-    """``value`` as the name of an environment variable."""
-    if isinstance(value, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
-        return value
-    # Never quote it: someone may have written the URL itself here.
-    raise where.error("must name an environment variable, such as OUTBOX_LISTEN_DATABASE_URL")
-
-
-def _file_name(value: object, where: _Where) -> str:
-    """``value`` as a file name (a relative one is looked up in $CREDENTIALS_DIRECTORY)."""
-    if isinstance(value, str) and value.strip():
-        return value
-    raise where.error(f"must be a file name, not {_show(value)}")
-
-
-# Every key of [dispatcher] and what its value must be: this table is the list of valid keys.
-_DISPATCHER_CHECKS: Final[Mapping[str, Callable[[Any, _Where], Any]]] = MappingProxyType(
-    {
-        "concurrency": lambda value, where: _bounded_int(value, where, MAX_CONCURRENCY),
-        "batch_size": _positive_int,
-        "lease": _positive_duration,
-        "poll_interval": _positive_duration,
-        "shutdown_grace": _nonnegative_duration,
-        "max_attempts": _positive_int,
-        "backoff_base": _positive_duration,
-        "backoff_max": _positive_duration,
-        "retention_margin": _nonnegative_duration,
-        "heartbeat": _optional_positive_duration,
-        "auto_reconcile": _boolean,
-        "reconcile_interval": _positive_duration,
-        "gauge_interval": _positive_duration,
-        "event_loop": _event_loop,
-    }
+_POOL_MODE: Final = Choice(
+    POOL_MODES,
+    refused={
+        "statement": 'cannot be "statement": statement pooling forbids the multi-statement '
+        "transactions that outbox's producers and operator commands rely on; use "
+        'pool_mode = "transaction" in the pooler and here'
+    },
 )
 
 
-# The keys of [providers.<name>] that set the provider's share of the dispatcher (every type has
-# them), and what each value must be.
-_LIMIT_CHECKS: Final[Mapping[str, Callable[[Any, _Where], Any]]] = MappingProxyType(
-    {
-        "max_in_flight": _positive_int,
-        "rate_limit": _rate,
-        "rate_burst": _positive_int,
-        "breaker_failures": _positive_int,
-        "breaker_open_for": _positive_duration,
-    }
-)
-LIMIT_KEYS: Final = tuple(_LIMIT_CHECKS)
-
-# Keys that some provider types take (the provider's factory says which, and rejects the rest)
-# and whose values are not text: checked here, where a value's source is still known, so that an
-# override from the environment (always text) is read as the file would give it.
-_OPTION_CHECKS: Final[Mapping[str, Callable[[Any, _Where], Any]]] = MappingProxyType(
-    {"max_response_bytes": _positive_int}
-)
-
-
-# Every key of [database] and what its value must be. The LISTEN URL may carry a password, so the
-# file says only where it is: in an environment variable or a (credentials) file.
-_DATABASE_CHECKS: Final[Mapping[str, Callable[[Any, _Where], Any]]] = MappingProxyType(
-    {
-        "pool_mode": _pool_mode,
-        "listen_url_env": _env_name,
-        "listen_url_file": _file_name,
-        "listen": _boolean,
-        "startup_wait": _positive_duration,
-    }
-)
-
-
-# --- The settings ----------------------------------------------------------------------------
+# --- The declarations: every key, once -------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
 class DispatcherSettings:
-    """How the dispatcher claims, calls, retries and gives up; the DEFAULT_* constants say why."""
+    """``[dispatcher]``: how the dispatcher claims, calls, retries and gives up."""
 
-    concurrency: int = DEFAULT_CONCURRENCY
-    batch_size: int = DEFAULT_BATCH_SIZE
-    lease: timedelta = DEFAULT_LEASE
-    poll_interval: timedelta = DEFAULT_POLL_INTERVAL
-    shutdown_grace: timedelta = DEFAULT_SHUTDOWN_GRACE
-    max_attempts: int = DEFAULT_MAX_ATTEMPTS
-    backoff_base: timedelta = DEFAULT_BACKOFF_BASE
-    backoff_max: timedelta = DEFAULT_BACKOFF_MAX
-    retention_margin: timedelta = DEFAULT_RETENTION_MARGIN
-    heartbeat: timedelta | None = None
-    auto_reconcile: bool = DEFAULT_AUTO_RECONCILE
-    reconcile_interval: timedelta = DEFAULT_RECONCILE_INTERVAL
-    gauge_interval: timedelta = DEFAULT_GAUGE_INTERVAL
-    event_loop: str = "auto"
+    concurrency: int = field(default=64, metadata=setting(
+        Count(most=MAX_CONCURRENCY),
+        "Provider calls in flight, per process: enough to hide provider latency (at ~100 ms a "
+        "call, over 600 calls a second) while staying far below providers' rate limits and a "
+        "database pool's size.",
+    ))  # fmt: skip
+    batch_size: int = field(default=100, metadata=setting(
+        Count(),
+        "Rows claimed per claim query: one query per 100 rows amortises its round trip without "
+        "leasing rows that the workers will not reach before their lease runs out.",
+    ))  # fmt: skip
+    lease: timedelta = field(default=timedelta(seconds=30), metadata=setting(
+        Duration(),
+        "How long a claim holds an operation, renewed by a heartbeat while its call runs: "
+        "outlives a provider call at its timeout (10-20 s) plus recording the result, yet a "
+        "crashed process's operations are claimed again within half a minute.",
+    ))  # fmt: skip
+    poll_interval: timedelta = field(default=timedelta(seconds=1), metadata=setting(
+        Duration(),
+        "How often to look for due work when no NOTIFY arrives: NOTIFY wakes the dispatcher at "
+        "once, so polling only covers lost notifications and retries coming due, and once a "
+        "second bounds their delay at a negligible cost to the database.",
+    ))  # fmt: skip
+    shutdown_grace: timedelta = field(default=timedelta(seconds=25), metadata=setting(
+        Duration(zero=True),
+        "How long in-flight calls get after SIGTERM: they finish within Kubernetes' default "
+        "30 s termination grace period, with 5 s left to release leases and exit before SIGKILL.",
+    ))  # fmt: skip
+    max_attempts: int = field(default=10, metadata=setting(
+        Count(),
+        "Attempts before an operation needs a human: with doubling backoff from 1 s, ten ride "
+        "out a provider outage of several minutes.",
+    ))  # fmt: skip
+    backoff_base: timedelta = field(default=timedelta(seconds=1), metadata=setting(
+        Duration(),
+        "The first retry's delay (capped exponential backoff with full jitter), at most "
+        "backoff_max: most transient failures (a reset connection, a 502 during a deploy) clear "
+        "within a second.",
+    ))  # fmt: skip
+    backoff_max: timedelta = field(default=timedelta(minutes=10), metadata=setting(
+        Duration(),
+        "The longest delay between retries: a recovered provider is tried again within ten "
+        "minutes, and a long outage costs each operation no more than six calls an hour.",
+    ))  # fmt: skip
+    retention_margin: timedelta = field(default=timedelta(hours=1), metadata=setting(
+        Duration(zero=True),
+        "Retries stop this long before the provider forgets an idempotency key (the operation "
+        "goes to reconciliation), since a retry after that could repeat the effect; shorter "
+        "than every provider's key_retention. An hour absorbs clock skew and a slow last "
+        "attempt with room to spare.",
+    ))  # fmt: skip
+    heartbeat: timedelta | None = field(default=None, metadata=setting(
+        Duration(),
+        "How often a worker renews its leases; shorter than lease. Three renewals per lease "
+        "leave the lease held after one late renewal.",
+        default_doc="a third of `lease`",
+    ))  # fmt: skip
+    auto_reconcile: bool = field(default=True, metadata=setting(
+        Boolean(),
+        "Whether the reconciler asks providers about reconciling operations on its own; only "
+        "a person's decision is then needed for what it cannot find.",
+    ))  # fmt: skip
+    reconcile_interval: timedelta = field(default=timedelta(minutes=5), metadata=setting(
+        Duration(),
+        "How often the reconciler looks: a lookup lists a page or two of objects per "
+        "operation, so every few minutes finds an effect soon after it appears (Stripe may "
+        "roll a 500 forward) without loading the provider's API.",
+    ))  # fmt: skip
+    gauge_interval: timedelta = field(default=timedelta(seconds=15), metadata=setting(
+        Duration(),
+        "How often the database-wide gauges are measured: a scrape interval's worth of "
+        "staleness, one cheap query per period.",
+    ))  # fmt: skip
+    event_loop: str = field(default="auto", metadata=setting(
+        Choice(EVENT_LOOPS, unavailable=_uvloop_missing),
+        'The dispatcher\'s event loop: "auto" is uvloop where it is installed (a dependency, '
+        "with less CPU per task and socket callback), else asyncio's own.",
+    ))  # fmt: skip
 
     def __post_init__(self) -> None:
         # The loader checked each value already, naming its source; this keeps settings built in
         # Python code to the same rules.
-        for name, check in _DISPATCHER_CHECKS.items():
-            check(getattr(self, name), _Where(f"dispatcher.{name}"))
-        object.__setattr__(
-            self, "event_loop", _event_loop(self.event_loop, _Where("dispatcher.event_loop"))
-        )
+        check_fields(self, "dispatcher")
         if self.backoff_base > self.backoff_max:
             raise ConfigError(
                 f"dispatcher.backoff_base ({format_duration(self.backoff_base)}) must not be "
@@ -446,34 +230,39 @@ class DispatcherSettings:
 
 @dataclass(frozen=True, slots=True, repr=False)
 class DatabaseSettings:
-    """How ``outbox run`` reaches PostgreSQL, beyond the database URL itself.
+    """``[database]``: how ``outbox run`` reaches PostgreSQL, beyond the database URL itself."""
 
-    ``pool_mode`` "transaction" means the URL leads to a transaction-mode pooler: no prepared
-    statements, no session settings (the DBA sets them on the role), no LISTEN through it.
-    ``listen_url`` is a direct connection (bypassing the pooler) for LISTEN; it may carry a
-    password, so it is never shown. Without one, a transaction-pooled daemon polls only.
-    ``listen`` false turns LISTEN off whatever the connection: the daemon polls only, and any
-    ``listen_url`` goes unused.
-    """
-
-    pool_mode: str = DEFAULT_POOL_MODE
-    listen_url: str | None = None
-    listen: bool = DEFAULT_LISTEN
-    # How long `outbox run` waits for the database at start-up before it exits (code 2) saying
-    # so; once it has started, an unreachable database is waited out for ever.
-    startup_wait: timedelta = DEFAULT_STARTUP_WAIT
+    pool_mode: str = field(default="session", metadata=setting(
+        _POOL_MODE,
+        'How the database URL reaches PostgreSQL. "session": a session of outbox\'s own per '
+        "connection (a direct connection, or a pooler in session mode), so prepared statements, "
+        "session settings and LISTEN all work; the default, as a plain PostgreSQL URL gives it. "
+        '"transaction": a pooler (PgBouncer\'s pool_mode = transaction) that lends a server '
+        "session per transaction only: no prepared statements, no session settings (the DBA "
+        "sets them on the role), no LISTEN through it (docs/pgbouncer.md).",
+    ))  # fmt: skip
+    listen_url: str | None = field(default=None, metadata=setting(
+        Secret("the LISTEN URL", carries="a password", kind_of_value="a connection URL",
+               default_env=DEFAULT_LISTEN_URL_ENV),
+        "A direct connection (bypassing the pooler) for LISTEN. It may carry a password, so the "
+        "file names only where it is, and it is never shown. Without one, a transaction-pooled "
+        "daemon polls only.",
+        default_doc=f"`${DEFAULT_LISTEN_URL_ENV}`, else none",
+    ))  # fmt: skip
+    listen: bool = field(default=True, metadata=setting(
+        Boolean(),
+        "Whether the daemon LISTENs for enqueue notifications: an idle dispatcher then claims a "
+        "committed row within milliseconds instead of at its next poll. Off, it polls only "
+        "(every poll_interval), producers never notify, and any listen_url goes unused.",
+    ))  # fmt: skip
+    startup_wait: timedelta = field(default=timedelta(seconds=60), metadata=setting(
+        Duration(),
+        "How long `outbox run` gives the database to answer at start-up before it exits (code "
+        "2) saying so; once it has started, an unreachable database is waited out for ever.",
+    ))  # fmt: skip
 
     def __post_init__(self) -> None:
-        object.__setattr__(
-            self, "pool_mode", _pool_mode(self.pool_mode, _Where("database.pool_mode"))
-        )
-        if self.listen_url is not None and (
-            not isinstance(self.listen_url, str) or not self.listen_url.strip()
-        ):
-            raise ConfigError(
-                "database.listen_url must be a connection URL", key="database.listen_url"
-            )
-        _boolean(self.listen, _Where("database.listen"))
+        check_fields(self, "database")
 
     @property
     def transaction_pooling(self) -> bool:
@@ -481,15 +270,170 @@ class DatabaseSettings:
         return self.pool_mode == "transaction"
 
     def __repr__(self) -> str:
-        shown = None if self.listen_url is None else REDACTED
-        return (
-            f"DatabaseSettings(pool_mode={self.pool_mode!r}, listen_url={shown!r}, "
-            f"listen={self.listen!r})"
-        )
+        return f"DatabaseSettings({shown_fields(self)})"
 
 
 def _no_options() -> Mapping[str, Any]:
     return MappingProxyType({})
+
+
+_LIMITS: Final = "limits"
+
+
+@dataclass(frozen=True, slots=True, repr=False)
+class ProviderSettings:
+    """One ``[providers.<name>]`` table. ``options`` holds its other keys, read-only and as
+    written (tables as read-only mappings, arrays as tuples); the provider's factory checks them
+    (PROVIDER_OPTIONS declares those of the built-in types). The keys every provider has are
+    fields; ``rate_limit`` is in calls per second.
+    """
+
+    name: str
+    type: str = field(metadata=setting(
+        ProviderType(),
+        'The provider\'s type: "webhook", "stripe", "noop", or the name a plug-in registers in '
+        "the entry point group outbox.providers.",
+    ))  # fmt: skip
+    key_retention: timedelta = field(default=timedelta(hours=24), metadata=setting(
+        Duration(),
+        "How long the provider remembers an idempotency key; longer than "
+        "dispatcher.retention_margin. Stripe keeps them for at least 24 hours; other providers "
+        "must say otherwise.",
+    ))  # fmt: skip
+    timeout: timedelta = field(default=timedelta(seconds=10), metadata=setting(
+        Duration(),
+        "How long one call may take: a provider that has not answered in 10 s is probably "
+        "stuck, and that is well under the lease, so the lease outlives the call.",
+    ))  # fmt: skip
+    options: Mapping[str, Any] = field(default_factory=_no_options)
+    max_in_flight: int | None = field(default=None, metadata=setting(
+        Count(),
+        "Its calls in flight at once, per process: a slow provider keeps to its own slots.",
+        default_doc="up to `dispatcher.concurrency`", group=_LIMITS,
+    ))  # fmt: skip
+    rate_limit: float | None = field(default=None, metadata=setting(
+        Rate(),
+        "Its calls per second across every replica: a token bucket in PostgreSQL, emptied for "
+        "the Retry-After of a 429.",
+        default_doc="none", group=_LIMITS,
+    ))  # fmt: skip
+    rate_burst: int | None = field(default=None, metadata=setting(
+        Count(),
+        "Calls that may go at once after a quiet spell.",
+        default_doc="one second's worth (at least 1)", requires="rate_limit", group=_LIMITS,
+    ))  # fmt: skip
+    breaker_failures: int = field(default=5, metadata=setting(
+        Count(),
+        "Failures in a row (transient or unknown) that open its circuit breaker: at a few "
+        "percent of random errors, five in a row happen about once in ten million calls.",
+        group=_LIMITS,
+    ))  # fmt: skip
+    breaker_open_for: timedelta = field(default=timedelta(seconds=30), metadata=setting(
+        Duration(),
+        "How long its breaker stays open before one probe, doubling while probes fail (up to "
+        "5 minutes, or this if longer): a provider back after a blip resumes within half a "
+        "minute, and one still down costs one request per probe.",
+        group=_LIMITS,
+    ))  # fmt: skip
+
+    def __post_init__(self) -> None:
+        table = _dotted("providers", self.name)
+        _provider_name(self.name, Where(table))
+        check_fields(self, table)
+        # Frozen all the way down: a provider cannot change the settings another one sees.
+        object.__setattr__(self, "options", _freeze(self.options))
+
+    @property
+    def limits(self) -> ProviderLimits:
+        """The dispatcher's share for this provider, defaults filled in."""
+        burst = self.rate_burst
+        if burst is None:
+            burst = 1 if self.rate_limit is None else default_burst(self.rate_limit)
+        return ProviderLimits(
+            max_in_flight=self.max_in_flight, rate=self.rate_limit, burst=burst,
+            breaker_failures=self.breaker_failures, breaker_open_for=self.breaker_open_for,
+        )  # fmt: skip
+
+    def __repr__(self) -> str:
+        options = redaction.redact(self.options, marker=REDACTED)
+        return f"ProviderSettings(name={self.name!r}, {shown_fields(self)}, options={options!r})"
+
+
+# The options of both HTTP providers.
+_ALLOW_INSECURE: Final = Setting(
+    "allow_insecure", Boolean(),
+    "Send secrets (secret headers, the API key) over http:// to a host other than loopback, "
+    "which is refused otherwise.",
+    default=False,
+)  # fmt: skip
+_MAX_RESPONSE_BYTES: Final = Setting(
+    "max_response_bytes", Count(unit="bytes"),
+    "The most of one answer read, counted as decoded, so a compressed answer cannot expand past "
+    "it: an answer is held in memory whole while its reference is read, and 1 MiB is hundreds "
+    "of times a webhook's or a Stripe object's answer, yet the 64 calls in flight of the "
+    "default concurrency hold at most 64 MiB of answers. A longer answer is *unknown*.",
+    default=1 << 20,
+)  # fmt: skip
+
+# The options each built-in provider type reads (besides the keys of ProviderSettings), which
+# its factory (outbox.providers.registry) checks and reads; a plug-in's type takes any options.
+# On loading, only the values that are not text are read (so that the environment's text reads
+# as the file would give it); the rest stay as written.
+PROVIDER_OPTIONS: Final[Mapping[str, tuple[Setting, ...]]] = MappingProxyType({
+    "webhook": (
+        Setting("url", Opaque("`http://` or `https://` URL, no credentials"),
+                "Where each operation is POSTed."),
+        Setting("headers", Opaque("table of strings"),
+                "Headers sent with every request, in plain sight: a secret-looking one "
+                "(Authorization, *token*, Cookie...) is refused here.",
+                default=None, default_doc="none", env=False),
+        Setting("secret_headers", Opaque('table of `{env = "VAR"}` or `{file = "/path"}`'),
+                "Headers whose values are secrets, read from the environment or a file (under "
+                "systemd, relative to $CREDENTIALS_DIRECTORY) and never logged.",
+                default=None, default_doc="none", env=False),
+        Setting("reference_field", Opaque("text"),
+                "The JSON field of a 2xx answer that identifies the effect (the operation's "
+                "provider_ref); without it, the idempotency key.",
+                default="id"),
+        _ALLOW_INSECURE,
+        _MAX_RESPONSE_BYTES,
+    ),
+    "stripe": (
+        Setting("api_key",
+                Secret("the API key", carries="the key itself", kind_of_value="an API key",
+                       example_env="STRIPE_API_KEY"),
+                "The secret or restricted key; under systemd, LoadCredential=<provider name>:... "
+                "needs neither key.",
+                default_doc="the file `<provider name>` in `$CREDENTIALS_DIRECTORY`"),
+        Setting("api_base", Opaque("`http://` or `https://` URL"),
+                "Stripe's API, or a test double of it.",
+                default="https://api.stripe.com"),
+        Setting("stripe_account", Opaque("text (`acct_...`)"),
+                "The Connect account every operation of the provider acts for (Stripe-Account).",
+                default=None, default_doc="none: the platform's own"),
+        _ALLOW_INSECURE,
+        _MAX_RESPONSE_BYTES,
+        Setting("redact_fields", Opaque("array of field names"),
+                "Fields never kept in an operation's result, at any depth: client_secret "
+                "confirms a payment from any browser.",
+                default=("client_secret",), env=False),
+        Setting("stripe_version", Opaque("Stripe API version, a date and a name"),
+                "The API version requests are sent in (Stripe-Version): the one stripe-python "
+                "16.1 was built for, never the SDK's default, which moves with each release. "
+                "An operation keeps the version of its first send.",
+                default="2026-10-28.endive"),
+        Setting("operation_accounts", Boolean(),
+                "Whether an operation may name its own Connect account (the payload's top-level "
+                "stripe_account): any producer of the provider can then act for any account "
+                "the platform's key reaches.",
+                default=False),
+    ),
+    "noop": (),
+})  # fmt: skip
+
+
+_BREAKER_FAILURES: Final[int] = default_of(ProviderSettings, "breaker_failures")
+_BREAKER_OPEN_FOR: Final[timedelta] = default_of(ProviderSettings, "breaker_open_for")
 
 
 @dataclass(frozen=True, slots=True)
@@ -505,84 +449,13 @@ class ProviderLimits:
     max_in_flight: int | None = None
     rate: float | None = None
     burst: int = 1
-    breaker_failures: int = DEFAULT_BREAKER_FAILURES
-    breaker_open_for: timedelta = DEFAULT_BREAKER_OPEN_FOR
+    breaker_failures: int = _BREAKER_FAILURES
+    breaker_open_for: timedelta = _BREAKER_OPEN_FOR
 
 
 def default_burst(rate: float) -> int:
     """One second's worth of calls, and at least one."""
     return max(1, math.ceil(rate))
-
-
-@dataclass(frozen=True, slots=True, repr=False)
-class ProviderSettings:
-    """One ``[providers.<name>]`` table. ``options`` holds its other keys, read-only and as
-    written (tables as read-only mappings, arrays as tuples); the provider's factory checks them.
-    The keys every provider has are fields; ``rate_limit`` is in calls per second.
-    """
-
-    name: str
-    type: str
-    key_retention: timedelta = DEFAULT_KEY_RETENTION
-    timeout: timedelta = DEFAULT_TIMEOUT
-    options: Mapping[str, Any] = field(default_factory=_no_options)
-    max_in_flight: int | None = None
-    rate_limit: float | None = None
-    rate_burst: int | None = None
-    breaker_failures: int = DEFAULT_BREAKER_FAILURES
-    breaker_open_for: timedelta = DEFAULT_BREAKER_OPEN_FOR
-
-    def __post_init__(self) -> None:
-        where = _Where(_dotted("providers", self.name))
-        _provider_name(self.name, where)
-        _provider_type(self.type, _Where(f"{where.key}.type"))
-        _positive_duration(self.key_retention, _Where(f"{where.key}.key_retention"))
-        _positive_duration(self.timeout, _Where(f"{where.key}.timeout"))
-        self._check_limits(where.key)
-        # Frozen all the way down: a provider cannot change the settings another one sees.
-        object.__setattr__(self, "options", _freeze(self.options))
-
-    def _check_limits(self, key: str) -> None:
-        if self.max_in_flight is not None:
-            _positive_int(self.max_in_flight, _Where(f"{key}.max_in_flight"))
-        rate = self.rate_limit
-        if rate is not None and (
-            isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 < rate < math.inf
-        ):
-            raise _Where(f"{key}.rate_limit").error(
-                f"must be a number of calls per second greater than zero, not {_show(rate)}"
-            )
-        if self.rate_burst is not None:
-            _positive_int(self.rate_burst, _Where(f"{key}.rate_burst"))
-            if rate is None:
-                raise _Where(f"{key}.rate_burst").error(
-                    f"applies only with {key}.rate_limit, which is not set"
-                )
-        _positive_int(self.breaker_failures, _Where(f"{key}.breaker_failures"))
-        _positive_duration(self.breaker_open_for, _Where(f"{key}.breaker_open_for"))
-
-    @property
-    def limits(self) -> ProviderLimits:
-        """The dispatcher's share for this provider, defaults filled in."""
-        burst = self.rate_burst
-        if burst is None:
-            burst = 1 if self.rate_limit is None else default_burst(self.rate_limit)
-        return ProviderLimits(
-            max_in_flight=self.max_in_flight, rate=self.rate_limit, burst=burst,
-            breaker_failures=self.breaker_failures, breaker_open_for=self.breaker_open_for,
-        )  # fmt: skip
-
-    def __repr__(self) -> str:
-        rate = None if self.rate_limit is None else format_rate(self.rate_limit)
-        return (
-            f"ProviderSettings(name={self.name!r}, type={self.type!r}, "
-            f"key_retention={format_duration(self.key_retention)!r}, "
-            f"timeout={format_duration(self.timeout)!r}, max_in_flight={self.max_in_flight!r}, "
-            f"rate_limit={rate!r}, rate_burst={self.rate_burst!r}, "
-            f"breaker_failures={self.breaker_failures!r}, "
-            f"breaker_open_for={format_duration(self.breaker_open_for)!r}, "
-            f"options={_redact(self.options)!r})"
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -591,12 +464,15 @@ class Settings:
 
     dispatcher: DispatcherSettings
     providers: Mapping[str, ProviderSettings]
-    log_level: str = DEFAULT_LOG_LEVEL
+    log_level: str = field(
+        default="info",
+        metadata=setting(Choice(LOG_LEVELS), "How much the daemon logs (a top-level key)."),
+    )
     database: DatabaseSettings = field(default_factory=DatabaseSettings)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "providers", MappingProxyType(dict(self.providers)))
-        object.__setattr__(self, "log_level", _log_level(self.log_level, _Where("log_level")))
+        check_fields(self, "")
         margin = self.dispatcher.retention_margin
         for name, provider in self.providers.items():
             if name != provider.name:
@@ -613,14 +489,40 @@ class Settings:
                 )
 
 
+# The tables of the file, and the dataclass each is read into.
+TABLES: Final[Mapping[str, type]] = MappingProxyType(
+    {"dispatcher": DispatcherSettings, "database": DatabaseSettings}
+)
+# The keys every [providers.<name>] table may have, and among them those of its share of the
+# dispatcher; a provider's other keys are its options.
+PROVIDER_KEYS: Final = tuple(s.name for s in settings_of(ProviderSettings))
+LIMIT_KEYS: Final = tuple(s.name for s in settings_of(ProviderSettings) if s.group == _LIMITS)
+
+# The defaults other modules use.
+DEFAULT_CONCURRENCY: Final[int] = default_of(DispatcherSettings, "concurrency")
+DEFAULT_SHUTDOWN_GRACE: Final[timedelta] = default_of(DispatcherSettings, "shutdown_grace")
+DEFAULT_KEY_RETENTION: Final[timedelta] = default_of(ProviderSettings, "key_retention")
+DEFAULT_TIMEOUT: Final[timedelta] = default_of(ProviderSettings, "timeout")
+DEFAULT_MAX_RESPONSE_BYTES: Final[int] = _MAX_RESPONSE_BYTES.default
+
+
+def _provider_name(value: object, where: Where) -> str:
+    if isinstance(value, str) and PROVIDER_NAME.fullmatch(value):
+        return value
+    raise where.error(
+        f"is not a valid provider name: names must match ^{PROVIDER_NAME.pattern}$ (lower-case "
+        'letters, digits, "_" and "-", at most 64 characters)'
+    )
+
+
 # --- Loading ---------------------------------------------------------------------------------
 
-_Values = dict[str, tuple[Any, _Where]]
+_Values = dict[str, tuple[Any, Where]]
 
 
 @dataclass(slots=True)
 class _RawProvider:
-    where: _Where
+    where: Where
     values: _Values
 
 
@@ -629,9 +531,8 @@ class _Raw:
     """The values read so far, each with where it came from: the file's, then the environment's."""
 
     top: _Values
-    dispatcher: _Values
+    tables: dict[str, _Values]
     providers: dict[str, _RawProvider]
-    database: _Values = field(default_factory=dict)
 
 
 def load_settings(path: Path | None, environ: Mapping[str, str] | None = None) -> Settings:
@@ -667,12 +568,11 @@ def settings_from_mapping(
     env = os.environ if environ is None else environ
     raw = _read_document(data, source)
     _apply_environment(raw, env)
-    log_level = raw.top.get("log_level")
     return Settings(
-        dispatcher=_dispatcher_settings(raw.dispatcher),
+        dispatcher=DispatcherSettings(**_read_table(DispatcherSettings, raw.tables["dispatcher"])),
         providers={name: _provider_settings(name, table) for name, table in raw.providers.items()},
-        log_level=DEFAULT_LOG_LEVEL if log_level is None else _log_level(*log_level),
-        database=_database_settings(raw.database, env),
+        **_read_table(Settings, raw.top),
+        database=DatabaseSettings(**_read_table(DatabaseSettings, raw.tables["database"], env)),
     )
 
 
@@ -681,13 +581,13 @@ def _dotted(*parts: str) -> str:
     return ".".join(p if re.fullmatch(r"[A-Za-z0-9_-]+", p) else json.dumps(p) for p in parts)
 
 
-def _table(value: object, where: _Where, valid: tuple[str, ...] | None = None) -> _Values:
+def _table(value: object, where: Where, valid: tuple[str, ...] | None = None) -> _Values:
     """The table ``value``, each value paired with where it is; its keys must be in ``valid``."""
     if not isinstance(value, Mapping):
-        raise where.error(f"must be a table, not {_show(value)}")
+        raise where.error(f"must be a table, not {show(value)}")
     values: _Values = {}
     for key, item in value.items():
-        at = _Where(
+        at = Where(
             f"{where.key}.{_dotted(str(key))}" if where.key else _dotted(str(key)), where.source
         )
         if valid is not None and key not in valid:
@@ -699,56 +599,54 @@ def _table(value: object, where: _Where, valid: tuple[str, ...] | None = None) -
 
 
 def _read_document(data: Mapping[str, Any], source: str) -> _Raw:
-    top = _table(data, _Where("", source), _TOP_KEYS)
-    dispatcher, at = top.pop("dispatcher", ({}, _Where("dispatcher", source)))
-    providers, at_providers = top.pop("providers", ({}, _Where("providers", source)))
-    database, at_database = top.pop("database", ({}, _Where("database", source)))
-    if isinstance(database, Mapping) and "listen_url" in database:
-        raise _listen_url_written(_Where("database.listen_url", source))
-    raw = _Raw(top, _table(dispatcher, at, tuple(_DISPATCHER_CHECKS)), {})
-    raw.database = _table(database, at_database, tuple(_DATABASE_CHECKS))
+    top_keys = (*TABLES, "providers", *file_keys(settings_of(Settings)))
+    top = _table(data, Where("", source), tuple(sorted(top_keys)))
+    tables = {name: top.pop(name, ({}, Where(name, source))) for name in TABLES}
+    for name, (table, where) in tables.items():
+        _refuse_written_secrets(TABLES[name], table, where)
+    raw = _Raw(top, {}, {})
+    for name, (table, where) in tables.items():
+        raw.tables[name] = _table(table, where, tuple(file_keys(settings_of(TABLES[name]))))
+    providers, at_providers = top.pop("providers", ({}, Where("providers", source)))
     for name, (table, where) in _table(providers, at_providers).items():
         raw.providers[name] = _RawProvider(where, _table(table, where))
     return raw
 
 
-def _dispatcher_settings(values: _Values) -> DispatcherSettings:
-    checked = {key: _DISPATCHER_CHECKS[key](value, where) for key, (value, where) in values.items()}
-    return DispatcherSettings(**checked)
+def _refuse_written_secrets(cls: type, table: object, where: Where) -> None:
+    """A secret written in the file itself is refused before anything else is said of it."""
+    if isinstance(table, Mapping):
+        for declared in settings_of(cls):
+            if isinstance(declared.kind, Secret) and declared.name in table:
+                declared.kind.read(table[declared.name], Where(f"{where.key}.{declared.name}",
+                                                               where.source))  # fmt: skip
 
 
-def _database_settings(values: _Values, environ: Mapping[str, str]) -> DatabaseSettings:
-    checked = {key: _DATABASE_CHECKS[key](value, where) for key, (value, where) in values.items()}
-    return DatabaseSettings(
-        pool_mode=checked.get("pool_mode", DEFAULT_POOL_MODE),
-        listen_url=_listen_url(values, environ),
-        listen=checked.get("listen", DEFAULT_LISTEN),
-        startup_wait=checked.get("startup_wait", DEFAULT_STARTUP_WAIT),
-    )
+def _read_table(
+    cls: type, values: _Values, environ: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """The values of one table read as their declarations say, as keyword arguments of ``cls``;
+    a secret read from where the table says it is."""
+    keys = file_keys(settings_of(cls))
+    read = {key: keys[key][1].read(value, where) for key, (value, where) in values.items()}
+    fields = {key: value for key, value in read.items() if keys[key][0].name == key}
+    for declared in settings_of(cls):
+        if isinstance(declared.kind, Secret):
+            fields[declared.name] = _secret(declared.name, declared.kind, values, environ or {})
+    return fields
 
 
-def _listen_url(values: _Values, environ: Mapping[str, str]) -> str | None:
-    """The direct URL for LISTEN from where the settings say it is; None when there is none."""
-    if "listen_url_env" in values and "listen_url_file" in values:
-        where = values["listen_url_file"][1]
-        raise where.error("and database.listen_url_env both say where the LISTEN URL is; keep one")
-    if "listen_url_file" in values:
-        name, where = values["listen_url_file"]
-        return read_secret({"file": name}, key=where.key, environ=environ)
-    if "listen_url_env" in values:
-        name, where = values["listen_url_env"]
-        return read_secret({"env": name}, key=where.key, environ=environ)
-    # Unset or empty (an env file's placeholder): no direct connection, so polling only.
-    return environ.get(DEFAULT_LISTEN_URL_ENV) or None
-
-
-def _listen_url_written(where: _Where) -> ConfigError:
-    # Never quote the value: a URL may carry a password.
-    return where.error(
-        f"is never written in the config file, as it may carry a password: set "
-        f"{DEFAULT_LISTEN_URL_ENV}, or name where it is with database.listen_url_env or "
-        "database.listen_url_file"
-    )
+def _secret(name: str, secret: Secret, values: _Values, environ: Mapping[str, str]) -> str | None:
+    """The secret ``name`` from where the table says it is; None when it is nowhere."""
+    if f"{name}_env" in values and f"{name}_file" in values:
+        other, where = values[f"{name}_env"][1].key, values[f"{name}_file"][1]
+        raise where.error(f"and {other} both say where {secret.label} is; keep one")
+    for suffix, kind in (("_file", "file"), ("_env", "env")):
+        if name + suffix in values:
+            reference, where = values[name + suffix]
+            return read_secret({kind: reference}, key=where.key, environ=environ)
+    # Unset or empty (an env file's placeholder): none.
+    return (environ.get(secret.default_env) or None) if secret.default_env else None
 
 
 def _provider_settings(name: str, raw: _RawProvider) -> ProviderSettings:
@@ -760,25 +658,27 @@ def _provider_settings(name: str, raw: _RawProvider) -> ProviderSettings:
             raise raw.where.error(
                 f"is not in the config file; set {_ENV_PROVIDERS}{env_name}__TYPE to add it"
             )
-        where = _Where(f"{raw.where.key}.type", raw.where.source)
+        where = Where(f"{raw.where.key}.type", raw.where.source)
         raise where.error(
             'is required: the provider\'s type, such as "webhook", "stripe" or "noop"'
         )
-    retention = values.pop("key_retention", (DEFAULT_KEY_RETENTION, raw.where))
-    timeout = values.pop("timeout", (DEFAULT_TIMEOUT, raw.where))
     # Every provider has these keys; what each must be names the key (and its source).
-    limits = {key: check(*values.pop(key)) for key, check in _LIMIT_CHECKS.items() if key in values}
+    common = {
+        key: kind.read(*values.pop(key))
+        for key, (_, kind) in file_keys(settings_of(ProviderSettings)).items()
+        if key in values
+    }
+    options = file_keys(PROVIDER_OPTIONS.get(common["type"], ()))
     return ProviderSettings(
         name=name,
-        type=_provider_type(*values.pop("type")),
-        key_retention=_positive_duration(*retention),
-        timeout=_positive_duration(*timeout),
-        options={
-            key: _OPTION_CHECKS[key](value, where) if key in _OPTION_CHECKS else value
-            for key, (value, where) in values.items()
-        },
-        **limits,
+        options={k: _option(options.get(k), value, where) for k, (value, where) in values.items()},
+        **common,
     )
+
+
+def _option(declared: tuple[Setting, Kind[Any]] | None, value: object, where: Where) -> object:
+    """An option of a built-in provider type as written, or read when it is not text."""
+    return declared[1].read(value, where) if declared and declared[1].not_text else value
 
 
 # --- Environment overrides -------------------------------------------------------------------
@@ -786,37 +686,32 @@ def _provider_settings(name: str, raw: _RawProvider) -> ProviderSettings:
 
 def _apply_environment(raw: _Raw, environ: Mapping[str, str]) -> None:
     """Lay the OUTBOX_* overrides over ``raw``, in a fixed order so errors are reproducible."""
+    top = {f"{_ENV}{s.name.upper()}": s.name for s in settings_of(Settings) if s.env}
     for var in sorted(environ):
         value = environ[var]
-        if var == _ENV_LOG_LEVEL:
-            raw.top["log_level"] = (value, _Where("log_level", env=var))
-        elif var.startswith(_ENV_DISPATCHER):
-            key = var.removeprefix(_ENV_DISPATCHER).lower()
-            if key not in _DISPATCHER_CHECKS:
-                raise ConfigError(
-                    f"{var}: the dispatcher has no setting {key!r}; "
-                    f"the valid keys are {', '.join(_DISPATCHER_CHECKS)}",
-                    key=var,
-                )
-            raw.dispatcher[key] = (value, _Where(f"dispatcher.{key}", env=var))
-        elif var.startswith(_ENV_DATABASE):
-            _override_database(raw, var, value)
+        if var in top:
+            raw.top[top[var]] = (value, Where(top[var], env=var))
         elif var.startswith(_ENV_PROVIDERS):
             _override_provider(raw, var, value)
+        else:
+            for table in TABLES:
+                if var.startswith(f"{_ENV}{table.upper()}__"):
+                    _override_table(raw, table, var, value)
 
 
-def _override_database(raw: _Raw, var: str, value: str) -> None:
-    key = var.removeprefix(_ENV_DATABASE).lower()
-    where = _Where(f"database.{key}", env=var)
-    if key == "listen_url":
-        raise where.error(f"is read from {DEFAULT_LISTEN_URL_ENV}, not from {var}")
-    if key not in _DATABASE_CHECKS:
+def _override_table(raw: _Raw, table: str, var: str, value: str) -> None:
+    key = var.removeprefix(f"{_ENV}{table.upper()}__").lower()
+    where = Where(f"{table}.{key}", env=var)
+    for declared in settings_of(TABLES[table]):
+        if declared.name == key and isinstance(declared.kind, Secret) and declared.kind.default_env:
+            raise where.error(f"is read from {declared.kind.default_env}, not from {var}")
+    valid = file_keys(settings_of(TABLES[table]))
+    if key not in valid:
         raise ConfigError(
-            f"{var}: the database has no setting {key!r}; "
-            f"the valid keys are {', '.join(_DATABASE_CHECKS)}",
+            f"{var}: the {table} has no setting {key!r}; the valid keys are {', '.join(valid)}",
             key=var,
         )
-    raw.database[key] = (value, where)
+    raw.tables[table][key] = (value, where)
 
 
 def _override_provider(raw: _Raw, var: str, value: str) -> None:
@@ -829,11 +724,11 @@ def _override_provider(raw: _Raw, var: str, value: str) -> None:
         )
     name = _provider_named(raw.providers, parts[0], var)
     provider = raw.providers.setdefault(
-        name, _RawProvider(_Where(_dotted("providers", name), env=var), {})
+        name, _RawProvider(Where(_dotted("providers", name), env=var), {})
     )
     # Match an existing option whatever its case, so REFERENCE_FIELD overrides reference_field.
     key = next((k for k in provider.values if k.lower() == parts[1].lower()), parts[1].lower())
-    where = _Where(_dotted("providers", name, key), env=var)
+    where = Where(_dotted("providers", name, key), env=var)
     if isinstance(provider.values.get(key, (None,))[0], Mapping):
         raise where.error("is a table; it cannot be replaced from the environment")
     provider.values[key] = (value, where)
@@ -923,36 +818,10 @@ def _warn_if_readable(path: Path, key: str) -> None:
             file=str(path), mode=oct(mode & 0o777))  # fmt: skip
 
 
-# --- Freezing and redaction ------------------------------------------------------------------
-
-
 def _freeze(value: Any) -> Any:
     """A read-only deep copy: tables as MappingProxyType, arrays as tuples."""
     if isinstance(value, Mapping):
         return MappingProxyType({key: _freeze(item) for key, item in value.items()})
     if isinstance(value, list | tuple):
         return tuple(_freeze(item) for item in value)
-    return value
-
-
-def _redact(options: Mapping[str, Any]) -> dict[str, Any]:
-    """A copy of ``options`` fit to print: anything that might be a secret is REDACTED."""
-    shown: dict[str, Any] = {}
-    for key, value in options.items():
-        if str(key).lower() == "secret_headers" and isinstance(value, Mapping):
-            shown[key] = dict.fromkeys(value, REDACTED)  # header names help; values never
-        elif any(word in str(key).lower() for word in _SECRET_WORDS):
-            shown[key] = REDACTED
-        else:
-            shown[key] = _redact_value(value)
-    return shown
-
-
-def _redact_value(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return _redact(value)
-    if isinstance(value, list | tuple):
-        return [_redact_value(item) for item in value]
-    if isinstance(value, str):  # a password in a URL: https://user:secret@host/
-        return re.sub(r"(://[^/@:\s]*:)[^/@\s]*@", rf"\1{REDACTED}@", value)
     return value

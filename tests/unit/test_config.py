@@ -17,11 +17,13 @@ from hypothesis import given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
-from outbox import event_loop
+from outbox import event_loop, logs, redaction
 from outbox.config import (
     DEFAULT_KEY_RETENTION,
     DEFAULT_TIMEOUT,
     MAX_CONCURRENCY,
+    PROVIDER_OPTIONS,
+    TABLES,
     ConfigError,
     DatabaseSettings,
     DispatcherSettings,
@@ -34,6 +36,8 @@ from outbox.config import (
     settings_from_mapping,
 )
 from outbox.errors import OutboxError
+from outbox.providers import registry, stripe, webhook
+from outbox.settings_schema import settings_of
 
 PROPERTY = hypothesis_settings(database=None, deadline=None)
 
@@ -718,6 +722,7 @@ def test_settings_built_in_code_follow_the_same_rules(
         (lambda: DatabaseSettings(listen="yes"), "database.listen"),  # type: ignore[arg-type]
         (lambda: DatabaseSettings(listen_url=" "), "database.listen_url"),
         (lambda: DatabaseSettings(listen_url=5), "database.listen_url"),  # type: ignore[arg-type]
+        (lambda: DatabaseSettings(startup_wait=timedelta(0)), "database.startup_wait"),
     ],
 )
 def test_more_settings_built_in_code_follow_the_same_rules(
@@ -1013,7 +1018,10 @@ def test_repr_never_shows_the_listen_url() -> None:
     )
     for text in (repr(settings), str(settings), repr(settings.database)):
         assert "hunter2" not in text and "db-primary" not in text
-    shown = "DatabaseSettings(pool_mode='transaction', listen_url='***', listen=True)"
+    shown = (
+        "DatabaseSettings(pool_mode='transaction', listen_url='***', listen=True, "
+        "startup_wait='1m')"
+    )
     assert shown in repr(settings)
 
 
@@ -1079,7 +1087,7 @@ def test_a_missing_listen_url_file_is_named_by_its_key(tmp_path: Path) -> None:
 
 def test_repr_shows_that_there_is_no_listen_url() -> None:
     assert repr(DatabaseSettings()) == (
-        "DatabaseSettings(pool_mode='session', listen_url=None, listen=True)"
+        "DatabaseSettings(pool_mode='session', listen_url=None, listen=True, startup_wait='1m')"
     )
 
 
@@ -1231,3 +1239,89 @@ def test_without_uvloop_only_uvloop_itself_is_refused() -> None:
     )
     with pytest.raises(ConfigError, match=r'^dispatcher\.event_loop is "uvloop", which is not'):
         DispatcherSettings(event_loop="UVLOOP")
+
+
+# --- Declared once --------------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_key_says_what_it_does() -> None:
+    declared = [
+        *settings_of(Settings), *settings_of(ProviderSettings),
+        *(s for cls in TABLES.values() for s in settings_of(cls)),
+        *(s for options in PROVIDER_OPTIONS.values() for s in options),
+    ]  # fmt: skip
+    assert len(declared) == 1 + 8 + 14 + 4 + 6 + 8
+    for setting in declared:
+        assert setting.doc.endswith("."), setting.name
+
+
+def test_the_built_in_types_declare_the_options_their_factories_read() -> None:
+    """Until the providers take these from outbox.config, they must agree with it."""
+    options = {t: {s.name: s for s in declared} for t, declared in PROVIDER_OPTIONS.items()}
+    keys = {t: tuple(k for s in declared for k in s.file_keys())
+            for t, declared in PROVIDER_OPTIONS.items()}  # fmt: skip
+    assert keys["webhook"] == registry._WEBHOOK_KEYS
+    assert keys["stripe"] == registry._STRIPE_KEYS
+    assert options["webhook"]["reference_field"].default == webhook.DEFAULT_REFERENCE_FIELD
+    assert options["stripe"]["stripe_version"].default == stripe.DEFAULT_STRIPE_VERSION
+    assert options["stripe"]["redact_fields"].default == stripe.DEFAULT_REDACTED
+    assert options["stripe"]["api_base"].default == registry.DEFAULT_STRIPE_API
+
+
+HOOK = {"type": "webhook", "url": "https://hooks.example.com/"}
+
+
+@pytest.mark.parametrize("text", ["true", "yes", "1", " On "])
+def test_a_boolean_option_may_come_from_the_environment(text: str) -> None:
+    data = {"providers": {"hook": HOOK, "pay": {"type": "stripe"}}}
+    settings = load(
+        data,
+        OUTBOX_PROVIDERS__HOOK__ALLOW_INSECURE=text,
+        OUTBOX_PROVIDERS__PAY__OPERATION_ACCOUNTS=text,
+    )
+    assert settings.providers["hook"].options["allow_insecure"] is True
+    assert settings.providers["pay"].options["operation_accounts"] is True
+
+
+def test_a_boolean_option_in_the_file_is_checked_where_it_is_written() -> None:
+    error = config_error({"providers": {"hook": {**HOOK, "allow_insecure": "yes"}}})
+    assert error.key == "providers.hook.allow_insecure"
+    assert str(error) == (
+        'providers.hook.allow_insecure (in <config>) must be true or false, not "yes"'
+    )
+
+
+def test_a_plug_in_s_options_stay_as_written() -> None:
+    data = {"providers": {"p": {"type": "acme", "allow_insecure": "yes", "max_response_bytes": 0}}}
+    assert load(data).providers["p"].options == {"allow_insecure": "yes", "max_response_bytes": 0}
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "connect to postgresql://app:hunter2@db/app failed",
+        "host=db user=app password=hunter2 dbname=app",
+        "password = 'hunter 2' and PASSWORD=x",
+        "Invalid API Key provided: sk_live_abcdef123456",
+        "rk_test_abcdef and pk_live_0123456789",
+        "https://u:p/w@h/ and nothing else",
+        "no secret here",
+        "",
+    ],
+)
+def test_one_scrubber_masks_what_the_logs_mask(text: str) -> None:
+    assert redaction.scrub(text, marker=logs.REDACTED) == logs.scrub_text(text)
+
+
+def test_the_scrubber_masks_a_known_secret_anywhere() -> None:
+    shown = redaction.scrub("auth failed for hunter2 (hunter2)", marker="#", known=["hunter2", ""])
+    assert shown == "auth failed for # (#)"
+
+
+def test_redaction_keeps_the_names_of_a_secret_table() -> None:
+    options = {"secret_headers": {"Authorization": {"env": "T"}}, "api_token": "t0k", "n": (1, 2)}
+    assert redaction.redact(options) == {
+        "secret_headers": {"Authorization": "***"}, "api_token": "***", "n": [1, 2],
+    }  # fmt: skip
