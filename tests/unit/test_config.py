@@ -35,6 +35,7 @@ from outbox.config import (
     read_secret,
     settings_from_mapping,
 )
+from outbox.config_reference import COMMAND, reference
 from outbox.errors import OutboxError
 from outbox.providers import registry, stripe, webhook
 from outbox.settings_schema import settings_of
@@ -1246,6 +1247,13 @@ def test_without_uvloop_only_uvloop_itself_is_refused() -> None:
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def test_the_config_reference_is_made_from_the_declarations() -> None:
+    written = (ROOT / "docs" / "config-reference.md").read_text(encoding="utf-8")
+    if written != reference():
+        pytest.fail(f"docs/config-reference.md is stale: run `{COMMAND}`", pytrace=False)
+    assert reference().isascii()  # the command writes it through any locale's stdout
+
+
 def test_every_key_says_what_it_does() -> None:
     declared = [
         *settings_of(Settings), *settings_of(ProviderSettings),
@@ -1255,6 +1263,7 @@ def test_every_key_says_what_it_does() -> None:
     assert len(declared) == 1 + 8 + 14 + 4 + 6 + 8
     for setting in declared:
         assert setting.doc.endswith("."), setting.name
+        assert f"`{setting.name}" in reference(), setting.name
 
 
 def test_the_built_in_types_declare_the_options_their_factories_read() -> None:
