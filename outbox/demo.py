@@ -31,8 +31,8 @@ from outbox.db.store import Store
 from outbox.dispatcher import Dispatcher
 from outbox.providers.registry import build_providers
 from outbox.reconciler import Reconciler
-from outbox.tables import render_table
 from outbox.testing import FakeStripe, FakeWebhookReceiver, StripeFault, WebhookFault
+from outbox.text_tables import render_table
 
 DEMO_STRIPE_KEY: Final = "sk_test_outbox_demo"
 DEMO_PREFIX: Final = "outbox-demo-"  # the embedded database's directory; `--stop` wants it

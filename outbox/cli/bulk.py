@@ -26,7 +26,7 @@ from outbox.db import dsn as dsn_util
 from outbox.durations import format_duration, parse_duration
 from outbox.model import Status
 from outbox.safe_text import printable
-from outbox.tables import render_table
+from outbox.text_tables import render_table
 
 F = TypeVar("F", bound=Callable[..., Any])
 Action = Callable[[psycopg.Connection[Any], int], Status]

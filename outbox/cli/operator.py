@@ -26,7 +26,7 @@ from outbox.durations import format_duration
 from outbox.model import Status
 from outbox.providers.registry import build_providers
 from outbox.safe_text import printable
-from outbox.tables import render_table
+from outbox.text_tables import render_table
 
 F = TypeVar("F", bound=Callable[..., Any])
 

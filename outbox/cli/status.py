@@ -19,7 +19,7 @@ from outbox.db import statements
 from outbox.dispatcher import UNKNOWN_PROVIDER_GRACE
 from outbox.durations import format_duration
 from outbox.model import Status
-from outbox.tables import render_table
+from outbox.text_tables import render_table
 
 PROVIDER_LIMIT: Final = 200  # providers shown; more names than this is a producer's bug
 COUNT_LIMIT: Final = 10_000  # each provider's count stops here ("10000+")

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from outbox import logs, operators
 from outbox.safe_text import printable
-from outbox.tables import render_table
+from outbox.text_tables import render_table
 from tests.support.cli import outbox_cli
 from tests.support.dispatch import enqueue_many, rows
 

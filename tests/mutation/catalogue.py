@@ -460,7 +460,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "table-cells-unescaped",
         "a reason or a provider's answer draws fake rows or drives the terminal in the CLI",
-        "outbox/tables.py",
+        "outbox/text_tables.py",
         'return "-" if value is None else printable(str(value))',
         'return "-" if value is None else str(value)',
         "tests/integration/test_audit_truth.py",

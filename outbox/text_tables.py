@@ -1,4 +1,4 @@
-"""Plain-text tables for people; the CLI's --json is for scripts."""
+"""Plain-text tables for people, from the CLI and `outbox demo`; the CLI's --json is for scripts."""
 
 from __future__ import annotations
 
