@@ -10,6 +10,7 @@ from typing import Any, Final, TextIO
 
 import structlog
 
+from outbox import redaction
 from outbox.safe_text import printable
 
 # Keys whose values are never logged, wherever they appear in an event.
@@ -17,15 +18,6 @@ _SECRET_KEYS: Final = frozenset(
     {"payload", "api_key", "password", "dsn", "authorization", "secret", "token", "headers"}
 )
 REDACTED: Final = "[redacted]"
-
-
-# Secrets that can hide inside any text: a password in a connection URL or key=value string,
-# and Stripe-style API keys.
-_SECRET_PATTERNS: Final = (
-    (re.compile(r"(://[^/:@\s]*:)[^@\s]+@"), rf"\1{REDACTED}@"),
-    (re.compile(r"(password\s*=\s*)('[^']*'|\S+)", re.IGNORECASE), rf"\1{REDACTED}"),
-    (re.compile(r"\b(sk|rk|pk)_(live|test)_[A-Za-z0-9]{6,}"), REDACTED),
-)
 
 
 # A PostgreSQL error's DETAIL line quotes data: "Failing row contains (...)" is every column of
@@ -45,17 +37,9 @@ def redact_secrets(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableM
     return event
 
 
-# Every secret pattern above needs one of these; most log values have none, and skip the regexes.
-_SECRET_HINTS: Final = ("@", "=", "_live_", "_test_")
-
-
 def scrub_text(text: str) -> str:
-    """``text`` with connection-string passwords and API keys masked."""
-    if not any(hint in text for hint in _SECRET_HINTS):
-        return text
-    for pattern, replacement in _SECRET_PATTERNS:
-        text = pattern.sub(replacement, text)
-    return text
+    """``text`` with connection-string passwords and API keys masked (outbox.redaction)."""
+    return redaction.scrub(text, marker=REDACTED)
 
 
 def escape_controls(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
