@@ -35,7 +35,7 @@ POOL_MAX_SIZE: Final = 10
 # /healthz fails when the event loop has not ticked for this long (a hung process).
 LOOP_STALL_LIMIT: Final = 10.0
 TICK: Final = 0.5
-# The CLI's exit code for settings that cannot work (cli_common's BadInput).
+# The CLI's exit code for settings that cannot work (outbox.cli.common's BadInput).
 EXIT_MISCONFIGURED: Final = 2
 # The pool-mode check at startup (two connections, a few queries) takes milliseconds; a database
 # that does not answer within this is checked in the background instead, every RETRY seconds.

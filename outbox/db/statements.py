@@ -709,7 +709,7 @@ SELECT id, provider, action, idempotency_key, key_generation, attempts,
 FROM outbox.operations o
 WHERE status = 'reconciling'
   AND (%(id)s::bigint IS NULL OR id = %(id)s::bigint)
-  -- `reconcile check` with filters: the ids they selected (outbox/cli_bulk.py).
+  -- `reconcile check` with filters: the ids they selected (outbox/cli/bulk.py).
   AND (%(ids)s::bigint[] IS NULL OR id = ANY (%(ids)s::bigint[]))
   -- Only providers that can be asked: the others wait for a person, and must not fill every batch.
   -- NULL: any provider (one operation asked for by id, whose provider may not be configured).
