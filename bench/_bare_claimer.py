@@ -59,13 +59,17 @@ async def serve(db_url: str, receiver_url: str) -> None:
         await work.execute(MARK_WAITING, {"worker": WORKER})
         print("READY", flush=True)
         while not stop.is_set():
-            while ids := [r[0] for r in await (await work.execute(CLAIM, {"worker": WORKER}))
-                          .fetchall()]:  # fmt: skip
-                await asyncio.gather(*(
-                    client.post(receiver_url, json={"n": i},
-                                headers={"Outbox-Operation-Id": str(i)})
-                    for i in ids
-                ))  # fmt: skip
+            while ids := [
+                r[0] for r in await (await work.execute(CLAIM, {"worker": WORKER})).fetchall()
+            ]:
+                await asyncio.gather(
+                    *(
+                        client.post(
+                            receiver_url, json={"n": i}, headers={"Outbox-Operation-Id": str(i)}
+                        )
+                        for i in ids
+                    )
+                )
                 await work.execute(FINISH, {"ids": ids})
             # Wake on the next notification, or poll; notifications that came during the claim
             # are queued on the connection and end this wait at once.

@@ -55,12 +55,17 @@ class Stats:
         self.arrivals: dict[str, float] = {}
 
     def as_json(self) -> bytes:
-        return json.dumps({
-            "requests": self.requests, "max_open_connections": self.max_open_connections,
-            "connections_accepted": self.connections_accepted,
-            "max_holding": self.max_holding, "first_at": self.first_at, "last_at": self.last_at,
-            "arrivals": self.arrivals if self.stamp else {},
-        }).encode()  # fmt: skip
+        return json.dumps(
+            {
+                "requests": self.requests,
+                "max_open_connections": self.max_open_connections,
+                "connections_accepted": self.connections_accepted,
+                "max_holding": self.max_holding,
+                "first_at": self.first_at,
+                "last_at": self.last_at,
+                "arrivals": self.arrivals if self.stamp else {},
+            }
+        ).encode()
 
 
 class _Connection(asyncio.Protocol):

@@ -21,8 +21,11 @@ class FakeStripeProcess:
     def __init__(self) -> None:
         self.proc = subprocess.Popen(  # noqa: S603 (this file, fixed arguments)
             [sys.executable, str(Path(__file__).resolve())],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO,
-        )  # fmt: skip
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+        )
         line = self._readline()
         if not line.startswith("URL "):
             self.stop()

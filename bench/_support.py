@@ -97,8 +97,9 @@ def drop_database(db_url: str, url: str | None = None) -> None:
 
 
 @contextmanager
-def fresh_database(*, migrate: bool = True, prefix: str = "",
-                   url: str | None = None) -> Iterator[str]:  # fmt: skip
+def fresh_database(
+    *, migrate: bool = True, prefix: str = "", url: str | None = None
+) -> Iterator[str]:
     """A new database for one benchmark, dropped at the end whatever happens; yields its URL."""
     db_url = create_database(url, migrate=migrate, prefix=prefix)
     try:
@@ -136,12 +137,21 @@ FROM (
 """
 
 
-def bulk_enqueue(db_url: str, count: int, *, provider: str = NOOP_PROVIDER,
-                 action: str = "bench", tenant: str = "bench",
-                 operation_type: str = "bench.op", key_prefix: str | None = None,
-                 payload: dict[str, Any] | None = None, available_at: Any = None,
-                 analyze: bool = True, ordered_every: int = 0,
-                 ordering_keys: int = 100) -> None:  # fmt: skip
+def bulk_enqueue(
+    db_url: str,
+    count: int,
+    *,
+    provider: str = NOOP_PROVIDER,
+    action: str = "bench",
+    tenant: str = "bench",
+    operation_type: str = "bench.op",
+    key_prefix: str | None = None,
+    payload: dict[str, Any] | None = None,
+    available_at: Any = None,
+    analyze: bool = True,
+    ordered_every: int = 0,
+    ordering_keys: int = 100,
+) -> None:
     """Enqueue ``count`` pending operations fast, in chunks of one INSERT ... SELECT each.
 
     Rows are what ``outbox.enqueue`` would write (same fingerprint, same derived key), except
@@ -158,13 +168,19 @@ def bulk_enqueue(db_url: str, count: int, *, provider: str = NOOP_PROVIDER,
             conn.execute(
                 _BULK_INSERT,
                 {
-                    "tenant": tenant, "operation_type": operation_type, "key_prefix": prefix,
-                    "provider": provider, "action": action,
-                    "payload": json.dumps(payload or {}), "first": first, "last": last,
-                    "available_at": available_at, "ordered_every": ordered_every,
+                    "tenant": tenant,
+                    "operation_type": operation_type,
+                    "key_prefix": prefix,
+                    "provider": provider,
+                    "action": action,
+                    "payload": json.dumps(payload or {}),
+                    "first": first,
+                    "last": last,
+                    "available_at": available_at,
+                    "ordered_every": ordered_every,
                     "ordering_keys": ordering_keys,
                 },
-            )  # fmt: skip
+            )
         if analyze:
             conn.execute("ANALYZE outbox.operations")
 
@@ -211,8 +227,9 @@ def drain_window(db_url: str) -> DrainWindow:
 # --- `outbox run` subprocesses -------------------------------------------------------------
 
 
-def write_config(path: Path, *, providers: dict[str, dict[str, Any]] | None = None,
-                 **dispatcher: Any) -> Path:  # fmt: skip
+def write_config(
+    path: Path, *, providers: dict[str, dict[str, Any]] | None = None, **dispatcher: Any
+) -> Path:
     """The test suite's TOML writer; ``providers`` defaults to one ``noop`` provider."""
     tables = providers if providers is not None else {NOOP_PROVIDER: {"type": "noop"}}
     return tests_write_config(path, providers=tables, **dispatcher)
@@ -221,19 +238,37 @@ def write_config(path: Path, *, providers: dict[str, dict[str, Any]] | None = No
 class OutboxRun:
     """One `outbox run` subprocess with its log in a file."""
 
-    def __init__(self, db_url: str, config: Path, log_path: Path, *,
-                 metrics_addr: str = "127.0.0.1:0", env: dict[str, str] | None = None,
-                 python: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        db_url: str,
+        config: Path,
+        log_path: Path,
+        *,
+        metrics_addr: str = "127.0.0.1:0",
+        env: dict[str, str] | None = None,
+        python: str | None = None,
+    ) -> None:
         """``metrics_addr`` defaults to an ephemeral loopback port: metrics on, as in production."""
         self.log_path = log_path
         self._log: IO[bytes] = log_path.open("ab")
         full_env = {**os.environ, "OUTBOX_DATABASE_URL": db_url, **(env or {})}
         full_env.setdefault("OUTBOX_LOG_LEVEL", "warning")
         self.proc = subprocess.Popen(  # noqa: S603 (our own CLI, fixed arguments)
-            [python or sys.executable, "-m", "outbox", "run", "--config", str(config),
-             "--metrics-addr", metrics_addr],
-            env=full_env, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO,
-        )  # fmt: skip
+            [
+                python or sys.executable,
+                "-m",
+                "outbox",
+                "run",
+                "--config",
+                str(config),
+                "--metrics-addr",
+                metrics_addr,
+            ],
+            env=full_env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
 
     @property
     def pid(self) -> int:
@@ -292,10 +327,16 @@ def scrape_metrics(url: str, timeout: float = 5.0) -> dict[str, float]:
 
 
 @contextmanager
-def outbox_runs(db_url: str, *, processes: int = 1, log_dir: Path | None = None,
-                providers: dict[str, dict[str, Any]] | None = None,
-                metrics_addr: str = "127.0.0.1:0", env: dict[str, str] | None = None,
-                **dispatcher: Any) -> Iterator[list[OutboxRun]]:  # fmt: skip
+def outbox_runs(
+    db_url: str,
+    *,
+    processes: int = 1,
+    log_dir: Path | None = None,
+    providers: dict[str, dict[str, Any]] | None = None,
+    metrics_addr: str = "127.0.0.1:0",
+    env: dict[str, str] | None = None,
+    **dispatcher: Any,
+) -> Iterator[list[OutboxRun]]:
     """Start ``processes`` `outbox run` subprocesses with one config; SIGTERM them at the end.
 
     ``dispatcher`` keys go into the [dispatcher] table (concurrency=..., batch_size=...).
@@ -306,10 +347,9 @@ def outbox_runs(db_url: str, *, processes: int = 1, log_dir: Path | None = None,
     assert directory is not None
     config = write_config(directory / "outbox.toml", providers=providers, **dispatcher)
     runs = [
-        OutboxRun(db_url, config, directory / f"outbox-{i}.log", metrics_addr=metrics_addr,
-                  env=env)
+        OutboxRun(db_url, config, directory / f"outbox-{i}.log", metrics_addr=metrics_addr, env=env)
         for i in range(processes)
-    ]  # fmt: skip
+    ]
     try:
         yield runs
     finally:
@@ -319,9 +359,14 @@ def outbox_runs(db_url: str, *, processes: int = 1, log_dir: Path | None = None,
             shutil.rmtree(directory, ignore_errors=True)
 
 
-def wait_until(predicate: Callable[[], bool], *, timeout: float, what: str,
-               interval: float = 0.05,
-               alive: Sequence[OutboxRun] = ()) -> float:  # fmt: skip
+def wait_until(
+    predicate: Callable[[], bool],
+    *,
+    timeout: float,
+    what: str,
+    interval: float = 0.05,
+    alive: Sequence[OutboxRun] = (),
+) -> float:
     """Poll ``predicate`` until true; returns the seconds it took.
 
     Raises TimeoutError after ``timeout`` seconds, and RuntimeError as soon as one of ``alive``
@@ -364,8 +409,14 @@ def unfinished(conn: psycopg.Connection[Any]) -> tuple[bool, bool]:
     return bool(row[0]), bool(row[1])
 
 
-def wait_drained(db_url: str, expected: int, *, timeout: float,
-                 runs: Sequence[OutboxRun] = (), interval: float = 0.2) -> float:  # fmt: skip
+def wait_drained(
+    db_url: str,
+    expected: int,
+    *,
+    timeout: float,
+    runs: Sequence[OutboxRun] = (),
+    interval: float = 0.2,
+) -> float:
     """Wait until ``expected`` operations are finished (no longer pending or in flight)."""
     with psycopg.connect(db_url, autocommit=True) as conn:
 
@@ -376,8 +427,13 @@ def wait_drained(db_url: str, expected: int, *, timeout: float,
             row = conn.execute("SELECT count(*) FROM outbox.operations").fetchone()
             return row is not None and int(row[0]) >= expected
 
-        return wait_until(done, timeout=timeout, what=f"{expected} operations finished",
-                          interval=interval, alive=runs)  # fmt: skip
+        return wait_until(
+            done,
+            timeout=timeout,
+            what=f"{expected} operations finished",
+            interval=interval,
+            alive=runs,
+        )
 
 
 # --- machine facts, statistics, tables --------------------------------------------------------
@@ -481,8 +537,9 @@ def fmt_ratio(value: float) -> str:
     return "n/a" if value != value else f"{value:.2f}"  # noqa: PLR0124 (NaN check)
 
 
-def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *,
-                title: str | None = None) -> str:  # fmt: skip
+def print_table(
+    headers: Sequence[str], rows: Sequence[Sequence[Any]], *, title: str | None = None
+) -> str:
     """A Markdown table (pipe-separated, aligned), printed and returned.
 
     Numbers are right-aligned; everything is turned into text with ``str``.

@@ -36,12 +36,19 @@ def parse_args(argv: list[str]) -> tuple[Settings, Path | None]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for knob in fields(Settings):
         default = BENCH_DEFAULTS.get(knob.name, getattr(defaults, knob.name))
-        parser.add_argument(f"--{knob.name.replace('_', '-')}", type=type(default),
-                            default=default,
-                            help=f"{knob.metadata['help']} (default {default})")  # fmt: skip
-    parser.add_argument("--workdir", type=Path, default=None,
-                        help="where dispatcher logs go (default: a temporary directory, kept "
-                             "only when an invariant fails)")  # fmt: skip
+        parser.add_argument(
+            f"--{knob.name.replace('_', '-')}",
+            type=type(default),
+            default=default,
+            help=f"{knob.metadata['help']} (default {default})",
+        )
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        default=None,
+        help="where dispatcher logs go (default: a temporary directory, kept "
+        "only when an invariant fails)",
+    )
     args = parser.parse_args(argv)
     settings = Settings(**{knob.name: getattr(args, knob.name) for knob in fields(Settings)})
     return settings, args.workdir
@@ -65,8 +72,9 @@ def main(argv: list[str]) -> int:
     keep = workdir is not None
     directory = workdir or Path(tempfile.mkdtemp(prefix="outbox-chaos-"))
     directory.mkdir(parents=True, exist_ok=True)
-    progress(f"chaos for {settings.duration:.0f} s, seed {settings.seed}; dispatcher logs in "
-             f"{directory}")  # fmt: skip
+    progress(
+        f"chaos for {settings.duration:.0f} s, seed {settings.seed}; dispatcher logs in {directory}"
+    )
     report = run_chaos(settings, directory, progress)
     print_report(report)
     if report.ok and not keep:

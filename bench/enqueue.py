@@ -93,15 +93,25 @@ Variant = Callable[[psycopg.Connection[Any], str], None]
 
 def _python_api(conn: psycopg.Connection[Any], key: str) -> None:
     with conn.transaction():
-        outbox.enqueue(conn, tenant_id=TENANT, operation_type=OPERATION_TYPE, operation_key=key,
-                       provider=PROVIDER, action=ACTION, payload=PAYLOAD,
-                       correlation_id=key)  # fmt: skip
+        outbox.enqueue(
+            conn,
+            tenant_id=TENANT,
+            operation_type=OPERATION_TYPE,
+            operation_key=key,
+            provider=PROVIDER,
+            action=ACTION,
+            payload=PAYLOAD,
+            correlation_id=key,
+        )
 
 
 def _sql_function(conn: psycopg.Connection[Any], key: str) -> None:
     with conn.transaction():
-        conn.execute(SQL_ENQUEUE, (TENANT, OPERATION_TYPE, key, PROVIDER, ACTION,
-                                   json.dumps(PAYLOAD), key), prepare=True)  # fmt: skip
+        conn.execute(
+            SQL_ENQUEUE,
+            (TENANT, OPERATION_TYPE, key, PROVIDER, ACTION, json.dumps(PAYLOAD), key),
+            prepare=True,
+        )
 
 
 def _plain_params(key: str) -> tuple[Any, ...]:
@@ -109,8 +119,17 @@ def _plain_params(key: str) -> tuple[Any, ...]:
     fingerprint = hashlib.sha256(f"{PROVIDER}\n{ACTION}\n{payload}".encode()).digest()
     identity = json.dumps([TENANT, OPERATION_TYPE, key])
     idempotency_key = "ob1_" + hashlib.sha256(identity.encode()).hexdigest()
-    return (TENANT, OPERATION_TYPE, key, fingerprint, PROVIDER, ACTION, payload,
-            idempotency_key, key)  # fmt: skip
+    return (
+        TENANT,
+        OPERATION_TYPE,
+        key,
+        fingerprint,
+        PROVIDER,
+        ACTION,
+        payload,
+        idempotency_key,
+        key,
+    )
 
 
 def _plain_insert(conn: psycopg.Connection[Any], key: str) -> None:
@@ -152,8 +171,7 @@ MARK_WAITING = (
 UNMARK_WAITING = "DELETE FROM outbox.waiting_dispatchers WHERE worker = %s"
 
 
-def _producer(job: tuple[str, str, str, float], start: Event,
-              total: Synchronized[int]) -> None:  # fmt: skip
+def _producer(job: tuple[str, str, str, float], start: Event, total: Synchronized[int]) -> None:
     db_url, variant, prefix, seconds = job
     fn = VARIANTS[variant][1]
     done = 0
@@ -175,9 +193,10 @@ def measure(db_url: str, variant: str, producers: int, seconds: float) -> float:
     start = ctx.Event()
     total: Synchronized[int] = ctx.Value("q", 0)
     tag = f"{variant}-{producers}-{os.getpid()}-{time.monotonic_ns()}"
-    procs = [ctx.Process(target=_producer,
-                         args=((db_url, variant, f"{tag}-{i}", seconds), start, total))
-             for i in range(producers)]  # fmt: skip
+    procs = [
+        ctx.Process(target=_producer, args=((db_url, variant, f"{tag}-{i}", seconds), start, total))
+        for i in range(producers)
+    ]
     for p in procs:
         p.start()
     time.sleep(0.5)  # every producer connected
@@ -219,8 +238,9 @@ def _set_waiting(db_url: str, waiting: bool) -> None:
         conn.execute(MARK_WAITING if waiting else UNMARK_WAITING, (IDLE_WORKER,))
 
 
-def notifications_per_commit(db_url: str, commits: int = NOTIFY_PROBES, *,
-                             idle_dispatcher: bool = False) -> int:  # fmt: skip
+def notifications_per_commit(
+    db_url: str, commits: int = NOTIFY_PROBES, *, idle_dispatcher: bool = False
+) -> int:
     """How many of ``commits`` one-operation enqueue transactions a bare LISTEN on the enqueue
     channel hears (each in its own transaction, spaced so that PostgreSQL cannot fold them):
     with no dispatcher, or with one registered as waiting idle."""
@@ -279,8 +299,11 @@ def copy_storage(conn: psycopg.Connection[Any]) -> None:
     ).fetchone()
     for option in (row[0] if row else None) or []:
         name, _, value = option.partition("=")
-        conn.execute(sql.SQL("ALTER TABLE {} SET ({} = {})").format(
-            sql.SQL(PLAIN_TABLE), sql.Identifier(name), sql.Literal(value)))  # fmt: skip
+        conn.execute(
+            sql.SQL("ALTER TABLE {} SET ({} = {})").format(
+                sql.SQL(PLAIN_TABLE), sql.Identifier(name), sql.Literal(value)
+            )
+        )
 
 
 def run(findings: Findings) -> None:
@@ -301,8 +324,10 @@ def run(findings: Findings) -> None:
             # Round-robin: a burst of other work on a shared machine hits every variant alike.
             for round_number in range(findings.rounds):
                 for variant in findings.variants:
-                    progress(f"{variant}: {producers} producer(s), {findings.seconds:.0f} s, "
-                             f"round {round_number + 1} of {findings.rounds}")  # fmt: skip
+                    progress(
+                        f"{variant}: {producers} producer(s), {findings.seconds:.0f} s, "
+                        f"round {round_number + 1} of {findings.rounds}"
+                    )
                     idle, unindexed = variant in IDLE_VARIANTS, variant in NO_KEY_INDEX_VARIANTS
                     if idle:
                         _set_waiting(db_url, True)
@@ -337,47 +362,66 @@ def report(findings: Findings) -> None:
     headers = ["producer transaction (1 operation)"]
     for producers in findings.counts:
         headers += [f"{producers} producer{'s' if producers > 1 else ''}: tx/s", "x plain"]
-    title = (f"Enqueue cost, {findings.seconds:.0f} s per figure, "
-             f"median of {findings.rounds}")  # fmt: skip
+    title = f"Enqueue cost, {findings.seconds:.0f} s per figure, median of {findings.rounds}"
     print_table(headers, rows, title=title)
 
-    line = (f"enqueue NOTIFYs on every commit: {_verdict(findings.heard)} with no dispatcher "
-            f"waiting ({findings.heard} of {NOTIFY_PROBES} one-operation commits heard on "
-            f"{ENQUEUE_CHANNEL})")  # fmt: skip
+    line = (
+        f"enqueue NOTIFYs on every commit: {_verdict(findings.heard)} with no dispatcher "
+        f"waiting ({findings.heard} of {NOTIFY_PROBES} one-operation commits heard on "
+        f"{ENQUEUE_CHANNEL})"
+    )
     if findings.heard_idle is not None:
-        line += (f"; {_verdict(findings.heard_idle)} with one waiting idle "
-                 f"({findings.heard_idle} of {NOTIFY_PROBES})")  # fmt: skip
+        line += (
+            f"; {_verdict(findings.heard_idle)} with one waiting idle "
+            f"({findings.heard_idle} of {NOTIFY_PROBES})"
+        )
     print(line)
     where = "; ".join(findings.sources) if findings.sources else "nowhere in schema outbox"
     print(f"where it notifies: {where}")
     for producers in findings.counts:
-        with_index, without = rates.get(("sql", producers)), rates.get(("sql_no_key_index",
-                                                                          producers))  # fmt: skip
+        with_index, without = (
+            rates.get(("sql", producers)),
+            rates.get(("sql_no_key_index", producers)),
+        )
         if with_index and without:
-            print(f"the unique key index (sql/0024) at {producers} producer(s): the SQL function "
-                  f"runs at {fmt_ratio(with_index / without)} x its rate without it")  # fmt: skip
+            print(
+                f"the unique key index (sql/0024) at {producers} producer(s): the SQL function "
+                f"runs at {fmt_ratio(with_index / without)} x its rate without it"
+            )
     baseline = rates.get(("plain", TARGET_PRODUCERS))
     for variant in ("python", "sql"):
         key = (variant, TARGET_PRODUCERS)
         if key in rates and baseline:
             ratio = rates[key] / baseline
             met = "met" if ratio >= TARGET_RATIO else "missed"
-            print(f"target {TARGET_RATIO} x plain INSERT at {TARGET_PRODUCERS} producers, "
-                  f"{VARIANTS[variant][0]}: {fmt_ratio(ratio)}, {met}")  # fmt: skip
+            print(
+                f"target {TARGET_RATIO} x plain INSERT at {TARGET_PRODUCERS} producers, "
+                f"{VARIANTS[variant][0]}: {fmt_ratio(ratio)}, {met}"
+            )
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=None,
-                        help=f"per measurement (default {DEFAULT_SECONDS:.0f})")  # fmt: skip
-    parser.add_argument("--quick", action="store_true",
-                        help=f"--seconds {QUICK_SECONDS:.0f}, one round")  # fmt: skip
-    parser.add_argument("--producers", default=",".join(map(str, DEFAULT_PRODUCERS)),
-                        help="producer counts, comma-separated (default 1,8)")  # fmt: skip
-    parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help=f"among {', '.join(VARIANTS)}")  # fmt: skip
-    parser.add_argument("--repeat", type=int, default=3,
-                        help="rounds over the variants, round-robin; medians count")  # fmt: skip
+    parser.add_argument(
+        "--seconds",
+        type=float,
+        default=None,
+        help=f"per measurement (default {DEFAULT_SECONDS:.0f})",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help=f"--seconds {QUICK_SECONDS:.0f}, one round"
+    )
+    parser.add_argument(
+        "--producers",
+        default=",".join(map(str, DEFAULT_PRODUCERS)),
+        help="producer counts, comma-separated (default 1,8)",
+    )
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS), help=f"among {', '.join(VARIANTS)}"
+    )
+    parser.add_argument(
+        "--repeat", type=int, default=3, help="rounds over the variants, round-robin; medians count"
+    )
     args = parser.parse_args(argv)
     findings = Findings(
         counts=[int(x) for x in args.producers.split(",")],

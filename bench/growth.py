@@ -286,8 +286,13 @@ def drain(db_url: str, pending: int) -> tuple[float, float, Io]:
     io_before = io_counters(db_url)
     with outbox_runs(db_url, concurrency=64, batch_size=CLAIM_LIMIT) as runs:
         with psycopg.connect(db_url, autocommit=True) as conn:
-            wait_until(lambda: not any(unfinished(conn)), timeout=1800, what="the drain",
-                       interval=0.2, alive=runs)  # fmt: skip
+            wait_until(
+                lambda: not any(unfinished(conn)),
+                timeout=1800,
+                what="the drain",
+                interval=0.2,
+                alive=runs,
+            )
         # Its backends started with it and did nothing but this drain.
         pg_ms = backend_cpu(db_url) / pending * 1000
     # After outbox run has stopped: its backends flushed their counters as they exited.
@@ -306,8 +311,13 @@ def drain(db_url: str, pending: int) -> tuple[float, float, Io]:
     return (done / seconds if seconds > 0 else float("nan")), pg_ms, io
 
 
-def measure(db_url: str, label: str, finished: int, args: argparse.Namespace,
-            explain: list[tuple[str, str]] | None = None) -> Measure:  # fmt: skip
+def measure(
+    db_url: str,
+    label: str,
+    finished: int,
+    args: argparse.Namespace,
+    explain: list[tuple[str, str]] | None = None,
+) -> Measure:
     progress(f"{label}: enqueueing {args.pending:,} pending rows")
     bulk_enqueue(db_url, args.pending, key_prefix=f"{label.split(maxsplit=1)[0]}-{time.time_ns()}-")
     progress(f"{label}: {args.claim_runs} claims")
@@ -325,8 +335,21 @@ def measure(db_url: str, label: str, finished: int, args: argparse.Namespace,
         sizes = conn.execute(SIZES_ON_DISK).fetchone()
     assert sizes is not None
     disk = f"{sizes[0]} + {sizes[1]} attempts; claim index {sizes[2]}"
-    return Measure(label, finished, claim, claim_p90, claim_first, fair, gauges, nearing, per_s,
-                   pg_ms, io, dead, disk)  # fmt: skip
+    return Measure(
+        label,
+        finished,
+        claim,
+        claim_p90,
+        claim_first,
+        fair,
+        gauges,
+        nearing,
+        per_s,
+        pg_ms,
+        io,
+        dead,
+        disk,
+    )
 
 
 def load_finished(db_url: str, have: int, want: int) -> None:
@@ -392,8 +415,12 @@ def vacuum_after_churn(db_url: str, timeout: float) -> str:
     progress("waiting for autovacuum")
     before = int(scalar(db_url, VACUUM_STATS))
     try:
-        waited = wait_until(lambda: int(scalar(db_url, VACUUM_STATS)) > before, timeout=timeout,
-                            what="autovacuum of outbox.operations", interval=2.0)  # fmt: skip
+        waited = wait_until(
+            lambda: int(scalar(db_url, VACUUM_STATS)) > before,
+            timeout=timeout,
+            what="autovacuum of outbox.operations",
+            interval=2.0,
+        )
     except TimeoutError:
         return f"autovacuum (not done in {timeout:.0f} s)"
     return f"autovacuum ({waited:.0f} s)"
@@ -406,8 +433,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--claim-runs", type=int, default=200)
     parser.add_argument("--churn-ops", type=int, default=1_000_000)
     parser.add_argument("--churn-batch", type=int, default=10_000)
-    parser.add_argument("--autovacuum-wait", type=float, default=900.0,
-                        help="seconds to wait for autovacuum after the churn")  # fmt: skip
+    parser.add_argument(
+        "--autovacuum-wait",
+        type=float,
+        default=900.0,
+        help="seconds to wait for autovacuum after the churn",
+    )
     args = parser.parse_args(argv)
     sizes = sorted({s for s in SIZES if s <= args.max_rows} | {args.max_rows})
 
@@ -422,8 +453,9 @@ def main(argv: list[str]) -> int:
                 load_finished(db_url, loaded, size)
                 loaded = size
             largest = size == sizes[-1]
-            results.append(measure(db_url, f"{size:,} finished", size, args,
-                                   explains if largest else None))  # fmt: skip
+            results.append(
+                measure(db_url, f"{size:,} finished", size, args, explains if largest else None)
+            )
         if args.churn_ops > 0:
             set_autovacuum(db_url, enabled=False)
             progress(f"churn: {args.churn_ops:,} operations, autovacuum off")
@@ -435,34 +467,69 @@ def main(argv: list[str]) -> int:
 
     base = results[0]
     rows = [
-        (m.label, f"{m.claim_ms:.3f}", f"{m.claim_p90_ms:.3f}", f"{m.claim_first_ms:.3f}",
-         fmt_ratio(m.claim_ms / base.claim_ms), f"{m.fair_ms:.3f}",
-         fmt_ratio(m.fair_ms / base.fair_ms), fmt_rate(m.drain_per_s),
-         f"{(1 - m.drain_per_s / base.drain_per_s) * 100:+.1f} %".replace("+-", "-"),
-         f"{m.drain_pg_cpu_ms:.3f}", f"{m.drain_io.wal_kb:.1f}",
-         f"{m.drain_io.full_page_images:.2f}", f"{m.drain_io.blocks_read:.2f}",
-         f"{m.gauges_ms:.2f}", f"{m.nearing_ms:.2f}", f"{m.dead_tuples:,}", m.disk)
+        (
+            m.label,
+            f"{m.claim_ms:.3f}",
+            f"{m.claim_p90_ms:.3f}",
+            f"{m.claim_first_ms:.3f}",
+            fmt_ratio(m.claim_ms / base.claim_ms),
+            f"{m.fair_ms:.3f}",
+            fmt_ratio(m.fair_ms / base.fair_ms),
+            fmt_rate(m.drain_per_s),
+            f"{(1 - m.drain_per_s / base.drain_per_s) * 100:+.1f} %".replace("+-", "-"),
+            f"{m.drain_pg_cpu_ms:.3f}",
+            f"{m.drain_io.wal_kb:.1f}",
+            f"{m.drain_io.full_page_images:.2f}",
+            f"{m.drain_io.blocks_read:.2f}",
+            f"{m.gauges_ms:.2f}",
+            f"{m.nearing_ms:.2f}",
+            f"{m.dead_tuples:,}",
+            m.disk,
+        )
         for m in results
-    ]  # fmt: skip
+    ]
     print_table(
-        ["finished rows", "claim ms (median)", "p90", "first", "x at 0", "fair claim ms",
-         "fair x at 0", "drain ops/s",
-         "loss vs 0", "PG CPU ms/op", "WAL kB/op", "full pages/op", "reads/op", "GAUGES ms",
-         "NEARING_KEY_EXPIRY ms", "dead tuples", "size on disk"],
+        [
+            "finished rows",
+            "claim ms (median)",
+            "p90",
+            "first",
+            "x at 0",
+            "fair claim ms",
+            "fair x at 0",
+            "drain ops/s",
+            "loss vs 0",
+            "PG CPU ms/op",
+            "WAL kB/op",
+            "full pages/op",
+            "reads/op",
+            "GAUGES ms",
+            "NEARING_KEY_EXPIRY ms",
+            "dead tuples",
+            "size on disk",
+        ],
         rows,
         title=f"Growth: claim {CLAIM_LIMIT} of {args.pending:,} pending, "
-              f"{args.claim_runs} runs; drain with one outbox run (noop, 64 x 100)",
-    )  # fmt: skip
+        f"{args.claim_runs} runs; drain with one outbox run (noop, 64 x 100)",
+    )
     largest = next(m for m in results if m.finished == sizes[-1])
     claim_ratio = largest.claim_ms / base.claim_ms
     loss = 1 - largest.drain_per_s / base.drain_per_s
     print_table(
         ["target", "measured", "verdict"],
-        [(f"claim at {sizes[-1]:,} ≤ {CLAIM_TARGET} x at 0", f"{claim_ratio:.2f} x",
-          "met" if claim_ratio <= CLAIM_TARGET else "missed"),
-         (f"throughput loss at {sizes[-1]:,} ≤ {THROUGHPUT_LOSS_TARGET:.0%}", f"{loss:.1%}",
-          "met" if loss <= THROUGHPUT_LOSS_TARGET else "missed")],
-    )  # fmt: skip
+        [
+            (
+                f"claim at {sizes[-1]:,} ≤ {CLAIM_TARGET} x at 0",
+                f"{claim_ratio:.2f} x",
+                "met" if claim_ratio <= CLAIM_TARGET else "missed",
+            ),
+            (
+                f"throughput loss at {sizes[-1]:,} ≤ {THROUGHPUT_LOSS_TARGET:.0%}",
+                f"{loss:.1%}",
+                "met" if loss <= THROUGHPUT_LOSS_TARGET else "missed",
+            ),
+        ],
+    )
     for label, plan in explains:
         print(f"### EXPLAIN (ANALYZE, BUFFERS) of {label}\n\n```\n{plan}\n```\n")
     progress(f"done in {time.monotonic() - started:.0f} s")

@@ -99,10 +99,13 @@ async def _bare_loop(url: str, count: int, concurrency: int, *, shared: bool = T
         for n in numbers:
             if n >= count:
                 return
-            headers = {"Idempotency-Key": f'"bare-{n}"', "Outbox-Operation-Id": str(n),
-                       "Outbox-Action": ACTION, "Outbox-Attempt": "1"}  # fmt: skip
-            request = client.build_request("POST", url, json={"n": n, **PAYLOAD},
-                                           headers=headers)  # fmt: skip
+            headers = {
+                "Idempotency-Key": f'"bare-{n}"',
+                "Outbox-Operation-Id": str(n),
+                "Outbox-Action": ACTION,
+                "Outbox-Attempt": "1",
+            }
+            request = client.build_request("POST", url, json={"n": n, **PAYLOAD}, headers=headers)
             response = await client.send(request)
             response.json()
             if response.status_code != 200:
@@ -135,8 +138,9 @@ def run_outbox(count: int, concurrency: int, batch: int) -> Phase:
     with fresh_database(prefix="http_") as db_url, ReceiverProcess() as receiver:
         providers = {PROVIDER: {"type": "webhook", "url": receiver.url, "timeout": "10s"}}
         progress(f"outbox run: concurrency {concurrency}, batch {batch}")
-        with outbox_runs(db_url, providers=providers, concurrency=concurrency,
-                         batch_size=batch) as runs:  # fmt: skip
+        with outbox_runs(
+            db_url, providers=providers, concurrency=concurrency, batch_size=batch
+        ) as runs:
             # Started on an empty table, so its CPU time counts the work and not the start.
             time.sleep(STARTUP_S)
             cpu, receiver_cpu = cpu_seconds(runs[0].pid), cpu_seconds(receiver.pid)
@@ -152,8 +156,14 @@ def run_outbox(count: int, concurrency: int, batch: int) -> Phase:
         stats = receiver.stats()
     if stats["requests"] != count:
         raise RuntimeError(f"the receiver saw {stats['requests']} requests, not {count}")
-    return Phase("outbox run, webhook provider", count, window.seconds, _receiver_window(stats),
-                 cpu, receiver_cpu)  # fmt: skip
+    return Phase(
+        "outbox run, webhook provider",
+        count,
+        window.seconds,
+        _receiver_window(stats),
+        cpu,
+        receiver_cpu,
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -169,20 +179,37 @@ def main(argv: list[str]) -> int:
     outbox = run_outbox(args.count, args.concurrency, args.batch_size)
     ratio = outbox.per_second / bare.per_second
     rows = [
-        (p.name, f"{p.requests:,}", f"{p.seconds:.2f}", fmt_rate(p.per_second),
-         fmt_rate(p.receiver_per_second), fmt_ratio(outbox.per_second / p.per_second),
-         f"{p.client_cpu / p.requests * 1000:.3f}", f"{p.receiver_cpu / p.requests * 1000:.3f}")
+        (
+            p.name,
+            f"{p.requests:,}",
+            f"{p.seconds:.2f}",
+            fmt_rate(p.per_second),
+            fmt_rate(p.receiver_per_second),
+            fmt_ratio(outbox.per_second / p.per_second),
+            f"{p.client_cpu / p.requests * 1000:.3f}",
+            f"{p.receiver_cpu / p.requests * 1000:.3f}",
+        )
         for p in (bare, unpooled, outbox)
-    ]  # fmt: skip
+    ]
     print_table(
-        ["", "requests", "seconds", "ops/s", "ops/s at the receiver", "outbox / this",
-         "sender CPU ms/op", "receiver CPU ms/op"],
+        [
+            "",
+            "requests",
+            "seconds",
+            "ops/s",
+            "ops/s at the receiver",
+            "outbox / this",
+            "sender CPU ms/op",
+            "receiver CPU ms/op",
+        ],
         rows,
         title=f"HTTP throughput, concurrency {args.concurrency}",
-    )  # fmt: skip
+    )
     verdict = "met" if ratio >= TARGET else "missed"
-    print_table(["ratio outbox / bare loop (one AsyncClient)", "target", "verdict"],
-                [(fmt_ratio(ratio), f"≥ {TARGET}", verdict)])  # fmt: skip
+    print_table(
+        ["ratio outbox / bare loop (one AsyncClient)", "target", "verdict"],
+        [(fmt_ratio(ratio), f"≥ {TARGET}", verdict)],
+    )
     return 0
 
 

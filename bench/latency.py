@@ -75,8 +75,9 @@ class Result:
         return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def produce(db_url: str, rate: float, seconds: float, key_prefix: str) -> tuple[dict[str, float],
-                                                                                float]:  # fmt: skip
+def produce(
+    db_url: str, rate: float, seconds: float, key_prefix: str
+) -> tuple[dict[str, float], float]:
     """Commit one operation per transaction at ``rate`` a second; returns each operation's
     post-COMMIT monotonic time by id, and how far behind schedule the last commit was (ms)."""
     committed: dict[str, float] = {}
@@ -90,10 +91,14 @@ def produce(db_url: str, rate: float, seconds: float, key_prefix: str) -> tuple[
             if pause > 0:
                 time.sleep(pause)
             result = outbox.enqueue(
-                conn, tenant_id="bench", operation_type="bench.latency",
-                operation_key=f"{key_prefix}{i}", provider=PROVIDER, action=ACTION,
+                conn,
+                tenant_id="bench",
+                operation_type="bench.latency",
+                operation_key=f"{key_prefix}{i}",
+                provider=PROVIDER,
+                action=ACTION,
                 payload={"n": i, "amount": 1000, "currency": "usd"},
-            )  # fmt: skip
+            )
             conn.commit()
             now = time.monotonic()
             committed[str(result.operation_id)] = now
@@ -111,8 +116,13 @@ def run_mode(mode: Mode, rate: float, seconds: float) -> Result:
         else:
             env = {} if mode.listen else {"OUTBOX_DATABASE__LISTEN": "false"}
             providers = {PROVIDER: {"type": "webhook", "url": receiver.url, "timeout": "10s"}}
-            with outbox_runs(db_url, providers=providers, env=env, concurrency=64,
-                             poll_interval=mode.poll_interval) as runs:  # fmt: skip
+            with outbox_runs(
+                db_url,
+                providers=providers,
+                env=env,
+                concurrency=64,
+                poll_interval=mode.poll_interval,
+            ) as runs:
                 time.sleep(SETTLE_S)
                 committed, behind = _measure(
                     mode, db_url, receiver, rate=rate, seconds=seconds, runs=runs
@@ -125,13 +135,24 @@ def run_mode(mode: Mode, rate: float, seconds: float) -> Result:
     return Result(mode, latencies, len(committed), behind)
 
 
-def _measure(mode: Mode, db_url: str, receiver: ReceiverProcess, *, rate: float, seconds: float,
-             runs: Sequence[OutboxRun]) -> tuple[dict[str, float], float]:  # fmt: skip
+def _measure(
+    mode: Mode,
+    db_url: str,
+    receiver: ReceiverProcess,
+    *,
+    rate: float,
+    seconds: float,
+    runs: Sequence[OutboxRun],
+) -> tuple[dict[str, float], float]:
     """The warm-up operation, then the measured ones, drained."""
     # One operation end to end first: the dispatcher is up and its pool is warm.
     produce(db_url, 1.0, 1.0, "warm-")
-    wait_until(lambda: receiver.stats()["requests"] >= 1, timeout=30,
-               what="the warm-up request", alive=runs)  # fmt: skip
+    wait_until(
+        lambda: receiver.stats()["requests"] >= 1,
+        timeout=30,
+        what="the warm-up request",
+        alive=runs,
+    )
     progress(f"{mode.name}: {rate:g} operations/s for {seconds:g} s")
     committed, behind = produce(db_url, rate, seconds, "op-")
     wait_drained(db_url, len(committed) + 1, timeout=120, runs=runs)
@@ -142,9 +163,11 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--rate", type=float, default=200.0, help="operations per second")
-    parser.add_argument("--modes", default="notify,bare,poll,poll100",
-                        help="comma-separated: notify, bare (the bare claimer), poll (1 s), "
-                             "poll100 (100 ms)")  # fmt: skip
+    parser.add_argument(
+        "--modes",
+        default="notify,bare,poll,poll100",
+        help="comma-separated: notify, bare (the bare claimer), poll (1 s), poll100 (100 ms)",
+    )
     args = parser.parse_args(argv)
     os.environ.pop("OUTBOX_LISTEN_DATABASE_URL", None)
     all_modes = {
@@ -158,24 +181,46 @@ def main(argv: list[str]) -> int:
     print_machine()
     results = [run_mode(mode, args.rate, args.seconds) for mode in modes]
     rows = [
-        (r.mode.name, f"{r.sent:,}", f"{r.pct(0.5):.2f}", f"{r.pct(0.9):.2f}",
-         f"{r.pct(0.99):.2f}", f"{max(r.latencies_ms):.2f}",
-         f"{statistics.fmean(r.latencies_ms):.2f}", f"{r.behind_ms:.1f}")
+        (
+            r.mode.name,
+            f"{r.sent:,}",
+            f"{r.pct(0.5):.2f}",
+            f"{r.pct(0.9):.2f}",
+            f"{r.pct(0.99):.2f}",
+            f"{max(r.latencies_ms):.2f}",
+            f"{statistics.fmean(r.latencies_ms):.2f}",
+            f"{r.behind_ms:.1f}",
+        )
         for r in results
-    ]  # fmt: skip
+    ]
     print_table(
-        ["wake-up", "operations", "p50 ms", "p90 ms", "p99 ms", "max ms", "mean ms",
-         "producer late ms"],
+        [
+            "wake-up",
+            "operations",
+            "p50 ms",
+            "p90 ms",
+            "p99 ms",
+            "max ms",
+            "mean ms",
+            "producer late ms",
+        ],
         rows,
         title=f"COMMIT to request received, {args.rate:g} operations/s for {args.seconds:g} s",
-    )  # fmt: skip
+    )
     for r in results:
         if r.mode.listen and not r.mode.bare:
             met = r.pct(0.5) <= P50_TARGET_MS and r.pct(0.99) <= P99_TARGET_MS
-            print_table(["target (NOTIFY)", "p50", "p99", "verdict"],
-                        [(f"p50 ≤ {P50_TARGET_MS:g} ms, p99 ≤ {P99_TARGET_MS:g} ms",
-                          f"{r.pct(0.5):.2f}", f"{r.pct(0.99):.2f}",
-                          "met" if met else "missed")])  # fmt: skip
+            print_table(
+                ["target (NOTIFY)", "p50", "p99", "verdict"],
+                [
+                    (
+                        f"p50 ≤ {P50_TARGET_MS:g} ms, p99 ≤ {P99_TARGET_MS:g} ms",
+                        f"{r.pct(0.5):.2f}",
+                        f"{r.pct(0.99):.2f}",
+                        "met" if met else "missed",
+                    )
+                ],
+            )
     return 0
 
 

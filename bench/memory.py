@@ -74,15 +74,28 @@ def in_flight(metrics_port: int) -> int:
     return 0
 
 
-def run(name: str, *, concurrency: int, operations: int, hold: float, timeout: str,
-        drain: bool, seconds: float) -> Result:  # fmt: skip
+def run(
+    name: str,
+    *,
+    concurrency: int,
+    operations: int,
+    hold: float,
+    timeout: str,
+    drain: bool,
+    seconds: float,
+) -> Result:
     """One `outbox run`: idle first, then ``operations`` enqueued; either drained (``drain``)
     or left to run ``seconds`` with the receiver holding every request ``hold`` seconds."""
     port = free_port()
     with fresh_database(prefix="memory_") as db_url, ReceiverProcess(hold=hold) as receiver:
         providers = {PROVIDER: {"type": "webhook", "url": receiver.url, "timeout": timeout}}
-        with outbox_runs(db_url, providers=providers, metrics_addr=f"127.0.0.1:{port}",
-                         concurrency=concurrency, shutdown_grace="1s") as runs:  # fmt: skip
+        with outbox_runs(
+            db_url,
+            providers=providers,
+            metrics_addr=f"127.0.0.1:{port}",
+            concurrency=concurrency,
+            shutdown_grace="1s",
+        ) as runs:
             pid = runs[0].pid
             time.sleep(IDLE_S)
             idle_kb = status_kb(pid, "VmRSS")
@@ -97,8 +110,9 @@ def run(name: str, *, concurrency: int, operations: int, hold: float, timeout: s
                 return statuses.get("pending", 0) + statuses.get("in_flight", 0) == 0
 
             if drain:
-                wait_until(sampled_until_drained, timeout=900, what="the drain",
-                           interval=0.25, alive=runs)  # fmt: skip
+                wait_until(
+                    sampled_until_drained, timeout=900, what="the drain", interval=0.25, alive=runs
+                )
             else:
                 started = time.monotonic()
                 while time.monotonic() - started < seconds:
@@ -113,8 +127,15 @@ def run(name: str, *, concurrency: int, operations: int, hold: float, timeout: s
             if statuses.get("succeeded", 0) != operations:
                 raise RuntimeError(f"not every operation succeeded: {statuses}")
     at_receiver = stats["max_holding"] if hold > 0 else stats["max_open_connections"]
-    return Result(name, concurrency, operations, peak_in_flight, int(at_receiver),
-                  idle_kb / 1024, peak_kb / 1024)  # fmt: skip
+    return Result(
+        name,
+        concurrency,
+        operations,
+        peak_in_flight,
+        int(at_receiver),
+        idle_kb / 1024,
+        peak_kb / 1024,
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -131,24 +152,56 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     print_machine()
-    drain = run("drain a backlog", concurrency=64, operations=args.backlog, hold=0.0,
-                timeout="10s", drain=True, seconds=0)  # fmt: skip
+    drain = run(
+        "drain a backlog",
+        concurrency=64,
+        operations=args.backlog,
+        hold=0.0,
+        timeout="10s",
+        drain=True,
+        seconds=0,
+    )
     # The calls wait in httpx's connection pool beyond its 100 connections: the timeout (which
     # includes the wait for a pool connection) must outlast the queue.
-    slow = run(f"slow calls, held {args.slow_hold:g} s", concurrency=args.slow_concurrency,
-               operations=args.slow_concurrency * 3, hold=args.slow_hold, timeout="120s",
-               drain=False, seconds=args.slow_seconds)  # fmt: skip
+    slow = run(
+        f"slow calls, held {args.slow_hold:g} s",
+        concurrency=args.slow_concurrency,
+        operations=args.slow_concurrency * 3,
+        hold=args.slow_hold,
+        timeout="120s",
+        drain=False,
+        seconds=args.slow_seconds,
+    )
     rows = [
-        (r.name, r.concurrency, f"{r.operations:,}", r.max_in_flight, r.max_at_receiver,
-         f"{r.idle_mb:.1f}", f"{r.peak_mb:.1f}")
+        (
+            r.name,
+            r.concurrency,
+            f"{r.operations:,}",
+            r.max_in_flight,
+            r.max_at_receiver,
+            f"{r.idle_mb:.1f}",
+            f"{r.peak_mb:.1f}",
+        )
         for r in (drain, slow)
-    ]  # fmt: skip
-    print_table(["case", "concurrency", "operations", "in flight (max)",
-                 "at the receiver at once (max)", "idle RSS MB", "peak RSS MB (VmHWM)"],
-                rows, title="Memory of one `outbox run`")  # fmt: skip
+    ]
+    print_table(
+        [
+            "case",
+            "concurrency",
+            "operations",
+            "in flight (max)",
+            "at the receiver at once (max)",
+            "idle RSS MB",
+            "peak RSS MB (VmHWM)",
+        ],
+        rows,
+        title="Memory of one `outbox run`",
+    )
     verdict = "met" if drain.peak_mb <= TARGET_MB else "missed"
-    print_table(["target", "peak at concurrency 64", "verdict"],
-                [(f"≤ {TARGET_MB:g} MB", f"{drain.peak_mb:.1f} MB", verdict)])  # fmt: skip
+    print_table(
+        ["target", "peak at concurrency 64", "verdict"],
+        [(f"≤ {TARGET_MB:g} MB", f"{drain.peak_mb:.1f} MB", verdict)],
+    )
     return 0
 
 

@@ -41,8 +41,9 @@ TARGET_RATIO = 2.0
 # --- run inside pgqueuer's virtual environment (stdlib and pgqueuer only) -----------------------
 
 
-async def _pgqueuer_drain(driver: str, dsn: str, count: int, workers: int,
-                          batch: int) -> dict[str, Any]:  # fmt: skip
+async def _pgqueuer_drain(
+    driver: str, dsn: str, count: int, workers: int, batch: int
+) -> dict[str, Any]:
     pgqueuer = importlib.import_module("pgqueuer")
     queries_mod = importlib.import_module("pgqueuer.queries")
     types_mod = importlib.import_module("pgqueuer.types")
@@ -83,10 +84,13 @@ async def _pgqueuer_drain(driver: str, dsn: str, count: int, workers: int,
     left = sum(s.count for s in await setup.queue_size())
     begin = first_job[0] if first_job else started
     return {
-        "driver": driver, "count": count, "left": left,
-        "seconds": done - begin, "seconds_to_last_job": last_job[0] - begin,
+        "driver": driver,
+        "count": count,
+        "left": left,
+        "seconds": done - begin,
+        "seconds_to_last_job": last_job[0] - begin,
         "version": str(pgqueuer.__version__),
-    }  # fmt: skip
+    }
 
 
 def _worker_main(argv: list[str]) -> int:
@@ -113,8 +117,12 @@ def ensure_pgqueuer() -> str:
     python = venv_python()
     probe = "import importlib.metadata as m; print(m.version('pgqueuer'))"
     if python.exists():
-        found = subprocess.run([str(python), "-c", probe], capture_output=True, text=True,  # noqa: S603
-                               check=False)  # fmt: skip
+        found = subprocess.run(  # noqa: S603
+            [str(python), "-c", probe],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         if found.returncode == 0 and found.stdout.strip() == PGQUEUER_VERSION:
             return _versions(python)
     from _support import progress  # noqa: PLC0415 (not importable inside pgqueuer's venv)
@@ -122,10 +130,18 @@ def ensure_pgqueuer() -> str:
     progress(f"installing pgqueuer {PGQUEUER_VERSION} into {VENV}")
     subprocess.run([sys.executable, "-m", "venv", "--clear", str(VENV)], check=True)  # noqa: S603
     subprocess.run(  # noqa: S603 (fixed arguments)
-        [str(python), "-m", "pip", "install", "--quiet", f"pgqueuer=={PGQUEUER_VERSION}",
-         "asyncpg", "psycopg"],
+        [
+            str(python),
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            f"pgqueuer=={PGQUEUER_VERSION}",
+            "asyncpg",
+            "psycopg",
+        ],
         check=True,
-    )  # fmt: skip
+    )
     return _versions(python)
 
 
@@ -135,28 +151,49 @@ def _versions(python: Path) -> str:
         "print(', '.join(f'{p} {m.version(p)}' for p in ('pgqueuer', 'asyncpg', 'psycopg', "
         "'uvloop')))"
     )
-    out = subprocess.run([str(python), "-c", probe], capture_output=True, text=True,  # noqa: S603
-                         check=True)  # fmt: skip
+    out = subprocess.run(  # noqa: S603
+        [str(python), "-c", probe],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return out.stdout.strip()
 
 
-def pgqueuer_drain(driver: str, count: int, *, workers: int = PGQUEUER_WORKERS,
-                   batch: int = PGQUEUER_BATCH) -> dict[str, Any]:  # fmt: skip
+def pgqueuer_drain(
+    driver: str, count: int, *, workers: int = PGQUEUER_WORKERS, batch: int = PGQUEUER_BATCH
+) -> dict[str, Any]:
     """pgqueuer draining ``count`` no-op jobs in a fresh database; its result as a dict."""
     from _support import as_url, fresh_database  # noqa: PLC0415
 
     with fresh_database(migrate=False, prefix="pgq_") as conninfo:
         db_url = as_url(conninfo)
         env = {**os.environ, "PGDSN": db_url}
-        installed = subprocess.run([str(VENV / "bin" / "pgq"), "install"], env=env,  # noqa: S603
-                                   capture_output=True, text=True, check=False)  # fmt: skip
+        installed = subprocess.run(  # noqa: S603
+            [str(VENV / "bin" / "pgq"), "install"],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         if installed.returncode != 0:
             raise RuntimeError(f"pgq install failed:\n{installed.stdout}{installed.stderr}")
         out = subprocess.run(  # noqa: S603 (this file, fixed arguments)
-            [str(venv_python()), __file__, "--pgqueuer-worker", driver, db_url, str(count),
-             str(workers), str(batch)],
-            capture_output=True, text=True, check=False, timeout=600 + count / 50,
-        )  # fmt: skip
+            [
+                str(venv_python()),
+                __file__,
+                "--pgqueuer-worker",
+                driver,
+                db_url,
+                str(count),
+                str(workers),
+                str(batch),
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=600 + count / 50,
+        )
     if out.returncode != 0:
         raise RuntimeError(f"pgqueuer ({driver}) failed:\n{out.stderr[-3000:]}")
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
@@ -177,14 +214,18 @@ def main(argv: list[str]) -> int:
     from throughput import outbox_drain  # noqa: PLC0415
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--count", type=int, default=None,
-                        help=f"jobs per drain (default {DEFAULT_COUNT:,})")  # fmt: skip
-    parser.add_argument("--quick", action="store_true",
-                        help=f"--count {QUICK_COUNT:,}, one round")  # fmt: skip
-    parser.add_argument("--repeat", type=int, default=3,
-                        help="rounds of every queue, round-robin; medians count")  # fmt: skip
-    parser.add_argument("--outbox-config", default="256x100",
-                        help="outbox run's concurrency x batch_size (default 256x100)")  # fmt: skip
+    parser.add_argument(
+        "--count", type=int, default=None, help=f"jobs per drain (default {DEFAULT_COUNT:,})"
+    )
+    parser.add_argument("--quick", action="store_true", help=f"--count {QUICK_COUNT:,}, one round")
+    parser.add_argument(
+        "--repeat", type=int, default=3, help="rounds of every queue, round-robin; medians count"
+    )
+    parser.add_argument(
+        "--outbox-config",
+        default="256x100",
+        help="outbox run's concurrency x batch_size (default 256x100)",
+    )
     parser.add_argument("--processes", type=int, default=1, help="`outbox run` processes")
     args = parser.parse_args(argv)
     count = args.count or (QUICK_COUNT if args.quick else DEFAULT_COUNT)
@@ -199,8 +240,10 @@ def main(argv: list[str]) -> int:
     # Round-robin, so that a burst of other work on a shared machine hits every queue alike.
     for round_number in range(rounds):
         for driver in DRIVERS:
-            progress(f"pgqueuer {driver}: {count:,} jobs, {PGQUEUER_WORKERS} workers, "
-                     f"batch {PGQUEUER_BATCH}, round {round_number + 1} of {rounds}")  # fmt: skip
+            progress(
+                f"pgqueuer {driver}: {count:,} jobs, {PGQUEUER_WORKERS} workers, "
+                f"batch {PGQUEUER_BATCH}, round {round_number + 1} of {rounds}"
+            )
             result = pgqueuer_drain(driver, count)
             # To the last job run, not to the workers' return: drain mode's exit can lag by
             # seconds (psycopg driver), which is no part of its throughput. This favours pgqueuer
@@ -211,8 +254,10 @@ def main(argv: list[str]) -> int:
             results.setdefault(name, (config, []))[1].append(
                 (seconds, float(result["seconds"]), count / seconds)
             )
-        progress(f"outbox run: concurrency {concurrency}, batch {batch_size}, {count:,} "
-                 f"operations, round {round_number + 1} of {rounds}")  # fmt: skip
+        progress(
+            f"outbox run: concurrency {concurrency}, batch {batch_size}, {count:,} "
+            f"operations, round {round_number + 1} of {rounds}"
+        )
         drain = outbox_drain(count, concurrency, batch_size, processes=args.processes)
         config = f"concurrency {concurrency} x batch {batch_size}"
         results.setdefault(outbox_name, (config, []))[1].append(
@@ -225,18 +270,32 @@ def main(argv: list[str]) -> int:
         rate = median([r[2] for r in runs])
         rates[name] = rate
         exits = [r[1] for r in runs if r[1] is not None]
-        rows.append([name, config, f"{count:,}", f"{median([r[0] for r in runs]):.1f} s",
-                     f"{median(exits):.1f} s" if exits else "", fmt_rate(rate),
-                     " / ".join(fmt_rate(r[2]) for r in runs)])  # fmt: skip
+        rows.append(
+            [
+                name,
+                config,
+                f"{count:,}",
+                f"{median([r[0] for r in runs]):.1f} s",
+                f"{median(exits):.1f} s" if exits else "",
+                fmt_rate(rate),
+                " / ".join(fmt_rate(r[2]) for r in runs),
+            ]
+        )
     server = machine.postgres.split()[0]
-    print_table(["queue", "configuration", "jobs", "drain", "until exit", "jobs/s (median)",
-                 "runs"], rows,
-                title=f"No-op jobs drained on PostgreSQL {server}")  # fmt: skip
+    print_table(
+        ["queue", "configuration", "jobs", "drain", "until exit", "jobs/s (median)", "runs"],
+        rows,
+        title=f"No-op jobs drained on PostgreSQL {server}",
+    )
     ours = rates.pop(outbox_name)
     best = max(rates.values())
     ratio_rows = [[f"outbox / {name}", fmt_ratio(ours / rate)] for name, rate in rates.items()]
-    ratio_rows.append([f"target: outbox >= {TARGET_RATIO} x the fastest",
-                       "met" if ours >= TARGET_RATIO * best else "missed"])  # fmt: skip
+    ratio_rows.append(
+        [
+            f"target: outbox >= {TARGET_RATIO} x the fastest",
+            "met" if ours >= TARGET_RATIO * best else "missed",
+        ]
+    )
     print_table(["ratio of medians", "value"], ratio_rows)
     print(f"peers' environment: {versions}")
     return 0

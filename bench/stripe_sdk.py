@@ -93,14 +93,25 @@ async def _bare_sdk(url: str, count: int, concurrency: int, *, sharded: bool = F
     connections, picked as outbox/providers/shards.py picks them, as the provider does."""
     sizes = shard_sizes(concurrency) if sharded else [concurrency]
     https = [stripe.HTTPXClient(timeout=TIMEOUT_S) for _ in sizes]
-    shards = Shards([stripe.StripeClient(DEFAULT_API_KEY, base_addresses={"api": url},
-                                         http_client=http, max_network_retries=0)
-                     for http in https], sizes)  # fmt: skip
+    shards = Shards(
+        [
+            stripe.StripeClient(
+                DEFAULT_API_KEY,
+                base_addresses={"api": url},
+                http_client=http,
+                max_network_retries=0,
+            )
+            for http in https
+        ],
+        sizes,
+    )
 
     async def one(n: int) -> None:
         key = f"bare-sdk-{n}"
-        params = {**PAYLOAD, "metadata": {"n": str(n), "outbox_operation_id": str(n),
-                                          "outbox_idempotency_key": key}}  # fmt: skip
+        params = {
+            **PAYLOAD,
+            "metadata": {"n": str(n), "outbox_operation_id": str(n), "outbox_idempotency_key": key},
+        }
         with shards.take() as client:
             created = await client.v1.payment_intents.create_async(
                 params=params,  # type: ignore[arg-type]
@@ -122,8 +133,10 @@ async def _bare_sdk_sharded(url: str, count: int, concurrency: int) -> float:
 async def _bare_httpx(url: str, count: int, concurrency: int) -> float:
     """The fake's ceiling: the same creates as form posts from a plain httpx client."""
     async with httpx.AsyncClient(timeout=TIMEOUT_S) as client:
-        headers = {"Authorization": f"Bearer {DEFAULT_API_KEY}",
-                   "Content-Type": "application/x-www-form-urlencoded"}  # fmt: skip
+        headers = {
+            "Authorization": f"Bearer {DEFAULT_API_KEY}",
+            "Content-Type": "application/x-www-form-urlencoded",
+        }
 
         async def one(n: int) -> None:
             key = f"bare-httpx-{n}"
@@ -131,8 +144,11 @@ async def _bare_httpx(url: str, count: int, concurrency: int) -> float:
                 f"amount=1000&currency=usd&customer=cus_bench&metadata[n]={n}"
                 f"&metadata[outbox_operation_id]={n}&metadata[outbox_idempotency_key]={key}"
             )
-            response = await client.post(f"{url}/v1/payment_intents", content=body,
-                                         headers={**headers, "Idempotency-Key": key})  # fmt: skip
+            response = await client.post(
+                f"{url}/v1/payment_intents",
+                content=body,
+                headers={**headers, "Idempotency-Key": key},
+            )
             if response.status_code != 200:
                 raise RuntimeError(f"the fake answered {response.status_code}: {response.text}")
             response.json()
@@ -140,8 +156,12 @@ async def _bare_httpx(url: str, count: int, concurrency: int) -> float:
         return await _loop(count, concurrency, one)
 
 
-def run_bare(name: str, loop: Callable[[str, int, int], Coroutine[Any, Any, float]], count: int,
-             concurrency: int) -> Phase:  # fmt: skip
+def run_bare(
+    name: str,
+    loop: Callable[[str, int, int], Coroutine[Any, Any, float]],
+    count: int,
+    concurrency: int,
+) -> Phase:
     with FakeStripeProcess() as fake:
         progress(f"{name}: {count:,} creates, concurrency {concurrency}")
         cpu, fake_cpu = time.process_time(), cpu_seconds(fake.pid)
@@ -155,12 +175,19 @@ def run_bare(name: str, loop: Callable[[str, int, int], Coroutine[Any, Any, floa
 
 def run_outbox(count: int, concurrency: int, batch: int) -> Phase:
     with fresh_database(prefix="stripe_") as db_url, FakeStripeProcess() as fake:
-        providers = {PROVIDER: {"type": "stripe", "api_key_env": "STRIPE_API_KEY",
-                                "api_base": fake.url, "timeout": "20s"}}  # fmt: skip
+        providers = {
+            PROVIDER: {
+                "type": "stripe",
+                "api_key_env": "STRIPE_API_KEY",
+                "api_base": fake.url,
+                "timeout": "20s",
+            }
+        }
         progress(f"outbox run: concurrency {concurrency}, batch {batch}")
         env = {"STRIPE_API_KEY": DEFAULT_API_KEY, "PYTHONWARNINGS": "ignore::DeprecationWarning"}
-        with outbox_runs(db_url, providers=providers, env=env, concurrency=concurrency,
-                         batch_size=batch) as runs:  # fmt: skip
+        with outbox_runs(
+            db_url, providers=providers, env=env, concurrency=concurrency, batch_size=batch
+        ) as runs:
             # Started on an empty table, so its CPU time counts the work and not the start.
             time.sleep(STARTUP_S)
             cpu, fake_cpu = cpu_seconds(runs[0].pid), cpu_seconds(fake.pid)
@@ -187,26 +214,57 @@ def main(argv: list[str]) -> int:
     os.environ.pop("STRIPE_LOG", None)
 
     print_machine()
-    ceiling = run_bare("fake's ceiling: bare httpx form posts", _bare_httpx, args.count,
-                       args.concurrency)  # fmt: skip
-    bare = run_bare("bare stripe SDK loop (create_async)", _bare_sdk, args.count,
-                    args.concurrency)  # fmt: skip
-    sharded = run_bare("bare SDK loop, a client per 8 connections", _bare_sdk_sharded,
-                       args.count, args.concurrency)  # fmt: skip
+    ceiling = run_bare(
+        "fake's ceiling: bare httpx form posts", _bare_httpx, args.count, args.concurrency
+    )
+    bare = run_bare("bare stripe SDK loop (create_async)", _bare_sdk, args.count, args.concurrency)
+    sharded = run_bare(
+        "bare SDK loop, a client per 8 connections", _bare_sdk_sharded, args.count, args.concurrency
+    )
     outbox = run_outbox(args.count, args.concurrency, args.batch_size)
-    rows = [(p.name, f"{p.requests:,}", f"{p.seconds:.2f}", fmt_rate(p.per_second),
-             fmt_ratio(p.per_second / ceiling.per_second),
-             f"{p.client_cpu / p.requests * 1000:.3f}", f"{p.fake_cpu / p.requests * 1000:.3f}")
-            for p in (ceiling, bare, sharded, outbox)]  # fmt: skip
-    print_table(["", "creates", "seconds", "ops/s", "of the fake's ceiling", "caller CPU ms/op",
-                 "fake CPU ms/op"], rows,
-                title=f"Stripe throughput, concurrency {args.concurrency}")  # fmt: skip
+    rows = [
+        (
+            p.name,
+            f"{p.requests:,}",
+            f"{p.seconds:.2f}",
+            fmt_rate(p.per_second),
+            fmt_ratio(p.per_second / ceiling.per_second),
+            f"{p.client_cpu / p.requests * 1000:.3f}",
+            f"{p.fake_cpu / p.requests * 1000:.3f}",
+        )
+        for p in (ceiling, bare, sharded, outbox)
+    ]
+    print_table(
+        [
+            "",
+            "creates",
+            "seconds",
+            "ops/s",
+            "of the fake's ceiling",
+            "caller CPU ms/op",
+            "fake CPU ms/op",
+        ],
+        rows,
+        title=f"Stripe throughput, concurrency {args.concurrency}",
+    )
     ratio = outbox.per_second / bare.per_second
     verdict = "met" if ratio >= TARGET else "missed"
-    print_table(["ratio outbox / bare SDK", "target", "verdict",
-                 "outbox / bare SDK with the provider's clients"],
-                [(fmt_ratio(ratio), f"≥ {TARGET}", verdict,
-                  fmt_ratio(outbox.per_second / sharded.per_second))])  # fmt: skip
+    print_table(
+        [
+            "ratio outbox / bare SDK",
+            "target",
+            "verdict",
+            "outbox / bare SDK with the provider's clients",
+        ],
+        [
+            (
+                fmt_ratio(ratio),
+                f"≥ {TARGET}",
+                verdict,
+                fmt_ratio(outbox.per_second / sharded.per_second),
+            )
+        ],
+    )
     return 0
 
 

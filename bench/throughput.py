@@ -91,9 +91,13 @@ WHERE datname = current_database() AND pid <> pg_backend_pid() AND backend_type 
 """
 
 
-def _raw_worker(db_url: str, batch: int, start: multiprocessing.synchronize.Event,
-                done: multiprocessing.synchronize.Barrier,
-                release: multiprocessing.synchronize.Event) -> None:  # fmt: skip
+def _raw_worker(
+    db_url: str,
+    batch: int,
+    start: multiprocessing.synchronize.Event,
+    done: multiprocessing.synchronize.Barrier,
+    release: multiprocessing.synchronize.Event,
+) -> None:
     with psycopg.connect(db_url, autocommit=True) as conn:
         conn.execute("SELECT 1")
         start.wait()
@@ -105,31 +109,54 @@ def _raw_worker(db_url: str, batch: int, start: multiprocessing.synchronize.Even
         release.wait()  # connected until the parent has read its backend's CPU time
 
 
-def _floor_worker(db_url: str, batch: int, start: multiprocessing.synchronize.Event,
-                  done: multiprocessing.synchronize.Barrier,
-                  release: multiprocessing.synchronize.Event) -> None:  # fmt: skip
+def _floor_worker(
+    db_url: str,
+    batch: int,
+    start: multiprocessing.synchronize.Event,
+    done: multiprocessing.synchronize.Barrier,
+    release: multiprocessing.synchronize.Event,
+) -> None:
     asyncio.run(_floor_loop(db_url, batch, start, done, release))
 
 
-async def _floor_loop(db_url: str, batch: int, start: multiprocessing.synchronize.Event,
-                      done: multiprocessing.synchronize.Barrier,
-                      release: multiprocessing.synchronize.Event) -> None:  # fmt: skip
+async def _floor_loop(
+    db_url: str,
+    batch: int,
+    start: multiprocessing.synchronize.Event,
+    done: multiprocessing.synchronize.Barrier,
+    release: multiprocessing.synchronize.Event,
+) -> None:
     """outbox's own claim and record statements, through its Store, with nothing between them:
     no provider call, no task per operation. What the protocol costs the database, at most."""
     worker = f"floor-{os.getpid()}"
     lease = timedelta(seconds=60)
     # The session settings of `outbox run`'s own connections (generic plans among them).
-    async with AsyncConnectionPool(db_url, min_size=1, max_size=1, open=False,
-                                   kwargs={"autocommit": True},
-                                   configure=configure_session) as pool:  # fmt: skip
+    async with AsyncConnectionPool(
+        db_url,
+        min_size=1,
+        max_size=1,
+        open=False,
+        kwargs={"autocommit": True},
+        configure=configure_session,
+    ) as pool:
         store = Store(pool)
         await asyncio.to_thread(start.wait)
         while claimed := await store.claim(worker, batch, lease):
-            await store.record_many([
-                Record(c.id, c.lease_token, c.attempts, worker, Status.SUCCEEDED, "succeeded",
-                       sent=True, provider_ref="floor")
-                for c in claimed
-            ])  # fmt: skip
+            await store.record_many(
+                [
+                    Record(
+                        c.id,
+                        c.lease_token,
+                        c.attempts,
+                        worker,
+                        Status.SUCCEEDED,
+                        "succeeded",
+                        sent=True,
+                        provider_ref="floor",
+                    )
+                    for c in claimed
+                ]
+            )
         await asyncio.to_thread(done.wait)
         await asyncio.to_thread(release.wait)
 
@@ -153,8 +180,10 @@ def raw_limit(count: int, workers: int, batch: int, *, floor: bool = False) -> R
         done = ctx.Barrier(workers + 1)
         release = ctx.Event()
         target = _floor_worker if floor else _raw_worker
-        procs = [ctx.Process(target=target, args=(db_url, batch, start, done, release))
-                 for _ in range(workers)]  # fmt: skip
+        procs = [
+            ctx.Process(target=target, args=(db_url, batch, start, done, release))
+            for _ in range(workers)
+        ]
         for p in procs:
             p.start()
         time.sleep(0.5)  # every worker connected
@@ -214,10 +243,18 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / ticks
 
 
-def outbox_drain(count: int, concurrency: int, batch_size: int, *, processes: int = 1,
-                 log_level: str = "info", profile_dir: Path | None = None,
-                 native: bool = False, ordered_every: int = 0,
-                 timeout: float | None = None) -> Drain:  # fmt: skip
+def outbox_drain(
+    count: int,
+    concurrency: int,
+    batch_size: int,
+    *,
+    processes: int = 1,
+    log_level: str = "info",
+    profile_dir: Path | None = None,
+    native: bool = False,
+    ordered_every: int = 0,
+    timeout: float | None = None,
+) -> Drain:
     """`outbox run` (``processes`` of them) draining ``count`` pre-enqueued no-op operations.
 
     ``profile_dir``: record the first process with py-spy (collapsed stacks) while it drains.
@@ -228,8 +265,9 @@ def outbox_drain(count: int, concurrency: int, batch_size: int, *, processes: in
         with psycopg.connect(db_url, autocommit=True) as conn:
             conn.execute("VACUUM ANALYZE outbox.operations")
         env = {"OUTBOX_LOG_LEVEL": log_level}
-        with outbox_runs(db_url, processes=processes, env=env, concurrency=concurrency,
-                         batch_size=batch_size) as runs:  # fmt: skip
+        with outbox_runs(
+            db_url, processes=processes, env=env, concurrency=concurrency, batch_size=batch_size
+        ) as runs:
             spy = None
             profile = None
             if profile_dir is not None:
@@ -249,9 +287,20 @@ def outbox_drain(count: int, concurrency: int, batch_size: int, *, processes: in
         attempts = int(row[0]) if row else 0
     if window.succeeded != count:
         raise RuntimeError(f"outbox run succeeded {window.succeeded} of {count} operations")
-    return Drain(count, concurrency, batch_size, processes, window.seconds, window.per_second,
-                 attempts, meter.outbox, meter.postgres, claims, claim_seconds,
-                 profile)  # fmt: skip
+    return Drain(
+        count,
+        concurrency,
+        batch_size,
+        processes,
+        window.seconds,
+        window.per_second,
+        attempts,
+        meter.outbox,
+        meter.postgres,
+        claims,
+        claim_seconds,
+        profile,
+    )
 
 
 class _CpuMeter:
@@ -281,12 +330,12 @@ class _CpuMeter:
             return
         self.outbox = sum(_cpu_seconds(r.pid) for r in self._runs) - self._outbox0
         # A backend that started during the drain counts from zero.
-        self.postgres = sum(cpu - self._backends0.get(pid, 0.0)
-                            for pid, cpu in self._backends(conn).items())  # fmt: skip
+        self.postgres = sum(
+            cpu - self._backends0.get(pid, 0.0) for pid, cpu in self._backends(conn).items()
+        )
 
 
-def _wait_drained(db_url: str, count: int, timeout: float,
-                  runs: list[OutboxRun]) -> _CpuMeter:  # fmt: skip
+def _wait_drained(db_url: str, count: int, timeout: float, runs: list[OutboxRun]) -> _CpuMeter:
     """Wait until nothing is pending or in flight; returns the CPU the drain took, counted from
     when the first row left `pending` (start-up and imports are no cost per row)."""
     deadline = time.monotonic() + timeout
@@ -297,8 +346,9 @@ def _wait_drained(db_url: str, count: int, timeout: float,
         while True:
             if not started:
                 # Counting reads every pending row, but only until the drain begins.
-                row = conn.execute("SELECT count(*) FROM outbox.operations "
-                                   "WHERE status = 'pending'").fetchone()  # fmt: skip
+                row = conn.execute(
+                    "SELECT count(*) FROM outbox.operations WHERE status = 'pending'"
+                ).fetchone()
                 assert row is not None
                 started = int(row[0]) < count
                 if not started:
@@ -338,10 +388,22 @@ def _start_py_spy(pid: int, out: Path, *, native: bool = False) -> subprocess.Po
     # process for each sample; without it py-spy reads the process without stopping it.
     mode = ["--native"] if native else ["--nonblocking"]
     return subprocess.Popen(  # noqa: S603 (a fixed command line)
-        [command, "record", "--pid", str(pid), "--format", "raw", "--rate", "250",
-         "--output", str(out), *mode],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            command,
+            "record",
+            "--pid",
+            str(pid),
+            "--format",
+            "raw",
+            "--rate",
+            "250",
+            "--output",
+            str(out),
+            *mode,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def _stop_py_spy(spy: subprocess.Popen[bytes]) -> None:
@@ -358,8 +420,9 @@ def _stop_py_spy(spy: subprocess.Popen[bytes]) -> None:
 IDLE_STACK_MARKERS = ("serve_forever",)
 
 
-def top_self_time(collapsed: Path, top: int = 20, *,
-                  by_function: bool = False) -> list[tuple[str, float]]:  # fmt: skip
+def top_self_time(
+    collapsed: Path, top: int = 20, *, by_function: bool = False
+) -> list[tuple[str, float]]:
     """The frames with the most self time in py-spy's collapsed stacks, as shares of all
     samples (idle helper threads left out). ``by_function`` adds up a function's lines."""
     counts: Counter[str] = Counter()
@@ -400,9 +463,11 @@ def raw_table(count: int, repeat: int) -> float:
     loop, which no dispatcher using them can beat on this database."""
     raw_rows: list[list[str]] = []
     best_raw = 0.0
-    loops = [(False, batch, rows, workers)
-             for batch, rows in ((100, count), (1, max(count // SINGLE_ROW_SHARE, 1000)))
-             for workers in RAW_WORKERS]  # fmt: skip
+    loops = [
+        (False, batch, rows, workers)
+        for batch, rows in ((100, count), (1, max(count // SINGLE_ROW_SHARE, 1000)))
+        for workers in RAW_WORKERS
+    ]
     loops += [(True, 100, count, workers) for workers in RAW_WORKERS]
     for floor, batch, rows, workers in loops:
         name = "outbox's claim + record" if floor else "raw: one statement"
@@ -411,14 +476,33 @@ def raw_table(count: int, repeat: int) -> float:
         rate = median([r.per_second for r in runs])
         if batch == 100 and not floor:
             best_raw = max(best_raw, rate)
-        raw_rows.append([name, f"{workers}", f"{batch}", f"{rows:,}", fmt_rate(rate),
-                         fmt_ratio(rate / best_raw) if floor and best_raw else "",
-                         f"{median([1000 * r.pg_cpu_per_row for r in runs]):.3f} ms",
-                         " / ".join(fmt_rate(r.per_second) for r in runs)])  # fmt: skip
-    print_table(["loop", "workers", "rows per claim", "rows", "rows/s (median)", "x raw",
-                 "CPU/row backends", "runs"], raw_rows,
-                title="Raw PostgreSQL limit: claim + finish in one statement; and outbox's "
-                      "statements in the same loop")  # fmt: skip
+        raw_rows.append(
+            [
+                name,
+                f"{workers}",
+                f"{batch}",
+                f"{rows:,}",
+                fmt_rate(rate),
+                fmt_ratio(rate / best_raw) if floor and best_raw else "",
+                f"{median([1000 * r.pg_cpu_per_row for r in runs]):.3f} ms",
+                " / ".join(fmt_rate(r.per_second) for r in runs),
+            ]
+        )
+    print_table(
+        [
+            "loop",
+            "workers",
+            "rows per claim",
+            "rows",
+            "rows/s (median)",
+            "x raw",
+            "CPU/row backends",
+            "runs",
+        ],
+        raw_rows,
+        title="Raw PostgreSQL limit: claim + finish in one statement; and outbox's "
+        "statements in the same loop",
+    )
     return best_raw
 
 
@@ -430,31 +514,60 @@ def _config(pair: str) -> tuple[int, int]:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--count", type=int, default=None,
-                        help=f"operations per drain (default {DEFAULT_COUNT:,})")  # fmt: skip
-    parser.add_argument("--quick", action="store_true",
-                        help=f"--count {QUICK_COUNT:,} and one repeat of the raw loop")  # fmt: skip
+    parser.add_argument(
+        "--count", type=int, default=None, help=f"operations per drain (default {DEFAULT_COUNT:,})"
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"--count {QUICK_COUNT:,} and one repeat of the raw loop",
+    )
     parser.add_argument("--processes", type=int, default=1, help="`outbox run` processes")
     parser.add_argument("--repeat", type=int, default=3, help="raw-loop runs; the median counts")
-    parser.add_argument("--drain-repeat", type=int, default=1,
-                        help="drains per configuration, round-robin; median counts")  # fmt: skip
-    parser.add_argument("--configs", default=",".join(f"{c}x{b}" for c, b in CONFIGS),
-                        help="concurrency x batch_size pairs, e.g. 64x10,256x100")  # fmt: skip
-    parser.add_argument("--log-level", default="info",
-                        help="outbox run's log level (info, the production default)")  # fmt: skip
-    parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
-                        help="record each outbox run with py-spy into DIR")  # fmt: skip
-    parser.add_argument("--native", action="store_true",
-                        help="with --profile: C frames too (pauses it per sample)")  # fmt: skip
-    parser.add_argument("--no-ordered", dest="ordered", action="store_false",
-                        help="skip the drain with ordering keys in the mix")  # fmt: skip
-    parser.add_argument("--ordered-only", action="store_true",
-                        help="only the ordered comparison (and its unordered twin)")  # fmt: skip
+    parser.add_argument(
+        "--drain-repeat",
+        type=int,
+        default=1,
+        help="drains per configuration, round-robin; median counts",
+    )
+    parser.add_argument(
+        "--configs",
+        default=",".join(f"{c}x{b}" for c, b in CONFIGS),
+        help="concurrency x batch_size pairs, e.g. 64x10,256x100",
+    )
+    parser.add_argument(
+        "--log-level", default="info", help="outbox run's log level (info, the production default)"
+    )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="record each outbox run with py-spy into DIR",
+    )
+    parser.add_argument(
+        "--native", action="store_true", help="with --profile: C frames too (pauses it per sample)"
+    )
+    parser.add_argument(
+        "--no-ordered",
+        dest="ordered",
+        action="store_false",
+        help="skip the drain with ordering keys in the mix",
+    )
+    parser.add_argument(
+        "--ordered-only",
+        action="store_true",
+        help="only the ordered comparison (and its unordered twin)",
+    )
     args = parser.parse_args(argv)
     if args.ordered_only:
         print_machine()
-        ordered_table(QUICK_COUNT if args.quick else (args.count or DEFAULT_COUNT),
-                      args.processes, max(args.drain_repeat, 1), [])  # fmt: skip
+        ordered_table(
+            QUICK_COUNT if args.quick else (args.count or DEFAULT_COUNT),
+            args.processes,
+            max(args.drain_repeat, 1),
+            [],
+        )
         return 0
     count = args.count or (QUICK_COUNT if args.quick else DEFAULT_COUNT)
     repeat = 1 if args.quick else args.repeat
@@ -469,13 +582,21 @@ def main(argv: list[str]) -> int:
     profiles: list[Path] = []
     for round_number in range(args.drain_repeat):
         for concurrency, batch_size in configs:
-            progress(f"outbox run: concurrency {concurrency}, batch {batch_size}, "
-                     f"{args.processes} process(es), {count:,} operations, "
-                     f"round {round_number + 1} of {args.drain_repeat}")  # fmt: skip
+            progress(
+                f"outbox run: concurrency {concurrency}, batch {batch_size}, "
+                f"{args.processes} process(es), {count:,} operations, "
+                f"round {round_number + 1} of {args.drain_repeat}"
+            )
             profile_dir = args.profile if round_number == 0 else None
-            drain = outbox_drain(count, concurrency, batch_size, processes=args.processes,
-                                 log_level=args.log_level, profile_dir=profile_dir,
-                                 native=args.native)  # fmt: skip
+            drain = outbox_drain(
+                count,
+                concurrency,
+                batch_size,
+                processes=args.processes,
+                log_level=args.log_level,
+                profile_dir=profile_dir,
+                native=args.native,
+            )
             if drain.profile is not None:
                 profiles.append(drain.profile)
             if drain.attempts != count:
@@ -486,39 +607,69 @@ def main(argv: list[str]) -> int:
     for (concurrency, batch_size), done in drains.items():
         rate = median([d.per_second for d in done])
         ratio = rate / best_raw if best_raw else float("nan")
-        rows_out.append([
-            f"{concurrency}", f"{batch_size}", f"{args.processes}", f"{count:,}",
-            f"{median([d.seconds for d in done]):.1f} s", fmt_rate(rate), fmt_ratio(ratio),
-            f"{median([1000 * d.cpu_seconds / count for d in done]):.3f} ms",
-            f"{median([1000 * d.pg_cpu_seconds / count for d in done]):.3f} ms",
-            "yes" if ratio >= TARGET_RATIO else "no",
-            " / ".join(fmt_rate(d.per_second) for d in done),
-        ])  # fmt: skip
-        claim_rows.append([
-            f"{concurrency}", f"{batch_size}",
-            f"{median([d.claims for d in done]):,.0f}",
-            f"{median([d.count / d.claims if d.claims else float('nan') for d in done]):.1f}",
-            f"{median([_mean_claim_ms(d) for d in done]):.2f} ms",
-            fmt_rate(median([d.claim_ceiling for d in done])), fmt_rate(rate),
-        ])  # fmt: skip
+        rows_out.append(
+            [
+                f"{concurrency}",
+                f"{batch_size}",
+                f"{args.processes}",
+                f"{count:,}",
+                f"{median([d.seconds for d in done]):.1f} s",
+                fmt_rate(rate),
+                fmt_ratio(ratio),
+                f"{median([1000 * d.cpu_seconds / count for d in done]):.3f} ms",
+                f"{median([1000 * d.pg_cpu_seconds / count for d in done]):.3f} ms",
+                "yes" if ratio >= TARGET_RATIO else "no",
+                " / ".join(fmt_rate(d.per_second) for d in done),
+            ]
+        )
+        claim_rows.append(
+            [
+                f"{concurrency}",
+                f"{batch_size}",
+                f"{median([d.claims for d in done]):,.0f}",
+                f"{median([d.count / d.claims if d.claims else float('nan') for d in done]):.1f}",
+                f"{median([_mean_claim_ms(d) for d in done]):.2f} ms",
+                fmt_rate(median([d.claim_ceiling for d in done])),
+                fmt_rate(rate),
+            ]
+        )
     print_table(
-        ["concurrency", "batch_size", "processes", "operations", "drain", "ops/s",
-         "x raw", "CPU/op outbox", "CPU/op backends", f">= {TARGET_RATIO} x raw",
-         "runs (ops/s)"],
+        [
+            "concurrency",
+            "batch_size",
+            "processes",
+            "operations",
+            "drain",
+            "ops/s",
+            "x raw",
+            "CPU/op outbox",
+            "CPU/op backends",
+            f">= {TARGET_RATIO} x raw",
+            "runs (ops/s)",
+        ],
         rows_out,
         title=f"outbox run, noop provider (raw limit: {fmt_rate(best_raw)} rows/s)",
-    )  # fmt: skip
+    )
     # What one claim at a time per process would allow: a drain at this ceiling is bound by the
     # claim loop; a drain above it has claims overlapping (several claim loops).
-    print_table(["concurrency", "batch_size", "claims", "rows/claim", "mean claim",
-                 "one-claim-at-a-time ceiling", "ops/s"], claim_rows,
-                title="Claims (outbox_claim_duration_seconds), medians")  # fmt: skip
+    print_table(
+        [
+            "concurrency",
+            "batch_size",
+            "claims",
+            "rows/claim",
+            "mean claim",
+            "one-claim-at-a-time ceiling",
+            "ops/s",
+        ],
+        claim_rows,
+        title="Claims (outbox_claim_duration_seconds), medians",
+    )
     for profile in profiles:
         if profile.exists():
             print_profile(profile)
     if args.ordered:
-        ordered_table(count, args.processes, args.drain_repeat,
-                      drains.get(ORDERED_CONFIG, []))  # fmt: skip
+        ordered_table(count, args.processes, args.drain_repeat, drains.get(ORDERED_CONFIG, []))
     return 0
 
 
@@ -529,26 +680,44 @@ def ordered_table(count: int, processes: int, repeat: int, unordered: list[Drain
     unordered = list(unordered)
     ordered: list[Drain] = []
     for round_number in range(repeat):
-        progress(f"ordering keys: a third of {count:,} ordered over {ORDERING_KEYS} keys, "
-                 f"round {round_number + 1} of {repeat}")  # fmt: skip
+        progress(
+            f"ordering keys: a third of {count:,} ordered over {ORDERING_KEYS} keys, "
+            f"round {round_number + 1} of {repeat}"
+        )
         if len(unordered) <= round_number:
             unordered.append(outbox_drain(count, concurrency, batch_size, processes=processes))
-        ordered.append(outbox_drain(count, concurrency, batch_size, processes=processes,
-                                    ordered_every=ORDERED_EVERY))  # fmt: skip
+        ordered.append(
+            outbox_drain(
+                count, concurrency, batch_size, processes=processes, ordered_every=ORDERED_EVERY
+            )
+        )
     claim_u = median([_mean_claim_ms(d) for d in unordered])
     claim_o = median([_mean_claim_ms(d) for d in ordered])
     rate_u = median([d.per_second for d in unordered])
     rate_o = median([d.per_second for d in ordered])
     print_table(
-        ["operations", "ordered", "mean claim", "claim x unordered", "ops/s",
-         f"claim <= {ORDERED_TARGET} x"],
-        [[f"{count:,}", "none", f"{claim_u:.2f} ms", "1.00", fmt_rate(rate_u), ""],
-         [f"{count:,}", f"1 in {ORDERED_EVERY}, {ORDERING_KEYS} keys", f"{claim_o:.2f} ms",
-          fmt_ratio(claim_o / claim_u), fmt_rate(rate_o),
-          "yes" if claim_o <= ORDERED_TARGET * claim_u else "no"]],
+        [
+            "operations",
+            "ordered",
+            "mean claim",
+            "claim x unordered",
+            "ops/s",
+            f"claim <= {ORDERED_TARGET} x",
+        ],
+        [
+            [f"{count:,}", "none", f"{claim_u:.2f} ms", "1.00", fmt_rate(rate_u), ""],
+            [
+                f"{count:,}",
+                f"1 in {ORDERED_EVERY}, {ORDERING_KEYS} keys",
+                f"{claim_o:.2f} ms",
+                fmt_ratio(claim_o / claim_u),
+                fmt_rate(rate_o),
+                "yes" if claim_o <= ORDERED_TARGET * claim_u else "no",
+            ],
+        ],
         title=f"Ordering keys in the mix: concurrency {concurrency}, batch {batch_size}, "
-              f"{processes} process(es), medians of {repeat}",
-    )  # fmt: skip
+        f"{processes} process(es), medians of {repeat}",
+    )
 
 
 def print_profile(profile: Path) -> None:
@@ -556,10 +725,15 @@ def print_profile(profile: Path) -> None:
     by_line = top_self_time(profile)
     by_function = top_self_time(profile, by_function=True)
     pairs = zip(by_line, by_function, strict=False)
-    rows = [[name, f"{100 * share:.1f}", fname, f"{100 * fshare:.1f}"]
-            for (name, share), (fname, fshare) in pairs]  # fmt: skip
-    print_table(["frame (file:line)", "self %", "function (its lines added up)", "self %"],
-                rows, title=f"py-spy, top self time: {profile.name}")  # fmt: skip
+    rows = [
+        [name, f"{100 * share:.1f}", fname, f"{100 * fshare:.1f}"]
+        for (name, share), (fname, fshare) in pairs
+    ]
+    print_table(
+        ["frame (file:line)", "self %", "function (its lines added up)", "self %"],
+        rows,
+        title=f"py-spy, top self time: {profile.name}",
+    )
 
 
 if __name__ == "__main__":

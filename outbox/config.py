@@ -70,13 +70,35 @@ from outbox.settings_schema import (
 
 # What other modules import, ConfigError and format_rate among it (from outbox.settings_schema).
 __all__ = [
-    "BREAKER_OPEN_MAX", "DEFAULT_CONCURRENCY", "DEFAULT_KEY_RETENTION", "DEFAULT_LISTEN_URL_ENV",
-    "DEFAULT_MAX_RESPONSE_BYTES", "DEFAULT_SHUTDOWN_GRACE", "DEFAULT_TIMEOUT",
-    "HEARTBEATS_PER_LEASE", "LIMIT_KEYS", "LOG_LEVELS", "MAX_CONCURRENCY", "POOL_MODES",
-    "PROVIDER_KEYS", "PROVIDER_NAME", "PROVIDER_OPTIONS", "REDACTED", "TABLES", "ConfigError",
-    "DatabaseSettings", "DispatcherSettings", "ProviderLimits", "ProviderSettings", "Settings",
-    "default_burst", "format_rate", "load_settings", "read_secret", "settings_from_mapping",
-]  # fmt: skip
+    "BREAKER_OPEN_MAX",
+    "DEFAULT_CONCURRENCY",
+    "DEFAULT_KEY_RETENTION",
+    "DEFAULT_LISTEN_URL_ENV",
+    "DEFAULT_MAX_RESPONSE_BYTES",
+    "DEFAULT_SHUTDOWN_GRACE",
+    "DEFAULT_TIMEOUT",
+    "HEARTBEATS_PER_LEASE",
+    "LIMIT_KEYS",
+    "LOG_LEVELS",
+    "MAX_CONCURRENCY",
+    "POOL_MODES",
+    "PROVIDER_KEYS",
+    "PROVIDER_NAME",
+    "PROVIDER_OPTIONS",
+    "REDACTED",
+    "TABLES",
+    "ConfigError",
+    "DatabaseSettings",
+    "DispatcherSettings",
+    "ProviderLimits",
+    "ProviderSettings",
+    "Settings",
+    "default_burst",
+    "format_rate",
+    "load_settings",
+    "read_secret",
+    "settings_from_mapping",
+]
 
 # --- Bounds and names that are no key's default ----------------------------------------------
 
@@ -125,84 +147,128 @@ _POOL_MODE: Final = Choice(
 class DispatcherSettings:
     """``[dispatcher]``: how the dispatcher claims, calls, retries and gives up."""
 
-    concurrency: int = field(default=64, metadata=setting(
-        Count(most=MAX_CONCURRENCY),
-        "Provider calls in flight, per process: enough to hide provider latency (at ~100 ms a "
-        "call, over 600 calls a second) while staying far below providers' rate limits and a "
-        "database pool's size.",
-    ))  # fmt: skip
-    batch_size: int = field(default=100, metadata=setting(
-        Count(),
-        "Rows claimed per claim query: one query per 100 rows amortises its round trip without "
-        "leasing rows that the workers will not reach before their lease runs out.",
-    ))  # fmt: skip
-    lease: timedelta = field(default=timedelta(seconds=30), metadata=setting(
-        Duration(),
-        "How long a claim holds an operation, renewed by a heartbeat while its call runs: "
-        "outlives a provider call at its timeout (10-20 s) plus recording the result, yet a "
-        "crashed process's operations are claimed again within half a minute.",
-    ))  # fmt: skip
-    poll_interval: timedelta = field(default=timedelta(seconds=1), metadata=setting(
-        Duration(),
-        "How often to look for due work when no NOTIFY arrives: NOTIFY wakes the dispatcher at "
-        "once, so polling only covers lost notifications and retries coming due, and once a "
-        "second bounds their delay at a negligible cost to the database.",
-    ))  # fmt: skip
-    shutdown_grace: timedelta = field(default=timedelta(seconds=25), metadata=setting(
-        Duration(zero=True),
-        "How long in-flight calls get after SIGTERM: they finish within Kubernetes' default "
-        "30 s termination grace period, with 5 s left to release leases and exit before SIGKILL.",
-    ))  # fmt: skip
-    max_attempts: int = field(default=10, metadata=setting(
-        Count(),
-        "Attempts before an operation needs a human: with doubling backoff from 1 s, ten ride "
-        "out a provider outage of several minutes.",
-    ))  # fmt: skip
-    backoff_base: timedelta = field(default=timedelta(seconds=1), metadata=setting(
-        Duration(),
-        "The first retry's delay (capped exponential backoff with full jitter), at most "
-        "backoff_max: most transient failures (a reset connection, a 502 during a deploy) clear "
-        "within a second.",
-    ))  # fmt: skip
-    backoff_max: timedelta = field(default=timedelta(minutes=10), metadata=setting(
-        Duration(),
-        "The longest delay between retries: a recovered provider is tried again within ten "
-        "minutes, and a long outage costs each operation no more than six calls an hour.",
-    ))  # fmt: skip
-    retention_margin: timedelta = field(default=timedelta(hours=1), metadata=setting(
-        Duration(zero=True),
-        "Retries stop this long before the provider forgets an idempotency key (the operation "
-        "goes to reconciliation), since a retry after that could repeat the effect; shorter "
-        "than every provider's key_retention. An hour absorbs clock skew and a slow last "
-        "attempt with room to spare.",
-    ))  # fmt: skip
-    heartbeat: timedelta | None = field(default=None, metadata=setting(
-        Duration(),
-        "How often a worker renews its leases; shorter than lease. Three renewals per lease "
-        "leave the lease held after one late renewal.",
-        default_doc="a third of `lease`",
-    ))  # fmt: skip
-    auto_reconcile: bool = field(default=True, metadata=setting(
-        Boolean(),
-        "Whether the reconciler asks providers about reconciling operations on its own; only "
-        "a person's decision is then needed for what it cannot find.",
-    ))  # fmt: skip
-    reconcile_interval: timedelta = field(default=timedelta(minutes=5), metadata=setting(
-        Duration(),
-        "How often the reconciler looks: a lookup lists a page or two of objects per "
-        "operation, so every few minutes finds an effect soon after it appears (Stripe may "
-        "roll a 500 forward) without loading the provider's API.",
-    ))  # fmt: skip
-    gauge_interval: timedelta = field(default=timedelta(seconds=15), metadata=setting(
-        Duration(),
-        "How often the database-wide gauges are measured: a scrape interval's worth of "
-        "staleness, one cheap query per period.",
-    ))  # fmt: skip
-    event_loop: str = field(default="auto", metadata=setting(
-        Choice(EVENT_LOOPS, unavailable=_uvloop_missing),
-        'The dispatcher\'s event loop: "auto" is uvloop where it is installed (a dependency, '
-        "with less CPU per task and socket callback), else asyncio's own.",
-    ))  # fmt: skip
+    concurrency: int = field(
+        default=64,
+        metadata=setting(
+            Count(most=MAX_CONCURRENCY),
+            "Provider calls in flight, per process: enough to hide provider latency (at ~100 ms a "
+            "call, over 600 calls a second) while staying far below providers' rate limits and a "
+            "database pool's size.",
+        ),
+    )
+    batch_size: int = field(
+        default=100,
+        metadata=setting(
+            Count(),
+            "Rows claimed per claim query: one query per 100 rows amortises its round trip without "
+            "leasing rows that the workers will not reach before their lease runs out.",
+        ),
+    )
+    lease: timedelta = field(
+        default=timedelta(seconds=30),
+        metadata=setting(
+            Duration(),
+            "How long a claim holds an operation, renewed by a heartbeat while its call runs: "
+            "outlives a provider call at its timeout (10-20 s) plus recording the result, yet a "
+            "crashed process's operations are claimed again within half a minute.",
+        ),
+    )
+    poll_interval: timedelta = field(
+        default=timedelta(seconds=1),
+        metadata=setting(
+            Duration(),
+            "How often to look for due work when no NOTIFY arrives: NOTIFY wakes the dispatcher at "
+            "once, so polling only covers lost notifications and retries coming due, and once a "
+            "second bounds their delay at a negligible cost to the database.",
+        ),
+    )
+    shutdown_grace: timedelta = field(
+        default=timedelta(seconds=25),
+        metadata=setting(
+            Duration(zero=True),
+            "How long in-flight calls get after SIGTERM: they finish within Kubernetes' default "
+            "30 s termination grace period, with 5 s left to release leases and exit before "
+            "SIGKILL.",
+        ),
+    )
+    max_attempts: int = field(
+        default=10,
+        metadata=setting(
+            Count(),
+            "Attempts before an operation needs a human: with doubling backoff from 1 s, ten ride "
+            "out a provider outage of several minutes.",
+        ),
+    )
+    backoff_base: timedelta = field(
+        default=timedelta(seconds=1),
+        metadata=setting(
+            Duration(),
+            "The first retry's delay (capped exponential backoff with full jitter), at most "
+            "backoff_max: most transient failures (a reset connection, a 502 during a deploy) "
+            "clear "
+            "within a second.",
+        ),
+    )
+    backoff_max: timedelta = field(
+        default=timedelta(minutes=10),
+        metadata=setting(
+            Duration(),
+            "The longest delay between retries: a recovered provider is tried again within ten "
+            "minutes, and a long outage costs each operation no more than six calls an hour.",
+        ),
+    )
+    retention_margin: timedelta = field(
+        default=timedelta(hours=1),
+        metadata=setting(
+            Duration(zero=True),
+            "Retries stop this long before the provider forgets an idempotency key (the operation "
+            "goes to reconciliation), since a retry after that could repeat the effect; shorter "
+            "than every provider's key_retention. An hour absorbs clock skew and a slow last "
+            "attempt with room to spare.",
+        ),
+    )
+    heartbeat: timedelta | None = field(
+        default=None,
+        metadata=setting(
+            Duration(),
+            "How often a worker renews its leases; shorter than lease. Three renewals per lease "
+            "leave the lease held after one late renewal.",
+            default_doc="a third of `lease`",
+        ),
+    )
+    auto_reconcile: bool = field(
+        default=True,
+        metadata=setting(
+            Boolean(),
+            "Whether the reconciler asks providers about reconciling operations on its own; only "
+            "a person's decision is then needed for what it cannot find.",
+        ),
+    )
+    reconcile_interval: timedelta = field(
+        default=timedelta(minutes=5),
+        metadata=setting(
+            Duration(),
+            "How often the reconciler looks: a lookup lists a page or two of objects per "
+            "operation, so every few minutes finds an effect soon after it appears (Stripe may "
+            "roll a 500 forward) without loading the provider's API.",
+        ),
+    )
+    gauge_interval: timedelta = field(
+        default=timedelta(seconds=15),
+        metadata=setting(
+            Duration(),
+            "How often the database-wide gauges are measured: a scrape interval's worth of "
+            "staleness, one cheap query per period.",
+        ),
+    )
+    event_loop: str = field(
+        default="auto",
+        metadata=setting(
+            Choice(EVENT_LOOPS, unavailable=_uvloop_missing),
+            'The dispatcher\'s event loop: "auto" is uvloop where it is installed (a dependency, '
+            "with less CPU per task and socket callback), else asyncio's own.",
+        ),
+    )
 
     def __post_init__(self) -> None:
         # The loader checked each value already, naming its source; this keeps settings built in
@@ -232,34 +298,54 @@ class DispatcherSettings:
 class DatabaseSettings:
     """``[database]``: how ``outbox run`` reaches PostgreSQL, beyond the database URL itself."""
 
-    pool_mode: str = field(default="session", metadata=setting(
-        _POOL_MODE,
-        'How the database URL reaches PostgreSQL. "session": a session of outbox\'s own per '
-        "connection (a direct connection, or a pooler in session mode), so prepared statements, "
-        "session settings and LISTEN all work; the default, as a plain PostgreSQL URL gives it. "
-        '"transaction": a pooler (PgBouncer\'s pool_mode = transaction) that lends a server '
-        "session per transaction only: no prepared statements, no session settings (the DBA "
-        "sets them on the role), no LISTEN through it (docs/pgbouncer.md).",
-    ))  # fmt: skip
-    listen_url: str | None = field(default=None, metadata=setting(
-        Secret("the LISTEN URL", carries="a password", kind_of_value="a connection URL",
-               default_env=DEFAULT_LISTEN_URL_ENV),
-        "A direct connection (bypassing the pooler) for LISTEN. It may carry a password, so the "
-        "file names only where it is, and it is never shown. Without one, a transaction-pooled "
-        "daemon polls only.",
-        default_doc=f"`${DEFAULT_LISTEN_URL_ENV}`, else none",
-    ))  # fmt: skip
-    listen: bool = field(default=True, metadata=setting(
-        Boolean(),
-        "Whether the daemon LISTENs for enqueue notifications: an idle dispatcher then claims a "
-        "committed row within milliseconds instead of at its next poll. Off, it polls only "
-        "(every poll_interval), producers never notify, and any listen_url goes unused.",
-    ))  # fmt: skip
-    startup_wait: timedelta = field(default=timedelta(seconds=60), metadata=setting(
-        Duration(),
-        "How long `outbox run` gives the database to answer at start-up before it exits (code "
-        "2) saying so; once it has started, an unreachable database is waited out for ever.",
-    ))  # fmt: skip
+    pool_mode: str = field(
+        default="session",
+        metadata=setting(
+            _POOL_MODE,
+            'How the database URL reaches PostgreSQL. "session": a session of outbox\'s own per '
+            "connection (a direct connection, or a pooler in session mode), so prepared "
+            "statements, "
+            "session settings and LISTEN all work; the default, as a plain PostgreSQL URL gives "
+            "it. "
+            '"transaction": a pooler (PgBouncer\'s pool_mode = transaction) that lends a server '
+            "session per transaction only: no prepared statements, no session settings (the DBA "
+            "sets them on the role), no LISTEN through it (docs/pgbouncer.md).",
+        ),
+    )
+    listen_url: str | None = field(
+        default=None,
+        metadata=setting(
+            Secret(
+                "the LISTEN URL",
+                carries="a password",
+                kind_of_value="a connection URL",
+                default_env=DEFAULT_LISTEN_URL_ENV,
+            ),
+            "A direct connection (bypassing the pooler) for LISTEN. It may carry a password, so "
+            "the "
+            "file names only where it is, and it is never shown. Without one, a transaction-pooled "
+            "daemon polls only.",
+            default_doc=f"`${DEFAULT_LISTEN_URL_ENV}`, else none",
+        ),
+    )
+    listen: bool = field(
+        default=True,
+        metadata=setting(
+            Boolean(),
+            "Whether the daemon LISTENs for enqueue notifications: an idle dispatcher then claims "
+            "a "
+            "committed row within milliseconds instead of at its next poll. Off, it polls only "
+            "(every poll_interval), producers never notify, and any listen_url goes unused.",
+        ),
+    )
+    startup_wait: timedelta = field(
+        default=timedelta(seconds=60),
+        metadata=setting(
+            Duration(),
+            "How long `outbox run` gives the database to answer at start-up before it exits (code "
+            "2) saying so; once it has started, an unreachable database is waited out for ever.",
+        ),
+    )
 
     def __post_init__(self) -> None:
         check_fields(self, "database")
@@ -289,52 +375,79 @@ class ProviderSettings:
     """
 
     name: str
-    type: str = field(metadata=setting(
-        ProviderType(),
-        'The provider\'s type: "webhook", "stripe", "noop", or the name a plug-in registers in '
-        "the entry point group outbox.providers.",
-    ))  # fmt: skip
-    key_retention: timedelta = field(default=timedelta(hours=24), metadata=setting(
-        Duration(),
-        "How long the provider remembers an idempotency key; longer than "
-        "dispatcher.retention_margin. Stripe keeps them for at least 24 hours; other providers "
-        "must say otherwise.",
-    ))  # fmt: skip
-    timeout: timedelta = field(default=timedelta(seconds=10), metadata=setting(
-        Duration(),
-        "How long one call may take: a provider that has not answered in 10 s is probably "
-        "stuck, and that is well under the lease, so the lease outlives the call.",
-    ))  # fmt: skip
+    type: str = field(
+        metadata=setting(
+            ProviderType(),
+            'The provider\'s type: "webhook", "stripe", "noop", or the name a plug-in registers in '
+            "the entry point group outbox.providers.",
+        )
+    )
+    key_retention: timedelta = field(
+        default=timedelta(hours=24),
+        metadata=setting(
+            Duration(),
+            "How long the provider remembers an idempotency key; longer than "
+            "dispatcher.retention_margin. Stripe keeps them for at least 24 hours; other providers "
+            "must say otherwise.",
+        ),
+    )
+    timeout: timedelta = field(
+        default=timedelta(seconds=10),
+        metadata=setting(
+            Duration(),
+            "How long one call may take: a provider that has not answered in 10 s is probably "
+            "stuck, and that is well under the lease, so the lease outlives the call.",
+        ),
+    )
     options: Mapping[str, Any] = field(default_factory=_no_options)
-    max_in_flight: int | None = field(default=None, metadata=setting(
-        Count(),
-        "Its calls in flight at once, per process: a slow provider keeps to its own slots.",
-        default_doc="up to `dispatcher.concurrency`", group=_LIMITS,
-    ))  # fmt: skip
-    rate_limit: float | None = field(default=None, metadata=setting(
-        Rate(),
-        "Its calls per second across every replica: a token bucket in PostgreSQL, emptied for "
-        "the Retry-After of a 429.",
-        default_doc="none", group=_LIMITS,
-    ))  # fmt: skip
-    rate_burst: int | None = field(default=None, metadata=setting(
-        Count(),
-        "Calls that may go at once after a quiet spell.",
-        default_doc="one second's worth (at least 1)", requires="rate_limit", group=_LIMITS,
-    ))  # fmt: skip
-    breaker_failures: int = field(default=5, metadata=setting(
-        Count(),
-        "Failures in a row (transient or unknown) that open its circuit breaker: at a few "
-        "percent of random errors, five in a row happen about once in ten million calls.",
-        group=_LIMITS,
-    ))  # fmt: skip
-    breaker_open_for: timedelta = field(default=timedelta(seconds=30), metadata=setting(
-        Duration(),
-        "How long its breaker stays open before one probe, doubling while probes fail (up to "
-        "5 minutes, or this if longer): a provider back after a blip resumes within half a "
-        "minute, and one still down costs one request per probe.",
-        group=_LIMITS,
-    ))  # fmt: skip
+    max_in_flight: int | None = field(
+        default=None,
+        metadata=setting(
+            Count(),
+            "Its calls in flight at once, per process: a slow provider keeps to its own slots.",
+            default_doc="up to `dispatcher.concurrency`",
+            group=_LIMITS,
+        ),
+    )
+    rate_limit: float | None = field(
+        default=None,
+        metadata=setting(
+            Rate(),
+            "Its calls per second across every replica: a token bucket in PostgreSQL, emptied for "
+            "the Retry-After of a 429.",
+            default_doc="none",
+            group=_LIMITS,
+        ),
+    )
+    rate_burst: int | None = field(
+        default=None,
+        metadata=setting(
+            Count(),
+            "Calls that may go at once after a quiet spell.",
+            default_doc="one second's worth (at least 1)",
+            requires="rate_limit",
+            group=_LIMITS,
+        ),
+    )
+    breaker_failures: int = field(
+        default=5,
+        metadata=setting(
+            Count(),
+            "Failures in a row (transient or unknown) that open its circuit breaker: at a few "
+            "percent of random errors, five in a row happen about once in ten million calls.",
+            group=_LIMITS,
+        ),
+    )
+    breaker_open_for: timedelta = field(
+        default=timedelta(seconds=30),
+        metadata=setting(
+            Duration(),
+            "How long its breaker stays open before one probe, doubling while probes fail (up to "
+            "5 minutes, or this if longer): a provider back after a blip resumes within half a "
+            "minute, and one still down costs one request per probe.",
+            group=_LIMITS,
+        ),
+    )
 
     def __post_init__(self) -> None:
         table = _dotted("providers", self.name)
@@ -350,9 +463,12 @@ class ProviderSettings:
         if burst is None:
             burst = 1 if self.rate_limit is None else default_burst(self.rate_limit)
         return ProviderLimits(
-            max_in_flight=self.max_in_flight, rate=self.rate_limit, burst=burst,
-            breaker_failures=self.breaker_failures, breaker_open_for=self.breaker_open_for,
-        )  # fmt: skip
+            max_in_flight=self.max_in_flight,
+            rate=self.rate_limit,
+            burst=burst,
+            breaker_failures=self.breaker_failures,
+            breaker_open_for=self.breaker_open_for,
+        )
 
     def __repr__(self) -> str:
         options = redaction.redact(self.options, marker=REDACTED)
@@ -361,75 +477,118 @@ class ProviderSettings:
 
 # The options of both HTTP providers.
 _ALLOW_INSECURE: Final = Setting(
-    "allow_insecure", Boolean(),
+    "allow_insecure",
+    Boolean(),
     "Send secrets (secret headers, the API key) over http:// to a host other than loopback, "
     "which is refused otherwise.",
     default=False,
-)  # fmt: skip
+)
 _MAX_RESPONSE_BYTES: Final = Setting(
-    "max_response_bytes", Count(unit="bytes"),
+    "max_response_bytes",
+    Count(unit="bytes"),
     "The most of one answer read, counted as decoded, so a compressed answer cannot expand past "
     "it: an answer is held in memory whole while its reference is read, and 1 MiB is hundreds "
     "of times a webhook's or a Stripe object's answer, yet the 64 calls in flight of the "
     "default concurrency hold at most 64 MiB of answers. A longer answer is *unknown*.",
     default=1 << 20,
-)  # fmt: skip
+)
 
 # The options each built-in provider type reads (besides the keys of ProviderSettings), which
 # its factory (outbox.providers.registry) checks and reads; a plug-in's type takes any options.
 # On loading, only the values that are not text are read (so that the environment's text reads
 # as the file would give it); the rest stay as written.
-PROVIDER_OPTIONS: Final[Mapping[str, tuple[Setting, ...]]] = MappingProxyType({
-    "webhook": (
-        Setting("url", Opaque("`http://` or `https://` URL, no credentials"),
-                "Where each operation is POSTed."),
-        Setting("headers", Opaque("table of strings"),
+PROVIDER_OPTIONS: Final[Mapping[str, tuple[Setting, ...]]] = MappingProxyType(
+    {
+        "webhook": (
+            Setting(
+                "url",
+                Opaque("`http://` or `https://` URL, no credentials"),
+                "Where each operation is POSTed.",
+            ),
+            Setting(
+                "headers",
+                Opaque("table of strings"),
                 "Headers sent with every request, in plain sight: a secret-looking one "
                 "(Authorization, *token*, Cookie...) is refused here.",
-                default=None, default_doc="none", env=False),
-        Setting("secret_headers", Opaque('table of `{env = "VAR"}` or `{file = "/path"}`'),
+                default=None,
+                default_doc="none",
+                env=False,
+            ),
+            Setting(
+                "secret_headers",
+                Opaque('table of `{env = "VAR"}` or `{file = "/path"}`'),
                 "Headers whose values are secrets, read from the environment or a file (under "
                 "systemd, relative to $CREDENTIALS_DIRECTORY) and never logged.",
-                default=None, default_doc="none", env=False),
-        Setting("reference_field", Opaque("text"),
+                default=None,
+                default_doc="none",
+                env=False,
+            ),
+            Setting(
+                "reference_field",
+                Opaque("text"),
                 "The JSON field of a 2xx answer that identifies the effect (the operation's "
                 "provider_ref); without it, the idempotency key.",
-                default="id"),
-        _ALLOW_INSECURE,
-        _MAX_RESPONSE_BYTES,
-    ),
-    "stripe": (
-        Setting("api_key",
-                Secret("the API key", carries="the key itself", kind_of_value="an API key",
-                       example_env="STRIPE_API_KEY"),
+                default="id",
+            ),
+            _ALLOW_INSECURE,
+            _MAX_RESPONSE_BYTES,
+        ),
+        "stripe": (
+            Setting(
+                "api_key",
+                Secret(
+                    "the API key",
+                    carries="the key itself",
+                    kind_of_value="an API key",
+                    example_env="STRIPE_API_KEY",
+                ),
                 "The secret or restricted key; under systemd, LoadCredential=<provider name>:... "
                 "needs neither key.",
-                default_doc="the file `<provider name>` in `$CREDENTIALS_DIRECTORY`"),
-        Setting("api_base", Opaque("`http://` or `https://` URL"),
+                default_doc="the file `<provider name>` in `$CREDENTIALS_DIRECTORY`",
+            ),
+            Setting(
+                "api_base",
+                Opaque("`http://` or `https://` URL"),
                 "Stripe's API, or a test double of it.",
-                default="https://api.stripe.com"),
-        Setting("stripe_account", Opaque("text (`acct_...`)"),
+                default="https://api.stripe.com",
+            ),
+            Setting(
+                "stripe_account",
+                Opaque("text (`acct_...`)"),
                 "The Connect account every operation of the provider acts for (Stripe-Account).",
-                default=None, default_doc="none: the platform's own"),
-        _ALLOW_INSECURE,
-        _MAX_RESPONSE_BYTES,
-        Setting("redact_fields", Opaque("array of field names"),
+                default=None,
+                default_doc="none: the platform's own",
+            ),
+            _ALLOW_INSECURE,
+            _MAX_RESPONSE_BYTES,
+            Setting(
+                "redact_fields",
+                Opaque("array of field names"),
                 "Fields never kept in an operation's result, at any depth: client_secret "
                 "confirms a payment from any browser.",
-                default=("client_secret",), env=False),
-        Setting("stripe_version", Opaque("Stripe API version, a date and a name"),
+                default=("client_secret",),
+                env=False,
+            ),
+            Setting(
+                "stripe_version",
+                Opaque("Stripe API version, a date and a name"),
                 "The API version requests are sent in (Stripe-Version): the one stripe-python "
                 "16.1 was built for, never the SDK's default, which moves with each release. "
                 "An operation keeps the version of its first send.",
-                default="2026-10-28.endive"),
-        Setting("operation_accounts", Boolean(),
+                default="2026-10-28.endive",
+            ),
+            Setting(
+                "operation_accounts",
+                Boolean(),
                 "Whether an operation may name its own Connect account (the payload's top-level "
                 "stripe_account): any producer of the provider can then act for any account "
                 "the platform's key reaches.",
-                default=False),
-    ),
-    "noop": (),
-})  # fmt: skip
+                default=False,
+            ),
+        ),
+        "noop": (),
+    }
+)
 
 
 _BREAKER_FAILURES: Final[int] = default_of(ProviderSettings, "breaker_failures")
@@ -618,8 +777,9 @@ def _refuse_written_secrets(cls: type, table: object, where: Where) -> None:
     if isinstance(table, Mapping):
         for declared in settings_of(cls):
             if isinstance(declared.kind, Secret) and declared.name in table:
-                declared.kind.read(table[declared.name], Where(f"{where.key}.{declared.name}",
-                                                               where.source))  # fmt: skip
+                declared.kind.read(
+                    table[declared.name], Where(f"{where.key}.{declared.name}", where.source)
+                )
 
 
 def _read_table(
@@ -814,8 +974,11 @@ def _warn_if_readable(path: Path, key: str) -> None:
         return
     if mode & 0o077:
         structlog.get_logger("outbox.config").warning(
-            "a secret file is readable by its group or by everyone: chmod 600 it", key=key,
-            file=str(path), mode=oct(mode & 0o777))  # fmt: skip
+            "a secret file is readable by its group or by everyone: chmod 600 it",
+            key=key,
+            file=str(path),
+            mode=oct(mode & 0o777),
+        )
 
 
 def _freeze(value: Any) -> Any:

@@ -96,8 +96,14 @@ async def serve(
     )
     timeouts = {name: ps.timeout for name, ps in settings.providers.items()}
     limits = {name: ps.limits for name, ps in settings.providers.items()}
-    dispatcher = Dispatcher(Store(pool), providers, settings.dispatcher, worker_id=worker_id(),
-                            call_timeouts=timeouts, limits=limits)  # fmt: skip
+    dispatcher = Dispatcher(
+        Store(pool),
+        providers,
+        settings.dispatcher,
+        worker_id=worker_id(),
+        call_timeouts=timeouts,
+        limits=limits,
+    )
     health = Health(dispatcher)
     # Before the pool opens: a port in use must end the run, not leave it half started.
     http = _listen(metrics_addr, health) if metrics_addr else None
@@ -109,9 +115,11 @@ async def serve(
     listen_url = _wakeup_url(dsn, settings)
     if listen_url is not None:
         listen = wakeup.listen_forever(
-            listen_url, dispatcher.wake, expect_direct=database.transaction_pooling,
+            listen_url,
+            dispatcher.wake,
+            expect_direct=database.transaction_pooling,
             on_listening=_listening_flag(dispatcher),
-        )  # fmt: skip
+        )
         helpers.append(asyncio.create_task(listen, name="outbox-listen"))
     refused = asyncio.Event()
     if checked is None and not database.transaction_pooling:
@@ -220,27 +228,33 @@ def _wakeup_url(dsn: str, settings: Settings) -> str | None:
     if not database.listen:
         log.info(
             "wake-ups: polling only, since database.listen is false",
-            wakeups="polling", poll_interval=poll_interval,
+            wakeups="polling",
+            poll_interval=poll_interval,
             listen_url_unused=database.listen_url is not None,
-        )  # fmt: skip
+        )
         return None
     if database.listen_url is not None:
         log.info(
             "wake-ups: LISTEN on the direct listen URL, polling as a fallback",
-            wakeups="listen", listen_connection="listen_url", poll_interval=poll_interval,
-        )  # fmt: skip
+            wakeups="listen",
+            listen_connection="listen_url",
+            poll_interval=poll_interval,
+        )
         return database.listen_url
     if database.transaction_pooling:
         log.info(
             "wake-ups: polling only, since LISTEN cannot work through a transaction-mode "
             f"pooler; set {DEFAULT_LISTEN_URL_ENV} to a direct URL for immediate wake-ups",
-            wakeups="polling", poll_interval=poll_interval,
-        )  # fmt: skip
+            wakeups="polling",
+            poll_interval=poll_interval,
+        )
         return None
     log.info(
         "wake-ups: LISTEN on the database URL, polling as a fallback",
-        wakeups="listen", listen_connection="database_url", poll_interval=poll_interval,
-    )  # fmt: skip
+        wakeups="listen",
+        listen_connection="database_url",
+        poll_interval=poll_interval,
+    )
     return dsn
 
 

@@ -40,11 +40,17 @@ _KEY_VARIABLE: Final = "OUTBOX_DEMO_STRIPE_KEY"
 # Short enough to watch: retries in a fraction of a second, and a Stripe key window that closes
 # two seconds after a send (real Stripe: 24 hours), so the timeout below goes to reconciliation.
 _SETTINGS: Final = DispatcherSettings(
-    concurrency=16, batch_size=20, lease=timedelta(seconds=10),
-    poll_interval=timedelta(milliseconds=200), backoff_base=timedelta(milliseconds=200),
-    backoff_max=timedelta(seconds=1), retention_margin=timedelta(seconds=1),
-    max_attempts=5, shutdown_grace=timedelta(seconds=5), auto_reconcile=False,
-)  # fmt: skip
+    concurrency=16,
+    batch_size=20,
+    lease=timedelta(seconds=10),
+    poll_interval=timedelta(milliseconds=200),
+    backoff_base=timedelta(milliseconds=200),
+    backoff_max=timedelta(seconds=1),
+    retention_margin=timedelta(seconds=1),
+    max_attempts=5,
+    shutdown_grace=timedelta(seconds=5),
+    auto_reconcile=False,
+)
 DEADLINE: Final = 45.0
 
 Say = Callable[[str], None]
@@ -62,23 +68,45 @@ class Planned:
 
 
 def plan() -> list[Planned]:
-    charges = [Planned(f"invoice-{n}-charge", "stripe", "payment_intents.create",
-                       {"amount": 1000 * n, "currency": "usd", "customer": f"cus_{n:03d}"},
-                       "charged once") for n in range(1, 5)]  # fmt: skip
-    events = [Planned(f"invoice-{n}-paid", "billing", "invoice.paid", {"invoice": n},
-                      "delivered") for n in range(1, 5)]  # fmt: skip
+    charges = [
+        Planned(
+            f"invoice-{n}-charge",
+            "stripe",
+            "payment_intents.create",
+            {"amount": 1000 * n, "currency": "usd", "customer": f"cus_{n:03d}"},
+            "charged once",
+        )
+        for n in range(1, 5)
+    ]
+    events = [
+        Planned(f"invoice-{n}-paid", "billing", "invoice.paid", {"invoice": n}, "delivered")
+        for n in range(1, 5)
+    ]
     return [
         *charges,
         *events,
-        Planned("invoice-5-paid", "billing", "invoice.paid", {"invoice": 5},
-                "rate limited twice (429), then delivered"),
-        Planned("invoice-6-charge", "stripe", "payment_intents.create",
-                {"amount": 600, "currency": "usd", "customer": "cus_006"},
-                "card declined (402): quarantined for a person"),
-        Planned("invoice-7-charge", "stripe", "payment_intents.create",
-                {"amount": 700, "currency": "usd", "customer": "cus_007"},
-                "timed out after Stripe acted: reconciled, not resent"),
-    ]  # fmt: skip
+        Planned(
+            "invoice-5-paid",
+            "billing",
+            "invoice.paid",
+            {"invoice": 5},
+            "rate limited twice (429), then delivered",
+        ),
+        Planned(
+            "invoice-6-charge",
+            "stripe",
+            "payment_intents.create",
+            {"amount": 600, "currency": "usd", "customer": "cus_006"},
+            "card declined (402): quarantined for a person",
+        ),
+        Planned(
+            "invoice-7-charge",
+            "stripe",
+            "payment_intents.create",
+            {"amount": 700, "currency": "usd", "customer": "cus_007"},
+            "timed out after Stripe acted: reconciled, not resent",
+        ),
+    ]
 
 
 async def run(dsn: str | None, *, keep: bool, say: Say) -> int:
@@ -94,28 +122,44 @@ async def run(dsn: str | None, *, keep: bool, say: Say) -> int:
         receiver = stack.enter_context(FakeWebhookReceiver())
         tenant = f"demo-{uuid.uuid4().hex[:6]}"
         ids = _enqueue(dsn, tenant, plan(), stripe_fake, receiver)
-        say(f"enqueued {len(ids)} operations for tenant {tenant} "
-            f"(fake Stripe at {stripe_fake.url}, fake webhook at {receiver.url})")  # fmt: skip
+        say(
+            f"enqueued {len(ids)} operations for tenant {tenant} "
+            f"(fake Stripe at {stripe_fake.url}, fake webhook at {receiver.url})"
+        )
         await _dispatch_and_reconcile(dsn, stripe_fake, receiver, tenant, say)
         _report(dsn, tenant, stripe_fake=stripe_fake, receiver=receiver, say=say)
         _next_steps(dsn, kept, say)
     return 0
 
 
-def _enqueue(dsn: str, tenant: str, planned: list[Planned], stripe_fake: FakeStripe,
-             receiver: FakeWebhookReceiver) -> dict[str, int]:  # fmt: skip
+def _enqueue(
+    dsn: str,
+    tenant: str,
+    planned: list[Planned],
+    stripe_fake: FakeStripe,
+    receiver: FakeWebhookReceiver,
+) -> dict[str, int]:
     ids: dict[str, int] = {}
     with psycopg.connect(dsn) as conn:
         for p in planned:
-            result = outbox.enqueue(conn, tenant_id=tenant, operation_type="demo",
-                                    operation_key=p.key, provider=p.provider, action=p.action,
-                                    payload=p.payload, correlation_id=f"req-{p.key}")  # fmt: skip
+            result = outbox.enqueue(
+                conn,
+                tenant_id=tenant,
+                operation_type="demo",
+                operation_key=p.key,
+                provider=p.provider,
+                action=p.action,
+                payload=p.payload,
+                correlation_id=f"req-{p.key}",
+            )
             ids[p.key] = result.operation_id
         conn.commit()
         keys = {p.key: _key(conn, tenant, p.key) for p in planned}
     receiver.inject(WebhookFault.status(429, retry_after=0), key=keys["invoice-5-paid"], times=2)
-    stripe_fake.inject(StripeFault.status(402, error_type="card_error", code_str="card_declined"),
-                       key=keys["invoice-6-charge"])  # fmt: skip
+    stripe_fake.inject(
+        StripeFault.status(402, error_type="card_error", code_str="card_declined"),
+        key=keys["invoice-6-charge"],
+    )
     stripe_fake.inject(StripeFault.delay_after_apply(1.5), key=keys["invoice-7-charge"])
     return ids
 
@@ -126,17 +170,25 @@ def _key(conn: psycopg.Connection[Any], tenant: str, key: str) -> str:
     return op.idempotency_key
 
 
-async def _dispatch_and_reconcile(dsn: str, stripe_fake: FakeStripe,
-                                  receiver: FakeWebhookReceiver, tenant: str,
-                                  say: Say) -> None:  # fmt: skip
-    providers = build_providers({
-        "stripe": ProviderSettings("stripe", "stripe", key_retention=timedelta(seconds=2),
-                                   timeout=timedelta(seconds=1), options={
-                                       "api_key_env": _KEY_VARIABLE, "api_base": stripe_fake.url}),
-        "billing": ProviderSettings("billing", "webhook", options={"url": receiver.url}),
-    }, environ={_KEY_VARIABLE: DEMO_STRIPE_KEY})  # fmt: skip
-    async with AsyncConnectionPool(dsn, min_size=1, max_size=4,
-                                   kwargs={"autocommit": True}) as pool:  # fmt: skip
+async def _dispatch_and_reconcile(
+    dsn: str, stripe_fake: FakeStripe, receiver: FakeWebhookReceiver, tenant: str, say: Say
+) -> None:
+    providers = build_providers(
+        {
+            "stripe": ProviderSettings(
+                "stripe",
+                "stripe",
+                key_retention=timedelta(seconds=2),
+                timeout=timedelta(seconds=1),
+                options={"api_key_env": _KEY_VARIABLE, "api_base": stripe_fake.url},
+            ),
+            "billing": ProviderSettings("billing", "webhook", options={"url": receiver.url}),
+        },
+        environ={_KEY_VARIABLE: DEMO_STRIPE_KEY},
+    )
+    async with AsyncConnectionPool(
+        dsn, min_size=1, max_size=4, kwargs={"autocommit": True}
+    ) as pool:
         dispatcher = Dispatcher(Store(pool), providers, _SETTINGS, worker_id=daemon.worker_id())
         http = daemon.start_http(("127.0.0.1", 0), daemon.Health(dispatcher))
         host, port = http.server_address[:2]
@@ -170,8 +222,9 @@ async def _watch(dsn: str, tenant: str, say: Say) -> None:
             await asyncio.sleep(0.5)
 
 
-def _report(dsn: str, tenant: str, *, stripe_fake: FakeStripe, receiver: FakeWebhookReceiver,
-            say: Say) -> None:  # fmt: skip
+def _report(
+    dsn: str, tenant: str, *, stripe_fake: FakeStripe, receiver: FakeWebhookReceiver, say: Say
+) -> None:
     stories = {p.key: p.story for p in plan()}
     with psycopg.connect(dsn) as conn:
         rows = conn.execute(statements.DEMO_REPORT, {"tenant": tenant}).fetchall()
@@ -208,9 +261,11 @@ def stop(directory: Path) -> None:
     Only a directory the demo made (its name, a PostgreSQL data directory inside): a mistyped
     path must never delete someone's real database."""
     if not (directory.name.startswith(DEMO_PREFIX) and (directory / "PG_VERSION").is_file()):
-        raise ValueError(f"{directory} is not a directory `outbox demo --keep` left (those "
-                         f"are named {DEMO_PREFIX}... and hold a PostgreSQL data "
-                         "directory)")  # fmt: skip
+        raise ValueError(
+            f"{directory} is not a directory `outbox demo --keep` left (those "
+            f"are named {DEMO_PREFIX}... and hold a PostgreSQL data "
+            "directory)"
+        )
     pgserver = _pgserver()
     pgserver.get_server(directory, cleanup_mode="delete").cleanup()
 
@@ -221,8 +276,9 @@ def _pgserver() -> Any:
             warnings.simplefilter("ignore")  # platformdirs' note about XDG_RUNTIME_DIR
             import pgserver  # noqa: PLC0415 (the demo extra)
     except ImportError:
-        raise RuntimeError("outbox demo needs an embedded PostgreSQL: pip install "
-                           "'outbox[demo]', or pass --dsn") from None  # fmt: skip
+        raise RuntimeError(
+            "outbox demo needs an embedded PostgreSQL: pip install 'outbox[demo]', or pass --dsn"
+        ) from None
     return pgserver
 
 

@@ -58,20 +58,27 @@ class Dispatcher:
         every = {name: (limits or {}).get(name, ProviderLimits()) for name in providers}
         labels = Labels({name: getattr(p, "actions", None) for name, p in providers.items()})
         self._shared = shared = Shared(
-            store=store, providers=providers, settings=settings, worker=worker_id,
-            labels=labels, limits=Limits(store, every),
+            store=store,
+            providers=providers,
+            settings=settings,
+            worker=worker_id,
+            labels=labels,
+            limits=Limits(store, every),
             action_pauses=ActionPauses({n: lim.breaker_open_for for n, lim in every.items()}),
             rules=ProviderRules(providers, settings.retention_margin, call_timeouts),
             meters=Meters(labels),
-        )  # fmt: skip
+        )
         self._inflight = shared.inflight
         # The alerts' counters exist at 0 from now: a first increase must show (issue 21).
         metrics.start_at_zero(labels.provider(name) for name in providers)
         self.claims = ClaimScheduler(shared, self._start)
         self.maintenance = Maintenance(shared, wake_claims=self.claims.woken.set)
         self.leases = LeaseKeeper(shared)
-        self._recorder = Recorder(shared, rng=rng or random.Random(),  # noqa: S311 (jitter)
-                                  stage_by=self.maintenance.stage_by)  # fmt: skip
+        self._recorder = Recorder(
+            shared,
+            rng=rng or random.Random(),  # noqa: S311 (jitter)
+            stage_by=self.maintenance.stage_by,
+        )
         self._pipeline = Pipeline(shared, self._recorder, self.leases)
 
     # --- control ------------------------------------------------------------------------------

@@ -27,8 +27,9 @@ def parse_duration(text: str) -> timedelta:
     else:
         parts = _PART.findall(value)
         if not value or "".join(number + unit for number, unit in parts) != value:
-            raise ValueError(f"invalid duration {text!r}: write it like 500ms, 30s, 10m, 24h or "
-                             "1h30m")  # fmt: skip
+            raise ValueError(
+                f"invalid duration {text!r}: write it like 500ms, 30s, 10m, 24h or 1h30m"
+            )
         seconds = sum(float(number) * _UNITS[unit] for number, unit in parts)
     if not seconds <= MAX_DURATION.total_seconds():  # also inf, from a thousand digits
         raise ValueError(f"duration {text[:40]!r} is longer than {MAX_DURATION.days} days")

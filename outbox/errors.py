@@ -39,9 +39,14 @@ class OperationConflict(OutboxError):
     """
 
     def __init__(
-        self, message: str, *, tenant_id: str, operation_type: str, operation_key: str,
+        self,
+        message: str,
+        *,
+        tenant_id: str,
+        operation_type: str,
+        operation_key: str,
         field: str | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__(message)
         self.tenant_id = tenant_id
         self.operation_type = operation_type

@@ -43,14 +43,20 @@ async def refresh(pool: AsyncConnectionPool[Any], windows: Mapping[str, timedelt
     """Read the gauges' values from the database and set them."""
     async with pool.connection() as conn:
         cur = conn.cursor(row_factory=dict_row)
-        row = await (await cur.execute(statements.GAUGES, {
-            "exact_limit": EXACT_COUNT_LIMIT, "providers": list(windows)})).fetchone()  # fmt: skip
-        near = await (await conn.cursor(row_factory=tuple_row).execute(
-            statements.NEARING_KEY_EXPIRY,
-            {"providers": list(windows), "windows": list(windows.values())},
-        )).fetchall()  # fmt: skip
-        blocked = await (await conn.cursor(row_factory=tuple_row).execute(
-            statements.ORDERING_BLOCKED)).fetchall()  # fmt: skip
+        row = await (
+            await cur.execute(
+                statements.GAUGES, {"exact_limit": EXACT_COUNT_LIMIT, "providers": list(windows)}
+            )
+        ).fetchone()
+        near = await (
+            await conn.cursor(row_factory=tuple_row).execute(
+                statements.NEARING_KEY_EXPIRY,
+                {"providers": list(windows), "windows": list(windows.values())},
+            )
+        ).fetchall()
+        blocked = await (
+            await conn.cursor(row_factory=tuple_row).execute(statements.ORDERING_BLOCKED)
+        ).fetchall()
     assert row is not None  # noqa: S101 (a SELECT of scalars returns one row)
     for status, value in counts(row).items():
         metrics.OPERATIONS.labels(status.value).set(value)
@@ -68,8 +74,9 @@ async def refresh(pool: AsyncConnectionPool[Any], windows: Mapping[str, timedelt
     metrics.GAUGES_REFRESHED.set_to_current_time()
 
 
-async def refresh_forever(pool: AsyncConnectionPool[Any], windows: Mapping[str, timedelta],
-                          interval: timedelta) -> None:  # fmt: skip
+async def refresh_forever(
+    pool: AsyncConnectionPool[Any], windows: Mapping[str, timedelta], interval: timedelta
+) -> None:
     async def round_() -> float:
         try:
             await refresh(pool, windows)

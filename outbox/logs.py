@@ -75,8 +75,9 @@ def _route_stdlib(out: TextIO, level: str, shared: list[Any], renderer: Any) -> 
     _STDLIB_HANDLER = handler
 
 
-def configure(level: str = "info", *, json: bool | None = None,
-              stream: TextIO | None = None) -> None:  # fmt: skip
+def configure(
+    level: str = "info", *, json: bool | None = None, stream: TextIO | None = None
+) -> None:
     """Configure structlog for the process: lines to ``stream`` (default stderr), as JSON
     unless ``json`` is False or (``json=None``) the stream is a terminal."""
     out = sys.stderr if stream is None else stream

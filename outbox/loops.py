@@ -23,8 +23,17 @@ ERROR_PAUSE: Final = 1.0
 
 # Every loop that counts its exceptions. Their counters exist at 0 from the start: a counter
 # born at its first increment would hide that first one from increase() and the alert.
-LOOPS: Final = ("claim", "dispatch", "heartbeat", "rescue", "ordering_repair", "stage",
-                "gauges", "reconcile", "listen")  # fmt: skip
+LOOPS: Final = (
+    "claim",
+    "dispatch",
+    "heartbeat",
+    "rescue",
+    "ordering_repair",
+    "stage",
+    "gauges",
+    "reconcile",
+    "listen",
+)
 for _name in LOOPS:
     metrics.INTERNAL_ERRORS.labels(_name)
 

@@ -25,8 +25,9 @@ UNCONFIGURED: Final = "_unconfigured"
 class Labels:
     """The provider and action labels of one process."""
 
-    def __init__(self, actions: Mapping[str, Collection[str] | None],
-                 *, max_other: int = MAX_OTHER_ACTIONS) -> None:  # fmt: skip
+    def __init__(
+        self, actions: Mapping[str, Collection[str] | None], *, max_other: int = MAX_OTHER_ACTIONS
+    ) -> None:
         """``actions``: per configured provider, the actions it declares (None: none)."""
         self._known = {name: frozenset(declared or ()) for name, declared in actions.items()}
         self._seen: dict[str, set[str]] = {name: set() for name in actions}

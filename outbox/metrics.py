@@ -12,17 +12,35 @@ from prometheus_client import Counter, Gauge, Histogram, Info
 _CALL_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60)
 # Enqueue to success spans a NOTIFY wake-up (milliseconds) to retries over a day.
 _END_TO_END_BUCKETS: Final = (
-    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600, 4 * 3600, 86400,
-)  # fmt: skip
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+    300,
+    900,
+    3600,
+    4 * 3600,
+    86400,
+)
 _CLAIM_BUCKETS: Final = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 
 DISPATCH: Final = Counter(
     "outbox_dispatch", "Attempts by outcome.", ["provider", "action", "outcome"]
 )
 DISPATCH_DURATION: Final = Histogram(
-    "outbox_dispatch_duration_seconds", "Provider call time.", ["provider", "action"],
+    "outbox_dispatch_duration_seconds",
+    "Provider call time.",
+    ["provider", "action"],
     buckets=_CALL_BUCKETS,
-)  # fmt: skip
+)
 END_TO_END: Final = Histogram(
     "outbox_end_to_end_seconds", "Enqueue to success.", ["provider"], buckets=_END_TO_END_BUCKETS
 )
@@ -55,37 +73,41 @@ INTERNAL_ERRORS: Final = Counter(
     "outbox_internal_errors",
     "Exceptions a loop of outbox run survived (a bug, or a failure nobody foresaw), by loop.",
     ["loop"],
-)  # fmt: skip
+)
 STAGED: Final = Counter(
     "outbox_staged", "Scheduled operations that came due and joined the claim (sql/0019)."
 )
 PROVIDER_PAUSED: Final = Gauge(
     "outbox_provider_paused",
-    "1 while a provider's breaker is open because its credentials were refused.", ["provider"],
-)  # fmt: skip
+    "1 while a provider's breaker is open because its credentials were refused.",
+    ["provider"],
+)
 ACTION_PAUSED: Final = Gauge(
     "outbox_action_paused",
     "1 while one action of a provider is paused because the provider refused it permission "
     "(a restricted key without it): its operations wait, the provider's others go on.",
     ["provider", "action"],
-)  # fmt: skip
+)
 PROVIDER_STATE: Final = Gauge(
     "outbox_provider_state",
     "A provider's circuit breaker in this process: 1 for its state, 0 for the others.",
     ["provider", "state"],
-)  # fmt: skip
+)
 PROVIDER_TRANSITIONS: Final = Counter(
-    "outbox_provider_transitions", "Circuit breaker transitions, by the state entered.",
+    "outbox_provider_transitions",
+    "Circuit breaker transitions, by the state entered.",
     ["provider", "state"],
-)  # fmt: skip
+)
 PROVIDER_THROTTLED: Final = Counter(
     "outbox_provider_throttled",
-    "429 answers that emptied a rate-limited provider's shared bucket.", ["provider"],
-)  # fmt: skip
+    "429 answers that emptied a rate-limited provider's shared bucket.",
+    ["provider"],
+)
 RECONCILE_CHECKS: Final = Counter(
-    "outbox_reconcile_checks", "Reconciliation look-ups, by what they found.",
+    "outbox_reconcile_checks",
+    "Reconciliation look-ups, by what they found.",
     ["provider", "finding"],
-)  # fmt: skip
+)
 # Database-wide: every replica reports the same values, so aggregate with max(), not sum().
 OPERATIONS: Final = Gauge("outbox_operations", "Operations by status, database-wide.", ["status"])
 OLDEST_PENDING_AGE: Final = Gauge(
@@ -106,26 +128,50 @@ ORDERING_BLOCKED: Final = Gauge(
     "Operations waiting for an earlier one with their ordering key, by the status of the one they "
     "wait for; 'none' means no earlier one is left and a dispatcher's repair is due.",
     ["behind"],
-)  # fmt: skip
+)
 NEARING_KEY_EXPIRY: Final = Gauge(
     "outbox_operations_nearing_key_expiry",
-    "Pending operations whose key window closes within the hour.", ["provider"],
-)  # fmt: skip
+    "Pending operations whose key window closes within the hour.",
+    ["provider"],
+)
 BUILD_INFO: Final = Info("outbox_build", "The running outbox version.")
 
 
 # The label values outbox itself writes (outbox.policy's reasons, the reconciler's findings,
 # the breaker's states, the loops that count database errors), for start_at_zero.
-QUARANTINE_REASONS: Final = ("permanent_failure", "attempts_exhausted", "invalid_payload",
-                             "internal_error", "provider_declined",
-                             "unencodable_request")  # fmt: skip
+QUARANTINE_REASONS: Final = (
+    "permanent_failure",
+    "attempts_exhausted",
+    "invalid_payload",
+    "internal_error",
+    "provider_declined",
+    "unencodable_request",
+)
 ROUTED_REASONS: Final = ("key_window_passed", "indeterminate_provider_error")
-CHECK_FINDINGS: Final = ("found", "refused", "undecided", "not_found", "no_lookup", "error",
-                         "stale")  # fmt: skip
+CHECK_FINDINGS: Final = (
+    "found",
+    "refused",
+    "undecided",
+    "not_found",
+    "no_lookup",
+    "error",
+    "stale",
+)
 BREAKER_STATES: Final = ("open", "half_open", "closed")
-DB_OPERATIONS: Final = ("claim", "record", "unclaim", "heartbeat", "rescue", "stage", "gauges",
-                        "listen", "reconcile", "ordering_repair", "take_tokens",
-                        "throttle_bucket")  # fmt: skip
+DB_OPERATIONS: Final = (
+    "claim",
+    "record",
+    "unclaim",
+    "heartbeat",
+    "rescue",
+    "stage",
+    "gauges",
+    "listen",
+    "reconcile",
+    "ordering_repair",
+    "take_tokens",
+    "throttle_bucket",
+)
 
 
 def start_at_zero(providers: Iterable[str]) -> None:

@@ -54,16 +54,23 @@ class Filters:
 
     def describe(self) -> str:
         """``provider=stripe, since=2h``, as the options were given."""
-        shown = {_OPTION_OF.get(k, k): format_duration(v) if isinstance(v, timedelta) else v
-                 for k, v in vars(self).items() if v is not None}  # fmt: skip
+        shown = {
+            _OPTION_OF.get(k, k): format_duration(v) if isinstance(v, timedelta) else v
+            for k, v in vars(self).items()
+            if v is not None
+        }
         return ", ".join(f"{k}={printable(str(v))}" for k, v in shown.items()) or "all"
 
     def params(self) -> Row:
         since = self.since
-        return {"provider": self.provider, "reason": self.reason, "error": self.error,
-                "tenant": self.tenant,
-                "since_ago": since if isinstance(since, timedelta) else None,
-                "since_at": since if isinstance(since, datetime) else None}  # fmt: skip
+        return {
+            "provider": self.provider,
+            "reason": self.reason,
+            "error": self.error,
+            "tenant": self.tenant,
+            "since_ago": since if isinstance(since, timedelta) else None,
+            "since_at": since if isinstance(since, datetime) else None,
+        }
 
 
 @dataclass(frozen=True)
@@ -88,20 +95,36 @@ class Cursor:
         return cursor
 
 
-def list_attention(conn: psycopg.Connection[Any], status: Status, filters: Filters = Filters(),
-                   *, after: Cursor | None = None, limit: int = 100) -> list[Row]:  # fmt: skip
+def list_attention(
+    conn: psycopg.Connection[Any],
+    status: Status,
+    filters: Filters = Filters(),
+    *,
+    after: Cursor | None = None,
+    limit: int = 100,
+) -> list[Row]:
     """Operations in ``status`` (reconciling or quarantined), oldest first, from ``after``."""
-    params = {"status": status.value, **filters.params(), "limit": limit,
-              "after_at": after.at if after else None,
-              "after_id": after.id if after else None}  # fmt: skip
+    params = {
+        "status": status.value,
+        **filters.params(),
+        "limit": limit,
+        "after_at": after.at if after else None,
+        "after_id": after.id if after else None,
+    }
     return _all(conn, statements.LIST_ATTENTION, params)
 
 
-def select_ids(conn: psycopg.Connection[Any], status: Status, filters: Filters,
-               limit: int = MAX_BULK) -> list[int]:  # fmt: skip
+def select_ids(
+    conn: psycopg.Connection[Any], status: Status, filters: Filters, limit: int = MAX_BULK
+) -> list[int]:
     """The ids a bulk action takes, oldest first."""
-    params = {"status": status.value, **filters.params(), "limit": limit, "after_at": None,
-              "after_id": None}  # fmt: skip
+    params = {
+        "status": status.value,
+        **filters.params(),
+        "limit": limit,
+        "after_at": None,
+        "after_id": None,
+    }
     with conn.cursor() as cur:
         return [row[0] for row in cur.execute(statements.SELECT_ATTENTION_IDS, params)]
 
@@ -126,11 +149,15 @@ def show(conn: psycopg.Connection[Any], operation_id: int, *, with_payload: bool
     return operation
 
 
-def resolve(conn: psycopg.Connection[Any], operation_id: int, *, provider_ref: str, reason: str,
-            actor: str) -> Status:  # fmt: skip
+def resolve(
+    conn: psycopg.Connection[Any], operation_id: int, *, provider_ref: str, reason: str, actor: str
+) -> Status:
     """Mark succeeded with the provider's reference of the effect."""
-    return _act(conn, statements.RESOLVE, {"id": operation_id, "provider_ref": provider_ref,
-                                           "reason": reason, "actor": actor})  # fmt: skip
+    return _act(
+        conn,
+        statements.RESOLVE,
+        {"id": operation_id, "provider_ref": provider_ref, "reason": reason, "actor": actor},
+    )
 
 
 def cancel(conn: psycopg.Connection[Any], operation_id: int, *, reason: str, actor: str) -> Status:
@@ -138,8 +165,9 @@ def cancel(conn: psycopg.Connection[Any], operation_id: int, *, reason: str, act
     return _act(conn, statements.CANCEL, {"id": operation_id, "reason": reason, "actor": actor})
 
 
-def request_cancel(conn: psycopg.Connection[Any], operation_id: int, *, reason: str,
-                   actor: str) -> Status:  # fmt: skip
+def request_cancel(
+    conn: psycopg.Connection[Any], operation_id: int, *, reason: str, actor: str
+) -> Status:
     """Any unfinished operation to cancelled, or RECONCILING where an earlier attempt may have
     reached the provider; IN_FLIGHT when it is settled only once the attempt under way ends
     (sql/0019, request_cancel)."""
@@ -152,15 +180,22 @@ def replay(conn: psycopg.Connection[Any], operation_id: int, *, reason: str, act
     return _act(conn, statements.REPLAY, {"id": operation_id, "reason": reason, "actor": actor})
 
 
-def request_reconciliation(conn: psycopg.Connection[Any], operation_id: int, *, reason: str,
-                           actor: str) -> Status:  # fmt: skip
+def request_reconciliation(
+    conn: psycopg.Connection[Any], operation_id: int, *, reason: str, actor: str
+) -> Status:
     """Quarantined to reconciling (reason operator_request): the reconciler checks it first."""
     params = {"id": operation_id, "reason": reason, "actor": actor}
     return _act(conn, statements.REQUEST_RECONCILIATION, params)
 
 
-def retry(conn: psycopg.Connection[Any], operation_id: int, *, reason: str, actor: str,
-          force: bool = False) -> Status:  # fmt: skip
+def retry(
+    conn: psycopg.Connection[Any],
+    operation_id: int,
+    *,
+    reason: str,
+    actor: str,
+    force: bool = False,
+) -> Status:
     """Reconciling back to pending under a new key generation."""
     params = {"id": operation_id, "reason": reason, "actor": actor, "force": force}
     return _act(conn, statements.RETRY, params)

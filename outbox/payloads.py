@@ -44,8 +44,11 @@ def carried(text: str) -> Mapping[str, Any]:
     nesting past MAX_DEPTH takes more brackets than that. Only a text that fails a look is
     decoded now, for the verdict.
     """
-    if (not text.startswith("{") or _LONG_RUN.search(text)
-            or text.count("[") + text.count("{") > MAX_DEPTH):  # fmt: skip
+    if (
+        not text.startswith("{")
+        or _LONG_RUN.search(text)
+        or text.count("[") + text.count("{") > MAX_DEPTH
+    ):
         return decode(text)
     return Decoded(text)
 
@@ -125,8 +128,9 @@ def _no_constant(name: str) -> Any:
 # a fifth of the decoding's cost. The usual one leaves integers to the C scanner and makes every
 # other number a Decimal; the checking one also bounds each number's size.
 _EXACT: Final = json.JSONDecoder(parse_float=Decimal, parse_constant=_no_constant)
-_CHECKING: Final = json.JSONDecoder(parse_float=_exact_number, parse_int=_integer,
-                                    parse_constant=_no_constant)  # fmt: skip
+_CHECKING: Final = json.JSONDecoder(
+    parse_float=_exact_number, parse_int=_integer, parse_constant=_no_constant
+)
 _LONG_RUN: Final = re.compile(f"[0-9]{{{MAX_NUMBER_DIGITS + 1}}}")
 
 

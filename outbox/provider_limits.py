@@ -81,8 +81,13 @@ def verdict(result: SendResult) -> Verdict:
 class Breaker:
     """One provider's circuit breaker in this process."""
 
-    def __init__(self, provider: str, failures: int, open_for: timedelta,
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+    def __init__(
+        self,
+        provider: str,
+        failures: int,
+        open_for: timedelta,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.provider = provider
         self.state = State.CLOSED
         self.reason: str | None = None
@@ -101,8 +106,11 @@ class Breaker:
         """How many rows a claim may take: None (no limit), 1 (the probe) or 0."""
         if self.state is State.OPEN and self._clock() >= self._open_until:
             self._enter(State.HALF_OPEN)
-            log.info("provider breaker half-open: one operation probes it",
-                     provider=self.provider, reason=self.reason)  # fmt: skip
+            log.info(
+                "provider breaker half-open: one operation probes it",
+                provider=self.provider,
+                reason=self.reason,
+            )
         if self.state is State.CLOSED:
             return None
         return 1 if self.state is State.HALF_OPEN and self._probe is None else 0
@@ -166,13 +174,20 @@ class Breaker:
         self.reason = reason
         self._enter(State.OPEN)
         if reason == REASON_CREDENTIALS:
-            log.warning("provider breaker opened: its credentials were refused; operations wait",
-                        provider=self.provider, reason=reason,
-                        probe_in_s=self._open_for)  # fmt: skip
+            log.warning(
+                "provider breaker opened: its credentials were refused; operations wait",
+                provider=self.provider,
+                reason=reason,
+                probe_in_s=self._open_for,
+            )
         else:
-            log.warning("provider breaker opened: operations wait until a probe succeeds",
-                        provider=self.provider, reason=reason, failures=self._failures,
-                        probe_in_s=self._open_for)  # fmt: skip
+            log.warning(
+                "provider breaker opened: operations wait until a probe succeeds",
+                provider=self.provider,
+                reason=reason,
+                failures=self._failures,
+                probe_in_s=self._open_for,
+            )
 
     def _reopen(self, reason: str) -> None:
         """The probe failed. Failures are probed less and less often; credentials at the base
@@ -184,16 +199,21 @@ class Breaker:
         self._open_until = self._clock() + self._open_for
         self.reason = reason
         self._enter(State.OPEN)
-        log.warning("provider breaker opened again: the probe failed", provider=self.provider,
-                    reason=reason, probe_in_s=self._open_for)  # fmt: skip
+        log.warning(
+            "provider breaker opened again: the probe failed",
+            provider=self.provider,
+            reason=reason,
+            probe_in_s=self._open_for,
+        )
 
     def _close(self) -> None:
         self._failures = 0
         self._open_for = self._base
         reason, self.reason = self.reason, None
         self._enter(State.CLOSED)
-        log.info("provider breaker closed: the probe succeeded", provider=self.provider,
-                 reason=reason)  # fmt: skip
+        log.info(
+            "provider breaker closed: the probe succeeded", provider=self.provider, reason=reason
+        )
 
     def _enter(self, state: State) -> None:
         self.state = state
@@ -221,8 +241,12 @@ class Grant:
 class Limits:
     """The per-provider limits of one dispatcher process."""
 
-    def __init__(self, store: Store, limits: Mapping[str, ProviderLimits],
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+    def __init__(
+        self,
+        store: Store,
+        limits: Mapping[str, ProviderLimits],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._store = store
         self._limits = dict(limits)
         self._breakers = {
@@ -341,8 +365,9 @@ class Limits:
             return await self._store.take_tokens(takes)
         except psycopg.Error as exc:
             metrics.DB_ERRORS.labels("take_tokens").inc()
-            log.warning("could not take tokens; rate-limited providers wait",
-                        error_class=type(exc).__name__)  # fmt: skip
+            log.warning(
+                "could not take tokens; rate-limited providers wait", error_class=type(exc).__name__
+            )
             return {}
 
     async def _throttle(self, provider: str, lim: ProviderLimits, pause: timedelta) -> None:
@@ -352,11 +377,18 @@ class Limits:
             level = await self._store.throttle_bucket(provider, lim.rate, lim.burst, pause)
         except psycopg.Error as exc:
             metrics.DB_ERRORS.labels("throttle_bucket").inc()
-            log.warning("could not throttle the provider's bucket", provider=provider,
-                        error_class=type(exc).__name__)  # fmt: skip
+            log.warning(
+                "could not throttle the provider's bucket",
+                provider=provider,
+                error_class=type(exc).__name__,
+            )
             return
-        log.info("provider answered 429; its shared bucket is empty", provider=provider,
-                 pause_s=pause.total_seconds(), tokens=round(level, 1))  # fmt: skip
+        log.info(
+            "provider answered 429; its shared bucket is empty",
+            provider=provider,
+            pause_s=pause.total_seconds(),
+            tokens=round(level, 1),
+        )
 
     def _token_wait(self, grant: Grant, counts: Mapping[str, int]) -> float | None:
         """How soon to claim again for providers whose tokens, not their rows, ran out."""
@@ -385,8 +417,9 @@ class ActionPauses:
     whose refusal renews it. The period is the provider's ``breaker_open_for``: like refused
     credentials, a permission granted meanwhile resumes dispatch soon."""
 
-    def __init__(self, periods: Mapping[str, timedelta],
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+    def __init__(
+        self, periods: Mapping[str, timedelta], clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._periods = {name: p.total_seconds() for name, p in periods.items()}
         self._paused: dict[tuple[str, str], _Pause] = {}
         self._clock = clock
@@ -407,8 +440,9 @@ class ActionPauses:
             return None
         return timedelta(seconds=period)
 
-    def observe(self, row: Claimed, result: SendResult,
-                labels: Callable[[Claimed], tuple[str, str]]) -> None:  # fmt: skip
+    def observe(
+        self, row: Claimed, result: SendResult, labels: Callable[[Claimed], tuple[str, str]]
+    ) -> None:
         """Pause on a refusal; lift the pause when its probe got past it. ``labels`` gives the
         metric labels, asked for only when a pause begins or ends."""
         refused = not isinstance(result, Succeeded) and result.pause_action
@@ -420,14 +454,20 @@ class ActionPauses:
             if pause is None or pause.probe in (None, row.id):
                 self._paused[key] = _Pause(self._clock() + self._period(row.provider))
                 metrics.ACTION_PAUSED.labels(*labels(row)).set(1)
-                log.warning("action paused: the provider refused it permission; its "
-                            "operations wait", provider=row.provider, action=row.action,
-                            probe_in_s=self._period(row.provider))  # fmt: skip
+                log.warning(
+                    "action paused: the provider refused it permission; its operations wait",
+                    provider=row.provider,
+                    action=row.action,
+                    probe_in_s=self._period(row.provider),
+                )
         elif pause is not None and pause.probe == row.id:
             del self._paused[key]
             metrics.ACTION_PAUSED.labels(*labels(row)).set(0)
-            log.info("action resumed: its probe got past the refusal", provider=row.provider,
-                     action=row.action)  # fmt: skip
+            log.info(
+                "action resumed: its probe got past the refusal",
+                provider=row.provider,
+                action=row.action,
+            )
 
     def _period(self, provider: str) -> float:
         return self._periods.get(provider, 60.0)
@@ -443,8 +483,13 @@ class LookupPacer:
     provider's calls past the limit the dispatcher keeps. A lookup that waits longer than
     ``max_wait`` fails (the reconciler retries it later), rather than hold its pass."""
 
-    def __init__(self, store: Store, limits: Mapping[str, ProviderLimits], *,
-                 max_wait: timedelta = timedelta(seconds=30)) -> None:  # fmt: skip
+    def __init__(
+        self,
+        store: Store,
+        limits: Mapping[str, ProviderLimits],
+        *,
+        max_wait: timedelta = timedelta(seconds=30),
+    ) -> None:
         self._store = store
         self._rated = {name: lim for name, lim in limits.items() if lim.rate is not None}
         self._max_wait = max_wait.total_seconds()
@@ -467,8 +512,9 @@ class LookupPacer:
                 # In debt (a 429 pushed it there): wait until the bucket is back at one.
                 wait = max(interval, (1.0 - level) * interval)
                 if time.monotonic() + wait > deadline:
-                    raise LookupThrottled(f"no token of {provider}'s rate limit in "
-                                          f"{self._max_wait:g} s")  # fmt: skip
+                    raise LookupThrottled(
+                        f"no token of {provider}'s rate limit in {self._max_wait:g} s"
+                    )
                 await asyncio.sleep(wait)
 
         return one_token

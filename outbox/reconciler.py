@@ -44,8 +44,11 @@ log = structlog.get_logger("outbox.reconciler")
 
 
 # A found object's verdict, as the finding recorded (sql/0021).
-FINDINGS: Final = {Verdict.DONE: "found", Verdict.REFUSED: "refused",
-                   Verdict.UNDECIDED: "undecided"}  # fmt: skip
+FINDINGS: Final = {
+    Verdict.DONE: "found",
+    Verdict.REFUSED: "refused",
+    Verdict.UNDECIDED: "undecided",
+}
 RECORDED: Final = frozenset({*FINDINGS.values(), "not_found"})
 
 
@@ -64,19 +67,29 @@ class CheckResult:
 
 
 class Reconciler:
-    def __init__(self, pool: AsyncConnectionPool[Any], providers: Mapping[str, Provider],
-                 *, actor: str = ACTOR,
-                 limits: Mapping[str, ProviderLimits] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        pool: AsyncConnectionPool[Any],
+        providers: Mapping[str, Provider],
+        *,
+        actor: str = ACTOR,
+        limits: Mapping[str, ProviderLimits] | None = None,
+    ) -> None:
         self._pool = pool
         self._providers = providers
         self._actor = actor
         # Lookups take their provider's rate-limit tokens, as sends do.
         self._pacer = LookupPacer(Store(pool), limits or {})
 
-    async def candidates(self, operation_id: int | None = None, *,
-                         ids: Sequence[int] | None = None,
-                         recheck_after: timedelta | None = None, limit: int = BATCH,
-                         askable_only: bool = True) -> list[dict[str, Any]]:  # fmt: skip
+    async def candidates(
+        self,
+        operation_id: int | None = None,
+        *,
+        ids: Sequence[int] | None = None,
+        recheck_after: timedelta | None = None,
+        limit: int = BATCH,
+        askable_only: bool = True,
+    ) -> list[dict[str, Any]]:
         """Reconciling operations to check (``operation_id``, ``ids`` or all), ``askable_only``:
         of providers with a lookup."""
         names = [n for n, p in self._providers.items() if isinstance(p, Lookup) or not askable_only]
@@ -84,13 +97,22 @@ class Reconciler:
         # is then named in the finding rather than leaving an empty table.
         named = operation_id is not None or ids is not None
         chosen = None if named and not askable_only else names
-        params = {"id": operation_id, "ids": None if ids is None else list(ids),
-                  "recheck_after": recheck_after, "limit": limit,
-                  "providers": chosen}  # fmt: skip
+        params = {
+            "id": operation_id,
+            "ids": None if ids is None else list(ids),
+            "recheck_after": recheck_after,
+            "limit": limit,
+            "providers": chosen,
+        }
         return await self._rows(statements.RECONCILING_TO_CHECK, params)
 
-    async def check(self, row: Mapping[str, Any], *, dry_run: bool = False,
-                    recheck_after: timedelta = RECHECK_AFTER) -> CheckResult:  # fmt: skip
+    async def check(
+        self,
+        row: Mapping[str, Any],
+        *,
+        dry_run: bool = False,
+        recheck_after: timedelta = RECHECK_AFTER,
+    ) -> CheckResult:
         """Look one operation up at its provider and, unless ``dry_run``, record the finding."""
         result = await self._look(row)
         if not dry_run and result.finding in RECORDED:
@@ -98,13 +120,22 @@ class Reconciler:
         elif not dry_run and result.finding == "error":
             await self._defer(row, recheck_after)
         metrics.RECONCILE_CHECKS.labels(result.provider, result.finding).inc()
-        log.info("reconciliation check", operation_id=result.operation_id,
-                 provider=result.provider, outcome=result.finding, error_class=result.error,
-                 dry_run=dry_run)  # fmt: skip
+        log.info(
+            "reconciliation check",
+            operation_id=result.operation_id,
+            provider=result.provider,
+            outcome=result.finding,
+            error_class=result.error,
+            dry_run=dry_run,
+        )
         return result
 
-    async def run_once(self, *, recheck_after: timedelta = RECHECK_AFTER,
-                       on_result: Callable[[CheckResult], None] | None = None) -> int:  # fmt: skip
+    async def run_once(
+        self,
+        *,
+        recheck_after: timedelta = RECHECK_AFTER,
+        on_result: Callable[[CheckResult], None] | None = None,
+    ) -> int:
         """Check every reconciling operation not checked since ``recheck_after`` that no other
         replica is checking: each is claimed (marked checked) as it is taken."""
         rows = await self.claim(recheck_after=recheck_after, limit=BATCH)
@@ -151,17 +182,26 @@ class Reconciler:
         except Exception as exc:  # noqa: BLE001 (a failed look proves nothing either way)
             return CheckResult(finding="error", error=type(exc).__name__, **base)
         if isinstance(found, NotFound):
-            searched = {"searched": list(found.sources), "since": found.since.isoformat(),
-                        "until": found.until.isoformat()}  # fmt: skip
+            searched = {
+                "searched": list(found.sources),
+                "since": found.since.isoformat(),
+                "until": found.until.isoformat(),
+            }
             if found.complete:
                 return CheckResult(finding="not_found", details=searched, **base)
             # A search cut short proves nothing: a person decides, and a retry needs --force.
             searched["reason"] = found.reason or "?"
-            return CheckResult(finding="undecided", state="search incomplete", details=searched,
-                               **base)  # fmt: skip
-        return CheckResult(finding=FINDINGS[found.verdict], reference=found.reference,
-                           duplicates=found.duplicates, state=found.state,
-                           details=dict(found.details), **base)  # fmt: skip
+            return CheckResult(
+                finding="undecided", state="search incomplete", details=searched, **base
+            )
+        return CheckResult(
+            finding=FINDINGS[found.verdict],
+            reference=found.reference,
+            duplicates=found.duplicates,
+            state=found.state,
+            details=dict(found.details),
+            **base,
+        )
 
     async def _payload(self, operation_id: int) -> str | None:
         async with self._pool.connection() as conn:
@@ -173,10 +213,16 @@ class Reconciler:
         details: dict[str, Any] = dict(result.details)
         if result.duplicates:
             details["duplicates"] = list(result.duplicates)
-        params = {"id": result.operation_id, "finding": result.finding,
-                  "found_ref": result.reference, "state": result.state, "actor": self._actor,
-                  "details": json.dumps(details), "generation": row["key_generation"],
-                  "attempts": row["attempts"]}  # fmt: skip
+        params = {
+            "id": result.operation_id,
+            "finding": result.finding,
+            "found_ref": result.reference,
+            "state": result.state,
+            "actor": self._actor,
+            "details": json.dumps(details),
+            "generation": row["key_generation"],
+            "attempts": row["attempts"],
+        }
         async with self._pool.connection() as conn:
             try:
                 cur = await conn.execute(statements.RECORD_FINDING, params)
@@ -195,18 +241,25 @@ class Reconciler:
         if outcome is not None and outcome[0] in ("stale", "gone"):
             if result.finding != "not_found":
                 # An effect exists for an operation someone else settled: a person must know.
-                log.error("effect found for an operation no longer reconciling", reference=
-                          result.reference, operation_id=result.operation_id,
-                          provider=result.provider)  # fmt: skip
+                log.error(
+                    "effect found for an operation no longer reconciling",
+                    reference=result.reference,
+                    operation_id=result.operation_id,
+                    provider=result.provider,
+                )
             return dataclasses.replace(result, finding="stale")
         return result
 
     async def _defer(self, row: Mapping[str, Any], recheck_after: timedelta) -> None:
         """A failed lookup: due again after ERROR_RETRY, not a whole ``recheck_after``; nothing
         if the operation moved on since ``row`` was read (fenced as _record is)."""
-        params = {"id": row["id"], "recheck_after": recheck_after,
-                  "retry_in": min(ERROR_RETRY, recheck_after),
-                  "generation": row["key_generation"], "attempts": row["attempts"]}  # fmt: skip
+        params = {
+            "id": row["id"],
+            "recheck_after": recheck_after,
+            "retry_in": min(ERROR_RETRY, recheck_after),
+            "generation": row["key_generation"],
+            "attempts": row["attempts"],
+        }
         async with self._pool.connection() as conn:
             await conn.execute(statements.DEFER_CHECK, params)
 
@@ -232,22 +285,32 @@ def _request(row: Mapping[str, Any], pace: Callable[[], Awaitable[None]] | None)
     )
 
 
-async def run_checks(dsn: str, providers: Mapping[str, Provider], operation_id: int | None, *,
-                     ids: Sequence[int] | None = None, dry_run: bool,
-                     on_total: Callable[[int], None],
-                     on_result: Callable[[CheckResult], None],
-                     limits: Mapping[str, ProviderLimits] | None = None,
-                     ) -> list[CheckResult]:  # fmt: skip
+async def run_checks(
+    dsn: str,
+    providers: Mapping[str, Provider],
+    operation_id: int | None,
+    *,
+    ids: Sequence[int] | None = None,
+    dry_run: bool,
+    on_total: Callable[[int], None],
+    on_result: Callable[[CheckResult], None],
+    limits: Mapping[str, ProviderLimits] | None = None,
+) -> list[CheckResult]:
     """Check one operation, those of ``ids``, or (with neither) every reconciling one, for
     `outbox reconcile check`."""
     # prepare_threshold None: `reconcile check --all` may run through a transaction pooler.
-    options = {"autocommit": True, "prepare_threshold": None,
-               **connection_options(dsn, "outbox-reconcile")}  # fmt: skip
-    async with AsyncConnectionPool(dsn, min_size=1, max_size=2, kwargs=options,
-                                   configure=pin_search_path_async) as pool:  # fmt: skip
+    options = {
+        "autocommit": True,
+        "prepare_threshold": None,
+        **connection_options(dsn, "outbox-reconcile"),
+    }
+    async with AsyncConnectionPool(
+        dsn, min_size=1, max_size=2, kwargs=options, configure=pin_search_path_async
+    ) as pool:
         reconciler = Reconciler(pool, providers, actor=f"{ACTOR} (manual)", limits=limits)
-        rows = await reconciler.candidates(operation_id, ids=ids, limit=MANUAL_LIMIT,
-                                           askable_only=False)  # fmt: skip
+        rows = await reconciler.candidates(
+            operation_id, ids=ids, limit=MANUAL_LIMIT, askable_only=False
+        )
         on_total(len(rows))
         results = []
         for row in rows:

@@ -45,23 +45,33 @@ async def check_database(dsn: str, wait: timedelta) -> str | None:
     while True:
         try:
             version = await _schema_version(dsn)
-        except (psycopg.errors.UndefinedFunction, psycopg.errors.InvalidSchemaName,
-                psycopg.errors.UndefinedTable):  # fmt: skip
-            return (f"the database has no outbox schema, or one from before migration 0027; "
-                    f"this outbox needs migration {expected_version():04d}: run `outbox migrate` "
-                    "first")  # fmt: skip
+        except (
+            psycopg.errors.UndefinedFunction,
+            psycopg.errors.InvalidSchemaName,
+            psycopg.errors.UndefinedTable,
+        ):
+            return (
+                f"the database has no outbox schema, or one from before migration 0027; "
+                f"this outbox needs migration {expected_version():04d}: run `outbox migrate` "
+                "first"
+            )
         except psycopg.errors.InsufficientPrivilege as exc:
-            return (f"the database refused outbox.schema_version() to this login "
-                    f"({exc.diag.message_primary}): run `outbox migrate --with-roles`, or grant "
-                    "it EXECUTE")  # fmt: skip
+            return (
+                f"the database refused outbox.schema_version() to this login "
+                f"({exc.diag.message_primary}): run `outbox migrate --with-roles`, or grant "
+                "it EXECUTE"
+            )
         except psycopg.OperationalError as exc:
             if time.monotonic() >= deadline:
                 why = dsn_util.scrub(str(exc).strip().splitlines()[0] if str(exc) else "", dsn)
-                return (f"the database did not answer in {format_duration(wait)} "
-                        f"(database.startup_wait): {why or type(exc).__name__}")  # fmt: skip
+                return (
+                    f"the database did not answer in {format_duration(wait)} "
+                    f"(database.startup_wait): {why or type(exc).__name__}"
+                )
             if not told:
-                log.warning("waiting for the database to answer",
-                            startup_wait=format_duration(wait))  # fmt: skip
+                log.warning(
+                    "waiting for the database to answer", startup_wait=format_duration(wait)
+                )
                 told = True
             await asyncio.sleep(RETRY_EVERY)
             continue
@@ -72,18 +82,26 @@ def _judge(version: int | None) -> str | None:
     expected = expected_version()
     if version is None or version < expected:
         have = "none" if version is None else f"{version:04d}"
-        return (f"the database's outbox schema is at migration {have}; this outbox needs "
-                f"{expected:04d}: run `outbox migrate` first")  # fmt: skip
+        return (
+            f"the database's outbox schema is at migration {have}; this outbox needs "
+            f"{expected:04d}: run `outbox migrate` first"
+        )
     if version > expected:
-        log.error("the database's schema is newer than this outbox (a rolled-back deploy?): "
-                  "starting anyway, since migrations only add; deploy the newer outbox soon",
-                  schema_version=version, outbox_version=expected)  # fmt: skip
+        log.error(
+            "the database's schema is newer than this outbox (a rolled-back deploy?): "
+            "starting anyway, since migrations only add; deploy the newer outbox soon",
+            schema_version=version,
+            outbox_version=expected,
+        )
     return None
 
 
 async def _schema_version(dsn: str) -> int | None:
-    options = {"autocommit": True, "prepare_threshold": None,
-               **connection_options(dsn, "outbox-startup")}  # fmt: skip
+    options = {
+        "autocommit": True,
+        "prepare_threshold": None,
+        **connection_options(dsn, "outbox-startup"),
+    }
     options.setdefault("connect_timeout", CONNECT_TIMEOUT)
     async with await psycopg.AsyncConnection.connect(dsn, **options) as conn:
         row = await (await conn.execute(statements.SCHEMA_VERSION)).fetchone()

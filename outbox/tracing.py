@@ -93,6 +93,7 @@ def attempt_span(traceparent: str | None, attributes: dict[str, Any]) -> Iterato
     tracer = trace.get_tracer(TRACER_NAME)
     # A new trace per attempt, linked rather than parented: attempts happen long after the
     # request that enqueued, and a retry storm must not grow one trace without bound.
-    with tracer.start_as_current_span("outbox.dispatch", links=links, attributes=attributes,
-                                      kind=trace.SpanKind.CLIENT) as span:  # fmt: skip
+    with tracer.start_as_current_span(
+        "outbox.dispatch", links=links, attributes=attributes, kind=trace.SpanKind.CLIENT
+    ) as span:
         yield span

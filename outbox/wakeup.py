@@ -61,9 +61,13 @@ async def listen_forever(
                 if failpoints.armed(failpoints.BUG):
                     failpoints.bug("listen")
                 await _listen(
-                    dsn, wake, probe_interval, connected=connected,
-                    expect_direct=expect_direct, on_listening=on_listening,
-                )  # fmt: skip
+                    dsn,
+                    wake,
+                    probe_interval,
+                    connected=connected,
+                    expect_direct=expect_direct,
+                    on_listening=on_listening,
+                )
             except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
                 on_listening(False)
                 metrics.DB_ERRORS.labels("listen").inc()

@@ -60,8 +60,9 @@ def main() -> None:
     # Log lines go to stderr, so stdout stays the command's output; `run` sets its own level.
     level = os.environ.get("OUTBOX_LOG_LEVEL", "warning").strip().lower()
     if level not in LOG_LEVELS:  # a usage error, exit 2, never a KeyError's traceback
-        raise BadInput(f"OUTBOX_LOG_LEVEL must be one of {', '.join(LOG_LEVELS)}, not "
-                       f"{printable(level)!r}")  # fmt: skip
+        raise BadInput(
+            f"OUTBOX_LOG_LEVEL must be one of {', '.join(LOG_LEVELS)}, not {printable(level)!r}"
+        )
     logs.configure(level)
 
 
@@ -160,14 +161,23 @@ def migrate(
     type=TEXT,
     help="Send after the tenant's earlier operations with this key, in order.",
 )
-@click.option("--config", "config_path", envvar="OUTBOX_CONFIG", show_envvar=True,
-              type=click.Path(dir_okay=False, path_type=Path),
-              help="outbox run's settings: warn when the provider is not among them.")  # fmt: skip
+@click.option(
+    "--config",
+    "config_path",
+    envvar="OUTBOX_CONFIG",
+    show_envvar=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="outbox run's settings: warn when the provider is not among them.",
+)
 @json_option
 def enqueue(
-    dsn: str, payload_text: str | None, payload_file: IO[str] | None, as_json: bool,
-    config_path: Path | None, **fields: Any,
-) -> None:  # fmt: skip
+    dsn: str,
+    payload_text: str | None,
+    payload_file: IO[str] | None,
+    as_json: bool,
+    config_path: Path | None,
+    **fields: Any,
+) -> None:
     """Record one operation, in a transaction of its own."""
     payload = _read_payload(payload_text, payload_file)
     _warn_if_unconfigured(fields["provider"], config_path)
@@ -199,9 +209,11 @@ def _warn_if_unconfigured(provider: str, config_path: Path | None) -> None:
         raise BadInput(str(exc)) from None
     if provider not in configured:
         grace = format_duration(UNKNOWN_PROVIDER_GRACE)
-        warning = (f"outbox: warning: no provider named {printable(provider)!r} in "
-                   f"{config_path}; the operation waits for a dispatcher that has it, and is "
-                   f"quarantined as unknown_provider {grace} after its enqueue")  # fmt: skip
+        warning = (
+            f"outbox: warning: no provider named {printable(provider)!r} in "
+            f"{config_path}; the operation waits for a dispatcher that has it, and is "
+            f"quarantined as unknown_provider {grace} after its enqueue"
+        )
         click.echo(warning, err=True)
 
 
@@ -295,8 +307,12 @@ def run(dsn: str, config_path: Path | None, metrics_addr: str) -> None:
     help="Use this database instead of an embedded one (the demo adds rows to it).",
 )
 @click.option("--keep", is_flag=True, help="Leave the embedded database running afterwards.")
-@click.option("--stop", "stop_dir", type=click.Path(file_okay=False, path_type=Path),
-              help="Stop the database --keep left in this directory; delete it.")  # fmt: skip
+@click.option(
+    "--stop",
+    "stop_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Stop the database --keep left in this directory; delete it.",
+)
 def demo(dsn: str | None, keep: bool, stop_dir: Path | None) -> None:
     """Watch outbox work: an embedded PostgreSQL, fake Stripe and webhook, a real dispatcher."""
     if stop_dir is not None:

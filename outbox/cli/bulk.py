@@ -39,8 +39,9 @@ class Since(click.ParamType):  # type: ignore[type-arg]
 
     name = "since"
 
-    def convert(self, value: Any, param: click.Parameter | None,
-                ctx: click.Context | None) -> timedelta | datetime:  # fmt: skip
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> timedelta | datetime:
         if isinstance(value, timedelta | datetime):
             return value
         text = str(value).strip()
@@ -53,8 +54,12 @@ class Since(click.ParamType):  # type: ignore[type-arg]
         except ValueError:
             if not not_a_duration.startswith("invalid"):  # a duration, but too long
                 self.fail(not_a_duration, param, ctx)
-            self.fail(f"{printable(text)!r} is neither a duration (2h, 30m) nor a time "
-                      "(2026-12-01T09:30:00Z)", param, ctx)  # fmt: skip
+            self.fail(
+                f"{printable(text)!r} is neither a duration (2h, 30m) nor a time "
+                "(2026-12-01T09:30:00Z)",
+                param,
+                ctx,
+            )
         if at.tzinfo is None:  # the database's zone or the shell's? Neither, said once.
             self.fail(f"{printable(text)!r} has no time zone: add one (Z, +01:00)", param, ctx)
         return at
@@ -62,47 +67,72 @@ class Since(click.ParamType):  # type: ignore[type-arg]
 
 def filter_options(command: F) -> F:
     """--provider, --status-reason, --error, --tenant and --since: which operations."""
-    for option in reversed([
-        click.option("--provider", type=TEXT, help="Only this provider's operations."),
-        # Not --reason: that is the audit's why, which every action requires.
-        click.option("--status-reason", "status_reason", type=TEXT,
-                     help="Only this status reason (permanent_failure, key_window_passed, ...)."),
-        click.option("--error", type=TEXT,
-                     help="Only those whose last attempt failed so (http_422, ...)."),
-        click.option("--tenant", type=TEXT, help="Only this tenant's operations."),
-        click.option("--since", type=Since(),
-                     help="Only those that entered the status since: 2h ago, or a time."),
-    ]):  # fmt: skip
+    for option in reversed(
+        [
+            click.option("--provider", type=TEXT, help="Only this provider's operations."),
+            # Not --reason: that is the audit's why, which every action requires.
+            click.option(
+                "--status-reason",
+                "status_reason",
+                type=TEXT,
+                help="Only this status reason (permanent_failure, key_window_passed, ...).",
+            ),
+            click.option(
+                "--error",
+                type=TEXT,
+                help="Only those whose last attempt failed so (http_422, ...).",
+            ),
+            click.option("--tenant", type=TEXT, help="Only this tenant's operations."),
+            click.option(
+                "--since",
+                type=Since(),
+                help="Only those that entered the status since: 2h ago, or a time.",
+            ),
+        ]
+    ):
         command = option(command)
     return command
 
 
 def bulk_options(command: F) -> F:
     """filter_options plus --all, --dry-run and --yes."""
-    for option in reversed([
-        click.option("--all", "select_all", is_flag=True,
-                     help="Every operation in the status (with filters: every one they select)."),
-        click.option("--dry-run", is_flag=True, help="Count and show them; change nothing."),
-        click.option("--yes", is_flag=True, help="Act without asking."),
-    ]):  # fmt: skip
+    for option in reversed(
+        [
+            click.option(
+                "--all",
+                "select_all",
+                is_flag=True,
+                help="Every operation in the status (with filters: every one they select).",
+            ),
+            click.option("--dry-run", is_flag=True, help="Count and show them; change nothing."),
+            click.option("--yes", is_flag=True, help="Act without asking."),
+        ]
+    ):
         command = option(command)
     return filter_options(command)
 
 
 def filters_of(params: dict[str, Any]) -> operators.Filters:
-    return operators.Filters(provider=params.get("provider"), reason=params.get("status_reason"),
-                             error=params.get("error"), tenant=params.get("tenant"),
-                             since=params.get("since"))  # fmt: skip
+    return operators.Filters(
+        provider=params.get("provider"),
+        reason=params.get("status_reason"),
+        error=params.get("error"),
+        tenant=params.get("tenant"),
+        since=params.get("since"),
+    )
 
 
-def require_one_selection(operation_id: int | None, filters: operators.Filters,
-                          select_all: bool) -> None:  # fmt: skip
+def require_one_selection(
+    operation_id: int | None, filters: operators.Filters, select_all: bool
+) -> None:
     """An id, or filters / --all: never both, never neither (no accidental act on everything)."""
     if operation_id is not None and (filters.given() or select_all):
         raise click.UsageError("give an operation ID or filters (--all, --provider, ...), not both")
     if operation_id is None and not (filters.given() or select_all):
-        raise click.UsageError("give an operation ID, or select several with --provider, "
-                               "--status-reason, --error, --tenant, --since or --all")  # fmt: skip
+        raise click.UsageError(
+            "give an operation ID, or select several with --provider, "
+            "--status-reason, --error, --tenant, --since or --all"
+        )
 
 
 @dataclass
@@ -113,8 +143,16 @@ class Outcome:
     skipped: dict[int, str]
 
 
-def run(dsn: str, status: Status, filters: operators.Filters, *, verb: str, action: Action,
-        dry_run: bool, yes: bool) -> None:  # fmt: skip
+def run(
+    dsn: str,
+    status: Status,
+    filters: operators.Filters,
+    *,
+    verb: str,
+    action: Action,
+    dry_run: bool,
+    yes: bool,
+) -> None:
     """Select, show, confirm, act; exit 3 when some had changed status before their turn."""
     with connect(dsn, autocommit=True) as conn:  # each action commits alone
         ids = operators.select_ids(conn, status, filters)
@@ -123,37 +161,47 @@ def run(dsn: str, status: Status, filters: operators.Filters, *, verb: str, acti
             return
         _show(conn, status, filters, ids)
         if dry_run:
-            click.echo(f"dry run: nothing changed; without --dry-run, {verb} would act on these "
-                       f"{len(ids)}")  # fmt: skip
+            click.echo(
+                f"dry run: nothing changed; without --dry-run, {verb} would act on these {len(ids)}"
+            )
             return
         _confirm(verb, status, len(ids), yes)
         outcome = _act_on_each(conn, dsn, ids, verb, action)
     _report(outcome, verb, status, len(ids))
 
 
-def _show(conn: psycopg.Connection[Any], status: Status, filters: operators.Filters,
-          ids: list[int]) -> None:  # fmt: skip
-    more = f" (the first {operators.MAX_BULK}; run again for the rest)" \
-        if len(ids) >= operators.MAX_BULK else ""  # fmt: skip
+def _show(
+    conn: psycopg.Connection[Any], status: Status, filters: operators.Filters, ids: list[int]
+) -> None:
+    more = (
+        f" (the first {operators.MAX_BULK}; run again for the rest)"
+        if len(ids) >= operators.MAX_BULK
+        else ""
+    )
     click.echo(f"{len(ids)} {status.value} operations match ({filters.describe()}){more}:")
     preview = operators.list_attention(conn, status, filters, limit=PREVIEW_ROWS)
     click.echo(render_summary(preview))
     if len(ids) > len(preview):
-        click.echo(f"... and {len(ids) - len(preview)} more: `outbox {_group(status)} list` "
-                   "with the same filters pages through them all")  # fmt: skip
+        click.echo(
+            f"... and {len(ids) - len(preview)} more: `outbox {_group(status)} list` "
+            "with the same filters pages through them all"
+        )
 
 
 def _confirm(verb: str, status: Status, count: int, yes: bool) -> None:
     if yes:
         return
     if not sys.stdin.isatty():  # a script, a pipe: nobody there to answer
-        raise BadInput(f"{count} operations match: add --yes to {verb} them without a prompt "
-                       "(or --dry-run to only see them)")  # fmt: skip
+        raise BadInput(
+            f"{count} operations match: add --yes to {verb} them without a prompt "
+            "(or --dry-run to only see them)"
+        )
     click.confirm(f"{verb.capitalize()} these {count} {status.value} operations?", abort=True)
 
 
-def _act_on_each(conn: psycopg.Connection[Any], dsn: str, ids: list[int], verb: str,
-                 action: Action) -> Outcome:  # fmt: skip
+def _act_on_each(
+    conn: psycopg.Connection[Any], dsn: str, ids: list[int], verb: str, action: Action
+) -> Outcome:
     outcome = Outcome(Counter(), {})
     done = 0
     with click.progressbar(ids, label=verb, file=sys.stderr, hidden=len(ids) < 2) as bar:
@@ -177,8 +225,11 @@ def _report(outcome: Outcome, verb: str, status: Status, count: int) -> None:
     if outcome.skipped:
         for operation_id, why in list(outcome.skipped.items())[:PREVIEW_ROWS]:
             click.echo(f"skipped {operation_id}: {printable(why)}", err=True)
-        click.echo(f"{len(outcome.skipped)} skipped: they were no longer {status.value} as the "
-                   "command found them", err=True)  # fmt: skip
+        click.echo(
+            f"{len(outcome.skipped)} skipped: they were no longer {status.value} as the "
+            "command found them",
+            err=True,
+        )
         sys.exit(EXIT_CONFLICT)
 
 
@@ -186,8 +237,17 @@ def _group(status: Status) -> str:
     return "quarantine" if status is Status.QUARANTINED else "reconcile"
 
 
-SUMMARY_HEADERS = ("id", "provider", "action", "reason", "age", "attempts", "last error",
-                   "last check", "identity")  # fmt: skip
+SUMMARY_HEADERS = (
+    "id",
+    "provider",
+    "action",
+    "reason",
+    "age",
+    "attempts",
+    "last error",
+    "last check",
+    "identity",
+)
 
 
 def render_summary(rows: list[dict[str, Any]]) -> str:
@@ -201,8 +261,17 @@ def _summary(r: dict[str, Any]) -> tuple[object, ...]:
     check = r["check_finding"] or "-"
     if r.get("check_state"):
         check += f" ({r['check_state']})"
-    return (r["id"], r["provider"], r["action"], r["status_reason"], age, r["attempts"],
-            _short(r["last_error"]), check, identity)  # fmt: skip
+    return (
+        r["id"],
+        r["provider"],
+        r["action"],
+        r["status_reason"],
+        age,
+        r["attempts"],
+        _short(r["last_error"]),
+        check,
+        identity,
+    )
 
 
 def _short(text: str | None, width: int = 48) -> str:

@@ -131,9 +131,13 @@ def dsn_option(command: F) -> F:
 
 def actor_option(command: F) -> F:
     """--actor: who is acting, recorded with what they do (the audit, an ordering mode)."""
-    option = click.option("--actor", type=TEXT, default=getpass.getuser,
-                          show_default="the login user",
-                          help="Who is acting; recorded with the change.")  # fmt: skip
+    option = click.option(
+        "--actor",
+        type=TEXT,
+        default=getpass.getuser,
+        show_default="the login user",
+        help="Who is acting; recorded with the change.",
+    )
     return option(command)
 
 
@@ -152,8 +156,11 @@ def connect(dsn: str, *, autocommit: bool = False) -> Iterator[psycopg.Connectio
     """A connection for one command, with database errors turned into clean messages."""
     # Nothing is prepared: a one-shot command gains nothing by it, and a transaction pooler
     # between us and the server would lose the prepared statements (docs/pgbouncer.md).
-    options: dict[str, Any] = {"application_name": "outbox-cli", "autocommit": autocommit,
-                               "prepare_threshold": None}  # fmt: skip
+    options: dict[str, Any] = {
+        "application_name": "outbox-cli",
+        "autocommit": autocommit,
+        "prepare_threshold": None,
+    }
     if "connect_timeout" not in conninfo_to_dict(dsn):
         options["connect_timeout"] = CONNECT_TIMEOUT_SECONDS
     try:

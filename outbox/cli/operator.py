@@ -64,8 +64,11 @@ def build_group(name: str, status: Status) -> click.Group:
         truncated, rows = len(rows) > limit, rows[:limit]
         if truncated:  # on stderr, so that the table (or the JSON) stays whole for scripts
             last = operators.Cursor(rows[-1]["status_changed_at"], rows[-1]["id"])
-            click.echo(f"outbox: {limit} shown; more are {status.value}: the next page is "
-                       f"`--after {last}`", err=True)  # fmt: skip
+            click.echo(
+                f"outbox: {limit} shown; more are {status.value}: the next page is "
+                f"`--after {last}`",
+                err=True,
+            )
         if as_json:
             click.echo(json.dumps(rows, default=str))
             return
@@ -97,8 +100,9 @@ def build_group(name: str, status: Status) -> click.Group:
         with connect(dsn) as conn:
             if operation_id is None:
                 if not (tenant_id and operation_type and operation_key):
-                    raise click.UsageError("give an ID, or --tenant-id, --operation-type and "
-                                           "--operation-key")  # fmt: skip
+                    raise click.UsageError(
+                        "give an ID, or --tenant-id, --operation-type and --operation-key"
+                    )
                 identity = operators.Identity(tenant_id, operation_type, operation_key)
                 operation_id = _refusing(lambda: operators.find_id(conn, identity))
             op = _refusing(lambda: operators.show(conn, operation_id, with_payload=with_payload))
@@ -114,12 +118,18 @@ def build_group(name: str, status: Status) -> click.Group:
     @_reason_option
     @actor_option
     @bulk.bulk_options
-    def cancel(dsn: str, operation_id: int | None, reason: str, actor: str,
-               **selection: Any) -> None:  # fmt: skip
+    def cancel(
+        dsn: str, operation_id: int | None, reason: str, actor: str, **selection: Any
+    ) -> None:
         """Give up: nothing more is sent. One by ID, or every one the filters select."""
-        _one_or_many(dsn, status, operation_id, selection, "cancel",
-                     lambda conn, i: operators.cancel(conn, i, reason=reason,
-                                                      actor=actor))  # fmt: skip
+        _one_or_many(
+            dsn,
+            status,
+            operation_id,
+            selection,
+            "cancel",
+            lambda conn, i: operators.cancel(conn, i, reason=reason, actor=actor),
+        )
 
     return group
 
@@ -169,12 +179,24 @@ def add_reconcile_check(group: click.Group) -> None:
     @click.option("--all", "check_all", is_flag=True, help="Check every reconciling operation.")
     @bulk.filter_options
     @click.option("--dry-run", is_flag=True, help="Look, but record nothing.")
-    @click.option("--config", "config_path", envvar="OUTBOX_CONFIG", show_envvar=True,
-                  type=click.Path(dir_okay=False, path_type=Path),
-                  help="The providers' settings (as for outbox run).")  # fmt: skip
+    @click.option(
+        "--config",
+        "config_path",
+        envvar="OUTBOX_CONFIG",
+        show_envvar=True,
+        type=click.Path(dir_okay=False, path_type=Path),
+        help="The providers' settings (as for outbox run).",
+    )
     @json_option
-    def check(dsn: str, operation_id: int | None, check_all: bool, dry_run: bool,
-              config_path: Path | None, as_json: bool, **selection: Any) -> None:  # fmt: skip
+    def check(
+        dsn: str,
+        operation_id: int | None,
+        check_all: bool,
+        dry_run: bool,
+        config_path: Path | None,
+        as_json: bool,
+        **selection: Any,
+    ) -> None:
         """Ask the provider whether the effect exists: found -> succeeded; not found -> recorded.
 
         One operation by ID, those the filters select, or --all. A check changes nothing at the
@@ -188,8 +210,10 @@ def add_reconcile_check(group: click.Group) -> None:
         except ConfigError as exc:
             raise BadInput(str(exc)) from None
         if not providers:  # it would find nothing to ask, and say nothing of why
-            raise BadInput("no provider is configured, so none can be asked: give --config (or "
-                           "OUTBOX_CONFIG) with the providers outbox run uses")  # fmt: skip
+            raise BadInput(
+                "no provider is configured, so none can be asked: give --config (or "
+                "OUTBOX_CONFIG) with the providers outbox run uses"
+            )
         limits = {name: ps.limits for name, ps in configured.items()}
         ids = None
         if filters.given():
@@ -198,30 +222,56 @@ def add_reconcile_check(group: click.Group) -> None:
             if not ids:
                 click.echo(f"no reconciling operations match ({filters.describe()})")
                 return
-        with click.progressbar(length=0, label="checking", file=sys.stderr,
-                               hidden=as_json or operation_id is not None) as bar:  # fmt: skip
+        with click.progressbar(
+            length=0, label="checking", file=sys.stderr, hidden=as_json or operation_id is not None
+        ) as bar:
 
             def total(n: int) -> None:
                 bar.length = n
 
-            results = asyncio.run(reconciler.run_checks(
-                dsn, providers, operation_id, ids=ids, dry_run=dry_run, on_total=total,
-                on_result=lambda _: bar.update(1), limits=limits))  # fmt: skip
+            results = asyncio.run(
+                reconciler.run_checks(
+                    dsn,
+                    providers,
+                    operation_id,
+                    ids=ids,
+                    dry_run=dry_run,
+                    on_total=total,
+                    on_result=lambda _: bar.update(1),
+                    limits=limits,
+                )
+            )
         if as_json:
             click.echo(json.dumps([dataclasses.asdict(r) for r in results]))
             return
-        click.echo(render_table(["id", "provider", "finding", "state", "reference", "note"], [
-            (r.operation_id, r.provider, r.finding, r.state or "-", r.reference,
-             _check_note(r, dry_run)) for r in results]))  # fmt: skip
+        click.echo(
+            render_table(
+                ["id", "provider", "finding", "state", "reference", "note"],
+                [
+                    (
+                        r.operation_id,
+                        r.provider,
+                        r.finding,
+                        r.state or "-",
+                        r.reference,
+                        _check_note(r, dry_run),
+                    )
+                    for r in results
+                ],
+            )
+        )
 
 
 def _check_note(result: reconciler.CheckResult, dry_run: bool) -> str:
     if result.finding == "no_lookup" and result.error == "not_configured":
-        return (f"no provider named {result.provider!r} in this config: give the config "
-                "outbox run uses")  # fmt: skip
+        return (
+            f"no provider named {result.provider!r} in this config: give the config outbox run uses"
+        )
     if result.finding == "no_lookup":
-        return ("this provider cannot be asked: check with its owner, then `reconcile resolve`, "
-                "or `reconcile retry --force` if it never acted")  # fmt: skip
+        return (
+            "this provider cannot be asked: check with its owner, then `reconcile resolve`, "
+            "or `reconcile retry --force` if it never acted"
+        )
     if result.finding == "error":
         return f"the look-up failed ({result.error}); nothing recorded"
     notes = []
@@ -229,13 +279,17 @@ def _check_note(result: reconciler.CheckResult, dry_run: bool) -> str:
         why = result.details.get("decline_code") or result.details.get("code") or "refused"
         notes.append(f"the provider refused it ({why}): quarantined as provider_declined")
     elif result.finding == "undecided" and result.reference is None:
-        notes.append(f"the search stopped short ({result.details.get('reason', '?')}): it proves "
-                     "nothing; a person decides, and a retry needs --force")  # fmt: skip
+        notes.append(
+            f"the search stopped short ({result.details.get('reason', '?')}): it proves "
+            "nothing; a person decides, and a retry needs --force"
+        )
     elif result.finding == "undecided":
         notes.append("its state decides nothing yet: a person decides")
     elif result.finding == "not_found" and result.details.get("searched"):
-        notes.append(f"searched {', '.join(result.details['searched'])} from "
-                     f"{result.details['since']} to {result.details['until']}")  # fmt: skip
+        notes.append(
+            f"searched {', '.join(result.details['searched'])} from "
+            f"{result.details['since']} to {result.details['until']}"
+        )
     if result.duplicates:
         notes.append(f"more effects carry this id: {', '.join(result.duplicates)}")
     if dry_run:
@@ -250,12 +304,18 @@ def add_quarantine_actions(group: click.Group) -> None:
     @_reason_option
     @actor_option
     @bulk.bulk_options
-    def replay(dsn: str, operation_id: int | None, reason: str, actor: str,
-               **selection: Any) -> None:  # fmt: skip
+    def replay(
+        dsn: str, operation_id: int | None, reason: str, actor: str, **selection: Any
+    ) -> None:
         """Back to pending with the same key and a fresh attempt budget (one, or a selection)."""
-        _one_or_many(dsn, Status.QUARANTINED, operation_id, selection, "replay",
-                     lambda conn, i: operators.replay(conn, i, reason=reason,
-                                                      actor=actor))  # fmt: skip
+        _one_or_many(
+            dsn,
+            Status.QUARANTINED,
+            operation_id,
+            selection,
+            "replay",
+            lambda conn, i: operators.replay(conn, i, reason=reason, actor=actor),
+        )
 
     @group.command("reconcile")
     @dsn_option
@@ -263,22 +323,41 @@ def add_quarantine_actions(group: click.Group) -> None:
     @_reason_option
     @actor_option
     @bulk.bulk_options
-    def to_reconciliation(dsn: str, operation_id: int | None, reason: str, actor: str,
-                          **selection: Any) -> None:  # fmt: skip
+    def to_reconciliation(
+        dsn: str, operation_id: int | None, reason: str, actor: str, **selection: Any
+    ) -> None:
         """Send to reconciliation: the provider is asked before anyone decides."""
-        _one_or_many(dsn, Status.QUARANTINED, operation_id, selection, "send to reconciliation",
-                     lambda conn, i: operators.request_reconciliation(
-                         conn, i, reason=reason, actor=actor))  # fmt: skip
+        _one_or_many(
+            dsn,
+            Status.QUARANTINED,
+            operation_id,
+            selection,
+            "send to reconciliation",
+            lambda conn, i: operators.request_reconciliation(conn, i, reason=reason, actor=actor),
+        )
 
 
-def _one_or_many(dsn: str, status: Status, operation_id: int | None, selection: dict[str, Any],
-                 verb: str, action: bulk.Action) -> None:  # fmt: skip
+def _one_or_many(
+    dsn: str,
+    status: Status,
+    operation_id: int | None,
+    selection: dict[str, Any],
+    verb: str,
+    action: bulk.Action,
+) -> None:
     """One operation by id (as before bulk actions existed), or a confirmed selection."""
     filters = bulk.filters_of(selection)
     bulk.require_one_selection(operation_id, filters, selection["select_all"])
     if operation_id is None:
-        bulk.run(dsn, status, filters, verb=verb, action=action,
-                 dry_run=selection["dry_run"], yes=selection["yes"])  # fmt: skip
+        bulk.run(
+            dsn,
+            status,
+            filters,
+            verb=verb,
+            action=action,
+            dry_run=selection["dry_run"],
+            yes=selection["yes"],
+        )
         return
     if selection["dry_run"]:
         raise click.UsageError("--dry-run goes with a selection; `show ID` shows one operation")
@@ -304,13 +383,17 @@ def cancel(dsn: str, operation_id: int, reason: str, actor: str) -> None:
             lambda: operators.request_cancel(conn, operation_id, reason=reason, actor=actor)
         )
     if status is Status.IN_FLIGHT:
-        click.echo(f"operation {operation_id}: in_flight; cancel requested: it is settled when "
-                   "the attempt under way ends (succeeded if that succeeds; reconciling if it "
-                   "may have reached the provider; else cancelled)")  # fmt: skip
+        click.echo(
+            f"operation {operation_id}: in_flight; cancel requested: it is settled when "
+            "the attempt under way ends (succeeded if that succeeds; reconciling if it "
+            "may have reached the provider; else cancelled)"
+        )
     elif status is Status.RECONCILING:
-        click.echo(f"operation {operation_id}: reconciling; an earlier attempt may have reached "
-                   f"the provider: `outbox reconcile check {operation_id}`, then cancel or "
-                   "resolve it")  # fmt: skip
+        click.echo(
+            f"operation {operation_id}: reconciling; an earlier attempt may have reached "
+            f"the provider: `outbox reconcile check {operation_id}`, then cancel or "
+            "resolve it"
+        )
     else:
         click.echo(f"operation {operation_id}: {status.value}")
 
@@ -346,8 +429,10 @@ def _searched(details: Mapping[str, Any] | None) -> list[str]:
     """What the last check searched, for a person to judge a not-found by."""
     if not details or not details.get("searched"):
         return []
-    line = (f"searched     {', '.join(map(str, details['searched']))} from {details.get('since')}"
-            f" to {details.get('until')}")  # fmt: skip
+    line = (
+        f"searched     {', '.join(map(str, details['searched']))} from {details.get('since')}"
+        f" to {details.get('until')}"
+    )
     return [line] + ([f"incomplete   {details['reason']}"] if details.get("reason") else [])
 
 
@@ -359,9 +444,13 @@ def _describe(op: dict[str, Any]) -> str:
         f"status       {op['status']}{reason} for {age}",
         f"provider     {op['provider']}  {op['action']}",
         f"key          {op['idempotency_key']} (generation {op['key_generation']})",
-        f"attempts     {op['attempts']}" + (f" ({op['attempt_base']} not counted: before the "
-                                            "last replay, or not acted on by the provider)"
-                                            if op["attempt_base"] else ""),
+        f"attempts     {op['attempts']}"
+        + (
+            f" ({op['attempt_base']} not counted: before the "
+            "last replay, or not acted on by the provider)"
+            if op["attempt_base"]
+            else ""
+        ),
         f"first sent   {op['first_sent_at'] or 'never'}",
         f"last error   {op['last_error_class'] or '-'}: {op['last_error'] or '-'}",
         f"last check   {op['check_finding'] or 'never'}"
@@ -369,22 +458,49 @@ def _describe(op: dict[str, Any]) -> str:
         + (f" at {op['checked_at']}" if op["checked_at"] else ""),
         *_searched(op.get("check_details")),
         f"reference    {op['provider_ref'] or '-'}",
-    ]  # fmt: skip
+    ]
     if op.get("payload") is not None:
         lines.append(f"payload      {op['payload']}")  # as stored: PostgreSQL's JSON text
     # Each of these lines is one line, whatever a producer, provider or person wrote into it.
     lines = [printable(line) for line in lines]
-    history = [(a["attempt"], a["started_at"], a["outcome"], "yes" if a["sent"] else "no",
-                a["error_class"], a["http_status"], a["provider_request_id"], a["worker"])
-               for a in op["attempt_history"]]  # fmt: skip
-    lines += ["", render_table(["attempt", "started", "outcome", "sent", "error", "http",
-                                "request id", "worker"], history)]  # fmt: skip
+    history = [
+        (
+            a["attempt"],
+            a["started_at"],
+            a["outcome"],
+            "yes" if a["sent"] else "no",
+            a["error_class"],
+            a["http_status"],
+            a["provider_request_id"],
+            a["worker"],
+        )
+        for a in op["attempt_history"]
+    ]
+    lines += [
+        "",
+        render_table(
+            ["attempt", "started", "outcome", "sent", "error", "http", "request id", "worker"],
+            history,
+        ),
+    ]
     # The actor is what a person claimed (--actor); the database user is who logged in.
-    audit = [(a["at"], a["actor"], a["db_user"], a["action"], a["from_status"], a["to_status"],
-              a["reason"]) for a in op["audit"]]  # fmt: skip
+    audit = [
+        (
+            a["at"],
+            a["actor"],
+            a["db_user"],
+            a["action"],
+            a["from_status"],
+            a["to_status"],
+            a["reason"],
+        )
+        for a in op["audit"]
+    ]
     if audit:
-        lines += ["", render_table(["at", "actor", "db user", "action", "from", "to", "reason"],
-                                   audit)]  # fmt: skip
+        lines += [
+            "",
+            render_table(["at", "actor", "db user", "action", "from", "to", "reason"], audit),
+        ]
     return "\n".join(lines)
 
 

@@ -31,10 +31,19 @@ def modes(dsn: str, as_json: bool) -> None:
     with connect(dsn) as conn:
         rows = conn.execute(statements.LIST_ORDERING_MODES).fetchall()
     if as_json:
-        click.echo(json.dumps([
-            {"operation_type": t, "on_failure": m, "updated_at": at.isoformat(), "updated_by": by}
-            for t, m, at, by in rows
-        ]))  # fmt: skip
+        click.echo(
+            json.dumps(
+                [
+                    {
+                        "operation_type": t,
+                        "on_failure": m,
+                        "updated_at": at.isoformat(),
+                        "updated_by": by,
+                    }
+                    for t, m, at, by in rows
+                ]
+            )
+        )
         return
     click.echo(render_table(["operation type", "on failure", "updated", "by"], rows))
     click.echo("\nevery other operation type: block")

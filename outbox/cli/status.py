@@ -27,9 +27,14 @@ COUNT_LIMIT: Final = 10_000  # each provider's count stops here ("10000+")
 
 @click.command()
 @dsn_option
-@click.option("--config", "config_path", envvar="OUTBOX_CONFIG", show_envvar=True,
-              type=click.Path(dir_okay=False, path_type=Path),
-              help="The settings outbox run uses: then providers it lacks are named.")  # fmt: skip
+@click.option(
+    "--config",
+    "config_path",
+    envvar="OUTBOX_CONFIG",
+    show_envvar=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="The settings outbox run uses: then providers it lacks are named.",
+)
 @json_option
 def status(dsn: str, config_path: Path | None, as_json: bool) -> None:
     """Operations per status, the age of the oldest pending operation that is due, the due ones
@@ -48,29 +53,42 @@ def status(dsn: str, config_path: Path | None, as_json: bool) -> None:
     assert row is not None  # noqa: S101 (a SELECT of scalars returns one row)
     truncated, providers = len(providers) > PROVIDER_LIMIT, providers[:PROVIDER_LIMIT]
     if truncated:  # on stderr, so that the table (or the JSON) stays whole for scripts
-        click.echo(f"outbox: the first {PROVIDER_LIMIT} providers by name shown; more have due "
-                   "operations", err=True)  # fmt: skip
+        click.echo(
+            f"outbox: the first {PROVIDER_LIMIT} providers by name shown; more have due operations",
+            err=True,
+        )
     counts, approx = gauges.counts(row), gauges.estimated(row)
     oldest: float | None = row["oldest_pending_age"]
     if as_json:
-        click.echo(json.dumps({
-            "operations": {s.value: counts[s] for s in Status},
-            "succeeded_is_estimate": approx,
-            "oldest_due_pending_age_seconds": oldest,
-            "due_by_provider": providers,
-            "due_by_provider_truncated": truncated,
-            "ordering_blocked": [dict(b) for b in blocked],
-        }, default=str))  # fmt: skip
+        click.echo(
+            json.dumps(
+                {
+                    "operations": {s.value: counts[s] for s in Status},
+                    "succeeded_is_estimate": approx,
+                    "oldest_due_pending_age_seconds": oldest,
+                    "due_by_provider": providers,
+                    "due_by_provider_truncated": truncated,
+                    "ordering_blocked": [dict(b) for b in blocked],
+                },
+                default=str,
+            )
+        )
         return
-    shown = [(s.value, f"~{counts[s]}" if approx and s is Status.SUCCEEDED else counts[s])
-             for s in Status]  # fmt: skip
+    shown = [
+        (s.value, f"~{counts[s]}" if approx and s is Status.SUCCEEDED else counts[s])
+        for s in Status
+    ]
     click.echo(render_table(["status", "count"], shown))
     age = "none due" if oldest is None else format_duration(timedelta(seconds=oldest))
     click.echo(f"\noldest due pending: {age}")
     if providers:
         click.echo("\ndue, by provider:")
-        click.echo(render_table(["provider", "due", "note"], [
-            (p["provider"], _count(p), _note(p, config_path)) for p in providers]))  # fmt: skip
+        click.echo(
+            render_table(
+                ["provider", "due", "note"],
+                [(p["provider"], _count(p), _note(p, config_path)) for p in providers],
+            )
+        )
     if blocked:
         # Pending operations that wait for an earlier one with their ordering key.
         click.echo("\nwaiting for their ordering key's turn:")
@@ -87,10 +105,14 @@ def _configured(config_path: Path | None) -> frozenset[str] | None:
         raise BadInput(str(exc)) from None
 
 
-def _pending_by_provider(conn: psycopg.Connection[Any],
-                         configured: frozenset[str] | None) -> list[dict[str, Any]]:  # fmt: skip
-    params = {"grace": UNKNOWN_PROVIDER_GRACE, "count_limit": COUNT_LIMIT + 1,
-              "provider_limit": PROVIDER_LIMIT + 1}  # fmt: skip
+def _pending_by_provider(
+    conn: psycopg.Connection[Any], configured: frozenset[str] | None
+) -> list[dict[str, Any]]:
+    params = {
+        "grace": UNKNOWN_PROVIDER_GRACE,
+        "count_limit": COUNT_LIMIT + 1,
+        "provider_limit": PROVIDER_LIMIT + 1,
+    }
     with conn.cursor(row_factory=dict_row) as cur:
         found = cur.execute(statements.PENDING_BY_PROVIDER, params).fetchall()
     for p in found:
@@ -112,8 +134,11 @@ def _note(p: dict[str, Any], config_path: Path | None) -> str:
     if p["configured"]:
         return ""
     grace = format_duration(UNKNOWN_PROVIDER_GRACE)
-    when = ("now, by the next dispatcher that claims them" if p["quarantine_due"]
-            else f"from {p['quarantined_from']:%Y-%m-%d %H:%M:%S %Z}")  # fmt: skip
+    when = (
+        "now, by the next dispatcher that claims them"
+        if p["quarantine_due"]
+        else f"from {p['quarantined_from']:%Y-%m-%d %H:%M:%S %Z}"
+    )
     return (
         f"no provider of this name in {config_path}: each is quarantined as "
         f"unknown_provider {grace} after its enqueue; the first {when}"

@@ -123,9 +123,14 @@ def dispatcher_pool(
     if transaction_pooling:
         kwargs["prepare_threshold"] = None
     return AsyncConnectionPool(
-        dsn, min_size=min(2, max_size), max_size=max_size, open=False, name=name, kwargs=kwargs,
+        dsn,
+        min_size=min(2, max_size),
+        max_size=max_size,
+        open=False,
+        name=name,
+        kwargs=kwargs,
         configure=None if transaction_pooling else configure_session,
-    )  # fmt: skip
+    )
 
 
 # Each round gives a transaction pooler a chance to hand the second connection the server
@@ -141,8 +146,11 @@ async def shares_server_sessions(dsn: str, *, rounds: int = POOLER_PROBE_ROUNDS)
     enough to hand out other sessions every time may go unnoticed, so False proves nothing.
     Raises psycopg.OperationalError when the database cannot be reached.
     """
-    options = {"autocommit": True, "prepare_threshold": None,
-               **connection_options(dsn, "outbox-probe")}  # fmt: skip
+    options = {
+        "autocommit": True,
+        "prepare_threshold": None,
+        **connection_options(dsn, "outbox-probe"),
+    }
     async with await psycopg.AsyncConnection.connect(dsn, **options) as first:
         pid = await _server_pid(first)
         if pid == first.info.backend_pid:

@@ -126,19 +126,27 @@ class Record(NamedTuple):
     scope: str | None = None  # where it was sent, as the provider names it (sql/0023)
 
 
-def claim_params(worker: str, limit: int, lease: timedelta,
-                 caps: Mapping[str, int] | None = None,
-                 after: tuple[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
+def claim_params(
+    worker: str,
+    limit: int,
+    lease: timedelta,
+    caps: Mapping[str, int] | None = None,
+    after: tuple[str, str] | None = None,
+) -> dict[str, Any]:
     """The parameters of statements.CLAIM, as :meth:`Store.claim` describes them (benchmarks and
     tests that run the statement directly build them here too)."""
     caps = caps or {}
     return {
-        "worker": worker, "limit": limit, "lease": lease,
-        "cap_providers": list(caps), "caps": list(caps.values()),
-        "after_provider": after[0] if after else "", "after_tenant": after[1] if after else "",
+        "worker": worker,
+        "limit": limit,
+        "lease": lease,
+        "cap_providers": list(caps),
+        "caps": list(caps.values()),
+        "after_provider": after[0] if after else "",
+        "after_tenant": after[1] if after else "",
         # Past `limit` groups each share is one row; the margin covers providers jumped over.
         "max_groups": min(2 * limit, max(MAX_GROUPS_PER_CLAIM, limit + JUMPS_PER_CLAIM)),
-    }  # fmt: skip
+    }
 
 
 class Store:
@@ -150,9 +158,14 @@ class Store:
         # have rows, CLAIM_ONE_GROUP would take nothing and cost a statement on every claim.
         self._fair_only = 0
 
-    async def claim(self, worker: str, limit: int, lease: timedelta,
-                    caps: Mapping[str, int] | None = None,
-                    after: tuple[str, str] | None = None) -> list[Claimed]:  # fmt: skip
+    async def claim(
+        self,
+        worker: str,
+        limit: int,
+        lease: timedelta,
+        caps: Mapping[str, int] | None = None,
+        after: tuple[str, str] | None = None,
+    ) -> list[Claimed]:
         """Lease up to ``limit`` due rows, a share from each (provider, tenant) group, taking
         at most ``caps[p]`` rows of provider p (0: none). Groups are visited from just after
         ``after``, a (provider, tenant) pair, and around (see statements.CLAIM). While one group
@@ -184,28 +197,46 @@ class Store:
         """Record many outcomes in one statement; returns (id, attempt) of those recorded (the
         others' leases were lost). All of one worker."""
         batch = [
-            {"id": r.id, "lease_token": str(r.lease_token), "attempt": r.attempt,
-             "status": r.status.value, "reason": r.reason,
-             "retry_in_s": (r.retry_in or timedelta(0)).total_seconds(), "sent": r.sent,
-             "provider_ref": r.provider_ref, "result": r.result, "error": r.error,
-             "failure": None if r.outcome == "succeeded" else r.outcome, "outcome": r.outcome,
-             "error_class": r.error_class, "http_status": r.http_status,
-             "request_id": r.request_id, "unspent": r.unspent, "api_version": r.api_version,
-             "scope": r.scope}
+            {
+                "id": r.id,
+                "lease_token": str(r.lease_token),
+                "attempt": r.attempt,
+                "status": r.status.value,
+                "reason": r.reason,
+                "retry_in_s": (r.retry_in or timedelta(0)).total_seconds(),
+                "sent": r.sent,
+                "provider_ref": r.provider_ref,
+                "result": r.result,
+                "error": r.error,
+                "failure": None if r.outcome == "succeeded" else r.outcome,
+                "outcome": r.outcome,
+                "error_class": r.error_class,
+                "http_status": r.http_status,
+                "request_id": r.request_id,
+                "unspent": r.unspent,
+                "api_version": r.api_version,
+                "scope": r.scope,
+            }
             for r in recs
-        ]  # fmt: skip
+        ]
         params = {"batch": Jsonb(batch, dumps=_batch_json), "worker": recs[0].worker}
         async with self._connection() as conn:
             cur = conn.cursor(row_factory=tuple_row)
             rows = await (await cur.execute(statements.RECORD_MANY, params)).fetchall()
         return {(row[0], row[1]) for row in rows}
 
-    async def unclaim(self, claimed: Claimed, status: Status, reason: str | None,
-                      delay: timedelta | None = None) -> bool:  # fmt: skip
+    async def unclaim(
+        self, claimed: Claimed, status: Status, reason: str | None, delay: timedelta | None = None
+    ) -> bool:
         """Give the row back without an attempt, due again after ``delay`` (None: keep its
         place); False if the lease was lost meanwhile."""
-        params = {"id": claimed.id, "lease_token": claimed.lease_token,
-                  "status": status.value, "reason": reason, "delay": delay}  # fmt: skip
+        params = {
+            "id": claimed.id,
+            "lease_token": claimed.lease_token,
+            "status": status.value,
+            "reason": reason,
+            "delay": delay,
+        }
         return await self._one(statements.UNCLAIM, params)
 
     async def mark_waiting(self, worker: str, *, waiting: bool) -> None:
@@ -295,8 +326,10 @@ class Store:
         conn = await self._pool.getconn()
         _HELD.set((*_HELD.get(), conn))
         await conn.set_autocommit(False)
-        await conn.execute(statements.SET_SESSION_LIMIT,
-                           ("idle_in_transaction_session_timeout", f"{idle_timeout}s"))  # fmt: skip
+        await conn.execute(
+            statements.SET_SESSION_LIMIT,
+            ("idle_in_transaction_session_timeout", f"{idle_timeout}s"),
+        )
         await conn.execute(statements.LOCK_OPERATION, (operation_id,))
 
     async def _one(self, query: LiteralString, params: Mapping[str, Any]) -> bool:
@@ -323,8 +356,9 @@ class Store:
             rows = await (await cur.execute(statements.TAKE_TOKENS, params)).fetchall()
         return {provider: Tokens(granted, level) for provider, granted, level in rows}
 
-    async def throttle_bucket(self, provider: str, rate: float, burst: int,
-                              pause: timedelta) -> float:  # fmt: skip
+    async def throttle_bucket(
+        self, provider: str, rate: float, burst: int, pause: timedelta
+    ) -> float:
         """Push a provider's bucket into debt for ``pause``; returns its level now."""
         params = {"provider": provider, "rate": rate, "burst": float(burst), "pause": pause}
         async with self._connection() as conn:

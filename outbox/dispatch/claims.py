@@ -206,8 +206,9 @@ class ClaimScheduler:
     async def _claim_capped(self, limit: int, caps: Mapping[str, int]) -> list[Claimed]:
         started = time.perf_counter()
         try:
-            claimed = await self._store.claim(self._shared.worker, limit, self._settings.lease,
-                                              caps=caps, after=self._cursor)  # fmt: skip
+            claimed = await self._store.claim(
+                self._shared.worker, limit, self._settings.lease, caps=caps, after=self._cursor
+            )
         except psycopg.Error as exc:
             self.database_ok = False
             metrics.DATABASE_UP.set(0)
@@ -235,8 +236,7 @@ def claimers(concurrency: int, batch_size: int) -> int:
     return max(1, min(MAX_CLAIMERS, batches))
 
 
-def next_cursor(cursor: tuple[str, str] | None,
-                claimed: list[Claimed]) -> tuple[str, str] | None:  # fmt: skip
+def next_cursor(cursor: tuple[str, str] | None, claimed: list[Claimed]) -> tuple[str, str] | None:
     """Where the next claim's visit of the groups starts, after a claim that took ``claimed``.
 
     After the group that took more than its share, so that the next group in line fills the

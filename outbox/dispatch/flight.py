@@ -47,10 +47,15 @@ class InFlight:
         if self._log is None:
             row = self.row
             self._log = log.bind(
-                operation_id=row.id, tenant_id=row.tenant_id, operation_type=row.operation_type,
-                operation_key=row.operation_key, provider=row.provider, action=row.action,
-                attempt=row.attempts, correlation_id=row.correlation_id,
-            )  # fmt: skip
+                operation_id=row.id,
+                tenant_id=row.tenant_id,
+                operation_type=row.operation_type,
+                operation_key=row.operation_key,
+                provider=row.provider,
+                action=row.action,
+                attempt=row.attempts,
+                correlation_id=row.correlation_id,
+            )
         return self._log
 
     def db_now(self) -> datetime:

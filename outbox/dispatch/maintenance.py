@@ -51,12 +51,20 @@ class Maintenance:
                 label = self._shared.labels.provider(row["provider"])
                 metrics.QUARANTINED.labels(label, "attempts_exhausted").inc()
             log.warning(
-                "lease expired; rescued", operation_id=row["id"], tenant_id=row["tenant_id"],
-                operation_type=row["operation_type"], operation_key=row["operation_key"],
-                provider=row["provider"], action=row["action"], attempt=row["attempts"],
-                correlation_id=row["correlation_id"], outcome="unknown",
-                error_class="lease_expired", duration_ms=None, status=row["status"].value,
-            )  # fmt: skip
+                "lease expired; rescued",
+                operation_id=row["id"],
+                tenant_id=row["tenant_id"],
+                operation_type=row["operation_type"],
+                operation_key=row["operation_key"],
+                provider=row["provider"],
+                action=row["action"],
+                attempt=row["attempts"],
+                correlation_id=row["correlation_id"],
+                outcome="unknown",
+                error_class="lease_expired",
+                duration_ms=None,
+                status=row["status"].value,
+            )
         return len(rescued)
 
     async def rescue_loop(self) -> None:

@@ -128,8 +128,9 @@ class Pipeline:
             # The rescuer takes the row back when the lease ends.
             flight.log.exception("recording the failure failed too; the lease will expire")
 
-    async def _traced_send(self, flight: InFlight, provider: Provider,
-                           payload: Mapping[str, Any]) -> SendResult:  # fmt: skip
+    async def _traced_send(
+        self, flight: InFlight, provider: Provider, payload: Mapping[str, Any]
+    ) -> SendResult:
         with tracing.attempt_span(flight.row.traceparent, _span_attributes(flight.row)) as span:
             result = await self._send(flight, provider, payload)
             if span is not None:
@@ -184,23 +185,30 @@ class Pipeline:
                 flight.log.warning(
                     "an operation names a provider this process does not have: it waits for a "
                     "replica that has it, and is quarantined as unknown_provider "
-                    f"{format_duration(UNKNOWN_PROVIDER_GRACE)} after its enqueue")  # fmt: skip
-            await self._recorder.unclaim(flight, Status.PENDING, None,
-                                         delay=UNKNOWN_PROVIDER_RETRY)  # fmt: skip
+                    f"{format_duration(UNKNOWN_PROVIDER_GRACE)} after its enqueue"
+                )
+            await self._recorder.unclaim(flight, Status.PENDING, None, delay=UNKNOWN_PROVIDER_RETRY)
             return
         failure = permanent("unknown_provider", f"no provider named {row.provider!r} is configured")
         await self._recorder.finish(flight, failure, sent=False)
 
-    async def _send(self, flight: InFlight, provider: Provider,
-                    payload: Mapping[str, Any]) -> SendResult:  # fmt: skip
+    async def _send(
+        self, flight: InFlight, provider: Provider, payload: Mapping[str, Any]
+    ) -> SendResult:
         row = flight.row
         request = SendRequest(
-            operation_id=row.id, tenant_id=row.tenant_id, operation_type=row.operation_type,
-            operation_key=row.operation_key, action=row.action, payload=payload,
-            idempotency_key=row.idempotency_key, correlation_id=row.correlation_id,
-            attempt=row.attempts, payload_json=row.payload,
+            operation_id=row.id,
+            tenant_id=row.tenant_id,
+            operation_type=row.operation_type,
+            operation_key=row.operation_key,
+            action=row.action,
+            payload=payload,
+            idempotency_key=row.idempotency_key,
+            correlation_id=row.correlation_id,
+            attempt=row.attempts,
+            payload_json=row.payload,
             api_version=api_version(row, provider),
-        )  # fmt: skip
+        )
         flight.scope = _scope(provider, row.action, payload)
         flight.phase = Phase.SENDING
         loop = self._shared.running_loop()
@@ -243,8 +251,10 @@ def _scope(provider: Provider | None, action: str, payload: Mapping[str, Any]) -
 def _decoded(row: Claimed) -> tuple[Mapping[str, Any] | None, str | None]:
     """The row's payload object, or None and why it cannot be carried. Never raises."""
     if row.payload is None:
-        return None, (f"the payload is {row.payload_bytes} bytes of JSON; the claim hands over "
-                      f"at most {row.payload_limit} (outbox.limits.max_payload_bytes)")  # fmt: skip
+        return None, (
+            f"the payload is {row.payload_bytes} bytes of JSON; the claim hands over "
+            f"at most {row.payload_limit} (outbox.limits.max_payload_bytes)"
+        )
     try:
         return payloads.carried(row.payload), None
     except payloads.InvalidPayload as exc:
@@ -263,9 +273,13 @@ def _check(provider: Provider, action: str, payload: Mapping[str, Any]) -> str |
 
 
 def _span_attributes(row: Claimed) -> dict[str, Any]:
-    return {"outbox.operation_id": row.id, "outbox.attempt": row.attempts,
-            "outbox.provider": row.provider, "outbox.action": row.action,
-            "outbox.tenant_id": row.tenant_id}  # fmt: skip
+    return {
+        "outbox.operation_id": row.id,
+        "outbox.attempt": row.attempts,
+        "outbox.provider": row.provider,
+        "outbox.action": row.action,
+        "outbox.tenant_id": row.tenant_id,
+    }
 
 
 def _outcome(result: SendResult) -> str:

@@ -25,8 +25,9 @@ from outbox.providers.base import SendResult, Succeeded
 
 
 class Recorder:
-    def __init__(self, shared: Shared, *, rng: random.Random,
-                 stage_by: Callable[[float], None]) -> None:  # fmt: skip
+    def __init__(
+        self, shared: Shared, *, rng: random.Random, stage_by: Callable[[float], None]
+    ) -> None:
         self._shared = shared
         self._store = shared.store
         self._group = GroupRecorder(shared.store)
@@ -36,8 +37,14 @@ class Recorder:
         self._backoff = Backoff(shared.settings.backoff_base, shared.settings.backoff_max)
         self._stage_by = stage_by  # a retry due in so many seconds: the stager looks by then
 
-    async def finish(self, flight: InFlight, result: SendResult, *, sent: bool | None = None,
-                     reason: str | None = None) -> None:  # fmt: skip
+    async def finish(
+        self,
+        flight: InFlight,
+        result: SendResult,
+        *,
+        sent: bool | None = None,
+        reason: str | None = None,
+    ) -> None:
         """Record ``result``; ``reason`` names a permanent failure's quarantine (policy)."""
         rec = self.record_for(flight, result, sent, reason)
 
@@ -63,13 +70,17 @@ class Recorder:
         emit = flight.log.debug if success else flight.log.info
         emit(
             "attempt recorded" if recorded else "attempt not recorded",
-            outcome=rec.outcome, status=rec.status.value, reason=rec.reason,
-            error_class=rec.error_class, http_status=rec.http_status,
+            outcome=rec.outcome,
+            status=rec.status.value,
+            reason=rec.reason,
+            error_class=rec.error_class,
+            http_status=rec.http_status,
             duration_ms=flight.elapsed_ms(),
-        )  # fmt: skip
+        )
 
-    def record_for(self, flight: InFlight, result: SendResult, sent: bool | None,
-                   reason: str | None = None) -> Record:  # fmt: skip
+    def record_for(
+        self, flight: InFlight, result: SendResult, sent: bool | None, reason: str | None = None
+    ) -> Record:
         row = flight.row
         settings = self._shared.settings
         base: dict[str, Any] = {
@@ -93,17 +104,25 @@ class Recorder:
             )
         reached = result.may_have_reached_provider if sent is None else sent
         # The provider did not act: the budget is not spent, within UNSPENT_FOR of the enqueue.
-        unspent = (not result.spends_attempt and not reached
-                   and flight.db_now() - row.created_at < UNSPENT_FOR)  # fmt: skip
+        unspent = (
+            not result.spends_attempt
+            and not reached
+            and flight.db_now() - row.created_at < UNSPENT_FOR
+        )
         nxt = after_failure(
-            result.failure, attempt=row.attempts - row.attempt_base - unspent,
+            result.failure,
+            attempt=row.attempts - row.attempt_base - unspent,
             backoff_attempt=row.attempts if unspent else None,
             max_attempts=row.max_attempts or settings.max_attempts,
             first_sent_at=row.first_sent_at or (row.claimed_at if reached else None),
-            now=flight.db_now(), window=self._shared.rules.window(row.provider),
-            backoff=self._backoff, retry_after=result.retry_after, reconcile=result.reconcile,
-            rng=self._rng, quarantine_reason=reason or result.reason,
-        )  # fmt: skip
+            now=flight.db_now(),
+            window=self._shared.rules.window(row.provider),
+            backoff=self._backoff,
+            retry_after=result.retry_after,
+            reconcile=result.reconcile,
+            rng=self._rng,
+            quarantine_reason=reason or result.reason,
+        )
         return Record(
             status=nxt.status,
             reason=nxt.reason,
@@ -131,8 +150,14 @@ class Recorder:
         elif rec.status is Status.RECONCILING:
             metrics.RECONCILIATION_ROUTED.labels(provider, rec.reason or "").inc()
 
-    async def unclaim(self, flight: InFlight, status: Status, reason: str | None,
-                      *, delay: timedelta | None = None) -> None:  # fmt: skip
+    async def unclaim(
+        self,
+        flight: InFlight,
+        status: Status,
+        reason: str | None,
+        *,
+        delay: timedelta | None = None,
+    ) -> None:
         """Hand the row back without an attempt: to pending (due after ``delay``) or, its key
         window closed, to reconciliation."""
         done = await self._with_lease(
@@ -144,9 +169,14 @@ class Recorder:
         if done and delay:
             self._stage_by(delay.total_seconds())
         flight.log.info(
-            "returned without sending", status=status.value, reason=reason, outcome="not_sent",
-            error_class=reason, done=bool(done), duration_ms=flight.elapsed_ms(),
-        )  # fmt: skip
+            "returned without sending",
+            status=status.value,
+            reason=reason,
+            outcome="not_sent",
+            error_class=reason,
+            done=bool(done),
+            duration_ms=flight.elapsed_ms(),
+        )
 
     async def _with_lease(self, flight: InFlight, what: str, write: Any) -> bool | None:
         """Run a fenced write, retrying connection failures while the lease lasts.
@@ -196,8 +226,9 @@ class Recorder:
 
     async def _recorded_before(self, flight: InFlight) -> bool:
         try:
-            return await self._store.attempt_recorded(flight.row.id, flight.row.attempts,
-                                                      self._shared.worker)  # fmt: skip
+            return await self._store.attempt_recorded(
+                flight.row.id, flight.row.attempts, self._shared.worker
+            )
         except psycopg.Error:
             return False
 
@@ -209,6 +240,9 @@ def _storable(rec: Record) -> Record:
         return None if text is None else text.replace("\x00", "")
 
     return rec._replace(
-        result=None, provider_ref=clean(rec.provider_ref), error=clean(rec.error),
-        error_class=clean(rec.error_class), request_id=clean(rec.request_id),
-    )  # fmt: skip
+        result=None,
+        provider_ref=clean(rec.provider_ref),
+        error=clean(rec.error),
+        error_class=clean(rec.error_class),
+        request_id=clean(rec.request_id),
+    )

@@ -20,13 +20,19 @@ NO_WINDOW: Final = KeyWindow(timedelta(0), timedelta(0))
 
 
 class ProviderRules:
-    def __init__(self, providers: Mapping[str, Provider], retention_margin: timedelta,
-                 call_timeouts: Mapping[str, timedelta] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        providers: Mapping[str, Provider],
+        retention_margin: timedelta,
+        call_timeouts: Mapping[str, timedelta] | None = None,
+    ) -> None:
         # A provider's key retention is fixed: each window is made once.
-        self._windows = {name: KeyWindow(p.key_retention, retention_margin)
-                         for name, p in providers.items()}  # fmt: skip
-        self._call_limits = {name: t.total_seconds() + CALL_GUARD_MARGIN
-                             for name, t in (call_timeouts or {}).items()}  # fmt: skip
+        self._windows = {
+            name: KeyWindow(p.key_retention, retention_margin) for name, p in providers.items()
+        }
+        self._call_limits = {
+            name: t.total_seconds() + CALL_GUARD_MARGIN for name, t in (call_timeouts or {}).items()
+        }
 
     def window(self, provider: str) -> KeyWindow:
         return self._windows.get(provider, NO_WINDOW)

@@ -140,10 +140,16 @@ class AnswerLimits:
         if not isinstance(raw, httpx.AsyncByteStream):
             raise TypeError("AnswerLimits bounds the answers of an httpx.AsyncClient only")
         response.stream = _BoundedBody(
-            raw, _decoder(codings), cap=cap, declared=_length(response),
-            deadline=time.monotonic() + self.read_time, read_time=self.read_time,
-            tally=self.tally, status=response.status_code, request=request,
-        )  # fmt: skip
+            raw,
+            _decoder(codings),
+            cap=cap,
+            declared=_length(response),
+            deadline=time.monotonic() + self.read_time,
+            read_time=self.read_time,
+            tally=self.tally,
+            status=response.status_code,
+            request=request,
+        )
 
 
 def reference(value: object) -> str | None:

@@ -55,17 +55,25 @@ class Unbuilt(Exception):
 def unsendable(message: str) -> Failed:
     """A request that could not be built: permanent, not sent, this request's own trouble (the
     provider's circuit breaker does not count it)."""
-    return Failed(FailureClass.PERMANENT, REASON_UNENCODABLE_REQUEST, message, not_sent=True,
-                  request_only=True, reason=REASON_UNENCODABLE_REQUEST)  # fmt: skip
+    return Failed(
+        FailureClass.PERMANENT,
+        REASON_UNENCODABLE_REQUEST,
+        message,
+        not_sent=True,
+        request_only=True,
+        reason=REASON_UNENCODABLE_REQUEST,
+    )
 
 
 def key_problem(key: object) -> Failed | None:
     """None for a key a request can carry as outbox sends it; otherwise what to record."""
     if isinstance(key, str) and _KEY.fullmatch(key):
         return None
-    return unsendable("the request cannot be built: its idempotency key is not 1 to 255 "
-                      "visible ASCII characters, as outbox makes them (a row written behind "
-                      "enqueue's back?)")  # fmt: skip
+    return unsendable(
+        "the request cannot be built: its idempotency key is not 1 to 255 "
+        "visible ASCII characters, as outbox makes them (a row written behind "
+        "enqueue's back?)"
+    )
 
 
 def not_built(exc: BaseException, headers: Mapping[str, str] | None = None) -> Failed:

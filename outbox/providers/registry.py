@@ -32,11 +32,25 @@ from outbox.providers.webhook import DEFAULT_REFERENCE_FIELD, WebhookOptions, We
 ENTRY_POINT_GROUP: Final = "outbox.providers"
 Factory = Callable[[ProviderSettings], Provider]
 
-_WEBHOOK_KEYS: Final = ("url", "headers", "secret_headers", "reference_field", "allow_insecure",
-                         "max_response_bytes")  # fmt: skip
-_STRIPE_KEYS: Final = ("api_key_env", "api_key_file", "api_base", "stripe_account",
-                       "allow_insecure", "max_response_bytes", "redact_fields", "stripe_version",
-                       "operation_accounts")  # fmt: skip
+_WEBHOOK_KEYS: Final = (
+    "url",
+    "headers",
+    "secret_headers",
+    "reference_field",
+    "allow_insecure",
+    "max_response_bytes",
+)
+_STRIPE_KEYS: Final = (
+    "api_key_env",
+    "api_key_file",
+    "api_base",
+    "stripe_account",
+    "allow_insecure",
+    "max_response_bytes",
+    "redact_fields",
+    "stripe_version",
+    "operation_accounts",
+)
 # Stripe's API versions: a date, and since 2024-09-30 a release name (2026-10-28.endive).
 _STRIPE_VERSION: Final = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}(\.[a-z]+)?")
 DEFAULT_STRIPE_API: Final = "https://api.stripe.com"
@@ -87,16 +101,19 @@ def webhook_options(
     for name, value in headers.items():
         _check_header(name, value, f"{where}.headers.{name}")
         if _SECRET_HEADER.search(name):  # secrets come from the environment or files only
-            raise ConfigError(f"{where}.headers.{name} looks like a secret: move it to "
-                              "secret_headers (read from the environment or a file)")  # fmt: skip
+            raise ConfigError(
+                f"{where}.headers.{name} looks like a secret: move it to "
+                "secret_headers (read from the environment or a file)"
+            )
     secret_values = {
         name: read_secret(spec, key=f"{where}.secret_headers.{name}", environ=environ)
         for name, spec in secrets.items()
     }
     for name, value in secret_values.items():
         _check_header(name, value, f"{where}.secret_headers.{name}")
-    _check_endpoint(url, where, carries_secrets=bool(secret_values),
-                    allow_insecure=_allow_insecure(ps))  # fmt: skip
+    _check_endpoint(
+        url, where, carries_secrets=bool(secret_values), allow_insecure=_allow_insecure(ps)
+    )
     return WebhookOptions(
         url=url,
         timeout=ps.timeout,
@@ -135,13 +152,17 @@ def stripe_options(
     _check_endpoint(api_base, where, carries_secrets=True, allow_insecure=_allow_insecure(ps))
     account = ps.options.get("stripe_account")
     return StripeOptions(
-        api_key=read_secret(spec, key=f"{where}.api_key", environ=env), api_base=api_base,
-        timeout=ps.timeout, key_retention=ps.key_retention,
+        api_key=read_secret(spec, key=f"{where}.api_key", environ=env),
+        api_base=api_base,
+        timeout=ps.timeout,
+        key_retention=ps.key_retention,
         stripe_account=None if account is None else str(account),
         max_connections=connection_cap(concurrency, ps.max_in_flight),
-        max_response_bytes=_max_response_bytes(ps), redact_fields=_redact_fields(ps),
-        stripe_version=_stripe_version(ps), operation_accounts=_operation_accounts(ps),
-    )  # fmt: skip
+        max_response_bytes=_max_response_bytes(ps),
+        redact_fields=_redact_fields(ps),
+        stripe_version=_stripe_version(ps),
+        operation_accounts=_operation_accounts(ps),
+    )
 
 
 def _operation_accounts(ps: ProviderSettings) -> bool:
@@ -158,8 +179,9 @@ def _stripe_version(ps: ProviderSettings) -> str:
     version = ps.options.get("stripe_version", DEFAULT_STRIPE_VERSION)
     if not isinstance(version, str) or not _STRIPE_VERSION.fullmatch(version):
         where = f"providers.{ps.name}.stripe_version"
-        raise ConfigError(f'{where} must be a Stripe API version such as '
-                          f'"{DEFAULT_STRIPE_VERSION}"', key=where)  # fmt: skip
+        raise ConfigError(
+            f'{where} must be a Stripe API version such as "{DEFAULT_STRIPE_VERSION}"', key=where
+        )
     return version
 
 
@@ -169,8 +191,10 @@ def _redact_fields(ps: ProviderSettings) -> tuple[str, ...]:
     if not isinstance(fields, list | tuple) or not all(
         isinstance(f, str) and f.strip() for f in fields
     ):
-        raise ConfigError(f"providers.{ps.name}.redact_fields must be a list of field names",
-                          key=f"providers.{ps.name}.redact_fields")  # fmt: skip
+        raise ConfigError(
+            f"providers.{ps.name}.redact_fields must be a list of field names",
+            key=f"providers.{ps.name}.redact_fields",
+        )
     return tuple(f.strip() for f in fields)
 
 
@@ -191,8 +215,9 @@ def _max_response_bytes(ps: ProviderSettings) -> int:
 # CR/LF in a secret started the daemon fine, then every request failed to be built.
 _HEADER_NAME: Final = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 _HEADER_VALUE_BAD: Final = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
-_SECRET_HEADER: Final = re.compile(r"authorization|cookie|api[-_]?key|token|secret|password",
-                                   re.IGNORECASE)  # fmt: skip
+_SECRET_HEADER: Final = re.compile(
+    r"authorization|cookie|api[-_]?key|token|secret|password", re.IGNORECASE
+)
 _LOOPBACK: Final = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
 
 
@@ -200,20 +225,27 @@ def _check_header(name: str, value: str, key: str) -> None:
     if not _HEADER_NAME.fullmatch(name):
         raise ConfigError(f"{key}: {name!r} is not an HTTP header name", key=key)
     if _HEADER_VALUE_BAD.search(value) or not value.isascii():  # never quoted: it may be secret
-        raise ConfigError(f"{key}: the value holds a line break, a control character or "
-                          "non-ASCII text, which no HTTP header may carry", key=key)  # fmt: skip
+        raise ConfigError(
+            f"{key}: the value holds a line break, a control character or "
+            "non-ASCII text, which no HTTP header may carry",
+            key=key,
+        )
 
 
 def _check_endpoint(url: str, where: str, *, carries_secrets: bool, allow_insecure: bool) -> None:
     """No credentials in the URL; no secret over clear text to another host."""
     parts = urllib.parse.urlsplit(url)
     if parts.username is not None or parts.password is not None:
-        raise ConfigError(f"{where}.url holds credentials (user:password@): put them in "
-                          "secret_headers instead, where they are never logged")  # fmt: skip
+        raise ConfigError(
+            f"{where}.url holds credentials (user:password@): put them in "
+            "secret_headers instead, where they are never logged"
+        )
     host = (parts.hostname or "").lower()
     if carries_secrets and parts.scheme == "http" and host not in _LOOPBACK and not allow_insecure:
-        raise ConfigError(f"{where}: http:// to {host}, and the requests carry secrets in "
-                          "clear text: use https://, or set allow_insecure = true")  # fmt: skip
+        raise ConfigError(
+            f"{where}: http:// to {host}, and the requests carry secrets in "
+            "clear text: use https://, or set allow_insecure = true"
+        )
 
 
 def _allow_insecure(ps: ProviderSettings) -> bool:

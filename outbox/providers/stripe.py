@@ -210,11 +210,14 @@ class StripeProvider:
     def _check_account(self, account: object) -> None:
         if not self._options.operation_accounts:
             # A producer must not send on another account's behalf unless the operator says so.
-            raise InvalidRequest(f"the payload names a {OPERATION_ACCOUNT}; this provider "
-                                 "sends for one account (operation_accounts = false)")  # fmt: skip
+            raise InvalidRequest(
+                f"the payload names a {OPERATION_ACCOUNT}; this provider "
+                "sends for one account (operation_accounts = false)"
+            )
         if not isinstance(account, str) or not _ACCOUNT.fullmatch(account):
-            raise InvalidRequest(f"the payload's {OPERATION_ACCOUNT} must be a connected "
-                                 "account id (acct_...)")  # fmt: skip
+            raise InvalidRequest(
+                f"the payload's {OPERATION_ACCOUNT} must be a connected account id (acct_...)"
+            )
 
     def scope(self, action: str, payload: Mapping[str, Any]) -> str:
         """Where an operation's requests go: its account (the payload's, the config's, or the
@@ -241,9 +244,11 @@ class StripeProvider:
             token = _HANDOVER.set(handover)
             try:
                 version = request.api_version or self._options.stripe_version
-                options: Any = {"idempotency_key": request.idempotency_key,
-                                "stripe_version": version,
-                                "stripe_account": self._account(request.payload)}  # fmt: skip
+                options: Any = {
+                    "idempotency_key": request.idempotency_key,
+                    "stripe_version": version,
+                    "stripe_account": self._account(request.payload),
+                }
                 created = await call(*target, params=params, options=options)
             except building.Unbuilt as exc:  # httpx could not build it, h11 not write it
                 return exc.failure
@@ -269,14 +274,17 @@ class StripeProvider:
         if elsewhere is not None:
             return NotFound((), since, until, complete=False, reason=elsewhere)
         with self._shards.take() as client:
-            api = Stripe(client, request.api_version or self._options.stripe_version,
-                         self._account(request.payload), request.pace)  # fmt: skip
+            api = Stripe(
+                client,
+                request.api_version or self._options.stripe_version,
+                self._account(request.payload),
+                request.pace,
+            )
             if ACTIONS[request.action].is_change:
                 return await _changed(api, request, (since, until))
             searchable = LOOKUPS[request.action]
             match = Match(request.operation_id, request.keys, request.idempotency_key)
-            objects = await search_objects(api, searchable, request.payload, match,
-                                           (since, until))  # fmt: skip
+            objects = await search_objects(api, searchable, request.payload, match, (since, until))
             if objects.matches:
                 return self._found(request.action, objects.matches)
             events_since = max(since, request.checked_now - EVENTS_KEPT)
@@ -292,8 +300,10 @@ class StripeProvider:
         here = self.scope(request.action, request.payload)
         if request.sent_scope is None or request.sent_scope == here:
             return None
-        return (f"it was sent to {request.sent_scope}, and this provider now reaches {here}: "
-                "search there, with the account and key it was sent with")  # fmt: skip
+        return (
+            f"it was sent to {request.sent_scope}, and this provider now reaches {here}: "
+            "search there, with the account and key it was sent with"
+        )
 
     @staticmethod
     def _found(action: str, matches: list[tuple[str, dict[str, Any]]]) -> Found:
@@ -379,8 +389,9 @@ class _SDKClient(stripe.HTTPClient):
         # Building the request and writing its head fail before anything is sent: raised as
         # Unbuilt, which the SDK lets through (it retries and wraps only APIConnectionError).
         try:
-            built = self._client.build_request(method, url, headers=headers, content=post_data,
-                                               extensions=extensions)  # fmt: skip
+            built = self._client.build_request(
+                method, url, headers=headers, content=post_data, extensions=extensions
+            )
         except building.BUILD_ERRORS as exc:
             raise building.Unbuilt(building.not_built(exc, headers)) from exc
         try:
@@ -495,8 +506,10 @@ def _answer(created: Any) -> Any:
 
 def _redacted(value: Any, fields: frozenset[str]) -> Any:
     if isinstance(value, dict):
-        return {k: REDACTED if k in fields and v is not None else _redacted(v, fields)
-                for k, v in value.items()}  # fmt: skip
+        return {
+            k: REDACTED if k in fields and v is not None else _redacted(v, fields)
+            for k, v in value.items()
+        }
     if isinstance(value, list):
         return [_redacted(v, fields) for v in value]
     return value
@@ -524,23 +537,33 @@ def classify(exc: stripe.StripeError) -> Failed:  # noqa: PLR0911 (a decision ta
     if isinstance(exc, stripe.PermissionError):
         # 403: a restricted key without this permission (payouts, say): this action waits,
         # the others go on.
-        return transient(f"http_{status}", message, pause_action=True, request_only=True,
-                         **details)  # fmt: skip
+        return transient(f"http_{status}", message, pause_action=True, request_only=True, **details)
     if isinstance(exc, stripe.IdempotencyError):
-        return permanent("idempotency_error", "the same key came with other parameters: the "
-                         "payload changed after enqueue (a producer bug?)", **details)  # fmt: skip
+        return permanent(
+            "idempotency_error",
+            "the same key came with other parameters: the "
+            "payload changed after enqueue (a producer bug?)",
+            **details,
+        )
     should_retry = _should_retry(exc)
     if status in (409, 429) or isinstance(exc, stripe.RateLimitError):
         # The key is in use by a request still running, the object is locked (lock_timeout),
         # or this account is rate limited: Stripe did not act, whatever Should-Retry says, and
         # said nothing of its health. Retried without spending the attempt budget.
-        return transient(_error_class(exc), message, request_only=True, spends_attempt=False,
-                         **details)  # fmt: skip
+        return transient(
+            _error_class(exc), message, request_only=True, spends_attempt=False, **details
+        )
     if status == 500:
         replayed = (exc.headers or {}).get("idempotent-replayed") == "true"
         # A saved 500 is all this key will ever get: reconcile instead of burning attempts.
-        return unknown("http_500", message, retry_after=SETTLE_DELAY, reconcile=replayed,
-                       request_only=replayed, **details)  # fmt: skip
+        return unknown(
+            "http_500",
+            message,
+            retry_after=SETTLE_DELAY,
+            reconcile=replayed,
+            request_only=replayed,
+            **details,
+        )
     if status is not None and status >= 500 and should_retry is False:
         # Stripe may have acted, and says a retry will not help (its answer is saved): never
         # permanent, which would let a person replay a charge that exists. The check decides.
@@ -571,11 +594,19 @@ def _declined(exc: stripe.CardError, message: str, details: dict[str, Any]) -> F
         "charge": getattr(error, "charge", None),
     }
     # A broken or hostile answer must not write what it likes into last_error: words only.
-    words = {name: value for name, value in found.items()
-             if isinstance(value, str) and _WORD.fullmatch(value)}  # fmt: skip
+    words = {
+        name: value
+        for name, value in found.items()
+        if isinstance(value, str) and _WORD.fullmatch(value)
+    }
     full = "; ".join([message, *(f"{name} {value}" for name, value in words.items())])
-    return permanent(_error_class(exc), full, reference=words.get("payment_intent"),
-                     reason="provider_declined", **details)  # fmt: skip
+    return permanent(
+        _error_class(exc),
+        full,
+        reference=words.get("payment_intent"),
+        reason="provider_declined",
+        **details,
+    )
 
 
 # The parts of a card error an operator acts on (docs.stripe.com/declines/codes).

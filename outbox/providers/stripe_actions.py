@@ -44,8 +44,9 @@ class Action:
         value = payload.get(TARGET)
         pattern = rf"{self.target}_[A-Za-z0-9]{{1,250}}"
         if not isinstance(value, str) or not re.fullmatch(pattern, value):
-            raise InvalidRequest(f"the payload's {TARGET} must name the {self.target}_... object "
-                                 "this action changes")  # fmt: skip
+            raise InvalidRequest(
+                f"the payload's {TARGET} must name the {self.target}_... object this action changes"
+            )
         return value
 
 

@@ -48,21 +48,24 @@ class Searchable:
 
 
 LOOKUPS: Final[Mapping[str, Searchable]] = {
-    "payment_intents.create": Searchable("payment_intents", "payment_intent.created",
-                                         ("customer",)),
+    "payment_intents.create": Searchable(
+        "payment_intents", "payment_intent.created", ("customer",)
+    ),
     "refunds.create": Searchable("refunds", "refund.created", ("payment_intent", "charge")),
     "customers.create": Searchable("customers", "customer.created", ("email",)),
-    "transfers.create": Searchable("transfers", "transfer.created",
-                                   ("destination", "transfer_group")),
+    "transfers.create": Searchable(
+        "transfers", "transfer.created", ("destination", "transfer_group")
+    ),
     "payouts.create": Searchable("payouts", "payout.created", ("destination",)),
     "invoices.create": Searchable("invoices", "invoice.created", ("customer", "subscription")),
     # Canceled subscriptions are left out of the list without status=all.
-    "subscriptions.create": Searchable("subscriptions", "customer.subscription.created",
-                                       ("customer",), (("status", "all"),)),
+    "subscriptions.create": Searchable(
+        "subscriptions", "customer.subscription.created", ("customer",), (("status", "all"),)
+    ),
     "setup_intents.create": Searchable("setup_intents", "setup_intent.created", ("customer",)),
     # Stripe makes no event of a Checkout Session's creation: its list is the only source.
     "checkout.sessions.create": Searchable("checkout.sessions", None, ("customer",)),
-}  # fmt: skip
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,21 +149,31 @@ class Searched:
 Window = tuple[datetime, datetime]
 
 
-async def search_objects(api: Stripe, searchable: Searchable,
-                         payload: Mapping[str, Any], match: Match,
-                         window: Window) -> Searched:  # fmt: skip
-    narrowing = {name: payload[name] for name in searchable.filters
-                 if isinstance(payload.get(name), str) and payload[name]}  # fmt: skip
+async def search_objects(
+    api: Stripe, searchable: Searchable, payload: Mapping[str, Any], match: Match, window: Window
+) -> Searched:
+    narrowing = {
+        name: payload[name]
+        for name in searchable.filters
+        if isinstance(payload.get(name), str) and payload[name]
+    }
     source = searchable.service + (f" ({', '.join(narrowing)})" if narrowing else "")
     params = {**dict(searchable.always), **narrowing}
     found = Searched(source)
-    await _pages(api, searchable.service, params, window, found,
-                 pick=lambda f: f if match.object(f) else None)  # fmt: skip
+    await _pages(
+        api,
+        searchable.service,
+        params,
+        window,
+        found,
+        pick=lambda f: f if match.object(f) else None,
+    )
     return found
 
 
-async def search_events(api: Stripe, searchable: Searchable, match: Match,
-                        window: Window) -> Searched:  # fmt: skip
+async def search_events(
+    api: Stripe, searchable: Searchable, match: Match, window: Window
+) -> Searched:
     if searchable.event is None:
         return Searched("")  # no source: Stripe makes no event of its creation
     found = Searched("events")
@@ -176,9 +189,15 @@ async def search_events(api: Stripe, searchable: Searchable, match: Match,
     return found
 
 
-async def _pages(api: Stripe, service: str, params: dict[str, Any], window: Window,
-                 found: Searched, *,
-                 pick: Callable[[dict[str, Any]], dict[str, Any] | None]) -> None:  # fmt: skip
+async def _pages(
+    api: Stripe,
+    service: str,
+    params: dict[str, Any],
+    window: Window,
+    found: Searched,
+    *,
+    pick: Callable[[dict[str, Any]], dict[str, Any] | None],
+) -> None:
     """Read the list newest first, page by page, until it ends or LOOKUP_MAX_PAGES."""
     created = {"gte": int(window[0].timestamp()), "lte": int(window[1].timestamp())}
     params = {**params, "limit": LOOKUP_PAGE, "created": created}
@@ -220,8 +239,9 @@ async def retrieve_object(api: Stripe, service: str, reference: str) -> dict[str
     return fields
 
 
-def not_found(objects: Searched, events: Searched, since: datetime, until: datetime,
-              events_since: datetime) -> NotFound:  # fmt: skip
+def not_found(
+    objects: Searched, events: Searched, since: datetime, until: datetime, events_since: datetime
+) -> NotFound:
     """Absence is proven by a source read to its end over the whole window: the objects (live
     ones only), or the events (deleted objects too, within Stripe's 30 days)."""
     sources = [objects.source]

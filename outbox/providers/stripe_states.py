@@ -66,8 +66,9 @@ def _exists(_: Mapping[str, Any]) -> Verdict:
 
 def _setup_intent(obj: Mapping[str, Any]) -> Verdict:
     status = obj.get("status")
-    if status == "canceled" or (status == "requires_payment_method"
-                                and obj.get("last_setup_error")):  # fmt: skip
+    if status == "canceled" or (
+        status == "requires_payment_method" and obj.get("last_setup_error")
+    ):
         return Verdict.REFUSED
     if status in ("succeeded", "processing", "requires_payment_method", "requires_confirmation"):
         return Verdict.DONE
@@ -119,8 +120,9 @@ def verdict(action: str, obj: Mapping[str, Any]) -> tuple[Verdict, str | None, d
 ChangeRule = Callable[[Mapping[str, Any]], Verdict | None]
 
 
-def _states(done: tuple[str, ...], refused: tuple[str, ...] = (),
-            not_yet: tuple[str, ...] = ()) -> ChangeRule:  # fmt: skip
+def _states(
+    done: tuple[str, ...], refused: tuple[str, ...] = (), not_yet: tuple[str, ...] = ()
+) -> ChangeRule:
     def rule(obj: Mapping[str, Any]) -> Verdict | None:
         status = obj.get("status")
         if status in done:
@@ -144,25 +146,35 @@ def _confirmed(obj: Mapping[str, Any]) -> Verdict | None:
 CHANGE_RULES: Final[Mapping[str, ChangeRule]] = {
     "payment_intents.confirm": _confirmed,
     "payment_intents.capture": _states(("succeeded",), ("canceled",), ("requires_capture",)),
-    "payment_intents.cancel": _states(("canceled",), ("succeeded",), (
-        "requires_payment_method", "requires_confirmation", "requires_capture",
-        "requires_action", "processing")),
-    "refunds.cancel": _states(("canceled",), ("succeeded", "failed"),
-                              ("pending", "requires_action")),
-    "invoices.finalize_invoice": _states(("open", "paid", "uncollectible", "void"), (),
-                                         ("draft",)),
+    "payment_intents.cancel": _states(
+        ("canceled",),
+        ("succeeded",),
+        (
+            "requires_payment_method",
+            "requires_confirmation",
+            "requires_capture",
+            "requires_action",
+            "processing",
+        ),
+    ),
+    "refunds.cancel": _states(
+        ("canceled",), ("succeeded", "failed"), ("pending", "requires_action")
+    ),
+    "invoices.finalize_invoice": _states(("open", "paid", "uncollectible", "void"), (), ("draft",)),
     # An open invoice after a pay may be a payment that failed or one still processing.
     "invoices.pay": _states(("paid",), ("void",), ("draft",)),
     "invoices.void_invoice": _states(("void",), ("paid",), ("open", "uncollectible")),
     # What an update changed cannot be read off the subscription's state: a person decides.
     "subscriptions.update": _states(()),
-    "subscriptions.cancel": _states(("canceled",), (), (
-        "active", "trialing", "past_due", "unpaid", "incomplete", "paused")),
-}  # fmt: skip
+    "subscriptions.cancel": _states(
+        ("canceled",), (), ("active", "trialing", "past_due", "unpaid", "incomplete", "paused")
+    ),
+}
 
 
-def change_verdict(action: str, obj: Mapping[str, Any]) -> tuple[Verdict | None, str | None,
-                                                                 dict[str, str]]:  # fmt: skip
+def change_verdict(
+    action: str, obj: Mapping[str, Any]
+) -> tuple[Verdict | None, str | None, dict[str, str]]:
     """The verdict on a state change from its target ``obj`` (None: it did not happen), the
     target's status word, and the details of a failure it records."""
     decided = CHANGE_RULES[action](obj)

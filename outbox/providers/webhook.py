@@ -172,8 +172,12 @@ class WebhookProvider:
         own: dict[str, str] = {}
         try:
             own = _headers(request)
-            return client.build_request("POST", self._options.url, content=_body(request),
-                                        headers={**self._content_type, **own})  # fmt: skip
+            return client.build_request(
+                "POST",
+                self._options.url,
+                content=_body(request),
+                headers={**self._content_type, **own},
+            )
         except building.BUILD_ERRORS as exc:
             return building.not_built(exc, own)
 
@@ -199,15 +203,21 @@ class WebhookProvider:
         if status in _TRANSIENT_STATUSES:
             # 409 (the key is in use) and 429 (slow down) concern this request, not the
             # receiver's health; 408 and 425 may.
-            return transient(f"http_{status}", _reason(response), retry_after=retry_after,
-                             request_only=status in (409, 429), **details)  # fmt: skip
+            return transient(
+                f"http_{status}",
+                _reason(response),
+                retry_after=retry_after,
+                request_only=status in (409, 429),
+                **details,
+            )
         if 400 <= status < 500 or 300 <= status < 400:
             return permanent(f"http_{status}", _reason(response), **details)
         if response.headers.get("idempotent-replayed") == "true":
             # An error the receiver saved for this key: retries get only this answer again, so
             # the operation goes to reconciliation; the receiver itself answered.
-            return unknown(f"http_{status}", _reason(response), reconcile=True,
-                           request_only=True, **details)  # fmt: skip
+            return unknown(
+                f"http_{status}", _reason(response), reconcile=True, request_only=True, **details
+            )
         # 5xx: a gateway may answer 502/503/504 after the receiver acted, so the key window
         # starts here; Retry-After still paces the retry.
         return unknown(f"http_{status}", _reason(response), retry_after=retry_after, **details)

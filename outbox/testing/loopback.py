@@ -127,9 +127,13 @@ class BadAnswer:
 
     @classmethod
     def compressed(
-        cls, size: int, *, coding: str = "gzip", content_encoding: str | None = _SAME,
+        cls,
+        size: int,
+        *,
+        coding: str = "gzip",
+        content_encoding: str | None = _SAME,
         chunked: bool = False,
-    ) -> BadAnswer:  # fmt: skip
+    ) -> BadAnswer:
         """``size`` bytes of JSON compressed with ``coding`` ("gzip" or "deflate"): a
         compression bomb, some size/1000 bytes on the wire (``1 << 30`` is about 1 MB). The
         ``Content-Encoding`` header says ``coding`` unless ``content_encoding`` says something
@@ -138,8 +142,13 @@ class BadAnswer:
         if coding not in CODINGS:
             raise ValueError(f"coding must be one of {CODINGS}, not {coding!r}")
         header = coding if content_encoding is _SAME else content_encoding
-        return cls(BadAnswerKind.COMPRESSED, size=size, coding=coding, content_encoding=header,
-                   chunked=chunked)  # fmt: skip
+        return cls(
+            BadAnswerKind.COMPRESSED,
+            size=size,
+            coding=coding,
+            content_encoding=header,
+            chunked=chunked,
+        )
 
     @classmethod
     def dribbled(cls, interval: float, size: int = 1 << 16) -> BadAnswer:
@@ -188,13 +197,18 @@ class BadAnswerFaults:
 
     @classmethod
     def gzip_bomb_after_apply(
-        cls, size: int, *, coding: str = "gzip", content_encoding: str | None = _SAME,
+        cls,
+        size: int,
+        *,
+        coding: str = "gzip",
+        content_encoding: str | None = _SAME,
         chunked: bool = False,
-    ) -> Self:  # fmt: skip
+    ) -> Self:
         """Apply and save, then answer ``size`` bytes of JSON compressed to about a thousandth
         of that, labelled honestly or not (see BadAnswer.compressed)."""
-        answer = BadAnswer.compressed(size, coding=coding, content_encoding=content_encoding,
-                                      chunked=chunked)  # fmt: skip
+        answer = BadAnswer.compressed(
+            size, coding=coding, content_encoding=content_encoding, chunked=chunked
+        )
         return cls.bad_answer_after_apply(answer)
 
     @classmethod

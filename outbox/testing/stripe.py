@@ -414,12 +414,19 @@ def _confirmed(params: dict[str, Any]) -> dict[str, Any]:
     or declined, back to ``requires_payment_method`` with ``last_payment_error`` set."""
     method = params.get("payment_method")
     if params.get("confirm") != "true":
-        return {"status": "requires_confirmation" if method else "requires_payment_method",
-                "last_payment_error": None}  # fmt: skip
+        return {
+            "status": "requires_confirmation" if method else "requires_payment_method",
+            "last_payment_error": None,
+        }
     decline = DECLINING_PAYMENT_METHODS.get(str(method))
     if decline is not None:
-        error = {"type": "card_error", "code": "card_declined", "decline_code": decline,
-                 "message": "Your card was declined.", "charge": _new_id("ch")}  # fmt: skip
+        error = {
+            "type": "card_error",
+            "code": "card_declined",
+            "decline_code": decline,
+            "message": "Your card was declined.",
+            "charge": _new_id("ch"),
+        }
         if decline in _ADVICE:
             error["advice_code"] = _ADVICE[decline]
         return {"status": "requires_payment_method", "last_payment_error": error}
@@ -434,12 +441,20 @@ def _subscription_items(items: Any) -> dict[str, Any]:
     data = []
     for item in items if isinstance(items, list) else []:
         price = str(item.get("price", "price_default")) if isinstance(item, dict) else "price"
-        data.append({
-            "object": "subscription_item", "id": _new_id("si"), "quantity": 1,
-            "price": {"object": "price", "id": price, "unit_amount": 1000,
-                      "unit_amount_decimal": "1000.5"},
-            "plan": {"object": "plan", "id": price, "amount": 1000, "amount_decimal": "1000.5"},
-        })  # fmt: skip
+        data.append(
+            {
+                "object": "subscription_item",
+                "id": _new_id("si"),
+                "quantity": 1,
+                "price": {
+                    "object": "price",
+                    "id": price,
+                    "unit_amount": 1000,
+                    "unit_amount_decimal": "1000.5",
+                },
+                "plan": {"object": "plan", "id": price, "amount": 1000, "amount_decimal": "1000.5"},
+            }
+        )
     return {"object": "list", "data": data, "has_more": False, "url": "/v1/subscription_items"}
 
 
@@ -676,11 +691,16 @@ class _Ledger(Ledger[StripeFault, StripeRequest, _Entry]):
             if entry is not None:
                 return Plan(_existing_reply(entry, request))
         obj = self._by_id.get(object_id)
-        if (obj is None or obj["object"] != resource.object or obj.get("deleted")
-                or self._account_of.get(object_id) != request.account):  # fmt: skip
+        if (
+            obj is None
+            or obj["object"] != resource.object
+            or obj.get("deleted")
+            or self._account_of.get(object_id) != request.account
+        ):
             message = f"No such {resource.object}: '{object_id}'"
-            return Plan(_error(404, "invalid_request_error", message, code="resource_missing",
-                               param="id"))  # fmt: skip
+            return Plan(
+                _error(404, "invalid_request_error", message, code="resource_missing", param="id")
+            )
         target = obj
 
         def apply() -> Reply:
@@ -738,10 +758,16 @@ class _Ledger(Ledger[StripeFault, StripeRequest, _Entry]):
         self._by_id[obj["id"]] = obj
         self._account_of[obj["id"]] = request.account
         # As Stripe records it: the object as created, and the request with its key.
-        event = {"id": _new_id("evt"), "object": "event", "type": resource.event,
-                 "created": obj["created"], "livemode": False, "api_version": _API_VERSION,
-                 "data": {"object": copy.deepcopy(obj)},
-                 "request": {"id": request.request_id, "idempotency_key": request.key}}  # fmt: skip
+        event = {
+            "id": _new_id("evt"),
+            "object": "event",
+            "type": resource.event,
+            "created": obj["created"],
+            "livemode": False,
+            "api_version": _API_VERSION,
+            "data": {"object": copy.deepcopy(obj)},
+            "request": {"id": request.request_id, "idempotency_key": request.key},
+        }
         self._events.append(event)
         self._account_of[event["id"]] = request.account
         return obj
@@ -752,8 +778,12 @@ class _Ledger(Ledger[StripeFault, StripeRequest, _Entry]):
             obj = self._by_id.get(route.object_id)
             if obj is not None and obj.get("deleted") and resource.name == "customers":
                 return Reply(200, {"id": obj["id"], "object": "customer", "deleted": True})
-            if (obj is None or obj["object"] != resource.object or obj.get("deleted")
-                    or self._account_of.get(obj["id"]) != account):  # fmt: skip
+            if (
+                obj is None
+                or obj["object"] != resource.object
+                or obj.get("deleted")
+                or self._account_of.get(obj["id"]) != account
+            ):
                 message = f"No such {resource.object}: '{route.object_id}'"
                 return _error(
                     404, "invalid_request_error", message, code="resource_missing", param="id"
@@ -765,10 +795,14 @@ class _Ledger(Ledger[StripeFault, StripeRequest, _Entry]):
             params["status"] = status
         try:
             query = _ListQuery.parse(params)
-            listed = [o for o in self._newest_first(resource)
-                      if self._account_of.get(o["id"]) == account and not o.get("deleted")
-                      # Stripe leaves canceled subscriptions out unless status says otherwise.
-                      and (status is not None or o.get("status") != "canceled")]  # fmt: skip
+            listed = [
+                o
+                for o in self._newest_first(resource)
+                if self._account_of.get(o["id"]) == account
+                and not o.get("deleted")
+                # Stripe leaves canceled subscriptions out unless status says otherwise.
+                and (status is not None or o.get("status") != "canceled")
+            ]
             if self._endless:  # a broken API: the first page again, and always more
                 query = dataclasses.replace(query, starting_after=None, ending_before=None)
             data, has_more = query.page(listed)
@@ -816,8 +850,15 @@ class _Ledger(Ledger[StripeFault, StripeRequest, _Entry]):
     def seed(self, resource: Resource, count: int, fields: dict[str, Any]) -> None:
         with self.cond:
             for _ in range(count):
-                request = _Request("POST", f"/v1/{resource.name}", None, copy.deepcopy(fields),
-                                   None, None, _new_id("req"))  # fmt: skip
+                request = _Request(
+                    "POST",
+                    f"/v1/{resource.name}",
+                    None,
+                    copy.deepcopy(fields),
+                    None,
+                    None,
+                    _new_id("req"),
+                )
                 self._create(resource, request)
 
     def delete(self, object_id: str) -> None:
@@ -848,9 +889,11 @@ class _Ledger(Ledger[StripeFault, StripeRequest, _Entry]):
 def _forbidden(resource: Resource) -> Reply:
     """What Stripe answers a restricted key without the permission: 403, nothing executed or
     saved (docs.stripe.com/keys#limit-access)."""
-    message = (f"The provided key 'rk_test_***' does not have the required permissions for this "
-               f"endpoint. Having the 'rak_{resource.object}_write' permission would allow this "
-               "request to continue.")  # fmt: skip
+    message = (
+        f"The provided key 'rk_test_***' does not have the required permissions for this "
+        f"endpoint. Having the 'rak_{resource.object}_write' permission would allow this "
+        "request to continue."
+    )
     return _error(403, "invalid_request_error", message)
 
 

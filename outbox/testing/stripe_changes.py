@@ -15,21 +15,28 @@ from typing import Any, Final
 # (resource, verb) -> the states it may start from. DELETE of a subscription is verb "cancel";
 # POST of the object itself is verb "update".
 _FROM: Final[dict[tuple[str, str], frozenset[str]]] = {
-    ("payment_intents", "confirm"): frozenset({"requires_confirmation",
-                                               "requires_payment_method"}),
+    ("payment_intents", "confirm"): frozenset({"requires_confirmation", "requires_payment_method"}),
     ("payment_intents", "capture"): frozenset({"requires_capture"}),
-    ("payment_intents", "cancel"): frozenset({"requires_payment_method", "requires_confirmation",
-                                              "requires_capture", "requires_action",
-                                              "processing"}),
+    ("payment_intents", "cancel"): frozenset(
+        {
+            "requires_payment_method",
+            "requires_confirmation",
+            "requires_capture",
+            "requires_action",
+            "processing",
+        }
+    ),
     ("refunds", "cancel"): frozenset({"pending", "requires_action"}),
     ("invoices", "finalize"): frozenset({"draft"}),
     ("invoices", "pay"): frozenset({"open", "uncollectible"}),
     ("invoices", "void"): frozenset({"open", "uncollectible"}),
-    ("subscriptions", "update"): frozenset({"active", "trialing", "past_due", "unpaid",
-                                            "incomplete", "paused"}),
-    ("subscriptions", "cancel"): frozenset({"active", "trialing", "past_due", "unpaid",
-                                            "incomplete", "paused"}),
-}  # fmt: skip
+    ("subscriptions", "update"): frozenset(
+        {"active", "trialing", "past_due", "unpaid", "incomplete", "paused"}
+    ),
+    ("subscriptions", "cancel"): frozenset(
+        {"active", "trialing", "past_due", "unpaid", "incomplete", "paused"}
+    ),
+}
 
 Confirm = Callable[[dict[str, Any]], dict[str, Any]]
 
@@ -39,15 +46,18 @@ def changes(resource: str, verb: str) -> bool:
     return (resource, verb) in _FROM
 
 
-def change(resource: str, verb: str, obj: dict[str, Any], params: dict[str, Any],
-           confirm: Confirm) -> tuple[int, dict[str, Any]]:  # fmt: skip
+def change(
+    resource: str, verb: str, obj: dict[str, Any], params: dict[str, Any], confirm: Confirm
+) -> tuple[int, dict[str, Any]]:
     """Apply the change to ``obj`` in place; the status and body of the answer."""
     status = obj.get("status")
     if status not in _FROM[(resource, verb)]:
-        message = (f"You cannot {verb} this {obj['object']} because it has a status of "
-                   f"{status}.")  # fmt: skip
-        error = {"type": "invalid_request_error", "code": f"{obj['object']}_unexpected_state",
-                 "message": message}  # fmt: skip
+        message = f"You cannot {verb} this {obj['object']} because it has a status of {status}."
+        error = {
+            "type": "invalid_request_error",
+            "code": f"{obj['object']}_unexpected_state",
+            "message": message,
+        }
         return 400, {"error": error}
     _APPLY[(resource, verb)](obj, params, confirm)
     return 200, obj

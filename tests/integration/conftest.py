@@ -21,8 +21,9 @@ from tests.support.dispatch import stripe_provider, webhook
 @pytest.fixture
 async def pool(db_url: str) -> AsyncIterator[AsyncConnectionPool[Any]]:
     """Autocommit connections to this test's database, as `outbox run` uses them."""
-    async with AsyncConnectionPool(db_url, min_size=1, max_size=6,
-                                   kwargs={"autocommit": True}) as p:  # fmt: skip
+    async with AsyncConnectionPool(
+        db_url, min_size=1, max_size=6, kwargs={"autocommit": True}
+    ) as p:
         yield p
 
 
@@ -57,7 +58,15 @@ async def provider(fake: FakeStripe) -> AsyncIterator[Provider]:
 @pytest.fixture
 def check_env(db_url: str, fake: FakeStripe, tmp_path: Path) -> dict[str, str]:
     """The environment of an `outbox` subprocess (`reconcile check`) pointed at the fake Stripe."""
-    config = write_config(tmp_path / "outbox.toml", providers={"stripe": {
-        "type": "stripe", "api_key_env": "TEST_STRIPE_KEY", "api_base": fake.url}})  # fmt: skip
-    return {**os.environ, "OUTBOX_DATABASE_URL": db_url, "OUTBOX_CONFIG": str(config),
-            "TEST_STRIPE_KEY": "sk_test_fake"}  # fmt: skip
+    config = write_config(
+        tmp_path / "outbox.toml",
+        providers={
+            "stripe": {"type": "stripe", "api_key_env": "TEST_STRIPE_KEY", "api_base": fake.url}
+        },
+    )
+    return {
+        **os.environ,
+        "OUTBOX_DATABASE_URL": db_url,
+        "OUTBOX_CONFIG": str(config),
+        "TEST_STRIPE_KEY": "sk_test_fake",
+    }

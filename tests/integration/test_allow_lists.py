@@ -21,20 +21,32 @@ from tests.support.dispatch import dispatcher, rows
 
 __all__ = ["roles_db"]  # the fixture, shared with test_roles
 
-RULES = [("acme", "stripe", "payment_intents.create"), ("acme", "stripe", "refunds.create"),
-         ("eu-%", "hook", "*")]  # fmt: skip
+RULES = [
+    ("acme", "stripe", "payment_intents.create"),
+    ("acme", "stripe", "refunds.create"),
+    ("eu-%", "hook", "*"),
+]
 
 
 def enqueue(conn: psycopg.Connection[Any], tenant: str, provider: str, action: str) -> Any:
-    return outbox.enqueue(conn, tenant_id=tenant, operation_type="t",
-                          operation_key=f"{tenant}-{provider}-{action}-{random.random()}",
-                          provider=provider, action=action, payload={})  # fmt: skip
+    return outbox.enqueue(
+        conn,
+        tenant_id=tenant,
+        operation_type="t",
+        operation_key=f"{tenant}-{provider}-{action}-{random.random()}",
+        provider=provider,
+        action=action,
+        payload={},
+    )
 
 
 def allow(db_url: str, rules: list[tuple[str, str, str]]) -> None:
     with psycopg.connect(db_url) as conn:
-        conn.cursor().executemany("INSERT INTO outbox.enqueue_allowances (tenant_pattern, "
-                                  "provider, action) VALUES (%s, %s, %s)", rules)  # fmt: skip
+        conn.cursor().executemany(
+            "INSERT INTO outbox.enqueue_allowances (tenant_pattern, "
+            "provider, action) VALUES (%s, %s, %s)",
+            rules,
+        )
 
 
 def test_an_empty_list_allows_everything(db_url: str) -> None:
@@ -42,16 +54,19 @@ def test_an_empty_list_allows_everything(db_url: str) -> None:
         assert enqueue(conn, "anyone", "stripe", "payouts.create").outcome == "accepted"
 
 
-@pytest.mark.parametrize(("tenant", "provider", "action", "refused"), [
-    ("acme", "stripe", "payment_intents.create", None),
-    ("acme", "stripe", "refunds.create", None),
-    ("acme", "stripe", "payouts.create", "action"),
-    ("acme", "hook", "invoice.paid", "provider"),
-    ("eu-1", "hook", "anything.at.all", None),
-    ("eu-1", "stripe", "payment_intents.create", "provider"),
-    ("acme-evil", "stripe", "payment_intents.create", "provider"),  # a pattern, not a prefix
-    ("other", "stripe", "transfers.create", "provider"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("tenant", "provider", "action", "refused"),
+    [
+        ("acme", "stripe", "payment_intents.create", None),
+        ("acme", "stripe", "refunds.create", None),
+        ("acme", "stripe", "payouts.create", "action"),
+        ("acme", "hook", "invoice.paid", "provider"),
+        ("eu-1", "hook", "anything.at.all", None),
+        ("eu-1", "stripe", "payment_intents.create", "provider"),
+        ("acme-evil", "stripe", "payment_intents.create", "provider"),  # a pattern, not a prefix
+        ("other", "stripe", "transfers.create", "provider"),
+    ],
+)
 def test_once_filled_the_list_refuses_what_no_rule_allows(
     db_url: str, tenant: str, provider: str, action: str, refused: str | None
 ) -> None:
@@ -69,9 +84,11 @@ def test_once_filled_the_list_refuses_what_no_rule_allows(
 
 def test_a_producer_can_neither_read_nor_change_the_list(roles_db: str) -> None:
     app = as_role(roles_db, APP)
-    for query in ("SELECT * FROM outbox.enqueue_allowances",
-                  "INSERT INTO outbox.enqueue_allowances VALUES ('%', 'stripe', '*')",
-                  "DELETE FROM outbox.enqueue_allowances"):  # fmt: skip
+    for query in (
+        "SELECT * FROM outbox.enqueue_allowances",
+        "INSERT INTO outbox.enqueue_allowances VALUES ('%', 'stripe', '*')",
+        "DELETE FROM outbox.enqueue_allowances",
+    ):
         assert sqlstate_of(app, query) == "42501", query
 
 

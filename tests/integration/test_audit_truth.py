@@ -34,8 +34,11 @@ HOSTILE = (
 def quarantined(db_url: str, count: int = 1) -> list[int]:
     ids = enqueue_many(db_url, count)
     with psycopg.connect(db_url) as conn:
-        conn.execute("UPDATE outbox.operations SET status = 'quarantined', status_reason = "
-                     "'permanent_failure', last_error = %s", (HOSTILE,))  # fmt: skip
+        conn.execute(
+            "UPDATE outbox.operations SET status = 'quarantined', status_reason = "
+            "'permanent_failure', last_error = %s",
+            (HOSTILE,),
+        )
     return ids
 
 
@@ -47,8 +50,9 @@ def test_show_names_the_database_user_beside_the_claimed_actor_and_escapes_the_t
     db_url: str,
 ) -> None:
     op, _ = quarantined(db_url, 2)
-    done = outbox_cli(env(db_url), "quarantine", "cancel", str(op), "--reason", HOSTILE,
-                      "--actor", "the-ceo")  # fmt: skip
+    done = outbox_cli(
+        env(db_url), "quarantine", "cancel", str(op), "--reason", HOSTILE, "--actor", "the-ceo"
+    )
     assert done.returncode == 0, done.stderr
     ((stored, actor, user),) = rows(db_url, "SELECT reason, actor, db_user FROM outbox.audit")
     assert (stored, actor) == (HOSTILE, "the-ceo")  # stored as given
@@ -65,8 +69,11 @@ def test_show_names_the_database_user_beside_the_claimed_actor_and_escapes_the_t
 def test_a_reason_is_bounded_and_a_refusal_changes_nothing(db_url: str) -> None:
     (op,) = quarantined(db_url)
     with psycopg.connect(db_url, autocommit=True) as conn:
-        for reason, actor in (("x" * 2001, "alice"), ("x" * 5_000_000, "alice"),
-                              ("fine", "a" * 256)):  # fmt: skip
+        for reason, actor in (
+            ("x" * 2001, "alice"),
+            ("x" * 5_000_000, "alice"),
+            ("fine", "a" * 256),
+        ):
             with pytest.raises(operators.ActionRefused, match="at most"):
                 operators.cancel(conn, op, reason=reason, actor=actor)
         operators.cancel(conn, op, reason="x" * 2000, actor="a" * 255)
@@ -75,20 +82,32 @@ def test_a_reason_is_bounded_and_a_refusal_changes_nothing(db_url: str) -> None:
 
 
 def test_ordering_set_mode_writes_its_audit_row(db_url: str) -> None:
-    done = outbox_cli(env(db_url), "ordering", "set-mode", "invoice.charge", "skip",
-                      "--actor", "bob", "--reason", "incident 7")  # fmt: skip
+    done = outbox_cli(
+        env(db_url),
+        "ordering",
+        "set-mode",
+        "invoice.charge",
+        "skip",
+        "--actor",
+        "bob",
+        "--reason",
+        "incident 7",
+    )
     assert done.returncode == 0, done.stderr
-    again = outbox_cli(env(db_url), "ordering", "set-mode", "invoice.charge", "block",
-                       "--actor", "bob")  # fmt: skip
+    again = outbox_cli(
+        env(db_url), "ordering", "set-mode", "invoice.charge", "block", "--actor", "bob"
+    )
     assert again.returncode == 0, again.stderr
-    audit = rows(db_url, "SELECT operation_id, actor, action, reason, details->>'on_failure', "
-                         "details->>'before', db_user IS NOT NULL FROM outbox.audit "
-                         "ORDER BY id")  # fmt: skip
+    audit = rows(
+        db_url,
+        "SELECT operation_id, actor, action, reason, details->>'on_failure', "
+        "details->>'before', db_user IS NOT NULL FROM outbox.audit "
+        "ORDER BY id",
+    )
     assert audit == [
         (None, "bob", "ordering_mode", "incident 7", "skip", "block", True),
-        (None, "bob", "ordering_mode", "ordering set-mode, no reason given", "block", "skip",
-         True),
-    ]  # fmt: skip
+        (None, "bob", "ordering_mode", "ordering set-mode, no reason given", "block", "skip", True),
+    ]
 
 
 def test_console_logs_escape_what_they_are_given() -> None:

@@ -22,25 +22,37 @@ BAD_CONFIGS = [
     ('[dispatcher\nlease = "30s"\n', "outbox.toml"),  # not TOML at all
     ('[providers.hook]\ntype = "webhook"\n', "providers.hook.url"),
     ('[providers.hook]\ntype = "carrier-pigeon"\n', "providers.hook.type"),
-    ('[providers.hook]\ntype = "webhook"\nurl = "http://x"\ntimeout = "fast"\n',
-     "providers.hook.timeout"),
-    ('[providers.pay]\ntype = "stripe"\napi_key_env = "NO_SUCH_VARIABLE_SET"\n',
-     "providers.pay.api_key"),
+    (
+        '[providers.hook]\ntype = "webhook"\nurl = "http://x"\ntimeout = "fast"\n',
+        "providers.hook.timeout",
+    ),
+    (
+        '[providers.pay]\ntype = "stripe"\napi_key_env = "NO_SUCH_VARIABLE_SET"\n',
+        "providers.pay.api_key",
+    ),
     ('[providers.pay]\ntype = "stripe"\napi_key = "sk_test_inline"\n', "providers.pay.api_key"),
-    ('[providers.pay]\ntype = "stripe"\napi_key_file = "/nonexistent/key"\n',
-     "providers.pay.api_key"),
+    (
+        '[providers.pay]\ntype = "stripe"\napi_key_file = "/nonexistent/key"\n',
+        "providers.pay.api_key",
+    ),
     ('[providers.hook]\ntype = "noop"\nmax_in_flight = 0\n', "providers.hook.max_in_flight"),
     ('[providers.hook]\ntype = "noop"\nrate_limit = "lots"\n', "providers.hook.rate_limit"),
-    ('[providers.hook]\ntype = "noop"\nrate_limit = "5/s"\nrate_burst = 0\n',
-     "providers.hook.rate_burst"),
+    (
+        '[providers.hook]\ntype = "noop"\nrate_limit = "5/s"\nrate_burst = 0\n',
+        "providers.hook.rate_burst",
+    ),
     ('[providers.hook]\ntype = "noop"\nrate_burst = 5\n', "providers.hook.rate_burst"),
-    ('[providers.hook]\ntype = "noop"\nbreaker_failures = "five"\n',
-     "providers.hook.breaker_failures"),
-    ('[providers.hook]\ntype = "noop"\nbreaker_open_for = "-1s"\n',
-     "providers.hook.breaker_open_for"),
+    (
+        '[providers.hook]\ntype = "noop"\nbreaker_failures = "five"\n',
+        "providers.hook.breaker_failures",
+    ),
+    (
+        '[providers.hook]\ntype = "noop"\nbreaker_open_for = "-1s"\n',
+        "providers.hook.breaker_open_for",
+    ),
     ('[database]\nlisten = "no"\n', "database.listen (in"),
     ("[database]\nlisten = 1\n", "database.listen (in"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("text", "named"), BAD_CONFIGS)
@@ -78,17 +90,51 @@ BAD_ARGS = [
     (("status", "--colour"), "No such option '--colour'"),
     (("run", "--metrics-addr", "nowhere"), "invalid address 'nowhere'"),
     (("enqueue", "--tenant-id", "t"), "Missing option"),
-    (("enqueue", "--tenant-id", "t", "--operation-type", "x", "--operation-key", "k",
-      "--provider", "hook", "--action", "a", "--max-attempts", "zero"), "--max-attempts"),
-    (("enqueue", "--tenant-id", "t", "--operation-type", "x", "--operation-key", "k",
-      "--provider", "hook", "--action", "a", "--payload", "{not json"), "payload"),
-    (("reconcile", "resolve", "forty-two", "--provider-ref", "x", "--reason", "r"),
-     "'forty-two' is not a valid integer"),
+    (
+        (
+            "enqueue",
+            "--tenant-id",
+            "t",
+            "--operation-type",
+            "x",
+            "--operation-key",
+            "k",
+            "--provider",
+            "hook",
+            "--action",
+            "a",
+            "--max-attempts",
+            "zero",
+        ),
+        "--max-attempts",
+    ),
+    (
+        (
+            "enqueue",
+            "--tenant-id",
+            "t",
+            "--operation-type",
+            "x",
+            "--operation-key",
+            "k",
+            "--provider",
+            "hook",
+            "--action",
+            "a",
+            "--payload",
+            "{not json",
+        ),
+        "payload",
+    ),
+    (
+        ("reconcile", "resolve", "forty-two", "--provider-ref", "x", "--reason", "r"),
+        "'forty-two' is not a valid integer",
+    ),
     (("reconcile", "resolve", "42"), "Missing option '--provider-ref'"),
     (("quarantine", "replay", "42"), "Missing option '--reason'"),
     (("reconcile", "list", "--limit", "-5"), "--limit"),
     (("migrate", "--target", "0"), "--target"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(

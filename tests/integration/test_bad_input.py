@@ -111,8 +111,9 @@ def test_the_longest_accepted_values_are_accepted(conn: psycopg.Connection[Any])
     longest = {field: "é" * limit for field, (limit, _) in TEXT_FIELDS.items()}
     result = outbox.enqueue(conn, **charge(**longest))
     assert result.outcome == "accepted"
-    op = outbox.get_operation(conn, longest["tenant_id"], longest["operation_type"],
-                              longest["operation_key"])  # fmt: skip
+    op = outbox.get_operation(
+        conn, longest["tenant_id"], longest["operation_type"], longest["operation_key"]
+    )
     assert op is not None and op.correlation_id == longest["correlation_id"]
 
 
@@ -290,8 +291,9 @@ def test_a_past_available_at_means_now_and_a_future_one_is_scheduled(
     outbox.enqueue(conn, **charge(available_at=datetime(1970, 1, 1, tzinfo=UTC)))
     later = datetime.now(UTC) + timedelta(days=1)
     outbox.enqueue(conn, **charge(operation_key="later", available_at=later))
-    got = conn.execute("SELECT operation_key, available_at = now(), scheduled "
-                       "FROM outbox.operations ORDER BY id").fetchall()  # fmt: skip
+    got = conn.execute(
+        "SELECT operation_key, available_at = now(), scheduled FROM outbox.operations ORDER BY id"
+    ).fetchall()
     assert got == [("invoice-42-charge", True, False), ("later", False, True)]
     op = outbox.get_operation(conn, "acme", "invoice.charge", "later")
     assert op is not None and abs(op.available_at - later) < timedelta(seconds=1)

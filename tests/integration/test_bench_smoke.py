@@ -18,21 +18,46 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 def run_bench(pg_server: str, script: str, *args: str) -> str:
     env = {**os.environ, "OUTBOX_BENCH_DATABASE_URL": pg_server}
-    done = subprocess.run([sys.executable, str(BENCH / script), *args], env=env,
-                          capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(BENCH / script), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     return done.stdout
 
 
 def test_growth_runs_its_claims_gauges_and_drains(pg_server: str) -> None:
-    out = run_bench(pg_server, "growth.py", "--max-rows", "1000", "--pending", "200",
-                    "--claim-runs", "3", "--churn-ops", "0")  # fmt: skip
+    out = run_bench(
+        pg_server,
+        "growth.py",
+        "--max-rows",
+        "1000",
+        "--pending",
+        "200",
+        "--claim-runs",
+        "3",
+        "--churn-ops",
+        "0",
+    )
     assert "### Growth: claim 100 of 200 pending, 3 runs" in out
     assert "| 1,000 finished" in out
 
 
 def test_throughput_runs_the_raw_loop_the_protocol_floor_and_a_drain(pg_server: str) -> None:
-    out = run_bench(pg_server, "throughput.py", "--count", "1000", "--repeat", "1",
-                    "--configs", "64x100", "--no-ordered")  # fmt: skip
+    out = run_bench(
+        pg_server,
+        "throughput.py",
+        "--count",
+        "1000",
+        "--repeat",
+        "1",
+        "--configs",
+        "64x100",
+        "--no-ordered",
+    )
     assert "| outbox's claim + record |" in out
     assert "### outbox run, noop provider" in out

@@ -31,16 +31,21 @@ REASONS = ("permanent_failure", "attempts_exhausted")
 ERRORS = ("http_422", "unknown_provider")
 
 
-def quarantine_population(db_url: str, rng: random.Random, count: int,
-                          status: str = "quarantined") -> list[dict[str, Any]]:  # fmt: skip
+def quarantine_population(
+    db_url: str, rng: random.Random, count: int, status: str = "quarantined"
+) -> list[dict[str, Any]]:
     """``count`` operations in ``status`` with random provider, tenant, reason, error and the
     time they entered it (0 to 48 hours ago); returns each one's attributes."""
     population = []
     with psycopg.connect(db_url) as conn:
         for i in range(count):
-            one: dict[str, Any] = {"provider": rng.choice(PROVIDERS), "tenant": rng.choice(TENANTS),
-                   "reason": rng.choice(REASONS), "error": rng.choice(ERRORS),
-                   "hours_ago": rng.uniform(0, 48)}  # fmt: skip
+            one: dict[str, Any] = {
+                "provider": rng.choice(PROVIDERS),
+                "tenant": rng.choice(TENANTS),
+                "reason": rng.choice(REASONS),
+                "error": rng.choice(ERRORS),
+                "hours_ago": rng.uniform(0, 48),
+            }
             row = conn.execute(
                 "SELECT operation_id FROM outbox.enqueue(%s, 'invoice.charge', %s, %s, "
                 "'invoice.paid', '{}'::jsonb)",
@@ -69,8 +74,12 @@ def random_filters(rng: random.Random) -> tuple[list[str], Callable[[dict[str, A
     """A random filter set as command-line options, with the predicate it should select by."""
     args: list[str] = []
     tests: list[Callable[[dict[str, Any]], bool]] = []
-    choices = (("--provider", "provider", PROVIDERS), ("--tenant", "tenant", TENANTS),
-               ("--status-reason", "reason", REASONS), ("--error", "error", ERRORS))  # fmt: skip
+    choices = (
+        ("--provider", "provider", PROVIDERS),
+        ("--tenant", "tenant", TENANTS),
+        ("--status-reason", "reason", REASONS),
+        ("--error", "error", ERRORS),
+    )
     for option, key, values in choices:
         if rng.random() < 0.5:
             value = rng.choice(values)
@@ -98,8 +107,11 @@ def status_of(db_url: str) -> dict[int, str]:
 
 
 def audit_of(db_url: str) -> list[tuple[Any, ...]]:
-    return rows(db_url, "SELECT operation_id, action, reason, from_status, to_status "
-                        "FROM outbox.audit ORDER BY operation_id")  # fmt: skip
+    return rows(
+        db_url,
+        "SELECT operation_id, action, reason, from_status, to_status "
+        "FROM outbox.audit ORDER BY operation_id",
+    )
 
 
 def away_from_cut(population: list[dict[str, Any]], args: list[str]) -> list[dict[str, Any]]:
@@ -120,8 +132,10 @@ def test_replay_acts_on_exactly_the_selection_after_a_dry_run_and_with_yes(
     args, selects = random_filters(rng)
     population = away_from_cut(population, args)
     with psycopg.connect(db_url) as conn:  # the ones near the cut play no part
-        conn.execute("DELETE FROM outbox.operations WHERE NOT (id = ANY(%s))",
-                     ([op["id"] for op in population],))  # fmt: skip
+        conn.execute(
+            "DELETE FROM outbox.operations WHERE NOT (id = ANY(%s))",
+            ([op["id"] for op in population],),
+        )
     expected = sorted(op["id"] for op in population if selects(op))
     before = status_of(db_url)
 
@@ -155,16 +169,18 @@ def test_cancel_and_reconcile_in_bulk_on_both_groups(db_url: str, cli_env: dict[
     rng = random.Random(7)
     quarantined = quarantine_population(db_url, rng, 20)
     to_reconcile = [op["id"] for op in quarantined if op["provider"] == "hook"]
-    sent = outbox_cli(cli_env, "quarantine", "reconcile", "--provider", "hook", "--reason", "ask",
-                      "--yes")  # fmt: skip
+    sent = outbox_cli(
+        cli_env, "quarantine", "reconcile", "--provider", "hook", "--reason", "ask", "--yes"
+    )
     assert sent.returncode == 0, sent.stderr
     states = status_of(db_url)
     assert sorted(i for i, s in states.items() if s == "reconciling") == sorted(to_reconcile)
 
     tenant = {op["id"]: op["tenant"] for op in quarantined}
     by_tenant = [i for i in to_reconcile if tenant[i] == "acme"]
-    cancelled = outbox_cli(cli_env, "reconcile", "cancel", "--tenant", "acme", "--reason", "gone",
-                           "--yes")  # fmt: skip
+    cancelled = outbox_cli(
+        cli_env, "reconcile", "cancel", "--tenant", "acme", "--reason", "gone", "--yes"
+    )
     assert cancelled.returncode == 0, cancelled.stderr
     states = status_of(db_url)
     assert sorted(i for i, s in states.items() if s == "cancelled") == sorted(by_tenant)
@@ -214,8 +230,13 @@ def test_a_selection_prompts_on_a_terminal_and_no_changes_nothing(
 def on_a_terminal(env: dict[str, str], answer: str, *args: str) -> tuple[int, str]:
     """Run `outbox` with a pseudo-terminal as its stdin and output; answer its prompt."""
     leader, follower = pty.openpty()
-    process = subprocess.Popen([sys.executable, "-m", "outbox", *args], env=env,
-                               stdin=follower, stdout=follower, stderr=follower)  # fmt: skip
+    process = subprocess.Popen(
+        [sys.executable, "-m", "outbox", *args],
+        env=env,
+        stdin=follower,
+        stdout=follower,
+        stderr=follower,
+    )
     os.close(follower)
     seen = b""
     answered = False
@@ -248,12 +269,20 @@ def test_an_operation_that_changed_meanwhile_is_skipped_and_the_run_says_so(
         return operators.replay(conn, operation_id, reason="bulk", actor="alice")
 
     with pytest.raises(SystemExit) as exited:
-        bulk.run(db_url, Status.QUARANTINED, operators.Filters(provider=None, since=None),
-                 verb="replay", action=replay, dry_run=False, yes=True)  # fmt: skip
+        bulk.run(
+            db_url,
+            Status.QUARANTINED,
+            operators.Filters(provider=None, since=None),
+            verb="replay",
+            action=replay,
+            dry_run=False,
+            yes=True,
+        )
     assert exited.value.code == 3
     assert rows(db_url, "SELECT actor, count(*) FROM outbox.audit GROUP BY actor ORDER BY 1") == [
-        ("alice", 5), ("bob", 1)
-    ]  # fmt: skip
+        ("alice", 5),
+        ("bob", 1),
+    ]
     assert set(status_of(db_url).values()) == {"pending"}
 
 
@@ -274,8 +303,15 @@ def test_a_run_cut_short_by_the_database_says_how_far_it_got_and_a_rerun_finishe
     import click  # noqa: PLC0415
 
     with pytest.raises(click.ClickException) as stopped:
-        bulk.run(db_url, Status.QUARANTINED, operators.Filters(), verb="replay",
-                 action=replay_then_lose_the_connection, dry_run=False, yes=True)  # fmt: skip
+        bulk.run(
+            db_url,
+            Status.QUARANTINED,
+            operators.Filters(),
+            verb="replay",
+            action=replay_then_lose_the_connection,
+            dry_run=False,
+            yes=True,
+        )
     assert "stopped after 3 of 10" in stopped.value.message
     assert rows(db_url, "SELECT count(*) FROM outbox.audit") == [(3,)]
     again = outbox_cli(cli_env, "quarantine", "replay", "--all", "--reason", "bulk", "--yes")

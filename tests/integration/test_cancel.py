@@ -31,8 +31,9 @@ def cancel(env: dict[str, str], op: int) -> Any:
 
 
 def status_of(url: str, op: int) -> tuple[str, str | None]:
-    ((status, reason),) = rows(url, "SELECT status, status_reason FROM outbox.operations "
-                                    "WHERE id = %s", (op,))  # fmt: skip
+    ((status, reason),) = rows(
+        url, "SELECT status, status_reason FROM outbox.operations WHERE id = %s", (op,)
+    )
     return status, reason
 
 
@@ -59,22 +60,29 @@ def test_pending_scheduled_and_waiting_operations_are_cancelled_at_once(
         assert status_of(db_url, op) == ("cancelled", "cancelled by operator")
         assert rows(db_url, AUDIT, (op,)) == [("alice", "cancel", "pending", "cancelled")]
     # The waiting one left the line; the head is still the head, the third still behind it.
-    assert rows(db_url, "SELECT operation_key, status, ordering_blocked FROM outbox.operations "
-                        "WHERE ordering_key = 'k' ORDER BY id") == [
-        ("o1", "pending", False), ("o2", "cancelled", False), ("o3", "pending", True)]  # fmt: skip
+    assert rows(
+        db_url,
+        "SELECT operation_key, status, ordering_blocked FROM outbox.operations "
+        "WHERE ordering_key = 'k' ORDER BY id",
+    ) == [("o1", "pending", False), ("o2", "cancelled", False), ("o3", "pending", True)]
     # The head cancelled: the third is next.
     assert cancel(cli_env, ids["o1"]).returncode == 0
-    assert rows(db_url, "SELECT ordering_blocked FROM outbox.operations WHERE id = %s",
-                (ids["o3"],)) == [(False,)]  # fmt: skip
+    assert rows(
+        db_url, "SELECT ordering_blocked FROM outbox.operations WHERE id = %s", (ids["o3"],)
+    ) == [(False,)]
     again = cancel(cli_env, pending)
     assert again.returncode == 2 and f"operation {pending} is cancelled" in again.stderr
     assert rows(db_url, "SELECT count(*) FROM outbox.audit") == [(4,)]
 
 
 async def _held_attempt(
-    db_url: str, pool: AsyncConnectionPool[Any], receiver: FakeWebhookReceiver,
-    cli_env: dict[str, str], *, call_timeout: float,
-) -> tuple[int, Any]:  # fmt: skip
+    db_url: str,
+    pool: AsyncConnectionPool[Any],
+    receiver: FakeWebhookReceiver,
+    cli_env: dict[str, str],
+    *,
+    call_timeout: float,
+) -> tuple[int, Any]:
     """One operation whose call is held at the receiver while an operator cancels it; returns
     its id and the hold (still held) once the cancel was requested."""
     (op,) = enqueue_many(db_url, 1)
@@ -90,9 +98,11 @@ async def _held_attempt(
 
 
 async def test_an_attempt_that_may_have_reached_the_provider_goes_to_reconciliation_not_cancelled(
-    db_url: str, pool: AsyncConnectionPool[Any], receiver: FakeWebhookReceiver,
+    db_url: str,
+    pool: AsyncConnectionPool[Any],
+    receiver: FakeWebhookReceiver,
     cli_env: dict[str, str],
-) -> None:  # fmt: skip
+) -> None:
     op, (held, run, hook) = await _held_attempt(db_url, pool, receiver, cli_env, call_timeout=5.0)
     try:
         assert await run == 1  # the call timed out: unknown, which would have been retried
@@ -102,32 +112,42 @@ async def test_an_attempt_that_may_have_reached_the_provider_goes_to_reconciliat
     # It did reach the receiver: reconciliation decides, and nothing more is sent meanwhile.
     assert status_of(db_url, op) == ("reconciling", "cancel_requested")
     # The attempt keeps its true outcome: unknown, and it may have reached the receiver.
-    attempts = rows(db_url, "SELECT outcome, sent, error_class FROM outbox.attempts "
-                            "WHERE operation_id = %s", (op,))  # fmt: skip
+    attempts = rows(
+        db_url,
+        "SELECT outcome, sent, error_class FROM outbox.attempts WHERE operation_id = %s",
+        (op,),
+    )
     assert attempts == [("unknown", True, "timeout")]
     assert rows(db_url, AUDIT, (op,)) == [
         ("alice", "cancel_requested", "in_flight", "in_flight"),
         ("outbox", "cancel_to_reconciliation", "in_flight", "reconciling"),
     ]
-    ((details,),) = rows(db_url, "SELECT details FROM outbox.audit WHERE operation_id = %s "
-                                 "AND action = 'cancel_to_reconciliation'", (op,))  # fmt: skip
+    ((details,),) = rows(
+        db_url,
+        "SELECT details FROM outbox.audit WHERE operation_id = %s "
+        "AND action = 'cancel_to_reconciliation'",
+        (op,),
+    )
     assert details["instead_of"] == "pending"
     await asyncio.sleep(0.2)
     assert len(receiver.received) == 1  # nothing more was sent
 
 
 async def test_a_cancel_that_comes_too_late_leaves_the_success_and_says_so(
-    db_url: str, pool: AsyncConnectionPool[Any], receiver: FakeWebhookReceiver,
+    db_url: str,
+    pool: AsyncConnectionPool[Any],
+    receiver: FakeWebhookReceiver,
     cli_env: dict[str, str],
-) -> None:  # fmt: skip
+) -> None:
     op, (held, run, hook) = await _held_attempt(db_url, pool, receiver, cli_env, call_timeout=30.0)
     held.release()
     try:
         assert await run == 1
     finally:
         await hook.aclose()
-    ((status, ref),) = rows(db_url, "SELECT status, provider_ref FROM outbox.operations "
-                                    "WHERE id = %s", (op,))  # fmt: skip
+    ((status, ref),) = rows(
+        db_url, "SELECT status, provider_ref FROM outbox.operations WHERE id = %s", (op,)
+    )
     assert status == "succeeded" and ref
     assert receiver.effect_count() == 1
     assert rows(db_url, AUDIT, (op,)) == [
@@ -147,8 +167,9 @@ async def test_a_dead_workers_operation_whose_cancel_was_requested_goes_to_recon
         conn.execute("UPDATE outbox.operations SET lease_expires_at = now() - interval '1 s'")
     assert await dispatcher(pool, {}).rescue_once() == 1
     assert status_of(db_url, op) == ("reconciling", "cancel_requested")
-    attempts = rows(db_url, "SELECT outcome, error_class FROM outbox.attempts "
-                            "WHERE operation_id = %s", (op,))  # fmt: skip
+    attempts = rows(
+        db_url, "SELECT outcome, error_class FROM outbox.attempts WHERE operation_id = %s", (op,)
+    )
     assert attempts == [("unknown", "lease_expired")]
 
 
@@ -172,8 +193,11 @@ def test_a_pending_operation_an_earlier_attempt_of_which_may_have_reached_the_pr
     never happened. It goes to reconciliation, where a check or a person decides."""
     (op,) = enqueue_many(db_url, 1)
     with psycopg.connect(db_url) as conn:
-        conn.execute("UPDATE outbox.operations SET first_sent_at = now() - interval '1 minute', "
-                     "attempts = 1 WHERE id = %s", (op,))  # fmt: skip
+        conn.execute(
+            "UPDATE outbox.operations SET first_sent_at = now() - interval '1 minute', "
+            "attempts = 1 WHERE id = %s",
+            (op,),
+        )
     done = cancel(cli_env, op)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().startswith(f"operation {op}: reconciling")

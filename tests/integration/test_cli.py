@@ -93,7 +93,9 @@ def test_a_payload_file_that_is_not_utf8_and_an_unknown_log_level_exit_2(
     bad.write_bytes(b"\xff\xfe{}")
     done = outbox_cli(cli_env, "enqueue", *CHARGE, "--payload-file", str(bad))
     assert (done.returncode, done.stderr.strip()) == (
-        2, "Error: the payload file is not UTF-8 text (byte 0)")  # fmt: skip
+        2,
+        "Error: the payload file is not UTF-8 text (byte 0)",
+    )
     trace = outbox_cli({**cli_env, "OUTBOX_LOG_LEVEL": "trace"}, "status")
     assert trace.returncode == 2 and "OUTBOX_LOG_LEVEL must be one of" in trace.stderr
     assert "Traceback" not in done.stderr + trace.stderr and count(db_url) == 0

@@ -51,12 +51,12 @@ async def test_the_database_being_unreachable_and_stale_gauges_are_visible(
         before = REGISTRY.get_sample_value("outbox_gauges_refreshed_timestamp_seconds") or 0.0
         with pytest.raises(psycopg.Error):
             await gauges.refresh(dead, {})
-        assert (REGISTRY.get_sample_value("outbox_gauges_refreshed_timestamp_seconds") or 0.0
-                ) == before  # fmt: skip
+        assert (
+            REGISTRY.get_sample_value("outbox_gauges_refreshed_timestamp_seconds") or 0.0
+        ) == before
     finally:
         await dead.close()
     assert await dispatcher(pool, {"hook": hook}).run_once() == 0
     assert REGISTRY.get_sample_value("outbox_database_up") == 1
     await gauges.refresh(pool, {})
-    assert (REGISTRY.get_sample_value("outbox_gauges_refreshed_timestamp_seconds") or 0.0
-            ) > before  # fmt: skip
+    assert (REGISTRY.get_sample_value("outbox_gauges_refreshed_timestamp_seconds") or 0.0) > before

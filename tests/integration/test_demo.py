@@ -29,8 +29,14 @@ def test_the_demo_runs_to_completion_and_leaves_no_process_or_port(short_tmp: Pa
     tmp_path = short_tmp
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     env.pop("OUTBOX_DATABASE_URL", None)
-    done = subprocess.run([sys.executable, "-m", "outbox", "demo"], env=env,
-                          capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "outbox", "demo"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
     statuses = dict(re.findall(r"(invoice-\d-\w+)\s+\w+\s+(\w+)\s", out))
@@ -50,34 +56,60 @@ def test_the_demo_runs_to_completion_and_leaves_no_process_or_port(short_tmp: Pa
 def test_a_kept_demo_says_how_to_stop_it_and_that_stops_it(short_tmp: Path) -> None:
     env = {**os.environ, "TMPDIR": str(short_tmp)}
     env.pop("OUTBOX_DATABASE_URL", None)
-    done = subprocess.run([sys.executable, "-m", "outbox", "demo", "--keep"], env=env,
-                          capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "outbox", "demo", "--keep"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     (kept,) = short_tmp.glob("outbox-demo-*")
     assert f"outbox demo --stop {kept}" in done.stdout
     dsn = re.search(r"OUTBOX_DATABASE_URL='([^']+)'", done.stdout)
     assert dsn is not None
-    status = subprocess.run([sys.executable, "-m", "outbox", "status"], capture_output=True,
-                            env={**env, "OUTBOX_DATABASE_URL": dsn[1]}, text=True, timeout=60,
-                            check=False)  # fmt: skip
+    status = subprocess.run(
+        [sys.executable, "-m", "outbox", "status"],
+        capture_output=True,
+        env={**env, "OUTBOX_DATABASE_URL": dsn[1]},
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert status.returncode == 0, status.stderr  # still running, as it said
 
     # A directory the demo did not make is refused, and left whole.
     other = short_tmp / "pgdata"
     other.mkdir()
     (other / "PG_VERSION").write_text("15\n")
-    refused = subprocess.run([sys.executable, "-m", "outbox", "demo", "--stop", str(other)],
-                             env=env, capture_output=True, text=True, timeout=60,
-                             check=False)  # fmt: skip
+    refused = subprocess.run(
+        [sys.executable, "-m", "outbox", "demo", "--stop", str(other)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert refused.returncode == 2 and "is not a directory" in refused.stderr
     assert (other / "PG_VERSION").exists()
 
-    stopped = subprocess.run([sys.executable, "-m", "outbox", "demo", "--stop", str(kept)],
-                             env=env, capture_output=True, text=True, timeout=60,
-                             check=False)  # fmt: skip
+    stopped = subprocess.run(
+        [sys.executable, "-m", "outbox", "demo", "--stop", str(kept)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert stopped.returncode == 0, stopped.stderr
     assert not kept.exists()
-    after = subprocess.run([sys.executable, "-m", "outbox", "status"], capture_output=True,
-                           env={**env, "OUTBOX_DATABASE_URL": dsn[1]}, text=True, timeout=60,
-                           check=False)  # fmt: skip
+    after = subprocess.run(
+        [sys.executable, "-m", "outbox", "status"],
+        capture_output=True,
+        env={**env, "OUTBOX_DATABASE_URL": dsn[1]},
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert after.returncode == 1  # nothing answers there any more

@@ -32,8 +32,12 @@ from tests.support.dispatch import (
 
 
 def attempts_of(url: str, operation_id: int) -> list[tuple[Any, ...]]:
-    return rows(url, "SELECT attempt, outcome, sent, error_class, http_status FROM outbox.attempts "
-                     "WHERE operation_id = %s ORDER BY attempt", (operation_id,))  # fmt: skip
+    return rows(
+        url,
+        "SELECT attempt, outcome, sent, error_class, http_status FROM outbox.attempts "
+        "WHERE operation_id = %s ORDER BY attempt",
+        (operation_id,),
+    )
 
 
 async def test_each_operation_makes_one_effect_and_keeps_its_reference(
@@ -64,8 +68,10 @@ async def test_transient_failures_retry_with_bounded_jittered_delays_then_succee
     delays = []
     for _ in range(3):
         assert await d.run_once() == 1
-        ((delay, first_sent),) = rows(db_url, "SELECT extract(epoch FROM available_at - now()), "
-                                              "first_sent_at FROM outbox.operations")  # fmt: skip
+        ((delay, first_sent),) = rows(
+            db_url,
+            "SELECT extract(epoch FROM available_at - now()), first_sent_at FROM outbox.operations",
+        )
         delays.append(float(delay))
         assert first_sent is None  # nothing reached the provider: no key window yet
         make_due(db_url)
@@ -94,8 +100,9 @@ async def test_an_operation_that_never_succeeds_is_quarantined_with_every_attemp
         assert await d.run_once() == 1
         make_due(db_url)
     assert await d.run_once() == 0
-    ((status, reason, attempts),) = rows(db_url, "SELECT status, status_reason, attempts "
-                                                 "FROM outbox.operations")  # fmt: skip
+    ((status, reason, attempts),) = rows(
+        db_url, "SELECT status, status_reason, attempts FROM outbox.operations"
+    )
     assert (status, reason, attempts) == ("quarantined", "attempts_exhausted", 4)
     assert [a[1] for a in attempts_of(db_url, op)] == ["transient"] * 4
     assert len(receiver.received) == 4
@@ -192,8 +199,11 @@ async def test_the_key_window_decides_between_resending_and_reconciling(
     (op,) = enqueue_many(db_url, 1)
     with psycopg.connect(db_url) as conn:
         # An earlier attempt whose outcome is unknown, back-dated.
-        conn.execute("UPDATE outbox.operations SET attempts = 1, first_sent_at = now() - %s, "
-                     "last_error_class = 'unknown' WHERE id = %s", (back_by, op))  # fmt: skip
+        conn.execute(
+            "UPDATE outbox.operations SET attempts = 1, first_sent_at = now() - %s, "
+            "last_error_class = 'unknown' WHERE id = %s",
+            (back_by, op),
+        )
     before = metrics.RECONCILIATION_ROUTED.labels("hook", "key_window_passed")._value.get()
     d = dispatcher(pool, {"hook": hook})
     assert await d.run_once() == 1
@@ -212,8 +222,10 @@ async def test_an_operation_that_never_reached_the_provider_is_sent_at_any_age(
 ) -> None:
     enqueue_many(db_url, 1)
     with psycopg.connect(db_url) as conn:
-        conn.execute("UPDATE outbox.operations SET created_at = now() - interval '30 days', "
-                     "attempts = 3, last_error_class = 'transient'")  # fmt: skip
+        conn.execute(
+            "UPDATE outbox.operations SET created_at = now() - interval '30 days', "
+            "attempts = 3, last_error_class = 'transient'"
+        )
     assert await dispatcher(pool, {"hook": hook}).run_once() == 1
     assert statuses(db_url) == {"succeeded": 1}
     assert receiver.effect_count() == 1
@@ -229,14 +241,18 @@ async def test_poison_rows_are_quarantined_and_the_rest_of_the_batch_goes_on(
         # A row corrupted behind outbox's back: only a superuser can get past the trigger that
         # keeps payloads immutable, by switching triggers off for the transaction.
         conn.execute("SET LOCAL session_replication_role = replica")
-        conn.execute("UPDATE outbox.operations SET payload = '[1, 2]' WHERE id = %s",
-                     (not_an_object,))  # fmt: skip
+        conn.execute(
+            "UPDATE outbox.operations SET payload = '[1, 2]' WHERE id = %s", (not_an_object,)
+        )
         # Past the grace a rolling deploy gets to bring the provider.
         conn.execute("UPDATE outbox.operations SET created_at = now() - interval '1 hour'")
     d = dispatcher(pool, {"hook": hook})
     assert await d.run_once() == 8
-    quarantined = rows(db_url, "SELECT id, status_reason, last_error FROM outbox.operations "
-                               "WHERE status = 'quarantined' ORDER BY id")  # fmt: skip
+    quarantined = rows(
+        db_url,
+        "SELECT id, status_reason, last_error FROM outbox.operations "
+        "WHERE status = 'quarantined' ORDER BY id",
+    )
     assert quarantined == [
         (unknown_provider, "permanent_failure", "no provider named 'nobody' is configured"),
         (not_an_object, "invalid_payload", "the payload is a JSON array, not an object"),
@@ -244,9 +260,11 @@ async def test_poison_rows_are_quarantined_and_the_rest_of_the_batch_goes_on(
     assert statuses(db_url) == {"succeeded": 6, "quarantined": 2}
     assert receiver.effect_count() == len(good)
     # The poison rows' history says they were never sent.
-    assert rows(db_url, "SELECT DISTINCT outcome, sent FROM outbox.attempts "
-                        "WHERE operation_id IN (%s, %s)", (unknown_provider, not_an_object)) == [
-        ("permanent", False)]  # fmt: skip
+    assert rows(
+        db_url,
+        "SELECT DISTINCT outcome, sent FROM outbox.attempts WHERE operation_id IN (%s, %s)",
+        (unknown_provider, not_an_object),
+    ) == [("permanent", False)]
 
 
 async def test_a_dead_workers_lease_is_rescued_as_unknown_and_sent_once(
@@ -266,11 +284,12 @@ async def test_a_dead_workers_lease_is_rescued_as_unknown_and_sent_once(
     assert status == "pending"
     assert first_sent == last_attempt  # the dead worker may have sent: the window starts there
     assert await d.run_once() == 1
-    assert rows(db_url, "SELECT attempt, outcome, worker, error_class FROM outbox.attempts "
-                        "ORDER BY attempt") == [
+    assert rows(
+        db_url, "SELECT attempt, outcome, worker, error_class FROM outbox.attempts ORDER BY attempt"
+    ) == [
         (1, "unknown", "dead-worker", "lease_expired"),
         (2, "succeeded", "test-worker", None),
-    ]  # fmt: skip
+    ]
     assert receiver.effect_count() == 1
     # The dead worker's late record changes nothing.
     from outbox.db.store import Record  # noqa: PLC0415
@@ -296,8 +315,9 @@ async def test_a_slow_live_call_keeps_its_lease_by_heartbeat(
     (op,) = enqueue_many(db_url, 1)
     key = key_of(db_url, op)
     patient = webhook("hook", receiver.url, timeout=30.0)
-    d = dispatcher(pool, {"hook": patient}, lease=timedelta(seconds=1),
-                   heartbeat=timedelta(milliseconds=200))  # fmt: skip
+    d = dispatcher(
+        pool, {"hook": patient}, lease=timedelta(seconds=1), heartbeat=timedelta(milliseconds=200)
+    )
     other = dispatcher(pool, {"hook": patient}, worker="other")
     try:
         with receiver.hold(key) as held:
@@ -322,8 +342,12 @@ async def test_secret_headers_reach_the_receiver_and_no_log_line(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("TEST_HOOK_TOKEN", "Bearer s3cr3t-t0ken")
-    provider = webhook("hook", receiver.url, headers={"X-Source": "outbox"},
-                       secret_headers={"Authorization": {"env": "TEST_HOOK_TOKEN"}})  # fmt: skip
+    provider = webhook(
+        "hook",
+        receiver.url,
+        headers={"X-Source": "outbox"},
+        secret_headers={"Authorization": {"env": "TEST_HOOK_TOKEN"}},
+    )
     enqueue_many(db_url, 2)
     try:
         with structlog.testing.capture_logs() as logs:
@@ -346,9 +370,12 @@ async def test_a_503_may_have_acted_so_it_starts_the_key_window_and_keeps_the_ke
     receiver.inject(WebhookFault.status(503, retry_after=1), key=key)
     d = dispatcher(pool, {"hook": hook})
     assert await d.run_once() == 1
-    ((status, first_sent, delay),) = rows(db_url, "SELECT status, first_sent_at, "
-                                                  "extract(epoch FROM available_at - now()) "
-                                                  "FROM outbox.operations")  # fmt: skip
+    ((status, first_sent, delay),) = rows(
+        db_url,
+        "SELECT status, first_sent_at, "
+        "extract(epoch FROM available_at - now()) "
+        "FROM outbox.operations",
+    )
     assert status == "pending"
     assert first_sent is not None
     assert float(delay) >= 0.5  # Retry-After still paces it
@@ -367,9 +394,10 @@ async def test_a_provider_this_process_does_not_know_yet_is_handed_back_not_quar
 ) -> None:
     enqueue_many(db_url, 1, provider="billing-v2")
     assert await dispatcher(pool, {"hook": hook}).run_once() == 1
-    ((status, attempts, delay),) = rows(db_url, "SELECT status, attempts, "
-                                                "extract(epoch FROM available_at - now()) "
-                                                "FROM outbox.operations")  # fmt: skip
+    ((status, attempts, delay),) = rows(
+        db_url,
+        "SELECT status, attempts, extract(epoch FROM available_at - now()) FROM outbox.operations",
+    )
     assert (status, attempts) == ("pending", 0)
     assert 20 <= float(delay) <= 30
     assert rows(db_url, "SELECT count(*) FROM outbox.attempts") == [(0,)]
@@ -379,9 +407,17 @@ async def test_header_values_that_are_not_plain_ascii_are_encoded_not_lost(
     db_url: str, pool: AsyncConnectionPool[Any], receiver: FakeWebhookReceiver, hook: Provider
 ) -> None:
     with psycopg.connect(db_url) as conn:
-        outbox.enqueue(conn, tenant_id="acme", operation_type="fee", operation_key="k1",
-                       provider="hook", action="gebühr.erstellt", payload={"a": 1},
-                       idempotency_key='key-"quoted"-\\-1', correlation_id="req-ü")  # fmt: skip
+        outbox.enqueue(
+            conn,
+            tenant_id="acme",
+            operation_type="fee",
+            operation_key="k1",
+            provider="hook",
+            action="gebühr.erstellt",
+            payload={"a": 1},
+            idempotency_key='key-"quoted"-\\-1',
+            correlation_id="req-ü",
+        )
     assert await dispatcher(pool, {"hook": hook}).run_once() == 1
     (effect,) = receiver.effects
     assert effect.key == 'key-"quoted"-\\-1'
@@ -408,9 +444,11 @@ class OddProvider:
         if self.mode == "nul":
             return Succeeded("ref\x00-1", {"note": "has \x00 a NUL", "x": float("nan")})
         if self.mode == "wide":  # past what orjson encodes, a NaN, and what is not JSON at all
-            answers: list[dict[str, Any]] = [{"big": [2**70, -(2**64)]},
-                                              {"nan": float("nan"), "ok": "é"},
-                                              {"when": object()}]  # fmt: skip
+            answers: list[dict[str, Any]] = [
+                {"big": [2**70, -(2**64)]},
+                {"nan": float("nan"), "ok": "é"},
+                {"when": object()},
+            ]
             return Succeeded(f"ref-{self.calls}", answers[self.calls - 1])
         try:
             await asyncio.sleep(30)
@@ -441,12 +479,13 @@ async def test_answers_past_the_fast_json_encoder_are_stored_whole(
     provider = OddProvider("wide")
     d = dispatcher(pool, {"odd": provider}, batch_size=1)
     assert [await d.run_once() for _ in range(3)] == [1, 1, 1]
-    assert rows(db_url, "SELECT id, status, provider_ref, result FROM outbox.operations "
-                        "ORDER BY id") == [
+    assert rows(
+        db_url, "SELECT id, status, provider_ref, result FROM outbox.operations ORDER BY id"
+    ) == [
         (first, "succeeded", "ref-1", {"big": [2**70, -(2**64)]}),  # past 64 bits, exact
         (second, "succeeded", "ref-2", {"nan": None, "ok": "é"}),  # NaN as null, the rest kept
         (third, "succeeded", "ref-3", None),  # not JSON: the success is kept, not its body
-    ]  # fmt: skip
+    ]
     assert provider.calls == 3
 
 
@@ -467,9 +506,18 @@ async def test_a_call_that_ignores_cancellation_is_abandoned_at_its_deadline(
 
 
 DESIGN_FIELDS = {
-    "operation_id", "tenant_id", "operation_type", "operation_key", "provider", "action",
-    "attempt", "correlation_id", "outcome", "duration_ms", "error_class",
-}  # fmt: skip
+    "operation_id",
+    "tenant_id",
+    "operation_type",
+    "operation_key",
+    "provider",
+    "action",
+    "attempt",
+    "correlation_id",
+    "outcome",
+    "duration_ms",
+    "error_class",
+}
 
 
 async def test_every_log_line_about_an_operation_carries_the_design_fields(
@@ -478,16 +526,21 @@ async def test_every_log_line_about_an_operation_carries_the_design_fields(
     ids = enqueue_many(db_url, 3, correlation_id="req-1")
     receiver.inject(WebhookFault.status(422), key=key_of(db_url, ids[0]))
     with psycopg.connect(db_url) as conn:  # one past its key window: routed, not sent
-        conn.execute("UPDATE outbox.operations SET attempts = 1, first_sent_at = now() - "
-                     "interval '30 hours' WHERE id = %s", (ids[1],))  # fmt: skip
+        conn.execute(
+            "UPDATE outbox.operations SET attempts = 1, first_sent_at = now() - "
+            "interval '30 hours' WHERE id = %s",
+            (ids[1],),
+        )
     d = dispatcher(pool, {"hook": hook})
     with structlog.testing.capture_logs() as logs:
         assert await d.run_once() == 3
         enqueue_many(db_url, 1, prefix="late")
         await Store(pool).claim("dead-worker", 1, timedelta(seconds=30))
         with psycopg.connect(db_url) as conn:
-            conn.execute("UPDATE outbox.operations SET lease_expires_at = now() - "
-                         "interval '1 second' WHERE status = 'in_flight'")  # fmt: skip
+            conn.execute(
+                "UPDATE outbox.operations SET lease_expires_at = now() - "
+                "interval '1 second' WHERE status = 'in_flight'"
+            )
         assert await d.rescue_once() == 1
     about_operations = [e for e in logs if "operation_id" in e]
     assert {e["event"] for e in about_operations} == {
@@ -497,5 +550,8 @@ async def test_every_log_line_about_an_operation_carries_the_design_fields(
     }
     for event in about_operations:
         assert set(event) >= DESIGN_FIELDS, (event["event"], DESIGN_FIELDS - set(event))
-    assert all(e["correlation_id"] == "req-1" for e in about_operations
-               if e["operation_key"].startswith("op-"))  # fmt: skip
+    assert all(
+        e["correlation_id"] == "req-1"
+        for e in about_operations
+        if e["operation_key"].startswith("op-")
+    )

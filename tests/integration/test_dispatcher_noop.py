@@ -22,12 +22,18 @@ async def test_run_once_dispatches_a_batch_and_records_every_attempt(
     assert await d.run_once() == 10
     assert await d.run_once() == 0
     assert statuses(db_url) == {"succeeded": 30}
-    attempts = rows(db_url, "SELECT count(*), count(DISTINCT operation_id), bool_and(sent), "
-                            "min(outcome), max(attempt) FROM outbox.attempts")  # fmt: skip
+    attempts = rows(
+        db_url,
+        "SELECT count(*), count(DISTINCT operation_id), bool_and(sent), "
+        "min(outcome), max(attempt) FROM outbox.attempts",
+    )
     assert attempts == [(30, 30, True, "succeeded", 1)]
-    refs = rows(db_url, "SELECT count(*) FROM outbox.operations "
-                        "WHERE provider_ref = 'noop_' || id AND lease_token IS NULL "
-                        "AND first_sent_at IS NOT NULL AND finished_at IS NOT NULL")  # fmt: skip
+    refs = rows(
+        db_url,
+        "SELECT count(*) FROM outbox.operations "
+        "WHERE provider_ref = 'noop_' || id AND lease_token IS NULL "
+        "AND first_sent_at IS NOT NULL AND finished_at IS NOT NULL",
+    )
     assert refs == [(30,)]
 
 
@@ -54,8 +60,13 @@ async def test_several_claim_loops_never_lease_more_than_concurrency(
 ) -> None:
     enqueue_many(db_url, 400, provider="slow")
     provider = CountingProvider()
-    d = dispatcher(pool, {"slow": provider}, concurrency=20, batch_size=5,
-                   poll_interval=timedelta(milliseconds=50))  # fmt: skip
+    d = dispatcher(
+        pool,
+        {"slow": provider},
+        concurrency=20,
+        batch_size=5,
+        poll_interval=timedelta(milliseconds=50),
+    )
     assert d.claims.claimers() == 3
     runner = asyncio.create_task(d.run())
     for _ in range(600):

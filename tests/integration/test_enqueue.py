@@ -241,8 +241,11 @@ def test_a_decimal_amount_is_stored_exactly_from_python(conn: psycopg.Connection
     """json.dumps writes a Decimal only by way of a float (or not at all): the producer API
     writes it exactly, so an amount keeps every digit from the application to the provider."""
     amount = Decimal("19.999999999999999999")
-    payload = {"amount": amount, "lines": [{"net": Decimal("0.1")}],
-               7: "an integer key, as json.dumps writes it"}  # fmt: skip
+    payload = {
+        "amount": amount,
+        "lines": [{"net": Decimal("0.1")}],
+        7: "an integer key, as json.dumps writes it",
+    }
     outbox.enqueue(conn, **charge(payload=payload))
     ((text,),) = conn.execute("SELECT payload::text FROM outbox.operations").fetchall()
     assert payloads.decode(text) == {

@@ -32,8 +32,12 @@ from outbox.testing.stripe import DEFAULT_API_KEY, FakeStripe
 from outbox.testing.webhook import FakeWebhookReceiver
 from tests.support.dispatch import dispatcher, rows
 
-PROPERTY = settings(max_examples=60, deadline=None, database=None,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+PROPERTY = settings(
+    max_examples=60,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 
 # Numbers as a payment payload may hold them: every digit significant, a point anywhere, and
 # within the limits outbox.enqueue keeps (less than 1e100 in magnitude).
@@ -54,11 +58,21 @@ values = st.recursive(
 objects = st.dictionaries(texts, values, max_size=5)
 
 
-def request(payload: Any, *, stored: str | None = None, action: str = "invoice.paid",
-            key: str = "ob1_exact") -> SendRequest:  # fmt: skip
-    return SendRequest(operation_id=7, tenant_id="acme", operation_type="t", operation_key=key,
-                       action=action, payload=payload, idempotency_key=key,
-                       correlation_id=None, attempt=1, payload_json=stored)  # fmt: skip
+def request(
+    payload: Any, *, stored: str | None = None, action: str = "invoice.paid", key: str = "ob1_exact"
+) -> SendRequest:
+    return SendRequest(
+        operation_id=7,
+        tenant_id="acme",
+        operation_type="t",
+        operation_key=key,
+        action=action,
+        payload=payload,
+        idempotency_key=key,
+        correlation_id=None,
+        attempt=1,
+        payload_json=stored,
+    )
 
 
 def exact(text: bytes | str) -> Any:
@@ -84,8 +98,12 @@ def webhook(url: str) -> Provider:
 
 
 def stripe(url: str) -> Provider:
-    ps = ProviderSettings("stripe", "stripe", timeout=timedelta(seconds=5),
-                          options={"api_key_env": "K", "api_base": url})  # fmt: skip
+    ps = ProviderSettings(
+        "stripe",
+        "stripe",
+        timeout=timedelta(seconds=5),
+        options={"api_key_env": "K", "api_base": url},
+    )
     return build_providers({"stripe": ps}, {"K": DEFAULT_API_KEY})["stripe"]
 
 
@@ -139,11 +157,15 @@ async def test_the_issues_payload_arrives_through_the_dispatcher_as_enqueued(
 ) -> None:
     text = '{"n": 19.999999999999999999, "amount": 1000, "big": 123456789012345678901234567890}'
     with psycopg.connect(db_url) as conn:
-        conn.execute("SELECT outbox.enqueue(tenant_id => 'acme', operation_type => 'pay', "
-                     "operation_key => 'exact-1', provider => 'hook', action => 'pay', "
-                     "payload => %s::jsonb)", (text,))  # fmt: skip
-        ((stored, key),) = conn.execute("SELECT payload::text, idempotency_key "
-                                        "FROM outbox.operations").fetchall()  # fmt: skip
+        conn.execute(
+            "SELECT outbox.enqueue(tenant_id => 'acme', operation_type => 'pay', "
+            "operation_key => 'exact-1', provider => 'hook', action => 'pay', "
+            "payload => %s::jsonb)",
+            (text,),
+        )
+        ((stored, key),) = conn.execute(
+            "SELECT payload::text, idempotency_key FROM outbox.operations"
+        ).fetchall()
     hook = webhook(receiver.url)
     try:
         assert await dispatcher(pool, {"hook": hook}).run_once() == 1
@@ -152,8 +174,11 @@ async def test_the_issues_payload_arrives_through_the_dispatcher_as_enqueued(
     assert rows(db_url, "SELECT status FROM outbox.operations") == [("succeeded",)]
     (arrived,) = receiver.received_for(key)
     assert arrived.raw == stored.encode()
-    assert arrived.body == {"n": Decimal("19.999999999999999999"), "amount": 1000,
-                            "big": 123456789012345678901234567890}  # fmt: skip
+    assert arrived.body == {
+        "n": Decimal("19.999999999999999999"),
+        "amount": 1000,
+        "big": 123456789012345678901234567890,
+    }
 
 
 # --- Stripe: exact decimal text in the form -------------------------------------------------
@@ -172,8 +197,11 @@ def test_every_number_reaches_stripe_as_its_exact_decimal_text(
     """Wherever it is: top level, in metadata, in a list of objects, in a list in metadata."""
     text = format(number, "f") if isinstance(number, Decimal) else str(number)
     key = f"ob1_{len(fake.received)}"
-    payload = {"x": number, "metadata": {"rate": number, "list": [number]},
-               "items": [{"quantity": number}]}  # fmt: skip
+    payload = {
+        "x": number,
+        "metadata": {"rate": number, "list": [number]},
+        "items": [{"quantity": number}],
+    }
     result = send(stripe(fake.url), request(payload, action="customers.create", key=key))
     assert isinstance(result, Succeeded), result
     (arrived,) = fake.received_for(key)
@@ -200,16 +228,25 @@ def test_a_float_from_a_hand_built_request_goes_as_the_plain_text_of_its_repr(
 
 @pytest.mark.parametrize(
     "number",
-    [Decimal("1E+100"), Decimal("-1E+100"), Decimal("NaN"), Decimal("Infinity"),
-     Decimal("1E-16384"), 10**100, float("inf"), object()],
+    [
+        Decimal("1E+100"),
+        Decimal("-1E+100"),
+        Decimal("NaN"),
+        Decimal("Infinity"),
+        Decimal("1E-16384"),
+        10**100,
+        float("inf"),
+        object(),
+    ],
     ids=["1e100", "-1e100", "nan", "infinity", "tiny", "huge-int", "float-inf", "object"],
-)  # fmt: skip
+)
 def test_a_number_no_stored_payload_can_hold_is_refused_before_anything_is_sent(
     fake: FakeStripe, number: Any
 ) -> None:
     key = f"ob1_{len(fake.received)}"
-    result = send(stripe(fake.url), request({"metadata": {"x": number}},
-                                            action="customers.create", key=key))  # fmt: skip
+    result = send(
+        stripe(fake.url), request({"metadata": {"x": number}}, action="customers.create", key=key)
+    )
     assert isinstance(result, Failed) and result.failure is FailureClass.PERMANENT
     assert result.error_class == "unencodable_request"
     assert fake.received_for(key) == []

@@ -36,9 +36,14 @@ def backlog(url: str, count: int, *, tenant: str, provider: str = "hook") -> Non
 def enqueue_one(url: str, *, tenant: str, key: str, provider: str = "hook") -> int:
     with psycopg.connect(url) as conn:
         return outbox.enqueue(
-            conn, tenant_id=tenant, operation_type="invoice.charge", operation_key=key,
-            provider=provider, action="invoice.paid", payload={"key": key},
-        ).operation_id  # fmt: skip
+            conn,
+            tenant_id=tenant,
+            operation_type="invoice.charge",
+            operation_key=key,
+            provider=provider,
+            action="invoice.paid",
+            payload={"key": key},
+        ).operation_id
 
 
 async def test_a_tenants_single_operation_is_sent_within_two_claims_of_another_tenants_50000(
@@ -91,8 +96,11 @@ async def test_a_provider_capped_at_zero_is_not_claimed_and_a_cap_is_never_excee
     second = await store.claim("w", 100, LEASE, caps={"stripe": 7, "hook": 0})
     assert Counter(row.provider for row in second) == {"stripe": 7}
     assert {row.tenant_id for row in second} == {"acme", "other"}  # the cap, shared fairly
-    leased = rows(db_url, "SELECT provider, count(*) FROM outbox.operations "
-                          "WHERE status = 'in_flight' GROUP BY 1 ORDER BY 1")  # fmt: skip
+    leased = rows(
+        db_url,
+        "SELECT provider, count(*) FROM outbox.operations "
+        "WHERE status = 'in_flight' GROUP BY 1 ORDER BY 1",
+    )
     assert leased == [("hook", 50), ("stripe", 7)]
 
 
@@ -109,12 +117,18 @@ async def test_past_the_groups_one_claim_visits_the_cursor_serves_every_group_in
             "action => 'a', payload => '{}') "
             "FROM generate_series(1, 60) t, generate_series(1, 3) n"
         )
-    d = dispatcher(pool, {"fast": NoopProvider("fast", timedelta(hours=24))}, batch_size=10,
-                   concurrency=10)  # fmt: skip
+    d = dispatcher(
+        pool, {"fast": NoopProvider("fast", timedelta(hours=24))}, batch_size=10, concurrency=10
+    )
     for _ in range(6):
         assert await d.run_once() == 10
-    served = dict(rows(db_url, "SELECT tenant_id, count(*) FROM outbox.operations "
-                               "WHERE status = 'succeeded' GROUP BY 1"))  # fmt: skip
+    served = dict(
+        rows(
+            db_url,
+            "SELECT tenant_id, count(*) FROM outbox.operations "
+            "WHERE status = 'succeeded' GROUP BY 1",
+        )
+    )
     assert len(served) == 60 and set(served.values()) == {1}
     for _ in range(12):
         assert await d.run_once() == 10
@@ -127,8 +141,9 @@ async def test_past_the_groups_one_claim_visits_the_cursor_serves_every_group_in
 def one_group_claim(url: str, limit: int, caps: dict[str, int] | None = None) -> list[int]:
     """statements.CLAIM_ONE_GROUP run directly: the ids it leased, sorted (oldest first)."""
     with psycopg.connect(url) as conn:
-        leased = conn.execute(statements.CLAIM_ONE_GROUP,
-                              claim_params("w", limit, LEASE, caps)).fetchall()  # fmt: skip
+        leased = conn.execute(
+            statements.CLAIM_ONE_GROUP, claim_params("w", limit, LEASE, caps)
+        ).fetchall()
     return sorted(row[0] for row in leased)
 
 
@@ -142,15 +157,20 @@ async def test_one_group_alone_is_claimed_oldest_first_within_the_limit_and_its_
 ) -> None:
     backlog(db_url, 30, tenant="a")
     with psycopg.connect(db_url) as conn:  # the oldest row, but not due yet
-        conn.execute("UPDATE outbox.operations SET available_at = now() + interval '1 hour' "
-                     "WHERE id = (SELECT min(id) FROM outbox.operations)")  # fmt: skip
+        conn.execute(
+            "UPDATE outbox.operations SET available_at = now() + interval '1 hour' "
+            "WHERE id = (SELECT min(id) FROM outbox.operations)"
+        )
     waiting, *due = pending_ids(db_url, "a")
     assert one_group_claim(db_url, 10, {"hook": 0}) == []
     assert one_group_claim(db_url, 10, {"hook": 3}) == due[:3]
     assert one_group_claim(db_url, 10, {"other": 3}) == due[3:13]
     assert pending_ids(db_url, "a") == [waiting, *due[13:]]
-    assert rows(db_url, "SELECT count(*) FROM outbox.operations WHERE status = 'in_flight' "
-                        "AND lease_owner = 'w' AND attempts = 1") == [(13,)]  # fmt: skip
+    assert rows(
+        db_url,
+        "SELECT count(*) FROM outbox.operations WHERE status = 'in_flight' "
+        "AND lease_owner = 'w' AND attempts = 1",
+    ) == [(13,)]
 
 
 async def test_with_a_second_group_the_one_group_claim_takes_nothing_and_the_fair_one_runs(
@@ -166,10 +186,10 @@ async def test_with_a_second_group_the_one_group_claim_takes_nothing_and_the_fai
     assert Counter(row.tenant_id for row in await store.claim("w", 100, LEASE)) == {"a": 100}
     oldest = pending_ids(db_url, "a")[:10]
     assert one_group_claim(db_url, 10) == oldest
-    assert rows(db_url, "SELECT tenant_id, status, count(*) FROM outbox.operations "
-                        "GROUP BY 1, 2 ORDER BY 1, 2") == [
-        ("a", "in_flight", 125), ("a", "pending", 175), ("b", "in_flight", 5)
-    ]  # fmt: skip
+    assert rows(
+        db_url,
+        "SELECT tenant_id, status, count(*) FROM outbox.operations GROUP BY 1, 2 ORDER BY 1, 2",
+    ) == [("a", "in_flight", 125), ("a", "pending", 175), ("b", "in_flight", 5)]
 
 
 async def test_beside_a_capped_group_the_one_group_claim_is_tried_again_only_now_and_then(
@@ -189,6 +209,8 @@ async def test_beside_a_capped_group_the_one_group_claim_is_tried_again_only_now
     assert store._fair_only == 0
     assert len(await store.claim("w", 10, LEASE, capped)) == 10  # tried, took nothing, again
     assert store._fair_only == FAIR_ONLY_CLAIMS
-    leased = rows(db_url, "SELECT provider, count(*) FROM outbox.operations "
-                          "WHERE status = 'in_flight' GROUP BY 1")  # fmt: skip
+    leased = rows(
+        db_url,
+        "SELECT provider, count(*) FROM outbox.operations WHERE status = 'in_flight' GROUP BY 1",
+    )
     assert leased == [("hook", 10 * (FAIR_ONLY_CLAIMS + 2))]

@@ -151,7 +151,10 @@ def test_every_resource_gets_its_prefix_and_echoes_nested_params(
     # Items as Stripe answers them: a list object, each with its price and decimal amounts.
     (item,) = fake.objects("subscriptions")[0]["items"]["data"]
     assert (item["object"], item["price"]["id"], item["plan"]["amount_decimal"]) == (
-        "subscription_item", "price_1", "1000.5")  # fmt: skip
+        "subscription_item",
+        "price_1",
+        "1000.5",
+    )
     assert fake.objects("invoices")[0]["days_until_due"] == 30
     assert fake.object_count() == 7
 
@@ -330,8 +333,11 @@ def test_a_confirmed_create_declined_by_the_issuer_leaves_the_object_and_saves_t
     assert replay.headers is not None and replay.headers.get("Idempotent-Replayed") == "true"
     assert [o["id"] for o in fake.objects("payment_intents")] == [pi.id]
     paid = create(client, "ob_2", {**PARAMS, "confirm": True, "payment_method": "pm_card_visa"})
-    held = create(client, "ob_3", {**PARAMS, "confirm": True, "payment_method": "pm_card_visa",
-                                   "capture_method": "manual"})  # fmt: skip
+    held = create(
+        client,
+        "ob_3",
+        {**PARAMS, "confirm": True, "payment_method": "pm_card_visa", "capture_method": "manual"},
+    )
     unconfirmed = create(client, "ob_4", {**PARAMS, "payment_method": "pm_card_visa"})
     assert [paid.status, held.status, unconfirmed.status, create(client, "ob_5").status] == [
         "succeeded",

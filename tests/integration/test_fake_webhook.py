@@ -346,8 +346,9 @@ def test_refused_connections_then_accepted_on_the_same_port(
 # --- bad answers ----------------------------------------------------------------------------
 
 
-def raw_answer(client: httpx.Client, receiver: FakeWebhookReceiver, key: str,
-               body: Any = BODY) -> tuple[httpx.Response, bytes]:  # fmt: skip
+def raw_answer(
+    client: httpx.Client, receiver: FakeWebhookReceiver, key: str, body: Any = BODY
+) -> tuple[httpx.Response, bytes]:
     """The answer and its body's bytes as they came, whatever its Content-Encoding says."""
     headers = {"Idempotency-Key": f'"{key}"'}
     with client.stream("POST", receiver.url, json=body, headers=headers) as response:
@@ -414,7 +415,7 @@ def test_a_dribbled_answer_comes_a_byte_at_a_time_and_stopping_ends_it() -> None
             httpx.Client(timeout=5.0) as client,
             client.stream(
                 "POST", receiver.url, json=BODY, headers={"Idempotency-Key": '"k1"'}
-            ) as answer,  # fmt: skip
+            ) as answer,
         ):
             pieces = answer.iter_raw()
             first = [next(pieces) for _ in range(3)]

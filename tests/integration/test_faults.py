@@ -60,7 +60,8 @@ async def test_every_dispatcher_connection_carries_the_session_limits(
         cur = await conn.execute(
             "SELECT current_setting('lock_timeout'), current_setting('statement_timeout'), "
             "current_setting('idle_in_transaction_session_timeout'), "
-            "current_setting('jit'), current_setting('plan_cache_mode')")  # fmt: skip
+            "current_setting('jit'), current_setting('plan_cache_mode')"
+        )
         assert await cur.fetchone() == ("2s", "30s", "1min", "off", "force_generic_plan")
 
 

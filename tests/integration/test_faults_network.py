@@ -75,8 +75,9 @@ async def test_a_record_cut_off_at_its_commit_is_stored_once_and_never_sent_twic
         # The provider has applied the effect; the record that follows crosses a broken link.
         proxy.mute(lost)
     if lost == "down":  # the server commits the record; the dispatcher never hears of it
-        await eventually(lambda: attempts_recorded(db_url) == 1, within=10,
-                         what="the record to commit")  # fmt: skip
+        await eventually(
+            lambda: attempts_recorded(db_url) == 1, within=10, what="the record to commit"
+        )
     else:
         await asyncio.sleep(0.5)
         assert attempts_recorded(db_url) == 0
@@ -108,25 +109,30 @@ async def test_a_silent_database_is_noticed_within_a_minute_and_dispatch_resumes
     )
     try:
         enqueue_many(db_url, 3, prefix="before")
-        await eventually(lambda: statuses(db_url) == {"succeeded": 3}, within=15,
-                         what="the first operations")  # fmt: skip
+        await eventually(
+            lambda: statuses(db_url) == {"succeeded": 3}, within=15, what="the first operations"
+        )
         await eventually(lambda: listening == [True], within=15, what="LISTEN")
         # Every relayed connection stays open and is acknowledged by the kernel, so keepalives
         # and tcp_user_timeout see nothing wrong: only our own deadlines can end the wait.
         proxy.deafen()
         enqueue_many(db_url, 3, prefix="during")
-        noticed = await eventually(lambda: not d.database_ok, within=90,
-                                   what="the dispatcher to notice")  # fmt: skip
+        noticed = await eventually(
+            lambda: not d.database_ok, within=90, what="the dispatcher to notice"
+        )
         assert noticed < 60
-        await eventually(lambda: listening[-1:] == [False], within=60,
-                         what="the LISTEN connection's probe to give up")  # fmt: skip
+        await eventually(
+            lambda: listening[-1:] == [False],
+            within=60,
+            what="the LISTEN connection's probe to give up",
+        )
         assert statuses(db_url) == {"succeeded": 3, "pending": 3}
         proxy.heal()
-        await eventually(lambda: statuses(db_url) == {"succeeded": 6}, within=60,
-                         what="dispatch to resume")  # fmt: skip
+        await eventually(
+            lambda: statuses(db_url) == {"succeeded": 6}, within=60, what="dispatch to resume"
+        )
         assert d.database_ok
-        await eventually(lambda: listening[-1:] == [True], within=30,
-                         what="LISTEN to come back")  # fmt: skip
+        await eventually(lambda: listening[-1:] == [True], within=30, what="LISTEN to come back")
     finally:
         listener.cancel()
         d.request_stop()

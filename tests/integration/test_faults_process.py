@@ -24,8 +24,13 @@ def config(
     tmp_path: Path, receiver: FakeWebhookReceiver, timeout: str = "10s", **dispatcher: Any
 ) -> Path:
     hook = {"type": "webhook", "url": receiver.url, "timeout": timeout, "key_retention": "90m"}
-    settings: dict[str, Any] = {"lease": "3s", "poll_interval": "200ms", "backoff_base": "1s",
-                                "backoff_max": "2s", **dispatcher}  # fmt: skip
+    settings: dict[str, Any] = {
+        "lease": "3s",
+        "poll_interval": "200ms",
+        "backoff_base": "1s",
+        "backoff_max": "2s",
+        **dispatcher,
+    }
     return write_config(tmp_path / "outbox.toml", providers={"hook": hook}, **settings)
 
 
@@ -44,21 +49,37 @@ def test_a_transaction_left_open_across_a_send_is_refused_and_the_server_frees_t
     enqueue_many(db_url, 3)
     # The simulated bug, once: a transaction locking the row is left open just before the send,
     # on a connection never given back; the session's idle-in-transaction timeout is 3 s.
-    proc = OutboxProcess(db_url, config(tmp_path, receiver), tmp_path / "run.log",
-                         env={"OUTBOX_FAILPOINTS": "leak_transaction=3"})  # fmt: skip
+    proc = OutboxProcess(
+        db_url,
+        config(tmp_path, receiver),
+        tmp_path / "run.log",
+        env={"OUTBOX_FAILPOINTS": "leak_transaction=3"},
+    )
     try:
-        wait_until(lambda: "ConnectionHeldAcrossSend" in proc.log_text(), timeout=30,
-                   what="the guard to refuse the send")  # fmt: skip
+        wait_until(
+            lambda: "ConnectionHeldAcrossSend" in proc.log_text(),
+            timeout=30,
+            what="the guard to refuse the send",
+        )
         # The other two may still be on their way to being recorded when the guard logs.
-        wait_until(lambda: statuses(db_url) == {"in_flight": 1, "succeeded": 2}, timeout=30,
-                   what="the other two to be recorded")  # fmt: skip
+        wait_until(
+            lambda: statuses(db_url) == {"in_flight": 1, "succeeded": 2},
+            timeout=30,
+            what="the other two to be recorded",
+        )
         ((victim,),) = rows(db_url, "SELECT id FROM outbox.operations WHERE status = 'in_flight'")
         assert row_locked(db_url, victim)
         assert len(receiver.effects) == 2  # the other two; nothing under the open transaction
-        wait_until(lambda: not row_locked(db_url, victim), timeout=15,
-                   what="the server to end the idle transaction")  # fmt: skip
-        wait_until(lambda: statuses(db_url) == {"succeeded": 3}, timeout=30,
-                   what="the rescued row to be sent")  # fmt: skip
+        wait_until(
+            lambda: not row_locked(db_url, victim),
+            timeout=15,
+            what="the server to end the idle transaction",
+        )
+        wait_until(
+            lambda: statuses(db_url) == {"succeeded": 3},
+            timeout=30,
+            what="the rescued row to be sent",
+        )
     finally:
         proc.stop()
     assert receiver.effect_count() == 3
@@ -85,18 +106,25 @@ def test_the_wrong_wall_clock_changes_nothing_because_every_comparison_uses_the_
     # asyncio's timers run on the monotonic clock; only the wall clock is wrong.
     env = {"FAKETIME_DONT_FAKE_MONOTONIC": "1"}
     daemons = [
-        OutboxProcess(db_url, cfg, tmp_path / f"clock{offset}.log", env,
-                      wrapper=[faketime, "-f", offset])
+        OutboxProcess(
+            db_url, cfg, tmp_path / f"clock{offset}.log", env, wrapper=[faketime, "-f", offset]
+        )
         for offset in ("+1h", "-1h")
-    ]  # fmt: skip
+    ]
     try:
         assert slow.arrived.wait(30)
-        wait_until(lambda: statuses(db_url).get("succeeded") == 11, timeout=60,
-                   what="the others to succeed")  # fmt: skip
+        wait_until(
+            lambda: statuses(db_url).get("succeeded") == 11,
+            timeout=60,
+            what="the others to succeed",
+        )
         time.sleep(9)  # well past the 6 s lease: a rescue by the wall clock would resend it
         slow.release()
-        wait_until(lambda: statuses(db_url) == {"succeeded": 12}, timeout=30,
-                   what="the held call to be recorded")  # fmt: skip
+        wait_until(
+            lambda: statuses(db_url) == {"succeeded": 12},
+            timeout=30,
+            what="the held call to be recorded",
+        )
     finally:
         for daemon in daemons:
             daemon.stop()
@@ -104,28 +132,38 @@ def test_the_wrong_wall_clock_changes_nothing_because_every_comparison_uses_the_
         assert abs(_log_clock_offset(tmp_path / f"clock{offset}.log") - sign * 3600) < 300
     assert receiver.effect_count() == 12
     op_of = {key: op for op, key in keys.items()}
-    seen = [(ops.index(op_of[r.key]) if r.key in op_of else r.key, r.status, r.replayed)
-            for r in receiver.received]  # fmt: skip
+    seen = [
+        (ops.index(op_of[r.key]) if r.key in op_of else r.key, r.status, r.replayed)
+        for r in receiver.received
+    ]
     # The 4 retries; no rescue resent the held call.
     assert len(seen) == 12 + 4, f"{sorted(seen, key=str)} {_outcomes(tmp_path)}"
-    assert rows(db_url, "SELECT attempts, count(*) FROM outbox.operations GROUP BY 1 "
-                        "ORDER BY 1") == [(1, 8), (2, 4)]  # fmt: skip
+    assert rows(
+        db_url, "SELECT attempts, count(*) FROM outbox.operations GROUP BY 1 ORDER BY 1"
+    ) == [(1, 8), (2, 4)]
     # Every timestamp the daemons caused was taken from the database clock, not theirs.
-    ((skew,),) = rows(db_url, "SELECT max(abs(extract(epoch FROM started_at - finished_at))) "
-                              "FROM outbox.attempts")  # fmt: skip
+    ((skew,),) = rows(
+        db_url, "SELECT max(abs(extract(epoch FROM started_at - finished_at))) FROM outbox.attempts"
+    )
     assert skew < 60
-    ((off,),) = rows(db_url, "SELECT count(*) FROM outbox.operations WHERE greatest("
-                             "abs(extract(epoch FROM updated_at - now())), "
-                             "abs(extract(epoch FROM first_sent_at - now())), "
-                             "abs(extract(epoch FROM last_attempt_at - now())), "
-                             "abs(extract(epoch FROM available_at - now()))) > 600")  # fmt: skip
+    ((off,),) = rows(
+        db_url,
+        "SELECT count(*) FROM outbox.operations WHERE greatest("
+        "abs(extract(epoch FROM updated_at - now())), "
+        "abs(extract(epoch FROM first_sent_at - now())), "
+        "abs(extract(epoch FROM last_attempt_at - now())), "
+        "abs(extract(epoch FROM available_at - now()))) > 600",
+    )
     assert off == 0
 
 
 def _outcomes(tmp_path: Path) -> list[str]:
     """The daemons' log lines past start-up (attempts, warnings), to explain a failure."""
-    return [line for log in sorted(tmp_path.glob("clock*.log"))
-            for line in log.read_text().splitlines()[3:]]  # fmt: skip
+    return [
+        line
+        for log in sorted(tmp_path.glob("clock*.log"))
+        for line in log.read_text().splitlines()[3:]
+    ]
 
 
 def _log_clock_offset(log: Path) -> float:

@@ -27,8 +27,11 @@ async def test_gauges_match_the_table_after_a_dispatch_run(
     receiver.inject(WebhookFault.status(422), key=key_of(db_url, ids[1]))
     assert await dispatcher(pool, {"hook": hook}, batch_size=8).run_once() == 8
     with psycopg.connect(db_url) as conn:
-        conn.execute("UPDATE outbox.operations SET status = 'reconciling', status_changed_at = "
-                     "now() - interval '2 hours' WHERE id = %s", (ids[2],))  # fmt: skip
+        conn.execute(
+            "UPDATE outbox.operations SET status = 'reconciling', status_changed_at = "
+            "now() - interval '2 hours' WHERE id = %s",
+            (ids[2],),
+        )
         conn.execute(
             "UPDATE outbox.operations SET first_sent_at = now() - interval '22h 30m', "
             "available_at = now() - interval '5 minutes' WHERE id = %s",
@@ -51,8 +54,7 @@ async def test_a_row_due_at_minus_infinity_planted_behind_enqueues_back_breaks_n
     gauges (before: "cannot subtract infinite timestamps" on every refresh)."""
     (op,) = enqueue_many(db_url, 1)
     with psycopg.connect(db_url) as conn:
-        conn.execute("UPDATE outbox.operations SET available_at = '-infinity' WHERE id = %s",
-                     (op,))  # fmt: skip
+        conn.execute("UPDATE outbox.operations SET available_at = '-infinity' WHERE id = %s", (op,))
     await gauges.refresh(pool, {"hook": timedelta(hours=23)})
     assert gauge("pending") == 1
     # Bounded below at a century: the alert fires, the arithmetic does not overflow.
@@ -71,9 +73,12 @@ async def test_the_oldest_due_age_is_kept_per_provider_and_unconfigured_ones_sha
         if seconds:
             enqueue_many(db_url, 3, provider=provider, prefix=provider)
             with psycopg.connect(db_url) as conn:
-                conn.execute("UPDATE outbox.operations SET available_at = now() - "
-                             "make_interval(secs => %s) WHERE provider = %s AND operation_key "
-                             "LIKE '%%-0'", (seconds, provider))  # fmt: skip
+                conn.execute(
+                    "UPDATE outbox.operations SET available_at = now() - "
+                    "make_interval(secs => %s) WHERE provider = %s AND operation_key "
+                    "LIKE '%%-0'",
+                    (seconds, provider),
+                )
     enqueue_many(db_url, 2, provider="later", prefix="s", available_at=None)
     await gauges.refresh(pool, {"hook": timedelta(hours=23), "stripe": timedelta(hours=23)})
 
@@ -84,6 +89,9 @@ async def test_the_oldest_due_age_is_kept_per_provider_and_unconfigured_ones_sha
     assert age("stripe") == 0  # configured, nothing due: present at 0
     assert 895 <= age("_unconfigured") <= 1000  # the older of typo-1 and typo-2
     assert 895 <= metrics.OLDEST_PENDING_AGE._value.get() <= 1000  # the overall: the max
-    labelled = {s.labels["provider"] for m in metrics.PROVIDER_OLDEST_PENDING_AGE.collect()
-                for s in m.samples}  # fmt: skip
+    labelled = {
+        s.labels["provider"]
+        for m in metrics.PROVIDER_OLDEST_PENDING_AGE.collect()
+        for s in m.samples
+    }
     assert not labelled & {"typo-1", "typo-2", "later"}

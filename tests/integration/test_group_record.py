@@ -36,9 +36,16 @@ class GatedStore(Store):
 
 
 def succeeded(row: Claimed) -> Record:
-    return Record(id=row.id, lease_token=row.lease_token, attempt=row.attempts, worker="w",
-                  status=Status.SUCCEEDED, outcome="succeeded", sent=True,
-                  provider_ref=f"ref-{row.id}")  # fmt: skip
+    return Record(
+        id=row.id,
+        lease_token=row.lease_token,
+        attempt=row.attempts,
+        worker="w",
+        status=Status.SUCCEEDED,
+        outcome="succeeded",
+        sent=True,
+        provider_ref=f"ref-{row.id}",
+    )
 
 
 async def test_a_record_queued_as_both_writers_finish_is_still_written(

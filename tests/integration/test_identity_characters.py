@@ -36,11 +36,25 @@ UNSAFE_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp"})
 NEWER_FORMAT = range(0x13439, 0x13440)
 LAST_CODE_POINT = 0x10FFFF
 SURROGATES = range(0xD800, 0xE000)
-FIELDS = ("tenant_id", "operation_type", "operation_key", "provider", "action",
-          "correlation_id", "ordering_key")  # fmt: skip
+FIELDS = (
+    "tenant_id",
+    "operation_type",
+    "operation_key",
+    "provider",
+    "action",
+    "correlation_id",
+    "ordering_key",
+)
 # A field's longest value (check_text's max_length).
-LONGEST = {"tenant_id": 128, "operation_type": 128, "operation_key": 255, "provider": 64,
-           "action": 128, "correlation_id": 255, "ordering_key": 255}  # fmt: skip
+LONGEST = {
+    "tenant_id": 128,
+    "operation_type": 128,
+    "operation_key": 255,
+    "provider": 64,
+    "action": 128,
+    "correlation_id": 255,
+    "ordering_key": 255,
+}
 
 
 def code_points() -> Iterator[int]:
@@ -62,8 +76,16 @@ def test_pythons_class_is_what_safe_text_escapes() -> None:
     escaped = {c for c in code_points() if printable(chr(c)) != chr(c)}
     assert escaped == {c for c in REFUSED if unicodedata.category(chr(c)) in UNSAFE_CATEGORIES}
     # The issue's own examples are in it.
-    for c in (0x061C, *range(0x200B, 0x2010), 0x2028, 0x2029, *range(0x202A, 0x202F),
-              *range(0x2060, 0x2065), *range(0x2066, 0x206A), 0xFEFF):  # fmt: skip
+    for c in (
+        0x061C,
+        *range(0x200B, 0x2010),
+        0x2028,
+        0x2029,
+        *range(0x202A, 0x202F),
+        *range(0x2060, 0x2065),
+        *range(0x2066, 0x206A),
+        0xFEFF,
+    ):
         assert c in REFUSED, hex(c)
     for c in NEWER_FORMAT:
         assert unicodedata.category(chr(c)) in ("Cn", "Cf"), hex(c)
@@ -72,17 +94,27 @@ def test_pythons_class_is_what_safe_text_escapes() -> None:
 def test_the_sql_class_is_pythons_at_every_code_point(conn: psycopg.Connection[Any]) -> None:
     """The pattern check_text and enqueue's usual path match is one and the same, and it
     matches exactly Python's class, at each of the 1,112,063 code points."""
-    sources = dict(rows_of(conn, "SELECT p.proname, p.prosrc FROM pg_proc p "
-                                 "WHERE p.pronamespace = 'outbox'::regnamespace "
-                                 "AND p.proname IN ('check_text', 'enqueue')"))  # fmt: skip
+    sources = dict(
+        rows_of(
+            conn,
+            "SELECT p.proname, p.prosrc FROM pg_proc p "
+            "WHERE p.pronamespace = 'outbox'::regnamespace "
+            "AND p.proname IN ('check_text', 'enqueue')",
+        )
+    )
     found = {name: set(re.findall(r"'(\[\\u0001[^']*\])'", src)) for name, src in sources.items()}
     assert len(found["check_text"]) == 1
     assert found["enqueue"] == found["check_text"]
     (pattern,) = found["check_text"]
-    matched = {c for (c,) in rows_of(
-        conn, "SELECT c FROM generate_series(1, %s) c "
-              "WHERE c NOT BETWEEN 55296 AND 57343 AND chr(c) ~ %s",
-        (LAST_CODE_POINT, pattern))}  # fmt: skip
+    matched = {
+        c
+        for (c,) in rows_of(
+            conn,
+            "SELECT c FROM generate_series(1, %s) c "
+            "WHERE c NOT BETWEEN 55296 AND 57343 AND chr(c) ~ %s",
+            (LAST_CODE_POINT, pattern),
+        )
+    }
     assert sorted(matched - set(REFUSED)) == []
     assert sorted(set(REFUSED) - matched) == []
 
@@ -93,13 +125,18 @@ def test_enqueue_accepts_every_other_code_point(conn: psycopg.Connection[Any]) -
     unassigned, spaces inside a value."""
     accepted = [chr(c) for c in code_points() if not refused(c)]
     keys = ["".join(accepted[i : i + 255]) for i in range(0, len(accepted), 255)]
-    ((stored,),) = rows_of(conn, "SELECT count(*) FROM unnest(%s::text[]) k, LATERAL "
-                                 "outbox.enqueue('acme', 'every.character', k, 'hook', "
-                                 "'invoice.paid', '{}')", (keys,))  # fmt: skip
+    ((stored,),) = rows_of(
+        conn,
+        "SELECT count(*) FROM unnest(%s::text[]) k, LATERAL "
+        "outbox.enqueue('acme', 'every.character', k, 'hook', "
+        "'invoice.paid', '{}')",
+        (keys,),
+    )
     assert stored == len(keys)
     conn.commit()
-    assert rows_of(conn, "SELECT count(*) FROM outbox.operations "
-                         "WHERE operation_key = ANY(%s)", (keys,)) == [(len(keys),)]  # fmt: skip
+    assert rows_of(
+        conn, "SELECT count(*) FROM outbox.operations WHERE operation_key = ANY(%s)", (keys,)
+    ) == [(len(keys),)]
 
 
 def test_check_text_refuses_each_one_naming_the_character(conn: psycopg.Connection[Any]) -> None:
@@ -117,7 +154,7 @@ def test_check_text_refuses_each_one_naming_the_character(conn: psycopg.Connecti
 @pytest.mark.parametrize("field", FIELDS)
 def test_sql_enqueue_refuses_every_such_character_in_each_field(
     conn: psycopg.Connection[Any], db_url: str, field: str
-) -> None:  # fmt: skip
+) -> None:
     for code in REFUSED:
         args = sql_args(charge(**{field: f"x{chr(code)}y"}))
         names = ", ".join(f"{name} => %({name})s" for name in args)
@@ -131,7 +168,7 @@ def test_sql_enqueue_refuses_every_such_character_in_each_field(
 @pytest.mark.parametrize("field", FIELDS)
 def test_python_enqueue_refuses_every_such_character_in_each_field(
     conn: psycopg.Connection[Any], db_url: str, field: str
-) -> None:  # fmt: skip
+) -> None:
     for code in REFUSED:
         with pytest.raises(InvalidOperation) as caught, conn.transaction():
             outbox.enqueue(conn, **charge(**{field: chr(code)}))
@@ -145,15 +182,28 @@ def test_the_error_names_the_first_field_that_holds_one(conn: psycopg.Connection
     """The usual path tests all seven fields with one match; the error still names the first
     field, in check_text's order, that holds such a character, every field at its longest."""
     for i, bad in enumerate(FIELDS):
-        values = {f: "v" * (LONGEST[f] - 1) + ("\u2066" if j >= i else "v")
-                  for j, f in enumerate(FIELDS)}  # fmt: skip
+        values = {
+            f: "v" * (LONGEST[f] - 1) + ("\u2066" if j >= i else "v") for j, f in enumerate(FIELDS)
+        }
         with pytest.raises(InvalidOperation) as caught, conn.transaction():
             outbox.enqueue(conn, **charge(**values))
         assert caught.value.field == bad
 
 
-ORDINARY = ["é", "日本", "😀", "Ελληνικά", "עברית", "العربية", "Ünïcödé ünd spåces", "👍🏽", "🇫🇷",
-            "ﬁ", "\u0301e", "\ue000"]  # fmt: skip
+ORDINARY = [
+    "é",
+    "日本",
+    "😀",
+    "Ελληνικά",
+    "עברית",
+    "العربية",
+    "Ünïcödé ünd spåces",
+    "👍🏽",
+    "🇫🇷",
+    "ﬁ",
+    "\u0301e",
+    "\ue000",
+]
 
 
 @pytest.mark.parametrize("value", ORDINARY)
@@ -163,21 +213,32 @@ def test_ordinary_non_ascii_is_accepted_in_every_field_as_it_is(
     values = {f: f"{value}-{f}" for f in FIELDS}
     result = outbox.enqueue(conn, **charge(**values))
     assert result.outcome is outbox.EnqueueOutcome.ACCEPTED
-    stored = rows_of(conn, f"SELECT {', '.join(FIELDS)} FROM outbox.operations "  # noqa: S608
-                           "WHERE id = %s", (result.operation_id,))  # fmt: skip
+    stored = rows_of(
+        conn,
+        f"SELECT {', '.join(FIELDS)} FROM outbox.operations "  # noqa: S608
+        "WHERE id = %s",
+        (result.operation_id,),
+    )
     assert stored == [tuple(values[f] for f in FIELDS)]
 
 
 async def test_the_rows_behind_a_refused_identity_are_enqueued_and_delivered(
     db_url: str, pool: AsyncConnectionPool[Any], receiver: FakeWebhookReceiver, hook: Provider
-) -> None:  # fmt: skip
+) -> None:
     """A producer's batch where one identity is refused: the others commit, the refused one
     leaves no row and no turn of its ordering key behind, and every accepted one is sent."""
 
     def enqueue(conn: psycopg.Connection[Any], i: int, key: str) -> None:
-        outbox.enqueue(conn, tenant_id="acme", operation_type="invoice.charge",
-                       operation_key=key, provider="hook", action="invoice.paid",
-                       payload={"n": i}, ordering_key="customer-7")  # fmt: skip
+        outbox.enqueue(
+            conn,
+            tenant_id="acme",
+            operation_type="invoice.charge",
+            operation_key=key,
+            provider="hook",
+            action="invoice.paid",
+            payload={"n": i},
+            ordering_key="customer-7",
+        )
 
     with psycopg.connect(db_url) as conn:
         for i in range(6):
@@ -199,8 +260,10 @@ async def test_the_rows_behind_a_refused_identity_are_enqueued_and_delivered(
 
 def test_set_ordering_mode_refuses_them_too(conn: psycopg.Connection[Any]) -> None:
     """check_text is set_ordering_mode's check as well (sql/0025)."""
-    for column, args in (("operation_type", ("invoice\u200b.charge", "skip", "me")),
-                         ("actor", ("invoice.charge", "skip", "me\u2028root"))):  # fmt: skip
+    for column, args in (
+        ("operation_type", ("invoice\u200b.charge", "skip", "me")),
+        ("actor", ("invoice.charge", "skip", "me\u2028root")),
+    ):
         error = sql_error(conn, "SELECT outbox.set_ordering_mode(%s, %s, %s)", args)
         assert (error.sqlstate, error.diag.column_name) == ("OB002", column)
 

@@ -21,11 +21,24 @@ from outbox.db import migrations
 from tests.support.dispatch import rows
 
 
-def enqueue(conn: psycopg.Connection[Any], tenant: str, key: str, *,
-            idempotency_key: str | None = None, provider: str = "hook") -> Any:  # fmt: skip
-    return outbox.enqueue(conn, tenant_id=tenant, operation_type="order.ship",
-                          operation_key=key, provider=provider, action="ship",
-                          payload={"order": key}, idempotency_key=idempotency_key)  # fmt: skip
+def enqueue(
+    conn: psycopg.Connection[Any],
+    tenant: str,
+    key: str,
+    *,
+    idempotency_key: str | None = None,
+    provider: str = "hook",
+) -> Any:
+    return outbox.enqueue(
+        conn,
+        tenant_id=tenant,
+        operation_type="order.ship",
+        operation_key=key,
+        provider=provider,
+        action="ship",
+        payload={"order": key},
+        idempotency_key=idempotency_key,
+    )
 
 
 def derived_key(tenant: str, operation_type: str, key: str) -> str:
@@ -45,7 +58,8 @@ def test_nobody_can_occupy_another_tenants_derived_key_in_advance(db_url: str) -
         conn.commit()
     assert result.outcome == "accepted"
     assert rows(db_url, "SELECT tenant_id, idempotency_key FROM outbox.operations") == [
-        ("zz-victim", victim)]  # derived as the test computed it: the attack was real  # fmt: skip
+        ("zz-victim", victim)
+    ]  # derived as the test computed it: the attack was real
 
 
 @pytest.mark.parametrize("key", ["order-1:r2", "x:r10", "ob1_anything"])
@@ -66,8 +80,9 @@ def test_two_tenants_with_one_caller_key_are_told_at_enqueue(db_url: str) -> Non
             enqueue(conn, "tenant-a", "ord-2", idempotency_key="order-1")
         conn.rollback()
         again = enqueue(conn, "tenant-a", "ord-1", idempotency_key="order-1")  # idempotent
-        elsewhere = enqueue(conn, "tenant-b", "ord-1", idempotency_key="order-1",
-                            provider="other")  # another provider: another namespace  # fmt: skip
+        elsewhere = enqueue(
+            conn, "tenant-b", "ord-1", idempotency_key="order-1", provider="other"
+        )  # another provider: another namespace
         conn.commit()
     for refused in (other_tenant.value, same_tenant.value):
         assert refused.field == "idempotency_key"
@@ -78,7 +93,9 @@ def test_two_tenants_with_one_caller_key_are_told_at_enqueue(db_url: str) -> Non
     assert (again.outcome, again.operation_id) == ("duplicate", first.operation_id)
     assert elsewhere.outcome == "accepted"
     assert rows(db_url, "SELECT tenant_id, provider FROM outbox.operations ORDER BY id") == [
-        ("tenant-a", "hook"), ("tenant-b", "other")]  # fmt: skip
+        ("tenant-a", "hook"),
+        ("tenant-b", "other"),
+    ]
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -112,8 +129,9 @@ def test_randomized_producers_never_share_a_providers_key(db_url: str, seed: int
                 assert (provider, sent) not in taken, (seed, provider, sent)
                 taken[(provider, sent)] = (tenant, key)
                 providers[(tenant, key)] = provider
-    keys = rows(db_url, "SELECT provider, idempotency_key, tenant_id, operation_key "
-                        "FROM outbox.operations")  # fmt: skip
+    keys = rows(
+        db_url, "SELECT provider, idempotency_key, tenant_id, operation_key FROM outbox.operations"
+    )
     assert len(keys) == len({(p, k) for p, k, _, _ in keys}) == counts["accepted"]
     assert {(p, k): (t, o) for p, k, t, o in keys} == taken
     assert counts["conflict"] > 0 and counts["duplicate"] > 0  # both paths were walked
@@ -130,7 +148,8 @@ def test_operations_that_already_share_a_key_are_kept_and_the_oldest_holds_it(
         for tenant in ("a", "b"):
             enqueue(conn, tenant, "ord-1", idempotency_key="order-1")
         migrations.migrate(conn, migrations=todo)
-    assert rows(empty_db_url, "SELECT tenant_id, key_shared FROM outbox.operations "
-                              "ORDER BY id") == [("a", False), ("b", True)]  # fmt: skip
+    assert rows(
+        empty_db_url, "SELECT tenant_id, key_shared FROM outbox.operations ORDER BY id"
+    ) == [("a", False), ("b", True)]
     with psycopg.connect(empty_db_url) as conn, pytest.raises(outbox.OperationConflict):
         enqueue(conn, "c", "ord-1", idempotency_key="order-1")

@@ -65,13 +65,16 @@ def snapshot(db_url: str) -> tuple[list[Any], ...]:
 def only(db_url: str, ids: set[int]) -> tuple[list[Any], ...]:
     """The snapshot restricted to the operations ``ids``."""
     ops, attempts, audit = snapshot(db_url)
-    return ([r for r in ops if r[0]["id"] in ids],
-            [r for r in attempts if r[0]["operation_id"] in ids],
-            [r for r in audit if r[0]["operation_id"] in ids])  # fmt: skip
+    return (
+        [r for r in ops if r[0]["id"] in ids],
+        [r for r in attempts if r[0]["operation_id"] in ids],
+        [r for r in audit if r[0]["operation_id"] in ids],
+    )
 
 
-async def taken_over(db_url: str, pool: AsyncConnectionPool[Any], lost: int,
-                     kept: int = 0) -> Fenced:  # fmt: skip
+async def taken_over(
+    db_url: str, pool: AsyncConnectionPool[Any], lost: int, kept: int = 0
+) -> Fenced:
     """``lost + kept`` operations the zombie claims; the first ``lost`` of them its lease
     expires on, the rescuer takes back and the holder claims again, in flight under its own
     lease when the zombie wakes."""
@@ -80,8 +83,11 @@ async def taken_over(db_url: str, pool: AsyncConnectionPool[Any], lost: int,
     claims = sorted(await store.claim(ZOMBIE, lost + kept, timedelta(minutes=5)))
     gone, still = claims[:lost], claims[lost:]
     with psycopg.connect(db_url) as conn:
-        conn.execute("UPDATE outbox.operations SET lease_expires_at = now() - interval '1 s' "
-                     "WHERE id = ANY(%s)", ([c.id for c in gone],))  # fmt: skip
+        conn.execute(
+            "UPDATE outbox.operations SET lease_expires_at = now() - interval '1 s' "
+            "WHERE id = ANY(%s)",
+            ([c.id for c in gone],),
+        )
     assert len(await store.rescue(limit=1000, max_attempts=10)) == lost
     holders = sorted(await store.claim(HOLDER, lost, timedelta(minutes=5)))
     assert [h.id for h in holders] == [c.id for c in gone]
@@ -91,18 +97,35 @@ async def taken_over(db_url: str, pool: AsyncConnectionPool[Any], lost: int,
 
 def outcome_of(rng: random.Random, claim: Claimed) -> Record:
     """Any outcome a worker could record for ``claim``: each next status the policy can pick."""
-    base: dict[str, Any] = {"id": claim.id, "lease_token": claim.lease_token,
-                            "attempt": claim.attempts, "worker": ZOMBIE}  # fmt: skip
+    base: dict[str, Any] = {
+        "id": claim.id,
+        "lease_token": claim.lease_token,
+        "attempt": claim.attempts,
+        "worker": ZOMBIE,
+    }
     kind = rng.choice(["succeeded", "retry", "retry_now", "quarantined", "reconciling"])
     if kind == "succeeded":
-        return Record(status=Status.SUCCEEDED, outcome="succeeded", sent=True,
-                      provider_ref=f"zombie-{claim.id}", result={"by": ZOMBIE},
-                      http_status=200, **base)  # fmt: skip
+        return Record(
+            status=Status.SUCCEEDED,
+            outcome="succeeded",
+            sent=True,
+            provider_ref=f"zombie-{claim.id}",
+            result={"by": ZOMBIE},
+            http_status=200,
+            **base,
+        )
     if kind in ("retry", "retry_now"):
         delay = timedelta(seconds=rng.choice([1, 60])) if kind == "retry" else None
-        return Record(status=Status.PENDING, outcome="transient", sent=rng.random() < 0.5,
-                      retry_in=delay, error="503 from the zombie's call", error_class="http_503",
-                      http_status=503, **base)  # fmt: skip
+        return Record(
+            status=Status.PENDING,
+            outcome="transient",
+            sent=rng.random() < 0.5,
+            retry_in=delay,
+            error="503 from the zombie's call",
+            error_class="http_503",
+            http_status=503,
+            **base,
+        )
     if kind == "quarantined":
         return Record(
             status=Status.QUARANTINED,
@@ -142,15 +165,24 @@ async def test_a_zombies_grouped_records_change_only_the_rows_it_still_holds(
         c.id for c in fenced.kept
     }
     assert only(db_url, lost_ids) == before
-    assert rows(db_url, "SELECT count(*) FROM outbox.operations WHERE id = ANY(%s) "
-                        "AND status = 'in_flight' AND lease_owner = %s",
-                ([*lost_ids], HOLDER)) == [(lost,)]  # fmt: skip
+    assert rows(
+        db_url,
+        "SELECT count(*) FROM outbox.operations WHERE id = ANY(%s) "
+        "AND status = 'in_flight' AND lease_owner = %s",
+        ([*lost_ids], HOLDER),
+    ) == [(lost,)]
     # The controls: each row the zombie still held has its record and one attempt row more.
     kept = [c.id for c in fenced.kept]
-    assert rows(db_url, "SELECT count(*) FROM outbox.attempts WHERE operation_id = ANY(%s) "
-                        "AND worker = %s", (kept, ZOMBIE)) == [(len(kept),)]  # fmt: skip
-    assert rows(db_url, "SELECT count(*) FROM outbox.operations WHERE id = ANY(%s) "
-                        "AND status <> 'in_flight'", (kept,)) == [(len(kept),)]  # fmt: skip
+    assert rows(
+        db_url,
+        "SELECT count(*) FROM outbox.attempts WHERE operation_id = ANY(%s) AND worker = %s",
+        (kept, ZOMBIE),
+    ) == [(len(kept),)]
+    assert rows(
+        db_url,
+        "SELECT count(*) FROM outbox.operations WHERE id = ANY(%s) AND status <> 'in_flight'",
+        (kept,),
+    ) == [(len(kept),)]
 
 
 async def test_a_zombies_single_record_changes_nothing(
@@ -194,17 +226,21 @@ async def test_a_zombies_heartbeat_renews_no_lease_it_lost(
     ],
 )
 async def test_a_zombies_release_changes_nothing(
-    db_url: str, pool: AsyncConnectionPool[Any], status: Status, reason: str | None,
+    db_url: str,
+    pool: AsyncConnectionPool[Any],
+    status: Status,
+    reason: str | None,
     delay: timedelta | None,
-) -> None:  # fmt: skip
+) -> None:
     fenced = await taken_over(db_url, pool, lost=1, kept=1)
     before = only(db_url, {fenced.lost[0].id})
     store = Store(pool)
     assert await store.unclaim(fenced.lost[0], status, reason, delay) is False
     assert only(db_url, {fenced.lost[0].id}) == before
     assert await store.unclaim(fenced.kept[0], status, reason, delay) is True
-    assert rows(db_url, "SELECT status, attempts FROM outbox.operations WHERE id = %s",
-                (fenced.kept[0].id,)) == [(status.value, 0)]  # fmt: skip
+    assert rows(
+        db_url, "SELECT status, attempts FROM outbox.operations WHERE id = %s", (fenced.kept[0].id,)
+    ) == [(status.value, 0)]
 
 
 async def test_the_rescuer_takes_no_lease_that_is_still_live(
@@ -216,8 +252,10 @@ async def test_the_rescuer_takes_no_lease_that_is_still_live(
     assert snapshot(db_url) == before
     # Not even a lease that ends within the second: only an expired one.
     with psycopg.connect(db_url) as conn:
-        conn.execute("UPDATE outbox.operations SET lease_expires_at = now() + interval '1 s' "
-                     "WHERE id = %s", (fenced.holders[0].id,))  # fmt: skip
+        conn.execute(
+            "UPDATE outbox.operations SET lease_expires_at = now() + interval '1 s' WHERE id = %s",
+            (fenced.holders[0].id,),
+        )
     assert await Store(pool).rescue(limit=1000, max_attempts=10) == []
 
 
@@ -264,9 +302,17 @@ async def test_operator_actions_leave_a_row_in_flight_to_its_holder(
     assert await Store(pool).record(outcome_of(random.Random(2), fenced.lost[0])) is False
     assert snapshot(db_url) == noted
     holder = fenced.holders[0]
-    failed = Record(id=op, lease_token=holder.lease_token, attempt=holder.attempts, worker=HOLDER,
-                    status=Status.PENDING, outcome="transient", sent=False,
-                    retry_in=timedelta(seconds=1), error="503")  # fmt: skip
+    failed = Record(
+        id=op,
+        lease_token=holder.lease_token,
+        attempt=holder.attempts,
+        worker=HOLDER,
+        status=Status.PENDING,
+        outcome="transient",
+        sent=False,
+        retry_in=timedelta(seconds=1),
+        error="503",
+    )
     assert await Store(pool).record(failed) is True
     # Cancelled, but the zombie's attempt may have reached the provider: a person checks first.
     assert rows(db_url, "SELECT status, status_reason FROM outbox.operations") == [
@@ -318,9 +364,17 @@ async def stripe(fake: FakeStripe) -> AsyncIterator[Provider]:
 
 def reconciling(claim: Claimed, worker: str) -> Record:
     """An attempt whose outcome is unknown, past its key window: to reconciliation."""
-    return Record(id=claim.id, lease_token=claim.lease_token, attempt=claim.attempts,
-                  worker=worker, status=Status.RECONCILING, outcome="unknown", sent=True,
-                  reason="key_window_passed", error="timeout")  # fmt: skip
+    return Record(
+        id=claim.id,
+        lease_token=claim.lease_token,
+        attempt=claim.attempts,
+        worker=worker,
+        status=Status.RECONCILING,
+        outcome="unknown",
+        sent=True,
+        reason="key_window_passed",
+        error="timeout",
+    )
 
 
 async def failed_look(fake: FakeStripe, reconciler: Reconciler, check: dict[str, Any]) -> str:
@@ -356,8 +410,9 @@ async def test_a_reconcilers_late_finding_and_deferral_change_nothing(
     # The controls: a check of the episode the operation is in is deferred, then recorded.
     (current,) = await reconciler.candidates(op)
     assert await failed_look(fake, reconciler, current) == "error"
-    assert rows(db_url, "SELECT checked_at IS NOT NULL, check_finding "
-                        "FROM outbox.operations") == [(True, None)]  # fmt: skip
+    assert rows(db_url, "SELECT checked_at IS NOT NULL, check_finding FROM outbox.operations") == [
+        (True, None)
+    ]
     assert (await reconciler.check(current)).finding == "not_found"
     assert rows(db_url, "SELECT check_finding, key_generation FROM outbox.operations") == [
         ("not_found", 2)

@@ -23,8 +23,13 @@ NAME = "labels-noop"
 
 
 def label_sets(metric: str) -> list[dict[str, str]]:
-    return [dict(sample.labels) for family in REGISTRY.collect() if family.name == metric
-            for sample in family.samples if sample.name == f"{metric}_total"]  # fmt: skip
+    return [
+        dict(sample.labels)
+        for family in REGISTRY.collect()
+        if family.name == metric
+        for sample in family.samples
+        if sample.name == f"{metric}_total"
+    ]
 
 
 async def test_3000_made_up_actions_and_300_made_up_providers_add_a_bounded_number_of_series(
@@ -44,8 +49,9 @@ async def test_3000_made_up_actions_and_300_made_up_providers_add_a_bounded_numb
         )
         # Past the grace a rolling deploy gets to bring a provider: quarantined at once.
         conn.execute("UPDATE outbox.operations SET created_at = now() - interval '1 hour'")
-    d = dispatcher(pool, {NAME: NoopProvider(NAME, timedelta(hours=24))}, batch_size=1000,
-                   concurrency=1000)  # fmt: skip
+    d = dispatcher(
+        pool, {NAME: NoopProvider(NAME, timedelta(hours=24))}, batch_size=1000, concurrency=1000
+    )
     while await d.run_once():
         pass
     assert statuses(db_url) == {"succeeded": 3000, "quarantined": 300}

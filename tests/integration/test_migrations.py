@@ -202,6 +202,9 @@ def test_0019_mends_rows_written_before_enqueue_refused_them(empty_db_url: str) 
         }
         for key in got:  # Python reads every row back
             assert outbox.get_operation(conn, "t", "x", key) is not None
-        row = conn.cursor(row_factory=dict_row).execute(
-            statements.GAUGES, {"exact_limit": 100_000, "providers": []}).fetchone()  # fmt: skip
+        row = (
+            conn.cursor(row_factory=dict_row)
+            .execute(statements.GAUGES, {"exact_limit": 100_000, "providers": []})
+            .fetchone()
+        )
         assert row is not None and row["pending"] == 3

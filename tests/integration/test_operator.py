@@ -17,8 +17,9 @@ from tests.support.cli import outbox_cli
 from tests.support.dispatch import dispatcher, enqueue_many, key_of, make_due, rows
 
 
-async def quarantined_operation(db_url: str, pool: AsyncConnectionPool[Any],
-                                receiver: FakeWebhookReceiver, hook: Provider) -> int:  # fmt: skip
+async def quarantined_operation(
+    db_url: str, pool: AsyncConnectionPool[Any], receiver: FakeWebhookReceiver, hook: Provider
+) -> int:
     (op,) = enqueue_many(db_url, 1)
     receiver.inject(WebhookFault.status(422), key=key_of(db_url, op))
     assert await dispatcher(pool, {"hook": hook}).run_once() == 1
@@ -28,16 +29,19 @@ async def quarantined_operation(db_url: str, pool: AsyncConnectionPool[Any],
 
 def set_reconciling(db_url: str, op: int, *, first_sent_ago: timedelta) -> None:
     with psycopg.connect(db_url) as conn:
-        conn.execute("UPDATE outbox.operations SET status = 'reconciling', "
-                     "status_reason = 'key_window_passed', attempts = 1, "
-                     "last_attempt_at = now() - %s, first_sent_at = now() - %s, "
-                     "last_error_class = 'unknown' WHERE id = %s",
-                     (first_sent_ago, first_sent_ago, op))  # fmt: skip
+        conn.execute(
+            "UPDATE outbox.operations SET status = 'reconciling', "
+            "status_reason = 'key_window_passed', attempts = 1, "
+            "last_attempt_at = now() - %s, first_sent_at = now() - %s, "
+            "last_error_class = 'unknown' WHERE id = %s",
+            (first_sent_ago, first_sent_ago, op),
+        )
 
 
 def audit(db_url: str) -> list[tuple[Any, ...]]:
-    return rows(db_url, "SELECT actor, action, reason, from_status, to_status FROM outbox.audit "
-                        "ORDER BY id")  # fmt: skip
+    return rows(
+        db_url, "SELECT actor, action, reason, from_status, to_status FROM outbox.audit ORDER BY id"
+    )
 
 
 async def test_quarantine_list_show_and_replay_then_the_dispatcher_delivers(
@@ -66,8 +70,9 @@ async def test_quarantine_list_show_and_replay_then_the_dispatcher_delivers(
     assert '"n"' not in shown.stdout  # the payload only on request
     assert '"n": 0' in outbox_cli(cli_env, "quarantine", "show", str(op), "--payload").stdout
 
-    replayed = outbox_cli(cli_env, "quarantine", "replay", str(op), "--reason", "receiver fixed",
-                          "--actor", "alice")  # fmt: skip
+    replayed = outbox_cli(
+        cli_env, "quarantine", "replay", str(op), "--reason", "receiver fixed", "--actor", "alice"
+    )
     assert replayed.returncode == 0, replayed.stderr
     assert replayed.stdout.strip() == f"operation {op}: pending"
     assert audit(db_url) == [("alice", "replay", "receiver fixed", "quarantined", "pending")]
@@ -93,8 +98,10 @@ async def test_a_replay_past_the_key_window_lands_in_reconciling_not_at_the_prov
     assert rows(db_url, "SELECT status FROM outbox.operations") == [("quarantined",)]
     with psycopg.connect(db_url) as conn:
         conn.execute("UPDATE outbox.operations SET first_sent_at = now() - interval '23h 30m'")
-    assert outbox_cli(cli_env, "quarantine", "replay", str(op), "--reason", "try again"
-                      ).returncode == 0  # fmt: skip
+    assert (
+        outbox_cli(cli_env, "quarantine", "replay", str(op), "--reason", "try again").returncode
+        == 0
+    )
     requests_before = len(receiver.received)
     assert await d.run_once() == 1
     assert rows(db_url, "SELECT status, status_reason FROM outbox.operations") == [
@@ -111,16 +118,28 @@ def test_resolve_marks_succeeded_with_the_reference_and_audits_it(
     listed = json.loads(outbox_cli(cli_env, "reconcile", "list", "--json").stdout)
     assert [e["id"] for e in listed] == [op]
     why = "found in the receiver's dashboard"
-    done = outbox_cli(cli_env, "reconcile", "resolve", str(op), "--provider-ref", "wh_77",
-                      "--reason", why, "--actor", "bob")  # fmt: skip
+    done = outbox_cli(
+        cli_env,
+        "reconcile",
+        "resolve",
+        str(op),
+        "--provider-ref",
+        "wh_77",
+        "--reason",
+        why,
+        "--actor",
+        "bob",
+    )
     assert done.returncode == 0, done.stderr
-    assert rows(db_url, "SELECT status, provider_ref, finished_at IS NOT NULL "
-                        "FROM outbox.operations") == [("succeeded", "wh_77", True)]  # fmt: skip
+    assert rows(
+        db_url, "SELECT status, provider_ref, finished_at IS NOT NULL FROM outbox.operations"
+    ) == [("succeeded", "wh_77", True)]
     assert audit(db_url) == [
         ("bob", "resolve", "found in the receiver's dashboard", "reconciling", "succeeded")
     ]
-    assert rows(db_url, "SELECT details->>'provider_ref', details->>'db_user' FROM outbox.audit"
-                ) == [("wh_77", "postgres")]  # fmt: skip
+    assert rows(
+        db_url, "SELECT details->>'provider_ref', details->>'db_user' FROM outbox.audit"
+    ) == [("wh_77", "postgres")]
 
 
 async def test_retry_needs_a_check_that_found_nothing_or_force_and_sends_a_new_key(
@@ -151,9 +170,9 @@ async def test_retry_needs_a_check_that_found_nothing_or_force_and_sends_a_new_k
     make_due(db_url)
     assert await dispatcher(pool, {"hook": hook}).run_once() == 1
     assert [e.key for e in receiver.effects] == [f"{first_key}:r2"]
-    assert rows(db_url, "SELECT action, to_status, details->>'new_key' FROM outbox.audit "
-                        "ORDER BY id") == [
-        ("check", "reconciling", None), ("retry", "pending", f"{first_key}:r2")]  # fmt: skip
+    assert rows(
+        db_url, "SELECT action, to_status, details->>'new_key' FROM outbox.audit ORDER BY id"
+    ) == [("check", "reconciling", None), ("retry", "pending", f"{first_key}:r2")]
 
 
 def test_forced_retry_and_cancel(db_url: str, cli_env: dict[str, str]) -> None:
@@ -183,8 +202,9 @@ def test_actions_refuse_the_wrong_status_and_unknown_ids_and_need_a_reason(
     assert expected in wrong.stderr
     missing = outbox_cli(cli_env, "quarantine", "replay", "999999", "--reason", "x")
     assert missing.returncode == 2 and "no operation with id 999999" in missing.stderr
-    blank = outbox_cli(cli_env, "reconcile", "resolve", str(op), "--provider-ref", " ",
-                       "--reason", "x")  # fmt: skip
+    blank = outbox_cli(
+        cli_env, "reconcile", "resolve", str(op), "--provider-ref", " ", "--reason", "x"
+    )
     assert blank.returncode == 2 and "provider's reference" in blank.stderr
     no_reason = outbox_cli(cli_env, "quarantine", "replay", str(op))
     assert no_reason.returncode == 2 and "--reason" in no_reason.stderr
@@ -204,7 +224,17 @@ def test_the_audit_is_never_updated_in_place(db_url: str, cli_env: dict[str, str
 
 def test_show_by_identity(db_url: str, cli_env: dict[str, str]) -> None:
     (op,) = enqueue_many(db_url, 1)
-    shown = outbox_cli(cli_env, "reconcile", "show", "--tenant-id", "acme", "--operation-type",
-                       "invoice.charge", "--operation-key", "op-0", "--json")  # fmt: skip
+    shown = outbox_cli(
+        cli_env,
+        "reconcile",
+        "show",
+        "--tenant-id",
+        "acme",
+        "--operation-type",
+        "invoice.charge",
+        "--operation-key",
+        "op-0",
+        "--json",
+    )
     assert shown.returncode == 0, shown.stderr
     assert json.loads(shown.stdout)["id"] == op

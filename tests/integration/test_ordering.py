@@ -27,8 +27,14 @@ from tests.support.daemon import outbox_processes, wait_until, write_config
 from tests.support.dispatch import dispatcher, key_of, rows, statuses
 
 
-def enqueue_ordered(url: str, keys: list[str], per_key: int, *, tenant: str = "acme",
-                    operation_type: str = "ledger.post") -> dict[str, list[int]]:  # fmt: skip
+def enqueue_ordered(
+    url: str,
+    keys: list[str],
+    per_key: int,
+    *,
+    tenant: str = "acme",
+    operation_type: str = "ledger.post",
+) -> dict[str, list[int]]:
     """``per_key`` operations for each ordering key, interleaved across keys as an application
     would enqueue them, one transaction per operation; returns each key's ids in enqueue order."""
     ids: dict[str, list[int]] = defaultdict(list)
@@ -37,10 +43,15 @@ def enqueue_ordered(url: str, keys: list[str], per_key: int, *, tenant: str = "a
             for key in keys:
                 with conn.transaction():
                     result = outbox.enqueue(
-                        conn, tenant_id=tenant, operation_type=operation_type,
-                        operation_key=f"{key}-{seq}", provider="hook", action="ledger.post",
-                        payload={"ordering_key": key, "seq": seq}, ordering_key=key,
-                    )  # fmt: skip
+                        conn,
+                        tenant_id=tenant,
+                        operation_type=operation_type,
+                        operation_key=f"{key}-{seq}",
+                        provider="hook",
+                        action="ledger.post",
+                        payload={"ordering_key": key, "seq": seq},
+                        ordering_key=key,
+                    )
                 ids[key].append(result.operation_id)
     return ids
 
@@ -74,24 +85,41 @@ def test_2000_operations_over_20_keys_with_4_dispatchers_keep_each_keys_order(
     # key waiting, and a slow one would let the next overtake it if the line were not kept.
     rng = random.Random(8)
     for op_id in rng.sample([i for key_ids in ids.values() for i in key_ids], 200):
-        fault = rng.choice([WebhookFault.status(503), WebhookFault.reset_before_apply(),
-                            WebhookFault.delay_after_apply(0.05)])  # fmt: skip
+        fault = rng.choice(
+            [
+                WebhookFault.status(503),
+                WebhookFault.reset_before_apply(),
+                WebhookFault.delay_after_apply(0.05),
+            ]
+        )
         receiver.inject(fault, key=key_of(db_url, op_id))
     # Unordered operations in the mix go in parallel with the lines.
     with psycopg.connect(db_url) as conn:
         for n in range(200):
             outbox.enqueue(
-                conn, tenant_id="acme", operation_type="free", operation_key=f"f{n}",
-                provider="hook", action="a", payload={"ordering_key": None, "seq": n},
-            )  # fmt: skip
+                conn,
+                tenant_id="acme",
+                operation_type="free",
+                operation_key=f"f{n}",
+                provider="hook",
+                action="a",
+                payload={"ordering_key": None, "seq": n},
+            )
     config = write_config(
-        tmp_path / "outbox.toml", concurrency=32, batch_size=16, backoff_base="10ms",
-        backoff_max="50ms", poll_interval="200ms",
+        tmp_path / "outbox.toml",
+        concurrency=32,
+        batch_size=16,
+        backoff_base="10ms",
+        backoff_max="50ms",
+        poll_interval="200ms",
         providers={"hook": {"type": "webhook", "url": receiver.url, "timeout": "2s"}},
-    )  # fmt: skip
+    )
     with outbox_processes(4, db_url, config, tmp_path):
-        wait_until(lambda: statuses(db_url).get("succeeded") == 2200, timeout=120,
-                   what="2,200 operations to succeed")  # fmt: skip
+        wait_until(
+            lambda: statuses(db_url).get("succeeded") == 2200,
+            timeout=120,
+            what="2,200 operations to succeed",
+        )
     assert statuses(db_url) == {"succeeded": 2200}
     ordered = [r for r in receiver.received if r.body.get("ordering_key") is not None]
     assert_one_at_a_time_in_order(ordered, 100)
@@ -160,8 +188,10 @@ async def test_in_mode_skip_the_key_goes_on_and_a_replay_rejoins_the_line(
     assert statuses(db_url) == {"quarantined": 1, "succeeded": 1, "pending": 1}
     with psycopg.connect(db_url, autocommit=True) as conn:
         operators.replay(conn, ids["a"][0], reason="fixed", actor="alice")
-    blocked = rows(db_url, "SELECT id, ordering_blocked FROM outbox.operations "
-                           "WHERE status = 'pending' ORDER BY id")  # fmt: skip
+    blocked = rows(
+        db_url,
+        "SELECT id, ordering_blocked FROM outbox.operations WHERE status = 'pending' ORDER BY id",
+    )
     assert blocked == [(ids["a"][0], True), (ids["a"][2], False)]  # behind the head, next
     while await d.run_once():
         pass
@@ -172,9 +202,11 @@ async def test_in_mode_skip_the_key_goes_on_and_a_replay_rejoins_the_line(
 def test_switching_a_type_to_skip_releases_the_keys_it_blocked(db_url: str) -> None:
     ids = enqueue_ordered(db_url, ["a", "b"], 2)
     with psycopg.connect(db_url) as conn:
-        conn.execute("UPDATE outbox.operations SET status = 'quarantined', "
-                     "status_reason = 'permanent_failure' WHERE id = ANY(%s)",
-                     ([ids["a"][0], ids["b"][0]],))  # fmt: skip
+        conn.execute(
+            "UPDATE outbox.operations SET status = 'quarantined', "
+            "status_reason = 'permanent_failure' WHERE id = ANY(%s)",
+            ([ids["a"][0], ids["b"][0]],),
+        )
     assert rows(db_url, "SELECT count(*) FROM outbox.operations WHERE ordering_blocked") == [(2,)]
     with psycopg.connect(db_url) as conn:
         promoted = conn.execute(
@@ -189,21 +221,44 @@ def test_a_producer_enqueuing_several_of_one_key_in_one_transaction_makes_one_he
 ) -> None:
     with psycopg.connect(db_url) as conn:
         for n in range(5):
-            outbox.enqueue(conn, tenant_id="acme", operation_type="t", operation_key=f"k{n}",
-                           provider="hook", action="a", payload={},
-                           ordering_key="same")  # fmt: skip
-        outbox.enqueue(conn, tenant_id="other", operation_type="t", operation_key="k0",
-                       provider="hook", action="a", payload={}, ordering_key="same")  # fmt: skip
-    heads = rows(db_url, "SELECT tenant_id, operation_key FROM outbox.operations "
-                         "WHERE NOT ordering_blocked ORDER BY 1, 2")  # fmt: skip
+            outbox.enqueue(
+                conn,
+                tenant_id="acme",
+                operation_type="t",
+                operation_key=f"k{n}",
+                provider="hook",
+                action="a",
+                payload={},
+                ordering_key="same",
+            )
+        outbox.enqueue(
+            conn,
+            tenant_id="other",
+            operation_type="t",
+            operation_key="k0",
+            provider="hook",
+            action="a",
+            payload={},
+            ordering_key="same",
+        )
+    heads = rows(
+        db_url,
+        "SELECT tenant_id, operation_key FROM outbox.operations "
+        "WHERE NOT ordering_blocked ORDER BY 1, 2",
+    )
     assert heads == [("acme", "k0"), ("other", "k0")]  # per tenant: same key, separate lines
 
 
 def test_a_different_ordering_key_for_the_same_identity_is_a_conflict(db_url: str) -> None:
     with psycopg.connect(db_url) as conn:
-        fields: dict[str, Any] = {"tenant_id": "acme", "operation_type": "t",
-                                  "operation_key": "k", "provider": "hook", "action": "a",
-                                  "payload": {}}  # fmt: skip
+        fields: dict[str, Any] = {
+            "tenant_id": "acme",
+            "operation_type": "t",
+            "operation_key": "k",
+            "provider": "hook",
+            "action": "a",
+            "payload": {},
+        }
         outbox.enqueue(conn, **fields, ordering_key="x")
         assert outbox.enqueue(conn, **fields, ordering_key="x").outcome.value == "duplicate"
         with pytest.raises(outbox.OperationConflict):
@@ -217,9 +272,12 @@ def test_producers_enqueuing_while_dispatchers_run_never_overlap_or_strand_a_key
     # key's head is settled. Each side must see the other, or the key stalls for good.
     keys = [f"k{n}" for n in range(5)]
     config = write_config(
-        tmp_path / "outbox.toml", concurrency=16, batch_size=8, poll_interval="5s",
+        tmp_path / "outbox.toml",
+        concurrency=16,
+        batch_size=8,
+        poll_interval="5s",
         providers={"hook": {"type": "webhook", "url": receiver.url, "timeout": "2s"}},
-    )  # fmt: skip
+    )
     per_producer = 60
 
     def produce(producer: int) -> None:
@@ -228,19 +286,26 @@ def test_producers_enqueuing_while_dispatchers_run_never_overlap_or_strand_a_key
                 key = keys[seq % len(keys)]
                 with conn.transaction():
                     outbox.enqueue(
-                        conn, tenant_id="acme", operation_type="ledger.post",
-                        operation_key=f"p{producer}-{seq}", provider="hook", action="post",
+                        conn,
+                        tenant_id="acme",
+                        operation_type="ledger.post",
+                        operation_key=f"p{producer}-{seq}",
+                        provider="hook",
+                        action="post",
                         payload={"ordering_key": key, "seq": seq, "producer": producer},
                         ordering_key=key,
-                    )  # fmt: skip
+                    )
 
     with outbox_processes(2, db_url, config, tmp_path):
         with ThreadPoolExecutor(4) as pool:
             list(pool.map(produce, range(4)))
         # Polling every 5 s: a key left without a head would wait for the repair loop (1 s)
         # or stall; within 30 s every operation is through.
-        wait_until(lambda: statuses(db_url).get("succeeded") == 4 * per_producer, timeout=30,
-                   what="every operation to succeed")  # fmt: skip
+        wait_until(
+            lambda: statuses(db_url).get("succeeded") == 4 * per_producer,
+            timeout=30,
+            what="every operation to succeed",
+        )
     for key, requests in by_key(list(receiver.received)).items():
         for before, after in itertools.pairwise(requests):
             assert before.answered_at is not None and after.at >= before.answered_at, key
@@ -266,8 +331,9 @@ async def test_a_head_settled_while_its_key_is_locked_is_repaired_by_the_dispatc
         assert rows(db_url, "SELECT tenant_id, ordering_key FROM outbox.ordering_repairs") == [
             ("acme", "a")
         ]
-        assert rows(db_url, "SELECT ordering_blocked FROM outbox.operations WHERE id = %s",
-                    (ids["a"][1],)) == [(True,)]  # fmt: skip
+        assert rows(
+            db_url, "SELECT ordering_blocked FROM outbox.operations WHERE id = %s", (ids["a"][1],)
+        ) == [(True,)]
     # The producer's session ends; the dispatcher's repair loop promotes the next one.
     assert await Store(pool).repair_ordering(10) == 1
     assert rows(db_url, "SELECT count(*) FROM outbox.ordering_repairs") == [(0,)]
@@ -281,13 +347,19 @@ async def test_status_and_the_gauge_say_how_many_wait_behind_what(
 ) -> None:
     ids = enqueue_ordered(db_url, ["a", "b", "c"], 3)
     with psycopg.connect(db_url) as conn:
-        conn.execute("UPDATE outbox.operations SET status = 'quarantined', "
-                     "status_reason = 'permanent_failure' WHERE id = %s",
-                     (ids["a"][0],))  # fmt: skip
+        conn.execute(
+            "UPDATE outbox.operations SET status = 'quarantined', "
+            "status_reason = 'permanent_failure' WHERE id = %s",
+            (ids["a"][0],),
+        )
     await gauges.refresh(pool, {})
     assert {b: metrics.ORDERING_BLOCKED.labels(b)._value.get() for b in gauges.BEHIND} == {
-        "pending": 4.0, "in_flight": 0.0, "quarantined": 2.0, "reconciling": 0.0, "none": 0.0
-    }  # fmt: skip
+        "pending": 4.0,
+        "in_flight": 0.0,
+        "quarantined": 2.0,
+        "reconciling": 0.0,
+        "none": 0.0,
+    }
     done = outbox_cli(cli_env, "status", "--json")
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["ordering_blocked"] == [
@@ -303,14 +375,17 @@ async def test_status_and_the_gauge_say_how_many_wait_behind_what(
 def test_the_ordering_commands_set_and_list_modes(db_url: str, cli_env: dict[str, str]) -> None:
     ids = enqueue_ordered(db_url, ["a"], 2)
     with psycopg.connect(db_url) as conn:
-        conn.execute("UPDATE outbox.operations SET status = 'quarantined', "
-                     "status_reason = 'permanent_failure' WHERE id = %s",
-                     (ids["a"][0],))  # fmt: skip
+        conn.execute(
+            "UPDATE outbox.operations SET status = 'quarantined', "
+            "status_reason = 'permanent_failure' WHERE id = %s",
+            (ids["a"][0],),
+        )
     done = outbox_cli(cli_env, "ordering", "set-mode", "ledger.post", "skip", "--actor", "alice")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ledger.post: skip; 1 ordering key(s) released"
-    assert rows(db_url, "SELECT ordering_blocked FROM outbox.operations WHERE id = %s",
-                (ids["a"][1],)) == [(False,)]  # fmt: skip
+    assert rows(
+        db_url, "SELECT ordering_blocked FROM outbox.operations WHERE id = %s", (ids["a"][1],)
+    ) == [(False,)]
     listed = json.loads(outbox_cli(cli_env, "ordering", "modes", "--json").stdout)
     assert [(m["operation_type"], m["on_failure"], m["updated_by"]) for m in listed] == [
         ("ledger.post", "skip", "alice")

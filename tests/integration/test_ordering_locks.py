@@ -33,8 +33,12 @@ def enqueue_ordered(conn: psycopg.Connection[Any], tenant: str, key: str, n: int
 
 
 def heads(url: str, key: str) -> list[tuple[Any, ...]]:
-    return rows(url, "SELECT operation_key, ordering_blocked FROM outbox.operations "
-                     "WHERE ordering_key = %s ORDER BY id", (key,))  # fmt: skip
+    return rows(
+        url,
+        "SELECT operation_key, ordering_blocked FROM outbox.operations "
+        "WHERE ordering_key = %s ORDER BY id",
+        (key,),
+    )
 
 
 def test_a_producer_of_one_tenant_cannot_hold_another_tenants_key(
@@ -43,8 +47,10 @@ def test_a_producer_of_one_tenant_cannot_hold_another_tenants_key(
     apply_roles(pg_server, db_url, tenant_rls=True)
     with psycopg.connect(as_role(db_url, APP), autocommit=True) as attacker:
         # What held the victim's key before 0019, and any role may take.
-        attacker.execute("SELECT pg_advisory_lock(hashtext('outbox.ordering'), "
-                         "hashtext('victim' || E'\\n' || 'order-7'))")  # fmt: skip
+        attacker.execute(
+            "SELECT pg_advisory_lock(hashtext('outbox.ordering'), "
+            "hashtext('victim' || E'\\n' || 'order-7'))"
+        )
         with pytest.raises(psycopg.errors.InsufficientPrivilege):
             attacker.execute("SELECT 1 FROM outbox.ordering_keys FOR UPDATE")
         with psycopg.connect(as_role(db_url, APP)) as victim:
@@ -97,16 +103,18 @@ async def test_a_key_whose_lock_is_held_goes_to_the_back_and_the_other_keys_are_
         enqueue_ordered(conn, "acme", "held", 2)
         enqueue_ordered(conn, "acme", "free", 2)
     with psycopg.connect(db_url) as holder, psycopg.connect(db_url) as settler:
-        holder.execute("SELECT 1 FROM outbox.ordering_keys WHERE ordering_key IN ('held', 'free') "
-                       "FOR UPDATE")  # fmt: skip
+        holder.execute(
+            "SELECT 1 FROM outbox.ordering_keys WHERE ordering_key IN ('held', 'free') FOR UPDATE"
+        )
         # Both heads settle while their keys are locked: each is noted for repair.
-        settler.execute("UPDATE outbox.operations SET status = 'cancelled', "
-                        "status_reason = 'x', finished_at = now() "
-                        "WHERE operation_key IN ('held-1', 'free-1')")  # fmt: skip
+        settler.execute(
+            "UPDATE outbox.operations SET status = 'cancelled', "
+            "status_reason = 'x', finished_at = now() "
+            "WHERE operation_key IN ('held-1', 'free-1')"
+        )
         settler.commit()
         holder.rollback()
-        holder.execute("SELECT 1 FROM outbox.ordering_keys WHERE ordering_key = 'held' "
-                       "FOR UPDATE")  # fmt: skip
+        holder.execute("SELECT 1 FROM outbox.ordering_keys WHERE ordering_key = 'held' FOR UPDATE")
         before = rows(db_url, "SELECT max(noted_at) FROM outbox.ordering_repairs")
         # The repair does not wait for the held key: it repairs the other and moves on.
         assert await Store(pool).repair_ordering(10) == 2
@@ -134,8 +142,10 @@ async def test_a_repeatable_read_producer_never_strands_its_key(
             "operation_key => 'rr-2', provider => 'hook', action => 'post', payload => '{}', "
             "ordering_key => 'rr')"
         )
-        settler.execute("UPDATE outbox.operations SET status = 'cancelled', status_reason = 'x', "
-                        "finished_at = now() WHERE operation_key = 'rr-1'")  # fmt: skip
+        settler.execute(
+            "UPDATE outbox.operations SET status = 'cancelled', status_reason = 'x', "
+            "finished_at = now() WHERE operation_key = 'rr-1'"
+        )
         settler.commit()
         producer.commit()
     assert heads(db_url, "rr") == [("rr-1", False), ("rr-2", True)]
@@ -157,5 +167,6 @@ def test_two_serializable_producers_of_a_new_key_both_commit(db_url: str) -> Non
             )
         first.commit()
         second.commit()
-    assert rows(db_url, "SELECT count(*) FROM outbox.ordering_repairs "
-                        "WHERE ordering_key = 'fresh'") == [(2,)]  # fmt: skip
+    assert rows(
+        db_url, "SELECT count(*) FROM outbox.ordering_repairs WHERE ordering_key = 'fresh'"
+    ) == [(2,)]

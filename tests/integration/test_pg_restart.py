@@ -69,19 +69,31 @@ def test_a_postgres_crash_mid_run_loses_nothing_and_duplicates_nothing(
         cfg = write_config(
             tmp_path / "outbox.toml",
             providers={"hook": {"type": "webhook", "url": receiver.url, "timeout": "5s"}},
-            lease="3s", poll_interval="200ms", backoff_base="50ms", backoff_max="500ms",
-            shutdown_grace="5s", concurrency=32, batch_size=50,
-        )  # fmt: skip
+            lease="3s",
+            poll_interval="200ms",
+            backoff_base="50ms",
+            backoff_max="500ms",
+            shutdown_grace="5s",
+            concurrency=32,
+            batch_size=50,
+        )
         started = time.monotonic()
         with outbox_processes(3, url, cfg, tmp_path) as procs:
-            wait_until(lambda: reached(url, "succeeded", OPERATIONS // 3), timeout=120,
-                       what="a third of the operations to succeed")  # fmt: skip
+            wait_until(
+                lambda: reached(url, "succeeded", OPERATIONS // 3),
+                timeout=120,
+                what="a third of the operations to succeed",
+            )
             before_crash = receiver.effect_count()
             cluster.stop(immediate=True)
             time.sleep(1.5)
             cluster.start()
-            wait_until(lambda: reached(url, "succeeded", OPERATIONS), timeout=180, interval=0.5,
-                       what="every operation to succeed after the restart")  # fmt: skip
+            wait_until(
+                lambda: reached(url, "succeeded", OPERATIONS),
+                timeout=180,
+                interval=0.5,
+                what="every operation to succeed after the restart",
+            )
             elapsed = time.monotonic() - started
             alive = [p.proc.poll() is None for p in procs]
             for p in procs:
@@ -113,25 +125,34 @@ def test_a_postgres_crash_mid_run_loses_nothing_and_duplicates_nothing(
     # Attempts: one row per counted attempt, numbered 1..attempts, the last one the success;
     # every earlier one ended unknown or transient (a lost record, a rescued lease), none
     # succeeded twice.
-    assert rows(url, """
+    assert rows(
+        url,
+        """
         SELECT count(*) FROM outbox.operations o
         WHERE o.attempts <> (SELECT count(*) FROM outbox.attempts a WHERE a.operation_id = o.id)
            OR o.attempts <> (SELECT max(attempt) FROM outbox.attempts a
                              WHERE a.operation_id = o.id)
            OR (SELECT outcome FROM outbox.attempts a
                WHERE a.operation_id = o.id AND a.attempt = o.attempts) <> 'succeeded'
-    """) == [(0,)]  # fmt: skip
+    """,
+    ) == [(0,)]
     assert rows(url, "SELECT count(*) FROM outbox.attempts WHERE outcome = 'succeeded'") == [
         (OPERATIONS,)
     ]
-    assert rows(url, "SELECT count(*) FROM outbox.attempts WHERE outcome NOT IN "
-                     "('succeeded', 'unknown', 'transient')") == [(0,)]  # fmt: skip
+    assert rows(
+        url,
+        "SELECT count(*) FROM outbox.attempts WHERE outcome NOT IN "
+        "('succeeded', 'unknown', 'transient')",
+    ) == [(0,)]
     # Retries after the crash reached the receiver with the same key and were replays.
     # Every replay spent a counted attempt: one operation may be replayed twice when the record
     # of its first replay was cut short too. A crash need not cost any retry at all: a record it
     # cut short is written again while its lease lasts, and a claim it cut short rolled back.
     replays = sum(1 for r in receiver.received if r.replayed)
-    ((retried, retries),) = rows(url, "SELECT count(*) FILTER (WHERE attempts > 1), "
-                                      "coalesce(sum(attempts - 1), 0) "
-                                      "FROM outbox.operations")  # fmt: skip
+    ((retried, retries),) = rows(
+        url,
+        "SELECT count(*) FILTER (WHERE attempts > 1), "
+        "coalesce(sum(attempts - 1), 0) "
+        "FROM outbox.operations",
+    )
     assert replays <= retries, f"{replays} replays for {retries} retries of {retried} operations"

@@ -39,8 +39,13 @@ def bouncer(db_url: str) -> Iterator[PgBouncer]:
 
 
 def config(tmp_path: Path, receiver: FakeWebhookReceiver, **dispatcher: Any) -> Path:
-    settings: dict[str, Any] = {"lease": "30s", "backoff_base": "50ms", "backoff_max": "200ms",
-                                "shutdown_grace": "10s", **dispatcher}  # fmt: skip
+    settings: dict[str, Any] = {
+        "lease": "30s",
+        "backoff_base": "50ms",
+        "backoff_max": "200ms",
+        "shutdown_grace": "10s",
+        **dispatcher,
+    }
     return write_config(
         tmp_path / "outbox.toml",
         providers={"hook": {"type": "webhook", "url": receiver.url, "timeout": "5s"}},
@@ -55,10 +60,14 @@ def enqueue_through(url: str, count: int, *, prefix: str = "op") -> None:
         for i in range(count):
             with conn.transaction():
                 outbox.enqueue(
-                    conn, tenant_id="acme", operation_type="invoice.charge",
-                    operation_key=f"{prefix}-{i}", provider="hook", action="invoice.paid",
+                    conn,
+                    tenant_id="acme",
+                    operation_type="invoice.charge",
+                    operation_key=f"{prefix}-{i}",
+                    provider="hook",
+                    action="invoice.paid",
                     payload={"n": i},
-                )  # fmt: skip
+                )
 
 
 def succeeded(url: str) -> int:
@@ -87,8 +96,10 @@ def test_the_pooler_really_shares_server_sessions(bouncer: PgBouncer, db_url: st
         psycopg.connect(bouncer.url, autocommit=True) as first,
         psycopg.connect(bouncer.url, autocommit=True) as second,
     ):
-        pids = {first.execute("SELECT pg_backend_pid()").fetchone(),
-                second.execute("SELECT pg_backend_pid()").fetchone()}  # fmt: skip
+        pids = {
+            first.execute("SELECT pg_backend_pid()").fetchone(),
+            second.execute("SELECT pg_backend_pid()").fetchone(),
+        }
         assert len(pids) == 1, "two clients, one server session"
         for i in range(5):  # psycopg prepares a query on its 6th execution (threshold 5)
             first.execute("SELECT %s::int", (i,))
@@ -109,8 +120,7 @@ def test_two_processes_dispatch_300_operations_through_the_pooler_exactly_once(
         for p in procs:
             wait_for_log(p, "wake-ups: polling only")
         enqueue_through(bouncer.url, 300)
-        wait_until(lambda: succeeded(db_url) == 300, timeout=120,
-                   what="300 operations to succeed")  # fmt: skip
+        wait_until(lambda: succeeded(db_url) == 300, timeout=120, what="300 operations to succeed")
         for p in procs:
             p.signal(signal.SIGTERM)
         assert [p.wait() for p in procs] == [0, 0]
@@ -122,8 +132,10 @@ def test_two_processes_dispatch_300_operations_through_the_pooler_exactly_once(
     assert len({e.key for e in receiver.effects}) == 300
     # Both processes worked; each operation succeeded once (a retry after a slow call on a loaded
     # machine would resend with the same key, which the receiver counts once).
-    assert rows(db_url, "SELECT count(*), count(DISTINCT worker) FROM outbox.attempts "
-                        "WHERE outcome = 'succeeded'") == [(300, 2)]  # fmt: skip
+    assert rows(
+        db_url,
+        "SELECT count(*), count(DISTINCT worker) FROM outbox.attempts WHERE outcome = 'succeeded'",
+    ) == [(300, 2)]
     assert rows(db_url, "SELECT count(*) FROM outbox.operations WHERE provider_ref IS NULL") == [
         (0,)
     ]
@@ -145,10 +157,11 @@ def test_a_direct_listen_url_wakes_the_dispatcher_at_once(
         wait_for_log(proc, "listening for enqueue notifications")
         time.sleep(1)  # past the claims at startup: from now on only a NOTIFY or 30 s wake it
         # The LISTEN session is PostgreSQL's own, not one the pooler lends.
-        assert rows(db_url, "SELECT count(*) FROM pg_stat_activity WHERE datname = "
-                            "current_database() AND application_name = 'outbox-listen'") == [
-            (1,)
-        ]  # fmt: skip
+        assert rows(
+            db_url,
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = "
+            "current_database() AND application_name = 'outbox-listen'",
+        ) == [(1,)]
         started = time.monotonic()
         enqueue_through(bouncer.url, 1)  # its NOTIFY is sent through the pooler
         wait_until(lambda: succeeded(db_url) == 1, timeout=10, what="the operation to succeed")
@@ -188,10 +201,11 @@ def test_without_a_listen_url_the_dispatcher_polls_and_says_so(
     assert elapsed < 2 + 2, f"dispatched after {elapsed:.1f}s with a 2 s poll interval"
     assert '"wakeups": "polling"' in log
     assert "listening for enqueue notifications" not in log
-    assert rows(db_url, "SELECT count(*) FROM pg_stat_activity WHERE datname = "
-                        "current_database() AND application_name = 'outbox-listen'") == [
-        (0,)
-    ]  # fmt: skip
+    assert rows(
+        db_url,
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = "
+        "current_database() AND application_name = 'outbox-listen'",
+    ) == [(0,)]
     assert statuses(db_url) == {"succeeded": 3}
     assert receiver.effect_count() == 3
 
@@ -276,8 +290,11 @@ def test_with_listen_off_a_listen_url_that_does_not_parse_is_only_a_warning(
 ) -> None:
     enqueue_through(db_url, 3)
     bad = "postgresql://outbox:hunter2@db-primary/app?bogus=1"
-    env = {**TRANSACTION_POOLING, "OUTBOX_LISTEN_DATABASE_URL": bad,
-           "OUTBOX_DATABASE__LISTEN": "false"}  # fmt: skip
+    env = {
+        **TRANSACTION_POOLING,
+        "OUTBOX_LISTEN_DATABASE_URL": bad,
+        "OUTBOX_DATABASE__LISTEN": "false",
+    }
     proc = OutboxProcess(db_url, config(tmp_path, receiver), tmp_path / "unused.log", env=env)
     try:
         wait_until(lambda: succeeded(db_url) == 3, timeout=30, what="3 operations to succeed")

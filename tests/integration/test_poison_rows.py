@@ -48,10 +48,14 @@ def enqueue_good(url: str) -> list[int]:
         for tenant in GOOD_TENANTS:
             for i in range(GOOD_PER_TENANT):
                 result = outbox.enqueue(
-                    conn, tenant_id=tenant, operation_type="invoice.paid",
-                    operation_key=f"{tenant}-{i}", provider="hook", action="invoice.paid",
+                    conn,
+                    tenant_id=tenant,
+                    operation_type="invoice.paid",
+                    operation_key=f"{tenant}-{i}",
+                    provider="hook",
+                    action="invoice.paid",
                     payload={"amount": 1000 + i, "cents": 19.99},
-                )  # fmt: skip
+                )
                 ids.append(result.operation_id)
     return ids
 
@@ -63,33 +67,47 @@ def test_poison_rows_are_quarantined_while_every_process_lives_and_the_good_rows
     good = enqueue_good(db_url)
     with psycopg.connect(db_url) as owner:
         owner.execute("UPDATE outbox.limits SET max_payload_bytes = 65536")
-    cfg = write_config(tmp_path / "outbox.toml", providers={"hook": {
-        "type": "webhook", "url": receiver.url}}, poll_interval="200ms", batch_size=8,
-        max_attempts=3)  # fmt: skip
+    cfg = write_config(
+        tmp_path / "outbox.toml",
+        providers={"hook": {"type": "webhook", "url": receiver.url}},
+        poll_interval="200ms",
+        batch_size=8,
+        max_attempts=3,
+    )
     with outbox_processes(2, db_url, cfg, tmp_path) as procs:
-        wait_until(lambda: statuses(db_url) == {"succeeded": len(good),
-                                                "quarantined": len(poison)},
-                   timeout=60, what="every row settled")  # fmt: skip
+        wait_until(
+            lambda: statuses(db_url) == {"succeeded": len(good), "quarantined": len(poison)},
+            timeout=60,
+            what="every row settled",
+        )
         assert [p.proc.poll() for p in procs] == [None, None], [p.log_text()[-3000:] for p in procs]
     assert receiver.effect_count() == len(good)
     assert {r.key for r in receiver.received} == {
-        key for (key,) in rows(db_url, "SELECT idempotency_key FROM outbox.operations "
-                                       "WHERE tenant_id <> 'mallory'")
-    }  # fmt: skip
-    assert rows(db_url, "SELECT count(*) FROM outbox.operations "
-                        "WHERE tenant_id <> 'mallory' AND attempts <> 1") == [(0,)]  # fmt: skip
+        key
+        for (key,) in rows(
+            db_url, "SELECT idempotency_key FROM outbox.operations WHERE tenant_id <> 'mallory'"
+        )
+    }
+    assert rows(
+        db_url,
+        "SELECT count(*) FROM outbox.operations WHERE tenant_id <> 'mallory' AND attempts <> 1",
+    ) == [(0,)]
     for kind, op in poison.items():
         ((reason, error, attempts),) = rows(
-            db_url, "SELECT status_reason, last_error, attempts FROM outbox.operations "
-                    "WHERE id = %s", (op,))  # fmt: skip
+            db_url,
+            "SELECT status_reason, last_error, attempts FROM outbox.operations WHERE id = %s",
+            (op,),
+        )
         assert reason == "invalid_payload", kind
         assert POISON[kind][1] in error, (kind, error)
         assert attempts == 1, kind
         # Its history says it never left: no key window started, nothing to reconcile.
-        assert rows(db_url, "SELECT outcome, sent FROM outbox.attempts WHERE operation_id = %s",
-                    (op,)) == [("permanent", False)], kind  # fmt: skip
-        assert rows(db_url, "SELECT first_sent_at FROM outbox.operations WHERE id = %s",
-                    (op,)) == [(None,)], kind  # fmt: skip
+        assert rows(
+            db_url, "SELECT outcome, sent FROM outbox.attempts WHERE operation_id = %s", (op,)
+        ) == [("permanent", False)], kind
+        assert rows(db_url, "SELECT first_sent_at FROM outbox.operations WHERE id = %s", (op,)) == [
+            (None,)
+        ], kind
 
 
 def scrape(base: str) -> str:
@@ -111,26 +129,50 @@ def test_every_loop_outlives_exceptions_and_a_bug_before_the_send_quarantines_un
     """The failpoint makes the first two rounds of every loop raise, and the dispatch of the
     first two operations, before their send: each is counted, none ends the process."""
     ops = enqueue_good(db_url)
-    cfg = write_config(tmp_path / "outbox.toml", providers={"hook": {
-        "type": "webhook", "url": receiver.url}}, poll_interval="200ms", heartbeat="1s",
-        lease="5s", gauge_interval="200ms")  # fmt: skip
-    proc = OutboxProcess(db_url, cfg, tmp_path / "run.log", metrics_addr="127.0.0.1:0",
-                         env={"OUTBOX_FAILPOINTS": "bug=2"})  # fmt: skip
+    cfg = write_config(
+        tmp_path / "outbox.toml",
+        providers={"hook": {"type": "webhook", "url": receiver.url}},
+        poll_interval="200ms",
+        heartbeat="1s",
+        lease="5s",
+        gauge_interval="200ms",
+    )
+    proc = OutboxProcess(
+        db_url,
+        cfg,
+        tmp_path / "run.log",
+        metrics_addr="127.0.0.1:0",
+        env={"OUTBOX_FAILPOINTS": "bug=2"},
+    )
     try:
         base = proc.metrics_url()
-        wait_until(lambda: statuses(db_url) == {"succeeded": len(ops) - 2, "quarantined": 2},
-                   timeout=60, what="every operation settled")  # fmt: skip
-        wait_until(lambda: all(counter(scrape(base), "outbox_internal_errors_total", loop=name)
-                               >= 2 for name in LOOPS),
-                   timeout=30, what="two errors counted in every loop")  # fmt: skip
+        wait_until(
+            lambda: statuses(db_url) == {"succeeded": len(ops) - 2, "quarantined": 2},
+            timeout=60,
+            what="every operation settled",
+        )
+        wait_until(
+            lambda: all(
+                counter(scrape(base), "outbox_internal_errors_total", loop=name) >= 2
+                for name in LOOPS
+            ),
+            timeout=30,
+            what="two errors counted in every loop",
+        )
         assert proc.proc.poll() is None, proc.log_text()[-3000:]
         # The loops went on after their errors: the gauges still refresh.
-        wait_until(lambda: counter(scrape(base), "outbox_operations", status="succeeded")
-                   == len(ops) - 2, timeout=30, what="the gauges after their errors")  # fmt: skip
+        wait_until(
+            lambda: counter(scrape(base), "outbox_operations", status="succeeded") == len(ops) - 2,
+            timeout=30,
+            what="the gauges after their errors",
+        )
     finally:
         proc.stop()
-    quarantined = rows(db_url, "SELECT status_reason, last_error_class, first_sent_at "
-                               "FROM outbox.operations WHERE status = 'quarantined'")  # fmt: skip
+    quarantined = rows(
+        db_url,
+        "SELECT status_reason, last_error_class, first_sent_at "
+        "FROM outbox.operations WHERE status = 'quarantined'",
+    )
     assert quarantined == [("internal_error", "permanent", None)] * 2
     assert receiver.effect_count() == len(ops) - 2
     assert "SimulatedBug" in proc.log_text()

@@ -54,8 +54,11 @@ def get(url: str) -> int:
 def test_ready_watchdog_and_stopping_reach_systemd_s_socket(
     db_url: str, receiver: FakeWebhookReceiver, tmp_path: Path, notify_socket: socket.socket
 ) -> None:
-    cfg = write_config(tmp_path / "outbox.toml", providers={
-        "hook": {"type": "webhook", "url": receiver.url}}, poll_interval="200ms")  # fmt: skip
+    cfg = write_config(
+        tmp_path / "outbox.toml",
+        providers={"hook": {"type": "webhook", "url": receiver.url}},
+        poll_interval="200ms",
+    )
     env = {"NOTIFY_SOCKET": notify_socket.getsockname(), "WATCHDOG_USEC": "1000000"}
     proc = OutboxProcess(db_url, cfg, tmp_path / "run.log", env=env)
     try:
@@ -84,9 +87,11 @@ def test_health_readiness_and_metrics_over_http(
     ops = enqueue_many(db_url, 3)
     # The held call must outlast every step below on a loaded machine: the default 10 s
     # timeout would end it as unknown before the scrape, and in_flight would read 0.
-    cfg = write_config(tmp_path / "outbox.toml", providers={
-        "hook": {"type": "webhook", "url": receiver.url, "timeout": "60s"}},
-        poll_interval="200ms")  # fmt: skip
+    cfg = write_config(
+        tmp_path / "outbox.toml",
+        providers={"hook": {"type": "webhook", "url": receiver.url, "timeout": "60s"}},
+        poll_interval="200ms",
+    )
     held_key = key_of(db_url, ops[0])
     with receiver.hold(held_key) as held:
         proc = OutboxProcess(db_url, cfg, tmp_path / "run.log", metrics_addr="127.0.0.1:0")
@@ -140,14 +145,22 @@ def test_a_scrape_after_a_run_matches_the_rows(
     for op in ids[:2]:
         receiver.inject(WebhookFault.status(422), key=key_of(db_url, op))
     receiver.inject(WebhookFault.status(429), key=key_of(db_url, ids[2]))
-    cfg = write_config(tmp_path / "outbox.toml", providers={
-        "hook": {"type": "webhook", "url": receiver.url}}, poll_interval="100ms",
-        backoff_base="50ms", backoff_max="100ms", gauge_interval="200ms")  # fmt: skip
+    cfg = write_config(
+        tmp_path / "outbox.toml",
+        providers={"hook": {"type": "webhook", "url": receiver.url}},
+        poll_interval="100ms",
+        backoff_base="50ms",
+        backoff_max="100ms",
+        gauge_interval="200ms",
+    )
     proc = OutboxProcess(db_url, cfg, tmp_path / "run.log", metrics_addr="127.0.0.1:0")
     try:
         base = proc.metrics_url()
-        wait_until(lambda: sample(scrape(base), "outbox_operations", status="succeeded") == 8,
-                   timeout=30, what="the gauges to catch up")  # fmt: skip
+        wait_until(
+            lambda: sample(scrape(base), "outbox_operations", status="succeeded") == 8,
+            timeout=30,
+            what="the gauges to catch up",
+        )
         text = scrape(base)
         proc.signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
@@ -159,13 +172,20 @@ def test_a_scrape_after_a_run_matches_the_rows(
         assert got == count, outcome
     for status, count in rows(db_url, "SELECT status, count(*) FROM outbox.operations GROUP BY 1"):
         assert sample(text, "outbox_operations", status=status) == count, status
-    assert sample(text, "outbox_quarantined_total", provider="hook",
-                  reason="permanent_failure") == 2  # fmt: skip
+    assert (
+        sample(text, "outbox_quarantined_total", provider="hook", reason="permanent_failure") == 2
+    )
     assert sample(text, "outbox_retries_total", provider="hook") == 1
     assert sample(text, "outbox_build_info") == 1
     promtool = require_tool("promtool", "prometheus")  # the scrape passes Prometheus's own lint
-    linted = subprocess.run([promtool, "check", "metrics"], input=text, text=True,
-                            capture_output=True, timeout=60, check=False)  # fmt: skip
+    linted = subprocess.run(
+        [promtool, "check", "metrics"],
+        input=text,
+        text=True,
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
     assert linted.returncode == 0, linted.stdout + linted.stderr
 
 
@@ -174,8 +194,11 @@ def test_readyz_follows_the_database_going_away_and_coming_back(
 ) -> None:
     from tests.support.tcp_proxy import TcpProxy  # noqa: PLC0415
 
-    cfg = write_config(tmp_path / "outbox.toml", providers={
-        "hook": {"type": "webhook", "url": receiver.url}}, poll_interval="100ms")  # fmt: skip
+    cfg = write_config(
+        tmp_path / "outbox.toml",
+        providers={"hook": {"type": "webhook", "url": receiver.url}},
+        poll_interval="100ms",
+    )
     with TcpProxy(db_url) as proxy:
         proc = OutboxProcess(proxy.dsn, cfg, tmp_path / "run.log", metrics_addr="127.0.0.1:0")
         try:

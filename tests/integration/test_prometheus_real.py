@@ -43,8 +43,9 @@ AGE_THRESHOLD: Final = 2
 
 def fast_rules(path: Path) -> Path:
     """A copy of RULES with only the rewrites above (the test fails if one finds nothing)."""
-    text, durations = re.subn(r"^(\s+for: )\S+$", rf"\g<1>{FOR_SHORT}", RULES.read_text(),
-                              flags=re.MULTILINE)  # fmt: skip
+    text, durations = re.subn(
+        r"^(\s+for: )\S+$", rf"\g<1>{FOR_SHORT}", RULES.read_text(), flags=re.MULTILINE
+    )
     assert durations >= 8, "the rules' `for:` lines moved: update fast_rules"
     assert text.count(AGE_RULE) == 1, "OutboxOldestPendingTooOld changed: update AGE_RULE"
     path.write_text(text.replace(AGE_RULE, AGE_RULE.replace("300", str(AGE_THRESHOLD))))
@@ -60,20 +61,30 @@ class Prometheus:
         config = {  # JSON is YAML
             "global": {"scrape_interval": TICK, "evaluation_interval": TICK},
             "rule_files": [str(rules)],
-            "scrape_configs": [{"job_name": "outbox", "scrape_interval": TICK,
-                                "scrape_timeout": TICK,
-                                "static_configs": [{"targets": [target]}]}],
-        }  # fmt: skip
+            "scrape_configs": [
+                {
+                    "job_name": "outbox",
+                    "scrape_interval": TICK,
+                    "scrape_timeout": TICK,
+                    "static_configs": [{"targets": [target]}],
+                }
+            ],
+        }
         (directory / "prometheus.yml").write_text(json.dumps(config))
         self.url = f"http://127.0.0.1:{free_port()}"
         self.log_path = directory / "prometheus.log"
         self._log: IO[bytes] = self.log_path.open("wb")
         self.proc = subprocess.Popen(
-            [binary, f"--config.file={directory / 'prometheus.yml'}",
-             f"--storage.tsdb.path={directory / 'data'}",
-             f"--web.listen-address={self.url.removeprefix('http://')}"],
-            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+            [
+                binary,
+                f"--config.file={directory / 'prometheus.yml'}",
+                f"--storage.tsdb.path={directory / 'data'}",
+                f"--web.listen-address={self.url.removeprefix('http://')}",
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             wait_until(self._ready, timeout=WAIT, what="Prometheus to be ready")
         except BaseException:
@@ -105,16 +116,20 @@ class Prometheus:
         """An instant vector: each series (its labels, as JSON) and its value."""
         data = self.api("query", query=expr)
         assert data["resultType"] == "vector", data
-        return {json.dumps(r["metric"], sort_keys=True): float(r["value"][1])
-                for r in data["result"]}  # fmt: skip
+        return {
+            json.dumps(r["metric"], sort_keys=True): float(r["value"][1]) for r in data["result"]
+        }
 
     def alerts(self) -> list[dict[str, Any]]:
         """Every alert pending or firing, with its labels and state."""
         return list(self.api("alerts")["alerts"])
 
     def firing(self, alertname: str) -> list[dict[str, str]]:
-        return [a["labels"] for a in self.alerts()
-                if a["labels"]["alertname"] == alertname and a["state"] == "firing"]  # fmt: skip
+        return [
+            a["labels"]
+            for a in self.alerts()
+            if a["labels"]["alertname"] == alertname and a["state"] == "firing"
+        ]
 
     def alert_rules(self) -> dict[str, dict[str, Any]]:
         groups = self.api("rules", type="alert")["groups"]
@@ -146,20 +161,31 @@ def outbox_config(tmp_path: Path, receiver: FakeWebhookReceiver) -> Path:
     return write_config(
         tmp_path / "outbox.toml",
         # A breaker open one second: its probes are refused too while the test watches.
-        providers={"hook": {"type": "webhook", "url": receiver.url, "timeout": "5s",
-                            "breaker_open_for": "1s"}},
-        poll_interval="200ms", gauge_interval="500ms", backoff_base="50ms",
-        backoff_max="200ms", shutdown_grace="1s",
-    )  # fmt: skip
+        providers={
+            "hook": {
+                "type": "webhook",
+                "url": receiver.url,
+                "timeout": "5s",
+                "breaker_open_for": "1s",
+            }
+        },
+        poll_interval="200ms",
+        gauge_interval="500ms",
+        backoff_base="50ms",
+        backoff_max="200ms",
+        shutdown_grace="1s",
+    )
 
 
 @contextmanager
-def watched(binary: str, db_url: str, receiver: FakeWebhookReceiver,
-            tmp_path: Path) -> Iterator[tuple[OutboxProcess, Prometheus, str]]:  # fmt: skip
+def watched(
+    binary: str, db_url: str, receiver: FakeWebhookReceiver, tmp_path: Path
+) -> Iterator[tuple[OutboxProcess, Prometheus, str]]:
     """`outbox run` and a Prometheus scraping it, once the first scrape reached it; and the
     target's address, Prometheus's `instance` label."""
-    proc = OutboxProcess(db_url, outbox_config(tmp_path, receiver), tmp_path / "run.log",
-                         metrics_addr="127.0.0.1:0")  # fmt: skip
+    proc = OutboxProcess(
+        db_url, outbox_config(tmp_path, receiver), tmp_path / "run.log", metrics_addr="127.0.0.1:0"
+    )
     try:
         target = proc.metrics_url().removeprefix("http://")
         prom = Prometheus(binary, tmp_path / "prometheus", target)
@@ -181,28 +207,42 @@ def test_quarantines_from_the_first_show_as_an_increase_and_open_a_ticket(
     event, so ten quarantines are an increase() that OutboxQuarantineGrowing sees."""
     with watched(prometheus_binary, db_url, receiver, tmp_path) as (_proc, prom, _target):
         zeros = dict.fromkeys(metrics.QUARANTINE_REASONS, 0.0)
-        prom.wait_for(lambda: {json.loads(k)["reason"]: v for k, v in prom.query(
-            'outbox_quarantined_total{provider="hook"}').items()} == zeros,
-            "every reason's counter at 0")  # fmt: skip
+        prom.wait_for(
+            lambda: (
+                {
+                    json.loads(k)["reason"]: v
+                    for k, v in prom.query('outbox_quarantined_total{provider="hook"}').items()
+                }
+                == zeros
+            ),
+            "every reason's counter at 0",
+        )
         # Two scrapes at 0: an increase() of 0, and nothing pending.
-        prom.wait_for(lambda: prom.query("sum(increase(outbox_quarantined_total[1h]))") == {
-            "{}": 0.0}, "an increase of 0")  # fmt: skip
+        prom.wait_for(
+            lambda: prom.query("sum(increase(outbox_quarantined_total[1h]))") == {"{}": 0.0},
+            "an increase of 0",
+        )
         assert prom.alerts() == []
         receiver.inject(WebhookFault.status(422), times=10)  # permanent: quarantined at once
         enqueue_many(db_url, 10)
-        wait_until(lambda: statuses(db_url) == {"quarantined": 10}, timeout=WAIT,
-                   what="ten quarantines")  # fmt: skip
-        prom.wait_for(lambda: bool(prom.firing("OutboxQuarantineGrowing")),
-                      "OutboxQuarantineGrowing to fire")  # fmt: skip
+        wait_until(
+            lambda: statuses(db_url) == {"quarantined": 10}, timeout=WAIT, what="ten quarantines"
+        )
+        prom.wait_for(
+            lambda: bool(prom.firing("OutboxQuarantineGrowing")), "OutboxQuarantineGrowing to fire"
+        )
         increase = prom.query("sum(increase(outbox_quarantined_total[1h]))")["{}"]
         assert increase >= 10  # extrapolated over the window, never below what happened
         assert prom.query('outbox_quarantined_total{reason="permanent_failure"} == 10') != {}
 
 
 def test_a_database_that_refuses_connections_pages_as_unreachable(
-    prometheus_binary: str, pg_server: str, db_url: str, receiver: FakeWebhookReceiver,
+    prometheus_binary: str,
+    pg_server: str,
+    db_url: str,
+    receiver: FakeWebhookReceiver,
     tmp_path: Path,
-) -> None:  # fmt: skip
+) -> None:
     """The test's own database stops taking connections and loses the ones it had, while
     `outbox run` keeps running and serving /metrics: OutboxDatabaseUnreachable fires for its
     instance, and OutboxDispatcherDown does not; it resolves once connections are allowed again."""
@@ -215,15 +255,28 @@ def test_a_database_that_refuses_connections_pages_as_unreachable(
         prom.wait_for(lambda: prom.query("outbox_database_up == 1") != {}, "the database up")
         admin.execute(sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS false").format(database))
         try:
-            admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                          "WHERE datname = %s", (name,))  # fmt: skip
-            prom.wait_for(lambda: prom.firing("OutboxDatabaseUnreachable") == [
-                {"alertname": "OutboxDatabaseUnreachable", "instance": target,
-                 "severity": "page"}], "OutboxDatabaseUnreachable to fire")  # fmt: skip
+            admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,)
+            )
+            prom.wait_for(
+                lambda: (
+                    prom.firing("OutboxDatabaseUnreachable")
+                    == [
+                        {
+                            "alertname": "OutboxDatabaseUnreachable",
+                            "instance": target,
+                            "severity": "page",
+                        }
+                    ]
+                ),
+                "OutboxDatabaseUnreachable to fire",
+            )
             assert proc.proc.poll() is None, proc.log_text()
             assert prom.query('up{job="outbox"}') == {
-                json.dumps({"__name__": "up", "instance": target, "job": "outbox"},
-                           sort_keys=True): 1.0}  # fmt: skip
+                json.dumps(
+                    {"__name__": "up", "instance": target, "job": "outbox"}, sort_keys=True
+                ): 1.0
+            }
             assert not prom.firing("OutboxDispatcherDown")
         finally:
             admin.execute(sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS true").format(database))
@@ -243,8 +296,10 @@ def test_refused_credentials_page_once_as_provider_paused(
     receiver.inject(WebhookFault.status(401), times=10_000)
     with watched(prometheus_binary, db_url, receiver, tmp_path) as (_proc, prom, _target):
         enqueue_many(db_url, 3)
-        prom.wait_for(lambda: [a["provider"] for a in prom.firing("OutboxProviderPaused")]
-                      == ["hook"], "OutboxProviderPaused to fire")  # fmt: skip
+        prom.wait_for(
+            lambda: [a["provider"] for a in prom.firing("OutboxProviderPaused")] == ["hook"],
+            "OutboxProviderPaused to fire",
+        )
         # The two alerts' conditions before their `unless`, held at each second of the last
         # four (a subquery): the evaluations waited for below all saw them hold.
         circuit = (
@@ -255,8 +310,10 @@ def test_refused_credentials_page_once_as_provider_paused(
             'min_over_time(max(outbox_provider_oldest_pending_age_seconds{provider="hook"})'
             f"[4s:1s]) > {AGE_THRESHOLD}"
         )
-        prom.wait_for(lambda: prom.query(circuit) != {} and prom.query(age) != {},
-                      "the circuit's and the age's conditions")  # fmt: skip
+        prom.wait_for(
+            lambda: prom.query(circuit) != {} and prom.query(age) != {},
+            "the circuit's and the age's conditions",
+        )
         prom.wait_evaluations(3)
         assert prom.query(circuit) != {} and prom.query(age) != {}
         assert [(a["labels"]["alertname"], a["state"]) for a in prom.alerts()] == [

@@ -48,27 +48,44 @@ NETWORK_READ = 64 * 1024
 # The bytes a provider may have received or decoded for one answer: the cap, and one step past.
 WIRE_BOUND = CAP + NETWORK_READ
 DECODED_BOUND = CAP + READ_PIECE
-PROPERTY = settings(max_examples=60, deadline=None, database=None,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+PROPERTY = settings(
+    max_examples=60,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 
 
 def request(key: str, action: str = "invoice.paid", payload: Any = None) -> SendRequest:
-    return SendRequest(operation_id=7, tenant_id="acme", operation_type="t", operation_key=key,
-                       action=action, payload=payload or {"amount": 1000, "currency": "usd"},
-                       idempotency_key=key, correlation_id=None, attempt=1)  # fmt: skip
+    return SendRequest(
+        operation_id=7,
+        tenant_id="acme",
+        operation_type="t",
+        operation_key=key,
+        action=action,
+        payload=payload or {"amount": 1000, "currency": "usd"},
+        idempotency_key=key,
+        correlation_id=None,
+        attempt=1,
+    )
 
 
 def webhook_provider(url: str, *, timeout: float = 5.0, **options: Any) -> WebhookProvider:
-    ps = ProviderSettings("hook", "webhook", timeout=timedelta(seconds=timeout),
-                          options={"url": url, **options})  # fmt: skip
+    ps = ProviderSettings(
+        "hook", "webhook", timeout=timedelta(seconds=timeout), options={"url": url, **options}
+    )
     provider = build_providers({"hook": ps})["hook"]
     assert isinstance(provider, WebhookProvider)
     return provider
 
 
 def stripe_provider(url: str, *, timeout: float = 5.0, **options: Any) -> StripeProvider:
-    ps = ProviderSettings("stripe", "stripe", timeout=timedelta(seconds=timeout),
-                          options={"api_key_env": "K", "api_base": url, **options})  # fmt: skip
+    ps = ProviderSettings(
+        "stripe",
+        "stripe",
+        timeout=timedelta(seconds=timeout),
+        options={"api_key_env": "K", "api_base": url, **options},
+    )
     provider = build_providers({"stripe": ps}, {"K": DEFAULT_API_KEY})["stripe"]
     assert isinstance(provider, StripeProvider)
     return provider
@@ -150,8 +167,9 @@ async def test_through_the_dispatcher_the_bomb_is_one_unknown_attempt_then_the_r
         assert await d.run_once() == 1
     finally:
         await hook.aclose()
-    attempts = rows(db_url, "SELECT outcome, error_class, http_status FROM outbox.attempts "
-                            "ORDER BY attempt")  # fmt: skip
+    attempts = rows(
+        db_url, "SELECT outcome, error_class, http_status FROM outbox.attempts ORDER BY attempt"
+    )
     assert attempts == [("unknown", "response_too_large", 201), ("succeeded", None, 201)]
     assert rows(db_url, "SELECT status, provider_ref FROM outbox.operations") == [
         ("succeeded", "wh_1")
@@ -192,8 +210,11 @@ def test_an_answer_is_read_whole_within_its_cap_and_refused_past_it(
     (effect,) = receiver.effects_for(key)
     text = json.dumps({"id": effect.effect_id, "key": key}).encode()
     decoded = max(size, len(text))
-    sent = decoded if coding in ("plain", "chunked") else len(
-        compressed(text, decoded - len(text), coding))  # fmt: skip
+    sent = (
+        decoded
+        if coding in ("plain", "chunked")
+        else len(compressed(text, decoded - len(text), coding))
+    )
     if decoded <= cap and sent <= cap:
         assert isinstance(result, Succeeded), result
         assert result.reference == effect.effect_id
@@ -429,12 +450,14 @@ async def test_a_lookup_page_may_be_larger_than_a_create_answer(fake: FakeStripe
     cap = 4096
     provider = stripe_provider(fake.url, max_response_bytes=cap)
     try:
-        results = [await provider.send(request(f"ob1_{i}", "payment_intents.create"))
-                   for i in range(30)]  # fmt: skip
+        results = [
+            await provider.send(request(f"ob1_{i}", "payment_intents.create")) for i in range(30)
+        ]
         assert all(isinstance(r, Succeeded) for r in results)
         now = datetime.now(UTC)
-        found = await provider.lookup(lookup_request("payment_intents.create", 7, "ob1_29",
-                                                     now, now))  # fmt: skip
+        found = await provider.lookup(
+            lookup_request("payment_intents.create", 7, "ob1_29", now, now)
+        )
         assert provider.tally.most_decoded > cap  # the page was larger than the cap
         fake.inject(StripeFault.huge_answer_after_apply(cap + 1))
         too_large = await provider.send(request("ob1_big", "payment_intents.create"))

@@ -36,8 +36,10 @@ FAST_BREAKER = timedelta(milliseconds=300)
 
 
 def transitions(provider: str) -> dict[str, float]:
-    return {state: metrics.PROVIDER_TRANSITIONS.labels(provider, state)._value.get()
-            for state in ("closed", "open", "half_open")}  # fmt: skip
+    return {
+        state: metrics.PROVIDER_TRANSITIONS.labels(provider, state)._value.get()
+        for state in ("closed", "open", "half_open")
+    }
 
 
 def since(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
@@ -45,8 +47,11 @@ def since(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, 
 
 
 def attempts_total(url: str, provider: str) -> int:
-    ((total,),) = rows(url, "SELECT coalesce(sum(attempts), 0) FROM outbox.operations "
-                            "WHERE provider = %s", (provider,))  # fmt: skip
+    ((total,),) = rows(
+        url,
+        "SELECT coalesce(sum(attempts), 0) FROM outbox.operations WHERE provider = %s",
+        (provider,),
+    )
     return int(total)
 
 
@@ -98,8 +103,11 @@ async def test_a_run_of_failures_opens_the_breaker_and_only_a_probe_goes_until_o
     assert since(before, transitions("hook")) == {"open": 2, "half_open": 2, "closed": 1}
     assert metrics.PROVIDER_STATE.labels("hook", "closed")._value.get() == 1
     assert metrics.PROVIDER_PAUSED.labels("hook")._value.get() == 0  # not a credentials pause
-    said = [(e["event"].split(":")[0], e["log_level"]) for e in logs
-            if e["event"].startswith("provider breaker")]  # fmt: skip
+    said = [
+        (e["event"].split(":")[0], e["log_level"])
+        for e in logs
+        if e["event"].startswith("provider breaker")
+    ]
     assert said == [
         ("provider breaker opened", "warning"),
         ("provider breaker half-open", "info"),
@@ -177,21 +185,30 @@ async def test_a_failing_stripe_leaves_the_webhook_its_throughput_and_gets_only_
         hook = webhook("hook", receiver.url)
         try:
             enqueue_many(db_url, count, prefix="solo")
-            await run_until(dispatcher(pool, {"hook": hook}, concurrency=concurrency),
-                            lambda: receiver.effect_count() >= count, 30)  # fmt: skip
+            await run_until(
+                dispatcher(pool, {"hook": hook}, concurrency=concurrency),
+                lambda: receiver.effect_count() >= count,
+                30,
+            )
             stripe_ops = enqueue_charges(db_url, 100)
             enqueue_many(db_url, count, prefix="beside")
-            d = dispatcher(pool, {"hook": hook, "stripe": provider}, concurrency=concurrency,
-                           limits=limits)  # fmt: skip
+            d = dispatcher(
+                pool, {"hook": hook, "stripe": provider}, concurrency=concurrency, limits=limits
+            )
             started = time.monotonic()
-            beside = await run_until(d, lambda: receiver.effect_count() >= 2 * count
-                                     and time.monotonic() - started > 3.5, 30)  # fmt: skip
+            beside = await run_until(
+                d,
+                lambda: receiver.effect_count() >= 2 * count and time.monotonic() - started > 3.5,
+                30,
+            )
         finally:
             await hook.aclose()
     alone = steady_rate([e.at for e in receiver.effects[:count]])
     with_stripe = steady_rate([e.at for e in receiver.effects[count:]])
-    print(f"\nwebhook alone {alone:.0f}/s, beside a failing Stripe {with_stripe:.0f}/s; "  # noqa: T201 (the figures)
-          f"Stripe got {len(fake.received)} requests in {beside:.1f}s")  # fmt: skip
+    print(  # noqa: T201 (the figures)
+        f"\nwebhook alone {alone:.0f}/s, beside a failing Stripe {with_stripe:.0f}/s; "
+        f"Stripe got {len(fake.received)} requests in {beside:.1f}s"
+    )
     assert with_stripe >= alone * 0.8
     arrivals = sorted(r.at for r in fake.received)
     burst = [t for t in arrivals if t - arrivals[0] < 0.5]  # the calls before the breaker opened
@@ -219,10 +236,15 @@ async def test_a_slow_provider_holds_only_its_own_slots(
         slow_end.inject(WebhookFault.delay_after_apply(2.0), times=100)
         slow, fast = webhook("slow", slow_end.url, timeout=5.0), webhook("fast", fast_end.url)
         try:
-            d = dispatcher(pool, {"slow": slow, "fast": fast}, concurrency=16,
-                           limits={"slow": ProviderLimits(max_in_flight=2)})  # fmt: skip
-            await run_until(d, lambda: slow_end.effect_count() >= 2
-                            and fast_end.effect_count() >= 40, 30)  # fmt: skip
+            d = dispatcher(
+                pool,
+                {"slow": slow, "fast": fast},
+                concurrency=16,
+                limits={"slow": ProviderLimits(max_in_flight=2)},
+            )
+            await run_until(
+                d, lambda: slow_end.effect_count() >= 2 and fast_end.effect_count() >= 40, 30
+            )
         finally:
             await slow.aclose()
             await fast.aclose()
@@ -239,8 +261,9 @@ async def test_a_slow_provider_holds_only_its_own_slots(
 
 
 def bucket(url: str, provider: str) -> float:
-    ((tokens,),) = rows(url, "SELECT tokens FROM outbox.provider_buckets WHERE provider = %s",
-                        (provider,))  # fmt: skip
+    ((tokens,),) = rows(
+        url, "SELECT tokens FROM outbox.provider_buckets WHERE provider = %s", (provider,)
+    )
     return float(tokens)
 
 
@@ -248,8 +271,11 @@ async def test_a_429_empties_the_shared_bucket_for_every_replica(
     db_url: str, pool: AsyncConnectionPool[Any], receiver: FakeWebhookReceiver, hook: Provider
 ) -> None:
     enqueue_many(db_url, 10)
-    rows(db_url, "INSERT INTO outbox.provider_buckets (provider, rate, burst, tokens, refilled_at)"
-                 " VALUES ('hook', 20, 20, 20, now()) RETURNING 1")  # a full bucket  # fmt: skip
+    rows(
+        db_url,
+        "INSERT INTO outbox.provider_buckets (provider, rate, burst, tokens, refilled_at)"
+        " VALUES ('hook', 20, 20, 20, now()) RETURNING 1",
+    )  # a full bucket
     receiver.inject(WebhookFault.status(429, retry_after=2))
     limits = {"hook": ProviderLimits(rate=20, burst=20)}
     first = dispatcher(pool, {"hook": hook}, worker="first", concurrency=1, limits=limits)
@@ -264,8 +290,11 @@ async def test_a_429_empties_the_shared_bucket_for_every_replica(
     assert await first.run_once() == 0
     assert len(receiver.received) == 1
     # Time moves in the data: the Retry-After has passed, and the debt with it.
-    rows(db_url, "UPDATE outbox.provider_buckets SET refilled_at = refilled_at - interval '2.2s'"
-                 " RETURNING 1")  # fmt: skip
+    rows(
+        db_url,
+        "UPDATE outbox.provider_buckets SET refilled_at = refilled_at - interval '2.2s'"
+        " RETURNING 1",
+    )
     resumed = await other.run_once()
     # 2.2 s at 20/s, less the 40 of debt: 4 tokens, and one more per 50 ms since the 429.
     assert 4 <= resumed <= 4 + 20 * (time.monotonic() - before_429)
@@ -277,8 +306,11 @@ async def test_a_claim_takes_no_more_rows_than_tokens_and_gives_back_the_rest(
 ) -> None:
     enqueue_many(db_url, 10)
     other_ids = enqueue_many(db_url, 3, provider="other", prefix="other")
-    rows(db_url, "INSERT INTO outbox.provider_buckets (provider, rate, burst, tokens, refilled_at)"
-                 " VALUES ('hook', 0.001, 5, 5, now()) RETURNING 1")  # fmt: skip
+    rows(
+        db_url,
+        "INSERT INTO outbox.provider_buckets (provider, rate, burst, tokens, refilled_at)"
+        " VALUES ('hook', 0.001, 5, 5, now()) RETURNING 1",
+    )
     with FakeWebhookReceiver() as other_end:
         other = webhook("other", other_end.url)
         try:
@@ -305,21 +337,23 @@ def test_three_processes_together_stay_under_the_rate_limit(db_url: str, tmp_pat
     with FakeWebhookReceiver() as receiver:
         cfg = write_config(
             tmp_path / "outbox.toml",
-            providers={"hook": {"type": "webhook", "url": receiver.url,
-                                "rate_limit": f"{rate}/s"}},
-            poll_interval="200ms", concurrency=64, lease="10s",
-        )  # fmt: skip
+            providers={"hook": {"type": "webhook", "url": receiver.url, "rate_limit": f"{rate}/s"}},
+            poll_interval="200ms",
+            concurrency=64,
+            lease="10s",
+        )
         with outbox_processes(3, db_url, cfg, tmp_path):
             wait_until(lambda: len(receiver.received) > 0, timeout=30, what="a first request")
             first = receiver.received[0].at
             time.sleep(max(0.0, seconds + first - time.monotonic()))
             arrivals = sorted(r.at - first for r in receiver.received if r.at - first < seconds)
     # The busiest one-second window: every window that holds the most starts at an arrival.
-    busiest = max(bisect.bisect_left(arrivals, start + 1.0) - i
-                  for i, start in enumerate(arrivals))  # fmt: skip
+    busiest = max(bisect.bisect_left(arrivals, start + 1.0) - i for i, start in enumerate(arrivals))
     achieved = len(arrivals) / seconds
-    print(f"\n3 x outbox run at {rate}/s (burst {burst}): {achieved:.1f}/s "  # noqa: T201 (the figures)
-          f"over {seconds:.0f}s, busiest second {busiest}")  # fmt: skip
+    print(  # noqa: T201 (the figures)
+        f"\n3 x outbox run at {rate}/s (burst {burst}): {achieved:.1f}/s "
+        f"over {seconds:.0f}s, busiest second {busiest}"
+    )
     assert busiest <= rate + burst
     assert len(arrivals) <= rate * seconds + burst
     assert achieved >= rate * 0.7

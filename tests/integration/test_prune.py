@@ -34,16 +34,21 @@ def test_prune_takes_old_finished_operations_in_batches_and_leaves_the_rest(db_u
     finish(db_url, old[:6], "succeeded", "40 days")
     finish(db_url, recent, "succeeded", "1 day")
     with psycopg.connect(db_url) as conn:  # an old cancellation, audited
-        conn.execute("UPDATE outbox.operations SET status = 'quarantined', "
-                     "status_reason = 'permanent_failure' WHERE id = %s", (old[6],))  # fmt: skip
-        conn.execute("SELECT outbox.cancel_operation(%s, 'duplicate invoice', 'oncall')",
-                     (old[6],))  # fmt: skip
+        conn.execute(
+            "UPDATE outbox.operations SET status = 'quarantined', "
+            "status_reason = 'permanent_failure' WHERE id = %s",
+            (old[6],),
+        )
+        conn.execute("SELECT outbox.cancel_operation(%s, 'duplicate invoice', 'oncall')", (old[6],))
         conn.execute(
             "UPDATE outbox.operations SET finished_at = now() - interval '40 days' WHERE id = %s",
             (old[6],),
         )
-        conn.execute("UPDATE outbox.operations SET status = 'reconciling', status_reason = "
-                     "'key_window_passed' WHERE id = %s", (waiting[0],))  # fmt: skip
+        conn.execute(
+            "UPDATE outbox.operations SET status = 'reconciling', status_reason = "
+            "'key_window_passed' WHERE id = %s",
+            (waiting[0],),
+        )
     batches: list[int] = []
     with psycopg.connect(db_url, autocommit=True) as conn:
         assert prune_finished(conn, timedelta(days=30), dry_run=True) == 7
@@ -53,8 +58,9 @@ def test_prune_takes_old_finished_operations_in_batches_and_leaves_the_rest(db_u
     left = rows(db_url, "SELECT id FROM outbox.operations ORDER BY id")
     assert [i for (i,) in left] == sorted(recent + waiting)
     assert rows(db_url, "SELECT count(*) FROM outbox.attempts") == [(2,)]  # the recent ones'
-    assert rows(db_url, "SELECT count(*) FROM outbox.audit WHERE operation_id = %s",
-                (old[6],)) == [(1,)]  # fmt: skip
+    assert rows(db_url, "SELECT count(*) FROM outbox.audit WHERE operation_id = %s", (old[6],)) == [
+        (1,)
+    ]
 
 
 def test_the_prune_command_reports_and_a_dry_run_deletes_nothing(
@@ -86,14 +92,22 @@ def test_prune_removes_the_locks_of_ordering_keys_no_unfinished_operation_uses(
             "operation_key => 'op-' || g, provider => 'hook', action => 'a', payload => '{}', "
             "ordering_key => 'key-' || (g % 5)) FROM generate_series(1, 10) g"
         )
-    done = [i for (i,) in rows(db_url, "SELECT id FROM outbox.operations "
-                                       "WHERE ordering_key IN ('key-1', 'key-2')")]  # fmt: skip
+    done = [
+        i
+        for (i,) in rows(
+            db_url, "SELECT id FROM outbox.operations WHERE ordering_key IN ('key-1', 'key-2')"
+        )
+    ]
     with psycopg.connect(db_url) as conn:
-        conn.execute("UPDATE outbox.operations SET ordering_blocked = false WHERE id = ANY(%s)",
-                     (done,))  # fmt: skip
+        conn.execute(
+            "UPDATE outbox.operations SET ordering_blocked = false WHERE id = ANY(%s)", (done,)
+        )
     finish(db_url, done, "succeeded", "40 days")
     result = outbox_cli(cli_env, "prune", "--older-than", "30d", "--batch", "2")
     assert result.returncode == 0, result.stderr
     assert "pruned 2 idle ordering key(s)" in result.stdout
     assert rows(db_url, "SELECT ordering_key FROM outbox.ordering_keys ORDER BY 1") == [
-        ("key-0",), ("key-3",), ("key-4",)]  # fmt: skip
+        ("key-0",),
+        ("key-3",),
+        ("key-4",),
+    ]

@@ -61,8 +61,9 @@ def _top(row: tuple[Any, ...] | None) -> dict[str, Any]:
     return top
 
 
-def plan_nodes(url: str, query: LiteralString, params: dict[str, Any],
-               *, analyze: bool = False) -> list[dict[str, Any]]:  # fmt: skip
+def plan_nodes(
+    url: str, query: LiteralString, params: dict[str, Any], *, analyze: bool = False
+) -> list[dict[str, Any]]:
     explain: LiteralString = (
         "EXPLAIN (ANALYZE, FORMAT JSON) " if analyze else "EXPLAIN (FORMAT JSON) "
     )
@@ -71,8 +72,11 @@ def plan_nodes(url: str, query: LiteralString, params: dict[str, Any],
 
 
 def scans_of_operations(nodes: list[dict[str, Any]]) -> list[tuple[str, str | None]]:
-    return [(n["Node Type"], n.get("Index Name")) for n in nodes
-            if n.get("Relation Name") == "operations"]  # fmt: skip
+    return [
+        (n["Node Type"], n.get("Index Name"))
+        for n in nodes
+        if n.get("Relation Name") == "operations"
+    ]
 
 
 CLAIM_PARAMS: dict[str, Any] = claim_params("w", 100, timedelta(seconds=30))
@@ -103,8 +107,9 @@ def test_the_one_group_claim_reads_the_claim_index(big_db: str) -> None:
 
 
 def test_the_rescue_reads_the_lease_index(big_db: str) -> None:
-    scans = scans_of_operations(plan_nodes(big_db, statements.RESCUE,
-                                           {"limit": 500, "max_attempts": 10}))  # fmt: skip
+    scans = scans_of_operations(
+        plan_nodes(big_db, statements.RESCUE, {"limit": 500, "max_attempts": 10})
+    )
     assert ("Seq Scan", None) not in scans
     assert any(index == "operations_lease" for _, index in scans), scans
 
@@ -124,9 +129,11 @@ def test_the_key_expiry_gauge_reads_only_partial_indexes(big_db: str) -> None:
     params = {"providers": ["hook", "stripe"], "windows": [timedelta(hours=24)] * 2}
     scans = scans_of_operations(plan_nodes(big_db, statements.NEARING_KEY_EXPIRY, params))
     assert scans and all(kind != "Seq Scan" for kind, _ in scans), scans
-    assert {index for _, index in scans} <= {"operations_claim_group",
-                                             "operations_ordering_blocked",
-                                             "operations_scheduled"}, scans  # fmt: skip
+    assert {index for _, index in scans} <= {
+        "operations_claim_group",
+        "operations_ordering_blocked",
+        "operations_scheduled",
+    }, scans
 
 
 def custom_and_generic(
@@ -152,8 +159,9 @@ def custom_and_generic(
         conn.execute(("PREPARE generic AS " + text).encode())
         values = sql.SQL(", ").join(sql.Literal(params[name]) for name in names)
         with conn.transaction(force_rollback=True):
-            generic = _top(conn.execute(
-                sql.SQL(explain + "EXECUTE generic({})").format(values)).fetchone())  # fmt: skip
+            generic = _top(
+                conn.execute(sql.SQL(explain + "EXECUTE generic({})").format(values)).fetchone()
+            )
         kinds = conn.execute(
             "SELECT generic_plans, custom_plans FROM pg_prepared_statements"
         ).fetchone()
@@ -162,10 +170,23 @@ def custom_and_generic(
 
 
 def _one_record() -> dict[str, Any]:
-    return {"id": 1, "lease_token": str(uuid.uuid4()), "attempt": 1, "status": "succeeded",
-            "reason": None, "retry_in_s": 0.0, "sent": True, "provider_ref": "ref",
-            "result": None, "error": None, "failure": None, "outcome": "succeeded",
-            "error_class": None, "http_status": 200, "request_id": None}  # fmt: skip
+    return {
+        "id": 1,
+        "lease_token": str(uuid.uuid4()),
+        "attempt": 1,
+        "status": "succeeded",
+        "reason": None,
+        "retry_in_s": 0.0,
+        "sent": True,
+        "provider_ref": "ref",
+        "result": None,
+        "error": None,
+        "failure": None,
+        "outcome": "succeeded",
+        "error_class": None,
+        "http_status": 200,
+        "request_id": None,
+    }
 
 
 # Every statement with parameters that `outbox run` repeats on the table, with parameters like
@@ -174,22 +195,30 @@ DISPATCHER_STATEMENTS: dict[str, tuple[LiteralString, dict[str, Any]]] = {
     "CLAIM": (statements.CLAIM, CLAIM_PARAMS),
     "CLAIM_ONE_GROUP": (statements.CLAIM_ONE_GROUP, CLAIM_PARAMS),
     "RECORD_MANY": (statements.RECORD_MANY, {"batch": Jsonb([_one_record()]), "worker": "w"}),
-    "UNCLAIM": (statements.UNCLAIM, {"id": 1, "lease_token": uuid.uuid4(), "status": "pending",
-                                     "reason": None, "delay": None}),
-    "HEARTBEAT": (statements.HEARTBEAT, {"ids": [1, 2], "tokens": [uuid.uuid4(), uuid.uuid4()],
-                                         "lease": timedelta(seconds=30)}),
+    "UNCLAIM": (
+        statements.UNCLAIM,
+        {"id": 1, "lease_token": uuid.uuid4(), "status": "pending", "reason": None, "delay": None},
+    ),
+    "HEARTBEAT": (
+        statements.HEARTBEAT,
+        {"ids": [1, 2], "tokens": [uuid.uuid4(), uuid.uuid4()], "lease": timedelta(seconds=30)},
+    ),
     "RESCUE": (statements.RESCUE, {"limit": 500, "max_attempts": 10}),
     "ATTEMPT_RECORDED": (statements.ATTEMPT_RECORDED, {"id": 1, "attempt": 1, "worker": "w"}),
     "GAUGES": (statements.GAUGES, {"exact_limit": 0, "providers": ["p0"]}),
-    "NEARING_KEY_EXPIRY": (statements.NEARING_KEY_EXPIRY,
-                           {"providers": ["hook", "stripe"], "windows": [timedelta(hours=24)] * 2}),
+    "NEARING_KEY_EXPIRY": (
+        statements.NEARING_KEY_EXPIRY,
+        {"providers": ["hook", "stripe"], "windows": [timedelta(hours=24)] * 2},
+    ),
     "REPAIRS_DUE": (statements.REPAIRS_DUE, {"limit": 10}),
-}  # fmt: skip
+}
 
 
 def reads_whole_table(plan: dict[str, Any]) -> bool:
-    return any(n["Node Type"] == "Seq Scan" and n.get("Relation Name") in ("operations", "attempts")
-               for n in _walk(plan))  # fmt: skip
+    return any(
+        n["Node Type"] == "Seq Scan" and n.get("Relation Name") in ("operations", "attempts")
+        for n in _walk(plan)
+    )
 
 
 def blocks(plan: dict[str, Any]) -> int:

@@ -37,8 +37,9 @@ async def provider(fake: FakeStripe) -> AsyncIterator[Provider]:
     await p.aclose()
 
 
-async def unknown_then_past_the_window(db_url: str, pool: AsyncConnectionPool[Any],
-                                       fake: FakeStripe, provider: Provider) -> int:  # fmt: skip
+async def unknown_then_past_the_window(
+    db_url: str, pool: AsyncConnectionPool[Any], fake: FakeStripe, provider: Provider
+) -> int:
     """An attempt with an unknown outcome, then time passes beyond the key window."""
     (op,) = enqueue_charges(db_url, 1)
     d = dispatcher(pool, {"stripe": provider})
@@ -82,9 +83,9 @@ async def test_an_effect_stripe_applied_is_found_and_the_operation_succeeds_with
     assert rows(db_url, "SELECT status, provider_ref, check_finding FROM outbox.operations") == [
         ("succeeded", obj["id"], "found")
     ]
-    assert rows(db_url, "SELECT actor, action, to_status, details->>'provider_ref' "
-                        "FROM outbox.audit") == [
-        ("outbox-reconciler (manual)", "check", "succeeded", obj["id"])]  # fmt: skip
+    assert rows(
+        db_url, "SELECT actor, action, to_status, details->>'provider_ref' FROM outbox.audit"
+    ) == [("outbox-reconciler (manual)", "check", "succeeded", obj["id"])]
     assert fake.object_count() == 1
 
 
@@ -148,8 +149,10 @@ async def test_a_not_found_is_audited_once_however_often_it_is_checked(
     for _ in range(3):
         assert await checker.run_once(recheck_after=timedelta(0)) == 1
     assert rows(db_url, "SELECT count(*) FROM outbox.audit") == [(1,)]
-    assert rows(db_url, "SELECT check_finding, checked_at > now() - interval '1 minute' "
-                        "FROM outbox.operations") == [("not_found", True)]  # fmt: skip
+    assert rows(
+        db_url,
+        "SELECT check_finding, checked_at > now() - interval '1 minute' FROM outbox.operations",
+    ) == [("not_found", True)]
 
 
 def test_check_needs_an_id_or_all(check_env: dict[str, str]) -> None:
@@ -168,13 +171,16 @@ async def test_the_lookup_pages_through_lists_and_reports_duplicate_effects(
     import stripe  # noqa: PLC0415
 
     http = stripe.HTTPXClient()
-    client = stripe.StripeClient("sk_test_fake", base_addresses={"api": fake.url},
-                                 http_client=http)  # fmt: skip
+    client = stripe.StripeClient("sk_test_fake", base_addresses={"api": fake.url}, http_client=http)
     try:
         # Operation 42's key family twice (generations 1 and 2), 150 others, and an object that
         # claims operation 42 under a foreign key (another database's operation 42).
-        for n, key in ((42, "k42"), *((n, f"k{n}") for n in range(1000, 1150)),
-                       (42, "someone-else"), (42, "k42:r2")):  # fmt: skip
+        for n, key in (
+            (42, "k42"),
+            *((n, f"k{n}") for n in range(1000, 1150)),
+            (42, "someone-else"),
+            (42, "k42:r2"),
+        ):
             await client.v1.payment_intents.create_async(
                 params={
                     "amount": 100,
@@ -211,8 +217,16 @@ async def test_an_operator_sends_a_quarantined_operation_to_the_reconciler(
         ("quarantined", "attempts_exhausted")
     ]
     fake.wait_idle(timeout=5)
-    sent = outbox_cli(check_env, "quarantine", "reconcile", str(op), "--reason",
-                      "did the charge happen?", "--actor", "carol")  # fmt: skip
+    sent = outbox_cli(
+        check_env,
+        "quarantine",
+        "reconcile",
+        str(op),
+        "--reason",
+        "did the charge happen?",
+        "--actor",
+        "carol",
+    )
     assert sent.returncode == 0, sent.stderr
     assert rows(db_url, "SELECT status, status_reason FROM outbox.operations") == [
         ("reconciling", "operator_request")
@@ -236,8 +250,10 @@ async def test_the_periodic_reconciler_skips_providers_it_cannot_ask(
     hooks = enqueue_many(db_url, 150, provider="hook")  # older, and nobody can ask about them
     (charge,) = enqueue_charges(db_url, 1)
     with psycopg.connect(db_url) as conn:
-        conn.execute("UPDATE outbox.operations SET status = 'reconciling', attempts = 1, "
-                     "first_sent_at = now(), last_attempt_at = now()")  # fmt: skip
+        conn.execute(
+            "UPDATE outbox.operations SET status = 'reconciling', attempts = 1, "
+            "first_sent_at = now(), last_attempt_at = now()"
+        )
     from tests.support.dispatch import webhook  # noqa: PLC0415
 
     hook = webhook("hook", "http://127.0.0.1:9/")  # a webhook has no lookup
@@ -246,8 +262,9 @@ async def test_the_periodic_reconciler_skips_providers_it_cannot_ask(
         assert await checker.run_once() == 1  # only the Stripe operation, despite 150 older
     finally:
         await hook.aclose()
-    assert rows(db_url, "SELECT check_finding FROM outbox.operations WHERE id = %s",
-                (charge,)) == [("not_found",)]  # fmt: skip
+    assert rows(db_url, "SELECT check_finding FROM outbox.operations WHERE id = %s", (charge,)) == [
+        ("not_found",)
+    ]
     assert len(hooks) == 150
 
 
@@ -267,8 +284,9 @@ def test_sql_guards_null_force_stale_findings_blank_refs_and_audit_deletes(db_ur
         assert stale.fetchone() == ("stale",)  # checked for a key generation it no longer has
         with pytest.raises(psycopg.Error, match="must give its reference"):
             conn.execute("SELECT outbox.record_check(%s, '  ', 'r', '{}', 1, 1)", (op,))
-        assert conn.execute("SELECT outbox.record_check(%s, NULL, 'r', NULL, 1, 1)",
-                            (op,)).fetchone() == ("reconciling",)  # fmt: skip
+        assert conn.execute(
+            "SELECT outbox.record_check(%s, NULL, 'r', NULL, 1, 1)", (op,)
+        ).fetchone() == ("reconciling",)
         with pytest.raises(psycopg.Error, match="DELETE is refused"):
             conn.execute("DELETE FROM outbox.audit")
         with pytest.raises(psycopg.Error, match="TRUNCATE is refused"):
@@ -325,8 +343,12 @@ async def test_a_failed_lookup_is_due_again_in_minutes_not_an_hour(
         assert await checker.run_once() == 1
     (event,) = [e for e in logs if e["event"] == "reconciliation check"]
     assert (event["outcome"], event["error_class"]) == ("error", "APIError")
-    ((due_in,),) = rows(db_url, "SELECT extract(epoch FROM checked_at + interval '1 hour' "
-                                "- now()) FROM outbox.operations WHERE id = %s", (op,))  # fmt: skip
+    ((due_in,),) = rows(
+        db_url,
+        "SELECT extract(epoch FROM checked_at + interval '1 hour' "
+        "- now()) FROM outbox.operations WHERE id = %s",
+        (op,),
+    )
     assert 200 < due_in <= 300  # ERROR_RETRY (5 min), not RECHECK_AFTER (1 h)
     assert await checker.run_once() == 0  # not before then
     assert rows(db_url, "SELECT status FROM outbox.operations") == [("reconciling",)]

@@ -26,43 +26,74 @@ PAYLOADS: dict[str, dict[str, Any]] = {
     "payment_intents.create": {"amount": 2500, "currency": "usd", "customer": "cus_1"},
     "refunds.create": {"payment_intent": "pi_1", "amount": 500},
     "customers.create": {"email": "ada@example.com", "name": "Ada"},
-    "transfers.create": {"amount": 700, "currency": "usd", "destination": "acct_1",
-                         "transfer_group": "order-7"},
+    "transfers.create": {
+        "amount": 700,
+        "currency": "usd",
+        "destination": "acct_1",
+        "transfer_group": "order-7",
+    },
     "payouts.create": {"amount": 900, "currency": "usd"},
-    "invoices.create": {"customer": "cus_1", "collection_method": "send_invoice",
-                        "days_until_due": 30},
+    "invoices.create": {
+        "customer": "cus_1",
+        "collection_method": "send_invoice",
+        "days_until_due": 30,
+    },
     "subscriptions.create": {"customer": "cus_1", "items": [{"price": "price_1"}]},
     "setup_intents.create": {"customer": "cus_1", "usage": "off_session"},
-    "checkout.sessions.create": {"customer": "cus_1", "mode": "payment",
-                                 "success_url": "https://example.com/ok",
-                                 "line_items": [{"price": "price_1", "quantity": 1}]},
-}  # fmt: skip
+    "checkout.sessions.create": {
+        "customer": "cus_1",
+        "mode": "payment",
+        "success_url": "https://example.com/ok",
+        "line_items": [{"price": "price_1", "quantity": 1}],
+    },
+}
 
 # A change: (its target's resource, the target's state before, the payload besides its id,
 # the finding after the lost answer, the target's state after).
 CHANGES: dict[str, tuple[str, str, dict[str, Any], str, str]] = {
-    "payment_intents.confirm": ("payment_intents", "requires_confirmation",
-                                {"payment_method": "pm_card_visa"}, "found", "succeeded"),
+    "payment_intents.confirm": (
+        "payment_intents",
+        "requires_confirmation",
+        {"payment_method": "pm_card_visa"},
+        "found",
+        "succeeded",
+    ),
     "payment_intents.capture": ("payment_intents", "requires_capture", {}, "found", "succeeded"),
-    "payment_intents.cancel": ("payment_intents", "requires_payment_method",
-                               {"cancellation_reason": "abandoned"}, "found", "canceled"),
+    "payment_intents.cancel": (
+        "payment_intents",
+        "requires_payment_method",
+        {"cancellation_reason": "abandoned"},
+        "found",
+        "canceled",
+    ),
     "refunds.cancel": ("refunds", "pending", {}, "found", "canceled"),
     "invoices.finalize_invoice": ("invoices", "draft", {}, "found", "open"),
     "invoices.pay": ("invoices", "open", {}, "found", "paid"),
     "invoices.void_invoice": ("invoices", "open", {}, "found", "void"),
     # What an update changed cannot be read off the subscription: a person decides.
-    "subscriptions.update": ("subscriptions", "active", {"metadata": {"plan": "gold"}},
-                             "undecided", "active"),
+    "subscriptions.update": (
+        "subscriptions",
+        "active",
+        {"metadata": {"plan": "gold"}},
+        "undecided",
+        "active",
+    ),
     "subscriptions.cancel": ("subscriptions", "active", {}, "found", "canceled"),
-}  # fmt: skip
+}
 
 
 # Changes whose absence the target's state cannot prove.
 UNREADABLE_ABSENCE = frozenset({"invoices.pay", "subscriptions.update"})
 
 
-async def lost_then_checked(db_url: str, pool: AsyncConnectionPool[Any], fake: FakeStripe,
-                            check_env: dict[str, str], op: int, path: str) -> None:  # fmt: skip
+async def lost_then_checked(
+    db_url: str,
+    pool: AsyncConnectionPool[Any],
+    fake: FakeStripe,
+    check_env: dict[str, str],
+    op: int,
+    path: str,
+) -> None:
     """Sent, applied, the answer lost; past the key window: reconciling. Then the daemon's
     periodic check, or `outbox reconcile check ID`."""
     stripe = stripe_provider("stripe", fake.url, timeout=0.5)
@@ -75,7 +106,8 @@ async def lost_then_checked(db_url: str, pool: AsyncConnectionPool[Any], fake: F
         make_due(db_url)
         assert await d.run_once() == 1
         assert rows(db_url, "SELECT status, status_reason FROM outbox.operations") == [
-            ("reconciling", "key_window_passed")]  # fmt: skip
+            ("reconciling", "key_window_passed")
+        ]
         if path == "daemon":
             assert await Reconciler(pool, {"stripe": stripe}).run_once() == 1
         else:
@@ -94,19 +126,30 @@ def test_every_action_has_a_flow() -> None:
 @pytest.mark.parametrize("path", ["daemon", "manual"])
 @pytest.mark.parametrize("action", sorted(PAYLOADS))
 async def test_a_lost_answer_past_the_key_window_is_found_and_succeeds(
-    db_url: str, pool: AsyncConnectionPool[Any], fake: FakeStripe, check_env: dict[str, str],
-    action: str, path: str,
-) -> None:  # fmt: skip
+    db_url: str,
+    pool: AsyncConnectionPool[Any],
+    fake: FakeStripe,
+    check_env: dict[str, str],
+    action: str,
+    path: str,
+) -> None:
     resource = ACTIONS[action].service.replace(".", "/")
     with psycopg.connect(db_url) as conn:
-        op = outbox.enqueue(conn, tenant_id="acme", operation_type="flow", operation_key="k-1",
-                            provider="stripe", action=action,
-                            payload=PAYLOADS[action]).operation_id  # fmt: skip
+        op = outbox.enqueue(
+            conn,
+            tenant_id="acme",
+            operation_type="flow",
+            operation_key="k-1",
+            provider="stripe",
+            action=action,
+            payload=PAYLOADS[action],
+        ).operation_id
     fake.seed_objects(resource, 150)  # a crowd created around it, by other requests
     await lost_then_checked(db_url, pool, fake, check_env, op, path)
     (mine,) = fake.objects_with_metadata("outbox_operation_id", str(op))
     assert rows(db_url, "SELECT status, provider_ref, check_finding FROM outbox.operations") == [
-        ("succeeded", mine["id"], "found")]  # fmt: skip
+        ("succeeded", mine["id"], "found")
+    ]
     assert sum(r.method == "POST" for r in fake.received) == 1
     assert fake.object_count(resource) == 151
 
@@ -118,18 +161,28 @@ def enqueue_change(db_url: str, fake: FakeStripe, action: str) -> tuple[int, str
     target = fake.objects(resource)[-1]["id"]
     fake.update_object(target, status=before)
     with psycopg.connect(db_url) as conn:
-        op = outbox.enqueue(conn, tenant_id="acme", operation_type="flow", operation_key="k-1",
-                            provider="stripe", action=action,
-                            payload={"id": target, **params}).operation_id  # fmt: skip
+        op = outbox.enqueue(
+            conn,
+            tenant_id="acme",
+            operation_type="flow",
+            operation_key="k-1",
+            provider="stripe",
+            action=action,
+            payload={"id": target, **params},
+        ).operation_id
     return op, target
 
 
 @pytest.mark.parametrize("path", ["daemon", "manual"])
 @pytest.mark.parametrize("action", sorted(CHANGES))
 async def test_a_lost_change_past_the_key_window_is_decided_by_its_target(
-    db_url: str, pool: AsyncConnectionPool[Any], fake: FakeStripe, check_env: dict[str, str],
-    action: str, path: str,
-) -> None:  # fmt: skip
+    db_url: str,
+    pool: AsyncConnectionPool[Any],
+    fake: FakeStripe,
+    check_env: dict[str, str],
+    action: str,
+    path: str,
+) -> None:
     """A change is sent to its target (the payload's id), applied once, its answer lost; the
     check retrieves the target and reads its state."""
     resource, _, _, finding, after = CHANGES[action]
@@ -139,8 +192,9 @@ async def test_a_lost_change_past_the_key_window_is_decided_by_its_target(
     assert obj["status"] == after
     status = "succeeded" if finding == "found" else "reconciling"
     ref = target if finding == "found" else None
-    assert rows(db_url, "SELECT status, provider_ref, check_finding, check_state "
-                        "FROM outbox.operations") == [(status, ref, finding, after)]  # fmt: skip
+    assert rows(
+        db_url, "SELECT status, provider_ref, check_finding, check_state FROM outbox.operations"
+    ) == [(status, ref, finding, after)]
     (post,) = [r for r in fake.received if r.method in ("POST", "DELETE")]
     assert post.path.startswith(f"/v1/{resource}/{target}") and "id" not in post.params
     assert fake.object_count(resource) == 1
@@ -189,9 +243,15 @@ async def test_a_change_without_its_own_kind_of_target_is_refused_before_sending
     """The payload's id must name a PaymentIntent for a capture: nothing else is sent to."""
     payload: dict[str, Any] = {} if target is None else {"id": target}
     with psycopg.connect(db_url) as conn:
-        outbox.enqueue(conn, tenant_id="acme", operation_type="flow", operation_key="k-1",
-                       provider="stripe", action="payment_intents.capture",
-                       payload=payload)  # fmt: skip
+        outbox.enqueue(
+            conn,
+            tenant_id="acme",
+            operation_type="flow",
+            operation_key="k-1",
+            provider="stripe",
+            action="payment_intents.capture",
+            payload=payload,
+        )
     stripe = stripe_provider("stripe", fake.url)
     try:
         assert await dispatcher(pool, {"stripe": stripe}).run_once() == 1

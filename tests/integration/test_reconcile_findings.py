@@ -25,8 +25,13 @@ from tests.support.cli import outbox_cli
 from tests.support.dispatch import dispatcher, make_due, rows, stripe_provider
 from tests.support.lookups import lookup_request
 
-DECLINED = {"amount": 2500, "currency": "usd", "customer": "cus_123", "confirm": True,
-            "payment_method": "pm_card_chargeDeclined"}  # fmt: skip
+DECLINED = {
+    "amount": 2500,
+    "currency": "usd",
+    "customer": "cus_123",
+    "confirm": True,
+    "payment_method": "pm_card_chargeDeclined",
+}
 STATE = "SELECT status, status_reason, provider_ref, check_finding, check_state, last_error "
 STATE += "FROM outbox.operations"
 DECLINE = "card_declined: generic_decline: Your card was declined."
@@ -63,29 +68,52 @@ def posts(fake: FakeStripe) -> int:
 
 
 async def test_a_declined_charge_sent_to_reconciliation_is_quarantined_as_declined(
-    db_url: str, pool: AsyncConnectionPool[Any], fake: FakeStripe, stripe: Provider,
+    db_url: str,
+    pool: AsyncConnectionPool[Any],
+    fake: FakeStripe,
+    stripe: Provider,
     check_env: dict[str, str],
-) -> None:  # fmt: skip
+) -> None:
     """The on-call path of the issue: quarantined by the 402, sent to reconciliation by a
     person, checked: back to quarantine, declined, never succeeded."""
     op = charge(db_url, DECLINED)
     assert await dispatcher(pool, {"stripe": stripe}).run_once() == 1
-    assert rows(db_url, "SELECT o.status, a.error_class FROM outbox.operations o "
-                        "JOIN outbox.attempts a ON a.operation_id = o.id") == [
-        ("quarantined", "http_402_card_declined")]  # fmt: skip
+    assert rows(
+        db_url,
+        "SELECT o.status, a.error_class FROM outbox.operations o "
+        "JOIN outbox.attempts a ON a.operation_id = o.id",
+    ) == [("quarantined", "http_402_card_declined")]
     (pi,) = fake.objects("payment_intents")  # the decline left its PaymentIntent
-    cli(check_env, "quarantine", "reconcile", str(op), "--reason", "did it charge?",
-        "--actor", "alice")  # fmt: skip
+    cli(
+        check_env,
+        "quarantine",
+        "reconcile",
+        str(op),
+        "--reason",
+        "did it charge?",
+        "--actor",
+        "alice",
+    )
     checked = cli(check_env, "reconcile", "check", str(op))
     assert "refused" in checked.stdout and "generic_decline" in checked.stdout
-    assert rows(db_url, STATE) == [("quarantined", "provider_declined", pi["id"], "refused",
-                                    "requires_payment_method", DECLINE)]  # fmt: skip
+    assert rows(db_url, STATE) == [
+        (
+            "quarantined",
+            "provider_declined",
+            pi["id"],
+            "refused",
+            "requires_payment_method",
+            DECLINE,
+        )
+    ]
     listed = cli(check_env, "quarantine", "list")
     assert "refused (requires_payment_method)" in listed.stdout
     shown = cli(check_env, "quarantine", "show", str(op))
     assert "last check   refused (object requires_payment_method)" in shown.stdout
     assert rows(db_url, "SELECT action, to_status FROM outbox.audit ORDER BY id") == [
-        ("reconcile", "reconciling"), ("check", "quarantined")]  # fmt: skip
+        ("reconcile", "reconciling"),
+        ("check", "quarantined"),
+    ]
     assert posts(fake) == 1 and fake.object_count() == 1
 
 
@@ -109,8 +137,16 @@ async def test_a_decline_whose_answer_was_lost_is_quarantined_by_the_periodic_ch
     assert rows(db_url, "SELECT status FROM outbox.operations") == [("reconciling",)]
     assert await Reconciler(pool, {"stripe": stripe}).run_once() == 1
     (pi,) = fake.objects("payment_intents")
-    assert rows(db_url, STATE) == [("quarantined", "provider_declined", pi["id"], "refused",
-                                    "requires_payment_method", DECLINE)]  # fmt: skip
+    assert rows(db_url, STATE) == [
+        (
+            "quarantined",
+            "provider_declined",
+            pi["id"],
+            "refused",
+            "requires_payment_method",
+            DECLINE,
+        )
+    ]
     assert posts(fake) == 1
 
 
@@ -118,15 +154,21 @@ async def test_a_decline_whose_answer_was_lost_is_quarantined_by_the_periodic_ch
     ("payload", "state"),
     [
         ({"confirm": True, "payment_method": "pm_card_visa"}, "succeeded"),
-        ({"confirm": True, "payment_method": "pm_card_visa", "capture_method": "manual"},
-         "requires_capture"),
+        (
+            {"confirm": True, "payment_method": "pm_card_visa", "capture_method": "manual"},
+            "requires_capture",
+        ),
         ({}, "requires_payment_method"),  # never confirmed: the object is the whole effect
     ],
-)  # fmt: skip
+)
 async def test_a_payment_that_happened_is_found_and_succeeds(
-    db_url: str, pool: AsyncConnectionPool[Any], fake: FakeStripe, stripe: Provider,
-    payload: dict[str, Any], state: str,
-) -> None:  # fmt: skip
+    db_url: str,
+    pool: AsyncConnectionPool[Any],
+    fake: FakeStripe,
+    stripe: Provider,
+    payload: dict[str, Any],
+    state: str,
+) -> None:
     op = charge(db_url, {"amount": 2500, "currency": "usd", **payload})
     fake.inject(StripeFault.reset_after_apply())  # created, and the answer lost on the wire
     d = dispatcher(pool, {"stripe": stripe})
@@ -160,8 +202,13 @@ async def test_a_payment_awaiting_the_customer_stays_reconciling_until_its_state
     (check,) = await reconciler.candidates(op)
     for _ in range(2):  # the same state twice is audited once
         assert (await reconciler.check(check)).finding == "undecided"
-    assert rows(db_url, STATE)[0][:5] == ("reconciling", "cancel_requested", None, "undecided",
-                                          "requires_action")  # fmt: skip
+    assert rows(db_url, STATE)[0][:5] == (
+        "reconciling",
+        "cancel_requested",
+        None,
+        "undecided",
+        "requires_action",
+    )
     fake.update_object(pi["id"], status="canceled", cancellation_reason="abandoned")
     assert (await reconciler.check(check)).finding == "refused"
     assert rows(db_url, STATE) == [
@@ -175,8 +222,11 @@ async def test_a_payment_awaiting_the_customer_stays_reconciling_until_its_state
         )
     ]
     audit = rows(db_url, "SELECT action, to_status FROM outbox.audit ORDER BY id")
-    assert audit == [("cancel_requested", "reconciling"), ("check", "reconciling"),
-                     ("check", "quarantined")]  # fmt: skip
+    assert audit == [
+        ("cancel_requested", "reconciling"),
+        ("check", "reconciling"),
+        ("check", "quarantined"),
+    ]
 
 
 @pytest.mark.parametrize("length", [40, 251, 252, 255])
@@ -188,10 +238,16 @@ async def test_every_generation_of_a_long_key_finds_the_first_generations_object
     generation made."""
     first = ("k" * length)[:length]
     with psycopg.connect(db_url) as conn:
-        op = outbox.enqueue(conn, tenant_id="acme", operation_type="invoice.charge",
-                            operation_key="long", provider="stripe",
-                            action="payment_intents.create", idempotency_key=first,
-                            payload={"amount": 2500, "currency": "usd"}).operation_id  # fmt: skip
+        op = outbox.enqueue(
+            conn,
+            tenant_id="acme",
+            operation_type="invoice.charge",
+            operation_key="long",
+            provider="stripe",
+            action="payment_intents.create",
+            idempotency_key=first,
+            payload={"amount": 2500, "currency": "usd"},
+        ).operation_id
     fake.inject(StripeFault.reset_after_apply())
     assert await dispatcher(pool, {"stripe": stripe}).run_once() == 1
     (pi,) = fake.objects("payment_intents")
@@ -202,8 +258,9 @@ async def test_every_generation_of_a_long_key_finds_the_first_generations_object
         assert len(key) <= 255
         found = await stripe.lookup(lookup_request("payment_intents.create", op, key, sent, last))
         assert isinstance(found, Found) and found.reference == pi["id"], (generation, key)
-    other = await stripe.lookup(lookup_request("payment_intents.create", op, "another-key", sent,
-                                               last))  # fmt: skip
+    other = await stripe.lookup(
+        lookup_request("payment_intents.create", op, "another-key", sent, last)
+    )
     assert isinstance(other, NotFound)
 
 
@@ -232,8 +289,11 @@ async def test_after_reconcile_retry_the_check_still_finds_what_generation_1_mad
         fake.inject(StripeFault.status(503, error_type="api_error"))
         assert await d.run_once() == 1
         operators.request_cancel(conn, op, **who)
-    assert rows(db_url, "SELECT status, key_generation, first_sent_at > now() - interval '1 hour' "
-                        "FROM outbox.operations") == [("reconciling", 2, True)]  # fmt: skip
+    assert rows(
+        db_url,
+        "SELECT status, key_generation, first_sent_at > now() - interval '1 hour' "
+        "FROM outbox.operations",
+    ) == [("reconciling", 2, True)]
     reconciler = Reconciler(pool, {"stripe": stripe})
     if path == "daemon":  # outbox run's periodic pass (outbox.claim_checks)
         assert await reconciler.run_once() == 1

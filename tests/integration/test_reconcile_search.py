@@ -42,13 +42,25 @@ async def stripe(fake: FakeStripe) -> AsyncIterator[Provider]:
 
 def enqueue(url: str, action: str, payload: dict[str, Any], key: str = "k-1") -> int:
     with psycopg.connect(url) as conn:
-        return outbox.enqueue(conn, tenant_id="acme", operation_type="t", operation_key=key,
-                              provider="stripe", action=action,
-                              payload=payload).operation_id  # fmt: skip
+        return outbox.enqueue(
+            conn,
+            tenant_id="acme",
+            operation_type="t",
+            operation_key=key,
+            provider="stripe",
+            action=action,
+            payload=payload,
+        ).operation_id
 
 
-async def lost_then_reconciling(url: str, pool: AsyncConnectionPool[Any], fake: FakeStripe,
-                                stripe: Provider, *, hours_ago: float = 0) -> None:  # fmt: skip
+async def lost_then_reconciling(
+    url: str,
+    pool: AsyncConnectionPool[Any],
+    fake: FakeStripe,
+    stripe: Provider,
+    *,
+    hours_ago: float = 0,
+) -> None:
     """Send every pending operation once with its answer lost, then past its key window:
     reconciling. ``hours_ago`` moves the attempts (not the objects) back in time."""
     fake.inject(StripeFault.reset_after_apply())
@@ -63,8 +75,11 @@ async def lost_then_reconciling(url: str, pool: AsyncConnectionPool[Any], fake: 
         shift = timedelta(hours=hours_ago)
         with psycopg.connect(url, autocommit=True) as conn:
             conn.execute("UPDATE outbox.attempts SET started_at = started_at - %s", (shift,))
-            conn.execute("UPDATE outbox.operations SET first_sent_at = first_sent_at - %s, "
-                         "last_attempt_at = last_attempt_at - %s", (shift, shift))  # fmt: skip
+            conn.execute(
+                "UPDATE outbox.operations SET first_sent_at = first_sent_at - %s, "
+                "last_attempt_at = last_attempt_at - %s",
+                (shift, shift),
+            )
 
 
 def posts(fake: FakeStripe) -> int:
@@ -89,17 +104,21 @@ async def test_a_deleted_customer_is_found_by_the_event_of_its_creation(
 
 
 async def test_a_deleted_draft_invoice_is_undecided_and_never_not_found(
-    db_url: str, pool: AsyncConnectionPool[Any], fake: FakeStripe, stripe: Provider,
+    db_url: str,
+    pool: AsyncConnectionPool[Any],
+    fake: FakeStripe,
+    stripe: Provider,
     check_env: dict[str, str],
-) -> None:  # fmt: skip
+) -> None:
     op = enqueue(db_url, "invoices.create", {"customer": "cus_1"})
     await lost_then_reconciling(db_url, pool, fake, stripe)
     (invoice,) = fake.objects("invoices")
     fake.delete_object(invoice["id"])  # retrieved as 404 from now on
     assert await Reconciler(pool, {"stripe": stripe}).run_once() == 1
     assert rows(db_url, STATE) == [("reconciling", None, "undecided", "deleted")]
-    ((ref,),) = rows(db_url, "SELECT details->>'provider_ref' FROM outbox.audit "
-                             "WHERE action = 'check'")  # fmt: skip
+    ((ref,),) = rows(
+        db_url, "SELECT details->>'provider_ref' FROM outbox.audit WHERE action = 'check'"
+    )
     assert ref == invoice["id"]
     with psycopg.connect(db_url, autocommit=True) as conn, pytest.raises(operators.ActionRefused):
         operators.retry(conn, op, reason="not found?", actor="alice")  # not without --force
@@ -135,9 +154,12 @@ async def test_each_recheck_searches_up_to_the_check_before_it(
 
 
 async def test_a_search_stopped_by_its_page_cap_is_undecided_with_the_reason(
-    db_url: str, pool: AsyncConnectionPool[Any], fake: FakeStripe, stripe: Provider,
+    db_url: str,
+    pool: AsyncConnectionPool[Any],
+    fake: FakeStripe,
+    stripe: Provider,
     check_env: dict[str, str],
-) -> None:  # fmt: skip
+) -> None:
     """More objects in the window than the cap reads, and nothing to narrow by: no proof of
     absence, so undecided (a retry needs --force), in a bounded number of requests."""
     op = enqueue(db_url, "payment_intents.create", {"amount": 100, "currency": "usd"})
@@ -161,20 +183,25 @@ async def test_a_search_stopped_by_its_page_cap_is_undecided_with_the_reason(
 
 
 async def test_the_payloads_list_filters_narrow_the_search_past_the_crowd(
-    db_url: str, pool: AsyncConnectionPool[Any], fake: FakeStripe, stripe: Provider,
+    db_url: str,
+    pool: AsyncConnectionPool[Any],
+    fake: FakeStripe,
+    stripe: Provider,
     check_env: dict[str, str],
-) -> None:  # fmt: skip
+) -> None:
     """The customer narrows /v1/payment_intents: found at once among thousands of others."""
-    enqueue(db_url, "payment_intents.create", {"amount": 100, "currency": "usd",
-                                               "customer": "cus_mine"})  # fmt: skip
+    enqueue(
+        db_url, "payment_intents.create", {"amount": 100, "currency": "usd", "customer": "cus_mine"}
+    )
     await lost_then_reconciling(db_url, pool, fake, stripe)
     fake.seed_objects("payment_intents", LOOKUP_MAX_PAGES * 100 * 2, customer="cus_other")
     before = gets(fake)
     assert await Reconciler(pool, {"stripe": stripe}).run_once() == 1
-    mine = fake.objects_with_metadata("outbox_idempotency_key", rows(
-        db_url, "SELECT idempotency_key FROM outbox.operations")[0][0])  # fmt: skip
-    assert rows(db_url, STATE) == [("succeeded", mine[0]["id"], "found",
-                                    "requires_payment_method")]  # fmt: skip
+    mine = fake.objects_with_metadata(
+        "outbox_idempotency_key",
+        rows(db_url, "SELECT idempotency_key FROM outbox.operations")[0][0],
+    )
+    assert rows(db_url, STATE) == [("succeeded", mine[0]["id"], "found", "requires_payment_method")]
     (page,) = [r for r in fake.received[before:] if r.method == "GET"]
     assert page.params["customer"] == "cus_mine"
 
@@ -194,11 +221,15 @@ async def test_a_list_that_never_ends_costs_a_bounded_number_of_requests(
 
 
 async def test_a_not_found_says_what_it_searched(
-    db_url: str, pool: AsyncConnectionPool[Any], fake: FakeStripe, stripe: Provider,
+    db_url: str,
+    pool: AsyncConnectionPool[Any],
+    fake: FakeStripe,
+    stripe: Provider,
     check_env: dict[str, str],
-) -> None:  # fmt: skip
-    op = enqueue(db_url, "payment_intents.create", {"amount": 1, "currency": "usd",
-                                                    "customer": "cus_9"})  # fmt: skip
+) -> None:
+    op = enqueue(
+        db_url, "payment_intents.create", {"amount": 1, "currency": "usd", "customer": "cus_9"}
+    )
     fake.inject(StripeFault.status(503, error_type="api_error"))
     assert await dispatcher(pool, {"stripe": stripe}).run_once() == 1
     with psycopg.connect(db_url, autocommit=True) as conn:
@@ -253,8 +284,9 @@ async def test_randomized_fates_never_yield_a_false_not_found(
     now = datetime.now(UTC)
     for op, action, payload, keys in cases:
         given = payload if rng.random() < 0.5 else {}
-        answer = await stripe.lookup(lookup_request(action, op, keys[-1], start, now,
-                                                    keys=keys, payload=given))  # fmt: skip
+        answer = await stripe.lookup(
+            lookup_request(action, op, keys[-1], start, now, keys=keys, payload=given)
+        )
         if op in made:
             assert isinstance(answer, Found) and answer.reference == made[op], (seed, op)
         else:

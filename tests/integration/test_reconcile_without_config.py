@@ -17,8 +17,10 @@ from tests.support.dispatch import enqueue_many
 def reconciling(db_url: str) -> int:
     (op,) = enqueue_many(db_url, 1)
     with psycopg.connect(db_url) as conn:
-        conn.execute("UPDATE outbox.operations SET status = 'reconciling', "
-                     "status_reason = 'key_window_passed'")  # fmt: skip
+        conn.execute(
+            "UPDATE outbox.operations SET status = 'reconciling', "
+            "status_reason = 'key_window_passed'"
+        )
     return op
 
 
@@ -35,10 +37,14 @@ def test_a_provider_that_cannot_be_asked_or_is_not_configured_is_named(
 ) -> None:
     op = reconciling(db_url)  # provider "hook"
     env = {**os.environ, "OUTBOX_DATABASE_URL": db_url}
-    hook = write_config(tmp_path / "hook.toml", providers={
-        "hook": {"type": "webhook", "url": "http://127.0.0.1:9/"}})  # fmt: skip
-    other = write_config(tmp_path / "other.toml", providers={
-        "billing": {"type": "webhook", "url": "http://127.0.0.1:9/"}})  # fmt: skip
+    hook = write_config(
+        tmp_path / "hook.toml",
+        providers={"hook": {"type": "webhook", "url": "http://127.0.0.1:9/"}},
+    )
+    other = write_config(
+        tmp_path / "other.toml",
+        providers={"billing": {"type": "webhook", "url": "http://127.0.0.1:9/"}},
+    )
     asked = outbox_cli(env, "reconcile", "check", str(op), "--config", str(hook))
     elsewhere = outbox_cli(env, "reconcile", "check", str(op), "--config", str(other))
     assert asked.returncode == elsewhere.returncode == 0

@@ -508,8 +508,9 @@ async def _lease_statements(pool: AsyncConnectionPool[Any], url: str, app: str, 
     assert await d.rescue_once() == 1
     # The rescuer's attempt row names w1, but it is not w1's record (test_lease_fence.py).
     assert not await store.attempt_recorded(op, 1, "w1")
-    ((done, worker),) = rows(url, "SELECT operation_id, worker FROM outbox.attempts "
-                                  "WHERE outcome = 'succeeded' LIMIT 1")  # fmt: skip
+    ((done, worker),) = rows(
+        url, "SELECT operation_id, worker FROM outbox.attempts WHERE outcome = 'succeeded' LIMIT 1"
+    )
     assert await store.attempt_recorded(done, 1, worker)
     assert rows(
         url, "SELECT status, last_error_class FROM outbox.operations WHERE id = %s", (op,)
@@ -535,9 +536,14 @@ async def _reconciler_and_gauges(pool: AsyncConnectionPool[Any], url: str, hook:
         assert [r[0] for r in await claimed.fetchall()] == [op]
         await conn.execute(
             statements.DEFER_CHECK,
-            {"id": op, "recheck_after": timedelta(hours=1), "retry_in": timedelta(minutes=5),
-             "generation": row["key_generation"], "attempts": row["attempts"]},
-        )  # fmt: skip
+            {
+                "id": op,
+                "recheck_after": timedelta(hours=1),
+                "retry_in": timedelta(minutes=5),
+                "generation": row["key_generation"],
+                "attempts": row["attempts"],
+            },
+        )
         cur = await conn.execute(
             statements.RECORD_FINDING,
             {

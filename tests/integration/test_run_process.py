@@ -45,8 +45,11 @@ def test_four_processes_dispatch_20000_operations_exactly_once(
     cfg = config(tmp_path, receiver, lease="30s", batch_size=100, concurrency=64)
     started = time.monotonic()
     with outbox_processes(4, db_url, cfg, tmp_path) as procs:
-        wait_until(lambda: count_status(db_url, "succeeded") == 20_000, timeout=240,
-                   what="20,000 operations to succeed")  # fmt: skip
+        wait_until(
+            lambda: count_status(db_url, "succeeded") == 20_000,
+            timeout=240,
+            what="20,000 operations to succeed",
+        )
         elapsed = time.monotonic() - started
         for p in procs:
             p.signal(signal.SIGTERM)
@@ -58,10 +61,14 @@ def test_four_processes_dispatch_20000_operations_exactly_once(
     # One succeeded attempt each, from all four workers. Any other attempt is a retry with the
     # same key after the 5 s timeout (a loaded CI machine can slow the receiver that much),
     # never a row leased twice: no worker ever found its lease taken.
-    assert rows(db_url, "SELECT count(*) FILTER (WHERE outcome = 'succeeded'), "
-                        "count(DISTINCT worker) FROM outbox.attempts") == [(20_000, 4)]  # fmt: skip
-    assert rows(db_url, "SELECT DISTINCT outcome FROM outbox.attempts "
-                        "WHERE outcome <> 'succeeded'") in ([], [("unknown",)])  # fmt: skip
+    assert rows(
+        db_url,
+        "SELECT count(*) FILTER (WHERE outcome = 'succeeded'), "
+        "count(DISTINCT worker) FROM outbox.attempts",
+    ) == [(20_000, 4)]
+    assert rows(
+        db_url, "SELECT DISTINCT outcome FROM outbox.attempts WHERE outcome <> 'succeeded'"
+    ) in ([], [("unknown",)])
     assert not any("found the lease taken" in p.log_text() for p in procs)
     assert rows(
         db_url,
@@ -76,11 +83,16 @@ def test_uvloop_by_default_and_asyncio_on_request_dispatch_together_exactly_once
     enqueue_many(db_url, 3_000)
     cfg = config(tmp_path, receiver, lease="30s", concurrency=32, batch_size=50)
     loops = {"uvloop": {}, "asyncio": {"OUTBOX_DISPATCHER__EVENT_LOOP": "asyncio"}}
-    procs = {name: OutboxProcess(db_url, cfg, tmp_path / f"{name}.log", env)
-             for name, env in loops.items()}  # fmt: skip
+    procs = {
+        name: OutboxProcess(db_url, cfg, tmp_path / f"{name}.log", env)
+        for name, env in loops.items()
+    }
     try:
-        wait_until(lambda: count_status(db_url, "succeeded") == 3_000, timeout=120,
-                   what="3,000 operations to succeed")  # fmt: skip
+        wait_until(
+            lambda: count_status(db_url, "succeeded") == 3_000,
+            timeout=120,
+            what="3,000 operations to succeed",
+        )
         for proc in procs.values():
             proc.signal(signal.SIGTERM)
         assert [proc.wait() for proc in procs.values()] == [0, 0]
@@ -92,8 +104,11 @@ def test_uvloop_by_default_and_asyncio_on_request_dispatch_together_exactly_once
     assert statuses(db_url) == {"succeeded": 3_000}
     assert receiver.effect_count() == 3_000 == len({e.key for e in receiver.effects})
     # Both loops did their share, and no row was leased twice.
-    assert rows(db_url, "SELECT count(DISTINCT worker), count(*) FILTER (WHERE outcome = "
-                        "'succeeded') FROM outbox.attempts") == [(2, 3_000)]  # fmt: skip
+    assert rows(
+        db_url,
+        "SELECT count(DISTINCT worker), count(*) FILTER (WHERE outcome = "
+        "'succeeded') FROM outbox.attempts",
+    ) == [(2, 3_000)]
 
 
 def test_sigkill_after_the_provider_acted_resends_with_the_same_key_once(
@@ -113,8 +128,11 @@ def test_sigkill_after_the_provider_acted_resends_with_the_same_key_once(
         held.release()
     (effect,) = receiver.effects_for(key)
     with outbox_processes(1, db_url, cfg, tmp_path):
-        wait_until(lambda: count_status(db_url, "succeeded") == 1, timeout=30,
-                   what="the rescued operation to succeed")  # fmt: skip
+        wait_until(
+            lambda: count_status(db_url, "succeeded") == 1,
+            timeout=30,
+            what="the rescued operation to succeed",
+        )
     assert receiver.effect_count(key) == 1
     assert rows(db_url, "SELECT provider_ref, attempts FROM outbox.operations") == [
         (effect.effect_id, 2)
@@ -131,19 +149,24 @@ def test_sigkill_after_the_claim_and_before_the_send_is_rescued_and_sent_once(
 ) -> None:
     enqueue_many(db_url, 3)
     cfg = config(tmp_path, receiver)
-    paused = OutboxProcess(db_url, cfg, tmp_path / "paused.log",
-                           env={"OUTBOX_FAILPOINTS": "after_claim=60"})  # fmt: skip
+    paused = OutboxProcess(
+        db_url, cfg, tmp_path / "paused.log", env={"OUTBOX_FAILPOINTS": "after_claim=60"}
+    )
     try:
-        wait_until(lambda: count_status(db_url, "in_flight") == 3, timeout=30,
-                   what="the claim to commit")  # fmt: skip
+        wait_until(
+            lambda: count_status(db_url, "in_flight") == 3, timeout=30, what="the claim to commit"
+        )
         paused.signal(signal.SIGKILL)
         paused.wait()
     finally:
         paused.stop()
     assert len(receiver.received) == 0
     with outbox_processes(1, db_url, cfg, tmp_path):
-        wait_until(lambda: count_status(db_url, "succeeded") == 3, timeout=30,
-                   what="the rescued operations to succeed")  # fmt: skip
+        wait_until(
+            lambda: count_status(db_url, "succeeded") == 3,
+            timeout=30,
+            what="the rescued operations to succeed",
+        )
     assert receiver.effect_count() == 3
     assert len(receiver.received) == 3
     assert rows(db_url, "SELECT DISTINCT attempts FROM outbox.operations") == [(2,)]
@@ -162,14 +185,20 @@ def test_a_zombie_wakes_after_another_worker_finished_its_row_and_changes_nothin
             zombie.signal(signal.SIGSTOP)  # mid-call, past its lease
             held.release()  # the receiver answers a socket nobody reads
             with outbox_processes(1, db_url, cfg, tmp_path):
-                wait_until(lambda: count_status(db_url, "succeeded") == 1, timeout=30,
-                           what="another worker to finish the row")  # fmt: skip
+                wait_until(
+                    lambda: count_status(db_url, "succeeded") == 1,
+                    timeout=30,
+                    what="another worker to finish the row",
+                )
             ((ref, attempts),) = rows(
                 db_url, "SELECT provider_ref, attempts FROM outbox.operations"
             )
             zombie.signal(signal.SIGCONT)
-            wait_until(lambda: "found the lease taken" in zombie.log_text(), timeout=30,
-                       what="the zombie to try its record")  # fmt: skip
+            wait_until(
+                lambda: "found the lease taken" in zombie.log_text(),
+                timeout=30,
+                what="the zombie to try its record",
+            )
             zombie.signal(signal.SIGTERM)
             assert zombie.wait() == 0
         finally:
@@ -192,19 +221,28 @@ def test_a_dispatcher_frozen_between_its_claim_and_its_send_does_not_send_when_i
     (op,) = enqueue_many(db_url, 1)
     key = key_of(db_url, op)
     cfg = config(tmp_path, receiver)
-    zombie = OutboxProcess(db_url, cfg, tmp_path / "zombie.log",
-                           env={"OUTBOX_FAILPOINTS": "after_claim=2"})  # fmt: skip
+    zombie = OutboxProcess(
+        db_url, cfg, tmp_path / "zombie.log", env={"OUTBOX_FAILPOINTS": "after_claim=2"}
+    )
     try:
         wait_until(lambda: count_status(db_url, "in_flight") == 1, timeout=30, what="the claim")
         zombie.signal(signal.SIGSTOP)  # inside the failpoint's pause, before the send
         with outbox_processes(1, db_url, cfg, tmp_path):
-            wait_until(lambda: count_status(db_url, "succeeded") == 1, timeout=30,
-                       what="another worker to rescue and send it")  # fmt: skip
+            wait_until(
+                lambda: count_status(db_url, "succeeded") == 1,
+                timeout=30,
+                what="another worker to rescue and send it",
+            )
         zombie.signal(signal.SIGCONT)
         # Past its send, one way or the other: handed back, or sent and refused its record.
-        wait_until(lambda: any(line in zombie.log_text() for line in (
-            "the lease ran out before the send", "found the lease taken")),
-            timeout=30, what="the zombie to go past its send")  # fmt: skip
+        wait_until(
+            lambda: any(
+                line in zombie.log_text()
+                for line in ("the lease ran out before the send", "found the lease taken")
+            ),
+            timeout=30,
+            what="the zombie to go past its send",
+        )
         zombie.signal(signal.SIGTERM)
         assert zombie.wait() == 0
     finally:
@@ -218,17 +256,21 @@ def test_sigterm_releases_unsent_claims_without_counting_an_attempt(
     db_url: str, receiver: FakeWebhookReceiver, tmp_path: Path
 ) -> None:
     enqueue_many(db_url, 5)
-    proc = OutboxProcess(db_url, config(tmp_path, receiver), tmp_path / "run.log",
-                         env={"OUTBOX_FAILPOINTS": "after_claim=2"})  # fmt: skip
+    proc = OutboxProcess(
+        db_url,
+        config(tmp_path, receiver),
+        tmp_path / "run.log",
+        env={"OUTBOX_FAILPOINTS": "after_claim=2"},
+    )
     try:
-        wait_until(lambda: count_status(db_url, "in_flight") == 5, timeout=30,
-                   what="the claim")  # fmt: skip
+        wait_until(lambda: count_status(db_url, "in_flight") == 5, timeout=30, what="the claim")
         proc.signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
     finally:
         proc.stop()
-    assert rows(db_url, "SELECT status, attempts, lease_token FROM outbox.operations "
-                        "GROUP BY 1, 2, 3") == [("pending", 0, None)]  # fmt: skip
+    assert rows(
+        db_url, "SELECT status, attempts, lease_token FROM outbox.operations GROUP BY 1, 2, 3"
+    ) == [("pending", 0, None)]
     assert rows(db_url, "SELECT count(*) FROM outbox.attempts") == [(0,)]
     assert len(receiver.received) == 0
 
@@ -254,17 +296,20 @@ def test_calls_cut_off_at_the_grace_deadline_are_unknown_never_succeeded(
 ) -> None:
     enqueue_many(db_url, 2)
     receiver.inject(WebhookFault.delay_after_apply(4.0), times=2)
-    proc = OutboxProcess(db_url, config(tmp_path, receiver, shutdown_grace="500ms"),
-                         tmp_path / "run.log")  # fmt: skip
+    proc = OutboxProcess(
+        db_url, config(tmp_path, receiver, shutdown_grace="500ms"), tmp_path / "run.log"
+    )
     try:
         wait_until(lambda: len(receiver.received) == 2, timeout=30, what="two calls")
         proc.signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
     finally:
         proc.stop()
-    assert rows(db_url, "SELECT status, last_error_class, first_sent_at IS NOT NULL "
-                        "FROM outbox.operations GROUP BY 1, 2, 3") == [
-        ("pending", "unknown", True)]  # fmt: skip
+    assert rows(
+        db_url,
+        "SELECT status, last_error_class, first_sent_at IS NOT NULL "
+        "FROM outbox.operations GROUP BY 1, 2, 3",
+    ) == [("pending", "unknown", True)]
     assert rows(db_url, "SELECT outcome, error_class FROM outbox.attempts GROUP BY 1, 2") == [
         ("unknown", "shutdown")
     ]
@@ -286,8 +331,11 @@ def test_terminated_backends_do_not_lose_or_duplicate_anything(
                 "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
                 "WHERE datname = current_database() AND pid <> pg_backend_pid()"
             )
-        wait_until(lambda: count_status(db_url, "succeeded") == 2_000, timeout=120,
-                   what="every operation to succeed")  # fmt: skip
+        wait_until(
+            lambda: count_status(db_url, "succeeded") == 2_000,
+            timeout=120,
+            what="every operation to succeed",
+        )
         for p in procs:
             p.signal(signal.SIGTERM)
         assert [p.wait() for p in procs] == [0, 0]
@@ -309,9 +357,11 @@ def test_notify_wakes_an_idle_dispatcher_and_listen_survives_its_backend_dying(
     ):
 
         def listening() -> bool:
-            found = admin.execute("SELECT count(*) FROM pg_stat_activity WHERE "
-                                  "application_name = 'outbox-listen' AND datname = "
-                                  "current_database()").fetchone()  # fmt: skip
+            found = admin.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE "
+                "application_name = 'outbox-listen' AND datname = "
+                "current_database()"
+            ).fetchone()
             return found is not None and found[0] == 1
 
         wait_until(listening, timeout=30, what="LISTEN")
@@ -380,11 +430,15 @@ def test_1000_payment_intents_through_two_processes_with_random_faults(
     rng = random.Random(11)
     faults = (
         [StripeFault.delay_after_apply(1.5)] * 40
-        + [StripeFault.status(409, error_type="invalid_request_error",
-                              code_str="idempotency_key_in_use")] * 60
+        + [
+            StripeFault.status(
+                409, error_type="invalid_request_error", code_str="idempotency_key_in_use"
+            )
+        ]
+        * 60
         + [StripeFault.status(429, error_type="invalid_request_error", code_str="rate_limit")] * 60
         + [StripeFault.status(503, error_type="api_error")] * 60
-    )  # fmt: skip
+    )
     rng.shuffle(faults)
     with FakeStripe() as fake:
         # One fault for every fourth request, in random order. Each request meets the next
@@ -393,15 +447,31 @@ def test_1000_payment_intents_through_two_processes_with_random_faults(
         # test is about how each fault is handled, so the breaker stays out of it.
         for fault in faults:
             fake.inject(fault)
-        cfg = write_config(tmp_path / "outbox.toml", providers={"stripe": {
-            "type": "stripe", "api_key_env": "TEST_STRIPE_KEY", "api_base": fake.url,
-            "timeout": "500ms", "breaker_failures": 10_000}}, lease="10s",
-            poll_interval="200ms", backoff_base="50ms", backoff_max="300ms",
-            concurrency=32)  # fmt: skip
-        with outbox_processes(2, db_url, cfg, tmp_path,
-                              env={"TEST_STRIPE_KEY": "sk_test_fake"}) as procs:  # fmt: skip
-            wait_until(lambda: count_status(db_url, "succeeded") == 1_000, timeout=180,
-                       what="1,000 payment intents")  # fmt: skip
+        cfg = write_config(
+            tmp_path / "outbox.toml",
+            providers={
+                "stripe": {
+                    "type": "stripe",
+                    "api_key_env": "TEST_STRIPE_KEY",
+                    "api_base": fake.url,
+                    "timeout": "500ms",
+                    "breaker_failures": 10_000,
+                }
+            },
+            lease="10s",
+            poll_interval="200ms",
+            backoff_base="50ms",
+            backoff_max="300ms",
+            concurrency=32,
+        )
+        with outbox_processes(
+            2, db_url, cfg, tmp_path, env={"TEST_STRIPE_KEY": "sk_test_fake"}
+        ) as procs:
+            wait_until(
+                lambda: count_status(db_url, "succeeded") == 1_000,
+                timeout=180,
+                what="1,000 payment intents",
+            )
             for p in procs:
                 p.signal(signal.SIGTERM)
             assert [p.wait() for p in procs] == [0, 0]

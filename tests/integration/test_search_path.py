@@ -81,8 +81,10 @@ BEGIN INSERT INTO public.hijacks VALUES ('current_setting');
 def planted(empty_db_url: str, pg_server: str) -> str:
     """An empty database whose public schema holds the planter's functions."""
     with cluster_lock(pg_server), psycopg.connect(empty_db_url, autocommit=True) as conn:
-        conn.execute(f"DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = "
-                     f"'{PLANTER}') THEN CREATE ROLE {PLANTER} LOGIN; END IF; END $$")  # fmt: skip
+        conn.execute(
+            f"DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = "
+            f"'{PLANTER}') THEN CREATE ROLE {PLANTER} LOGIN; END IF; END $$"
+        )
         conn.execute(f"ALTER ROLE {PLANTER} NOSUPERUSER")
         conn.execute(f"GRANT CREATE ON SCHEMA public TO {PLANTER}")
     with psycopg.connect(as_role(empty_db_url, PLANTER), autocommit=True) as conn:
@@ -109,9 +111,18 @@ def test_migrate_with_the_roles_dispatch_and_the_cli_never_run_a_planted_functio
         migrations.migrate(conn, with_roles=True, tenant_rls=True)
     with psycopg.connect(planted) as conn:
         outbox.bind_tenant(conn, "acme")
-        ids = [outbox.enqueue(conn, tenant_id="acme", operation_type="t", operation_key=f"k{i}",
-                              provider="noop", action="a", payload={"n": i}).operation_id
-               for i in range(5)]  # fmt: skip
+        ids = [
+            outbox.enqueue(
+                conn,
+                tenant_id="acme",
+                operation_type="t",
+                operation_key=f"k{i}",
+                provider="noop",
+                action="a",
+                payload={"n": i},
+            ).operation_id
+            for i in range(5)
+        ]
         outbox.enqueue(
             conn,
             tenant_id="acme",
@@ -123,20 +134,28 @@ def test_migrate_with_the_roles_dispatch_and_the_cli_never_run_a_planted_functio
         )
     asyncio.run(_dispatch(planted))
     assert rows(planted, "SELECT status, count(*) FROM outbox.operations GROUP BY 1") == [
-        ("succeeded", 6)]  # fmt: skip
+        ("succeeded", 6)
+    ]
     ((kept,),) = rows(planted, "SELECT result FROM outbox.operations WHERE provider = 'verbose'")
     assert set(kept) == {"outbox_omitted"}  # the 64 KiB branch ran
     env = {**os.environ, "OUTBOX_DATABASE_URL": planted}
-    for args in (["status"], ["quarantine", "list"], ["reconcile", "list"],
-                 ["quarantine", "show", str(ids[0])], ["prune", "--older-than", "1d"],
-                 ["ordering", "modes"], ["ordering", "set-mode", "t", "skip", "--actor", "a"],
-                 ["status", "--json"],
-                 ["migrate", "--with-roles", "--tenant-rls"]):  # fmt: skip
+    for args in (
+        ["status"],
+        ["quarantine", "list"],
+        ["reconcile", "list"],
+        ["quarantine", "show", str(ids[0])],
+        ["prune", "--older-than", "1d"],
+        ["ordering", "modes"],
+        ["ordering", "set-mode", "t", "skip", "--actor", "a"],
+        ["status", "--json"],
+        ["migrate", "--with-roles", "--tenant-rls"],
+    ):
         done = outbox_cli(env, *args)
         assert done.returncode == 0, (args, done.stderr)
     assert hijacks(planted) == []
     assert rows(planted, "SELECT rolsuper FROM pg_roles WHERE rolname = %s", (PLANTER,)) == [
-        (False,)]  # fmt: skip
+        (False,)
+    ]
 
 
 class Verbose:
@@ -161,8 +180,13 @@ async def _dispatch(url: str) -> None:
         # A cap makes the claim unnest its caps: unnest(a, b) in FROM is two one-argument
         # unnest calls, which public.unnest(text[]) would take over.
         limits = {"noop": ProviderLimits(max_in_flight=8)}
-        d = Dispatcher(Store(pool), {"noop": noop, "verbose": Verbose()}, DispatcherSettings(),
-                       worker_id="search-path", limits=limits)  # fmt: skip
+        d = Dispatcher(
+            Store(pool),
+            {"noop": noop, "verbose": Verbose()},
+            DispatcherSettings(),
+            worker_id="search-path",
+            limits=limits,
+        )
         assert await d.run_once() == 6
         await gauges.refresh(pool, {"noop": timedelta(hours=23)})
     finally:
@@ -172,12 +196,16 @@ async def _dispatch(url: str) -> None:
 def test_every_migration_runs_with_the_pinned_search_path(empty_db_url: str) -> None:
     """Migrations and the role scripts run after the runner pinned the path (the role scripts
     also name pg_catalog's functions, which the test above shows)."""
-    probe = migrations.Migration(9999, "probe", b"""
+    probe = migrations.Migration(
+        9999,
+        "probe",
+        b"""
         DO $$ BEGIN
             IF pg_catalog.current_setting('search_path') <> 'pg_catalog, pg_temp' THEN
                 RAISE EXCEPTION 'unpinned: %', pg_catalog.current_setting('search_path');
             END IF;
-        END $$;""")  # fmt: skip
+        END $$;""",
+    )
     with psycopg.connect(empty_db_url, autocommit=True) as conn:
         report = migrations.migrate(conn, migrations=[*migrations.load_migrations(), probe])
         assert report.applied[-1].version == 9999
@@ -193,6 +221,7 @@ def test_the_cli_and_the_dispatcher_role_pin_it_too(roles_db: str) -> None:
         conn.rollback()  # a command's rollback does not undo it
         again = conn.execute("SELECT pg_catalog.current_setting('search_path')").fetchone()
     assert shown == again == ("pg_catalog, pg_temp",)
-    ((config,),) = rows(roles_db, "SELECT rolconfig FROM pg_roles "
-                                  "WHERE rolname = 'outbox_dispatcher'")  # fmt: skip
+    ((config,),) = rows(
+        roles_db, "SELECT rolconfig FROM pg_roles WHERE rolname = 'outbox_dispatcher'"
+    )
     assert "search_path=pg_catalog, pg_temp" in config

@@ -43,9 +43,15 @@ def with_password(url: str) -> str:
 def enqueue(url: str, provider: str, key: str, **payload: object) -> int:
     with psycopg.connect(url) as conn:
         action = "payment_intents.create" if provider == "stripe" else "invoice.paid"
-        return outbox.enqueue(conn, tenant_id="acme", operation_type="secret.test",
-                              operation_key=key, provider=provider, action=action,
-                              payload=dict(payload)).operation_id  # fmt: skip
+        return outbox.enqueue(
+            conn,
+            tenant_id="acme",
+            operation_type="secret.test",
+            operation_key=key,
+            provider=provider,
+            action=action,
+            payload=dict(payload),
+        ).operation_id
 
 
 def test_no_secret_appears_in_any_output_log_metric_repr_or_table(
@@ -54,14 +60,34 @@ def test_no_secret_appears_in_any_output_log_metric_repr_or_table(
     url = with_password(db_url)
     env_secrets = {"STRIPE_TEST_KEY": STRIPE_KEY, "BILLING_TOKEN": WEBHOOK_TOKEN}
     with FakeStripe(api_key=STRIPE_KEY) as fake, FakeWebhookReceiver() as receiver:
-        cfg = write_config(tmp_path / "outbox.toml", providers={
-            "stripe": {"type": "stripe", "api_key_env": "STRIPE_TEST_KEY", "api_base": fake.url,
-                       "timeout": "2s"},
-            "hook": {"type": "webhook", "url": receiver.url, "timeout": "2s",
-                     "secret_headers": {"Authorization": {"env": "BILLING_TOKEN"}}},
-        }, lease="3s", poll_interval="200ms", backoff_base="50ms", backoff_max="200ms")  # fmt: skip
-        env = {**os.environ, "OUTBOX_DATABASE_URL": url, **env_secrets,
-               "STRIPE_LOG": "debug", "OUTBOX_LOG_LEVEL": "debug"}  # fmt: skip
+        cfg = write_config(
+            tmp_path / "outbox.toml",
+            providers={
+                "stripe": {
+                    "type": "stripe",
+                    "api_key_env": "STRIPE_TEST_KEY",
+                    "api_base": fake.url,
+                    "timeout": "2s",
+                },
+                "hook": {
+                    "type": "webhook",
+                    "url": receiver.url,
+                    "timeout": "2s",
+                    "secret_headers": {"Authorization": {"env": "BILLING_TOKEN"}},
+                },
+            },
+            lease="3s",
+            poll_interval="200ms",
+            backoff_base="50ms",
+            backoff_max="200ms",
+        )
+        env = {
+            **os.environ,
+            "OUTBOX_DATABASE_URL": url,
+            **env_secrets,
+            "STRIPE_LOG": "debug",
+            "OUTBOX_LOG_LEVEL": "debug",
+        }
         captured: list[str] = []
 
         def cli(*args: str) -> str:
@@ -75,27 +101,35 @@ def test_no_secret_appears_in_any_output_log_metric_repr_or_table(
             receiver.inject(WebhookFault.status(503))
         fake.inject(StripeFault.reset_before_apply())
         for n in range(6):
-            enqueue(url, "stripe", f"pi-{n}", amount=100 + n, currency="usd",
-                    description=PAYLOAD_MARKER)  # fmt: skip
+            enqueue(
+                url, "stripe", f"pi-{n}", amount=100 + n, currency="usd", description=PAYLOAD_MARKER
+            )
             enqueue(url, "hook", f"hook-{n}", n=n, note=PAYLOAD_MARKER)
         bad = enqueue(url, "hook", "hook-bad", n=99)
         receiver.inject(WebhookFault.status(400), key=key_of(url, bad))
         cli("status")
         daemon = OutboxProcess(url, cfg, tmp_path / "run.log", env, metrics_addr="127.0.0.1:0")
         try:
-            wait_until(lambda: statuses(url) == {"succeeded": 12, "quarantined": 1}, timeout=60,
-                       what="every operation to finish")  # fmt: skip
+            wait_until(
+                lambda: statuses(url) == {"succeeded": 12, "quarantined": 1},
+                timeout=60,
+                what="every operation to finish",
+            )
             metrics_text = _fetch(daemon.metrics_url() + "/metrics")
         finally:
             daemon.stop()
         captured += [daemon.log_text(), metrics_text]
         # The on-call engineer's commands, over the quarantined operation.
-        for args in (("quarantine", "list"), ("quarantine", "show", str(bad)),
-                     ("quarantine", "reconcile", str(bad), "--reason", "check it"),
-                     ("reconcile", "list"), ("reconcile", "show", str(bad)),
-                     ("reconcile", "check", str(bad), "--config", str(cfg)),
-                     ("reconcile", "resolve", str(bad), "--provider-ref", "ev_1", "--reason", "ok"),
-                     ("status", "--json")):  # fmt: skip
+        for args in (
+            ("quarantine", "list"),
+            ("quarantine", "show", str(bad)),
+            ("quarantine", "reconcile", str(bad), "--reason", "check it"),
+            ("reconcile", "list"),
+            ("reconcile", "show", str(bad)),
+            ("reconcile", "check", str(bad), "--config", str(cfg)),
+            ("reconcile", "resolve", str(bad), "--provider-ref", "ev_1", "--reason", "ok"),
+            ("status", "--json"),
+        ):
             cli(*args)
         # Errors print the connection's problem, never its password.
         wrong_db = make_conninfo(url, dbname="no_such_database_here")

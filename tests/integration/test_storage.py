@@ -26,6 +26,7 @@ def test_a_claim_finds_room_for_most_rows_on_their_own_pages(db_url: str) -> Non
     # Packed full (fill factor 100) every version would move to a new page; with a fifth of each
     # page kept free, about a fifth of the rows' new versions fit beside them.
     assert stayed >= 400 * 0.15, f"{stayed} of 400 claimed rows stayed on their page"
-    ((options,),) = rows(db_url, "SELECT reloptions FROM pg_class "
-                                 "WHERE oid = 'outbox.operations'::regclass")  # fmt: skip
+    ((options,),) = rows(
+        db_url, "SELECT reloptions FROM pg_class WHERE oid = 'outbox.operations'::regclass"
+    )
     assert options == ["fillfactor=80"]

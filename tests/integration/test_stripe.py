@@ -32,8 +32,11 @@ from tests.support.dispatch import (
 
 
 def attempts(url: str) -> list[tuple[Any, ...]]:
-    return rows(url, "SELECT attempt, outcome, error_class, http_status, provider_request_id "
-                     "IS NOT NULL FROM outbox.attempts ORDER BY operation_id, attempt")  # fmt: skip
+    return rows(
+        url,
+        "SELECT attempt, outcome, error_class, http_status, provider_request_id "
+        "IS NOT NULL FROM outbox.attempts ORDER BY operation_id, attempt",
+    )
 
 
 async def test_each_operation_creates_one_object_carrying_its_id_and_key(
@@ -150,8 +153,9 @@ async def test_a_saved_500_goes_to_reconciling_without_a_loop_of_requests(
     fake.inject(StripeFault.error_500_before_apply())  # saved: every replay answers the same 500
     d = dispatcher(pool, {"stripe": provider})
     assert await d.run_once() == 1
-    ((status, delay),) = rows(db_url, "SELECT status, extract(epoch FROM available_at - now()) "
-                                      "FROM outbox.operations")  # fmt: skip
+    ((status, delay),) = rows(
+        db_url, "SELECT status, extract(epoch FROM available_at - now()) FROM outbox.operations"
+    )
     assert status == "pending"
     assert float(delay) >= 25  # a settle delay before asking again
     make_due(db_url)
@@ -175,21 +179,27 @@ async def test_an_idempotency_error_is_quarantined_as_a_producer_bug_without_a_n
     assert await d.run_once() == 1
     with psycopg.connect(db_url) as conn:  # the payload changes under the stored key
         conn.execute("SET LOCAL session_replication_role = replica")  # past the immutability
-        conn.execute("UPDATE outbox.operations SET payload = jsonb_set(payload, '{amount}', "
-                     "'5000'), available_at = now()")  # fmt: skip
+        conn.execute(
+            "UPDATE outbox.operations SET payload = jsonb_set(payload, '{amount}', "
+            "'5000'), available_at = now()"
+        )
     assert await d.run_once() == 1
-    assert rows(db_url, "SELECT status, status_reason, idempotency_key FROM outbox.operations"
-                ) == [("quarantined", "permanent_failure", key)]  # fmt: skip
-    ((error_class, message),) = rows(db_url, "SELECT error_class, error_message FROM "
-                                             "outbox.attempts WHERE attempt = 2")  # fmt: skip
+    assert rows(db_url, "SELECT status, status_reason, idempotency_key FROM outbox.operations") == [
+        ("quarantined", "permanent_failure", key)
+    ]
+    ((error_class, message),) = rows(
+        db_url, "SELECT error_class, error_message FROM outbox.attempts WHERE attempt = 2"
+    )
     assert error_class == "idempotency_error"
     assert "producer bug" in message
     assert fake.object_count() == 1
 
 
 def state_of(provider: str) -> dict[str, float]:
-    return {state: metrics.PROVIDER_STATE.labels(provider, state)._value.get()
-            for state in ("closed", "open", "half_open")}  # fmt: skip
+    return {
+        state: metrics.PROVIDER_STATE.labels(provider, state)._value.get()
+        for state in ("closed", "open", "half_open")
+    }
 
 
 async def test_a_refused_api_key_opens_the_breaker_keeps_attempts_and_a_probe_closes_it(
@@ -208,8 +218,10 @@ async def test_a_refused_api_key_opens_the_breaker_keeps_attempts_and_a_probe_cl
             assert receiver.effect_count() == 4  # other providers keep going
             assert metrics.PROVIDER_PAUSED.labels("stripe")._value.get() == 1
             assert state_of("stripe") == {"closed": 0, "open": 1, "half_open": 0}
-            assert rows(db_url, "SELECT DISTINCT status, attempts FROM outbox.operations "
-                                "WHERE provider = 'stripe'") == [("pending", 0)]  # fmt: skip
+            assert rows(
+                db_url,
+                "SELECT DISTINCT status, attempts FROM outbox.operations WHERE provider = 'stripe'",
+            ) == [("pending", 0)]
             assert await d.run_once() == 0  # open: its rows are not claimed
             await asyncio.sleep(0.35)
             assert await d.run_once() == 1  # half-open: one probe, refused again
@@ -222,8 +234,11 @@ async def test_a_refused_api_key_opens_the_breaker_keeps_attempts_and_a_probe_cl
             assert await d.run_once() == 2  # the rest follow
         finally:
             await hook.aclose()
-    assert rows(db_url, "SELECT DISTINCT status, attempts FROM outbox.operations "
-                        "WHERE id = ANY(%s)", (stripe_ops,)) == [("succeeded", 1)]  # fmt: skip
+    assert rows(
+        db_url,
+        "SELECT DISTINCT status, attempts FROM outbox.operations WHERE id = ANY(%s)",
+        (stripe_ops,),
+    ) == [("succeeded", 1)]
     assert metrics.PROVIDER_PAUSED.labels("stripe")._value.get() == 0
     assert fake.object_count() == 3
     assert [r.status for r in fake.received] == [401, 401, 401, 401, 200, 200, 200]
@@ -265,10 +280,18 @@ async def test_a_payload_may_not_set_the_metadata_the_reconciler_matches_on(
     import outbox  # noqa: PLC0415
 
     with psycopg.connect(db_url) as conn:
-        outbox.enqueue(conn, tenant_id="acme", operation_type="refund", operation_key="r1",
-                       provider="stripe", action="refunds.create",
-                       payload={"payment_intent": "pi_1", "metadata": {
-                           "outbox_operation_id": "5", "order": "o-1"}})  # fmt: skip
+        outbox.enqueue(
+            conn,
+            tenant_id="acme",
+            operation_type="refund",
+            operation_key="r1",
+            provider="stripe",
+            action="refunds.create",
+            payload={
+                "payment_intent": "pi_1",
+                "metadata": {"outbox_operation_id": "5", "order": "o-1"},
+            },
+        )
     assert await dispatcher(pool, {"stripe": provider}).run_once() == 1
     assert rows(db_url, "SELECT status, last_error FROM outbox.operations") == [
         ("quarantined", "the payload's metadata may not set outbox_operation_id")

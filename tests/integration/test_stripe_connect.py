@@ -27,13 +27,20 @@ STATE = "SELECT status, status_reason, check_finding, check_state FROM outbox.op
 
 def enqueue(url: str, payload: dict[str, Any], key: str = "k-1") -> int:
     with psycopg.connect(url) as conn:
-        return outbox.enqueue(conn, tenant_id="acme", operation_type="t", operation_key=key,
-                              provider="stripe", action="payment_intents.create",
-                              payload=payload).operation_id  # fmt: skip
+        return outbox.enqueue(
+            conn,
+            tenant_id="acme",
+            operation_type="t",
+            operation_key=key,
+            provider="stripe",
+            action="payment_intents.create",
+            payload=payload,
+        ).operation_id
 
 
-async def lost_past_the_window(url: str, pool: AsyncConnectionPool[Any], fake: FakeStripe,
-                               stripe: Provider) -> None:  # fmt: skip
+async def lost_past_the_window(
+    url: str, pool: AsyncConnectionPool[Any], fake: FakeStripe, stripe: Provider
+) -> None:
     fake.inject(StripeFault.reset_after_apply())
     d = dispatcher(pool, {"stripe": stripe})
     assert await d.run_once() == 1
@@ -58,12 +65,17 @@ async def test_an_operation_names_its_connected_account_for_the_send_and_the_loo
         await stripe.aclose()
     (pi, platform) = fake.objects("payment_intents")
     assert "stripe_account" not in pi  # a header, never a parameter
-    assert rows(db_url, "SELECT id, status, provider_ref, sent_scope FROM outbox.operations "
-                        "ORDER BY id") == [
+    assert rows(
+        db_url, "SELECT id, status, provider_ref, sent_scope FROM outbox.operations ORDER BY id"
+    ) == [
         (op, "succeeded", pi["id"], "acct_A test"),
-        (op + 1, "succeeded", platform["id"], "platform test")]  # fmt: skip
+        (op + 1, "succeeded", platform["id"], "platform test"),
+    ]
     assert {(r.method, r.account) for r in fake.received} == {
-        ("POST", "acct_A"), ("GET", "acct_A"), ("POST", None)}  # fmt: skip
+        ("POST", "acct_A"),
+        ("GET", "acct_A"),
+        ("POST", None),
+    }
 
 
 @pytest.mark.parametrize("account", ["acct_A", "acct_", "cus_1", 7, "acct_A\n", ""])
@@ -96,8 +108,7 @@ async def test_a_check_after_the_account_or_the_keys_mode_changed_says_where_it_
         await before.aclose()
     if change == "mode":
         fake.set_api_key("sk_live_fake")
-        after = stripe_provider("stripe", fake.url, stripe_account="acct_A",
-                                api_key="sk_live_fake")  # fmt: skip
+        after = stripe_provider("stripe", fake.url, stripe_account="acct_A", api_key="sk_live_fake")
     else:
         after = stripe_provider("stripe", fake.url, stripe_account="acct_B")
     gets = sum(r.method == "GET" for r in fake.received)
@@ -110,7 +121,8 @@ async def test_a_check_after_the_account_or_the_keys_mode_changed_says_where_it_
     assert (
         result.finding == "undecided" and "it was sent to acct_A test" in result.details["reason"]
     )
-    assert rows(db_url, STATE) == [("reconciling", "key_window_passed", "undecided",
-                                    "search incomplete")]  # fmt: skip
+    assert rows(db_url, STATE) == [
+        ("reconciling", "key_window_passed", "undecided", "search incomplete")
+    ]
     assert sum(r.method == "GET" for r in fake.received) == gets  # searched nowhere wrong
     assert fake.object_count() == 1

@@ -26,13 +26,16 @@ from tests.support.dispatch import dispatcher, enqueue_charges, make_due, rows, 
 
 MAX_ATTEMPTS = 3
 NOT_ACTED = {
-    "rate_limited": lambda: StripeFault.status(429, error_type="invalid_request_error",
-                                         code_str="rate_limit"),
-    "lock_timeout": lambda: StripeFault.status(429, error_type="invalid_request_error",
-                                         code_str="lock_timeout", should_retry=False),
-    "key_in_use": lambda: StripeFault.status(409, error_type="idempotency_error",
-                                       code_str="idempotency_key_in_use"),
-}  # fmt: skip
+    "rate_limited": lambda: StripeFault.status(
+        429, error_type="invalid_request_error", code_str="rate_limit"
+    ),
+    "lock_timeout": lambda: StripeFault.status(
+        429, error_type="invalid_request_error", code_str="lock_timeout", should_retry=False
+    ),
+    "key_in_use": lambda: StripeFault.status(
+        409, error_type="idempotency_error", code_str="idempotency_key_in_use"
+    ),
+}
 
 
 @pytest.fixture
@@ -62,9 +65,11 @@ async def test_a_long_episode_of_answers_that_did_not_act_never_quarantines(
     enqueue_charges(db_url, 1)
     await _run(pool, stripe, db_url, refusals + 1)
     assert rows(db_url, "SELECT status, attempts, attempt_base FROM outbox.operations") == [
-        ("succeeded", refusals + 1, refusals)]  # fmt: skip
+        ("succeeded", refusals + 1, refusals)
+    ]
     assert rows(db_url, "SELECT count(*) FILTER (WHERE sent), count(*) FROM outbox.attempts") == [
-        (1, refusals + 1)]  # fmt: skip
+        (1, refusals + 1)
+    ]
     assert fake.object_count("payment_intents") == 1
 
 
@@ -79,9 +84,9 @@ async def test_answers_that_did_not_act_spend_the_budget_once_the_ceiling_passed
     with psycopg.connect(db_url) as conn:
         conn.execute("UPDATE outbox.operations SET created_at = now() - interval '25 hours'")
     await _run(pool, stripe, db_url, MAX_ATTEMPTS + 2)
-    assert rows(db_url, "SELECT status, status_reason, attempts, attempt_base "
-                        "FROM outbox.operations") == [
-        ("quarantined", "attempts_exhausted", MAX_ATTEMPTS, 0)]  # fmt: skip
+    assert rows(
+        db_url, "SELECT status, status_reason, attempts, attempt_base FROM outbox.operations"
+    ) == [("quarantined", "attempts_exhausted", MAX_ATTEMPTS, 0)]
     assert fake.object_count() == 0
 
 
@@ -94,7 +99,8 @@ async def test_an_unknown_answer_still_spends_its_attempt(
     enqueue_charges(db_url, 1)
     await _run(pool, stripe, db_url, MAX_ATTEMPTS)
     assert rows(db_url, "SELECT status, attempts, attempt_base FROM outbox.operations") == [
-        ("quarantined", MAX_ATTEMPTS, 0)]  # fmt: skip
+        ("quarantined", MAX_ATTEMPTS, 0)
+    ]
 
 
 async def test_a_403_on_one_action_pauses_that_action_and_not_the_provider(
@@ -111,12 +117,18 @@ async def test_a_403_on_one_action_pauses_that_action_and_not_the_provider(
     assert await d.run_once() == 6
     by_action = "SELECT action, status, count(*), sum(attempts) FROM outbox.operations "
     by_action += "GROUP BY 1, 2 ORDER BY 1"
-    assert rows(db_url, by_action) == [("payment_intents.create", "succeeded", 3, 3),
-                                       ("payouts.create", "pending", 3, 0)]  # fmt: skip
+    assert rows(db_url, by_action) == [
+        ("payment_intents.create", "succeeded", 3, 3),
+        ("payouts.create", "pending", 3, 0),
+    ]
     forbidden = sum(r.status == 403 for r in fake.received)
     assert forbidden == 3  # the three in flight together; none since
-    assert REGISTRY.get_sample_value("outbox_action_paused", {
-        "provider": "stripe", "action": "payouts.create"}) == 1  # fmt: skip
+    assert (
+        REGISTRY.get_sample_value(
+            "outbox_action_paused", {"provider": "stripe", "action": "payouts.create"}
+        )
+        == 1
+    )
     assert REGISTRY.get_sample_value("outbox_provider_paused", {"provider": "stripe"}) == 0
     for _ in range(3):  # due again, within the pause: handed back unsent
         make_due(db_url)
@@ -133,8 +145,14 @@ async def test_a_403_on_one_action_pauses_that_action_and_not_the_provider(
         await d.run_once()
         if fake.object_count("payouts") == 3:
             break
-    assert rows(db_url, by_action) == [("payment_intents.create", "succeeded", 4, 4),
-                                       ("payouts.create", "succeeded", 3, 3)]  # fmt: skip
+    assert rows(db_url, by_action) == [
+        ("payment_intents.create", "succeeded", 4, 4),
+        ("payouts.create", "succeeded", 3, 3),
+    ]
     assert sum(r.status == 403 for r in fake.received) == forbidden
-    assert REGISTRY.get_sample_value("outbox_action_paused", {
-        "provider": "stripe", "action": "payouts.create"}) == 0  # fmt: skip
+    assert (
+        REGISTRY.get_sample_value(
+            "outbox_action_paused", {"provider": "stripe", "action": "payouts.create"}
+        )
+        == 0
+    )

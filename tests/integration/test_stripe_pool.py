@@ -23,23 +23,32 @@ HOLD_S = 3.0
 
 
 def request(i: int) -> SendRequest:
-    return SendRequest(operation_id=i, tenant_id="t", operation_type="pool.test",
-                       operation_key=f"k{i}", action="payment_intents.create",
-                       payload={"amount": 100 + i, "currency": "usd"},
-                       idempotency_key=f"pool-key-{i}", correlation_id=None,
-                       attempt=1)  # fmt: skip
+    return SendRequest(
+        operation_id=i,
+        tenant_id="t",
+        operation_type="pool.test",
+        operation_key=f"k{i}",
+        action="payment_intents.create",
+        payload={"amount": 100 + i, "currency": "usd"},
+        idempotency_key=f"pool-key-{i}",
+        correlation_id=None,
+        attempt=1,
+    )
 
 
 async def test_slow_creates_reach_stripe_at_once_past_one_sdk_clients_pool(
     fake: FakeStripe,
 ) -> None:
     fake.inject(StripeFault.delay_after_apply(HOLD_S), times=CALLS)
-    ps = ProviderSettings("stripe", "stripe", timeout=timedelta(seconds=30),
-                          options={"api_key_env": "KEY", "api_base": fake.url})  # fmt: skip
+    ps = ProviderSettings(
+        "stripe",
+        "stripe",
+        timeout=timedelta(seconds=30),
+        options={"api_key_env": "KEY", "api_base": fake.url},
+    )
     provider = build_providers({"stripe": ps}, {"KEY": DEFAULT_API_KEY}, concurrency=256)
     try:
-        results = await asyncio.gather(*(provider["stripe"].send(request(i))
-                                         for i in range(CALLS)))  # fmt: skip
+        results = await asyncio.gather(*(provider["stripe"].send(request(i)) for i in range(CALLS)))
     finally:
         await provider["stripe"].aclose()
     assert all(isinstance(r, Succeeded) for r in results)

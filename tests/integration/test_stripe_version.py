@@ -42,9 +42,12 @@ async def test_every_request_names_the_pinned_version(
     finally:
         await stripe.aclose()
     assert {(r.method, r.version) for r in fake.received} == {
-        ("POST", DEFAULT_STRIPE_VERSION), ("GET", DEFAULT_STRIPE_VERSION)}  # fmt: skip
+        ("POST", DEFAULT_STRIPE_VERSION),
+        ("GET", DEFAULT_STRIPE_VERSION),
+    }
     assert rows(db_url, "SELECT DISTINCT api_version FROM outbox.operations") == [
-        (DEFAULT_STRIPE_VERSION,)]  # fmt: skip
+        (DEFAULT_STRIPE_VERSION,)
+    ]
 
 
 async def test_an_operation_keeps_its_first_sends_version_across_a_config_change(
@@ -65,8 +68,10 @@ async def test_an_operation_keeps_its_first_sends_version_across_a_config_change
         make_due(db_url)
         assert await dispatcher(pool, {"stripe": new}).run_once() == 2
         with psycopg.connect(db_url, autocommit=True) as conn:
-            conn.execute("UPDATE outbox.operations SET status = 'reconciling' "
-                         "WHERE operation_key = 'early-0'")  # fmt: skip
+            conn.execute(
+                "UPDATE outbox.operations SET status = 'reconciling' "
+                "WHERE operation_key = 'early-0'"
+            )
         before = len(fake.received)
         reconciler = Reconciler(pool, {"stripe": new})
         (check,) = await reconciler.candidates()
@@ -75,13 +80,17 @@ async def test_an_operation_keeps_its_first_sends_version_across_a_config_change
     finally:
         await new.aclose()
     assert result.finding == "found"
-    sent = [(r.idempotency_key is not None, r.params["metadata"]["outbox_operation_id"], r.version)
-            for r in fake.received[:before]]  # fmt: skip
+    sent = [
+        (r.idempotency_key is not None, r.params["metadata"]["outbox_operation_id"], r.version)
+        for r in fake.received[:before]
+    ]
     # the retry and the new operation are sent concurrently: in either order
     assert sorted(sent) == [(True, "1", OLD), (True, "1", OLD), (True, "2", DEFAULT_STRIPE_VERSION)]
     assert {r.version for r in fake.received[before:]} == {OLD}
     assert rows(db_url, "SELECT operation_key, api_version FROM outbox.operations ORDER BY id") == [
-        ("early-0", OLD), ("late-0", DEFAULT_STRIPE_VERSION)]  # fmt: skip
+        ("early-0", OLD),
+        ("late-0", DEFAULT_STRIPE_VERSION),
+    ]
     assert fake.object_count() == 2
 
 
@@ -96,6 +105,9 @@ def test_a_version_that_is_not_stripes_is_refused_at_start(
 def test_the_sdk_is_bounded_below_its_next_major() -> None:
     """A new major of stripe-python may change what its calls send; it is taken on purpose."""
     project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
-    (spec,) = [Requirement(r) for r in project["project"]["dependencies"]
-               if Requirement(r).name == "stripe"]  # fmt: skip
+    (spec,) = [
+        Requirement(r)
+        for r in project["project"]["dependencies"]
+        if Requirement(r).name == "stripe"
+    ]
     assert "16.1.0" in spec.specifier and "17.0.0" not in spec.specifier

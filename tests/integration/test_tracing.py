@@ -39,11 +39,19 @@ async def test_the_dispatch_span_links_to_the_enqueue_trace(
     db_url: str, pool: AsyncConnectionPool[Any], spans: InMemorySpanExporter
 ) -> None:
     tracer = trace.get_tracer("the-application")
-    with tracer.start_as_current_span("POST /invoices/42/charge") as request_span, \
-            psycopg.connect(db_url) as conn:  # fmt: skip
-        result = outbox.enqueue(conn, tenant_id="acme", operation_type="invoice.charge",
-                                operation_key="inv-42", provider="fast", action="charge",
-                                payload={"amount": 1})  # fmt: skip
+    with (
+        tracer.start_as_current_span("POST /invoices/42/charge") as request_span,
+        psycopg.connect(db_url) as conn,
+    ):
+        result = outbox.enqueue(
+            conn,
+            tenant_id="acme",
+            operation_type="invoice.charge",
+            operation_key="inv-42",
+            provider="fast",
+            action="charge",
+            payload={"amount": 1},
+        )
     origin = request_span.get_span_context()
     ((stored,),) = rows(db_url, "SELECT traceparent FROM outbox.operations")
     assert stored.startswith(f"00-{origin.trace_id:032x}-{origin.span_id:016x}-")
@@ -54,10 +62,13 @@ async def test_the_dispatch_span_links_to_the_enqueue_trace(
     assert [link.context.span_id for link in span.links] == [origin.span_id]
     assert span.context.trace_id != origin.trace_id  # linked, not parented
     assert dict(span.attributes or {}) == {
-        "outbox.operation_id": result.operation_id, "outbox.attempt": 1,
-        "outbox.provider": "fast", "outbox.action": "charge", "outbox.tenant_id": "acme",
+        "outbox.operation_id": result.operation_id,
+        "outbox.attempt": 1,
+        "outbox.provider": "fast",
+        "outbox.action": "charge",
+        "outbox.tenant_id": "acme",
         "outbox.outcome": "succeeded",
-    }  # fmt: skip
+    }
 
 
 def test_without_the_extra_nothing_breaks_and_nothing_is_imported() -> None:
@@ -77,7 +88,8 @@ with tracing.attempt_span("00-" + "1" * 32 + "-" + "2" * 16 + "-01", {}) as span
 assert not [m for m in sys.modules if m.startswith("opentelemetry")]
 print("ok")
 """
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=60, check=False)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"

@@ -47,17 +47,24 @@ BAD_VERSIONS = ["2026-10-28.endivé", "二〇二六", "2026-10-28.endive\n", " 2
 GOOD = 3  # operations enqueued behind the unbuildable ones, each to be delivered once
 
 
-def plant(db_url: str, *, provider: str, action: str, key: str, payload: str = '{"n": -1}',
-          tenant: str = "acme", api_version: str | None = None) -> int:  # fmt: skip
+def plant(
+    db_url: str,
+    *,
+    provider: str,
+    action: str,
+    key: str,
+    payload: str = '{"n": -1}',
+    tenant: str = "acme",
+    api_version: str | None = None,
+) -> int:
     """A row written behind enqueue's back, with the key (and API version) given."""
     with psycopg.connect(db_url) as conn:
         row = conn.execute(
             "INSERT INTO outbox.operations (tenant_id, operation_type, operation_key, fingerprint, "
             "provider, action, payload, idempotency_key, api_version) "
             "VALUES (%s, 'poison', %s, sha256(%s::bytea), %s, %s, %s::jsonb, %s, %s) RETURNING id",
-            (tenant, f"poison-{key!r}", key.encode(), provider, action, payload, key,
-             api_version),
-        ).fetchone()  # fmt: skip
+            (tenant, f"poison-{key!r}", key.encode(), provider, action, payload, key, api_version),
+        ).fetchone()
     assert row is not None
     return int(row[0])
 
@@ -65,14 +72,23 @@ def plant(db_url: str, *, provider: str, action: str, key: str, payload: str = '
 def assert_quarantined_unsent(db_url: str, ids: list[int], cause: str) -> None:
     """One attempt each, recorded not sent; quarantined as unencodable_request, no key window
     started, the cause in last_error."""
-    attempts = rows(db_url, "SELECT operation_id, attempt, outcome, sent, error_class, "
-                            "error_message FROM outbox.attempts WHERE operation_id = ANY(%s) "
-                            "ORDER BY 1", (ids,))  # fmt: skip
-    assert [a[:5] for a in attempts] == [(i, 1, "permanent", False, "unencodable_request")
-                                         for i in sorted(ids)]  # fmt: skip
+    attempts = rows(
+        db_url,
+        "SELECT operation_id, attempt, outcome, sent, error_class, "
+        "error_message FROM outbox.attempts WHERE operation_id = ANY(%s) "
+        "ORDER BY 1",
+        (ids,),
+    )
+    assert [a[:5] for a in attempts] == [
+        (i, 1, "permanent", False, "unencodable_request") for i in sorted(ids)
+    ]
     assert all(cause in a[5] for a in attempts), attempts
-    ops = rows(db_url, "SELECT status, status_reason, last_error_class, first_sent_at "
-                       "FROM outbox.operations WHERE id = ANY(%s)", (ids,))  # fmt: skip
+    ops = rows(
+        db_url,
+        "SELECT status, status_reason, last_error_class, first_sent_at "
+        "FROM outbox.operations WHERE id = ANY(%s)",
+        (ids,),
+    )
     assert ops == [("quarantined", "unencodable_request", "permanent", None)] * len(ids)
 
 
@@ -87,16 +103,23 @@ async def run(pool: AsyncConnectionPool[Any], providers: Mapping[str, Provider])
 
 async def test_identities_a_header_cannot_carry_as_they_are_travel_percent_encoded(
     db_url: str, pool: AsyncConnectionPool[Any], receiver: FakeWebhookReceiver, hook: Provider
-) -> None:  # fmt: skip
+) -> None:
     """Legitimate tenants, actions and correlation ids, enqueued as any producer would: past
     ASCII, a space at either end (h11 refused those: "unknown" before), a "%". Each arrives
     percent-encoded UTF-8, decodes to itself, and no two arrive the same."""
     tenants = ["日本", "café", "acme ", " acme", "50%", "caf%C3%A9", "a b", "acme"]
     with psycopg.connect(db_url) as conn:
         for i, tenant in enumerate(tenants):
-            outbox.enqueue(conn, tenant_id=tenant, operation_type="t", operation_key=f"k{i}",
-                           provider="hook", action=" invoice.paid ", payload={"n": i},
-                           correlation_id=f"req {i} ")  # fmt: skip
+            outbox.enqueue(
+                conn,
+                tenant_id=tenant,
+                operation_type="t",
+                operation_key=f"k{i}",
+                provider="hook",
+                action=" invoice.paid ",
+                payload={"n": i},
+                correlation_id=f"req {i} ",
+            )
     await run(pool, {"hook": hook})
     assert statuses(db_url) == {"succeeded": len(tenants)}
     assert rows(db_url, "SELECT DISTINCT sent FROM outbox.attempts") == [(True,)]
@@ -115,7 +138,7 @@ async def test_identities_a_header_cannot_carry_as_they_are_travel_percent_encod
 
 async def test_a_webhook_row_whose_key_no_request_can_carry_is_quarantined_unsent(
     db_url: str, pool: AsyncConnectionPool[Any], receiver: FakeWebhookReceiver, hook: Provider
-) -> None:  # fmt: skip
+) -> None:
     bad = [plant(db_url, provider="hook", action="invoice.paid", key=k) for k in BAD_KEYS.values()]
     enqueue_many(db_url, GOOD)
     await run(pool, {"hook": hook})
@@ -125,16 +148,28 @@ async def test_a_webhook_row_whose_key_no_request_can_carry_is_quarantined_unsen
 
 
 async def test_a_webhook_header_outbox_fails_to_encode_is_recorded_unsent(
-    db_url: str, pool: AsyncConnectionPool[Any], receiver: FakeWebhookReceiver, hook: Provider,
+    db_url: str,
+    pool: AsyncConnectionPool[Any],
+    receiver: FakeWebhookReceiver,
+    hook: Provider,
     monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
+) -> None:
     """The class, not the examples: with the tenant's encoding undone, httpx refuses "日本" and
     h11 "acme " while they are built. Both are recorded as not sent, naming the header."""
     monkeypatch.setattr(webhook_module, "_header_safe", lambda value: value)
     with psycopg.connect(db_url) as conn:
-        bad = [outbox.enqueue(conn, tenant_id=tenant, operation_type="t", operation_key="k",
-                              provider="hook", action="invoice.paid",
-                              payload={}).operation_id for tenant in ("日本", "acme ")]  # fmt: skip
+        bad = [
+            outbox.enqueue(
+                conn,
+                tenant_id=tenant,
+                operation_type="t",
+                operation_key="k",
+                provider="hook",
+                action="invoice.paid",
+                payload={},
+            ).operation_id
+            for tenant in ("日本", "acme ")
+        ]
     enqueue_many(db_url, GOOD)
     await run(pool, {"hook": hook})
     assert len(receiver.received) == GOOD and receiver.effect_count() == GOOD
@@ -147,10 +182,12 @@ async def test_a_webhook_header_outbox_fails_to_encode_is_recorded_unsent(
 
 async def test_a_stripe_row_whose_key_no_request_can_carry_is_quarantined_unsent(
     db_url: str, pool: AsyncConnectionPool[Any], fake: FakeStripe, provider: Provider
-) -> None:  # fmt: skip
+) -> None:
     """The empty key too: the SDK would have sent that request with no Idempotency-Key."""
-    bad = [plant(db_url, provider="stripe", action="customers.create", key=k,
-                 payload='{"name": "n"}') for k in BAD_KEYS.values()]  # fmt: skip
+    bad = [
+        plant(db_url, provider="stripe", action="customers.create", key=k, payload='{"name": "n"}')
+        for k in BAD_KEYS.values()
+    ]
     enqueue_charges(db_url, GOOD)
     await run(pool, {"stripe": provider})
     assert len(fake.received) == GOOD and fake.object_count() == GOOD
@@ -160,12 +197,20 @@ async def test_a_stripe_row_whose_key_no_request_can_carry_is_quarantined_unsent
 
 async def test_a_stripe_version_no_header_can_carry_is_quarantined_unsent(
     db_url: str, pool: AsyncConnectionPool[Any], fake: FakeStripe, provider: Provider
-) -> None:  # fmt: skip
+) -> None:
     """The version an operation keeps from its first send goes out as Stripe-Version: one
     httpx cannot encode or h11 will not write fails inside the SDK's call, and is not sent."""
-    bad = [plant(db_url, provider="stripe", action="customers.create", key=f"ob1_v{i}",
-                 payload='{"name": "n"}', api_version=v)
-           for i, v in enumerate(BAD_VERSIONS)]  # fmt: skip
+    bad = [
+        plant(
+            db_url,
+            provider="stripe",
+            action="customers.create",
+            key=f"ob1_v{i}",
+            payload='{"name": "n"}',
+            api_version=v,
+        )
+        for i, v in enumerate(BAD_VERSIONS)
+    ]
     enqueue_charges(db_url, GOOD)
     await run(pool, {"stripe": provider})
     assert len(fake.received) == GOOD and fake.object_count() == GOOD
@@ -174,9 +219,12 @@ async def test_a_stripe_version_no_header_can_carry_is_quarantined_unsent(
 
 
 async def test_a_failure_of_the_sdk_before_it_hands_over_its_request_is_not_sent(
-    db_url: str, pool: AsyncConnectionPool[Any], fake: FakeStripe, provider: Provider,
+    db_url: str,
+    pool: AsyncConnectionPool[Any],
+    fake: FakeStripe,
+    provider: Provider,
     monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
+) -> None:
     """An exception of the SDK's own, raised while it builds the request (here its headers),
     was taken for an answer it could not read ("unreadable_success", unknown)."""
     original = stripe._api_requestor._APIRequestor.request_headers
@@ -187,8 +235,13 @@ async def test_a_failure_of_the_sdk_before_it_hands_over_its_request_is_not_sent
         return original(self, method, api_mode, options)
 
     monkeypatch.setattr(stripe._api_requestor._APIRequestor, "request_headers", refuse)
-    bad = plant(db_url, provider="stripe", action="customers.create", key="ob1_the_sdk_refuses",
-                payload='{"name": "n"}')  # fmt: skip
+    bad = plant(
+        db_url,
+        provider="stripe",
+        action="customers.create",
+        key="ob1_the_sdk_refuses",
+        payload='{"name": "n"}',
+    )
     enqueue_charges(db_url, GOOD)
     await run(pool, {"stripe": provider})
     assert len(fake.received) == GOOD and fake.object_count() == GOOD

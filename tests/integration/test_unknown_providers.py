@@ -19,19 +19,36 @@ from tests.support.cli import outbox_cli
 from tests.support.daemon import write_config
 from tests.support.dispatch import dispatcher, enqueue_many, make_due, rows
 
-ARGS = ("--tenant-id", "acme", "--operation-type", "t", "--provider", "billing", "--action",
-        "a", "--payload", "{}")  # fmt: skip
+ARGS = (
+    "--tenant-id",
+    "acme",
+    "--operation-type",
+    "t",
+    "--provider",
+    "billing",
+    "--action",
+    "a",
+    "--payload",
+    "{}",
+)
 
 
 def test_the_cli_warns_when_the_provider_is_not_in_the_config(db_url: str, tmp_path: Path) -> None:
-    config = write_config(tmp_path / "outbox.toml", providers={
-        "hook": {"type": "webhook", "url": "http://127.0.0.1:9/"}})  # fmt: skip
+    config = write_config(
+        tmp_path / "outbox.toml",
+        providers={"hook": {"type": "webhook", "url": "http://127.0.0.1:9/"}},
+    )
     env = {**os.environ, "OUTBOX_DATABASE_URL": db_url, "OUTBOX_CONFIG": str(config)}
     warned = outbox_cli(env, "enqueue", "--operation-key", "k1", *ARGS)
     assert warned.returncode == 0, warned.stderr
     assert "no provider named 'billing'" in warned.stderr and "10m" in warned.stderr
-    quiet = outbox_cli({k: v for k, v in env.items() if k != "OUTBOX_CONFIG"}, "enqueue",
-                       "--operation-key", "k2", *ARGS)  # fmt: skip
+    quiet = outbox_cli(
+        {k: v for k, v in env.items() if k != "OUTBOX_CONFIG"},
+        "enqueue",
+        "--operation-key",
+        "k2",
+        *ARGS,
+    )
     assert quiet.returncode == 0 and quiet.stderr == ""
     assert rows(db_url, "SELECT count(*) FROM outbox.operations") == [(2,)]  # still accepted
 
@@ -48,28 +65,37 @@ async def test_the_dispatcher_says_once_what_becomes_of_them(
     told = [e for e in logs if "does not have" in e["event"]]
     assert len(told) == 1 and "unknown_provider 10m after its enqueue" in told[0]["event"]
     assert rows(db_url, "SELECT status, count(*) FROM outbox.operations GROUP BY 1") == [
-        ("pending", 3)]  # fmt: skip
+        ("pending", 3)
+    ]
 
 
 def test_status_names_due_operations_no_configured_provider_takes_and_when(
     db_url: str, tmp_path: Path
 ) -> None:
-    config = write_config(tmp_path / "outbox.toml", providers={
-        "hook": {"type": "webhook", "url": "http://127.0.0.1:9/"}})  # fmt: skip
+    config = write_config(
+        tmp_path / "outbox.toml",
+        providers={"hook": {"type": "webhook", "url": "http://127.0.0.1:9/"}},
+    )
     enqueue_many(db_url, 3, provider="billing", prefix="b")
     enqueue_many(db_url, 2, provider="hook", prefix="h")
     enqueue_many(db_url, 1, provider="late", prefix="l")
     with psycopg.connect(db_url) as conn:  # one enqueued 11 minutes ago: its grace has passed
-        conn.execute("UPDATE outbox.operations SET created_at = now() - interval '11 minutes' "
-                     "WHERE provider = 'late'")  # fmt: skip
+        conn.execute(
+            "UPDATE outbox.operations SET created_at = now() - interval '11 minutes' "
+            "WHERE provider = 'late'"
+        )
     env = {**os.environ, "OUTBOX_DATABASE_URL": db_url, "OUTBOX_CONFIG": str(config)}
     shown = outbox_cli(env, "status", "--json")
     assert shown.returncode == 0, shown.stderr
     by = {p["provider"]: p for p in json.loads(shown.stdout)["due_by_provider"]}
     assert {n: (p["due"], p["configured"]) for n, p in by.items()} == {
-        "billing": (3, False), "hook": (2, True), "late": (1, False)}  # fmt: skip
-    (enqueued,) = rows(db_url, "SELECT min(created_at) FROM outbox.operations "
-                               "WHERE provider = 'billing'")[0]  # fmt: skip
+        "billing": (3, False),
+        "hook": (2, True),
+        "late": (1, False),
+    }
+    (enqueued,) = rows(
+        db_url, "SELECT min(created_at) FROM outbox.operations WHERE provider = 'billing'"
+    )[0]
     assert datetime.fromisoformat(by["billing"]["quarantined_from"]) == enqueued + timedelta(
         minutes=10
     )
@@ -90,8 +116,10 @@ def test_status_bounds_what_a_million_provider_names_would_cost(
 ) -> None:
     with psycopg.connect(db_url) as conn:  # a producer that names a new provider each time
         for i in range(205):
-            conn.execute("SELECT outbox.enqueue('acme', 't', %s, %s, 'a', '{}'::jsonb)",
-                         (f"k{i}", f"p{i:03}"))  # fmt: skip
+            conn.execute(
+                "SELECT outbox.enqueue('acme', 't', %s, %s, 'a', '{}'::jsonb)",
+                (f"k{i}", f"p{i:03}"),
+            )
     shown = outbox_cli(cli_env, "status", "--json")
     assert shown.returncode == 0, shown.stderr
     report = json.loads(shown.stdout)

@@ -43,13 +43,19 @@ def claims(base: str) -> float:
 def test_a_flood_of_notifications_costs_a_claim_per_gap_and_real_work_still_wakes_at_once(
     db_url: str, receiver: FakeWebhookReceiver, tmp_path: Path
 ) -> None:
-    cfg = write_config(tmp_path / "outbox.toml", providers={"hook": {
-        "type": "webhook", "url": receiver.url}}, poll_interval="1s")  # fmt: skip
+    cfg = write_config(
+        tmp_path / "outbox.toml",
+        providers={"hook": {"type": "webhook", "url": receiver.url}},
+        poll_interval="1s",
+    )
     proc = OutboxProcess(db_url, cfg, tmp_path / "run.log", metrics_addr="127.0.0.1:0")
     try:
         base = proc.metrics_url()
-        wait_until(lambda: '"listening for enqueue notifications"' in proc.log_text(),
-                   timeout=30, what="the LISTEN connection")  # fmt: skip
+        wait_until(
+            lambda: '"listening for enqueue notifications"' in proc.log_text(),
+            timeout=30,
+            what="the LISTEN connection",
+        )
         time.sleep(1.5)  # idle: its waiting mark is set, the first polls are done
         before, started = claims(base), time.monotonic()
         # One notification per transaction, from 8 connections at once: they arrive one by
@@ -63,8 +69,15 @@ def test_a_flood_of_notifications_costs_a_claim_per_gap_and_real_work_still_wake
         assert spent <= bound, f"{spent:.0f} claims in {elapsed:.1f} s (bound {bound:.0f})"
         # Real work after the flood still wakes the dispatcher, within a gap, not a poll.
         with psycopg.connect(db_url) as conn:
-            outbox.enqueue(conn, tenant_id="t", operation_type="x", operation_key="real",
-                           provider="hook", action="a", payload={})  # fmt: skip
+            outbox.enqueue(
+                conn,
+                tenant_id="t",
+                operation_type="x",
+                operation_key="real",
+                provider="hook",
+                action="a",
+                payload={},
+            )
         wait_until(lambda: receiver.effect_count() == 1, timeout=10, what="the real one")
         assert proc.proc.poll() is None
     finally:

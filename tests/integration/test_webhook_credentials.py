@@ -21,16 +21,20 @@ from tests.support.dispatch import dispatcher, enqueue_many, rows
 
 @pytest.mark.parametrize("status", [401, 403])
 async def test_refused_credentials_pause_the_provider_and_quarantine_nothing(
-    db_url: str, pool: AsyncConnectionPool[Any], receiver: FakeWebhookReceiver, hook: Provider,
+    db_url: str,
+    pool: AsyncConnectionPool[Any],
+    receiver: FakeWebhookReceiver,
+    hook: Provider,
     status: int,
-) -> None:  # fmt: skip
+) -> None:
     enqueue_many(db_url, 101)
     receiver.inject(WebhookFault.status(status), times=1000)
     d = dispatcher(pool, {"hook": hook})
     for _ in range(3):
         await d.run_once()
-    assert rows(db_url, "SELECT status, count(*), sum(attempts) FROM outbox.operations "
-                        "GROUP BY 1") == [("pending", 101, 0)]  # fmt: skip
+    assert rows(
+        db_url, "SELECT status, count(*), sum(attempts) FROM outbox.operations GROUP BY 1"
+    ) == [("pending", 101, 0)]
     refused = sum(r.status == status for r in receiver.received)
     assert 1 <= refused <= 101  # the calls in flight when it opened; none after
     assert REGISTRY.get_sample_value("outbox_provider_paused", {"provider": "hook"}) == 1
@@ -39,8 +43,11 @@ async def test_refused_credentials_pause_the_provider_and_quarantine_nothing(
 
 def test_a_list_that_stops_short_says_so(db_url: str) -> None:
     enqueue_many(db_url, 5)
-    rows(db_url, "UPDATE outbox.operations SET status = 'quarantined', "
-                 "status_reason = 'permanent_failure' RETURNING id")  # fmt: skip
+    rows(
+        db_url,
+        "UPDATE outbox.operations SET status = 'quarantined', "
+        "status_reason = 'permanent_failure' RETURNING id",
+    )
     env = {**os.environ, "OUTBOX_DATABASE_URL": db_url}
     short = outbox_cli(env, "quarantine", "list", "--limit", "3")
     whole = outbox_cli(env, "quarantine", "list", "--limit", "5")
@@ -80,7 +87,8 @@ async def test_a_plug_in_pauses_through_the_provider_interface(
     in_flight_when_paused = plugin.calls
     for _ in range(2):
         await d.run_once()
-    assert rows(db_url, "SELECT status, count(*), sum(attempts) FROM outbox.operations "
-                        "GROUP BY 1") == [("pending", 20, 0)]  # fmt: skip
+    assert rows(
+        db_url, "SELECT status, count(*), sum(attempts) FROM outbox.operations GROUP BY 1"
+    ) == [("pending", 20, 0)]
     assert plugin.calls == in_flight_when_paused >= 1  # none sent once it paused
     assert REGISTRY.get_sample_value("outbox_provider_paused", {"provider": "plugin"}) == 1

@@ -32,10 +32,17 @@ def test_the_cap_is_max_in_flight_when_set_and_never_beyond_concurrency() -> Non
 
 
 def request(i: int) -> SendRequest:
-    return SendRequest(operation_id=i, tenant_id="t", operation_type="pool.test",
-                       operation_key=f"k{i}", action="pool.test", payload={"n": i},
-                       idempotency_key=f"pool-key-{i}", correlation_id=None,
-                       attempt=1)  # fmt: skip
+    return SendRequest(
+        operation_id=i,
+        tenant_id="t",
+        operation_type="pool.test",
+        operation_key=f"k{i}",
+        action="pool.test",
+        payload={"n": i},
+        idempotency_key=f"pool-key-{i}",
+        correlation_id=None,
+        attempt=1,
+    )
 
 
 @pytest.mark.parametrize(("max_in_flight", "at_once"), [(None, CALLS), (120, 120)])
@@ -43,9 +50,13 @@ async def test_slow_calls_reach_the_receiver_at_once_up_to_the_cap(
     receiver: FakeWebhookReceiver, max_in_flight: int | None, at_once: int
 ) -> None:
     receiver.inject(WebhookFault.delay_after_apply(HOLD_S), times=CALLS)
-    ps = ProviderSettings("hook", "webhook", timeout=timedelta(seconds=30),
-                          max_in_flight=max_in_flight,
-                          options={"url": receiver.url})  # fmt: skip
+    ps = ProviderSettings(
+        "hook",
+        "webhook",
+        timeout=timedelta(seconds=30),
+        max_in_flight=max_in_flight,
+        options={"url": receiver.url},
+    )
     provider = build_providers({"hook": ps}, concurrency=256)["hook"]
     try:
         results = await asyncio.gather(*(provider.send(request(i)) for i in range(CALLS)))
@@ -63,12 +74,17 @@ def test_outbox_run_holds_as_many_slow_calls_as_its_concurrency(
     cfg = write_config(
         tmp_path / "outbox.toml",
         providers={"hook": {"type": "webhook", "url": receiver.url, "timeout": "30s"}},
-        concurrency=CALLS, poll_interval="200ms", lease="60s",
-    )  # fmt: skip
+        concurrency=CALLS,
+        poll_interval="200ms",
+        lease="60s",
+    )
     enqueue_many(db_url, CALLS)
     receiver.inject(WebhookFault.delay_after_apply(HOLD_S), times=CALLS)
     with outbox_processes(1, db_url, cfg, tmp_path):
-        wait_until(lambda: statuses(db_url) == {"succeeded": CALLS}, timeout=90,
-                   what=f"{CALLS} slow calls to succeed")  # fmt: skip
+        wait_until(
+            lambda: statuses(db_url) == {"succeeded": CALLS},
+            timeout=90,
+            what=f"{CALLS} slow calls to succeed",
+        )
     assert receiver.effect_count() == CALLS
     assert receiver.peak_in_flight == CALLS

@@ -45,8 +45,10 @@ def tree_files() -> list[str]:
     """What a fresh clone would hold, with this checkout's uncommitted changes."""
     listed = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=ROOT, check=True, capture_output=True,
-    ).stdout  # fmt: skip
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    ).stdout
     return [name for name in listed.decode().split("\0") if name and (ROOT / name).is_file()]
 
 
@@ -111,11 +113,25 @@ def run_tests(tree: Path, tests: Sequence[str], *, workers: int = 0) -> tuple[in
     """pytest in ``tree``, importing outbox from there; (exit status or None on timeout, output).
     Stops at the first failure: one is enough to kill a mutant."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    command = [sys.executable, "-m", "pytest", "-x", "-q", "-rfE", "-p", "no:cacheprovider",
-               "-p", "no:randomly", "-n", str(workers), *tests]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-x",
+        "-q",
+        "-rfE",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:randomly",
+        "-n",
+        str(workers),
+        *tests,
+    ]
     try:
-        done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True,
-                              timeout=TIMEOUT, check=False)  # fmt: skip
+        done = subprocess.run(
+            command, cwd=tree, env=env, capture_output=True, text=True, timeout=TIMEOUT, check=False
+        )
     except subprocess.TimeoutExpired as exc:
         return None, str(exc.stdout or "")
     return done.returncode, done.stdout + done.stderr
@@ -124,9 +140,14 @@ def run_tests(tree: Path, tests: Sequence[str], *, workers: int = 0) -> tuple[in
 def imports_from(tree: Path) -> bool:
     """Whether ``import outbox`` in ``tree`` finds the copy, not the installed checkout."""
     probe = "import outbox, sys; sys.stdout.write(outbox.__file__)"
-    found = subprocess.run([sys.executable, "-c", probe], cwd=tree, capture_output=True,
-                           text=True, env={**os.environ, "PYTHONPATH": str(tree)},
-                           check=False).stdout  # fmt: skip
+    found = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(tree)},
+        check=False,
+    ).stdout
     return Path(found).resolve().is_relative_to(tree.resolve())
 
 

@@ -15,19 +15,30 @@ def test_every_mutant_still_matches_the_code_once() -> None:
 
 
 def test_a_stale_catalogue_is_reported_not_passed() -> None:
-    stale = Mutant("stale", "nothing", (Edit("outbox/policy.py", "no such text", ""),),
-                   POLICY_TESTS)  # fmt: skip
+    stale = Mutant(
+        "stale", "nothing", (Edit("outbox/policy.py", "no such text", ""),), POLICY_TESTS
+    )
     assert check_catalogue([stale]) == ["stale: outbox/policy.py has its text 0 times, not once"]
 
 
 def test_the_runner_tells_a_killed_mutant_from_a_survivor() -> None:
     files = tree_files()
-    harmless = Mutant("harmless", "nothing", (Edit(
-        "outbox/policy.py", "# Reasons are stable words", "# Reasons are stable, words"),),
-        POLICY_TESTS)  # fmt: skip
-    harmful = Mutant("harmful", "permanent failures retried", (Edit(
-        "outbox/policy.py", "    if failure is FailureClass.PERMANENT:\n", "    if False:\n"),),
-        POLICY_TESTS)  # fmt: skip
+    harmless = Mutant(
+        "harmless",
+        "nothing",
+        (Edit("outbox/policy.py", "# Reasons are stable words", "# Reasons are stable, words"),),
+        POLICY_TESTS,
+    )
+    harmful = Mutant(
+        "harmful",
+        "permanent failures retried",
+        (
+            Edit(
+                "outbox/policy.py", "    if failure is FailureClass.PERMANENT:\n", "    if False:\n"
+            ),
+        ),
+        POLICY_TESTS,
+    )
     survived = judge(harmless, files)
     assert (survived.outcome, survived.detail) == ("survived", "every test passed")
     killed = judge(harmful, files)

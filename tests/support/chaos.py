@@ -68,8 +68,9 @@ __all__ = ["HOSTILE", "NARROW", "POISON", "Report", "Settings", "print_report", 
 DRAIN_QUIET: Final = RECONCILE_INTERVAL + 1.0
 
 
-def run_chaos(settings: Settings, workdir: Path,
-              progress: Callable[[str], None] = lambda _: None) -> Report:  # fmt: skip
+def run_chaos(
+    settings: Settings, workdir: Path, progress: Callable[[str], None] = lambda _: None
+) -> Report:
     """Run the soak in ``workdir`` (dispatcher logs go there) and return its report."""
     wall = time.monotonic()
     ledger = Ledger()
@@ -89,8 +90,9 @@ def run_chaos(settings: Settings, workdir: Path,
         # Operations wait for no dispatcher's start: the bound on their first attempt holds from
         # the first enqueue.
         dispatchers.wait_started()
-        mayhem, drain, codes = _storm(settings, cluster, dispatchers, tenants, ledger, faults,
-                                      progress)  # fmt: skip
+        mayhem, drain, codes = _storm(
+            settings, cluster, dispatchers, tenants, ledger, faults, progress
+        )
         report = verify(cluster.url, ledger, stripe, hook, settings)
     report.mayhem, report.exit_codes = mayhem, codes
     report.drain_seconds, report.faults_armed = drain, sum(faults.armed.values())
@@ -103,36 +105,54 @@ def run_chaos(settings: Settings, workdir: Path,
     return report
 
 
-def _config(path: Path, stripe: FakeStripe, hook: FakeWebhookReceiver,
-            settings: Settings) -> Path:  # fmt: skip
+def _config(path: Path, stripe: FakeStripe, hook: FakeWebhookReceiver, settings: Settings) -> Path:
     common = {"timeout": f"{PROVIDER_TIMEOUT:g}s", "key_retention": f"{settings.key_retention:g}s"}
     return write_config(
         path,
         providers={
-            STRIPE: {"type": "stripe", "api_key_env": "STRIPE_API_KEY", "api_base": stripe.url,
-                     **common},
+            STRIPE: {
+                "type": "stripe",
+                "api_key_env": "STRIPE_API_KEY",
+                "api_base": stripe.url,
+                **common,
+            },
             HOOK: {"type": "webhook", "url": hook.url, **common},
         },
-        lease=f"{LEASE:g}s", poll_interval=f"{POLL_INTERVAL * 1000:g}ms", backoff_base="100ms",
-        backoff_max="1s", shutdown_grace="5s", max_attempts=8, concurrency=32,
-        batch_size=BATCH_SIZE, reconcile_interval=f"{RECONCILE_INTERVAL:g}s",
+        lease=f"{LEASE:g}s",
+        poll_interval=f"{POLL_INTERVAL * 1000:g}ms",
+        backoff_base="100ms",
+        backoff_max="1s",
+        shutdown_grace="5s",
+        max_attempts=8,
+        concurrency=32,
+        batch_size=BATCH_SIZE,
+        reconcile_interval=f"{RECONCILE_INTERVAL:g}s",
         retention_margin=f"{settings.retention_margin:g}s",
-    )  # fmt: skip
+    )
 
 
-def _storm(settings: Settings, cluster: PrivateCluster, dispatchers: Dispatchers,
-           tenants: list[str], ledger: Ledger, faults: FaultInjector,
-           progress: Callable[[str], None]) -> tuple[Mayhem, float, list[int | None]]:  # fmt: skip
+def _storm(
+    settings: Settings,
+    cluster: PrivateCluster,
+    dispatchers: Dispatchers,
+    tenants: list[str],
+    ledger: Ledger,
+    faults: FaultInjector,
+    progress: Callable[[str], None],
+) -> tuple[Mayhem, float, list[int | None]]:
     """Producers and the monkey for ``duration``, then the drain; returns what the monkey did,
     the drain's length and the dispatchers' exit codes."""
     stop = threading.Event()
-    producers = [Producer(i, cluster.url, settings, tenants, ledger, faults, stop)
-                 for i in range(settings.producers)]  # fmt: skip
+    producers = [
+        Producer(i, cluster.url, settings, tenants, ledger, faults, stop)
+        for i in range(settings.producers)
+    ]
     for p in producers:
         p.start()
     with _reporting(cluster.url, ledger, progress):
-        mayhem = monkey(dispatchers, cluster, settings, time.monotonic() + settings.duration,
-                        progress)  # fmt: skip
+        mayhem = monkey(
+            dispatchers, cluster, settings, time.monotonic() + settings.duration, progress
+        )
         stop.set()
         for p in producers:
             p.join(30)
@@ -146,8 +166,9 @@ def _storm(settings: Settings, cluster: PrivateCluster, dispatchers: Dispatchers
 
 
 @contextmanager
-def _reporting(url: str, ledger: Ledger, progress: Callable[[str], None],
-               every: float = 30.0) -> Iterator[None]:  # fmt: skip
+def _reporting(
+    url: str, ledger: Ledger, progress: Callable[[str], None], every: float = 30.0
+) -> Iterator[None]:
     """A progress line every ``every`` seconds while the block runs."""
     done = threading.Event()
 

@@ -88,7 +88,7 @@ def _rows(url: str) -> list[Row]:
                    count(a.attempt) FILTER (WHERE a.error_class = 'lease_expired')
             FROM outbox.operations o LEFT JOIN outbox.attempts a ON a.operation_id = o.id
             GROUP BY o.id ORDER BY o.id
-        """).fetchall()  # fmt: skip
+        """).fetchall()
     return [Row(*r) for r in found]
 
 
@@ -112,11 +112,17 @@ def _effects(stripe: FakeStripe, hook: FakeWebhookReceiver, ops: dict[str, Row])
     orphans: list[Carried] = []
     objects = stripe.objects()
     effects = hook.effects
-    carried = [Carried(str(o["metadata"].get("outbox_idempotency_key")),
-                       str(o["metadata"].get("outbox_operation_id")), str(o["id"]))
-               for o in objects]  # fmt: skip
-    carried += [Carried(e.key, e.headers.get("outbox-operation-id", ""), e.effect_id)
-                for e in effects]  # fmt: skip
+    carried = [
+        Carried(
+            str(o["metadata"].get("outbox_idempotency_key")),
+            str(o["metadata"].get("outbox_operation_id")),
+            str(o["id"]),
+        )
+        for o in objects
+    ]
+    carried += [
+        Carried(e.key, e.headers.get("outbox-operation-id", ""), e.effect_id) for e in effects
+    ]
     for effect in carried:
         row = ops.get(effect.key)
         if row is None or str(row.id) != effect.operation_id:
@@ -154,8 +160,9 @@ def _requests(stripe: FakeStripe, hook: FakeWebhookReceiver) -> dict[str, list[R
     return found
 
 
-def verify(url: str, ledger: Ledger, stripe: FakeStripe, hook: FakeWebhookReceiver,
-           settings: Settings) -> Report:  # fmt: skip
+def verify(
+    url: str, ledger: Ledger, stripe: FakeStripe, hook: FakeWebhookReceiver, settings: Settings
+) -> Report:
     """Count every operation against every effect and check every invariant; see the module's
     docstring."""
     report = Report(settings)
@@ -168,8 +175,9 @@ def verify(url: str, ledger: Ledger, stripe: FakeStripe, hook: FakeWebhookReceiv
         report.duplicate_enqueues, report.conflicts = ledger.duplicates, ledger.conflicts
         report.operations, report.attempts = len(rows), sum(r.attempts for r in rows)
         report.by_status = dict(Counter(r.status for r in rows))
-        report.by_reason = dict(Counter(f"{r.status} {r.reason}" for r in rows
-                                        if r.status in SET_ASIDE))  # fmt: skip
+        report.by_reason = dict(
+            Counter(f"{r.status} {r.reason}" for r in rows if r.status in SET_ASIDE)
+        )
         report.uncertain_commits = len(ledger.uncertain)
         audit.producers(orphans)
         for row in rows:
@@ -187,8 +195,9 @@ class _Audit:
     """One verification: the table, the fakes' requests and the ledger, each read once, and a
     method per invariant, each adding to the report what it counted and what failed."""
 
-    def __init__(self, report: Report, rows: list[Row], ledger: Ledger,
-                 requests: dict[str, list[Request]]) -> None:  # fmt: skip
+    def __init__(
+        self, report: Report, rows: list[Row], ledger: Ledger, requests: dict[str, list[Request]]
+    ) -> None:
         self.report, self.rows, self.ledger, self.requests = report, rows, ledger, requests
         self.ops = {r.idempotency_key: r for r in rows}
         self.by_key = {r.key: r for r in rows}
@@ -199,9 +208,10 @@ class _Audit:
         intents = ledger.intents
         # Operations that may stay pending, and why.
         self.waits_for: dict[int, str] = {
-            r.id: "due hours ahead" for r in rows
+            r.id: "due hours ahead"
+            for r in rows
             if r.key in intents and intents[r.key].schedule == "later"
-        }  # fmt: skip
+        }
         for line in self.by_line.values():
             aside = False
             for row in line:
@@ -279,8 +289,10 @@ class _Audit:
             sent = "never sent" if row.first_sent_at is None else "sent"
             got = (row.status, row.reason, row.history, sent)
             if got != ("quarantined", "invalid_payload", ["permanent unsent"], "never sent"):
-                self.violation(f"{_name(row)}, poison ({kind}): status, reason, attempts and "
-                               f"whether sent are {got}")  # fmt: skip
+                self.violation(
+                    f"{_name(row)}, poison ({kind}): status, reason, attempts and "
+                    f"whether sent are {got}"
+                )
             elif not self.requests.get(row.idempotency_key):
                 report.poison_quarantined += 1
             if self.requests.get(row.idempotency_key):
@@ -348,8 +360,11 @@ class _Audit:
         """Every due operation its line let go was first attempted within ``bound`` seconds of
         becoming due: its commit, its available_at, or its line's previous one succeeding. One
         never attempted has waited until ``now``."""
-        previous = {after.id: before for line in self.by_line.values()
-                    for before, after in itertools.pairwise(line)}  # fmt: skip
+        previous = {
+            after.id: before
+            for line in self.by_line.values()
+            for before, after in itertools.pairwise(line)
+        }
         for row in self.rows:
             intent = self.ledger.intents.get(row.key)
             if row.id in self.waits_for or (intent is None and row.key not in self.ledger.poison):
@@ -366,14 +381,18 @@ class _Audit:
             if row.first_attempt_at is None:
                 waited = (now - due).total_seconds()
                 if waited > bound:
-                    self.violation(f"{_name(row)} was never attempted, due for {waited:.1f} s; "
-                                   f"the bound is {bound:.1f} s")  # fmt: skip
+                    self.violation(
+                        f"{_name(row)} was never attempted, due for {waited:.1f} s; "
+                        f"the bound is {bound:.1f} s"
+                    )
                 continue
             waited = (row.first_attempt_at - due).total_seconds()
             self.report.waits.append(waited)
             if waited > bound:
-                self.violation(f"{_name(row)} was first attempted {waited:.1f} s after it became "
-                               f"due; the bound is {bound:.1f} s")  # fmt: skip
+                self.violation(
+                    f"{_name(row)} was first attempted {waited:.1f} s after it became "
+                    f"due; the bound is {bound:.1f} s"
+                )
 
     def payloads(self, objects: list[dict[str, Any]], effects: list[Effect]) -> None:
         """Every effect carries its payload exactly; the webhook's body is the stored text."""
@@ -386,8 +405,10 @@ class _Audit:
             report.payloads_checked += 1
             report.exact_payloads += intent.as_text
             if not _carried(intent.payload, obj):
-                self.violation(f"{_name(row)}: the Stripe object does not carry its payload "
-                               f"exactly ({_differences(intent.payload, obj)})")  # fmt: skip
+                self.violation(
+                    f"{_name(row)}: the Stripe object does not carry its payload "
+                    f"exactly ({_differences(intent.payload, obj)})"
+                )
         for effect in effects:
             row = self.ops.get(effect.key)
             intent = self.ledger.intents.get(row.key) if row else None
@@ -420,8 +441,11 @@ def _carried(expected: Any, got: Any) -> bool:
             k in got and _carried(v, got[k]) for k, v in expected.items()
         )
     if isinstance(expected, list):
-        return (isinstance(got, list) and len(got) == len(expected)
-                and all(map(_carried, expected, got)))  # fmt: skip
+        return (
+            isinstance(got, list)
+            and len(got) == len(expected)
+            and all(map(_carried, expected, got))
+        )
     if isinstance(expected, int | float | Decimal) and not isinstance(expected, bool):
         try:
             return Decimal(str(got)) == Decimal(str(expected))

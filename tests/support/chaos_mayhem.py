@@ -31,13 +31,27 @@ from tests.support.daemon import OutboxProcess
 # Provider faults by weight. "after" faults act and then fail to say so; their retries meet
 # the providers' idempotency ledgers.
 HOOK_FAULTS: Final = {
-    "503_retry_after": 4, "429_retry_after": 4, "409_in_progress": 2, "500_before": 3,
-    "reset_before": 3, "reset_after": 4, "slow_after": 2, "500_after_saved": 1, "422": 1,
-}  # fmt: skip
+    "503_retry_after": 4,
+    "429_retry_after": 4,
+    "409_in_progress": 2,
+    "500_before": 3,
+    "reset_before": 3,
+    "reset_after": 4,
+    "slow_after": 2,
+    "500_after_saved": 1,
+    "422": 1,
+}
 STRIPE_FAULTS: Final = {
-    "429_rate_limit": 4, "503": 3, "409_key_in_use": 2, "reset_before": 3, "500_before_saved": 1,
-    "500_after_saved": 1, "slow_after": 2, "reset_after": 4, "402_card_declined": 1,
-}  # fmt: skip
+    "429_rate_limit": 4,
+    "503": 3,
+    "409_key_in_use": 2,
+    "reset_before": 3,
+    "500_before_saved": 1,
+    "500_after_saved": 1,
+    "slow_after": 2,
+    "reset_after": 4,
+    "402_card_declined": 1,
+}
 
 
 # --- provider faults -----------------------------------------------------------------------
@@ -61,19 +75,20 @@ def _hook_fault(name: str) -> WebhookFault:
 def _stripe_fault(name: str) -> StripeFault:
     status = StripeFault.status
     makers: dict[str, Callable[[], StripeFault]] = {
-        "429_rate_limit": lambda: status(429, error_type="invalid_request_error",
-                                         code_str="rate_limit", retry_after=1),
+        "429_rate_limit": lambda: status(
+            429, error_type="invalid_request_error", code_str="rate_limit", retry_after=1
+        ),
         "503": lambda: status(503, error_type="api_error"),
-        "409_key_in_use": lambda: status(409, error_type="invalid_request_error",
-                                         code_str="idempotency_key_in_use"),
+        "409_key_in_use": lambda: status(
+            409, error_type="invalid_request_error", code_str="idempotency_key_in_use"
+        ),
         "reset_before": StripeFault.reset_before_apply,
         "500_before_saved": StripeFault.error_500_before_apply,
         "500_after_saved": StripeFault.error_500_after_apply,
         "slow_after": lambda: StripeFault.delay_after_apply(SLOW_ANSWER),
         "reset_after": StripeFault.reset_after_apply,
-        "402_card_declined": lambda: status(402, error_type="card_error",
-                                            code_str="card_declined"),
-    }  # fmt: skip
+        "402_card_declined": lambda: status(402, error_type="card_error", code_str="card_declined"),
+    }
     return makers[name]()
 
 
@@ -81,8 +96,9 @@ class FaultInjector:
     """Arms faults on the fakes in step with the operations committed, so a database outage
     (no commits) does not pile faults up for the moment it ends."""
 
-    def __init__(self, stripe: FakeStripe, hook: FakeWebhookReceiver, rate: float,
-                 seed: int) -> None:  # fmt: skip
+    def __init__(
+        self, stripe: FakeStripe, hook: FakeWebhookReceiver, rate: float, seed: int
+    ) -> None:
         self._stripe, self._hook, self._rate = stripe, hook, rate
         self._rng = random_source(seed, "faults")
         self._lock = threading.Lock()
@@ -136,8 +152,9 @@ class Dispatchers:
             if code is None:
                 continue
             last = proc.log_text().strip().splitlines()[-3:]
-            self.crashes.append(f"{proc.log_path.name} exited by itself with code {code}: "
-                                + " | ".join(last))  # fmt: skip
+            self.crashes.append(
+                f"{proc.log_path.name} exited by itself with code {code}: " + " | ".join(last)
+            )
             proc.stop()
             self.procs[slot] = self._spawn(slot)
 
@@ -192,8 +209,13 @@ class Mayhem:
     pg_restarts: int = 0
 
 
-def monkey(dispatchers: Dispatchers, cluster: PrivateCluster, settings: Settings,
-           deadline: float, progress: Callable[[str], None]) -> Mayhem:  # fmt: skip
+def monkey(
+    dispatchers: Dispatchers,
+    cluster: PrivateCluster,
+    settings: Settings,
+    deadline: float,
+    progress: Callable[[str], None],
+) -> Mayhem:
     """Every ``chaos_every`` seconds (jittered), kill or freeze one dispatcher; crash PostgreSQL
     ``pg_restarts`` times, spread over the run."""
     rng = random_source(settings.seed, "monkey")

@@ -45,9 +45,16 @@ class Ledger:
 class Producer(threading.Thread):
     """Enqueues at its share of ``rate`` until stopped, riding out a database restart."""
 
-    def __init__(self, index: int, url: str, settings: Settings, tenants: list[str],
-                 ledger: Ledger, faults: FaultInjector,
-                 stop: threading.Event) -> None:  # fmt: skip
+    def __init__(
+        self,
+        index: int,
+        url: str,
+        settings: Settings,
+        tenants: list[str],
+        ledger: Ledger,
+        faults: FaultInjector,
+        stop: threading.Event,
+    ) -> None:
         super().__init__(name=f"chaos-producer-{index}", daemon=True)
         self._index, self._url, self._ledger = index, url, ledger
         self._faults, self._halt = faults, stop
@@ -56,8 +63,10 @@ class Producer(threading.Thread):
         self._work = Workload(index, settings, tenants, self._rng)
         spare = 1 - settings.hostile_rate - settings.poison_rate
         self._moves = {move: weight * spare for move, weight in PRODUCER_MOVES.items()}
-        self._moves |= {"hostile": 100 * settings.hostile_rate,
-                        "poison": 100 * settings.poison_rate}  # fmt: skip
+        self._moves |= {
+            "hostile": 100 * settings.hostile_rate,
+            "poison": 100 * settings.poison_rate,
+        }
         self._mine: list[Intent] = []  # committed intents, for duplicates and conflicts
         self._seq = 0
 
@@ -139,8 +148,7 @@ class Producer(threading.Thread):
         with self._ledger.lock:
             self._ledger.committed[key] = op_id
 
-    def _commit(self, conn: psycopg.Connection[Any], intents: list[Intent],
-                ids: list[int]) -> None:  # fmt: skip
+    def _commit(self, conn: psycopg.Connection[Any], intents: list[Intent], ids: list[int]) -> None:
         with self._ledger.lock:
             self._ledger.intents.update((i.key, i) for i in intents)
         try:
@@ -155,8 +163,9 @@ class Producer(threading.Thread):
         self._mine += intents
         self._faults.arm_for(len(intents))
 
-    def _roll_back(self, conn: psycopg.Connection[Any], intents: list[Intent], ids: list[int],
-                   keys: list[str]) -> None:  # fmt: skip
+    def _roll_back(
+        self, conn: psycopg.Connection[Any], intents: list[Intent], ids: list[int], keys: list[str]
+    ) -> None:
         conn.rollback()
         with self._ledger.lock:
             for intent, op_id, key in zip(intents, ids, keys, strict=True):

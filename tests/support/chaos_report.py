@@ -70,40 +70,61 @@ class Report:
             ("operations committed", f"{self.operations}"),
             ("by final status", statuses or "none"),
             ("why set aside", ", ".join(f"{r} {n}" for r, n in sorted(self.by_reason.items()))),
-            ("provider effects", f"{self.effects_stripe + self.effects_hook} "
-                                 f"(Stripe {self.effects_stripe}, webhook {self.effects_hook})"),
+            (
+                "provider effects",
+                f"{self.effects_stripe + self.effects_hook} "
+                f"(Stripe {self.effects_stripe}, webhook {self.effects_hook})",
+            ),
             ("duplicates (must be 0)", f"{self.duplicates}"),
             ("lost (must be 0)", f"{self.lost}"),
             ("effects without an operation (must be 0)", f"{self.orphan_effects}"),
-            ("rolled back / with an effect (must be 0)",
-             f"{self.rolled_back} / {self.rolled_back_with_effect}"),
-            ("duplicate enqueues / conflicts refused",
-             f"{self.duplicate_enqueues} / {self.conflicts}"),
+            (
+                "rolled back / with an effect (must be 0)",
+                f"{self.rolled_back} / {self.rolled_back_with_effect}",
+            ),
+            (
+                "duplicate enqueues / conflicts refused",
+                f"{self.duplicate_enqueues} / {self.conflicts}",
+            ),
             ("commits cut by the crash (resolved from the table)", f"{self.uncertain_commits}"),
             ("attempts", f"{self.attempts}"),
             ("succeeded by the reconciler's lookup", f"{self.succeeded_by_reconciler}"),
-            ("tenants (of them with only operations hours ahead)",
-             f"{self.tenants} ({self.scheduled_tenants})"),
-            ("operations due seconds / hours ahead (never attempted)",
-             f"{self.soon} / {self.scheduled_ahead}"),
-            ("ordered operations / keys with 2+ sent / waiting behind a set-aside one",
-             f"{self.ordered} / {self.lines} / {self.blocked}"),
+            (
+                "tenants (of them with only operations hours ahead)",
+                f"{self.tenants} ({self.scheduled_tenants})",
+            ),
+            (
+                "operations due seconds / hours ahead (never attempted)",
+                f"{self.soon} / {self.scheduled_ahead}",
+            ),
+            (
+                "ordered operations / keys with 2+ sent / waiting behind a set-aside one",
+                f"{self.ordered} / {self.lines} / {self.blocked}",
+            ),
             ("first attempt after due: median / 99th pct / max (bound)", self._waits()),
             ("requests late from a frozen dispatcher (the NOTE lines)", f"{len(self.stale)}"),
             ("enqueues the door must refuse (none may leave a row)", _counts(self.refused)),
-            ("poison rows planted / quarantined unsent", f"{sum(self.poison.values())} / "
-                                                         f"{self.poison_quarantined}"),
-            ("payloads checked at the provider / with exact numbers",
-             f"{self.payloads_checked} / {self.exact_payloads}"),
+            (
+                "poison rows planted / quarantined unsent",
+                f"{sum(self.poison.values())} / {self.poison_quarantined}",
+            ),
+            (
+                "payloads checked at the provider / with exact numbers",
+                f"{self.payloads_checked} / {self.exact_payloads}",
+            ),
             ("provider faults armed", f"{self.faults_armed}"),
-            ("dispatchers SIGKILLed / SIGSTOPped+resumed / SIGSTOPped+killed",
-             f"{m.kills} / {m.stops_resumed} / {m.stops_killed}"),
+            (
+                "dispatchers SIGKILLed / SIGSTOPped+resumed / SIGSTOPped+killed",
+                f"{m.kills} / {m.stops_resumed} / {m.stops_killed}",
+            ),
             ("dispatchers that exited by themselves (must be 0)", f"{self.crashes}"),
             ("PostgreSQL crashes (-m immediate) and restarts", f"{m.pg_restarts}"),
-            ("chaos / drain / wall time",
-             f"{knobs.duration:.0f} s / {self.drain_seconds:.1f} s / {self.wall_seconds:.0f} s"),
+            (
+                "chaos / drain / wall time",
+                f"{knobs.duration:.0f} s / {self.drain_seconds:.1f} s / {self.wall_seconds:.0f} s",
+            ),
             ("invariants", "all hold" if self.ok else f"{len(self.violations)} FAILED"),
-        ]  # fmt: skip
+        ]
         width = max(len(k) for k, _ in lines)
         out = [f"| {'figure':<{width}} | value |", f"|{'-' * (width + 2)}|-------|"]
         out += [f"| {k:<{width}} | {v} |" for k, v in lines]

@@ -53,9 +53,14 @@ LOADED_MACHINE: Final = 3.0
 # rescued from a killed or frozen claimer keeps that stamp (statements.RESCUE): the lease delays
 # the outcome of an attempt, never its start.
 DUE_BOUND: Final = (
-    2 * POLL_INTERVAL + ORDERING_REPAIR_INTERVAL + LONGEST_STOP + PG_DOWN[1] + PG_RECOVERY
-    + CLAIM_RETRY_MAX + LOADED_MACHINE
-)  # fmt: skip
+    2 * POLL_INTERVAL
+    + ORDERING_REPAIR_INTERVAL
+    + LONGEST_STOP
+    + PG_DOWN[1]
+    + PG_RECOVERY
+    + CLAIM_RETRY_MAX
+    + LOADED_MACHINE
+)
 # When "soon" operations are due after their enqueue (seconds), and "later" ones (hours). The
 # drain leaves alone what is due more than half of LATER's least ahead: a run of up to an hour
 # never sees a "later" operation come due.
@@ -92,14 +97,17 @@ class Settings:
     # where a blind resend would duplicate an effect, and outbox must reconcile instead. The
     # margin outlasts the longest SIGSTOP (4 s) plus a call's timeout (2 s) with room to spare:
     # a frozen process could otherwise send after its last check of the window.
-    key_retention: float = _knob(30.0, "seconds the fakes remember an idempotency key (and "
-                                       "the providers are configured with)")  # fmt: skip
+    key_retention: float = _knob(
+        30.0,
+        "seconds the fakes remember an idempotency key (and the providers are configured with)",
+    )
     retention_margin: float = _knob(10.0, "seconds before that when retries stop")
     tenants: int = _knob(40, "tenants with due work")
     scheduled_tenants: int = _knob(
-        80, "tenants with only operations due hours ahead, sorting before the others (more "
-            f"than one claim visits: {2 * BATCH_SIZE} groups)"
-    )  # fmt: skip
+        80,
+        "tenants with only operations due hours ahead, sorting before the others (more "
+        f"than one claim visits: {2 * BATCH_SIZE} groups)",
+    )
     soon_rate: float = _knob(0.1, "share of the operations due 1 to 5 s after their enqueue")
     later_rate: float = _knob(0.04, "share due 2 to 24 hours ahead (never attempted)")
     ordered_rate: float = _knob(0.25, "share under an ordering key")
@@ -107,20 +115,28 @@ class Settings:
     exact_rate: float = _knob(0.2, "share of payloads with numbers a float cannot hold")
     hostile_rate: float = _knob(0.05, "share of transactions trying what the door must refuse")
     poison_rate: float = _knob(0.02, "share of transactions planting a poison row behind enqueue")
-    due_bound: float = _knob(DUE_BOUND, "seconds within which a due operation must be first "
-                                        "attempted (see DUE_BOUND)")  # fmt: skip
+    due_bound: float = _knob(
+        DUE_BOUND, "seconds within which a due operation must be first attempted (see DUE_BOUND)"
+    )
 
     def command(self) -> str:
         """The bench command that runs these settings again."""
-        knobs = " ".join(f"--{f.name.replace('_', '-')} {getattr(self, f.name)}"
-                         for f in fields(self))  # fmt: skip
+        knobs = " ".join(
+            f"--{f.name.replace('_', '-')} {getattr(self, f.name)}" for f in fields(self)
+        )
         return f"python bench/chaos.py {knobs}"
 
 
 NARROW: Final = Settings(
-    tenants=1, scheduled_tenants=0, soon_rate=0.0, later_rate=0.0, ordered_rate=0.0,
-    exact_rate=0.0, hostile_rate=0.0, poison_rate=0.0,
-)  # fmt: skip
+    tenants=1,
+    scheduled_tenants=0,
+    soon_rate=0.0,
+    later_rate=0.0,
+    ordered_rate=0.0,
+    exact_rate=0.0,
+    hostile_rate=0.0,
+    poison_rate=0.0,
+)
 
 
 def random_source(seed: int, purpose: str) -> random.Random:

@@ -47,17 +47,36 @@ from tests.support.producers import nested_payload, plant
 
 # Text as careless or hostile producers write it, for payloads, metadata and names.
 ODD_TEXT: Final = (
-    "plain", "ünïcødé", "テナント", "💳💸", 'quote"d', "back\\slash", "new\nline\ttab",
-    "\u2028\u2029", "</script><script>alert(1)</script>", "'; DROP TABLE outbox.operations; --",
-    "null", "${jndi:ldap://x/a}", "%s%n%x", "",
-)  # fmt: skip
+    "plain",
+    "ünïcødé",
+    "テナント",
+    "💳💸",
+    'quote"d',
+    "back\\slash",
+    "new\nline\ttab",
+    "\u2028\u2029",
+    "</script><script>alert(1)</script>",
+    "'; DROP TABLE outbox.operations; --",
+    "null",
+    "${jndi:ldap://x/a}",
+    "%s%n%x",
+    "",
+)
 # Tenants of due work are "tenant-NNN" and a suffix; the scheduled-only ones are EARLY + NNN,
 # which sort before them. The longest makes a 128-character id, the most enqueue takes.
 EARLY: Final = "early-"
 TENANT_SUFFIXES: Final = (
-    "", "", "", " o'brien", '-"quoted"', "-ünïcødé-テナント", "-💳",
-    "; DROP TABLE outbox.operations; --", "-back\\slash", "-" + "x" * 117,
-)  # fmt: skip
+    "",
+    "",
+    "",
+    " o'brien",
+    '-"quoted"',
+    "-ünïcødé-テナント",
+    "-💳",
+    "; DROP TABLE outbox.operations; --",
+    "-back\\slash",
+    "-" + "x" * 117,
+)
 # How many operations a producer enqueues under one ordering key before it moves on to a new
 # one: a key held up for good behind a quarantined operation (mode block) stops growing, and
 # the keys of a long run go on being tested.
@@ -91,15 +110,20 @@ class Intent:
     def operation_type(self) -> str:
         return f"chaos.{self.provider}"
 
-    def enqueue(self, conn: psycopg.Connection[Any],
-                payload: dict[str, Any] | None = None) -> EnqueueResult:  # fmt: skip
+    def enqueue(
+        self, conn: psycopg.Connection[Any], payload: dict[str, Any] | None = None
+    ) -> EnqueueResult:
         body = self.payload if payload is None else payload
         args: dict[str, Any] = {
-            "tenant_id": self.tenant, "operation_type": self.operation_type,
-            "operation_key": self.key, "provider": self.provider, "action": self.action,
-            "max_attempts": self.max_attempts, "available_at": self.available_at,
+            "tenant_id": self.tenant,
+            "operation_type": self.operation_type,
+            "operation_key": self.key,
+            "provider": self.provider,
+            "action": self.action,
+            "max_attempts": self.max_attempts,
+            "available_at": self.available_at,
             "ordering_key": self.ordering_key,
-        }  # fmt: skip
+        }
         if self.as_text:
             return enqueue_text(conn, payload=payloads.encode(body), **args)
         return outbox.enqueue(conn, payload=body, **args)
@@ -109,8 +133,19 @@ def enqueue_text(conn: psycopg.Connection[Any], **args: Any) -> EnqueueResult:
     """``outbox.enqueue(...)`` in SQL with the payload as JSON text, as a producer in any other
     language calls it: the way to send what Python's json cannot write (a Decimal, 1e5000). Its
     errors are psycopg's, with the SQLSTATE (OB001, OB002)."""
-    params = dict.fromkeys(("correlation_id", "idempotency_key", "available_at", "max_attempts",
-                            "traceparent", "ordering_key")) | args  # fmt: skip
+    params = (
+        dict.fromkeys(
+            (
+                "correlation_id",
+                "idempotency_key",
+                "available_at",
+                "max_attempts",
+                "traceparent",
+                "ordering_key",
+            )
+        )
+        | args
+    )
     row = conn.execute(statements.ENQUEUE, params).fetchone()
     assert row is not None
     return EnqueueResult(operation_id=row[0], outcome=EnqueueOutcome(row[1]))
@@ -139,10 +174,14 @@ class Hostile:
         else:
             when = self.available_at
         args: dict[str, Any] = {
-            "tenant_id": tenant, "operation_type": "chaos.hostile", "operation_key": key,
-            "provider": HOOK, "action": "invoice.paid", "available_at": when,
+            "tenant_id": tenant,
+            "operation_type": "chaos.hostile",
+            "operation_key": key,
+            "provider": HOOK,
+            "action": "invoice.paid",
+            "available_at": when,
             "max_attempts": self.max_attempts,
-        }  # fmt: skip
+        }
         try:
             if self.python:
                 outbox.enqueue(conn, payload=json.loads(self.payload), **args)
@@ -192,12 +231,20 @@ POISON: Final[dict[str, Callable[[random.Random], str]]] = {
 }
 
 
-def plant_poison(conn: psycopg.Connection[Any], tenant: str, key: str, provider: str,
-                 payload: str) -> int:  # fmt: skip
+def plant_poison(
+    conn: psycopg.Connection[Any], tenant: str, key: str, provider: str, payload: str
+) -> int:
     """A poison row of ``provider`` (see tests.support.producers.plant); returns its id."""
     action = "payment_intents.create" if provider == STRIPE else "invoice.paid"
-    return plant(conn, tenant=tenant, key=key, payload=payload, provider=provider,
-                 action=action, operation_type="chaos.poison")  # fmt: skip
+    return plant(
+        conn,
+        tenant=tenant,
+        key=key,
+        payload=payload,
+        provider=provider,
+        action=action,
+        operation_type="chaos.poison",
+    )
 
 
 def tenant_names(settings: Settings) -> tuple[list[str], list[str]]:
@@ -210,8 +257,9 @@ def tenant_names(settings: Settings) -> tuple[list[str], list[str]]:
 class Workload:
     """The random choices of one producer: what to enqueue, plant or try."""
 
-    def __init__(self, index: int, settings: Settings, tenants: list[str],
-                 rng: random.Random) -> None:  # fmt: skip
+    def __init__(
+        self, index: int, settings: Settings, tenants: list[str], rng: random.Random
+    ) -> None:
         self._settings, self._tenants, self._rng = settings, tenants, rng
         # The producer's ordering keys, each of one tenant: it enqueues in each line in order,
         # LINE_LENGTH operations, then goes on with a new key in its place.
@@ -242,8 +290,18 @@ class Workload:
             provider, action, payload = STRIPE, "payment_intents.create", self._stripe(key, exact)
         else:
             provider, action, payload = HOOK, self._hook_action(), self._hook(key, exact)
-        return Intent(tenant, key, provider, action, payload, patience, schedule,
-                      self._due(schedule), line, exact)  # fmt: skip
+        return Intent(
+            tenant,
+            key,
+            provider,
+            action,
+            payload,
+            patience,
+            schedule,
+            self._due(schedule),
+            line,
+            exact,
+        )
 
     def _line(self) -> tuple[str, str]:
         """One of the producer's ordering keys (and its tenant), renewed once used up."""
@@ -287,13 +345,15 @@ class Workload:
             # An amount of up to 99 digits, and a decimal only its own text carries.
             amount = rng.choice((amount, 10 ** rng.randint(20, 98) + rng.randrange(10**15)))
             metadata["exact"] = self._exact_number()
-        return {"amount": amount, "currency": "usd", "customer": "cus_chaos",
-                "metadata": metadata}  # fmt: skip
+        return {"amount": amount, "currency": "usd", "customer": "cus_chaos", "metadata": metadata}
 
     def _hook(self, key: str, exact: bool) -> dict[str, Any]:
         rng = self._rng
-        payload: dict[str, Any] = {"invoice": key, "cents": rng.randint(1, 10_000),
-                                   "shape": self._shape(0)}  # fmt: skip
+        payload: dict[str, Any] = {
+            "invoice": key,
+            "cents": rng.randint(1, 10_000),
+            "shape": self._shape(0),
+        }
         if exact:
             payload["exact"] = [self._exact_number() for _ in range(rng.randint(1, 4))]
         if rng.random() < 0.02:
@@ -321,8 +381,9 @@ class Workload:
             case 1:
                 return Decimal(f"{rng.randrange(10 ** rng.randint(1, 40))}E-{rng.randint(1, 40)}")
             case 2:
-                return Decimal(f"-{rng.randint(1, 9)}.{rng.randrange(10**30):030d}"
-                               f"E+{rng.randint(20, 98)}")  # fmt: skip
+                return Decimal(
+                    f"-{rng.randint(1, 9)}.{rng.randrange(10**30):030d}E+{rng.randint(20, 98)}"
+                )
             case 3:
                 return int(10 ** rng.randint(17, 98)) + rng.randrange(10**17)
             case _:

@@ -54,8 +54,9 @@ def find_bindir() -> Path:
     pg_config = shutil.which("pg_config")
     if pg_config:
         with suppress(subprocess.CalledProcessError, OSError):
-            out = subprocess.run([pg_config, "--bindir"], capture_output=True, text=True,
-                                 check=True).stdout  # fmt: skip
+            out = subprocess.run(
+                [pg_config, "--bindir"], capture_output=True, text=True, check=True
+            ).stdout
             candidates.append(Path(out.strip()))
     # Newest major version first.
     debian = sorted(Path("/usr/lib/postgresql").glob("*/bin"), key=_major, reverse=True)
@@ -123,10 +124,22 @@ class PrivateCluster:
 
     def create(self) -> PrivateCluster:
         """initdb, start, create and migrate the database."""
-        self._run("initdb", "-D", str(self.data), "-U", "postgres", "--auth=trust",
-                  "--encoding=UTF8", "--locale=C", "--no-sync")  # fmt: skip
-        settings = {**SERVER_SETTINGS, "port": str(self.port),
-                    "unix_socket_directories": f"'{self.root}'"}  # fmt: skip
+        self._run(
+            "initdb",
+            "-D",
+            str(self.data),
+            "-U",
+            "postgres",
+            "--auth=trust",
+            "--encoding=UTF8",
+            "--locale=C",
+            "--no-sync",
+        )
+        settings = {
+            **SERVER_SETTINGS,
+            "port": str(self.port),
+            "unix_socket_directories": f"'{self.root}'",
+        }
         with (self.data / "postgresql.conf").open("a") as conf:
             conf.writelines(f"{name} = {value}\n" for name, value in settings.items())
         self.start()
@@ -138,8 +151,17 @@ class PrivateCluster:
 
     def start(self) -> None:
         """Start the server and wait until it accepts connections (after any crash recovery)."""
-        self._run("pg_ctl", "-D", str(self.data), "-l", str(self.log_path), "-w",
-                  "-t", str(START_TIMEOUT), "start")  # fmt: skip
+        self._run(
+            "pg_ctl",
+            "-D",
+            str(self.data),
+            "-l",
+            str(self.log_path),
+            "-w",
+            "-t",
+            str(START_TIMEOUT),
+            "start",
+        )
         self.starts += 1
 
     def stop(self, *, immediate: bool = True) -> None:
@@ -163,8 +185,9 @@ class PrivateCluster:
         """Stop the server if it runs and remove every file; never raises."""
         with suppress(Exception):
             if self.data.exists() and self.running():
-                self._run("pg_ctl", "-D", str(self.data), "-m", "immediate", "-w", "stop",
-                          check=False)  # fmt: skip
+                self._run(
+                    "pg_ctl", "-D", str(self.data), "-m", "immediate", "-w", "stop", check=False
+                )
         shutil.rmtree(self.root, ignore_errors=True)
 
     def server_log(self) -> str:
@@ -182,8 +205,14 @@ class PrivateCluster:
         command = [str(self.bindir / program), *args]
         if self._as_root:
             command = _as_user(OS_USER_WHEN_ROOT, command)
-        done = subprocess.run(command, cwd=self.root, capture_output=True, text=True,
-                              check=False, timeout=START_TIMEOUT + 30)  # fmt: skip
+        done = subprocess.run(
+            command,
+            cwd=self.root,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=START_TIMEOUT + 30,
+        )
         if check and done.returncode != 0:
             raise RuntimeError(
                 f"{program} failed ({done.returncode}): {done.stderr.strip()}\n"

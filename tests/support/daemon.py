@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import IO, Any
 
 
-def write_config(path: Path, *, providers: dict[str, dict[str, Any]],
-                 **dispatcher: Any) -> Path:  # fmt: skip
+def write_config(path: Path, *, providers: dict[str, dict[str, Any]], **dispatcher: Any) -> Path:
     """A TOML config with a [dispatcher] table and one table per provider."""
     lines = ["[dispatcher]"]
     lines += [f"{key} = {_toml(value)}" for key, value in dispatcher.items()]
@@ -40,20 +39,37 @@ def _toml(value: Any) -> str:
 class OutboxProcess:
     """One `outbox run` subprocess; its log goes to a file the test can read."""
 
-    def __init__(self, db_url: str, config: Path, log_path: Path,
-                 env: dict[str, str] | None = None, metrics_addr: str = "off",
-                 wrapper: Sequence[str] = ()) -> None:  # fmt: skip
+    def __init__(
+        self,
+        db_url: str,
+        config: Path,
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        metrics_addr: str = "off",
+        wrapper: Sequence[str] = (),
+    ) -> None:
         """``wrapper``: a command the process runs under, such as ``faketime -f +1h``."""
         self.log_path = log_path
         self._log: IO[bytes] = log_path.open("ab")
         full_env = {**os.environ, "OUTBOX_DATABASE_URL": db_url, **(env or {})}
         self.proc = subprocess.Popen(
-            [*wrapper, sys.executable, "-m", "outbox", "run", "--config", str(config),
-             "--metrics-addr", metrics_addr],
-            env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
+            [
+                *wrapper,
+                sys.executable,
+                "-m",
+                "outbox",
+                "run",
+                "--config",
+                str(config),
+                "--metrics-addr",
+                metrics_addr,
+            ],
+            env=full_env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
             # Its own process group: stop() kills a wrapper's child (faketime forks) as well.
             start_new_session=True,
-        )  # fmt: skip
+        )
 
     @property
     def pid(self) -> int:
@@ -112,8 +128,9 @@ def outbox_processes(
             p.stop()
 
 
-def wait_until(predicate: Callable[[], bool], *, timeout: float, what: str,
-               interval: float = 0.05) -> None:  # fmt: skip
+def wait_until(
+    predicate: Callable[[], bool], *, timeout: float, what: str, interval: float = 0.05
+) -> None:
     """Poll ``predicate`` until true; fail the test with ``what`` after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while not predicate():

@@ -39,22 +39,34 @@ def dispatcher(
     limits: Mapping[str, ProviderLimits] | None = None,
     **overrides: Any,
 ) -> Dispatcher:
-    return Dispatcher(Store(pool), providers, settings(**overrides), worker_id=worker,
-                      call_timeouts=call_timeouts, rng=random.Random(7),
-                      limits=limits)  # fmt: skip
+    return Dispatcher(
+        Store(pool),
+        providers,
+        settings(**overrides),
+        worker_id=worker,
+        call_timeouts=call_timeouts,
+        rng=random.Random(7),
+        limits=limits,
+    )
 
 
-def enqueue_many(url: str, count: int, *, provider: str = "hook", prefix: str = "op",
-                 **fields: Any) -> list[int]:  # fmt: skip
+def enqueue_many(
+    url: str, count: int, *, provider: str = "hook", prefix: str = "op", **fields: Any
+) -> list[int]:
     """Enqueue ``count`` operations in one committed transaction; returns their ids."""
     ids = []
     with psycopg.connect(url) as conn:
         for i in range(count):
             result = outbox.enqueue(
-                conn, tenant_id="acme", operation_type="invoice.charge",
-                operation_key=f"{prefix}-{i}", provider=provider, action="invoice.paid",
-                payload={"n": i}, **fields,
-            )  # fmt: skip
+                conn,
+                tenant_id="acme",
+                operation_type="invoice.charge",
+                operation_key=f"{prefix}-{i}",
+                provider=provider,
+                action="invoice.paid",
+                payload={"n": i},
+                **fields,
+            )
             ids.append(result.operation_id)
     return ids
 
@@ -70,8 +82,9 @@ def rows(url: str, query: str, params: Any = None) -> list[tuple[Any, ...]]:
         return conn.execute(query, params).fetchall()
 
 
-def webhook(name: str, url: str, *, timeout: float = 5.0, key_retention: float = 86400.0,
-            **options: Any) -> Provider:  # fmt: skip
+def webhook(
+    name: str, url: str, *, timeout: float = 5.0, key_retention: float = 86400.0, **options: Any
+) -> Provider:
     """A real webhook provider pointed at a fake receiver."""
     from outbox.config import ProviderSettings  # noqa: PLC0415 (keeps this helper's imports light)
     from outbox.providers.registry import build_providers  # noqa: PLC0415
@@ -87,8 +100,9 @@ def webhook(name: str, url: str, *, timeout: float = 5.0, key_retention: float =
 
 
 def key_of(url: str, operation_id: int) -> str:
-    ((key,),) = rows(url, "SELECT idempotency_key FROM outbox.operations WHERE id = %s",
-                     (operation_id,))  # fmt: skip
+    ((key,),) = rows(
+        url, "SELECT idempotency_key FROM outbox.operations WHERE id = %s", (operation_id,)
+    )
     return str(key)
 
 
@@ -101,29 +115,53 @@ def make_due(url: str) -> None:
         )
 
 
-def stripe_provider(name: str, url: str, *, api_key: str = "sk_test_fake", timeout: float = 5.0,
-                    key_retention: float = 86400.0, **options: Any) -> Provider:  # fmt: skip
+def stripe_provider(
+    name: str,
+    url: str,
+    *,
+    api_key: str = "sk_test_fake",
+    timeout: float = 5.0,
+    key_retention: float = 86400.0,
+    **options: Any,
+) -> Provider:
     """The real Stripe provider pointed at a fake Stripe, its key read from a variable."""
     from outbox.config import ProviderSettings  # noqa: PLC0415
     from outbox.providers.registry import build_providers  # noqa: PLC0415
 
-    ps = ProviderSettings(name, "stripe", key_retention=timedelta(seconds=key_retention),
-                          timeout=timedelta(seconds=timeout),
-                          options={"api_key_env": "TEST_STRIPE_KEY", "api_base": url,
-                                   **options})  # fmt: skip
+    ps = ProviderSettings(
+        name,
+        "stripe",
+        key_retention=timedelta(seconds=key_retention),
+        timeout=timedelta(seconds=timeout),
+        options={"api_key_env": "TEST_STRIPE_KEY", "api_base": url, **options},
+    )
     return build_providers({name: ps}, environ={"TEST_STRIPE_KEY": api_key})[name]
 
 
-def enqueue_charges(url: str, count: int, *, provider: str = "stripe", prefix: str = "inv",
-                    action: str = "payment_intents.create") -> list[int]:  # fmt: skip
+def enqueue_charges(
+    url: str,
+    count: int,
+    *,
+    provider: str = "stripe",
+    prefix: str = "inv",
+    action: str = "payment_intents.create",
+) -> list[int]:
     ids = []
     with psycopg.connect(url) as conn:
         for i in range(count):
             result = outbox.enqueue(
-                conn, tenant_id="acme", operation_type="invoice.charge",
-                operation_key=f"{prefix}-{i}", provider=provider, action=action,
-                payload={"amount": 1000 + i, "currency": "usd", "customer": "cus_123",
-                         "metadata": {"invoice": f"{prefix}-{i}"}},
-            )  # fmt: skip
+                conn,
+                tenant_id="acme",
+                operation_type="invoice.charge",
+                operation_key=f"{prefix}-{i}",
+                provider=provider,
+                action=action,
+                payload={
+                    "amount": 1000 + i,
+                    "currency": "usd",
+                    "customer": "cus_123",
+                    "metadata": {"invoice": f"{prefix}-{i}"},
+                },
+            )
             ids.append(result.operation_id)
     return ids

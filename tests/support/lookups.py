@@ -9,10 +9,18 @@ from typing import Any
 from outbox.providers.base import LookupRequest
 
 
-def lookup_request(action: str, operation_id: int, key: str, first_sent_at: datetime,
-                   last_attempt_at: datetime, *, keys: Iterable[str] = (),
-                   payload: Mapping[str, Any] | None = None, search_until: datetime | None = None,
-                   now: datetime | None = None) -> LookupRequest:  # fmt: skip
+def lookup_request(
+    action: str,
+    operation_id: int,
+    key: str,
+    first_sent_at: datetime,
+    last_attempt_at: datetime,
+    *,
+    keys: Iterable[str] = (),
+    payload: Mapping[str, Any] | None = None,
+    search_until: datetime | None = None,
+    now: datetime | None = None,
+) -> LookupRequest:
     """The request for ``key`` (and ``keys``), searched up to the last attempt by default."""
     return LookupRequest(
         action=action,

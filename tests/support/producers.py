@@ -35,17 +35,32 @@ def nested_payload(depth: int) -> str:
     return '{"a": ' + "[" * (depth - 1) + "]" * (depth - 1) + "}"
 
 
-def plant(conn: psycopg.Connection[Any], *, tenant: str, key: str, payload: str,
-          provider: str = "hook", action: str = "invoice.paid",
-          operation_type: str = "poison") -> int:  # fmt: skip
+def plant(
+    conn: psycopg.Connection[Any],
+    *,
+    tenant: str,
+    key: str,
+    payload: str,
+    provider: str = "hook",
+    action: str = "invoice.paid",
+    operation_type: str = "poison",
+) -> int:
     """A row written behind enqueue's back, whatever its payload (JSON text), as a superuser
     may write one and as rows from before enqueue's checks were written; returns its id."""
     row = conn.execute(
         "INSERT INTO outbox.operations (tenant_id, operation_type, operation_key, fingerprint, "
         "provider, action, payload, idempotency_key) "
         "VALUES (%s, %s, %s, sha256(%s::bytea), %s, %s, %s::jsonb, %s) RETURNING id",
-        (tenant, operation_type, key, key.encode(), provider, action, payload,
-         f"ob1_poison_{tenant}_{key}"),
-    ).fetchone()  # fmt: skip
+        (
+            tenant,
+            operation_type,
+            key,
+            key.encode(),
+            provider,
+            action,
+            payload,
+            f"ob1_poison_{tenant}_{key}",
+        ),
+    ).fetchone()
     assert row is not None
     return int(row[0])

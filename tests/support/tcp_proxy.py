@@ -21,7 +21,8 @@ class TcpProxy:
         port = int(params.get("port") or 5432)
         # pgserver's throwaway server listens on a unix socket in its data directory.
         self._target: str | tuple[str, int] = (
-            f"{host}/.s.PGSQL.{port}" if host.startswith("/") else (host, port))  # fmt: skip
+            f"{host}/.s.PGSQL.{port}" if host.startswith("/") else (host, port)
+        )
         self._dsn = dsn
         self._lock = threading.Lock()
         self._sockets: set[socket.socket] = set()

@@ -19,8 +19,15 @@ RULES = REPO / "deploy" / "prometheus"
 
 def promtool(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     path = require_tool("promtool", "prometheus")
-    return subprocess.run([path, *args], cwd=RULES, input=stdin, capture_output=True,
-                          text=True, timeout=60, check=False)  # fmt: skip
+    return subprocess.run(
+        [path, *args],
+        cwd=RULES,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
 
 
 def test_the_rules_check_and_their_unit_tests_pass() -> None:
@@ -36,22 +43,33 @@ def test_every_alert_has_a_unit_test_and_a_runbook_section() -> None:
     assert len(alerts) >= 6
     tests = (RULES / "outbox-alerts.test.yml").read_text()
     runbook_sections = {
-        heading.lower() for heading in re.findall(r"^## (\S+)", (REPO / "docs" / "runbook.md")
-                                                  .read_text(), re.MULTILINE)}  # fmt: skip
+        heading.lower()
+        for heading in re.findall(
+            r"^## (\S+)", (REPO / "docs" / "runbook.md").read_text(), re.MULTILINE
+        )
+    }
     for alert in alerts:
         assert f"alertname: {alert}" in tests, alert
         assert f"runbook.md#{alert.lower()}" in rules, alert
         assert alert.lower() in runbook_sections, alert
 
 
-SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
-            "info": ("_info",), "gauge": ("",)}  # fmt: skip
+SUFFIXES = {
+    "counter": ("_total",),
+    "histogram": ("_bucket", "_sum", "_count"),
+    "info": ("_info",),
+    "gauge": ("",),
+}
 
 
 def exported_names() -> set[str]:
     """Every series name outbox's metrics can export, with or without samples yet."""
-    return {metric.name + suffix for metric in prometheus_client.REGISTRY.collect()
-            if metric.name.startswith("outbox_") for suffix in SUFFIXES[metric.type]}  # fmt: skip
+    return {
+        metric.name + suffix
+        for metric in prometheus_client.REGISTRY.collect()
+        if metric.name.startswith("outbox_")
+        for suffix in SUFFIXES[metric.type]
+    }
 
 
 def test_the_dashboard_asks_only_for_exported_metrics() -> None:

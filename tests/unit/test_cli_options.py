@@ -43,9 +43,14 @@ def test_every_json_command_reports_its_failures_as_json() -> None:
     for path in json_commands:
         args = path.split()[1:]
         for extra, code in ((["--no-such-option"], 2), ([], None)):
-            done = subprocess.run([sys.executable, "-m", "outbox", *args, "--json", *extra],
-                                  env=env, capture_output=True, text=True, timeout=60,
-                                  check=False)  # fmt: skip
+            done = subprocess.run(
+                [sys.executable, "-m", "outbox", *args, "--json", *extra],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
             if code is None and done.returncode == 0:
                 continue  # needs no database, and had nothing to fail on
             error = json.loads(done.stderr)  # one JSON object, nothing else

@@ -241,9 +241,12 @@ def test_environment_overrides_the_file(example: Path) -> None:
 @pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(DispatcherSettings)])
 def test_every_dispatcher_setting_can_come_from_the_environment(field: str) -> None:
     value, expected = {
-        "concurrency": ("2", 2), "batch_size": ("2", 2), "max_attempts": ("2", 2),
-        "auto_reconcile": ("false", False), "event_loop": ("asyncio", "asyncio"),
-    }.get(field, ("2s", timedelta(seconds=2)))  # fmt: skip
+        "concurrency": ("2", 2),
+        "batch_size": ("2", 2),
+        "max_attempts": ("2", 2),
+        "auto_reconcile": ("false", False),
+        "event_loop": ("asyncio", "asyncio"),
+    }.get(field, ("2s", timedelta(seconds=2)))
     settings = load({}, **{f"OUTBOX_DISPATCHER__{field.upper()}": value})
     assert getattr(settings.dispatcher, field) == expected
 
@@ -344,8 +347,10 @@ def test_a_count_is_any_integer_from_one_up(number: int) -> None:
     """Concurrency stops at MAX_CONCURRENCY (issue 21: 2**63 - 1 was taken without a word)."""
     if number > MAX_CONCURRENCY:
         error = config_error({"dispatcher": {"concurrency": number}})
-        assert str(error) == (f"dispatcher.concurrency (in <config>) must be at most "
-                              f"{MAX_CONCURRENCY:,}, not {number}")  # fmt: skip
+        assert str(error) == (
+            f"dispatcher.concurrency (in <config>) must be at most "
+            f"{MAX_CONCURRENCY:,}, not {number}"
+        )
     if number >= 1:
         if number <= MAX_CONCURRENCY:
             concurrency = load({"dispatcher": {"concurrency": number}}).dispatcher.concurrency
@@ -569,40 +574,62 @@ def test_config_error_is_an_outbox_error() -> None:
 @pytest.mark.parametrize(
     ("data", "message"),
     [
-        ({"dispatcher": {"concurrency": False}},
-         "dispatcher.concurrency (in <config>) must be a positive integer, not false"),
-        ({"dispatcher": {"concurrency": "drei€"}},
-         'dispatcher.concurrency (in <config>) must be a positive integer, not "drei€"'),
-        ({"dispatcher": {"concurrency": {"n": 1}}},
-         "dispatcher.concurrency (in <config>) must be a positive integer, not a table"),
-        ({"dispatcher": {"shutdown_grace": "-1s"}},
-         "dispatcher.shutdown_grace (in <config>) must be a duration zero or more (like 500ms, "
-         '30s, 10m, 24h, 1h30m or a number of seconds), not "-1s"'),
-        ({"dispatcher": {"heartbeat": "0s"}},
-         "dispatcher.heartbeat (in <config>) must be a duration greater than zero (like 500ms, "
-         '30s, 10m, 24h, 1h30m or a number of seconds), not "0s"'),
-        ({"dispatcher": {"lease time": "30s"}},
-         'unknown key dispatcher."lease time" (in <config>); the valid keys are concurrency, '
-         "batch_size, lease, poll_interval, shutdown_grace, max_attempts, backoff_base, "
-         "backoff_max, retention_margin, heartbeat, auto_reconcile, reconcile_interval, "
-         "gauge_interval, event_loop"),
-        ({"providers": {"a.b": {"type": "noop"}}},
-         'providers."a.b" (in <config>) is not a valid provider name: names must match '
-         '^[a-z0-9][a-z0-9_-]{0,63}$ (lower-case letters, digits, "_" and "-", at most 64 '
-         "characters)"),
-        ({"providers": {"billing": {"url": "https://a"}}},
-         "providers.billing.type (in <config>) is required: the provider's type, such as "
-         '"webhook", "stripe" or "noop"'),
-        ({"providers": {"a": {"type": "noop"}, "b": {"type": "noop", "key_retention": "1h"}}},
-         "providers.b.key_retention (1h) must be longer than dispatcher.retention_margin (1h): "
-         "operations go to reconciliation that long before the provider forgets a key"),
-        ({"dispatcher": {"heartbeat": "30s", "lease": "30s"}},
-         "dispatcher.heartbeat (30s) must be shorter than dispatcher.lease (30s): a lease "
-         "renewed less often than it lasts runs out while its worker is still busy"),
-        ({"dispatcher": {"backoff_base": "5m", "backoff_max": "1m"}},
-         "dispatcher.backoff_base (5m) must not be longer than dispatcher.backoff_max (1m)"),
+        (
+            {"dispatcher": {"concurrency": False}},
+            "dispatcher.concurrency (in <config>) must be a positive integer, not false",
+        ),
+        (
+            {"dispatcher": {"concurrency": "drei€"}},
+            'dispatcher.concurrency (in <config>) must be a positive integer, not "drei€"',
+        ),
+        (
+            {"dispatcher": {"concurrency": {"n": 1}}},
+            "dispatcher.concurrency (in <config>) must be a positive integer, not a table",
+        ),
+        (
+            {"dispatcher": {"shutdown_grace": "-1s"}},
+            "dispatcher.shutdown_grace (in <config>) must be a duration zero or more (like 500ms, "
+            '30s, 10m, 24h, 1h30m or a number of seconds), not "-1s"',
+        ),
+        (
+            {"dispatcher": {"heartbeat": "0s"}},
+            "dispatcher.heartbeat (in <config>) must be a duration greater than zero (like 500ms, "
+            '30s, 10m, 24h, 1h30m or a number of seconds), not "0s"',
+        ),
+        (
+            {"dispatcher": {"lease time": "30s"}},
+            'unknown key dispatcher."lease time" (in <config>); the valid keys are concurrency, '
+            "batch_size, lease, poll_interval, shutdown_grace, max_attempts, backoff_base, "
+            "backoff_max, retention_margin, heartbeat, auto_reconcile, reconcile_interval, "
+            "gauge_interval, event_loop",
+        ),
+        (
+            {"providers": {"a.b": {"type": "noop"}}},
+            'providers."a.b" (in <config>) is not a valid provider name: names must match '
+            '^[a-z0-9][a-z0-9_-]{0,63}$ (lower-case letters, digits, "_" and "-", at most 64 '
+            "characters)",
+        ),
+        (
+            {"providers": {"billing": {"url": "https://a"}}},
+            "providers.billing.type (in <config>) is required: the provider's type, such as "
+            '"webhook", "stripe" or "noop"',
+        ),
+        (
+            {"providers": {"a": {"type": "noop"}, "b": {"type": "noop", "key_retention": "1h"}}},
+            "providers.b.key_retention (1h) must be longer than dispatcher.retention_margin (1h): "
+            "operations go to reconciliation that long before the provider forgets a key",
+        ),
+        (
+            {"dispatcher": {"heartbeat": "30s", "lease": "30s"}},
+            "dispatcher.heartbeat (30s) must be shorter than dispatcher.lease (30s): a lease "
+            "renewed less often than it lasts runs out while its worker is still busy",
+        ),
+        (
+            {"dispatcher": {"backoff_base": "5m", "backoff_max": "1m"}},
+            "dispatcher.backoff_base (5m) must not be longer than dispatcher.backoff_max (1m)",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_bad_value_is_explained_in_full(data: dict[str, Any], message: str) -> None:
     assert str(config_error(data)) == message
 
@@ -737,24 +764,36 @@ def test_more_settings_built_in_code_follow_the_same_rules(
 @pytest.mark.parametrize(
     ("build", "message"),
     [
-        (lambda: DispatcherSettings(concurrency=0),
-         "dispatcher.concurrency must be a positive integer, not 0"),
-        (lambda: DispatcherSettings(lease=timedelta(seconds=-5)),
-         "dispatcher.lease must be a duration greater than zero (like 500ms, 30s, 10m, 24h, "
-         "1h30m or a number of seconds), not -5s"),
-        (lambda: DispatcherSettings(lease=timedelta(0)),
-         "dispatcher.lease must be a duration greater than zero (like 500ms, 30s, 10m, 24h, "
-         "1h30m or a number of seconds), not 0ms"),
-        (lambda: DatabaseSettings(pool_mode="pooled"),
-         'database.pool_mode must be one of session, transaction, not "pooled"'),
+        (
+            lambda: DispatcherSettings(concurrency=0),
+            "dispatcher.concurrency must be a positive integer, not 0",
+        ),
+        (
+            lambda: DispatcherSettings(lease=timedelta(seconds=-5)),
+            "dispatcher.lease must be a duration greater than zero (like 500ms, 30s, 10m, 24h, "
+            "1h30m or a number of seconds), not -5s",
+        ),
+        (
+            lambda: DispatcherSettings(lease=timedelta(0)),
+            "dispatcher.lease must be a duration greater than zero (like 500ms, 30s, 10m, 24h, "
+            "1h30m or a number of seconds), not 0ms",
+        ),
+        (
+            lambda: DatabaseSettings(pool_mode="pooled"),
+            'database.pool_mode must be one of session, transaction, not "pooled"',
+        ),
         (lambda: DatabaseSettings(listen_url=""), "database.listen_url must be a connection URL"),
-        (lambda: DatabaseSettings(listen="yes"),  # type: ignore[arg-type]
-         'database.listen must be true or false, not "yes"'),
-        (lambda: ProviderSettings(name="a", type=" "),
-         'providers.a.type must name a provider type such as "webhook", "stripe" or "noop", '
-         'not " "'),
+        (
+            lambda: DatabaseSettings(listen="yes"),  # type: ignore[arg-type]
+            'database.listen must be true or false, not "yes"',
+        ),
+        (
+            lambda: ProviderSettings(name="a", type=" "),
+            'providers.a.type must name a provider type such as "webhook", "stripe" or "noop", '
+            'not " "',
+        ),
     ],
-)  # fmt: skip
+)
 def test_settings_built_in_code_explain_in_full(build: Callable[[], object], message: str) -> None:
     with pytest.raises(ConfigError) as caught:
         build()
@@ -967,28 +1006,64 @@ def test_the_listen_url_from_a_named_variable_or_credentials_file(tmp_path: Path
 @pytest.mark.parametrize(
     ("data", "environ", "key", "message"),
     [
-        ({"database": {"pool_mode": "statement"}}, {}, "database.pool_mode",
-         'cannot be "statement"'),
-        ({"database": {"pool_mode": "pooled"}}, {}, "database.pool_mode",
-         'must be one of session, transaction, not "pooled"'),
-        ({}, {"OUTBOX_DATABASE__POOL_MODE": "tx"}, "database.pool_mode",
-         "(from OUTBOX_DATABASE__POOL_MODE) must be one of session, transaction"),
-        ({"database": {"listen_url_env": "DIRECT_URL"}}, {}, "database.listen_url_env",
-         "environment variable DIRECT_URL is not set"),
-        ({"database": {"listen_url_env": "A", "listen_url_file": "b"}}, {},
-         "database.listen_url_file", "keep one"),
-        ({"database": {"poolmode": "transaction"}}, {}, "database.poolmode",
-         "unknown key database.poolmode"),
-        ({}, {"OUTBOX_DATABASE__POOLMODE": "transaction"}, "OUTBOX_DATABASE__POOLMODE",
-         "the database has no setting 'poolmode'; the valid keys are pool_mode, listen_url_env"),
+        (
+            {"database": {"pool_mode": "statement"}},
+            {},
+            "database.pool_mode",
+            'cannot be "statement"',
+        ),
+        (
+            {"database": {"pool_mode": "pooled"}},
+            {},
+            "database.pool_mode",
+            'must be one of session, transaction, not "pooled"',
+        ),
+        (
+            {},
+            {"OUTBOX_DATABASE__POOL_MODE": "tx"},
+            "database.pool_mode",
+            "(from OUTBOX_DATABASE__POOL_MODE) must be one of session, transaction",
+        ),
+        (
+            {"database": {"listen_url_env": "DIRECT_URL"}},
+            {},
+            "database.listen_url_env",
+            "environment variable DIRECT_URL is not set",
+        ),
+        (
+            {"database": {"listen_url_env": "A", "listen_url_file": "b"}},
+            {},
+            "database.listen_url_file",
+            "keep one",
+        ),
+        (
+            {"database": {"poolmode": "transaction"}},
+            {},
+            "database.poolmode",
+            "unknown key database.poolmode",
+        ),
+        (
+            {},
+            {"OUTBOX_DATABASE__POOLMODE": "transaction"},
+            "OUTBOX_DATABASE__POOLMODE",
+            "the database has no setting 'poolmode'; the valid keys are pool_mode, listen_url_env",
+        ),
         ({"database": "transaction"}, {}, "database", 'must be a table, not "transaction"'),
-        ({"database": {"listen": "false"}}, {}, "database.listen",
-         'must be true or false, not "false"'),
+        (
+            {"database": {"listen": "false"}},
+            {},
+            "database.listen",
+            'must be true or false, not "false"',
+        ),
         ({"database": {"listen": 0}}, {}, "database.listen", "must be true or false, not 0"),
-        ({}, {"OUTBOX_DATABASE__LISTEN": "maybe"}, "database.listen",
-         '(from OUTBOX_DATABASE__LISTEN) must be true or false, not "maybe"'),
+        (
+            {},
+            {"OUTBOX_DATABASE__LISTEN": "maybe"},
+            "database.listen",
+            '(from OUTBOX_DATABASE__LISTEN) must be true or false, not "maybe"',
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_bad_database_setting_names_its_key(
     data: dict[str, Any], environ: dict[str, str], key: str, message: str
 ) -> None:
@@ -1044,28 +1119,50 @@ def test_the_pgbouncer_guide_s_settings_load() -> None:
 @pytest.mark.parametrize(
     ("data", "key", "message"),
     [
-        ({"database": {"pool_mode": 5}}, "database.pool_mode",
-         "database.pool_mode (in <config>) must be one of session, transaction, not 5"),
-        ({"database": {"pool_mode": "statement"}}, "database.pool_mode",
-         'database.pool_mode (in <config>) cannot be "statement": statement pooling forbids the '
-         "multi-statement transactions that outbox's producers and operator commands rely on; "
-         'use pool_mode = "transaction" in the pooler and here'),
-        ({"database": {"listen_url_env": "postgresql://x"}}, "database.listen_url_env",
-         "database.listen_url_env (in <config>) must name an environment variable, such as "
-         "OUTBOX_LISTEN_DATABASE_URL"),
-        ({"database": {"listen_url_file": 5}}, "database.listen_url_file",
-         "database.listen_url_file (in <config>) must be a file name, not 5"),
-        ({"database": {"listen_url_file": " "}}, "database.listen_url_file",
-         'database.listen_url_file (in <config>) must be a file name, not " "'),
-        ({"database": {"listen_url_env": "A", "listen_url_file": "b"}}, "database.listen_url_file",
-         "database.listen_url_file (in <config>) and database.listen_url_env both say where the "
-         "LISTEN URL is; keep one"),
-        ({"database": {"listen_url": LISTEN_URL}}, "database.listen_url",
-         "database.listen_url (in <config>) is never written in the config file, as it may carry "
-         "a password: set OUTBOX_LISTEN_DATABASE_URL, or name where it is with "
-         "database.listen_url_env or database.listen_url_file"),
+        (
+            {"database": {"pool_mode": 5}},
+            "database.pool_mode",
+            "database.pool_mode (in <config>) must be one of session, transaction, not 5",
+        ),
+        (
+            {"database": {"pool_mode": "statement"}},
+            "database.pool_mode",
+            'database.pool_mode (in <config>) cannot be "statement": statement pooling forbids the '
+            "multi-statement transactions that outbox's producers and operator commands rely on; "
+            'use pool_mode = "transaction" in the pooler and here',
+        ),
+        (
+            {"database": {"listen_url_env": "postgresql://x"}},
+            "database.listen_url_env",
+            "database.listen_url_env (in <config>) must name an environment variable, such as "
+            "OUTBOX_LISTEN_DATABASE_URL",
+        ),
+        (
+            {"database": {"listen_url_file": 5}},
+            "database.listen_url_file",
+            "database.listen_url_file (in <config>) must be a file name, not 5",
+        ),
+        (
+            {"database": {"listen_url_file": " "}},
+            "database.listen_url_file",
+            'database.listen_url_file (in <config>) must be a file name, not " "',
+        ),
+        (
+            {"database": {"listen_url_env": "A", "listen_url_file": "b"}},
+            "database.listen_url_file",
+            "database.listen_url_file (in <config>) and database.listen_url_env both say where the "
+            "LISTEN URL is; keep one",
+        ),
+        (
+            {"database": {"listen_url": LISTEN_URL}},
+            "database.listen_url",
+            "database.listen_url (in <config>) is never written in the config file, as it may "
+            "carry "
+            "a password: set OUTBOX_LISTEN_DATABASE_URL, or name where it is with "
+            "database.listen_url_env or database.listen_url_file",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_bad_database_setting_is_explained_in_full(
     data: dict[str, Any], key: str, message: str
 ) -> None:
@@ -1181,9 +1278,15 @@ def test_a_rate_in_repr_loads_back_as_the_same_rate(calls: int, unit: str) -> No
 
 @pytest.mark.parametrize(
     ("content", "secret"),
-    [(b"ab\rcd", "ab\rcd"), (b"ab\r\ncd", "ab\r\ncd"), (b"tok\r", "tok\r"),
-     (b"tok\r\n", "tok"), (b"tok\n", "tok"), (b"tok\n\n", "tok\n")],
-)  # fmt: skip
+    [
+        (b"ab\rcd", "ab\rcd"),
+        (b"ab\r\ncd", "ab\r\ncd"),
+        (b"tok\r", "tok\r"),
+        (b"tok\r\n", "tok"),
+        (b"tok\n", "tok"),
+        (b"tok\n\n", "tok\n"),
+    ],
+)
 def test_a_secret_file_is_read_as_it_is_but_for_one_final_newline(
     tmp_path: Path, content: bytes, secret: str
 ) -> None:
@@ -1206,14 +1309,24 @@ def test_the_event_loop_is_uvloop_where_installed_unless_asyncio_is_asked_for() 
 @pytest.mark.parametrize(
     ("data", "environ", "message"),
     [
-        ({"dispatcher": {"event_loop": "trio"}}, {},
-         'dispatcher.event_loop (in <config>) must be one of auto, uvloop, asyncio, not "trio"'),
-        ({"dispatcher": {"event_loop": True}}, {},
-         "must be one of auto, uvloop, asyncio, not true"),
-        ({}, {"OUTBOX_DISPATCHER__EVENT_LOOP": "tokio"},
-         '(from OUTBOX_DISPATCHER__EVENT_LOOP) must be one of auto, uvloop, asyncio, not "tokio"'),
+        (
+            {"dispatcher": {"event_loop": "trio"}},
+            {},
+            'dispatcher.event_loop (in <config>) must be one of auto, uvloop, asyncio, not "trio"',
+        ),
+        (
+            {"dispatcher": {"event_loop": True}},
+            {},
+            "must be one of auto, uvloop, asyncio, not true",
+        ),
+        (
+            {},
+            {"OUTBOX_DISPATCHER__EVENT_LOOP": "tokio"},
+            "(from OUTBOX_DISPATCHER__EVENT_LOOP) must be one of auto, uvloop, asyncio, not "
+            '"tokio"',
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_bad_event_loop_names_its_key(
     data: dict[str, Any], environ: dict[str, str], message: str
 ) -> None:
@@ -1256,10 +1369,11 @@ def test_the_config_reference_is_made_from_the_declarations() -> None:
 
 def test_every_key_says_what_it_does() -> None:
     declared = [
-        *settings_of(Settings), *settings_of(ProviderSettings),
+        *settings_of(Settings),
+        *settings_of(ProviderSettings),
         *(s for cls in TABLES.values() for s in settings_of(cls)),
         *(s for options in PROVIDER_OPTIONS.values() for s in options),
-    ]  # fmt: skip
+    ]
     assert len(declared) == 1 + 8 + 14 + 4 + 6 + 8
     for setting in declared:
         assert setting.doc.endswith("."), setting.name
@@ -1269,8 +1383,10 @@ def test_every_key_says_what_it_does() -> None:
 def test_the_built_in_types_declare_the_options_their_factories_read() -> None:
     """Until the providers take these from outbox.config, they must agree with it."""
     options = {t: {s.name: s for s in declared} for t, declared in PROVIDER_OPTIONS.items()}
-    keys = {t: tuple(k for s in declared for k in s.file_keys())
-            for t, declared in PROVIDER_OPTIONS.items()}  # fmt: skip
+    keys = {
+        t: tuple(k for s in declared for k in s.file_keys())
+        for t, declared in PROVIDER_OPTIONS.items()
+    }
     assert keys["webhook"] == registry._WEBHOOK_KEYS
     assert keys["stripe"] == registry._STRIPE_KEYS
     assert options["webhook"]["reference_field"].default == webhook.DEFAULT_REFERENCE_FIELD
@@ -1332,5 +1448,7 @@ def test_the_scrubber_masks_a_known_secret_anywhere() -> None:
 def test_redaction_keeps_the_names_of_a_secret_table() -> None:
     options = {"secret_headers": {"Authorization": {"env": "T"}}, "api_token": "t0k", "n": (1, 2)}
     assert redaction.redact(options) == {
-        "secret_headers": {"Authorization": "***"}, "api_token": "***", "n": [1, 2],
-    }  # fmt: skip
+        "secret_headers": {"Authorization": "***"},
+        "api_token": "***",
+        "n": [1, 2],
+    }

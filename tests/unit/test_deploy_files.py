@@ -35,9 +35,13 @@ def test_systemd_analyze_verify_finds_nothing(tmp_path: Path) -> None:
     for name in UNITS:  # the units name the installed path; point it at this environment's
         text = (REPO / "systemd" / name).read_text()
         (tmp_path / name).write_text(text.replace("/usr/local/bin/outbox", str(outbox_bin)))
-    done = subprocess.run(["systemd-analyze", "verify", "--man=no",
-                           *(str(tmp_path / n) for n in UNITS)],
-                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    done = subprocess.run(
+        ["systemd-analyze", "verify", "--man=no", *(str(tmp_path / n) for n in UNITS)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == 0
     assert done.stdout + done.stderr == ""  # unknown keys are only warnings: none allowed
 

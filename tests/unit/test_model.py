@@ -28,12 +28,26 @@ def test_enqueue_result_accepted() -> None:
 def test_operation_from_row_types_its_enums() -> None:
     now = datetime.now(UTC)
     row = {
-        "operation_id": 1, "tenant_id": "t", "operation_type": "ty", "operation_key": "k",
-        "provider": "stripe", "action": "x", "status": "quarantined", "status_reason": "bad",
-        "attempts": 2, "provider_ref": None, "result": None, "last_error": "boom",
-        "last_error_class": "permanent", "idempotency_key": "ob1_x", "correlation_id": None,
-        "created_at": now, "updated_at": now, "available_at": now, "finished_at": None,
-    }  # fmt: skip
+        "operation_id": 1,
+        "tenant_id": "t",
+        "operation_type": "ty",
+        "operation_key": "k",
+        "provider": "stripe",
+        "action": "x",
+        "status": "quarantined",
+        "status_reason": "bad",
+        "attempts": 2,
+        "provider_ref": None,
+        "result": None,
+        "last_error": "boom",
+        "last_error_class": "permanent",
+        "idempotency_key": "ob1_x",
+        "correlation_id": None,
+        "created_at": now,
+        "updated_at": now,
+        "available_at": now,
+        "finished_at": None,
+    }
     op = Operation.from_row(**row)
     assert op.status is Status.QUARANTINED
     assert op.last_error_class is FailureClass.PERMANENT

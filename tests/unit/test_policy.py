@@ -47,9 +47,15 @@ def test_the_window_closes_margin_before_the_provider_forgets() -> None:
 
 
 def decide(failure: FailureClass, **kwargs: Any) -> Next:
-    args: dict[str, Any] = {"attempt": 1, "max_attempts": 10, "first_sent_at": None,
-                               "now": NOW, "window": WINDOW, "backoff": BACKOFF,
-                               "rng": random.Random(3)}  # fmt: skip
+    args: dict[str, Any] = {
+        "attempt": 1,
+        "max_attempts": 10,
+        "first_sent_at": None,
+        "now": NOW,
+        "window": WINDOW,
+        "backoff": BACKOFF,
+        "rng": random.Random(3),
+    }
     args.update(kwargs)
     return after_failure(failure, **args)
 
@@ -176,8 +182,13 @@ def test_a_retry_in_the_window_waits_the_backoff_but_at_most_half_the_time_left(
     left = timedelta(microseconds=left_us)
     retry_after = None if retry_after_s is None else timedelta(seconds=retry_after_s)
     first = NOW + left - WINDOW.retention + WINDOW.margin  # the window closes `left` from NOW
-    nxt = decide(FailureClass.UNKNOWN, attempt=attempt, first_sent_at=first,
-                 retry_after=retry_after, rng=random.Random(seed))  # fmt: skip
+    nxt = decide(
+        FailureClass.UNKNOWN,
+        attempt=attempt,
+        first_sent_at=first,
+        retry_after=retry_after,
+        rng=random.Random(seed),
+    )
     delay = BACKOFF.delay(attempt, random.Random(seed))
     if retry_after is not None:
         delay = max(delay, retry_after)
@@ -188,6 +199,7 @@ def test_unspent_attempts_still_grow_the_delay() -> None:
     """A 429 storm that spends no budget (attempt stays 1) must not retry at the base delay
     for ever: the delay grows with backoff_attempt, every attempt made."""
     spent = decide(FailureClass.TRANSIENT, first_sent_at=None, attempt=1, rng=Top())
-    storm = decide(FailureClass.TRANSIENT, first_sent_at=None, attempt=1, rng=Top(),
-                   backoff_attempt=8)  # fmt: skip
+    storm = decide(
+        FailureClass.TRANSIENT, first_sent_at=None, attempt=1, rng=Top(), backoff_attempt=8
+    )
     assert (spent.retry_in, storm.retry_in) == (timedelta(seconds=1), timedelta(seconds=128))

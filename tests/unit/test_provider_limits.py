@@ -162,8 +162,9 @@ def test_a_requests_own_trouble_says_nothing_of_the_providers_health() -> None:
 
 
 def test_the_webhook_provider_says_which_failures_are_the_requests_own() -> None:
-    provider = WebhookProvider("hook", WebhookOptions("http://x", timedelta(seconds=1),
-                                                      timedelta(hours=1)))  # fmt: skip
+    provider = WebhookProvider(
+        "hook", WebhookOptions("http://x", timedelta(seconds=1), timedelta(hours=1))
+    )
     request = SendRequest(1, "t", "o", "k", "a", {}, "key", None, 1)
 
     def classify(status: int, **headers: str) -> Failed:

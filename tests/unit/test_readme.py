@@ -21,9 +21,12 @@ def test_the_readme_config_loads_with_its_secret_from_the_environment() -> None:
     assert options.secret_headers == {"Authorization": "Bearer t0k"}
     assert options.url == "https://billing.internal/outbox"
     assert settings.providers["billing"].limits == ProviderLimits(
-        max_in_flight=16, rate=100.0, burst=100, breaker_failures=5,
+        max_in_flight=16,
+        rate=100.0,
+        burst=100,
+        breaker_failures=5,
         breaker_open_for=timedelta(seconds=30),
-    )  # fmt: skip
+    )
     assert "t0k" not in repr(options) and "t0k" not in repr(settings)
 
 

@@ -24,8 +24,9 @@ def test_a_plugin_registered_as_an_entry_point_is_built(
         "[outbox.providers]\necho = tests.support.plugin_provider:factory\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    settings = ProviderSettings("mine", "echo", key_retention=timedelta(hours=2),
-                                options={"prefix": "x"})  # fmt: skip
+    settings = ProviderSettings(
+        "mine", "echo", key_retention=timedelta(hours=2), options={"prefix": "x"}
+    )
     provider = build_providers({"mine": settings})["mine"]
     assert isinstance(provider, Provider)
     assert (provider.name, provider.key_retention) == ("mine", timedelta(hours=2))
@@ -102,12 +103,15 @@ def test_a_secret_written_in_plain_headers_is_refused(name: str) -> None:
         _webhook({"headers": {name: "Bearer hunter2"}})
 
 
-@pytest.mark.parametrize(("url", "allowed"), [
-    ("http://hooks.example.com/", False),
-    ("http://127.0.0.1:8080/", True),
-    ("http://localhost/", True),
-    ("https://hooks.example.com/", True),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("url", "allowed"),
+    [
+        ("http://hooks.example.com/", False),
+        ("http://127.0.0.1:8080/", True),
+        ("http://localhost/", True),
+        ("https://hooks.example.com/", True),
+    ],
+)
 def test_secrets_never_travel_in_clear_text_to_another_host(url: str, allowed: bool) -> None:
     options = {"url": url, "secret_headers": {"Authorization": {"env": "TOKEN"}}}
     env = {"TOKEN": "Bearer t"}
@@ -129,10 +133,13 @@ def test_stripe_never_sends_its_key_in_clear_text_to_another_host() -> None:
     base = {"api_key_env": "KEY"}
     env = {"KEY": "sk_test_x"}
     with pytest.raises(ConfigError, match="clear text"):
-        stripe_options(ProviderSettings("s", "stripe", options={
-            **base, "api_base": "http://api.example.com"}), env)  # fmt: skip
-    stripe_options(ProviderSettings("s", "stripe", options={
-        **base, "api_base": "http://127.0.0.1:12111"}), env)  # fmt: skip
+        stripe_options(
+            ProviderSettings("s", "stripe", options={**base, "api_base": "http://api.example.com"}),
+            env,
+        )
+    stripe_options(
+        ProviderSettings("s", "stripe", options={**base, "api_base": "http://127.0.0.1:12111"}), env
+    )
 
 
 def test_a_secret_file_others_can_read_is_warned_of(tmp_path: Path) -> None:

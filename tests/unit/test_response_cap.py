@@ -42,10 +42,13 @@ def test_the_file_and_the_environment_set_it() -> None:
         ({"max_response_bytes": "4096"}, {}, r'must be a positive integer, not "4096"'),
         ({"max_response_bytes": 1.5}, {}, r"must be a positive integer"),
         ({"max_response_bytes": True}, {}, r"must be a positive integer, not true"),
-        ({}, {"OUTBOX_PROVIDERS__HOOK__MAX_RESPONSE_BYTES": "1MiB"},
-         r"max_response_bytes \(from OUTBOX_PROVIDERS__HOOK__MAX_RESPONSE_BYTES\) must be"),
+        (
+            {},
+            {"OUTBOX_PROVIDERS__HOOK__MAX_RESPONSE_BYTES": "1MiB"},
+            r"max_response_bytes \(from OUTBOX_PROVIDERS__HOOK__MAX_RESPONSE_BYTES\) must be",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_value_that_is_no_byte_count_names_its_key(
     data: dict[str, Any], env: dict[str, str], message: str
 ) -> None:
