@@ -13,7 +13,8 @@ from typing import Any, Final
 from outbox.config import (
     DEFAULT_CONCURRENCY,
     DEFAULT_MAX_RESPONSE_BYTES,
-    LIMIT_KEYS,
+    PROVIDER_KEYS,
+    PROVIDER_OPTIONS,
     ConfigError,
     ProviderSettings,
     read_secret,
@@ -28,29 +29,14 @@ from outbox.providers.stripe import (
     StripeProvider,
 )
 from outbox.providers.webhook import DEFAULT_REFERENCE_FIELD, WebhookOptions, WebhookProvider
+from outbox.settings_schema import file_keys
 
 ENTRY_POINT_GROUP: Final = "outbox.providers"
 Factory = Callable[[ProviderSettings], Provider]
 
-_WEBHOOK_KEYS: Final = (
-    "url",
-    "headers",
-    "secret_headers",
-    "reference_field",
-    "allow_insecure",
-    "max_response_bytes",
-)
-_STRIPE_KEYS: Final = (
-    "api_key_env",
-    "api_key_file",
-    "api_base",
-    "stripe_account",
-    "allow_insecure",
-    "max_response_bytes",
-    "redact_fields",
-    "stripe_version",
-    "operation_accounts",
-)
+# The options each built-in type takes: declared once, in outbox.config (PROVIDER_OPTIONS).
+_WEBHOOK_KEYS: Final = tuple(file_keys(PROVIDER_OPTIONS["webhook"]))
+_STRIPE_KEYS: Final = tuple(file_keys(PROVIDER_OPTIONS["stripe"]))
 # Stripe's API versions: a date, and since 2024-09-30 a release name (2026-10-28.endive).
 _STRIPE_VERSION: Final = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}(\.[a-z]+)?")
 DEFAULT_STRIPE_API: Final = "https://api.stripe.com"
@@ -267,7 +253,7 @@ def _string_map(value: object, where: str, *, allow_tables: bool = False) -> dic
 def _reject_unknown(ps: ProviderSettings, valid: tuple[str, ...]) -> None:
     for key in ps.options:
         if key not in valid:
-            allowed = ", ".join(("type", "key_retention", "timeout", *LIMIT_KEYS, *valid))
+            allowed = ", ".join((*PROVIDER_KEYS, *valid))
             raise ConfigError(
                 f"providers.{ps.name}.{key} is not a {ps.type} provider setting; valid: {allowed}"
             )
