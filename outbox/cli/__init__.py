@@ -35,6 +35,7 @@ from outbox.cli.common import (
     Duration,
     JsonErrors,
     _check_dsn,
+    config_option,
     connect,
     dsn_option,
     json_option,
@@ -161,14 +162,7 @@ def migrate(
     type=TEXT,
     help="Send after the tenant's earlier operations with this key, in order.",
 )
-@click.option(
-    "--config",
-    "config_path",
-    envvar="OUTBOX_CONFIG",
-    show_envvar=True,
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="outbox run's settings: warn when the provider is not among them.",
-)
+@config_option("outbox run's settings: warn when the provider is not among them.")
 @json_option
 def enqueue(
     dsn: str,
@@ -266,14 +260,7 @@ def prune_command(dsn: str, older_than: timedelta, batch: int, dry_run: bool) ->
 
 @main.command()
 @dsn_option
-@click.option(
-    "--config",
-    "config_path",
-    envvar="OUTBOX_CONFIG",
-    show_envvar=True,
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="TOML settings file; without one, defaults and OUTBOX_* variables only.",
-)
+@config_option("TOML settings file; without one, defaults and OUTBOX_* variables only.")
 @click.option(
     "--metrics-addr",
     type=TEXT,

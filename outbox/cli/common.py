@@ -14,6 +14,7 @@ import json
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Final, TypeVar
 
 import click
@@ -139,6 +140,18 @@ def actor_option(command: F) -> F:
         help="Who is acting; recorded with the change.",
     )
     return option(command)
+
+
+def config_option(help_text: str) -> Callable[[F], F]:
+    """--config (or $OUTBOX_CONFIG): the settings file, as `outbox run` takes it."""
+    return click.option(
+        "--config",
+        "config_path",
+        envvar="OUTBOX_CONFIG",
+        show_envvar=True,
+        type=click.Path(dir_okay=False, path_type=Path),
+        help=help_text,
+    )
 
 
 def json_option(command: F) -> F:

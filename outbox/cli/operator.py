@@ -20,7 +20,15 @@ import click
 
 from outbox import operators, payloads, reconciler
 from outbox.cli import bulk
-from outbox.cli.common import TEXT, BadInput, actor_option, connect, dsn_option, json_option
+from outbox.cli.common import (
+    TEXT,
+    BadInput,
+    actor_option,
+    config_option,
+    connect,
+    dsn_option,
+    json_option,
+)
 from outbox.config import ConfigError, load_settings
 from outbox.durations import format_duration
 from outbox.model import Status
@@ -179,14 +187,7 @@ def add_reconcile_check(group: click.Group) -> None:
     @click.option("--all", "check_all", is_flag=True, help="Check every reconciling operation.")
     @bulk.filter_options
     @click.option("--dry-run", is_flag=True, help="Look, but record nothing.")
-    @click.option(
-        "--config",
-        "config_path",
-        envvar="OUTBOX_CONFIG",
-        show_envvar=True,
-        type=click.Path(dir_okay=False, path_type=Path),
-        help="The providers' settings (as for outbox run).",
-    )
+    @config_option("The providers' settings (as for outbox run).")
     @json_option
     def check(
         dsn: str,

@@ -13,7 +13,7 @@ import psycopg
 from psycopg.rows import dict_row
 
 from outbox import gauges
-from outbox.cli.common import BadInput, connect, dsn_option, json_option
+from outbox.cli.common import BadInput, config_option, connect, dsn_option, json_option
 from outbox.config import ConfigError, load_settings
 from outbox.db import statements
 from outbox.dispatcher import UNKNOWN_PROVIDER_GRACE
@@ -27,14 +27,7 @@ COUNT_LIMIT: Final = 10_000  # each provider's count stops here ("10000+")
 
 @click.command()
 @dsn_option
-@click.option(
-    "--config",
-    "config_path",
-    envvar="OUTBOX_CONFIG",
-    show_envvar=True,
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="The settings outbox run uses: then providers it lacks are named.",
-)
+@config_option("The settings outbox run uses: then providers it lacks are named.")
 @json_option
 def status(dsn: str, config_path: Path | None, as_json: bool) -> None:
     """Operations per status, the age of the oldest pending operation that is due, the due ones
