@@ -23,6 +23,7 @@ import outbox
 from outbox import gauges, metrics, sdnotify, startup, wakeup
 from outbox.config import DEFAULT_LISTEN_URL_ENV, Settings
 from outbox.db.connect import dispatcher_pool, shares_server_sessions
+from outbox.db.probe import DatabaseProbe
 from outbox.db.store import Store
 from outbox.dispatcher import Dispatcher
 from outbox.durations import format_duration
@@ -48,8 +49,9 @@ log = structlog.get_logger("outbox.daemon")
 class Health:
     """What /healthz and /readyz report; read from the HTTP thread, written by the loop."""
 
-    def __init__(self, dispatcher: Dispatcher) -> None:
+    def __init__(self, dispatcher: Dispatcher, probe: DatabaseProbe | None = None) -> None:
         self.dispatcher = dispatcher
+        self.probe = probe
         self.draining = False
         self.last_tick = time.monotonic()
 
@@ -57,7 +59,10 @@ class Health:
         return time.monotonic() - self.last_tick < LOOP_STALL_LIMIT
 
     def ready(self) -> bool:
-        return self.alive() and not self.draining and self.dispatcher.database_ok
+        # A writable primary answers the probe now: not the last claim, which waits up to 30 s
+        # for a pool connection and saw nothing of a failover (outbox/db/probe.py).
+        database_ok = self.probe.ok if self.probe is not None else self.dispatcher.database_ok
+        return self.alive() and not self.draining and database_ok
 
 
 def worker_id() -> str:
@@ -104,14 +109,18 @@ async def serve(
         call_timeouts=timeouts,
         limits=limits,
     )
-    health = Health(dispatcher)
+    probe = DatabaseProbe(dsn)
+    health = Health(dispatcher, probe)
     # Before the pool opens: a port in use must end the run, not leave it half started.
     http = _listen(metrics_addr, health) if metrics_addr else None
     if http is False:
         await _close(providers)
         return EXIT_MISCONFIGURED
     await pool.open(wait=False)  # once started, an unreachable database is retried, not fatal
-    helpers = [asyncio.create_task(_tick(health), name="outbox-tick")]
+    helpers = [
+        asyncio.create_task(_tick(health), name="outbox-tick"),
+        asyncio.create_task(probe.run_forever(), name="outbox-readiness"),
+    ]
     listen_url = _wakeup_url(dsn, settings)
     if listen_url is not None:
         listen = wakeup.listen_forever(

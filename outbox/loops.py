@@ -33,6 +33,7 @@ LOOPS: Final = (
     "gauges",
     "reconcile",
     "listen",
+    "readiness",
 )
 for _name in LOOPS:
     metrics.INTERNAL_ERRORS.labels(_name)

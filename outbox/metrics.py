@@ -46,7 +46,7 @@ END_TO_END: Final = Histogram(
 )
 DATABASE_UP: Final = Gauge(
     "outbox_database_up",
-    "1 while this process's last claim reached the database; 0 while it cannot (readiness).",
+    "1 while a writable primary answers this process's probe (every second); 0 while none does.",
 )
 GAUGES_REFRESHED: Final = Gauge(
     "outbox_gauges_refreshed_timestamp_seconds",

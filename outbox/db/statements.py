@@ -576,6 +576,10 @@ LISTEN: Final = "LISTEN outbox_enqueue"
 # Is this connection still alive? Sent on the LISTEN connection after a quiet spell.
 PROBE: Final = "SELECT 1"
 
+# Readiness (outbox/db/probe.py): a writable primary answers. A standby, or a demoted primary,
+# answers true and is not one to be ready on.
+PROBE_WRITABLE: Final = "SELECT pg_is_in_recovery()"
+
 # --- operators ----------------------------------------------------------------------------------
 
 # The operations in one status that need a person, oldest first; served by operations_attention.

@@ -211,7 +211,6 @@ class ClaimScheduler:
             )
         except psycopg.Error as exc:
             self.database_ok = False
-            metrics.DATABASE_UP.set(0)
             metrics.DB_ERRORS.labels("claim").inc()
             log.warning(
                 "claim failed; retrying",
@@ -222,7 +221,6 @@ class ClaimScheduler:
             self._claim_retry = min(self._claim_retry * 2, CLAIM_RETRY_MAX)
             return []
         self.database_ok = True
-        metrics.DATABASE_UP.set(1)
         self._claim_retry = CLAIM_RETRY_MIN
         metrics.CLAIM_DURATION.observe(time.perf_counter() - started)
         self._cursor = next_cursor(self._cursor, claimed)

@@ -12,6 +12,7 @@ from prometheus_client import REGISTRY
 from psycopg_pool import AsyncConnectionPool
 
 from outbox import gauges, metrics
+from outbox.db.probe import DatabaseProbe
 from outbox.providers.base import Provider
 from tests.support.cluster import free_port
 from tests.support.dispatch import dispatcher
@@ -47,6 +48,10 @@ async def test_the_database_being_unreachable_and_stale_gauges_are_visible(
     await dead.open(wait=False)
     try:
         assert await dispatcher(dead, {"hook": hook}).run_once() == 0
+        # outbox_database_up follows the readiness probe (outbox/db/probe.py), not the claims
+        probe = DatabaseProbe(nowhere)
+        assert await probe.probe_once() is False
+        await probe.aclose()
         assert REGISTRY.get_sample_value("outbox_database_up") == 0
         before = REGISTRY.get_sample_value("outbox_gauges_refreshed_timestamp_seconds") or 0.0
         with pytest.raises(psycopg.Error):
@@ -57,6 +62,9 @@ async def test_the_database_being_unreachable_and_stale_gauges_are_visible(
     finally:
         await dead.close()
     assert await dispatcher(pool, {"hook": hook}).run_once() == 0
+    probe = DatabaseProbe(db_url)
+    assert await probe.probe_once() is True
+    await probe.aclose()
     assert REGISTRY.get_sample_value("outbox_database_up") == 1
     await gauges.refresh(pool, {})
     assert (REGISTRY.get_sample_value("outbox_gauges_refreshed_timestamp_seconds") or 0.0) > before
