@@ -65,6 +65,11 @@ LEASE_EXPIRED: Final = Counter("outbox_lease_expired", "Expired leases this proc
 LEASE_LOST: Final = Counter(
     "outbox_lease_lost", "Records or renewals that found the lease taken: nothing was changed."
 )
+RECORD_ROW_MISSING: Final = Counter(
+    "outbox_record_row_missing",
+    "Records or hand-backs whose operation no longer exists in this database (a failover to a "
+    "standby that lacked it): the provider may have acted on an operation the database lost.",
+)
 CLAIM_DURATION: Final = Histogram(
     "outbox_claim_duration_seconds", "Time of one claim query.", buckets=_CLAIM_BUCKETS
 )

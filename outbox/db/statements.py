@@ -447,6 +447,10 @@ RETURNING o.id
 # Did this worker's record of this attempt commit? Asked when its acknowledgement was lost.
 # Not the rescuer's row for the attempt, which names the worker whose lease expired: that
 # worker's record never committed.
+# A record or unclaim that found no lease: is the row there at all? After a failover to a
+# standby that lacked it (asynchronous replication), it is not, and "lease taken" would mislead.
+OPERATION_EXISTS: Final = "SELECT 1 FROM outbox.operations WHERE id = %(id)s"
+
 ATTEMPT_RECORDED: Final = """
 SELECT 1 FROM outbox.attempts
 WHERE operation_id = %(id)s AND attempt = %(attempt)s AND worker = %(worker)s

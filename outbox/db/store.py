@@ -250,6 +250,9 @@ class Store:
         params = {"id": operation_id, "attempt": attempt, "worker": worker}
         return await self._one(statements.ATTEMPT_RECORDED, params)
 
+    async def operation_exists(self, operation_id: int) -> bool:
+        return await self._one(statements.OPERATION_EXISTS, {"id": operation_id})
+
     async def heartbeat(self, held: Sequence[Claimed], lease: timedelta) -> set[int]:
         """Renew these leases; returns the ids still held (the others were lost)."""
         if not held:

@@ -194,10 +194,24 @@ class Recorder:
                 written = True  # the first try committed; only its acknowledgement was lost
         if written is None:
             return None
-        if not written:
+        if not written and not await self._row_exists(flight):
+            metrics.RECORD_ROW_MISSING.inc()
+            flight.log.error(
+                f"{what} found no such operation: this database lost it (a failover to a standby "
+                "that lacked it?); the provider may have acted on it (docs/operations.md, "
+                '"Database failover")'
+            )
+        elif not written:
             metrics.LEASE_LOST.inc()
             flight.log.warning(f"{what} found the lease taken; nothing was changed")
         return written
+
+    async def _row_exists(self, flight: InFlight) -> bool:
+        """Only on the rare lease-lost path; an error counts as "exists" (the old message)."""
+        try:
+            return await self._store.operation_exists(flight.row.id)
+        except psycopg.Error:
+            return True
 
     async def _retry_while_leased(self, flight: InFlight, what: str, write: Any) -> bool | None:
         """The write again, with backoff (tenacity), until it succeeds or the lease runs out."""
