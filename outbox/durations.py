@@ -15,6 +15,10 @@ _PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
 MAX_DURATION = timedelta(days=36500)
 
 
+class DurationTooLong(ValueError):
+    """A duration written correctly, but past MAX_DURATION."""
+
+
 def parse_duration(text: str) -> timedelta:
     """Parse a duration: one or more number-unit pairs (ms, s, m, h, d), or bare seconds.
 
@@ -32,7 +36,7 @@ def parse_duration(text: str) -> timedelta:
             )
         seconds = sum(float(number) * _UNITS[unit] for number, unit in parts)
     if not seconds <= MAX_DURATION.total_seconds():  # also inf, from a thousand digits
-        raise ValueError(f"duration {text[:40]!r} is longer than {MAX_DURATION.days} days")
+        raise DurationTooLong(f"duration {text[:40]!r} is longer than {MAX_DURATION.days} days")
     return timedelta(seconds=seconds)
 
 

@@ -23,7 +23,7 @@ import psycopg
 from outbox import operators
 from outbox.cli.common import EXIT_CONFLICT, TEXT, BadInput, connect
 from outbox.db import dsn as dsn_util
-from outbox.durations import format_duration, parse_duration
+from outbox.durations import DurationTooLong, format_duration, parse_duration
 from outbox.model import Status
 from outbox.safe_text import printable
 from outbox.text_tables import render_table
@@ -47,13 +47,13 @@ class Since(click.ParamType):  # type: ignore[type-arg]
         text = str(value).strip()
         try:
             return parse_duration(text)
-        except ValueError as exc:
-            not_a_duration = str(exc)
+        except DurationTooLong as exc:
+            self.fail(str(exc), param, ctx)
+        except ValueError:
+            pass
         try:
             at = datetime.fromisoformat(text)
         except ValueError:
-            if not not_a_duration.startswith("invalid"):  # a duration, but too long
-                self.fail(not_a_duration, param, ctx)
             self.fail(
                 f"{printable(text)!r} is neither a duration (2h, 30m) nor a time "
                 "(2026-12-01T09:30:00Z)",
@@ -142,6 +142,10 @@ class Outcome:
     became: Counter[str]
     skipped: dict[int, str]
 
+    def acted_on(self) -> int:
+        """How many had their turn: acted on, or skipped."""
+        return sum(self.became.values()) + len(self.skipped)
+
 
 def run(
     dsn: str,
@@ -203,7 +207,6 @@ def _act_on_each(
     conn: psycopg.Connection[Any], dsn: str, ids: list[int], verb: str, action: Action
 ) -> Outcome:
     outcome = Outcome(Counter(), {})
-    done = 0
     with click.progressbar(ids, label=verb, file=sys.stderr, hidden=len(ids) < 2) as bar:
         for operation_id in bar:
             try:
@@ -211,11 +214,11 @@ def _act_on_each(
             except operators.ActionRefused as exc:
                 outcome.skipped[operation_id] = str(exc)
             except psycopg.Error as exc:
+                done = outcome.acted_on()
                 raise click.ClickException(
                     f"stopped after {done} of {len(ids)} ({dsn_util.scrub(str(exc).strip(), dsn)})"
                     f": those are done, the rest untouched; the same command takes them up"
                 ) from None
-            done += 1
     return outcome
 
 
