@@ -1,5 +1,5 @@
 -- sql/schema.sql: the outbox schema as the migrations of sql/ leave it
--- (every migration up to 0028_identities_refuse_format_characters).
+-- (every migration up to 0029_one_wakeup_per_idle_period).
 --
 -- GENERATED FILE: DO NOT EDIT IT BY HAND. It is regenerated, after adding a migration, by
 --     python -m outbox.db.schema_dump --dsn postgresql://postgres@127.0.0.1:5432/postgres --output sql/schema.sql
@@ -301,7 +301,7 @@ CREATE TABLE outbox.schema_migrations (
 
 -- =================================================================================================
 -- table outbox.waiting_dispatchers
--- history: created by 0012_wake_only_idle_dispatchers
+-- history: created by 0012_wake_only_idle_dispatchers; changed by 0029_one_wakeup_per_idle_period
 
 CREATE UNLOGGED TABLE outbox.waiting_dispatchers (
     worker  text NOT NULL,
@@ -309,7 +309,7 @@ CREATE UNLOGGED TABLE outbox.waiting_dispatchers (
     CONSTRAINT waiting_dispatchers_pkey PRIMARY KEY (worker)
 );
 
-COMMENT ON TABLE outbox.waiting_dispatchers IS 'Dispatchers idle and LISTENing: producers notify only while one is here. Rows older than 10 minutes (a dispatcher that died waiting) are ignored; dispatchers refresh theirs.';
+COMMENT ON TABLE outbox.waiting_dispatchers IS 'Dispatchers idle and LISTENing. The first producer to commit while one is here deletes the marks and notifies; the dispatchers mark themselves again when next idle (sql/0029). Marks older than 10 minutes (a dispatcher that died waiting) are ignored.';
 
 -- privileges: the owner's only
 
@@ -1721,7 +1721,7 @@ $function$;
 
 -- =================================================================================================
 -- function outbox.wake_dispatchers()
--- history: created by 0012_wake_only_idle_dispatchers
+-- history: created by 0012_wake_only_idle_dispatchers; changed by 0029_one_wakeup_per_idle_period
 -- fired by trigger operations_wake_dispatchers ON outbox.operations
 
 CREATE OR REPLACE FUNCTION outbox.wake_dispatchers()
@@ -1731,15 +1731,36 @@ CREATE OR REPLACE FUNCTION outbox.wake_dispatchers()
  SET search_path TO 'pg_catalog', 'pg_temp'
 AS $function$
 BEGIN
-    IF EXISTS (SELECT 1 FROM outbox.waiting_dispatchers
-               WHERE seen_at > now() - interval '10 minutes') THEN
-        -- Folded by PostgreSQL into one notification per transaction.
+    IF NOT pg_try_advisory_xact_lock_shared(outbox.wake_lock_space(), 0) THEN
+        -- A dispatcher is marking itself this instant (or some role holds the key): notify, as
+        -- every commit did before 0029; one notification per transaction, however many rows.
+        PERFORM pg_notify('outbox_enqueue', '');
+        RETURN NULL;
+    END IF;
+    DELETE FROM outbox.waiting_dispatchers w
+    WHERE w.worker IN (SELECT m.worker FROM outbox.waiting_dispatchers m
+                       WHERE m.seen_at > now() - interval '10 minutes'
+                       FOR UPDATE SKIP LOCKED);
+    IF FOUND THEN
         PERFORM pg_notify('outbox_enqueue', '');
     END IF;
     RETURN NULL;
 END;
 $function$;
 -- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.wake_lock_space()
+-- history: created by 0029_one_wakeup_per_idle_period
+
+CREATE OR REPLACE FUNCTION outbox.wake_lock_space()
+ RETURNS integer
+ LANGUAGE sql
+ IMMUTABLE PARALLEL SAFE
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$ SELECT 1869968504 $function$;
+COMMENT ON FUNCTION outbox.wake_lock_space() IS 'First key of the advisory lock pair (wake_lock_space(), 0) that producers hold shared from the wake-up check at COMMIT until their rows are visible (sql/0029).';
+-- privileges: the owner's, and PUBLIC EXECUTE
 
 -- =================================================================================================
 -- function outbox.write_audit(outbox.operations,text,text,text,text,jsonb)

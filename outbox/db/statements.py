@@ -14,8 +14,8 @@ from __future__ import annotations
 from typing import Final
 
 # The channel dispatchers LISTEN on. Not outbox.enqueue but the trigger it fires,
-# operations_wake_dispatchers (outbox.wake_dispatchers(), sql/0012), notifies on it at the
-# producer's COMMIT, and only while a dispatcher is marked waiting (MARK_WAITING).
+# operations_wake_dispatchers (outbox.wake_dispatchers(), sql/0029), notifies on it at the
+# producer's COMMIT, and only the first commit after a dispatcher marked itself (MARK_WAITING).
 ENQUEUE_CHANNEL: Final = "outbox_enqueue"
 
 # --- producer API -------------------------------------------------------------------------------
@@ -560,15 +560,20 @@ SET_SESSION_LIMIT: Final = "SELECT pg_catalog.set_config(%s, %s, false)"
 # Only the fault tests' simulated bug (failpoints.LEAK_TRANSACTION) takes a row lock like this.
 LOCK_OPERATION: Final = "SELECT id FROM outbox.operations WHERE id = %s FOR UPDATE"
 
-# An idle dispatcher that LISTENs marks itself waiting, so that producers' commits notify
-# (sql/0012); it refreshes the mark while idle, and clears up marks of dispatchers long dead.
+# An idle dispatcher that LISTENs marks itself waiting, so that the next producer's commit
+# notifies (sql/0029); it refreshes the mark while idle, and clears up marks of dispatchers long
+# dead. In the same transaction it tries the wake-up lock: true when no producer's commit was
+# between its wake-up check and its rows becoming visible, so that sleeping loses no wake-up.
 MARK_WAITING: Final = """
 WITH expired AS (
     DELETE FROM outbox.waiting_dispatchers
     WHERE seen_at < now() - interval '1 hour' AND worker <> %(worker)s
+), marked AS (
+    INSERT INTO outbox.waiting_dispatchers (worker) VALUES (%(worker)s)
+    ON CONFLICT (worker) DO UPDATE SET seen_at = now()
+    RETURNING worker
 )
-INSERT INTO outbox.waiting_dispatchers (worker) VALUES (%(worker)s)
-ON CONFLICT (worker) DO UPDATE SET seen_at = now()
+SELECT pg_catalog.pg_try_advisory_xact_lock(outbox.wake_lock_space(), 0) FROM marked
 """
 
 # Busy with a backlog (or stopping): producers need not notify on this dispatcher's account.

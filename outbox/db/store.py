@@ -239,11 +239,18 @@ class Store:
         }
         return await self._one(statements.UNCLAIM, params)
 
-    async def mark_waiting(self, worker: str, *, waiting: bool) -> None:
-        """Say whether ``worker`` now waits idle for wake-ups (producers notify only then)."""
-        query = statements.MARK_WAITING if waiting else statements.UNMARK_WAITING
+    async def mark_waiting(self, worker: str) -> bool:
+        """Mark ``worker`` waiting idle for a wake-up (the next producer's commit notifies);
+        True when no commit that might not have seen the mark is still becoming visible."""
         async with self._connection() as conn:
-            await conn.execute(query, {"worker": worker})
+            cur = conn.cursor(row_factory=tuple_row)
+            row = await (await cur.execute(statements.MARK_WAITING, {"worker": worker})).fetchone()
+        return bool(row and row[0])
+
+    async def unmark_waiting(self, worker: str) -> None:
+        """``worker`` is busy: producers need not notify on its account."""
+        async with self._connection() as conn:
+            await conn.execute(statements.UNMARK_WAITING, {"worker": worker})
 
     async def attempt_recorded(self, operation_id: int, attempt: int, worker: str) -> bool:
         """Whether ``worker``'s record of this attempt committed."""

@@ -32,6 +32,11 @@ CLAIM_RETRY_MAX: Final = 5.0
 # role may NOTIFY outbox_enqueue: 40,000 notifications cost about 900 claims in 1.5 s before.
 WAKE_GAP_MIN: Final = 0.001
 WAKE_GAP_MAX: Final = 0.05
+# A dispatcher about to sleep that finds a producer's commit still becoming visible (its mark
+# could not take the wake-up lock, sql/0029) claims again after this pause, doubling up to
+# BUSY_GAP_MAX while that goes on: commits that did not see its mark may not wake it.
+BUSY_GAP_MIN: Final = 0.001
+BUSY_GAP_MAX: Final = 0.02
 
 
 class ClaimScheduler:
@@ -52,9 +57,13 @@ class ClaimScheduler:
         self._claim_retry = CLAIM_RETRY_MIN
         self.database_ok = False  # the last claim reached the database (readiness)
         # Set by the LISTEN connection while it listens: only then is it worth asking producers
-        # to notify (sql/0012), and marking this dispatcher waiting.
+        # to notify (sql/0029), and marking this dispatcher waiting.
         self.listening = False
         self._waiting_since: float | None = None  # when we last marked ourselves waiting
+        # Whether that mark found no producer's commit becoming visible (safe to sleep on), and
+        # the pause before marking again when it did not.
+        self._quiet = False
+        self._busy_gap = BUSY_GAP_MIN
         self._reserved = 0  # slots held for claims under way
         self._backlog = asyncio.Event()  # the last claim came back full: more claimers help
         # The (provider, tenant) group the next claim starts after.
@@ -120,6 +129,8 @@ class ClaimScheduler:
             self._reserved -= want
         for row in claimed:
             self._start(row)
+        if claimed:
+            self._busy_gap = BUSY_GAP_MIN
         if len(claimed) < want:
             self._backlog.clear()
             self.slot_freed.set()  # reserved slots came back unused
@@ -153,28 +164,46 @@ class ClaimScheduler:
                 await asyncio.wait_for(self.stop.wait(), gap)
         # Counted as empty until the claim it starts finds something (then `found` resets it).
         self.empty_wakes += 1
+        # The producer that notified took this dispatcher's mark (sql/0029). Marked again before
+        # the claim this wake-up starts, a commit during that claim wakes us; after it, such a
+        # commit would notify no one, and a claim more would be needed to find it.
+        await self._mark()
 
-    async def _mark_waiting(self) -> bool:
-        """Mark this dispatcher waiting for wake-ups, or refresh an old mark; True when it was
-        not marked before. A failure only costs wake-ups: polling goes on."""
-        now = time.monotonic()
-        if not self.listening or (
-            self._waiting_since is not None and now - self._waiting_since < WAITING_REFRESH
-        ):
+    async def _mark(self) -> bool:
+        """Mark this dispatcher waiting (in one statement with the try of the wake-up lock);
+        False when it could not. A failure only costs wake-ups: polling goes on."""
+        if not self.listening:
             return False
         try:
-            await self._store.mark_waiting(self._shared.worker, waiting=True)
+            self._quiet = await self._store.mark_waiting(self._shared.worker)
         except psycopg.Error as exc:
             log.debug("could not mark this dispatcher waiting", error_class=type(exc).__name__)
             return False
-        fresh = self._waiting_since is None
-        self._waiting_since = now
-        return fresh
+        self._waiting_since = time.monotonic()
+        return True
+
+    async def _mark_waiting(self) -> bool:
+        """Mark this dispatcher waiting for a wake-up, refresh an old mark, or mark again after
+        a commit was seen becoming visible; True when it did, and the caller must claim once
+        more before sleeping (a row committed before the mark notified no one). False when it
+        may sleep now. A failure only costs wake-ups: polling goes on."""
+        now = time.monotonic()
+        if not self.listening:
+            return False
+        due = self._waiting_since is None or now - self._waiting_since >= WAITING_REFRESH
+        if not due and self._quiet:
+            return False
+        if not due:
+            # Marked, but a producer's commit was becoming visible: it may not have seen the
+            # mark, so it may not wake us. Look again in a moment, not at the next poll.
+            await self._sleep_until_woken(self._busy_gap)
+            self._busy_gap = min(BUSY_GAP_MAX, self._busy_gap * 2)
+        return await self._mark()
 
     async def _unmark_waiting(self) -> None:
         self._waiting_since = None
         try:
-            await self._store.mark_waiting(self._shared.worker, waiting=False)
+            await self._store.unmark_waiting(self._shared.worker)
         except psycopg.Error as exc:  # the mark expires on its own (sql/0012)
             log.debug("could not unmark this dispatcher", error_class=type(exc).__name__)
 

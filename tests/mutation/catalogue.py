@@ -596,6 +596,16 @@ MUTANTS: tuple[Mutant, ...] = (
         "tests/unit/test_policy.py",
         "tests/integration/test_dispatch.py::test_a_permanent_answer_quarantines_after_one_attempt",
     ),
+    # --- wake-ups (sql/0029) --------------------------------------------------------------
+    _one(
+        "wake-sleeps-on-a-commit-in-flight",
+        "a dispatcher sleeps while a commit that did not see its mark becomes visible: a lost "
+        "wake-up, the row waits for the next poll",
+        STATEMENTS,
+        "SELECT pg_catalog.pg_try_advisory_xact_lock(outbox.wake_lock_space(), 0) FROM marked\n",
+        "SELECT true FROM marked\n",
+        "tests/integration/test_wakeups.py",
+    ),
     _one(
         "attempts-unbounded",
         "an operation that never succeeds is retried for ever",

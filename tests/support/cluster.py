@@ -124,7 +124,7 @@ class PrivateCluster:
 
     def create(self) -> PrivateCluster:
         """initdb, start, create and migrate the database."""
-        self._run(
+        self.run(
             "initdb",
             "-D",
             str(self.data),
@@ -151,7 +151,7 @@ class PrivateCluster:
 
     def start(self) -> None:
         """Start the server and wait until it accepts connections (after any crash recovery)."""
-        self._run(
+        self.run(
             "pg_ctl",
             "-D",
             str(self.data),
@@ -167,7 +167,7 @@ class PrivateCluster:
     def stop(self, *, immediate: bool = True) -> None:
         """``pg_ctl stop -m immediate`` (a crash: no checkpoint) or ``-m fast``."""
         mode = "immediate" if immediate else "fast"
-        self._run("pg_ctl", "-D", str(self.data), "-m", mode, "-w", "stop")
+        self.run("pg_ctl", "-D", str(self.data), "-m", mode, "-w", "stop")
         if immediate:
             self.crashes += 1
 
@@ -178,14 +178,14 @@ class PrivateCluster:
         self.start()
 
     def running(self) -> bool:
-        done = self._run("pg_ctl", "-D", str(self.data), "status", check=False)
+        done = self.run("pg_ctl", "-D", str(self.data), "status", check=False)
         return done.returncode == 0
 
     def destroy(self) -> None:
         """Stop the server if it runs and remove every file; never raises."""
         with suppress(Exception):
             if self.data.exists() and self.running():
-                self._run(
+                self.run(
                     "pg_ctl", "-D", str(self.data), "-m", "immediate", "-w", "stop", check=False
                 )
         shutil.rmtree(self.root, ignore_errors=True)
@@ -199,9 +199,7 @@ class PrivateCluster:
 
     # --- helpers --------------------------------------------------------------------------
 
-    def _run(
-        self, program: str, *args: str, check: bool = True
-    ) -> subprocess.CompletedProcess[str]:
+    def run(self, program: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         command = [str(self.bindir / program), *args]
         if self._as_root:
             command = _as_user(OS_USER_WHEN_ROOT, command)

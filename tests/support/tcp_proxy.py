@@ -1,12 +1,15 @@
 """A TCP proxy in front of PostgreSQL that a test can cut and heal (psycopg's test suite has one
 like it): real connection failures for the dispatcher, while the server itself keeps running for
-every other test."""
+every other test. With ``delay`` it is also a slow network: each chunk is relayed that many
+seconds after it arrived, each way (a standby in another zone, for synchronous replication)."""
 
 from __future__ import annotations
 
 import contextlib
+import queue
 import socket
 import threading
+import time
 from typing import Self
 
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
@@ -15,7 +18,8 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 class TcpProxy:
     """Listens on 127.0.0.1 and relays each connection to the server of ``dsn``."""
 
-    def __init__(self, dsn: str) -> None:
+    def __init__(self, dsn: str, *, delay: float = 0.0) -> None:
+        self.delay = delay
         params = conninfo_to_dict(dsn)
         host = str(params.get("host") or "127.0.0.1")
         port = int(params.get("port") or 5432)
@@ -97,6 +101,10 @@ class TcpProxy:
                 client.close()
                 server.close()
                 continue
+            if self.delay > 0 and family == socket.AF_INET:
+                # Latency only: without this, Nagle and delayed ACKs add 40 ms of their own.
+                for sock in (client, server):
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
                 self._sockets.update((client, server))
             for a, b, direction in ((client, server, "up"), (server, client, "down")):
@@ -104,9 +112,34 @@ class TcpProxy:
                 threading.Thread(target=self._pipe, args=args, daemon=True).start()
 
     def _pipe(self, source: socket.socket, sink: socket.socket, muted: threading.Event) -> None:
+        if self.delay > 0:
+            self._pipe_late(source, sink, muted)
+            return
         with contextlib.suppress(OSError):
             while data := source.recv(65536):
                 if not muted.is_set():
                     sink.sendall(data)
         with contextlib.suppress(OSError):
             sink.shutdown(socket.SHUT_WR)
+
+    def _pipe_late(
+        self, source: socket.socket, sink: socket.socket, muted: threading.Event
+    ) -> None:
+        """Latency, not a narrow pipe: chunks queue with their due time, so they overlap in
+        flight as on a long link, and arrive in order."""
+        due: queue.SimpleQueue[tuple[float, bytes]] = queue.SimpleQueue()
+
+        def send() -> None:
+            with contextlib.suppress(OSError):
+                while (item := due.get())[1]:
+                    time.sleep(max(0.0, item[0] - time.monotonic()))
+                    sink.sendall(item[1])
+            with contextlib.suppress(OSError):
+                sink.shutdown(socket.SHUT_WR)
+
+        threading.Thread(target=send, daemon=True).start()
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                if not muted.is_set():
+                    due.put((time.monotonic() + self.delay, data))
+        due.put((time.monotonic() + self.delay, b""))

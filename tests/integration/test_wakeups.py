@@ -1,0 +1,210 @@
+"""One wake-up per idle period, and none lost (issue 23, case 1; sql/0029).
+
+A NOTIFY holds a database-wide lock through the producer's COMMIT, synchronous replication's
+wait included, so notifying commits queue behind each other. The first commit after a
+dispatcher marked itself waiting takes the mark and notifies; the others do not. What must not
+follow is a lost wake-up: a commit that checked before the dispatcher's mark and became visible
+after its last claim. The dispatcher's mark tries the wake-up lock that such commits hold, and
+does not sleep while it cannot get it.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+import outbox
+from outbox.db.statements import ENQUEUE_CHANNEL, MARK_WAITING
+from outbox.testing.webhook import FakeWebhookReceiver
+from tests.support.daemon import OutboxProcess, wait_until, write_config
+from tests.support.replication import ReplicatedPair, replicated_pair
+
+WAKE_LOCK = "outbox.wake_lock_space(), 0"
+
+
+def enqueue(conn: psycopg.Connection[Any], key: str) -> int:
+    return outbox.enqueue(
+        conn,
+        tenant_id="t",
+        operation_type="wake",
+        operation_key=key,
+        provider="hook",
+        action="a",
+        payload={"k": key},
+    ).operation_id
+
+
+def notifications(listener: psycopg.Connection[Any], timeout: float = 0.5) -> int:
+    return len(list(listener.notifies(timeout=timeout)))
+
+
+def marks(url: str) -> int:
+    with psycopg.connect(url) as conn:
+        row = conn.execute("SELECT count(*) FROM outbox.waiting_dispatchers").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_the_first_commit_of_an_idle_period_notifies_and_the_rest_do_not(
+    conn: psycopg.Connection[Any], db_url: str
+) -> None:
+    with psycopg.connect(db_url, autocommit=True) as listener:
+        listener.execute(f"LISTEN {ENQUEUE_CHANNEL}")
+        for period in range(3):
+            for name in ("a", "b"):  # two idle dispatchers: one notification wakes both
+                assert listener.execute(MARK_WAITING, {"worker": name}).fetchone() == (True,)
+            for n in range(4):
+                enqueue(conn, f"p{period}-{n}")
+                conn.commit()
+            assert notifications(listener) == 1, f"idle period {period}"
+            assert marks(db_url) == 0  # taken by the first commit
+    with psycopg.connect(db_url) as check:
+        assert check.execute("SELECT count(*) FROM outbox.operations").fetchone() == (12,)
+
+
+def test_commits_racing_in_one_idle_period_notify_once(db_url: str) -> None:
+    rng = random.Random(23)
+    for round_ in range(5):
+        producers = rng.randint(2, 8)
+        with psycopg.connect(db_url, autocommit=True) as listener:
+            listener.execute(f"LISTEN {ENQUEUE_CHANNEL}")
+            listener.execute(MARK_WAITING, {"worker": "idle"})
+            ready = threading.Barrier(producers)
+
+            def produce(n: int, ready: threading.Barrier = ready, round_: int = round_) -> None:
+                with psycopg.connect(db_url) as conn:
+                    enqueue(conn, f"r{round_}-{n}")
+                    ready.wait(timeout=10)  # every one of them at COMMIT at once
+                    conn.commit()
+
+            threads = [threading.Thread(target=produce, args=(n,)) for n in range(producers)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout=30)
+            assert notifications(listener) == 1, f"{producers} producers"
+            assert marks(db_url) == 0
+
+
+def test_a_commit_becoming_visible_keeps_a_dispatcher_from_sleeping(db_url: str) -> None:
+    # What a producer holds from its COMMIT's check until its rows are visible.
+    with psycopg.connect(db_url, autocommit=True) as dispatcher, psycopg.connect(db_url) as mid:
+        mid.execute(f"SELECT pg_advisory_xact_lock_shared({WAKE_LOCK})")
+        assert dispatcher.execute(MARK_WAITING, {"worker": "d"}).fetchone() == (False,)
+        mid.commit()
+        assert dispatcher.execute(MARK_WAITING, {"worker": "d"}).fetchone() == (True,)
+
+
+def test_a_role_holding_the_wake_lock_costs_notifications_never_a_commit(
+    conn: psycopg.Connection[Any], db_url: str
+) -> None:
+    """Any role can take an advisory lock. Held exclusively, producers cannot take it shared,
+    and notify as they did before sql/0029, mark or no mark; nobody ever waits for it."""
+    with (
+        psycopg.connect(db_url, autocommit=True) as holder,
+        psycopg.connect(db_url, autocommit=True) as listener,
+    ):
+        holder.execute(f"SELECT pg_advisory_lock({WAKE_LOCK})")
+        listener.execute(f"LISTEN {ENQUEUE_CHANNEL}")
+        conn.execute("SET lock_timeout = '2s'")  # a COMMIT that waited would fail the test
+        for n in range(3):
+            enqueue(conn, f"held-{n}")
+            conn.commit()
+        assert notifications(listener) == 3
+        holder.execute(f"SELECT pg_advisory_unlock({WAKE_LOCK})")
+        enqueue(conn, "free")
+        conn.commit()
+        assert notifications(listener) == 0  # no mark, nobody waiting: no notification
+
+
+# --- under synchronous replication, with a real `outbox run` -------------------------------------
+
+POLL = 10.0  # a lost wake-up waits for this, or for the next burst's first notification
+BURSTS, BURST, QUIET = 10, 0.2, 1.0  # seconds: producers commit in bursts with quiet between
+WORST_LATENCY = 0.8  # seconds: below QUIET, far above a claim's round trip
+
+
+@pytest.fixture
+def sync_pair() -> Iterator[ReplicatedPair]:
+    # 5 ms each way: every COMMIT waits 10 ms for the standby, a wide window for the race.
+    with replicated_pair(synchronous=True, delay=0.005) as pair:
+        yield pair
+
+
+def produce_randomly(url: str, seed: int, start: float, out: list[tuple[str, float]]) -> None:
+    """In each burst, transactions of one to three operations at random moments, some held open
+    a while before COMMIT; appends (operation key, time.monotonic() when COMMIT returned). A
+    wake-up lost near a burst's end shows as a wait through the quiet spell after it."""
+    rng = random.Random(seed)
+    n = 0
+    with psycopg.connect(url) as conn:
+        for burst in range(BURSTS):
+            opens = start + burst * (BURST + QUIET)
+            time.sleep(max(0.0, opens - time.monotonic()))
+            while time.monotonic() < opens + BURST:
+                time.sleep(rng.expovariate(1 / 0.02))
+                keys = [f"s{seed}-{n + i}" for i in range(rng.choice((1, 1, 1, 2, 3)))]
+                n += len(keys)
+                for key in keys:
+                    enqueue(conn, key)
+                if rng.random() < 0.2:
+                    time.sleep(rng.uniform(0, 0.03))
+                conn.commit()
+                done = time.monotonic()
+                out.extend((key, done) for key in keys)
+
+
+def test_no_wake_up_is_lost_and_few_commits_notify_under_synchronous_replication(
+    sync_pair: ReplicatedPair, receiver: FakeWebhookReceiver, tmp_path: Path
+) -> None:
+    cfg = write_config(
+        tmp_path / "outbox.toml",
+        providers={"hook": {"type": "webhook", "url": receiver.url}},
+        poll_interval=f"{POLL:g}s",
+    )
+    proc = OutboxProcess(sync_pair.url, cfg, tmp_path / "run.log")
+    try:
+        wait_until(
+            lambda: '"listening for enqueue notifications"' in proc.log_text(),
+            timeout=30,
+            what="the LISTEN connection",
+        )
+        committed: list[tuple[str, float]] = []
+        with psycopg.connect(sync_pair.url, autocommit=True) as listener:
+            listener.execute(f"LISTEN {ENQUEUE_CHANNEL}")
+            start = time.monotonic() + 0.2
+            threads = [
+                threading.Thread(target=produce_randomly, args=(sync_pair.url, s, start, committed))
+                for s in range(6)
+            ]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout=60)
+            effects = receiver.wait_for_effects(len(committed), timeout=POLL + 5)
+            notified = notifications(listener, timeout=1.0)
+    finally:
+        proc.stop()
+    idempotency = keys_of(sync_pair.url)
+    keys = {idempotency[key]: at for key, at in committed}
+    arrived = {e.key: e.at for e in effects}
+    assert len(effects) == len(committed) == len(arrived)  # each once, none lost
+    late = sorted((arrived[k] - at, k) for k, at in keys.items())[-3:]
+    assert late[-1][0] < WORST_LATENCY, f"wake-ups lost: the slowest waited {late}"
+    # The promise's other half: producers mostly do not notify, so they do not queue.
+    commits = len({at for _, at in committed})
+    assert notified < commits / 2, f"{notified} of {commits} commits notified"
+
+
+def keys_of(url: str) -> dict[str, str]:
+    """Each operation's idempotency key (what the receiver saw), by its operation key."""
+    with psycopg.connect(url) as conn:
+        rows = conn.execute("SELECT operation_key, idempotency_key FROM outbox.operations")
+        return {str(op): str(key) for op, key in rows}
