@@ -109,7 +109,7 @@ async def serve(
         call_timeouts=timeouts,
         limits=limits,
     )
-    probe = DatabaseProbe(dsn)
+    probe = DatabaseProbe(dsn, on_new_server=dispatcher.server_changed)
     health = Health(dispatcher, probe)
     # Before the pool opens: a port in use must end the run, not leave it half started.
     http = _listen(metrics_addr, health) if metrics_addr else None

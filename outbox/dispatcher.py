@@ -15,7 +15,7 @@ import asyncio
 import random
 import time
 from collections.abc import Mapping
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Final
 
 from outbox import metrics
@@ -86,6 +86,11 @@ class Dispatcher:
     def wake(self) -> None:
         """A notification came (something was enqueued): claim now, not at the next poll."""
         self.claims.notified()
+
+    async def server_changed(self, since: datetime) -> None:
+        """The readiness probe found another server behind the DSN (a failover) at ``since``,
+        by the new server's clock: take back this process's stale leases now."""
+        await self.maintenance.take_back_strays(since)
 
     def request_stop(self) -> None:
         """Stop claiming; in-flight calls finish within the shutdown grace."""

@@ -28,6 +28,7 @@ CREATE FUNCTION outbox.wake_lock_space() RETURNS integer
 LANGUAGE sql IMMUTABLE PARALLEL SAFE
 SET search_path = pg_catalog, pg_temp
 AS $$ SELECT 1869968504 $$;  -- 'outx' as a big-endian integer
+REVOKE ALL ON FUNCTION outbox.wake_lock_space() FROM PUBLIC;
 COMMENT ON FUNCTION outbox.wake_lock_space() IS
     'First key of the advisory lock pair (wake_lock_space(), 0) that producers hold shared from '
     'the wake-up check at COMMIT until their rows are visible (sql/0029).';
@@ -59,3 +60,12 @@ COMMENT ON TABLE outbox.waiting_dispatchers IS
     'Dispatchers idle and LISTENing. The first producer to commit while one is here deletes the '
     'marks and notifies; the dispatchers mark themselves again when next idle (sql/0029). Marks '
     'older than 10 minutes (a dispatcher that died waiting) are ignored.';
+
+-- MARK_WAITING, which the dispatcher runs, names the lock's key.
+DO $$
+BEGIN
+    IF EXISTS (SELECT FROM pg_catalog.pg_roles WHERE rolname = 'outbox_dispatcher') THEN
+        GRANT EXECUTE ON FUNCTION outbox.wake_lock_space() TO outbox_dispatcher;
+    END IF;
+END;
+$$;

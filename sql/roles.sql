@@ -122,7 +122,11 @@ GRANT EXECUTE ON FUNCTION
     outbox.defer_check(bigint, interval, interval, integer, integer),
     outbox.repair_ordering_key(text, text),
     -- `outbox run` checks the schema at start-up (0027).
-    outbox.schema_version()
+    outbox.schema_version(),
+    -- MARK_WAITING tries the wake-up lock (0029); the readiness probe asks which server
+    -- answers (0030).
+    outbox.wake_lock_space(),
+    outbox.server_identity()
 TO outbox_dispatcher;
 -- Ordering keys whose next operation waits for a dispatcher (REPAIRS_DUE; see 0015).
 GRANT SELECT ON outbox.ordering_repairs, outbox.ordering_modes TO outbox_dispatcher;

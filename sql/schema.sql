@@ -1,5 +1,5 @@
 -- sql/schema.sql: the outbox schema as the migrations of sql/ leave it
--- (every migration up to 0029_one_wakeup_per_idle_period).
+-- (every migration up to 0030_server_identity).
 --
 -- GENERATED FILE: DO NOT EDIT IT BY HAND. It is regenerated, after adding a migration, by
 --     python -m outbox.db.schema_dump --dsn postgresql://postgres@127.0.0.1:5432/postgres --output sql/schema.sql
@@ -1508,6 +1508,35 @@ COMMENT ON FUNCTION outbox.schema_version() IS 'The newest migration applied: ou
 -- privileges: the owner's only
 
 -- =================================================================================================
+-- function outbox.server_identity()
+-- history: created by 0030_server_identity
+
+CREATE OR REPLACE FUNCTION outbox.server_identity(OUT in_recovery boolean, OUT system_identifier text, OUT timeline integer, OUT server_now timestamp with time zone)
+ RETURNS record
+ LANGUAGE plpgsql
+ STABLE SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+BEGIN
+    in_recovery := pg_is_in_recovery();
+    server_now := now();
+    BEGIN
+        SELECT s.system_identifier::text INTO system_identifier FROM pg_control_system() AS s;
+        IF NOT in_recovery THEN
+            -- The timeline of the WAL being written: a promoted standby's new one at once (the
+            -- checkpoint's, in pg_control_checkpoint(), changes only at the next checkpoint).
+            timeline := ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::int;
+        END IF;
+    EXCEPTION WHEN insufficient_privilege THEN
+        system_identifier := NULL;
+        timeline := NULL;
+    END;
+END;
+$function$;
+COMMENT ON FUNCTION outbox.server_identity() IS 'Whether this server is in recovery, its system identifier and WAL timeline (NULL where they cannot be read), and its clock: what the readiness probe of outbox run asks every second.';
+-- privileges: the owner's only
+
+-- =================================================================================================
 -- function outbox.set_ordering_mode(text,text,text)
 -- history: created by 0015_ordering_keys; changed by 0019_limits_schedule_and_key_locks,
 --     0025_an_audit_that_tells_the_truth
@@ -1760,7 +1789,7 @@ CREATE OR REPLACE FUNCTION outbox.wake_lock_space()
  SET search_path TO 'pg_catalog', 'pg_temp'
 AS $function$ SELECT 1869968504 $function$;
 COMMENT ON FUNCTION outbox.wake_lock_space() IS 'First key of the advisory lock pair (wake_lock_space(), 0) that producers hold shared from the wake-up check at COMMIT until their rows are visible (sql/0029).';
--- privileges: the owner's, and PUBLIC EXECUTE
+-- privileges: the owner's only
 
 -- =================================================================================================
 -- function outbox.write_audit(outbox.operations,text,text,text,text,jsonb)

@@ -4,13 +4,19 @@ of its own (docs/design.md, "HTTP").
 Not the pool's connections: a claim waits up to 30 s for one, so readiness that followed claims
 answered 200 through most of an outage, and a failover's new primary went unnoticed until the
 next claim. The probe asks on its own connection, within PROBE_TIMEOUT, and logs once per
-transition where it lost or found the database (host and port, never the DSN).
+transition where it lost or found the database (host and port, never the DSN, and the server's
+system identifier and timeline). When those change between two answers, a failover put another
+server behind the DSN: ``on_new_server`` is told, with the new server's clock, so that the
+dispatcher takes back its own leases that the new server holds for calls it no longer makes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Final
 
 import psycopg
@@ -27,13 +33,38 @@ PROBE_TIMEOUT: Final = 2.0
 log = structlog.get_logger("outbox.readiness")
 
 
+@dataclass(frozen=True)
+class Answer:
+    """What one probe learnt: a writable primary or not, which server, and its clock."""
+
+    writable: bool
+    system_identifier: str | None
+    timeline: int | None
+    server_now: datetime
+
+    @property
+    def identity(self) -> tuple[str, int] | None:
+        """Which server: unknown (None) where the identifier cannot be read."""
+        if self.system_identifier is None or self.timeline is None:
+            return None
+        return (self.system_identifier, self.timeline)
+
+
+async def _nobody(since: datetime) -> None:
+    """The default ``on_new_server``: nobody needs to know."""
+
+
 class DatabaseProbe:
-    def __init__(self, dsn: str) -> None:
+    def __init__(
+        self, dsn: str, on_new_server: Callable[[datetime], Awaitable[None]] = _nobody
+    ) -> None:
         self._dsn = dsn
+        self._on_new_server = on_new_server
         self._conn: psycopg.AsyncConnection[Any] | None = None
         self.ok = False  # a writable primary answered the last probe
         self._told: bool | None = None  # the state last logged: None before the first probe
         self._where: dict[str, Any] = {}  # host and port of the last connection made
+        self._identity: tuple[str, int] | None = None  # of the last writable primary seen
         self._abandoned: set[asyncio.Future[Any]] = set()  # probes let go, until they end
 
     async def probe_once(self) -> bool:
@@ -53,13 +84,37 @@ class DatabaseProbe:
             await self._drop()
             ok, why = False, type(exc).__name__
         else:
-            ok, why = asking.result(), "a standby (read-only)"
+            answer: Answer = asking.result()
+            ok, why = answer.writable, "a standby (read-only)"
+            if ok:
+                await self._check_identity(answer, where)
         self.ok = ok
         metrics.DATABASE_UP.set(1 if ok else 0)
         self._tell(ok, why, where)
         return ok
 
-    def _let_go(self, asking: asyncio.Future[bool]) -> None:
+    async def _check_identity(self, answer: Answer, where: dict[str, Any]) -> None:
+        """A writable primary that is not the one of before: say so once, and tell."""
+        seen, before = answer.identity, self._identity
+        if seen is None:
+            return
+        self._identity = seen
+        if before is None or seen == before:
+            return
+        log.warning(
+            "database server changed: a failover, or another server behind the DSN",
+            system_identifier=seen[0],
+            timeline=seen[1],
+            previous_system_identifier=before[0],
+            previous_timeline=before[1],
+            **where,
+        )
+        try:
+            await self._on_new_server(answer.server_now)
+        except Exception:  # noqa: BLE001 (readiness must outlive what the dispatcher does)
+            loops.note("readiness")
+
+    def _let_go(self, asking: asyncio.Future[Answer]) -> None:
         """An unanswered probe: cancelled, kept referenced until it ends, its connection closed
         then; the next probe connects afresh."""
         conn, self._conn = self._conn, None
@@ -78,11 +133,14 @@ class DatabaseProbe:
     async def aclose(self) -> None:
         await self._drop()
 
-    async def _ask(self) -> bool:
+    async def _ask(self) -> Answer:
         conn = await self._connection()
         self._where = {"host": conn.info.host, "port": conn.info.port}
-        row = await (await conn.execute(statements.PROBE_WRITABLE)).fetchone()
-        return row is not None and not row[0]
+        row = await (await conn.execute(statements.PROBE_SERVER)).fetchone()
+        if row is None:
+            raise psycopg.ProgrammingError("the probe's statement returned no row")
+        in_recovery, system_identifier, timeline, server_now = row
+        return Answer(not in_recovery, system_identifier, timeline, server_now)
 
     async def run_forever(self) -> None:
         async def round_() -> float:
@@ -114,8 +172,13 @@ class DatabaseProbe:
     def _tell(self, ok: bool, why: str, where: dict[str, Any]) -> None:
         if ok == self._told:
             return
+        server = {}
+        if self._identity is not None:
+            server = {"system_identifier": self._identity[0], "timeline": self._identity[1]}
         if ok:
-            log.info("database reachable: a writable primary answers", **where)
+            log.info("database reachable: a writable primary answers", **where, **server)
         elif self._told is not None:  # not at start-up: startup.py has said why it waits
-            log.warning("database lost: no writable primary answers", error_class=why, **where)
+            log.warning(
+                "database lost: no writable primary answers", error_class=why, **where, **server
+            )
         self._told = ok

@@ -586,8 +586,25 @@ LISTEN: Final = "LISTEN outbox_enqueue"
 PROBE: Final = "SELECT 1"
 
 # Readiness (outbox/db/probe.py): a writable primary answers. A standby, or a demoted primary,
-# answers true and is not one to be ready on.
-PROBE_WRITABLE: Final = "SELECT pg_is_in_recovery()"
+# is in recovery and not one to be ready on. The system identifier and timeline tell a failover's
+# new server from the old one; the clock dates the change.
+# Relies on: outbox.server_identity() (sql/0030).
+PROBE_SERVER: Final = """
+SELECT in_recovery, system_identifier, timeline, server_now FROM outbox.server_identity()
+"""
+
+# Leases of this worker that no call of this process holds, taken before ``since``: after a
+# failover, rows whose records the new server lost (docs/operations.md, "Database failover").
+# Made expired, so that the rescuer takes them back now, as it takes back any lease: recorded as
+# an attempt of unknown outcome, and re-sent with the same key.
+EXPIRE_STRAY_LEASES: Final = """
+UPDATE outbox.operations AS o
+SET lease_expires_at = now() - interval '1 millisecond'
+WHERE o.status = 'in_flight' AND o.lease_owner = %(worker)s
+  AND o.lease_token <> ALL (%(held)s::uuid[])
+  AND o.last_attempt_at < %(since)s
+RETURNING o.id
+"""
 
 # --- operators ----------------------------------------------------------------------------------
 

@@ -274,6 +274,17 @@ class Store:
             rows = await (await cur.execute(statements.HEARTBEAT, params)).fetchall()
         return {row[0] for row in rows}
 
+    async def expire_stray_leases(
+        self, worker: str, held: Sequence[uuid.UUID], since: datetime
+    ) -> list[int]:
+        """Expire ``worker``'s leases other than ``held`` taken before ``since`` (the database
+        clock); returns their ids. The rescuer then takes them back."""
+        params = {"worker": worker, "held": list(held), "since": since}
+        async with self._connection() as conn:
+            cur = conn.cursor(row_factory=tuple_row)
+            rows = await (await cur.execute(statements.EXPIRE_STRAY_LEASES, params)).fetchall()
+        return [int(row[0]) for row in rows]
+
     async def rescue(self, limit: int, max_attempts: int) -> list[dict[str, Any]]:
         """Take back expired leases; returns each rescued row's identity and new status."""
         params = {"limit": limit, "max_attempts": max_attempts}

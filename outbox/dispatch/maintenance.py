@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
+from datetime import datetime
 from typing import Final
 
 import psycopg
@@ -17,6 +18,8 @@ from outbox.dispatch.shared import Shared
 from outbox.model import Status
 
 RESCUE_BATCH: Final = 500
+# A failover's stale leases are logged with this many of their ids at most.
+STRAYS_LOGGED: Final = 20
 # How often ordering keys noted for repair are looked at (seconds; sql/0015).
 ORDERING_REPAIR_INTERVAL: Final = 1.0
 # Scheduled operations staged per statement (sql/0019): a day of reminders coming due at once
@@ -66,6 +69,29 @@ class Maintenance:
                 status=row["status"].value,
             )
         return len(rescued)
+
+    async def take_back_strays(self, since: datetime) -> int:
+        """After a failover: this process's leases that no call of it holds, granted before
+        ``since``, are stale (the new server lost the record that ended them, or the call's
+        end). They are this process's own, so nobody else holds them: expired now and rescued
+        at once, not a lease later. Returns how many."""
+        held = [flight.row.lease_token for flight in self._shared.inflight.values()]
+        try:
+            stray = await self._store.expire_stray_leases(self._shared.worker, held, since)
+        except psycopg.Error as exc:  # they expire on their own, a lease from now
+            metrics.DB_ERRORS.labels("rescue").inc()
+            log.warning("taking back stale leases failed", error_class=type(exc).__name__)
+            return 0
+        if stray:
+            log.warning(
+                "leases of this process that the database server still held for calls it "
+                "no longer makes; taken back now",
+                operations=len(stray),
+                operation_ids=stray[:STRAYS_LOGGED],
+            )
+            await self.rescue_once()
+            self._wake_claims()
+        return len(stray)
 
     async def rescue_loop(self) -> None:
         # Often enough that a dead worker's rows come back within about one lease.
