@@ -181,7 +181,10 @@ class Dispatcher:
         flight.task.add_done_callback(lambda task: self._finished(flight, task))
 
     def _finished(self, flight: InFlight, task: asyncio.Task[None]) -> None:
-        self._inflight.pop(flight.row.id, None)
+        # Only if it is this flight's: after an asynchronous failover the new primary may give
+        # a lost row's id to another operation, claimed while the lost row's call still runs.
+        if self._inflight.get(flight.row.id) is flight:
+            del self._inflight[flight.row.id]
         metrics.IN_FLIGHT.dec()
         self.claims.slot_freed.set()
         if self._shared.limits.finished(flight.row):

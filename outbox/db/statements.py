@@ -449,7 +449,11 @@ RETURNING o.id
 # worker's record never committed.
 # A record or unclaim that found no lease: is the row there at all? After a failover to a
 # standby that lacked it (asynchronous replication), it is not, and "lease taken" would mislead.
-OPERATION_EXISTS: Final = "SELECT 1 FROM outbox.operations WHERE id = %(id)s"
+# By id and key: the new primary's sequence may hand the lost row's id to another operation (a
+# sequence logs its values ahead, and that WAL can be lost too).
+OPERATION_EXISTS: Final = """
+SELECT 1 FROM outbox.operations WHERE id = %(id)s AND idempotency_key = %(idempotency_key)s
+"""
 
 ATTEMPT_RECORDED: Final = """
 SELECT 1 FROM outbox.attempts

@@ -257,8 +257,10 @@ class Store:
         params = {"id": operation_id, "attempt": attempt, "worker": worker}
         return await self._one(statements.ATTEMPT_RECORDED, params)
 
-    async def operation_exists(self, operation_id: int) -> bool:
-        return await self._one(statements.OPERATION_EXISTS, {"id": operation_id})
+    async def operation_exists(self, operation_id: int, idempotency_key: str) -> bool:
+        """Whether this operation (not merely its id, which a failover may reuse) exists."""
+        params = {"id": operation_id, "idempotency_key": idempotency_key}
+        return await self._one(statements.OPERATION_EXISTS, params)
 
     async def heartbeat(self, held: Sequence[Claimed], lease: timedelta) -> set[int]:
         """Renew these leases; returns the ids still held (the others were lost)."""

@@ -209,7 +209,7 @@ class Recorder:
     async def _row_exists(self, flight: InFlight) -> bool:
         """Only on the rare lease-lost path; an error counts as "exists" (the old message)."""
         try:
-            return await self._store.operation_exists(flight.row.id)
+            return await self._store.operation_exists(flight.row.id, flight.row.idempotency_key)
         except psycopg.Error:
             return True
 

@@ -607,6 +607,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "tests/integration/test_wakeups.py",
     ),
     _one(
+        "failover-stale-leases-kept",
+        "after a failover, rows this process finished on the old primary stay in flight on the "
+        "new one under its own lease until the lease expires",
+        "outbox/dispatch/maintenance.py",
+        "stray = await self._store.expire_stray_leases(self._shared.worker, held, since)\n",
+        "stray: list[int] = []\n",
+        "tests/integration/test_failover.py",
+    ),
+    _one(
         "attempts-unbounded",
         "an operation that never succeeds is retried for ever",
         POLICY,

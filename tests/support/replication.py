@@ -82,7 +82,17 @@ class ReplicatedPair:
             self._wait_streaming(state="sync")
         return self
 
+    def pause_replication(self) -> None:
+        """The standby hears nothing more from the primary (a partition between them); with
+        asynchronous replication the primary goes on committing what the standby will lack."""
+        if self._link is not None:
+            self._link.deafen()
+
     def kill_primary(self) -> None:
+        """Crash the primary, and drop the WAL still on its way to the standby: what a crash
+        in another zone loses under asynchronous replication (the relay would deliver it)."""
+        if self._link is not None:
+            self._link.cut()
         self.primary.stop(immediate=True)
 
     def promote(self) -> None:
