@@ -11,8 +11,9 @@ called directly, a plain INSERT (fingerprint and idempotency key computed in Pyt
 hand-written outbox would) into `LIKE outbox.operations INCLUDING ALL` (same columns, defaults,
 constraints and indexes, and its storage parameters copied; triggers are not), and that INSERT
 followed by a pg_notify, to show what a notify per commit costs on its own. Enqueue notifies
-only while a dispatcher waits idle (sql/0012): the Python API is measured again with one
-registered as waiting. Whether enqueue notifies is measured with a bare LISTEN, not assumed.
+only the first time after a dispatcher went idle (sql/0012, 0029): the Python API is measured
+again with one registered as waiting. Whether enqueue notifies is measured with a bare LISTEN,
+not assumed.
 Each figure is the median of --repeat rounds, the variants taken round-robin. See bench/README.md.
 """
 
@@ -152,8 +153,10 @@ VARIANTS: dict[str, tuple[str, Variant]] = {
     "plain_notify": ("plain INSERT + pg_notify", _plain_insert_notify),
 }
 # Variants measured while a dispatcher is registered as waiting idle (outbox.waiting_dispatchers,
-# sql/0012), so that enqueue's commit notifies as it does whenever a dispatcher sleeps. A row is
-# written there instead of running `outbox run`, which would compete for the two cores.
+# sql/0012). A row is written there instead of running `outbox run`, which would compete for the
+# two cores. Since sql/0029 the first commit takes the mark and notifies, and the rest of the
+# idle period's commits do not: what a NOTIFY per idle period costs under synchronous
+# replication is bench/sync_replication.py's to show.
 IDLE_VARIANTS = frozenset({"python_idle"})
 # Measured with operations_provider_key dropped (sql/0024), to show what the unique index of
 # provider keys costs each enqueue; it is made again (on empty tables) right after.

@@ -65,6 +65,7 @@ class Round:
     commit_ms: list[float]
     latency_ms: list[float]
     seconds: float
+    notified: int  # commits that sent a notification, read by a bare LISTEN
 
     @property
     def rate(self) -> float:
@@ -138,7 +139,10 @@ def run_variant(
         ) as runs:
             time.sleep(SETTLE_S)
             progress(f"{variant.name}: {args.rate:g}/s for {args.seconds:g} s")
-            rows = produce_all(pair.url, args.rate, args.seconds, args.producers, tag)
+            with psycopg.connect(pair.url, autocommit=True) as listener:
+                listener.execute("LISTEN outbox_enqueue")
+                rows = produce_all(pair.url, args.rate, args.seconds, args.producers, tag)
+                notified = len(list(listener.notifies(timeout=0.5)))
             wait_until(
                 lambda: len(receiver.stats()["arrivals"]) >= len(rows),
                 timeout=120,
@@ -147,7 +151,7 @@ def run_variant(
             )
             arrivals = receiver.stats()["arrivals"]
     latency = [(arrivals[op] - at) * 1000 for op, _, at in rows]
-    return Round(variant, [ms for _, ms, _ in rows], latency, args.seconds)
+    return Round(variant, [ms for _, ms, _ in rows], latency, args.seconds, notified)
 
 
 def report(rounds: list[Round], args: argparse.Namespace) -> None:
@@ -165,6 +169,7 @@ def report(rounds: list[Round], args: argparse.Namespace) -> None:
         ("COMMIT p99 ms", lambda r: pct(r.commit_ms, 0.99), ".2f"),
         ("COMMIT to request p50 ms", lambda r: pct(r.latency_ms, 0.5), ".2f"),
         ("COMMIT to request p99 ms", lambda r: pct(r.latency_ms, 0.99), ".2f"),
+        ("commits that notified", lambda r: r.notified / len(r.commit_ms), ".0%"),
     ]
     listen, off = VARIANTS
     print_table(

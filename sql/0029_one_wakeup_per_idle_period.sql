@@ -10,7 +10,9 @@
 --
 -- Now the first producer to commit in an idle period takes the dispatchers' marks (deletes
 -- them) and notifies; the ones after it find no mark, or a mark it holds (SKIP LOCKED), and do
--- not notify. A woken dispatcher marks itself again when it next runs out of work.
+-- not notify, but count themselves (outbox.unnotified_commits). A woken dispatcher marks
+-- itself again when it next runs out of work, and claims once more if the count moved since
+-- its last mark: a commit between its claim and its mark saw no mark.
 --
 -- No wake-up is lost by this. A producer that does not notify holds a shared advisory lock
 -- (below) from its COMMIT's check until its rows are visible. A dispatcher about to sleep marks
@@ -33,6 +35,14 @@ COMMENT ON FUNCTION outbox.wake_lock_space() IS
     'First key of the advisory lock pair (wake_lock_space(), 0) that producers hold shared from '
     'the wake-up check at COMMIT until their rows are visible (sql/0029).';
 
+-- Counts commits that checked for a mark and woke no one. A dispatcher reads it as it marks
+-- itself: unchanged since its last mark, no commit since then can have missed it, and it may
+-- sleep without claiming once more. A sequence, because it counts outside transactions: the
+-- count moves at the commit's check, before its rows are visible (the lock covers that part).
+CREATE SEQUENCE outbox.unnotified_commits AS bigint CYCLE;
+COMMENT ON SEQUENCE outbox.unnotified_commits IS
+    'Commits that woke no dispatcher: read by a dispatcher marking itself waiting (sql/0029).';
+
 CREATE OR REPLACE FUNCTION outbox.wake_dispatchers() RETURNS trigger
 LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
@@ -50,6 +60,8 @@ BEGIN
                        FOR UPDATE SKIP LOCKED);
     IF FOUND THEN
         PERFORM pg_notify('outbox_enqueue', '');
+    ELSE
+        PERFORM nextval('outbox.unnotified_commits');
     END IF;
     RETURN NULL;
 END;
@@ -61,11 +73,12 @@ COMMENT ON TABLE outbox.waiting_dispatchers IS
     'marks and notifies; the dispatchers mark themselves again when next idle (sql/0029). Marks '
     'older than 10 minutes (a dispatcher that died waiting) are ignored.';
 
--- MARK_WAITING, which the dispatcher runs, names the lock's key.
+-- MARK_WAITING, which the dispatcher runs, names the lock's key and reads the count.
 DO $$
 BEGIN
     IF EXISTS (SELECT FROM pg_catalog.pg_roles WHERE rolname = 'outbox_dispatcher') THEN
         GRANT EXECUTE ON FUNCTION outbox.wake_lock_space() TO outbox_dispatcher;
+        GRANT SELECT ON SEQUENCE outbox.unnotified_commits TO outbox_dispatcher;
     END IF;
 END;
 $$;

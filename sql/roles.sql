@@ -111,8 +111,10 @@ GRANT UPDATE (status, status_reason, available_at, scheduled, attempts, lease_ow
 -- The payload limit the claim applies (0019); only the schema owner changes it.
 GRANT SELECT ON outbox.limits TO outbox_dispatcher;
 GRANT SELECT, INSERT ON outbox.attempts TO outbox_dispatcher;
--- Its own mark while it waits idle for wake-ups (MARK_WAITING, UNMARK_WAITING; see 0012).
+-- Its own mark while it waits idle for wake-ups (MARK_WAITING, UNMARK_WAITING; see 0012), and
+-- the count of commits that woke no one, which MARK_WAITING reads (0029).
 GRANT SELECT, INSERT, UPDATE, DELETE ON outbox.waiting_dispatchers TO outbox_dispatcher;
+GRANT SELECT ON SEQUENCE outbox.unnotified_commits TO outbox_dispatcher;
 GRANT EXECUTE ON FUNCTION
     outbox.record_check(bigint, text, text, jsonb, integer, integer),
     outbox.record_finding(bigint, text, text, text, text, jsonb, integer, integer),

@@ -29,6 +29,21 @@ CREATE SCHEMA outbox;
 -- privileges: the owner's only
 
 -- =================================================================================================
+-- sequence outbox.unnotified_commits
+-- history: created by 0029_one_wakeup_per_idle_period
+
+CREATE SEQUENCE outbox.unnotified_commits
+    AS bigint
+    INCREMENT BY 1
+    MINVALUE 1
+    MAXVALUE 9223372036854775807
+    START WITH 1
+    CACHE 1
+    CYCLE;
+COMMENT ON SEQUENCE outbox.unnotified_commits IS 'Commits that woke no dispatcher: read by a dispatcher marking itself waiting (sql/0029).';
+-- privileges: the owner's only
+
+-- =================================================================================================
 -- table outbox.attempts
 -- history: created by 0002_attempts
 
@@ -1772,6 +1787,8 @@ BEGIN
                        FOR UPDATE SKIP LOCKED);
     IF FOUND THEN
         PERFORM pg_notify('outbox_enqueue', '');
+    ELSE
+        PERFORM nextval('outbox.unnotified_commits');
     END IF;
     RETURN NULL;
 END;

@@ -239,13 +239,16 @@ class Store:
         }
         return await self._one(statements.UNCLAIM, params)
 
-    async def mark_waiting(self, worker: str) -> bool:
-        """Mark ``worker`` waiting idle for a wake-up (the next producer's commit notifies);
-        True when no commit that might not have seen the mark is still becoming visible."""
+    async def mark_waiting(self, worker: str) -> tuple[bool, int]:
+        """Mark ``worker`` waiting idle for a wake-up (the next producer's commit notifies).
+        Returns whether no commit that might not have seen the mark is still becoming visible,
+        and the count of commits so far that woke no one."""
         async with self._connection() as conn:
             cur = conn.cursor(row_factory=tuple_row)
             row = await (await cur.execute(statements.MARK_WAITING, {"worker": worker})).fetchone()
-        return bool(row and row[0])
+        if row is None:
+            raise psycopg.ProgrammingError("marking this dispatcher waiting returned no row")
+        return bool(row[0]), int(row[1])
 
     async def unmark_waiting(self, worker: str) -> None:
         """``worker`` is busy: producers need not notify on its account."""

@@ -64,6 +64,8 @@ class ClaimScheduler:
         # the pause before marking again when it did not.
         self._quiet = False
         self._busy_gap = BUSY_GAP_MIN
+        # The count of commits that woke no one, read at our last mark (None: never marked).
+        self._unnotified: int | None = None
         self._reserved = 0  # slots held for claims under way
         self._backlog = asyncio.Event()  # the last claim came back full: more claimers help
         # The (provider, tenant) group the next claim starts after.
@@ -130,7 +132,9 @@ class ClaimScheduler:
         for row in claimed:
             self._start(row)
         if claimed:
+            # Whatever woke us found work: the next notification is news, not a flood's.
             self._busy_gap = BUSY_GAP_MIN
+            self.empty_wakes = 0
         if len(claimed) < want:
             self._backlog.clear()
             self.slot_freed.set()  # reserved slots came back unused
@@ -151,7 +155,10 @@ class ClaimScheduler:
         costs a claim per WAKE_GAP_MAX at most, and one claim that finds something brings back
         immediate wake-ups. This process's own wake-ups never wait."""
         self.empty_wakes = 0 if found else self.empty_wakes
-        woken = await self._sleep_until_woken(self._idle_wait())
+        # A notification that came while we were awake is handled as if it had woken us: its
+        # sender may have taken our mark (sql/0029), and asleep without one we would hear of
+        # the next commit only at the next poll.
+        woken = self._notified or await self._sleep_until_woken(self._idle_wait())
         notified, self._notified = self._notified, False
         if not woken:
             self.empty_wakes = 0  # a poll: the next notification is news
@@ -164,10 +171,14 @@ class ClaimScheduler:
                 await asyncio.wait_for(self.stop.wait(), gap)
         # Counted as empty until the claim it starts finds something (then `found` resets it).
         self.empty_wakes += 1
-        # The producer that notified took this dispatcher's mark (sql/0029). Marked again before
-        # the claim this wake-up starts, a commit during that claim wakes us; after it, such a
-        # commit would notify no one, and a claim more would be needed to find it.
-        await self._mark()
+        # The producer that notified took this dispatcher's mark (sql/0029): mark again. After
+        # the claim this wake-up starts, so that its rows leave at once, and then claim once
+        # more for commits during the claim, which saw no mark. While notifications keep
+        # finding nothing (a flood), before the claim instead: one claim per gap.
+        if self.empty_wakes > 1:
+            await self._mark()
+        else:
+            self._waiting_since = None
 
     async def _mark(self) -> bool:
         """Mark this dispatcher waiting (in one statement with the try of the wake-up lock);
@@ -175,7 +186,7 @@ class ClaimScheduler:
         if not self.listening:
             return False
         try:
-            self._quiet = await self._store.mark_waiting(self._shared.worker)
+            self._quiet, self._unnotified = await self._store.mark_waiting(self._shared.worker)
         except psycopg.Error as exc:
             log.debug("could not mark this dispatcher waiting", error_class=type(exc).__name__)
             return False
@@ -184,9 +195,9 @@ class ClaimScheduler:
 
     async def _mark_waiting(self) -> bool:
         """Mark this dispatcher waiting for a wake-up, refresh an old mark, or mark again after
-        a commit was seen becoming visible; True when it did, and the caller must claim once
-        more before sleeping (a row committed before the mark notified no one). False when it
-        may sleep now. A failure only costs wake-ups: polling goes on."""
+        a commit was seen becoming visible; True when the caller must claim once more before
+        sleeping: a commit since the last mark woke no one, or one is still becoming visible.
+        False when it may sleep now. A failure only costs wake-ups: polling goes on."""
         now = time.monotonic()
         if not self.listening:
             return False
@@ -198,7 +209,13 @@ class ClaimScheduler:
             # mark, so it may not wake us. Look again in a moment, not at the next poll.
             await self._sleep_until_woken(self._busy_gap)
             self._busy_gap = min(BUSY_GAP_MAX, self._busy_gap * 2)
-        return await self._mark()
+        before, was_quiet = self._unnotified, self._quiet
+        if not await self._mark():
+            return False
+        # Claim again unless nothing can have slipped by: no commit woke no one since the last
+        # mark, none is becoming visible now, and none was at the last mark (it may have become
+        # visible after the claim that followed).
+        return before is None or self._unnotified != before or not (self._quiet and was_quiet)
 
     async def _unmark_waiting(self) -> None:
         self._waiting_since = None
