@@ -83,9 +83,10 @@ class Dispatcher:
 
     # --- control ------------------------------------------------------------------------------
 
-    def wake(self) -> None:
-        """A notification came (something was enqueued): claim now, not at the next poll."""
-        self.claims.notified()
+    def wake(self, payload: str = "") -> None:
+        """A notification came (something was enqueued): claim now, not at the next poll.
+        ``payload`` "taken": its sender took this dispatcher's mark (sql/0029)."""
+        self.claims.notified(taken=payload == "taken")
 
     async def server_changed(self, since: datetime) -> None:
         """The readiness probe found another server behind the DSN (a failover) at ``since``,

@@ -28,6 +28,9 @@ PROBE_TIMEOUT: Final = 10.0
 RECONNECT_MIN: Final = 0.2
 RECONNECT_MAX: Final = 10.0
 
+# The payload of a notification whose sender took the dispatchers' marks (sql/0029).
+TAKEN: Final = "taken"
+
 log = structlog.get_logger("outbox.wakeup")
 
 
@@ -37,13 +40,14 @@ def _ignore(listening: bool) -> None:
 
 async def listen_forever(
     dsn: str,
-    wake: Callable[[], None],
+    wake: Callable[[str], None],
     *,
     probe_interval: float = PROBE_INTERVAL,
     expect_direct: bool = False,
     on_listening: Callable[[bool], None] = _ignore,
 ) -> None:
-    """Call ``wake`` on every notification, until cancelled; survives lost connections.
+    """Call ``wake`` with each notification's payload, until cancelled; survives lost
+    connections.
 
     ``expect_direct``: ``dsn`` is meant to bypass a pooler; say so loudly when it does not.
     ``on_listening`` is told True once notifications can arrive, False when the connection is
@@ -87,7 +91,7 @@ async def listen_forever(
 
 async def _listen(
     dsn: str,
-    wake: Callable[[], None],
+    wake: Callable[[str], None],
     probe_interval: float,
     *,
     connected: Callable[[], None],
@@ -110,11 +114,12 @@ async def _listen(
         else:
             on_listening(True)
         log.info("listening for enqueue notifications", channel=statements.ENQUEUE_CHANNEL)
-        # Anything committed while we were not listening sent its NOTIFY to nobody.
-        wake()
+        # Anything committed while we were not listening sent its NOTIFY to nobody, and may
+        # have taken this dispatcher's mark.
+        wake(TAKEN)
         while True:
-            async for _ in conn.notifies(timeout=probe_interval):
-                wake()
+            async for notification in conn.notifies(timeout=probe_interval):
+                wake(notification.payload)
             await _probe(conn)
 
 

@@ -8,11 +8,15 @@
 -- replication"). 0012 asked producers to notify only while a dispatcher waited idle; an idle
 -- dispatcher waits between every two arrivals, so at a trickle every commit notified.
 --
--- Now the first producer to commit in an idle period takes the dispatchers' marks (deletes
--- them) and notifies; the ones after it find no mark, or a mark it holds (SKIP LOCKED), and do
--- not notify, but count themselves (outbox.unnotified_commits). A woken dispatcher marks
--- itself again when it next runs out of work, and claims once more if the count moved since
--- its last mark: a commit between its claim and its mark saw no mark.
+-- Now, where a synchronous standby is named (synchronous_standby_names), the first producer to
+-- commit in an idle period takes the dispatchers' marks (deletes them) and notifies with the
+-- payload 'taken'; the ones after it find no mark, or a mark it holds (SKIP LOCKED), and do
+-- not notify, but count themselves (outbox.unnotified_commits). A dispatcher told its mark was
+-- taken marks itself again when it next runs out of work, and claims once more if the count
+-- moved since its last mark: a commit between its claim and its mark saw no mark. Without a
+-- synchronous standby, marks stay and commits notify while one exists, as in 0012: a NOTIFY
+-- then costs a commit little, and marking again after every wake-up would cost the dispatcher
+-- a statement per operation at a trickle (bench/README.md, the A/B of issue 23).
 --
 -- No wake-up is lost by this. A producer that does not notify holds a shared advisory lock
 -- (below) from its COMMIT's check until its rows are visible. A dispatcher about to sleep marks
@@ -54,12 +58,23 @@ BEGIN
         PERFORM pg_notify('outbox_enqueue', '');
         RETURN NULL;
     END IF;
+    IF current_setting('synchronous_standby_names') = '' THEN
+        -- No synchronous standby: a NOTIFY costs a commit little, so marks stay, and a
+        -- dispatcher need not mark itself again after every wake-up (a statement each time).
+        -- Nothing counted: a dispatcher whose mark stays claims once more after any fresh mark.
+        IF EXISTS (SELECT 1 FROM outbox.waiting_dispatchers
+                   WHERE seen_at > now() - interval '10 minutes') THEN
+            PERFORM pg_notify('outbox_enqueue', '');
+        END IF;
+        RETURN NULL;
+    END IF;
     DELETE FROM outbox.waiting_dispatchers w
     WHERE w.worker IN (SELECT m.worker FROM outbox.waiting_dispatchers m
                        WHERE m.seen_at > now() - interval '10 minutes'
                        FOR UPDATE SKIP LOCKED);
     IF FOUND THEN
-        PERFORM pg_notify('outbox_enqueue', '');
+        -- 'taken': the woken dispatchers are marked no more, and mark themselves again.
+        PERFORM pg_notify('outbox_enqueue', 'taken');
     ELSE
         PERFORM nextval('outbox.unnotified_commits');
     END IF;

@@ -1781,12 +1781,23 @@ BEGIN
         PERFORM pg_notify('outbox_enqueue', '');
         RETURN NULL;
     END IF;
+    IF current_setting('synchronous_standby_names') = '' THEN
+        -- No synchronous standby: a NOTIFY costs a commit little, so marks stay, and a
+        -- dispatcher need not mark itself again after every wake-up (a statement each time).
+        -- Nothing counted: a dispatcher whose mark stays claims once more after any fresh mark.
+        IF EXISTS (SELECT 1 FROM outbox.waiting_dispatchers
+                   WHERE seen_at > now() - interval '10 minutes') THEN
+            PERFORM pg_notify('outbox_enqueue', '');
+        END IF;
+        RETURN NULL;
+    END IF;
     DELETE FROM outbox.waiting_dispatchers w
     WHERE w.worker IN (SELECT m.worker FROM outbox.waiting_dispatchers m
                        WHERE m.seen_at > now() - interval '10 minutes'
                        FOR UPDATE SKIP LOCKED);
     IF FOUND THEN
-        PERFORM pg_notify('outbox_enqueue', '');
+        -- 'taken': the woken dispatchers are marked no more, and mark themselves again.
+        PERFORM pg_notify('outbox_enqueue', 'taken');
     ELSE
         PERFORM nextval('outbox.unnotified_commits');
     END IF;

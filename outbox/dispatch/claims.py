@@ -52,6 +52,7 @@ class ClaimScheduler:
         # wake-ups of this process's own (a slot freed, rows staged) neither count nor wait.
         self.empty_wakes = 0
         self._notified = False
+        self._taken = False  # a notification since our last mark said it took the mark
         self.slot_freed = asyncio.Event()
         self.stop = asyncio.Event()
         self._claim_retry = CLAIM_RETRY_MIN
@@ -71,9 +72,11 @@ class ClaimScheduler:
         # The (provider, tenant) group the next claim starts after.
         self._cursor: tuple[str, str] | None = None
 
-    def notified(self) -> None:
-        """A notification came (something was enqueued): claim now, not at the next poll."""
+    def notified(self, *, taken: bool = False) -> None:
+        """A notification came (something was enqueued): claim now, not at the next poll.
+        ``taken``: its sender took this dispatcher's mark (sql/0029), so mark again."""
         self._notified = True
+        self._taken = self._taken or taken
         self.woken.set()
 
     def request_stop(self) -> None:
@@ -155,10 +158,10 @@ class ClaimScheduler:
         costs a claim per WAKE_GAP_MAX at most, and one claim that finds something brings back
         immediate wake-ups. This process's own wake-ups never wait."""
         self.empty_wakes = 0 if found else self.empty_wakes
-        # A notification that came while we were awake is handled as if it had woken us: its
-        # sender may have taken our mark (sql/0029), and asleep without one we would hear of
-        # the next commit only at the next poll.
-        woken = self._notified or await self._sleep_until_woken(self._idle_wait())
+        # A notification that came while we were awake and took our mark (sql/0029) is handled
+        # as if it had woken us: asleep without a mark we would hear of the next commit only at
+        # the next poll.
+        woken = (self._taken and self.listening) or await self._sleep_until_woken(self._idle_wait())
         notified, self._notified = self._notified, False
         if not woken:
             self.empty_wakes = 0  # a poll: the next notification is news
@@ -171,10 +174,12 @@ class ClaimScheduler:
                 await asyncio.wait_for(self.stop.wait(), gap)
         # Counted as empty until the claim it starts finds something (then `found` resets it).
         self.empty_wakes += 1
+        if not self._taken:
+            return
         # The producer that notified took this dispatcher's mark (sql/0029): mark again. After
         # the claim this wake-up starts, so that its rows leave at once, and then claim once
-        # more for commits during the claim, which saw no mark. While notifications keep
-        # finding nothing (a flood), before the claim instead: one claim per gap.
+        # more if a commit went by unnotified. While notifications keep finding nothing (a
+        # flood), before the claim instead: one claim per gap.
         if self.empty_wakes > 1:
             await self._mark()
         else:
@@ -185,6 +190,7 @@ class ClaimScheduler:
         False when it could not. A failure only costs wake-ups: polling goes on."""
         if not self.listening:
             return False
+        self._taken = False  # one taken after this statement's upsert says so again
         try:
             self._quiet, self._unnotified = await self._store.mark_waiting(self._shared.worker)
         except psycopg.Error as exc:
@@ -213,12 +219,14 @@ class ClaimScheduler:
         if not await self._mark():
             return False
         # Claim again unless nothing can have slipped by: no commit woke no one since the last
-        # mark, none is becoming visible now, and none was at the last mark (it may have become
-        # visible after the claim that followed).
+        # mark (counted only while marks are taken: since a mark was taken, the only way to be
+        # here with one to compare), none is becoming visible now, and none was at the last
+        # mark (it may have become visible after the claim that followed).
         return before is None or self._unnotified != before or not (self._quiet and was_quiet)
 
     async def _unmark_waiting(self) -> None:
-        self._waiting_since = None
+        # Unmarked, commits are not counted (sql/0029): the next mark claims once more.
+        self._waiting_since, self._unnotified = None, None
         try:
             await self._store.unmark_waiting(self._shared.worker)
         except psycopg.Error as exc:  # the mark expires on its own (sql/0012)

@@ -20,7 +20,6 @@ own lease are taken back at once, not after the lease (LEASE, far beyond the dra
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 import urllib.error
@@ -34,7 +33,7 @@ import pytest
 
 import outbox
 from outbox.testing.webhook import FakeWebhookReceiver, WebhookFault
-from tests.support.daemon import OutboxProcess, wait_until, write_config
+from tests.support.daemon import OutboxProcess, http_status, wait_until, write_config
 from tests.support.replication import ReplicatedPair, replicated_pair
 
 pytestmark = pytest.mark.slow
@@ -149,21 +148,6 @@ def crash(pair: ReplicatedPair, receiver: FakeWebhookReceiver) -> None:
     pair.kill_primary()
 
 
-def status_of(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as answer:  # noqa: S310 (loopback)
-            return int(answer.status)
-    except urllib.error.HTTPError as exc:
-        return exc.code
-    except OSError:
-        return 0
-
-
-def events(proc: OutboxProcess, said: str) -> list[dict[str, Any]]:
-    lines = (line for line in proc.log_text().splitlines() if line.startswith("{"))
-    return [e for e in map(json.loads, lines) if said in str(e.get("event", ""))]
-
-
 def rows(url: str) -> dict[str, tuple[str, str]]:
     """operation key -> (status, idempotency key), on whichever server is the primary now."""
     with psycopg.connect(url) as conn:
@@ -201,18 +185,21 @@ def test_a_failover_keeps_the_promise_in_both_replication_modes(
     producer = Producer(pair.url)
     try:
         base = proc.metrics_url()
-        wait_until(lambda: status_of(f"{base}/readyz") == 200, timeout=30, what="ready")
+        wait_until(lambda: http_status(f"{base}/readyz") == 200, timeout=30, what="ready")
         producer.start()
         time.sleep(BEFORE)
         crash(pair, receiver)
         wait_until(
-            lambda: status_of(f"{base}/readyz") == 503, timeout=10, what="/readyz 503", interval=0.1
+            lambda: http_status(f"{base}/readyz") == 503,
+            timeout=10,
+            what="/readyz 503",
+            interval=0.1,
         )
         time.sleep(DOWN)
         pair.promote()
         promoted = time.monotonic()
         wait_until(
-            lambda: status_of(f"{base}/readyz") == 200,
+            lambda: http_status(f"{base}/readyz") == 200,
             timeout=10,
             what="/readyz 200 on the promoted standby",
             interval=0.1,
@@ -257,17 +244,17 @@ def test_a_failover_keeps_the_promise_in_both_replication_modes(
     assert arrival >= first_after
 
     # Readiness and its lines: lost, then reachable on the new server, whose timeline is new.
-    (lost_line, *_) = events(proc, "database lost")
+    (lost_line, *_) = proc.events("database lost")
     assert lost_line["port"] == pair.primary.port
-    reachable = events(proc, "database reachable")
+    reachable = proc.events("database reachable")
     assert [e["port"] for e in reachable][-1] == pair.standby.port
-    (changed,) = events(proc, "database server changed")
+    (changed,) = proc.events("database server changed")
     assert changed["timeline"] == changed["previous_timeline"] + 1
     assert changed["system_identifier"] == changed["previous_system_identifier"]
 
     # Records of rows the new primary lacks say so, and only for rows really gone (by key: the
     # new primary's sequence may give a lost row's id to another operation).
-    said_missing = events(proc, "found no such operation")
+    said_missing = proc.events("found no such operation")
     gone = {e["operation_key"] for e in said_missing}
     assert missing_counted == len(said_missing)
     assert gone.isdisjoint(now), f"said missing, yet there: {gone & set(now)}"
@@ -278,9 +265,9 @@ def test_a_failover_keeps_the_promise_in_both_replication_modes(
         assert "slow" not in now and "slow" in gone, "a record of a lost row said nothing"
         # Taken back at once: LEASE would have held it far beyond DRAIN_WITHIN.
         assert now["stale"][0] == "succeeded"
-        stale = [e for e in events(proc, "taken back now") if e["operations"] >= 1]
+        stale = [e for e in proc.events("taken back now") if e["operations"] >= 1]
         assert stale, "the stale lease was not taken back"
-    taken_back = sum(e["operations"] for e in events(proc, "taken back now"))
+    taken_back = sum(e["operations"] for e in proc.events("taken back now"))
     print(  # noqa: T201
         f"{pair.synchronous=}: {len(producer.acked)} acknowledged, {len(lost)} lost, "
         f"{producer.failed} failed commits, {len(effects)} effects, resumed "

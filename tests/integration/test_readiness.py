@@ -17,7 +17,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
 from outbox.testing.webhook import FakeWebhookReceiver
-from tests.support.daemon import OutboxProcess, wait_until, write_config
+from tests.support.daemon import OutboxProcess, http_status, wait_until, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -26,27 +26,11 @@ pytestmark = pytest.mark.slow
 WITHIN = 8.0
 
 
-def status_of(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as answer:  # noqa: S310 (loopback)
-            return int(answer.status)
-    except urllib.error.HTTPError as exc:
-        return exc.code
-
-
 def database_up(base: str) -> str:
     with urllib.request.urlopen(f"{base}/metrics", timeout=2) as answer:  # noqa: S310
         text: str = answer.read().decode()
     lines = [line for line in text.splitlines() if line.startswith("outbox_database_up ")]
     return lines[0].split()[-1]
-
-
-def events(proc: OutboxProcess, event: str) -> list[dict[str, object]]:
-    found = []
-    for line in proc.log_text().splitlines():
-        if line.startswith("{") and f'"{event}' in line:
-            found.append(json.loads(line))
-    return found
 
 
 def test_readiness_goes_red_and_green_with_the_database_within_seconds(
@@ -62,7 +46,7 @@ def test_readiness_goes_red_and_green_with_the_database_within_seconds(
     proc = OutboxProcess(db_url, config, tmp_path / "run.log", metrics_addr="127.0.0.1:0")
     try:
         base = proc.metrics_url()
-        wait_until(lambda: status_of(f"{base}/readyz") == 200, timeout=30, what="ready")
+        wait_until(lambda: http_status(f"{base}/readyz") == 200, timeout=30, what="ready")
         assert database_up(base) == "1.0"
         with psycopg.connect(pg_server, autocommit=True) as admin:
             admin.execute(sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS false").format(database))
@@ -73,15 +57,15 @@ def test_readiness_goes_red_and_green_with_the_database_within_seconds(
                 )
                 lost = time.monotonic()
                 wait_until(
-                    lambda: status_of(f"{base}/readyz") == 503,
+                    lambda: http_status(f"{base}/readyz") == 503,
                     timeout=WITHIN,
                     what="/readyz 503 without a database",
                     interval=0.1,
                 )
                 red_after = time.monotonic() - lost
                 assert database_up(base) == "0.0"
-                assert status_of(f"{base}/healthz") == 200  # alive all along: do not restart it
-                (said,) = events(proc, "database lost")
+                assert http_status(f"{base}/healthz") == 200  # alive all along: do not restart it
+                (said,) = proc.events("database lost")
                 port = int(conninfo_to_dict(db_url).get("port") or 5432)
                 assert (said["level"], said["port"]) == ("warning", port)
                 assert "password" not in json.dumps(said)
@@ -89,7 +73,7 @@ def test_readiness_goes_red_and_green_with_the_database_within_seconds(
                 admin.execute(sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS true").format(database))
         back = time.monotonic()
         wait_until(
-            lambda: status_of(f"{base}/readyz") == 200,
+            lambda: http_status(f"{base}/readyz") == 200,
             timeout=WITHIN,
             what="/readyz 200 once the database is back",
             interval=0.1,
@@ -97,8 +81,8 @@ def test_readiness_goes_red_and_green_with_the_database_within_seconds(
         green_after = time.monotonic() - back
         assert database_up(base) == "1.0"
         # once per transition: one "reachable" at start, one "lost", one "reachable" again
-        assert len(events(proc, "database reachable")) == 2
-        assert len(events(proc, "database lost")) == 1
+        assert len(proc.events("database reachable")) == 2
+        assert len(proc.events("database lost")) == 1
         assert proc.proc.poll() is None  # it never exited
     finally:
         proc.stop()
@@ -122,23 +106,23 @@ def test_readiness_goes_red_within_seconds_when_the_database_goes_silent(
         proc = OutboxProcess(proxy.dsn, config, tmp_path / "run.log", metrics_addr="127.0.0.1:0")
         try:
             base = proc.metrics_url()
-            wait_until(lambda: status_of(f"{base}/readyz") == 200, timeout=30, what="ready")
+            wait_until(lambda: http_status(f"{base}/readyz") == 200, timeout=30, what="ready")
             proxy.deafen()
             silent = time.monotonic()
             wait_until(
-                lambda: status_of(f"{base}/readyz") == 503,
+                lambda: http_status(f"{base}/readyz") == 503,
                 timeout=WITHIN,
                 what="/readyz 503 while the database is silent",
                 interval=0.1,
             )
             red_after = time.monotonic() - silent
             assert database_up(base) == "0.0"
-            (said,) = events(proc, "database lost")
+            (said,) = proc.events("database lost")
             assert said["error_class"] in ("TimeoutError", "OperationalError", "CancelledError")
             proxy.heal()
             back = time.monotonic()
             wait_until(
-                lambda: status_of(f"{base}/readyz") == 200,
+                lambda: http_status(f"{base}/readyz") == 200,
                 timeout=WITHIN + 10,
                 what="/readyz 200 once the database answers again",
                 interval=0.1,

@@ -29,6 +29,22 @@ from tests.support.replication import replicated_pair
 WAKE_LOCK = "outbox.wake_lock_space(), 0"
 
 
+@pytest.fixture(scope="module")
+def sync_url() -> Iterator[str]:
+    """A primary with a synchronous standby 5 ms away, shared by this module's tests (each uses
+    operation keys of its own): only there do producers take marks (sql/0029)."""
+    with replicated_pair(synchronous=True, delay=0.005) as pair:
+        yield pair.url
+
+
+@pytest.fixture
+def sync_conn(sync_url: str) -> Iterator[psycopg.Connection[Any]]:
+    with psycopg.connect(sync_url) as conn:
+        conn.execute("DELETE FROM outbox.waiting_dispatchers")
+        conn.commit()
+        yield conn
+
+
 def enqueue(conn: psycopg.Connection[Any], key: str) -> int:
     return outbox.enqueue(
         conn,
@@ -61,8 +77,9 @@ def marks(url: str) -> int:
 
 
 def test_the_first_commit_of_an_idle_period_notifies_and_the_rest_do_not(
-    conn: psycopg.Connection[Any], db_url: str
+    sync_conn: psycopg.Connection[Any], sync_url: str
 ) -> None:
+    conn, db_url = sync_conn, sync_url
     with psycopg.connect(db_url, autocommit=True) as listener:
         listener.execute(f"LISTEN {ENQUEUE_CHANNEL}")
         for period in range(3):
@@ -72,16 +89,36 @@ def test_the_first_commit_of_an_idle_period_notifies_and_the_rest_do_not(
             for n in range(4):
                 enqueue(conn, f"p{period}-{n}")
                 conn.commit()
-            assert notifications(listener) == 1, f"idle period {period}"
+            heard = list(listener.notifies(timeout=0.5))
+            assert [n.payload for n in heard] == ["taken"], f"idle period {period}"
             assert marks(db_url) == 0  # taken by the first commit
             # The other three woke no one, and say so to the dispatcher's next mark.
             assert mark(listener, "c")[1] == before + 3
             listener.execute("DELETE FROM outbox.waiting_dispatchers")
     with psycopg.connect(db_url) as check:
-        assert check.execute("SELECT count(*) FROM outbox.operations").fetchone() == (12,)
+        found = check.execute(
+            "SELECT count(*) FROM outbox.operations WHERE operation_key LIKE 'p_-%'"
+        ).fetchone()
+        assert found == (12,)
 
 
-def test_commits_racing_in_one_idle_period_notify_once(db_url: str) -> None:
+def test_without_a_synchronous_standby_marks_stay_and_each_commit_notifies(
+    conn: psycopg.Connection[Any], db_url: str
+) -> None:
+    """A NOTIFY costs little there, and a dispatcher marking itself again after every wake-up
+    would cost it a statement per operation at a trickle."""
+    with psycopg.connect(db_url, autocommit=True) as listener:
+        listener.execute(f"LISTEN {ENQUEUE_CHANNEL}")
+        mark(listener, "idle")
+        for n in range(3):
+            enqueue(conn, f"stay-{n}")
+            conn.commit()
+        assert [n.payload for n in listener.notifies(timeout=0.5)] == ["", "", ""]
+        assert marks(db_url) == 1
+
+
+def test_commits_racing_in_one_idle_period_notify_once(sync_conn: Any, sync_url: str) -> None:
+    db_url = sync_url
     rng = random.Random(23)
     for round_ in range(5):
         producers = rng.randint(2, 8)
@@ -139,20 +176,18 @@ def test_a_role_holding_the_wake_lock_costs_notifications_never_a_commit(
 # --- under synchronous replication, with a real `outbox run` -------------------------------------
 
 POLL = 10.0  # a lost wake-up waits for this, or for the next burst's first notification
-BURSTS, BURST, QUIET = 10, 0.2, 1.0  # seconds: producers commit in bursts with quiet between
-WORST_LATENCY = 0.8  # seconds: below QUIET, far above a claim's round trip
+BURSTS, BURST, QUIET = 14, 0.15, 0.9  # seconds: producers commit in bursts with quiet between
+WORST_LATENCY = 0.7  # seconds: below QUIET, far above a claim's round trip
 
 
 @pytest.fixture(params=["synchronous standby", "one server"])
-def server(request: pytest.FixtureRequest) -> Iterator[str]:
+def server(request: pytest.FixtureRequest) -> str:
     """The database URL: a primary whose every COMMIT waits 10 ms for a synchronous standby 5 ms
-    away (a wide window between a commit's check and its rows' visibility), or the test's own
-    database on the shared server (commits quicker than a claim)."""
+    away (a wide window between a commit's check and its rows' visibility; marks are taken), or
+    the test's own database on the shared server (commits quicker than a claim; marks stay)."""
     if request.param == "one server":
-        yield request.getfixturevalue("db_url")
-        return
-    with replicated_pair(synchronous=True, delay=0.005) as pair:
-        yield pair.url
+        return str(request.getfixturevalue("db_url"))
+    return str(request.getfixturevalue("sync_url"))
 
 
 def produce_randomly(url: str, seed: int, start: float, out: list[tuple[str, float]]) -> None:
@@ -227,3 +262,60 @@ def keys_of(url: str) -> dict[str, str]:
     with psycopg.connect(url) as conn:
         rows = conn.execute("SELECT operation_key, idempotency_key FROM outbox.operations")
         return {str(op): str(key) for op, key in rows}
+
+
+def test_a_commit_still_becoming_visible_keeps_the_dispatcher_claiming(
+    receiver: FakeWebhookReceiver, tmp_path: Path
+) -> None:
+    """Deterministic, where the seeded test above is by chance. A and P commit with
+    synchronous_commit = remote_apply to a standby that applies WAL 2 s late, so each stays
+    between its wake-up check and its rows' visibility for 2 s. P checks while A holds the
+    mark, so P does not notify; A's wait is cancelled, so A's commit ends and wakes the
+    dispatcher, whose mark then finds P still becoming visible. The dispatcher must keep
+    claiming until P shows, not sleep until the poll."""
+    with replicated_pair(synchronous=True) as pair:
+        pair.set_on_standby("recovery_min_apply_delay", "2s")
+        cfg = write_config(
+            tmp_path / "outbox.toml",
+            providers={"hook": {"type": "webhook", "url": receiver.url}},
+            poll_interval=f"{POLL:g}s",
+        )
+        proc = OutboxProcess(pair.url, cfg, tmp_path / "run.log")
+        a, p = psycopg.connect(pair.url), psycopg.connect(pair.url)
+        try:
+            wait_until(lambda: marks(pair.url) == 1, timeout=30, what="the dispatcher's mark")
+            done: dict[str, float] = {}
+
+            def commit(conn: psycopg.Connection[Any], name: str) -> None:
+                conn.execute("SET synchronous_commit = remote_apply")
+                enqueue(conn, name)
+                conn.commit()
+                done[name] = time.monotonic()
+
+            threads = [threading.Thread(target=commit, args=(a, "a"))]
+            threads[0].start()
+            wait_until(lambda: waiting_for_standby(pair) == 1, timeout=10, what="A's wait")
+            threads.append(threading.Thread(target=commit, args=(p, "p")))
+            threads[1].start()
+            wait_until(lambda: waiting_for_standby(pair) == 2, timeout=10, what="P's wait")
+            with psycopg.connect(pair.primary.admin_url, autocommit=True) as admin:
+                admin.execute("SELECT pg_cancel_backend(%s)", (a.info.backend_pid,))
+            receiver.wait_for_effects(1, timeout=10)  # A, woken by its notification
+            for thread in threads:
+                thread.join(timeout=30)
+            assert "a" in done and "p" in done
+            (effect,) = receiver.wait_for_effects(2, timeout=POLL + 5)[1:]
+        finally:
+            a.close()
+            p.close()
+            proc.stop()
+    assert effect.at - done["p"] < WORST_LATENCY, "the dispatcher slept with P in flight"
+
+
+def waiting_for_standby(pair: Any) -> int:
+    """Backends of the outbox database whose COMMIT waits for the standby."""
+    with psycopg.connect(pair.primary.admin_url, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep'"
+        ).fetchone()
+    return int(row[0]) if row else 0

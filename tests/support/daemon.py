@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -114,6 +117,22 @@ class OutboxProcess:
         if not self._log.closed:
             self._log.flush()
         return self.log_path.read_text(errors="replace")
+
+    def events(self, said: str) -> list[dict[str, Any]]:
+        """The JSON log lines whose event contains ``said``."""
+        lines = (line for line in self.log_text().splitlines() if line.startswith("{"))
+        return [e for e in map(json.loads, lines) if said in str(e.get("event", ""))]
+
+
+def http_status(url: str) -> int:
+    """The status of a GET (0 when nothing answers): /readyz, /healthz."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as answer:  # noqa: S310 (loopback)
+            return int(answer.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return 0
 
 
 @contextmanager

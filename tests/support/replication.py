@@ -66,6 +66,7 @@ class ReplicatedPair:
         with (self.standby.data / "postgresql.conf").open("a") as conf:
             conf.write(f"port = {self.standby.port}\n")
             conf.write(f"unix_socket_directories = '{self.standby.root}'\n")
+            conf.write("wal_retrieve_retry_interval = '100ms'\n")
         # Last line wins: replaces the primary_conninfo that -R wrote, to go through the link.
         with (self.standby.data / "postgresql.auto.conf").open("a") as auto:
             auto.write(
@@ -87,6 +88,18 @@ class ReplicatedPair:
         asynchronous replication the primary goes on committing what the standby will lack."""
         if self._link is not None:
             self._link.deafen()
+
+    def set_on_standby(self, name: str, value: str) -> None:
+        """A setting of the standby's, applied by a reload (``recovery_min_apply_delay``)."""
+        with (self.standby.data / "postgresql.conf").open("a") as conf:
+            conf.write(f"{name} = '{value}'\n")
+        self.standby.run("pg_ctl", "-D", str(self.standby.data), "reload")
+
+    def resume_replication(self) -> None:
+        """Relay again after pause_replication(): the standby reconnects (within 100 ms, its
+        wal_retrieve_retry_interval here) and catches up."""
+        if self._link is not None:
+            self._link.heal()
 
     def kill_primary(self) -> None:
         """Crash the primary, and drop the WAL still on its way to the standby: what a crash
