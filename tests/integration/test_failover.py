@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import threading
 import time
-import urllib.error
 import urllib.request
+from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ import psycopg
 import pytest
 
 import outbox
-from outbox.testing.webhook import FakeWebhookReceiver, WebhookFault
+from outbox.testing.webhook import Effect, FakeWebhookReceiver, WebhookFault
 from tests.support.daemon import OutboxProcess, http_status, wait_until, write_config
 from tests.support.replication import ReplicatedPair, replicated_pair
 
@@ -172,9 +173,19 @@ def pair(request: pytest.FixtureRequest) -> Iterator[ReplicatedPair]:
         yield made
 
 
-def test_a_failover_keeps_the_promise_in_both_replication_modes(
-    pair: ReplicatedPair, receiver: FakeWebhookReceiver, tmp_path: Path
-) -> None:
+@dataclass
+class Run:
+    """What one failover left: the daemon, the producer's acknowledgements, and when."""
+
+    proc: OutboxProcess
+    producer: Producer
+    promoted: float  # time.monotonic() when `pg_ctl promote` returned
+    drained_in: float  # seconds from the last enqueue to every row finished
+    missing_counted: float  # outbox_record_row_missing_total at the end
+
+
+def fail_over(pair: ReplicatedPair, receiver: FakeWebhookReceiver, tmp_path: Path) -> Run:
+    """Produce, crash the primary mid-run, promote the standby, produce, drain."""
     cfg = write_config(
         tmp_path / "outbox.toml",
         providers={"hook": {"type": "webhook", "url": receiver.url}},
@@ -185,78 +196,85 @@ def test_a_failover_keeps_the_promise_in_both_replication_modes(
     producer = Producer(pair.url)
     try:
         base = proc.metrics_url()
-        wait_until(lambda: http_status(f"{base}/readyz") == 200, timeout=30, what="ready")
+        ready = f"{base}/readyz"
+        wait_until(lambda: http_status(ready) == 200, timeout=30, what="ready")
         producer.start()
         time.sleep(BEFORE)
         crash(pair, receiver)
-        wait_until(
-            lambda: http_status(f"{base}/readyz") == 503,
-            timeout=10,
-            what="/readyz 503",
-            interval=0.1,
-        )
+        wait_until(lambda: http_status(ready) == 503, timeout=10, what="503", interval=0.1)
         time.sleep(DOWN)
         pair.promote()
         promoted = time.monotonic()
-        wait_until(
-            lambda: http_status(f"{base}/readyz") == 200,
-            timeout=10,
-            what="/readyz 200 on the promoted standby",
-            interval=0.1,
-        )
+        wait_until(lambda: http_status(ready) == 200, timeout=10, what="200 again", interval=0.1)
         time.sleep(AFTER)
         producer.stop.set()
         producer.join(timeout=30)
         last_enqueue = time.monotonic()
-        acked_after = [k for k, at in producer.acked.items() if at > promoted]
-        assert acked_after, "no enqueue was acknowledged after the promotion"
 
         def drained() -> bool:
-            return all(s in ("succeeded",) for s, _ in rows(pair.url).values())
+            return all(status == "succeeded" for status, _ in rows(pair.url).values())
 
         wait_until(drained, timeout=DRAIN_WITHIN, what="every row finished", interval=0.2)
-        drained_in = time.monotonic() - last_enqueue
         assert proc.proc.poll() is None, "outbox run exited"
-        missing_counted = metric(base, "outbox_record_row_missing_total")
+        missing = metric(base, "outbox_record_row_missing_total")
+        return Run(proc, producer, promoted, time.monotonic() - last_enqueue, missing)
     finally:
         producer.stop.set()
         proc.stop()
 
+
+def test_a_failover_keeps_the_promise_in_both_replication_modes(
+    pair: ReplicatedPair, receiver: FakeWebhookReceiver, tmp_path: Path
+) -> None:
+    run = fail_over(pair, receiver, tmp_path)
     now = rows(pair.url)
     effects = receiver.effects
-    by_key: dict[str, int] = {}
-    for effect in effects:
-        by_key[effect.key] = by_key.get(effect.key, 0) + 1
+    by_key = Counter(effect.key for effect in effects)
     doubled = {k: n for k, n in by_key.items() if n > 1}
     assert doubled == {}, f"keys with a second effect: {doubled}"
-
-    lost = sorted(set(producer.acked) - set(now))
+    lost = sorted(set(run.producer.acked) - set(now))
     if pair.synchronous:
         assert lost == [], f"acknowledged enqueues lost under synchronous replication: {lost}"
-    for _key, (_status, idem) in now.items():
-        assert by_key.get(idem) == 1  # every surviving row: delivered, exactly once
+    for _status, idem in now.values():
+        assert by_key[idem] == 1  # every surviving row: delivered, exactly once
+    resumed = resumed_after(run, now, effects)
+    assert resumed < RESUME_WITHIN, f"resumed {resumed:.1f} s after the promotion"
+    said_missing = check_log_lines(pair, run, now)
+    taken_back = sum(e["operations"] for e in run.proc.events("taken back now"))
+    print(  # noqa: T201
+        f"{pair.synchronous=}: {len(run.producer.acked)} acknowledged, {len(lost)} lost, "
+        f"{run.producer.failed} failed commits, {len(effects)} effects, resumed {resumed:.2f} s "
+        f"after promotion, drained {run.drained_in:.1f} s after the last enqueue, "
+        f"{said_missing} records of missing rows, {taken_back} stale leases taken back"
+    )
 
-    # Resumed: the first operation acknowledged after the promotion reached the provider soon.
-    first_after = min(producer.acked[k] for k in acked_after)
-    first_key = now[min(acked_after, key=producer.acked.__getitem__)][1]
-    (arrival,) = [e.at for e in effects if e.key == first_key]
-    assert arrival - promoted < RESUME_WITHIN, f"resumed {arrival - promoted:.1f} s after"
-    assert arrival >= first_after
 
-    # Readiness and its lines: lost, then reachable on the new server, whose timeline is new.
+def resumed_after(run: Run, now: dict[str, tuple[str, str]], effects: list[Effect]) -> float:
+    """Seconds from the promotion to the provider's receipt of the first operation acknowledged
+    after it."""
+    after = [k for k, at in run.producer.acked.items() if at > run.promoted]
+    assert after, "no enqueue was acknowledged after the promotion"
+    first = min(after, key=run.producer.acked.__getitem__)
+    (arrival,) = [e.at for e in effects if e.key == now[first][1]]
+    assert arrival >= run.producer.acked[first]
+    return arrival - run.promoted
+
+
+def check_log_lines(pair: ReplicatedPair, run: Run, now: dict[str, tuple[str, str]]) -> int:
+    """Readiness lost and found on the new server, whose timeline is new; records of rows the
+    new primary lacks said so, only for those; the stale lease taken back. Returns how many
+    records of missing rows were logged."""
+    proc = run.proc
     (lost_line, *_) = proc.events("database lost")
     assert lost_line["port"] == pair.primary.port
-    reachable = proc.events("database reachable")
-    assert [e["port"] for e in reachable][-1] == pair.standby.port
+    assert [e["port"] for e in proc.events("database reachable")][-1] == pair.standby.port
     (changed,) = proc.events("database server changed")
     assert changed["timeline"] == changed["previous_timeline"] + 1
     assert changed["system_identifier"] == changed["previous_system_identifier"]
-
-    # Records of rows the new primary lacks say so, and only for rows really gone (by key: the
-    # new primary's sequence may give a lost row's id to another operation).
+    # By key, not id: the new primary's sequence may give a lost row's id to another operation.
     said_missing = proc.events("found no such operation")
     gone = {e["operation_key"] for e in said_missing}
-    assert missing_counted == len(said_missing)
+    assert run.missing_counted == len(said_missing)
     assert gone.isdisjoint(now), f"said missing, yet there: {gone & set(now)}"
     if pair.synchronous:
         assert gone == set()
@@ -265,13 +283,5 @@ def test_a_failover_keeps_the_promise_in_both_replication_modes(
         assert "slow" not in now and "slow" in gone, "a record of a lost row said nothing"
         # Taken back at once: LEASE would have held it far beyond DRAIN_WITHIN.
         assert now["stale"][0] == "succeeded"
-        stale = [e for e in proc.events("taken back now") if e["operations"] >= 1]
-        assert stale, "the stale lease was not taken back"
-    taken_back = sum(e["operations"] for e in proc.events("taken back now"))
-    print(  # noqa: T201
-        f"{pair.synchronous=}: {len(producer.acked)} acknowledged, {len(lost)} lost, "
-        f"{producer.failed} failed commits, {len(effects)} effects, resumed "
-        f"{arrival - promoted:.2f} s after promotion, drained {drained_in:.1f} s after the "
-        f"last enqueue, {len(said_missing)} records of missing rows, {taken_back} stale leases "
-        "taken back"
-    )
+        assert [e for e in proc.events("taken back now") if e["operations"] >= 1]
+    return len(said_missing)

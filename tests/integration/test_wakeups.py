@@ -187,7 +187,11 @@ def server(request: pytest.FixtureRequest) -> str:
     the test's own database on the shared server (commits quicker than a claim; marks stay)."""
     if request.param == "one server":
         return str(request.getfixturevalue("db_url"))
-    return str(request.getfixturevalue("sync_url"))
+    url = str(request.getfixturevalue("sync_url"))
+    with psycopg.connect(url, autocommit=True) as conn:  # what the module's other tests left
+        conn.execute("TRUNCATE outbox.operations, outbox.attempts CASCADE")
+        conn.execute("DELETE FROM outbox.waiting_dispatchers")
+    return url
 
 
 def produce_randomly(url: str, seed: int, start: float, out: list[tuple[str, float]]) -> None:
