@@ -20,6 +20,7 @@ from typing import Final
 
 from outbox import metrics
 from outbox.config import DispatcherSettings, ProviderLimits
+from outbox.db import statements
 from outbox.db.store import Claimed, Store
 from outbox.dispatch.claims import ClaimScheduler, next_cursor
 from outbox.dispatch.flight import InFlight, Phase
@@ -85,8 +86,8 @@ class Dispatcher:
 
     def wake(self, payload: str = "") -> None:
         """A notification came (something was enqueued): claim now, not at the next poll.
-        ``payload`` "taken": its sender took this dispatcher's mark (sql/0029)."""
-        self.claims.notified(taken=payload == "taken")
+        ``payload`` WAKE_TAKEN: its sender took this dispatcher's mark (sql/0029)."""
+        self.claims.notified(taken=payload == statements.WAKE_TAKEN)
 
     async def server_changed(self, since: datetime) -> None:
         """The readiness probe found another server behind the DSN (a failover) at ``since``,

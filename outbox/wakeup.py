@@ -28,9 +28,6 @@ PROBE_TIMEOUT: Final = 10.0
 RECONNECT_MIN: Final = 0.2
 RECONNECT_MAX: Final = 10.0
 
-# The payload of a notification whose sender took the dispatchers' marks (sql/0029).
-TAKEN: Final = "taken"
-
 log = structlog.get_logger("outbox.wakeup")
 
 
@@ -116,7 +113,7 @@ async def _listen(
         log.info("listening for enqueue notifications", channel=statements.ENQUEUE_CHANNEL)
         # Anything committed while we were not listening sent its NOTIFY to nobody, and may
         # have taken this dispatcher's mark.
-        wake(TAKEN)
+        wake(statements.WAKE_TAKEN)
         while True:
             async for notification in conn.notifies(timeout=probe_interval):
                 wake(notification.payload)

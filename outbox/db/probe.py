@@ -75,32 +75,38 @@ class DatabaseProbe:
         asking = asyncio.ensure_future(self._ask())
         done, _ = await asyncio.wait({asking}, timeout=PROBE_TIMEOUT)
         where = self._where
+        answer: Answer | None = None
         if not done:
             self._let_go(asking)
-            ok, why = False, "TimeoutError"
+            why = "TimeoutError"
         elif (exc := asking.exception()) is not None:
             if not isinstance(exc, psycopg.Error | OSError):
                 raise exc
             await self._drop()
-            ok, why = False, type(exc).__name__
+            why = type(exc).__name__
         else:
-            answer: Answer = asking.result()
-            ok, why = answer.writable, "a standby (read-only)"
-            if ok:
-                await self._check_identity(answer, where)
+            answer, why = asking.result(), "a standby (read-only)"
+        ok = answer is not None and answer.writable
+        changed = answer is not None and ok and self._server_changed(answer, where)
         self.ok = ok
         metrics.DATABASE_UP.set(1 if ok else 0)
         self._tell(ok, why, where)
+        if changed and answer is not None:
+            # After readiness is told: taking back leases must not hold it red meanwhile.
+            try:
+                await self._on_new_server(answer.server_now)
+            except Exception:  # noqa: BLE001 (readiness must outlive what the dispatcher does)
+                loops.note("readiness")
         return ok
 
-    async def _check_identity(self, answer: Answer, where: dict[str, Any]) -> None:
-        """A writable primary that is not the one of before: say so once, and tell."""
+    def _server_changed(self, answer: Answer, where: dict[str, Any]) -> bool:
+        """A writable primary that is not the one of before: say so once; True then."""
         seen, before = answer.identity, self._identity
         if seen is None:
-            return
+            return False
         self._identity = seen
         if before is None or seen == before:
-            return
+            return False
         log.warning(
             "database server changed: a failover, or another server behind the DSN",
             system_identifier=seen[0],
@@ -109,10 +115,7 @@ class DatabaseProbe:
             previous_timeline=before[1],
             **where,
         )
-        try:
-            await self._on_new_server(answer.server_now)
-        except Exception:  # noqa: BLE001 (readiness must outlive what the dispatcher does)
-            loops.note("readiness")
+        return True
 
     def _let_go(self, asking: asyncio.Future[Answer]) -> None:
         """An unanswered probe: cancelled, kept referenced until it ends, its connection closed

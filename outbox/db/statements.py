@@ -15,8 +15,11 @@ from typing import Final
 
 # The channel dispatchers LISTEN on. Not outbox.enqueue but the trigger it fires,
 # operations_wake_dispatchers (outbox.wake_dispatchers(), sql/0029), notifies on it at the
-# producer's COMMIT, and only the first commit after a dispatcher marked itself (MARK_WAITING).
+# producer's COMMIT while a dispatcher is marked waiting (MARK_WAITING); where a synchronous
+# standby is named, only the first such commit, which takes the marks and says so with the
+# payload WAKE_TAKEN.
 ENQUEUE_CHANNEL: Final = "outbox_enqueue"
+WAKE_TAKEN: Final = "taken"
 
 # --- producer API -------------------------------------------------------------------------------
 

@@ -218,10 +218,10 @@ class ClaimScheduler:
         before, was_quiet = self._unnotified, self._quiet
         if not await self._mark():
             return False
-        # Claim again unless nothing can have slipped by: no commit woke no one since the last
-        # mark (counted only while marks are taken: since a mark was taken, the only way to be
-        # here with one to compare), none is becoming visible now, and none was at the last
-        # mark (it may have become visible after the claim that followed).
+        # Claim again unless nothing can have slipped by: the count of commits that woke no one
+        # has not moved since the last mark (commits are counted only where marks are taken;
+        # after an unmark `before` is None), no commit is becoming visible now, and none was at
+        # the last mark (it may have become visible after the claim that followed).
         return before is None or self._unnotified != before or not (self._quiet and was_quiet)
 
     async def _unmark_waiting(self) -> None:
