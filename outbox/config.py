@@ -378,8 +378,8 @@ class ProviderSettings:
     type: str = field(
         metadata=setting(
             ProviderType(),
-            'The provider\'s type: "webhook", "stripe", "noop", or the name a plug-in registers in '
-            "the entry point group outbox.providers.",
+            'The provider\'s type: "http", "webhook", "stripe", "noop", or the name a plug-in '
+            "registers in the entry point group outbox.providers.",
         )
     )
     key_retention: timedelta = field(
@@ -493,6 +493,25 @@ _MAX_RESPONSE_BYTES: Final = Setting(
     default=1 << 20,
 )
 
+_HEADERS: Final = Setting(
+    "headers",
+    Opaque("table of strings"),
+    "Headers sent with every request, in plain sight: a secret-looking one "
+    "(Authorization, *token*, Cookie...) is refused here.",
+    default=None,
+    default_doc="none",
+    env=False,
+)
+_SECRET_HEADERS: Final = Setting(
+    "secret_headers",
+    Opaque('table of `{env = "VAR"}` or `{file = "/path"}`'),
+    "Headers whose values are secrets, read from the environment or a file (under "
+    "systemd, relative to $CREDENTIALS_DIRECTORY) and never logged.",
+    default=None,
+    default_doc="none",
+    env=False,
+)
+
 # The options each built-in provider type reads (besides the keys of ProviderSettings), which
 # its factory (outbox.providers.registry) checks and reads; a plug-in's type takes any options.
 # On loading, only the values that are not text are read (so that the environment's text reads
@@ -505,30 +524,61 @@ PROVIDER_OPTIONS: Final[Mapping[str, tuple[Setting, ...]]] = MappingProxyType(
                 Opaque("`http://` or `https://` URL, no credentials"),
                 "Where each operation is POSTed.",
             ),
-            Setting(
-                "headers",
-                Opaque("table of strings"),
-                "Headers sent with every request, in plain sight: a secret-looking one "
-                "(Authorization, *token*, Cookie...) is refused here.",
-                default=None,
-                default_doc="none",
-                env=False,
-            ),
-            Setting(
-                "secret_headers",
-                Opaque('table of `{env = "VAR"}` or `{file = "/path"}`'),
-                "Headers whose values are secrets, read from the environment or a file (under "
-                "systemd, relative to $CREDENTIALS_DIRECTORY) and never logged.",
-                default=None,
-                default_doc="none",
-                env=False,
-            ),
+            _HEADERS,
+            _SECRET_HEADERS,
             Setting(
                 "reference_field",
                 Opaque("text"),
                 "The JSON field of a 2xx answer that identifies the effect (the operation's "
                 "provider_ref); without it, the idempotency key.",
                 default="id",
+            ),
+            _ALLOW_INSECURE,
+            _MAX_RESPONSE_BYTES,
+            Setting(
+                "lookup",
+                Opaque('table (docs/providers.md, "Lookups")'),
+                "How reconciliation asks the receiver whether an in-doubt operation's effect "
+                "exists (a path below the URL's origin, such as `/effects?key={key}`): without "
+                "one, a person decides.",
+                default=None,
+                default_doc="none",
+                env=False,
+            ),
+        ),
+        "http": (
+            Setting(
+                "base_url",
+                Opaque("`http://` or `https://` URL, no credentials, no query"),
+                "The API's scheme, host and optional path prefix; each action's path is below "
+                "it, and no payload value can change the host.",
+            ),
+            _HEADERS,
+            _SECRET_HEADERS,
+            Setting(
+                "key",
+                Opaque('table (docs/providers.md, "Keys")'),
+                "Where the idempotency key travels (a header, quoted or not, or a body field), "
+                "in which form, and the length and characters the provider takes; each action "
+                "may change it.",
+                default=None,
+                default_doc="the `Idempotency-Key` header, unquoted, as stored",
+                env=False,
+            ),
+            Setting(
+                "actions",
+                Opaque('table of actions (docs/providers.md, "Actions")'),
+                "Per action: method, path template, body, reference, key_retention, key, "
+                'status overrides and lookup. `"*"` takes any other action.',
+                env=False,
+            ),
+            Setting(
+                "outbox_headers",
+                Boolean(),
+                "Send the Outbox-Operation-Id, -Action, -Attempt, -Tenant-Id and "
+                "-Correlation-Id headers, as the webhook type does (a third party learns the "
+                "tenant ids from them).",
+                default=False,
             ),
             _ALLOW_INSECURE,
             _MAX_RESPONSE_BYTES,

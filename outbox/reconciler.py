@@ -29,7 +29,7 @@ from outbox.db.connect import connection_options, pin_search_path_async
 from outbox.db.store import Store
 from outbox.errors import SQLSTATE_OPERATOR_REFUSED
 from outbox.provider_limits import LookupPacer
-from outbox.providers.base import Lookup, LookupRequest, NotFound, Provider, Verdict
+from outbox.providers.base import Lookup, LookupRequest, NotFound, Provider, Verdict, asks
 
 ACTOR: Final = "outbox-reconciler"
 # A check rereads an operation at most this often: not-found is the usual answer, and each look
@@ -92,7 +92,7 @@ class Reconciler:
     ) -> list[dict[str, Any]]:
         """Reconciling operations to check (``operation_id``, ``ids`` or all), ``askable_only``:
         of providers with a lookup."""
-        names = [n for n, p in self._providers.items() if isinstance(p, Lookup) or not askable_only]
+        names = [n for n, p in self._providers.items() if asks(p) or not askable_only]
         # Operations asked for by id are checked whatever their provider: an unconfigured one
         # is then named in the finding rather than leaving an empty table.
         named = operation_id is not None or ids is not None
@@ -147,7 +147,7 @@ class Reconciler:
 
     async def claim(self, *, recheck_after: timedelta, limit: int) -> list[dict[str, Any]]:
         """Due checks of providers with a lookup, marked checked as they are taken."""
-        names = [n for n, p in self._providers.items() if isinstance(p, Lookup)]
+        names = [n for n, p in self._providers.items() if asks(p)]
         params = {"providers": names, "recheck_after": recheck_after, "limit": limit}
         return await self._rows(statements.CLAIM_CHECKS, params)
 
@@ -173,7 +173,7 @@ class Reconciler:
         provider = self._providers.get(row["provider"])
         if provider is None:
             return CheckResult(finding="no_lookup", error="not_configured", **base)
-        if not isinstance(provider, Lookup):
+        if not isinstance(provider, Lookup) or not asks(provider, row["action"]):
             return CheckResult(finding="no_lookup", **base)
         try:
             if "payload" not in row:  # listed without it (RECONCILING_TO_CHECK)

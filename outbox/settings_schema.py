@@ -294,7 +294,8 @@ class ProviderType(Kind[str]):
         if isinstance(value, str) and value.strip():
             return value
         raise where.error(
-            f'must name a provider type such as "webhook", "stripe" or "noop", not {show(value)}'
+            'must name a provider type such as "http", "webhook", "stripe" or "noop", '
+            f"not {show(value)}"
         )
 
 

@@ -141,15 +141,14 @@ class Pipeline:
         """The payload to send, or where the row goes instead of the provider."""
         row = flight.row
         # Never sent before (the common case): no window to close, no clock to read.
-        if row.first_sent_at is not None and self._rules.window(row.provider).has_passed(
-            row.first_sent_at, flight.db_now()
-        ):
+        window = self._rules.window(row.provider, row.action)
+        if row.first_sent_at is not None and window.has_passed(row.first_sent_at, flight.db_now()):
             return Aside(Status.RECONCILING, REASON_KEY_WINDOW)
         payload, problem = _decoded(row)
         if payload is None:
             failure = permanent("invalid_payload", problem or "the payload cannot be read")
             return Aside(Status.QUARANTINED, REASON_INVALID_PAYLOAD, failure)
-        problem = _check(provider, row.action, payload)
+        problem = _check(provider, row.action, payload, row.idempotency_key)
         if problem is not None:
             return Aside(Status.QUARANTINED, None, permanent("invalid_request", problem))
         return self._held_back(flight) or payload
@@ -261,10 +260,14 @@ def _decoded(row: Claimed) -> tuple[Mapping[str, Any] | None, str | None]:
         return None, str(exc)
 
 
-def _check(provider: Provider, action: str, payload: Mapping[str, Any]) -> str | None:
-    """Why this row can never be sent, or None. Never raises."""
+def _check(provider: Provider, action: str, payload: Mapping[str, Any], key: str) -> str | None:
+    """Why this row can never be sent, or None. Never raises. A provider may also declare
+    ``check_key(action, key)``, refusing a key it would refuse (too long for it)."""
+    check_key = getattr(provider, "check_key", None)
     try:
         provider.check(action, payload)
+        if check_key is not None:
+            check_key(action, key)
     except InvalidRequest as exc:
         return str(exc)
     except Exception as exc:  # noqa: BLE001 (a bad row must not stop the line)

@@ -116,7 +116,7 @@ class Recorder:
             max_attempts=row.max_attempts or settings.max_attempts,
             first_sent_at=row.first_sent_at or (row.claimed_at if reached else None),
             now=flight.db_now(),
-            window=self._shared.rules.window(row.provider),
+            window=self._shared.rules.window(row.provider, row.action),
             backoff=self._backoff,
             retry_after=result.retry_after,
             reconcile=result.reconcile,

@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Final
 
+from outbox.config import ConfigError
+from outbox.durations import format_duration
 from outbox.policy import KeyWindow
 from outbox.providers.base import Provider
 
@@ -26,21 +28,50 @@ class ProviderRules:
         retention_margin: timedelta,
         call_timeouts: Mapping[str, timedelta] | None = None,
     ) -> None:
-        # A provider's key retention is fixed: each window is made once.
+        # A provider's key retention is fixed: each window is made once. A provider may keep
+        # the keys of some actions longer or shorter (``action_key_retention``: PayPal's Orders
+        # for 6 hours, its Payments for 45 days).
         self._windows = {
             name: KeyWindow(p.key_retention, retention_margin) for name, p in providers.items()
         }
+        self._action_windows = {
+            (name, action): KeyWindow(retention, retention_margin)
+            for name, p in providers.items()
+            for action, retention in _action_retention(p).items()
+        }
+        for (name, action), window in self._action_windows.items():
+            if window.retention <= retention_margin:
+                raise ConfigError(
+                    f"providers.{name}.actions.{action}.key_retention "
+                    f"({format_duration(window.retention)}) must be longer than "
+                    f"dispatcher.retention_margin ({format_duration(retention_margin)})",
+                    key=f"providers.{name}.actions.{action}.key_retention",
+                )
         self._call_limits = {
             name: t.total_seconds() + CALL_GUARD_MARGIN for name, t in (call_timeouts or {}).items()
         }
 
-    def window(self, provider: str) -> KeyWindow:
-        return self._windows.get(provider, NO_WINDOW)
+    def window(self, provider: str, action: str | None = None) -> KeyWindow:
+        """The key window of ``provider``'s operations of ``action``."""
+        window = self._action_windows.get((provider, action or ""))
+        return window or self._windows.get(provider, NO_WINDOW)
 
     def closes_after(self) -> dict[str, timedelta]:
-        """Per provider, how long after the first send its key window closes (the gauges)."""
-        return {name: w.retention - w.margin for name, w in self._windows.items()}
+        """Per provider, how long after the first send its key window closes (the gauges): of a
+        provider whose actions differ, the shortest, so that the nearing-expiry gauge warns
+        early rather than late."""
+        closes = {name: w.retention - w.margin for name, w in self._windows.items()}
+        for (name, _), w in self._action_windows.items():
+            closes[name] = min(closes[name], w.retention - w.margin)
+        return closes
 
     def call_limit(self, provider: str) -> float | None:
         """Seconds one call may run before the guard cuts it off, or None: no guard."""
         return self._call_limits.get(provider)
+
+
+def _action_retention(provider: Provider) -> Mapping[str, timedelta]:
+    """The provider's ``action_key_retention``, where it declares one (docs/design.md,
+    "Provider interface")."""
+    declared = getattr(provider, "action_key_retention", None)
+    return dict(declared) if isinstance(declared, Mapping) else {}

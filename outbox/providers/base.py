@@ -211,3 +211,13 @@ class Lookup(Protocol):
         """The effect of any key generation of the operation, or what was searched in vain;
         raises if it cannot tell."""
         ...
+
+
+def asks(provider: object, action: str | None = None) -> bool:
+    """Whether reconciliation can ask ``provider`` about ``action``'s operations (None: about
+    any of them). A Lookup may declare ``looks_up(action: str | None) -> bool`` when only some
+    actions have a lookup (an `http` provider's); without it, every action has one."""
+    if not isinstance(provider, Lookup):
+        return False
+    looks_up = getattr(provider, "looks_up", None)
+    return True if looks_up is None else bool(looks_up(action))

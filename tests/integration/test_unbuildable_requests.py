@@ -25,7 +25,7 @@ import stripe
 from psycopg_pool import AsyncConnectionPool
 
 import outbox
-from outbox.providers import webhook as webhook_module
+from outbox.providers import http_wire
 from outbox.providers.base import Provider
 from outbox.testing.stripe import FakeStripe
 from outbox.testing.webhook import FakeWebhookReceiver
@@ -156,7 +156,7 @@ async def test_a_webhook_header_outbox_fails_to_encode_is_recorded_unsent(
 ) -> None:
     """The class, not the examples: with the tenant's encoding undone, httpx refuses "日本" and
     h11 "acme " while they are built. Both are recorded as not sent, naming the header."""
-    monkeypatch.setattr(webhook_module, "_header_safe", lambda value: value)
+    monkeypatch.setattr(http_wire, "header_safe", lambda value: value)
     with psycopg.connect(db_url) as conn:
         bad = [
             outbox.enqueue(

@@ -133,8 +133,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "send-key-window",
         "a row past its key window is sent instead of reconciled",
         PIPELINE,
-        "if row.first_sent_at is not None and self._rules.window(row.provider).has_passed(",
-        "if False and self._rules.window(row.provider).has_passed(",
+        "if row.first_sent_at is not None and window.has_passed("
+        "row.first_sent_at, flight.db_now()):",
+        "if False and window.has_passed(row.first_sent_at, flight.db_now()):",
         "tests/integration/test_dispatch.py::"
         "test_the_key_window_decides_between_resending_and_reconciling",
     ),
@@ -176,10 +177,10 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _one(
         "webhook-key",
-        "webhook calls carry another key than the operation's",
-        "outbox/providers/webhook.py",
-        '"Idempotency-Key": _sf_string(request.idempotency_key),',
-        '"Idempotency-Key": _sf_string(f"{request.idempotency_key}:{request.attempt}"),',
+        "webhook and http calls carry another key than the operation's",
+        "outbox/providers/http.py",
+        "headers[spec.key.header] = spec.key.header_value(wire)",
+        'headers[spec.key.header] = spec.key.header_value(f"{wire}:{request.attempt}")',
         "tests/integration/test_dispatch.py",
     ),
     _one(
@@ -483,9 +484,9 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "webhook-credentials-quarantine",
         "a webhook that refuses outbox's credentials quarantines the whole backlog",
-        "outbox/providers/webhook.py",
-        "        if status in _REFUSED_CREDENTIALS:\n            # Our secret headers",
-        "        if False:\n            # Our secret headers",
+        "outbox/providers/http_wire.py",
+        '    if status in REFUSED_CREDENTIALS:\n        return "credentials"',
+        '    if False:\n        return "credentials"',
         "tests/integration/test_webhook_credentials.py",
     ),
     _one(
@@ -499,7 +500,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "webhook-identity-header-unencoded",
         'a webhook operation of tenant "acme " (a space h11 refuses) is never delivered',
-        "outbox/providers/webhook.py",
+        "outbox/providers/http_wire.py",
         'and "%" not in value and value.strip(" ") == value:',
         ":",
         "tests/integration/test_unbuildable_requests.py",

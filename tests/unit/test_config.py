@@ -789,8 +789,8 @@ def test_more_settings_built_in_code_follow_the_same_rules(
         ),
         (
             lambda: ProviderSettings(name="a", type=" "),
-            'providers.a.type must name a provider type such as "webhook", "stripe" or "noop", '
-            'not " "',
+            'providers.a.type must name a provider type such as "http", "webhook", "stripe" or '
+            '"noop", not " "',
         ),
     ],
 )
@@ -1374,7 +1374,8 @@ def test_every_key_says_what_it_does() -> None:
         *(s for cls in TABLES.values() for s in settings_of(cls)),
         *(s for options in PROVIDER_OPTIONS.values() for s in options),
     ]
-    assert len(declared) == 1 + 8 + 14 + 4 + 6 + 8
+    # The webhook's 7, http's 8, stripe's 8 options.
+    assert len(declared) == 1 + 8 + 14 + 4 + 7 + 8 + 8
     for setting in declared:
         assert setting.doc.endswith("."), setting.name
         assert f"`{setting.name}" in reference(), setting.name

@@ -7,7 +7,8 @@ from datetime import timedelta
 import httpx
 
 from outbox.provider_limits import Breaker, State, Verdict, verdict
-from outbox.providers.base import Failed, SendRequest, transient, unknown
+from outbox.providers.base import Failed, transient, unknown
+from outbox.providers.http import _classify
 from outbox.providers.webhook import WebhookOptions, WebhookProvider
 
 FAILING, HEALTHY, NEUTRAL, REFUSED = (
@@ -165,10 +166,11 @@ def test_the_webhook_provider_says_which_failures_are_the_requests_own() -> None
     provider = WebhookProvider(
         "hook", WebhookOptions("http://x", timedelta(seconds=1), timedelta(hours=1))
     )
-    request = SendRequest(1, "t", "o", "k", "a", {}, "key", None, 1)
+    spec = provider.spec("a")
+    assert spec is not None
 
     def classify(status: int, **headers: str) -> Failed:
-        result = provider._classify_response(httpx.Response(status, headers=headers), request)
+        result = _classify(spec, httpx.Response(status, headers=headers), "key")
         assert isinstance(result, Failed)
         return result
 

@@ -1,0 +1,433 @@
+"""Reads an `http` provider's table (and the webhook preset's) into HttpOptions, checking every
+key so that a provider that starts can build each request it describes (docs/providers.md).
+
+Secrets come from the environment or files only: ``secret_headers`` are read here, and a plain
+header that looks like one is refused.
+"""
+
+from __future__ import annotations
+
+import re
+import urllib.parse
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any, Final
+
+from outbox.config import (
+    DEFAULT_MAX_RESPONSE_BYTES,
+    PROVIDER_KEYS,
+    PROVIDER_OPTIONS,
+    ConfigError,
+    ProviderSettings,
+    read_secret,
+)
+from outbox.providers.http import HttpOptions
+from outbox.providers.http_spec import (
+    CLASSES,
+    ActionSpec,
+    KeyForm,
+    KeySpec,
+    LookupSpec,
+    StatusRule,
+    Template,
+)
+from outbox.providers.json_pointer import Pointer, PointerError
+from outbox.providers.shards import connection_cap
+from outbox.settings_schema import Count, Duration, Where, file_keys
+
+_HTTP_KEYS: Final = tuple(file_keys(PROVIDER_OPTIONS["http"]))
+_METHODS: Final = ("GET", "POST", "PUT", "PATCH", "DELETE")
+_KEY_KEYS: Final = ("header", "field", "quoting", "form", "max_length", "characters")
+_ACTION_KEYS: Final = ("method", "path", "body", "reference", "key_retention", "key", "status",
+                       "lookup")  # fmt: skip
+_LOOKUP_KEYS: Final = ("method", "path", "found", "not_found", "items", "state", "done",
+                       "refused", "absent", "reference", "retention")  # fmt: skip
+_RULE_KEYS: Final = ("status", "at", "is")
+# The keys outbox derives (68 characters) and a later generation of one: a stored key form
+# must let them through, or every operation without a key of its own would be refused.
+_DERIVED_SAMPLES: Final = ("ob1_" + "0123456789abcdef" * 4, "ob1_" + "0123456789abcdef" * 4 + ":r9")
+
+
+def http_options(
+    ps: ProviderSettings, environ: Mapping[str, str] | None, *, concurrency: int
+) -> HttpOptions:
+    reject_unknown(ps, _HTTP_KEYS)
+    where = f"providers.{ps.name}"
+    base_url = ps.options.get("base_url")
+    if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
+        raise ConfigError(
+            f"{where}.base_url must be an http:// or https:// URL", key=f"{where}.base_url"
+        )
+    parts = urllib.parse.urlsplit(base_url)
+    if parts.query or parts.fragment or not parts.hostname:
+        raise ConfigError(
+            f"{where}.base_url must name a host, with no query or fragment", key=f"{where}.base_url"
+        )
+    headers, secrets = read_headers(ps, environ)
+    check_endpoint(
+        base_url, where, carries_secrets=bool(secrets), allow_insecure=allow_insecure(ps)
+    )
+    key = key_spec(ps.options.get("key", {}), KeySpec(), f"{where}.key")
+    actions = _table(ps.options.get("actions"), f"{where}.actions")
+    if not actions:
+        raise ConfigError(
+            f"{where}.actions must describe at least one action", key=f"{where}.actions"
+        )
+    specs = {
+        name: action_spec(
+            _table(table, f"{where}.actions.{name}"),
+            key,
+            ps.key_retention,
+            f"{where}.actions.{name}",
+        )
+        for name, table in actions.items()
+    }
+    return HttpOptions(
+        base_url=base_url,
+        timeout=ps.timeout,
+        key_retention=ps.key_retention,
+        actions=specs,
+        headers=headers,
+        secret_headers=secrets,
+        outbox_headers=_boolean(ps.options.get("outbox_headers", False), f"{where}.outbox_headers"),
+        max_connections=connection_cap(concurrency, ps.max_in_flight),
+        max_response_bytes=max_response_bytes(ps),
+    )
+
+
+def action_spec(
+    table: Mapping[str, Any], provider_key: KeySpec, retention: timedelta, where: str
+) -> ActionSpec:
+    _known(table, _ACTION_KEYS, where)
+    method = _method(table.get("method", "POST"), f"{where}.method")
+    target = _template(table.get("path"), f"{where}.path")
+    body_default: object = "" if method in ("POST", "PUT", "PATCH") else False
+    body_value = table.get("body", body_default)
+    body = None if body_value is False else _pointer(body_value, f"{where}.body")
+    if body is not None and method in ("GET", "DELETE"):
+        raise ConfigError(
+            f"{where}.body: a {method} request carries no body (body = false)", key=f"{where}.body"
+        )
+    key = key_spec(table.get("key", {}), provider_key, f"{where}.key")
+    if key.field is not None and body is None:
+        raise ConfigError(
+            f"{where}.key.field: the request has no body to carry the key", key=f"{where}.key.field"
+        )
+    keeps = retention
+    if "key_retention" in table:
+        keeps = Duration().read(table["key_retention"], Where(f"{where}.key_retention"))
+    spec = ActionSpec(
+        method=method,
+        target=target,
+        key=key,
+        key_retention=keeps,
+        body=body,
+        reference=_pointer(table.get("reference", "/id"), f"{where}.reference"),
+        rules=_rules(table.get("status", {}), f"{where}.status"),
+    )
+    if "lookup" not in table:
+        return spec
+    lookup = lookup_spec(_table(table["lookup"], f"{where}.lookup"), spec, f"{where}.lookup")
+    return ActionSpec(**{**_fields(spec), "lookup": lookup})
+
+
+def _fields(spec: ActionSpec) -> dict[str, Any]:
+    return {name: getattr(spec, name) for name in ActionSpec.__slots__}
+
+
+def lookup_spec(table: Mapping[str, Any], action: ActionSpec, where: str) -> LookupSpec:
+    _known(table, _LOOKUP_KEYS, where)
+    target = _template(table.get("path"), f"{where}.path")
+    found = _statuses(table.get("found", [200]), f"{where}.found")
+    not_found = _statuses(table.get("not_found", [404]), f"{where}.not_found")
+    if found & not_found:
+        raise ConfigError(
+            f"{where}: a status cannot mean both found and not found", key=f"{where}.found"
+        )
+    state = None if "state" not in table else _pointer(table["state"], f"{where}.state")
+    done = _words(table.get("done", []), f"{where}.done")
+    if state is not None and not done:
+        raise ConfigError(
+            f"{where}.done must name the states that mean the effect happened", key=f"{where}.done"
+        )
+    # By key, the lookup finds only what the provider still keeps by key; otherwise as long as
+    # it keeps its objects, unless the table says.
+    retention: timedelta | None = action.key_retention if target.uses_key else None
+    if "retention" in table:
+        retention = Duration().read(table["retention"], Where(f"{where}.retention"))
+    return LookupSpec(
+        method=_method(table.get("method", "GET"), f"{where}.method"),
+        target=target,
+        found=found,
+        not_found=not_found,
+        items=None if "items" not in table else _pointer(table["items"], f"{where}.items"),
+        state=state,
+        done=done,
+        refused=_words(table.get("refused", []), f"{where}.refused"),
+        absent=_words(table.get("absent", []), f"{where}.absent"),
+        reference=None
+        if "reference" not in table
+        else _pointer(table["reference"], f"{where}.reference"),
+        retention=retention,
+    )
+
+
+def key_spec(value: object, base: KeySpec, where: str) -> KeySpec:
+    """``base`` with the table's keys changed, checked: a key form whose keys the provider would
+    refuse is refused here, not at the provider."""
+    table = _table(value, where)
+    _known(table, _KEY_KEYS, where)
+    if "header" in table and "field" in table:
+        raise ConfigError(
+            f"{where}: the key travels in a header or a body field, not both", key=where
+        )
+    header, field = base.header, base.field
+    if "header" in table:
+        header, field = _header_name(table["header"], f"{where}.header"), None
+    if "field" in table:
+        header, field = None, _pointer(table["field"], f"{where}.field")
+        if not field.tokens:
+            raise ConfigError(
+                f"{where}.field must point into the body, not be it", key=f"{where}.field"
+            )
+    spec = KeySpec(
+        header=header,
+        field=field,
+        quoting=_choice(
+            table.get("quoting", base.quoting), ("none", "sf-string"), f"{where}.quoting"
+        ),
+        form=_choice(table.get("form", base.form), KeyForm.ALL, f"{where}.form"),
+        max_length=Count(most=4096).read(
+            table.get("max_length", base.max_length), Where(f"{where}.max_length")
+        ),
+        characters=_characters(table.get("characters", base.characters), f"{where}.characters"),
+    )
+    for sample in _DERIVED_SAMPLES:
+        problem = spec.problem(spec.wire(sample))
+        if problem is not None:
+            hint = ' (form = "uuid" writes each key as 36 characters of 0-9, a-f and "-")'
+            raise ConfigError(
+                f"{where}: outbox's derived keys would be refused: {problem}{hint}", key=where
+            )
+    return spec
+
+
+def _rules(value: object, where: str) -> dict[str, tuple[StatusRule, ...]]:
+    table = _table(value, where)
+    _known(table, CLASSES, where)
+    rules = {name: tuple(_rule(item, f"{where}.{name}") for item in _list(items, f"{where}.{name}"))
+             for name, items in table.items()}  # fmt: skip
+    seen: dict[StatusRule, str] = {}
+    for name, listed in rules.items():
+        for rule in listed:
+            if rule in seen:
+                raise ConfigError(
+                    f"{where}: the same answer is both {seen[rule]} and {name}", key=where
+                )
+            seen[rule] = name
+    return rules
+
+
+def _rule(value: object, where: str) -> StatusRule:
+    if not isinstance(value, Mapping):
+        return StatusRule(_status(value, where))
+    _known(value, _RULE_KEYS, where)
+    if ("at" in value) != ("is" in value):
+        raise ConfigError(
+            f"{where}: a rule names both at (a JSON pointer) and is (its values)", key=where
+        )
+    status = _status(value.get("status"), f"{where}.status")
+    if "at" not in value:
+        return StatusRule(status)
+    return StatusRule(
+        status, _pointer(value["at"], f"{where}.at"), _words(value["is"], f"{where}.is")
+    )
+
+
+# --- what the webhook preset shares ------------------------------------------------------------
+
+# A header field name (RFC 9110 token), and a value without CR, LF, NUL or other controls: a
+# CR/LF in a secret started the daemon fine, then every request failed to be built.
+_HEADER_NAME: Final = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_HEADER_VALUE_BAD: Final = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+_SECRET_HEADER: Final = re.compile(
+    r"authorization|cookie|api[-_]?key|token|secret|password", re.IGNORECASE
+)
+_LOOPBACK: Final = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
+
+
+def read_headers(
+    ps: ProviderSettings, environ: Mapping[str, str] | None
+) -> tuple[dict[str, str], dict[str, str]]:
+    """The plain headers and the secret ones, read from their sources, all checked."""
+    where = f"providers.{ps.name}"
+    secrets = _string_map(
+        ps.options.get("secret_headers", {}), f"{where}.secret_headers", allow_tables=True
+    )
+    headers = _string_map(ps.options.get("headers", {}), f"{where}.headers")
+    for name, value in headers.items():
+        check_header(name, value, f"{where}.headers.{name}")
+        if _SECRET_HEADER.search(name):  # secrets come from the environment or files only
+            raise ConfigError(
+                f"{where}.headers.{name} looks like a secret: move it to "
+                "secret_headers (read from the environment or a file)"
+            )
+    values = {
+        name: read_secret(spec, key=f"{where}.secret_headers.{name}", environ=environ)
+        for name, spec in secrets.items()
+    }
+    for name, value in values.items():
+        check_header(name, value, f"{where}.secret_headers.{name}")
+    return headers, values
+
+
+def check_header(name: str, value: str, key: str) -> None:
+    if not _HEADER_NAME.fullmatch(name):
+        raise ConfigError(f"{key}: {name!r} is not an HTTP header name", key=key)
+    if _HEADER_VALUE_BAD.search(value) or not value.isascii():  # never quoted: it may be secret
+        raise ConfigError(
+            f"{key}: the value holds a line break, a control character or "
+            "non-ASCII text, which no HTTP header may carry",
+            key=key,
+        )
+
+
+def check_endpoint(url: str, where: str, *, carries_secrets: bool, allow_insecure: bool) -> None:
+    """No credentials in the URL; no secret over clear text to another host."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.username is not None or parts.password is not None:
+        raise ConfigError(
+            f"{where}.url holds credentials (user:password@): put them in "
+            "secret_headers instead, where they are never logged"
+        )
+    host = (parts.hostname or "").lower()
+    if carries_secrets and parts.scheme == "http" and host not in _LOOPBACK and not allow_insecure:
+        raise ConfigError(
+            f"{where}: http:// to {host}, and the requests carry secrets in "
+            "clear text: use https://, or set allow_insecure = true"
+        )
+
+
+def allow_insecure(ps: ProviderSettings) -> bool:
+    return _boolean(ps.options.get("allow_insecure", False), f"providers.{ps.name}.allow_insecure")
+
+
+def max_response_bytes(ps: ProviderSettings) -> int:
+    """The provider's cap on one answer's bytes. A config file's value was checked on loading
+    (outbox.config); this checks settings built in Python."""
+    value = ps.options.get("max_response_bytes", DEFAULT_MAX_RESPONSE_BYTES)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(
+            f"providers.{ps.name}.max_response_bytes must be a positive integer (bytes), "
+            f"not {value!r}",
+            key=f"providers.{ps.name}.max_response_bytes",
+        )
+    return value
+
+
+def reject_unknown(ps: ProviderSettings, valid: tuple[str, ...]) -> None:
+    for key in ps.options:
+        if key not in valid:
+            allowed = ", ".join((*PROVIDER_KEYS, *valid))
+            raise ConfigError(
+                f"providers.{ps.name}.{key} is not a {ps.type} provider setting; valid: {allowed}"
+            )
+
+
+# --- values ------------------------------------------------------------------------------------
+
+
+def _string_map(value: object, where: str, *, allow_tables: bool = False) -> dict[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where} must be a table")
+    for key, item in value.items():
+        if not (isinstance(item, str) or (allow_tables and isinstance(item, Mapping))):
+            raise ConfigError(f"{where}.{key} must be a string")
+    return dict(value)
+
+
+def _table(value: object, where: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where} must be a table", key=where)
+    return value
+
+
+def _list(value: object, where: str) -> list[Any]:
+    if not isinstance(value, list | tuple):
+        raise ConfigError(f"{where} must be an array", key=where)
+    return list(value)
+
+
+def _known(table: Mapping[str, Any], valid: tuple[str, ...], where: str) -> None:
+    for key in table:
+        if key not in valid:
+            raise ConfigError(
+                f"{where}.{key} is no setting here; valid: {', '.join(valid)}", key=f"{where}.{key}"
+            )
+
+
+def _boolean(value: object, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where} must be true or false", key=where)
+    return value
+
+
+def _method(value: object, where: str) -> str:
+    return _choice(value, _METHODS, where)
+
+
+def _choice(value: object, valid: tuple[str, ...], where: str) -> str:
+    if value not in valid:
+        raise ConfigError(f"{where} must be one of {', '.join(valid)}, not {value!r}", key=where)
+    return str(value)
+
+
+def _template(value: object, where: str) -> Template:
+    if not isinstance(value, str):
+        raise ConfigError(f"{where} is required: the request's path below base_url", key=where)
+    try:
+        return Template.parse(value)
+    except (ValueError, PointerError) as exc:
+        raise ConfigError(f"{where}: {exc}", key=where) from None
+
+
+def _pointer(value: object, where: str) -> Pointer:
+    if not isinstance(value, str):
+        raise ConfigError(f'{where} must be a JSON pointer such as "/id"', key=where)
+    try:
+        return Pointer.parse(value)
+    except PointerError as exc:
+        raise ConfigError(f"{where}: {exc}", key=where) from None
+
+
+def _header_name(value: object, where: str) -> str:
+    if not isinstance(value, str) or not _HEADER_NAME.fullmatch(value):
+        raise ConfigError(f"{where} must be an HTTP header name", key=where)
+    return value
+
+
+def _characters(value: object, where: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f'{where} must be a character class such as "A-Za-z0-9_-"', key=where)
+    try:
+        re.compile(f"[{value}]+")
+    except re.error as exc:
+        raise ConfigError(f"{where}: not a character class ({exc})", key=where) from None
+    return value
+
+
+def _status(value: object, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 100 <= value <= 599:
+        raise ConfigError(f"{where} must hold HTTP statuses (100 to 599), not {value!r}", key=where)
+    return value
+
+
+def _statuses(value: object, where: str) -> frozenset[int]:
+    return frozenset(_status(item, where) for item in _list(value, where))
+
+
+def _words(value: object, where: str) -> frozenset[str]:
+    items = _list(value, where)
+    if not all(isinstance(item, str | int) and not isinstance(item, bool) for item in items):
+        raise ConfigError(f"{where} must be an array of strings", key=where)
+    return frozenset(str(item) for item in items)

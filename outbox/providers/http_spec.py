@@ -1,0 +1,236 @@
+"""What an `http` provider sends for each action, and how it reads the answers: the parsed form
+of its configuration (outbox.providers.http_config reads it; docs/providers.md documents it).
+
+Pure: no I/O. Everything here is checked when the configuration is read, so that a provider
+that starts can build every request its configuration describes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import urllib.parse
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Final
+
+from outbox.providers.base import InvalidRequest
+from outbox.providers.json_pointer import MISSING, Pointer
+
+ANY_ACTION: Final = "*"
+# The longest text a payload field may put into a URL: far past any identifier, far below what
+# a server takes in a request line.
+MAX_PLACEHOLDER_CHARS: Final = 1024
+_PLACEHOLDER: Final = re.compile(r"\{([^{}]*)\}")
+# What a template's literal text may hold: RFC 3986 path and query characters (no "#", no
+# space, no "\\", which some servers read as "/").
+_LITERAL: Final = re.compile(r"[A-Za-z0-9\-._~!$&'()*+,;=:@/?%]*")
+
+
+class KeyForm:
+    """How the stored idempotency key is written on the wire."""
+
+    STORED: Final = "stored"  # as outbox holds it (derived keys are 68 characters)
+    UUID: Final = "uuid"  # an RFC 9562 version 8 UUID of its SHA-256: 36 characters
+    SHA256: Final = "sha256"  # its SHA-256 in hex: 64 characters
+    ALL: Final = (STORED, UUID, SHA256)
+
+
+@dataclass(frozen=True, slots=True)
+class KeySpec:
+    """Where the key travels and what the provider takes. ``header`` or ``field`` (a JSON
+    pointer into the body), never both; ``characters`` is a regular-expression class body."""
+
+    header: str | None = "Idempotency-Key"
+    field: Pointer | None = None
+    quoting: str = "none"  # "none" or "sf-string" (RFC 8941, as the IETF draft wants)
+    form: str = KeyForm.STORED
+    max_length: int = 255
+    characters: str = "!-~"
+
+    def wire(self, stored: str) -> str:
+        """The key as the provider receives it: a pure function of the stored key, so every
+        attempt of a generation carries the same one and each generation its own."""
+        if self.form == KeyForm.STORED:
+            return stored
+        digest = hashlib.sha256(stored.encode()).digest()
+        if self.form == KeyForm.SHA256:
+            return digest.hex()
+        raw = bytearray(digest[:16])
+        raw[6] = (raw[6] & 0x0F) | 0x80  # version 8: custom (RFC 9562 section 5.8)
+        raw[8] = (raw[8] & 0x3F) | 0x80  # the RFC's variant
+        text = raw.hex()
+        return f"{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:]}"
+
+    def problem(self, wire: str) -> str | None:
+        """Why the provider would refuse this key, or None."""
+        if len(wire) > self.max_length:
+            return (
+                f"the idempotency key is {len(wire)} characters; "
+                f"the provider takes at most {self.max_length}"
+            )
+        if not re.fullmatch(f"[{self.characters}]+", wire):
+            return (
+                "the idempotency key holds characters the provider does not take "
+                f"(it takes [{self.characters}])"
+            )
+        return None
+
+    def header_value(self, wire: str) -> str:
+        if self.quoting == "sf-string":
+            return '"' + wire.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return wire
+
+
+@dataclass(frozen=True, slots=True)
+class Template:
+    """A request target below the base URL: literal text and placeholders, each ``("", text)``
+    or ``(kind, name)`` with kind "key", "operation_id" or "payload" (a JSON pointer)."""
+
+    text: str
+    parts: tuple[tuple[str, str], ...]
+
+    @classmethod
+    def parse(cls, text: str) -> Template:
+        if not text.startswith("/"):
+            raise ValueError(f"{text!r} must start with '/': a path below base_url")
+        parts: list[tuple[str, str]] = []
+        at = 0
+        for match in _PLACEHOLDER.finditer(text):
+            parts.append(("", text[at : match.start()]))
+            parts.append(_placeholder(match.group(1)))
+            at = match.end()
+        parts.append(("", text[at:]))
+        for kind, literal in parts:
+            if not kind and not _LITERAL.fullmatch(literal):
+                raise ValueError(f"{text!r} holds characters a URL cannot carry as they are")
+        if text.startswith("//"):
+            raise ValueError(f"{text!r} would name another host")
+        return cls(text, tuple(p for p in parts if p != ("", "")))
+
+    @classmethod
+    def literal(cls, text: str) -> Template:
+        """A fixed target, taken as it is (the webhook preset's URL path and query)."""
+        return cls(text, (("", text),))
+
+    @property
+    def uses_key(self) -> bool:
+        return any(kind == "key" for kind, _ in self.parts)
+
+    def pointers(self) -> list[Pointer]:
+        return [Pointer.parse(name) for kind, name in self.parts if kind == "payload"]
+
+    def render(self, payload: Mapping[str, Any], *, key: str, operation_id: int) -> str:
+        """The target with each placeholder's value percent-encoded whole, so no value can add a
+        path segment, a query or a fragment. Raises InvalidRequest for a payload without a
+        value the template needs."""
+        out: list[str] = []
+        for kind, name in self.parts:
+            if not kind:
+                out.append(name)
+            elif kind == "key":
+                out.append(urllib.parse.quote(key, safe=""))
+            elif kind == "operation_id":
+                out.append(str(operation_id))
+            else:
+                out.append(urllib.parse.quote(segment(payload, name), safe=""))
+        return "".join(out)
+
+
+def _placeholder(name: str) -> tuple[str, str]:
+    if name in ("key", "operation_id"):
+        return name, name
+    if name.startswith("/"):
+        Pointer.parse(name)
+        return "payload", name
+    raise ValueError(
+        f"{{{name}}} is no placeholder: use {{key}}, {{operation_id}} or a JSON pointer into "
+        "the payload such as {/order_id}"
+    )
+
+
+def segment(payload: Mapping[str, Any], pointer: str) -> str:
+    """The payload's text at ``pointer`` for a URL: a non-empty string or an integer. "." and
+    ".." are refused, since a server or proxy may resolve them as path steps."""
+    value = Pointer.parse(pointer).read(payload)
+    if value is MISSING:
+        raise InvalidRequest(f"the payload has no {pointer}, which the request's URL needs")
+    if isinstance(value, bool) or not isinstance(value, str | int):
+        raise InvalidRequest(f"the payload's {pointer} is no string or integer, for the URL")
+    text = str(value)
+    if not text or text in (".", "..") or len(text) > MAX_PLACEHOLDER_CHARS:
+        raise InvalidRequest(
+            f"the payload's {pointer} cannot stand in a URL (empty, a dot step or too long)"
+        )
+    return text
+
+
+@dataclass(frozen=True, slots=True)
+class StatusRule:
+    """An answer's status, and optionally a value of its JSON body (``at``, among ``values``):
+    PayPal says "already captured" as 422 with a detail, Adyen "refused" as 200 with a
+    resultCode."""
+
+    status: int
+    at: Pointer | None = None
+    values: frozenset[str] = frozenset()
+
+    def matches(self, status: int, body: Any) -> bool:
+        if status != self.status:
+            return False
+        if self.at is None:
+            return True
+        value = self.at.read(body)
+        return (
+            isinstance(value, str | int)
+            and not isinstance(value, bool)
+            and str(value) in self.values
+        )
+
+
+# The classes an action's status overrides name, in the order they are tried: what each means is
+# in docs/providers.md ("Answers").
+CLASSES: Final = ("done", "refused", "in_use", "transient", "unknown", "permanent")
+
+
+@dataclass(frozen=True, slots=True)
+class LookupSpec:
+    """How to ask the provider for an operation's effect, and how to read the answer."""
+
+    method: str
+    target: Template
+    found: frozenset[int] = frozenset({200})
+    not_found: frozenset[int] = frozenset({404})
+    items: Pointer | None = None  # an array of candidates in the answer (a list endpoint)
+    state: Pointer | None = None
+    done: frozenset[str] = frozenset()
+    refused: frozenset[str] = frozenset()
+    absent: frozenset[str] = frozenset()  # the object exists, the effect did not happen
+    reference: Pointer | None = None
+    # How long after the first send the provider can still find the effect: past it, "not
+    # found" proves nothing. None: as long as the provider keeps its objects.
+    retention: timedelta | None = None
+
+
+WHOLE: Final = Pointer("", ())  # the whole payload
+ID: Final = Pointer("/id", ("id",))
+
+
+@dataclass(frozen=True, slots=True)
+class ActionSpec:
+    method: str
+    target: Template
+    key: KeySpec
+    key_retention: timedelta
+    body: Pointer | None = WHOLE  # None: no body
+    reference: Pointer = ID
+    rules: Mapping[str, tuple[StatusRule, ...]] = field(default_factory=dict)
+    lookup: LookupSpec | None = None
+
+    def classify(self, status: int, body: Any) -> str | None:
+        """The configured class of an answer, or None: the default classification."""
+        for name in CLASSES:
+            if any(rule.matches(status, body) for rule in self.rules.get(name, ())):
+                return name
+        return None
