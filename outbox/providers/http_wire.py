@@ -161,7 +161,11 @@ def request_id(response: httpx.Response) -> str | None:
 
 
 def retry_after(response: httpx.Response) -> timedelta | None:
-    value = response.headers.get("retry-after")
+    return retry_after_value(response.headers.get("retry-after"))
+
+
+def retry_after_value(value: str | None) -> timedelta | None:
+    """A Retry-After header's delay, at most MAX_RETRY_AFTER; None when absent or unreadable."""
     if not value:
         return None
     if _SECONDS.fullmatch(value.strip()):

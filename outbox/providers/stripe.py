@@ -34,7 +34,7 @@ import stripe
 
 from outbox import payloads
 from outbox.config import DEFAULT_CONCURRENCY, DEFAULT_MAX_RESPONSE_BYTES
-from outbox.providers import building, stripe_states
+from outbox.providers import building, http_wire, stripe_states
 from outbox.providers.answers import (
     MAX_BYTES_EXTENSION,
     AnswerLimits,
@@ -230,7 +230,9 @@ class StripeProvider:
         return account if isinstance(account, str) else self._options.stripe_account
 
     async def send(self, request: SendRequest) -> SendResult:
-        act = ACTIONS[request.action]
+        act = ACTIONS.get(request.action)
+        if act is None:  # check() refuses it first; send never raises all the same
+            return building.unsendable(f"Stripe has no action {request.action!r} in outbox")
         # What cannot be built is recorded as not sent (outbox.providers.building): a key no
         # request can carry (an empty one the SDK would leave out), a payload the form cannot
         # hold, a value the SDK, httpx or h11 refuses before anything is written.
@@ -550,8 +552,15 @@ def classify(exc: stripe.StripeError) -> Failed:  # noqa: PLR0911 (a decision ta
         # The key is in use by a request still running, the object is locked (lock_timeout),
         # or this account is rate limited: Stripe did not act, whatever Should-Retry says, and
         # said nothing of its health. Retried without spending the attempt budget.
+        # A Retry-After (from Stripe or a proxy before it) is a floor for the backoff.
+        headers = {k.lower(): v for k, v in (exc.headers or {}).items()}
         return transient(
-            _error_class(exc), message, request_only=True, spends_attempt=False, **details
+            _error_class(exc),
+            message,
+            request_only=True,
+            spends_attempt=False,
+            retry_after=http_wire.retry_after_value(headers.get("retry-after")),
+            **details,
         )
     if status == 500:
         replayed = (exc.headers or {}).get("idempotent-replayed") == "true"
