@@ -19,7 +19,12 @@ from outbox.dispatch.recorder import Recorder
 from outbox.dispatch.shared import Shared
 from outbox.durations import format_duration
 from outbox.model import Status
-from outbox.policy import REASON_INTERNAL_ERROR, REASON_INVALID_PAYLOAD, REASON_KEY_WINDOW
+from outbox.policy import (
+    REASON_INDETERMINATE,
+    REASON_INTERNAL_ERROR,
+    REASON_INVALID_PAYLOAD,
+    REASON_KEY_WINDOW,
+)
 from outbox.providers.base import (
     Failed,
     InvalidRequest,
@@ -144,6 +149,10 @@ class Pipeline:
         window = self._rules.window(row.provider, row.action)
         if row.first_sent_at is not None and window.has_passed(row.first_sent_at, flight.db_now()):
             return Aside(Status.RECONCILING, REASON_KEY_WINDOW)
+        if row.first_sent_at is not None and not _resends(provider, row.action):
+            # It may have reached a provider that keeps no answer but a success under the key
+            # (a crash after sending, then the lease taken back): reconciliation decides.
+            return Aside(Status.RECONCILING, REASON_INDETERMINATE)
         payload, problem = _decoded(row)
         if payload is None:
             failure = permanent("invalid_payload", problem or "the payload cannot be read")
@@ -258,6 +267,13 @@ def _decoded(row: Claimed) -> tuple[Mapping[str, Any] | None, str | None]:
         return payloads.carried(row.payload), None
     except payloads.InvalidPayload as exc:
         return None, str(exc)
+
+
+def _resends(provider: Provider, action: str) -> bool:
+    """Whether the provider's key makes a resend of ``action`` safe inside the key window
+    (``retries_unknown``, docs/design.md "Provider interface"; true where undeclared)."""
+    retries = getattr(provider, "retries_unknown", None)
+    return True if retries is None else bool(retries(action))
 
 
 def _check(provider: Provider, action: str, payload: Mapping[str, Any], key: str) -> str | None:

@@ -13,6 +13,7 @@ with the key written into it, is written exactly from the decoded payload (numbe
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -22,6 +23,7 @@ import httpx
 
 from outbox import payloads
 from outbox.config import DEFAULT_CONCURRENCY, DEFAULT_MAX_RESPONSE_BYTES
+from outbox.model import FailureClass
 from outbox.providers import building, http_wire
 from outbox.providers.answers import AnswerLimits, AnswerRefused, Tally, reference
 from outbox.providers.base import (
@@ -165,6 +167,14 @@ class HttpProvider:
         spec = self.spec(request.action)
         if spec is None:
             return building.unsendable(f"provider {self._name} has no action {request.action!r}")
+        result = await self._send(spec, request)
+        if not spec.retry_unknown and isinstance(result, Failed) and _unknown(result):
+            # The provider keeps no answer but a success under the key: a retry could act
+            # twice, so reconciliation decides (docs/providers.md, "retry_unknown").
+            return dataclasses.replace(result, reconcile=True)
+        return result
+
+    async def _send(self, spec: ActionSpec, request: SendRequest) -> SendResult:
         with self._shards.take() as client:
             built = self._build(client, spec, request)
             if not isinstance(built, httpx.Request):
@@ -241,6 +251,12 @@ class HttpProvider:
             asker = Asker(client, self._base, spec, request)
             return await look_up(asker)
 
+    def retries_unknown(self, action: str) -> bool:
+        """Whether an operation of ``action`` that may have reached the provider may be sent
+        again inside its key window (``retry_unknown``)."""
+        spec = self.spec(action)
+        return spec is None or spec.retry_unknown
+
     def looks_up(self, action: str | None) -> bool:
         """Whether reconciliation can ask about this action's operations (None: any action's)."""
         if action is None:
@@ -251,6 +267,10 @@ class HttpProvider:
     async def aclose(self) -> None:
         for client in self._shards.clients:
             await client.aclose()
+
+
+def _unknown(result: Failed) -> bool:
+    return result.failure is FailureClass.UNKNOWN and not result.not_sent
 
 
 def _body(spec: ActionSpec, request: SendRequest, wire: str) -> bytes | None:

@@ -39,9 +39,9 @@ _HTTP_KEYS: Final = tuple(file_keys(PROVIDER_OPTIONS["http"]))
 _METHODS: Final = ("GET", "POST", "PUT", "PATCH", "DELETE")
 _KEY_KEYS: Final = ("header", "field", "quoting", "form", "max_length", "characters")
 _ACTION_KEYS: Final = ("method", "path", "body", "reference", "key_retention", "key", "status",
-                       "lookup")  # fmt: skip
+                       "lookup", "retry_unknown")  # fmt: skip
 _LOOKUP_KEYS: Final = ("method", "path", "found", "not_found", "items", "state", "done",
-                       "refused", "absent", "reference", "retention")  # fmt: skip
+                       "refused", "absent", "reference", "retention", "match")  # fmt: skip
 _RULE_KEYS: Final = ("status", "at", "is")
 # The keys outbox derives (68 characters) and a later generation of one: a stored key form
 # must let them through, or every operation without a key of its own would be refused.
@@ -124,6 +124,7 @@ def action_spec(
         body=body,
         reference=_pointer(table.get("reference", "/id"), f"{where}.reference"),
         rules=_rules(table.get("status", {}), f"{where}.status"),
+        retry_unknown=_boolean(table.get("retry_unknown", True), f"{where}.retry_unknown"),
     )
     if "lookup" not in table:
         return spec
@@ -155,7 +156,10 @@ def lookup_spec(table: Mapping[str, Any], action: ActionSpec, where: str) -> Loo
     retention: timedelta | None = action.key_retention if target.uses_key else None
     if "retention" in table:
         retention = Duration().read(table["retention"], Where(f"{where}.retention"))
+    match_at, match = _match(table.get("match"), f"{where}.match")
     return LookupSpec(
+        match_at=match_at,
+        match=match,
         method=_method(table.get("method", "GET"), f"{where}.method"),
         target=target,
         found=found,
@@ -170,6 +174,22 @@ def lookup_spec(table: Mapping[str, Any], action: ActionSpec, where: str) -> Loo
         else _pointer(table["reference"], f"{where}.reference"),
         retention=retention,
     )
+
+
+def _match(value: object, where: str) -> tuple[Pointer | None, Template | None]:
+    """``match = { at = "/reference", is = "{/reference}" }``: the candidate's value that must
+    equal the payload's (or the key's, ``{key}``)."""
+    if value is None:
+        return None, None
+    table = _table(value, where)
+    _known(table, ("at", "is"), where)
+    if not isinstance(table.get("is"), str) or "at" not in table:
+        raise ConfigError(f"{where} names at (a JSON pointer) and is (a text)", key=where)
+    try:
+        expected = Template.parse(table["is"], target=False)
+    except (ValueError, PointerError) as exc:
+        raise ConfigError(f"{where}.is: {exc}", key=f"{where}.is") from None
+    return _pointer(table["at"], f"{where}.at"), expected
 
 
 def key_spec(value: object, base: KeySpec, where: str) -> KeySpec:

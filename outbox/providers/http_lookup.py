@@ -92,7 +92,22 @@ async def _ask(asker: Asker, lookup: LookupSpec, target: str, key: str) -> list[
     items: Any = [body] if lookup.items is None else lookup.items.read(body)
     if not isinstance(items, list) or len(items) > MAX_CANDIDATES:
         raise LookupFailed(f"HTTP {status}: no list of at most {MAX_CANDIDATES} at {lookup.items}")
-    return [_candidate(asker.spec, lookup, item, key) for item in items]
+    return [
+        _candidate(asker.spec, lookup, item, key)
+        for item in items
+        if _matches(lookup, item, asker.request, key)
+    ]
+
+
+def _matches(lookup: LookupSpec, item: Any, request: LookupRequest, key: str) -> bool:
+    """Whether a candidate is of this operation, where the lookup says how to tell."""
+    if lookup.match_at is None or lookup.match is None:
+        return True
+    expected = lookup.match.render(
+        request.payload, key=key, operation_id=request.operation_id, escape=False
+    )
+    value = lookup.match_at.read(item)
+    return isinstance(value, str | int) and not isinstance(value, bool) and str(value) == expected
 
 
 def _candidate(spec: ActionSpec, lookup: LookupSpec, item: Any, key: str) -> _Candidate:

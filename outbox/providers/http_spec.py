@@ -7,6 +7,7 @@ that starts can build every request its configuration describes.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 import urllib.parse
@@ -92,9 +93,23 @@ class Template:
     parts: tuple[tuple[str, str], ...]
 
     @classmethod
-    def parse(cls, text: str) -> Template:
+    def parse(cls, text: str, *, target: bool = True) -> Template:
+        """``text`` as a request target (``target``), or as a value to compare (a lookup's
+        ``match``: any text)."""
+        if not target:
+            return cls(text, cls._parts(text))
         if not text.startswith("/"):
             raise ValueError(f"{text!r} must start with '/': a path below base_url")
+        parts = cls._parts(text)
+        for kind, literal in parts:
+            if not kind and not _LITERAL.fullmatch(literal):
+                raise ValueError(f"{text!r} holds characters a URL cannot carry as they are")
+        if text.startswith("//"):
+            raise ValueError(f"{text!r} would name another host")
+        return cls(text, parts)
+
+    @staticmethod
+    def _parts(text: str) -> tuple[tuple[str, str], ...]:
         parts: list[tuple[str, str]] = []
         at = 0
         for match in _PLACEHOLDER.finditer(text):
@@ -102,12 +117,7 @@ class Template:
             parts.append(_placeholder(match.group(1)))
             at = match.end()
         parts.append(("", text[at:]))
-        for kind, literal in parts:
-            if not kind and not _LITERAL.fullmatch(literal):
-                raise ValueError(f"{text!r} holds characters a URL cannot carry as they are")
-        if text.startswith("//"):
-            raise ValueError(f"{text!r} would name another host")
-        return cls(text, tuple(p for p in parts if p != ("", "")))
+        return tuple(p for p in parts if p != ("", ""))
 
     @classmethod
     def literal(cls, text: str) -> Template:
@@ -121,20 +131,24 @@ class Template:
     def pointers(self) -> list[Pointer]:
         return [Pointer.parse(name) for kind, name in self.parts if kind == "payload"]
 
-    def render(self, payload: Mapping[str, Any], *, key: str, operation_id: int) -> str:
-        """The target with each placeholder's value percent-encoded whole, so no value can add a
-        path segment, a query or a fragment. Raises InvalidRequest for a payload without a
-        value the template needs."""
+    def render(
+        self, payload: Mapping[str, Any], *, key: str, operation_id: int, escape: bool = True
+    ) -> str:
+        """The target with each placeholder's value percent-encoded whole (``escape``), so no
+        value can add a path segment, a query or a fragment. Raises InvalidRequest for a
+        payload without a value the template needs."""
         out: list[str] = []
         for kind, name in self.parts:
             if not kind:
                 out.append(name)
-            elif kind == "key":
-                out.append(urllib.parse.quote(key, safe=""))
+                continue
+            if kind == "key":
+                value = key
             elif kind == "operation_id":
-                out.append(str(operation_id))
+                value = str(operation_id)
             else:
-                out.append(urllib.parse.quote(segment(payload, name), safe=""))
+                value = segment(payload, name)
+            out.append(urllib.parse.quote(value, safe="") if escape else value)
         return "".join(out)
 
 
@@ -150,10 +164,15 @@ def _placeholder(name: str) -> tuple[str, str]:
     )
 
 
+@functools.lru_cache(maxsize=1024)
+def _parsed(text: str) -> Pointer:
+    return Pointer.parse(text)
+
+
 def segment(payload: Mapping[str, Any], pointer: str) -> str:
     """The payload's text at ``pointer`` for a URL: a non-empty string or an integer. "." and
     ".." are refused, since a server or proxy may resolve them as path steps."""
-    value = Pointer.parse(pointer).read(payload)
+    value = _parsed(pointer).read(payload)
     if value is MISSING:
         raise InvalidRequest(f"the payload has no {pointer}, which the request's URL needs")
     if isinstance(value, bool) or not isinstance(value, str | int):
@@ -208,6 +227,10 @@ class LookupSpec:
     refused: frozenset[str] = frozenset()
     absent: frozenset[str] = frozenset()  # the object exists, the effect did not happen
     reference: Pointer | None = None
+    # A candidate counts only where its value at ``match_at`` is ``match`` filled in: a list
+    # endpoint that ignored its filter must not hand over someone else's effect.
+    match_at: Pointer | None = None
+    match: Template | None = None
     # How long after the first send the provider can still find the effect: past it, "not
     # found" proves nothing. None: as long as the provider keeps its objects.
     retention: timedelta | None = None
@@ -227,6 +250,10 @@ class ActionSpec:
     reference: Pointer = ID
     rules: Mapping[str, tuple[StatusRule, ...]] = field(default_factory=dict)
     lookup: LookupSpec | None = None
+    # False for a provider that keeps no answer but a success under the key (Checkout.com): a
+    # retry after a 500 that followed the effect would make a second one, so every unknown
+    # outcome goes straight to reconciliation instead of being retried.
+    retry_unknown: bool = True
 
     def classify(self, status: int, body: Any) -> str | None:
         """The configured class of an answer, or None: the default classification."""

@@ -22,6 +22,7 @@ from outbox.providers.http_config import http_options
 from outbox.providers.http_spec import KeyForm, KeySpec, Template
 from outbox.providers.json_pointer import MISSING, Pointer, PointerError
 from outbox.providers.registry import build_providers
+from tests.support.recipes import built, provider_table, recipes, secret_variables
 
 DERIVED = "ob1_" + "ab" * 32
 
@@ -222,3 +223,18 @@ def test_a_lookup_by_key_proves_nothing_past_the_keys_retention_by_default() -> 
     assert pay.lookup.retention == timedelta(days=7)
     assert by_ref.lookup is not None and by_ref.lookup.retention is None
     assert p.looks_up("pay") and p.looks_up(None) and not p.looks_up("other")
+
+
+def test_every_recipe_of_the_docs_builds_and_names_its_key_window() -> None:
+    found = recipes()
+    assert set(found) == {"paypal", "adyen", "checkout", "square", "internal"}
+    for recipe in found:
+        name, table = provider_table(recipe)
+        assert "key_retention" in table, f"recipe {recipe} leaves its key window to the default"
+        built_provider = built(name, table, secret_variables(table), {"retention_margin": "1h"})
+        assert built_provider.actions, recipe
+        for action in built_provider.actions:
+            spec = built_provider.spec(action)
+            assert spec is not None
+            # outbox's derived keys (68 characters) fit every recipe's provider as configured.
+            assert spec.key.problem(spec.key.wire(DERIVED + ":r2")) is None, (recipe, action)
