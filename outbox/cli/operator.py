@@ -270,8 +270,8 @@ def _check_note(result: reconciler.CheckResult, dry_run: bool) -> str:
         )
     if result.finding == "no_lookup":
         return (
-            "this provider cannot be asked: check with its owner, then `reconcile resolve`, "
-            "or `reconcile retry --force` if it never acted"
+            "this provider has no lookup for this action: check with its owner, then "
+            "`reconcile resolve`, or `reconcile retry --force` if it never acted"
         )
     if result.finding == "error":
         return f"the look-up failed ({result.error}); nothing recorded"

@@ -625,4 +625,58 @@ MUTANTS: tuple[Mutant, ...] = (
         "    if False:\n",
         "tests/unit/test_policy.py",
     ),
+    # --- the http provider (issue 24) --------------------------------------------------------
+    _one(
+        "http-lookup-trusts-a-forgotten-key",
+        "a lookup by key says a complete not-found after the provider may have forgotten the key: "
+        "a person resends an operation that acted",
+        "outbox/providers/http_lookup.py",
+        "    if retention is not None and request.checked_now - request.first_sent_at "
+        "> retention:\n",
+        "    if False:\n",
+        "tests/integration/test_http_lookups.py",
+    ),
+    _one(
+        "http-lookup-takes-anothers-effect",
+        "a list endpoint that ignores its filter hands another operation's payment over as this "
+        "one's",
+        "outbox/providers/http_lookup.py",
+        "    if lookup.match_at is None or lookup.match is None:\n",
+        "    if True:\n",
+        "tests/integration/test_http_lookups.py",
+    ),
+    _one(
+        "http-path-value-unescaped",
+        "a payload value can add path steps or a query to an http request's URL",
+        "outbox/providers/http_spec.py",
+        'out.append(urllib.parse.quote(value, safe="") if escape else value)',
+        "out.append(value)",
+        "tests/unit/test_http_spec.py",
+    ),
+    _one(
+        "http-retry-after-unknown-anyway",
+        "a provider that keeps only successes under a key gets a retry after a 500 that followed "
+        "the effect: a second payment",
+        "outbox/providers/http.py",
+        "if not spec.retry_unknown and isinstance(result, Failed) and _unknown(result):",
+        "if False:",
+        "tests/integration/test_http_lookups.py",
+    ),
+    _one(
+        "http-resend-after-crash-anyway",
+        "after a crash between sending and recording, an operation of such a provider is sent "
+        "again instead of reconciled",
+        PIPELINE,
+        "if row.first_sent_at is not None and not _resends(provider, row.action):",
+        "if False:",
+        "tests/integration/test_recipes.py",
+    ),
+    _one(
+        "action-window-ignored",
+        "an action whose keys the provider keeps for another time gets the provider's window",
+        "outbox/dispatch/rules.py",
+        'window = self._action_windows.get((provider, action or ""))',
+        "window = None",
+        "tests/unit/test_dispatch_parts.py",
+    ),
 )

@@ -6,9 +6,11 @@ from __future__ import annotations
 import uuid
 from datetime import UTC, datetime, timedelta
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from outbox.config import ConfigError
 from outbox.db.store import Claimed
 from outbox.dispatch.claims import MAX_CLAIMERS, claimers, next_cursor
 from outbox.dispatch.rules import CALL_GUARD_MARGIN, NO_WINDOW, ProviderRules
@@ -91,3 +93,28 @@ def test_rules_come_from_each_provider_itself_and_unknown_ones_have_no_window() 
     assert rules.window("nobody") is NO_WINDOW and rules.window("nobody").has_passed(NOW, NOW)
     assert rules.call_limit("stripe") == 30 + CALL_GUARD_MARGIN
     assert rules.call_limit("plugin") is None  # no timeout configured: no guard
+
+
+class _PerAction(_Provider):
+    """A provider that keeps some actions' keys longer (PayPal's Payments: 45 days)."""
+
+    def __init__(self, name: str, retention: timedelta) -> None:
+        super().__init__(name, retention)
+        self.action_key_retention = {
+            "capture": timedelta(days=45),
+            "quick": timedelta(minutes=30),
+        }
+
+
+def test_an_actions_own_key_retention_is_its_window_and_the_gauge_warns_by_the_shortest() -> None:
+    provider = _PerAction("paypal", timedelta(hours=6))
+    with pytest.raises(ConfigError, match=r"actions\.quick\.key_retention \(30m\)"):
+        ProviderRules({"paypal": provider}, timedelta(hours=1))  # type: ignore[dict-item]
+    provider.action_key_retention = {"capture": timedelta(days=45)}
+    rules = ProviderRules({"paypal": provider}, timedelta(hours=1))  # type: ignore[dict-item]
+    five_hours_ago, a_month_ago = NOW - timedelta(hours=5, minutes=1), NOW - timedelta(days=30)
+    assert rules.window("paypal", "order").has_passed(five_hours_ago, NOW)
+    assert rules.window("paypal").has_passed(five_hours_ago, NOW)
+    assert not rules.window("paypal", "capture").has_passed(a_month_ago, NOW)
+    assert rules.window("paypal", "capture").has_passed(NOW - timedelta(days=45), NOW)
+    assert rules.closes_after() == {"paypal": timedelta(hours=5)}
