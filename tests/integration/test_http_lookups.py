@@ -292,3 +292,19 @@ def test_retry_unknown_false_sends_what_may_have_acted_to_reconciliation(
     result = asyncio.run(go())
     assert isinstance(result, Failed) and result.failure is FailureClass.UNKNOWN
     assert result.reconcile  # to reconciliation at once, never to a retry
+
+
+def test_a_webhook_with_a_lookup_settles_its_own_in_doubt_operations(
+    service: FakeEffectsService,
+) -> None:
+    """The webhook preset takes a lookup below its URL's origin, and keeps its settings."""
+    options = {"url": service.url + "/v1/effects", "lookup": BY_KEY}
+    ps = ProviderSettings("hook", "webhook", key_retention=KEPT, options=options)
+    hook = build_providers({"hook": ps}, {})["hook"]
+    assert isinstance(hook, HttpProvider) and hook.looks_up("any.event")
+    ref = send(hook, "key-6")
+    hook = build_providers({"hook": ps}, {})["hook"]
+    assert isinstance(hook, HttpProvider)
+    found = ask(hook, {"key-6"})
+    assert isinstance(found, Found) and found.reference == ref
+    assert service.received[0].headers["idempotency-key"] == '"key-6"'  # quoted, as always
