@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timedelta
 from decimal import Decimal
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from outbox import payloads
 from outbox.config import PROVIDER_KEYS, ProviderSettings
@@ -44,6 +44,8 @@ _NAME: Final = "conformance"
 STRIPE_KEY_VARIABLE: Final = "OUTBOX_CONFORMANCE_STRIPE_KEY"
 # A body labelled gzip that is not gzip.
 _NOT_GZIP: Final = b"this is not gzip at all"
+# The fakes whose faults are made alike.
+F = TypeVar("F", WebhookFault, ApiFault)
 
 
 def _registry(ps: ProviderSettings, environ: Mapping[str, str] | None = None) -> Provider:
@@ -134,20 +136,25 @@ class WebhookHarness(_Base):
 
 
 def _webhook_fault(fault: Fault, timeout: float, cap: int) -> WebhookFault:
+    return _fault_of(WebhookFault, fault, timeout, cap)
+
+
+def _fault_of(kind: type[F], fault: Fault, timeout: float, cap: int) -> F:
+    """``fault`` as a fake whose faults are made as WebhookFault's are (ApiFault too)."""
     huge = HUGE_ANSWER_FACTOR * cap  # chunked: no Content-Length to refuse it by
-    made: dict[Fault, Callable[[], WebhookFault]] = {
-        Fault.RESET_BEFORE_ACTING: WebhookFault.reset_before_apply,
-        Fault.RESET_AFTER_ACTING: WebhookFault.reset_after_apply,
-        Fault.TIMEOUT_AFTER_ACTING: lambda: WebhookFault.delay_after_apply(timeout + 1.0),
-        Fault.ERROR_AFTER_ACTING: WebhookFault.error_500_after_apply,
-        Fault.UNAVAILABLE_BEFORE_ACTING: lambda: WebhookFault.status(503),
-        Fault.RATE_LIMITED: lambda: WebhookFault.status(429, retry_after=RETRY_AFTER_SECONDS),
-        Fault.KEY_IN_USE: lambda: WebhookFault.status(409),
-        Fault.CREDENTIALS_REFUSED: lambda: WebhookFault.status(401),
-        Fault.PERMANENT_REFUSAL: lambda: WebhookFault.status(422),
-        Fault.HUGE_ANSWER: lambda: WebhookFault.huge_answer_after_apply(huge, chunked=True),
-        Fault.GZIP_BOMB: lambda: WebhookFault.gzip_bomb_after_apply(GZIP_BOMB_BYTES, chunked=True),
-        Fault.UNDECODABLE_ANSWER: lambda: WebhookFault.raw_answer_after_apply(
+    made: dict[Fault, Callable[[], F]] = {
+        Fault.RESET_BEFORE_ACTING: kind.reset_before_apply,
+        Fault.RESET_AFTER_ACTING: kind.reset_after_apply,
+        Fault.TIMEOUT_AFTER_ACTING: lambda: kind.delay_after_apply(timeout + 1.0),
+        Fault.ERROR_AFTER_ACTING: kind.error_500_after_apply,
+        Fault.UNAVAILABLE_BEFORE_ACTING: lambda: kind.status(503),
+        Fault.RATE_LIMITED: lambda: kind.status(429, retry_after=RETRY_AFTER_SECONDS),
+        Fault.KEY_IN_USE: lambda: kind.status(409),
+        Fault.CREDENTIALS_REFUSED: lambda: kind.status(401),
+        Fault.PERMANENT_REFUSAL: lambda: kind.status(422),
+        Fault.HUGE_ANSWER: lambda: kind.huge_answer_after_apply(huge, chunked=True),
+        Fault.GZIP_BOMB: lambda: kind.gzip_bomb_after_apply(GZIP_BOMB_BYTES, chunked=True),
+        Fault.UNDECODABLE_ANSWER: lambda: kind.raw_answer_after_apply(
             _NOT_GZIP, content_encoding="gzip"
         ),
     }
@@ -417,21 +424,4 @@ class HttpApiHarness(_Base):
 
 
 def _api_fault(fault: Fault, timeout: float, cap: int) -> ApiFault:
-    huge = HUGE_ANSWER_FACTOR * cap  # chunked: no Content-Length to refuse it by
-    made: dict[Fault, Callable[[], ApiFault]] = {
-        Fault.RESET_BEFORE_ACTING: ApiFault.reset_before_apply,
-        Fault.RESET_AFTER_ACTING: ApiFault.reset_after_apply,
-        Fault.TIMEOUT_AFTER_ACTING: lambda: ApiFault.delay_after_apply(timeout + 1.0),
-        Fault.ERROR_AFTER_ACTING: ApiFault.error_500_after_apply,
-        Fault.UNAVAILABLE_BEFORE_ACTING: lambda: ApiFault.status(503),
-        Fault.RATE_LIMITED: lambda: ApiFault.status(429, retry_after=RETRY_AFTER_SECONDS),
-        Fault.KEY_IN_USE: lambda: ApiFault.status(409),
-        Fault.CREDENTIALS_REFUSED: lambda: ApiFault.status(401),
-        Fault.PERMANENT_REFUSAL: lambda: ApiFault.status(422),
-        Fault.HUGE_ANSWER: lambda: ApiFault.huge_answer_after_apply(huge, chunked=True),
-        Fault.GZIP_BOMB: lambda: ApiFault.gzip_bomb_after_apply(GZIP_BOMB_BYTES, chunked=True),
-        Fault.UNDECODABLE_ANSWER: lambda: ApiFault.raw_answer_after_apply(
-            _NOT_GZIP, content_encoding="gzip"
-        ),
-    }
-    return made[fault]()
+    return _fault_of(ApiFault, fault, timeout, cap)
