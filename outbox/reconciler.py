@@ -116,7 +116,13 @@ class Reconciler:
         """Look one operation up at its provider and, unless ``dry_run``, record the finding."""
         result = await self._look(row)
         if not dry_run and result.finding in RECORDED:
-            result = await self._record(result, row)
+            try:
+                result = await self._record(result, row)
+            except psycopg.DataError as exc:
+                # What the provider answered cannot be stored (a NUL in a detail): this row is
+                # tried again later, and the rows behind it are still checked.
+                result = dataclasses.replace(result, finding="error", error=type(exc).__name__)
+                await self._defer(row, recheck_after)
         elif not dry_run and result.finding == "error":
             await self._defer(row, recheck_after)
         metrics.RECONCILE_CHECKS.labels(result.provider, result.finding).inc()

@@ -16,6 +16,8 @@ from outbox.providers.base import Provider
 # A provider call that outlives its own timeout by this much is cut off: a hung plug-in must
 # not hold a lease forever.
 CALL_GUARD_MARGIN: Final = 5.0
+# The key of action_key_retention that stands for every action not named.
+ANY_ACTION: Final = "*"
 # Without a provider the failure is permanent and the window is never read; an empty one would
 # err towards reconciliation, never towards a resend.
 NO_WINDOW: Final = KeyWindow(timedelta(0), timedelta(0))
@@ -52,8 +54,10 @@ class ProviderRules:
         }
 
     def window(self, provider: str, action: str | None = None) -> KeyWindow:
-        """The key window of ``provider``'s operations of ``action``."""
-        window = self._action_windows.get((provider, action or ""))
+        """The key window of ``provider``'s operations of ``action``: the action's own, else
+        that of "*" (every action not named), else the provider's."""
+        window = self._action_windows.get((provider, action or ANY_ACTION))
+        window = window or self._action_windows.get((provider, ANY_ACTION))
         return window or self._windows.get(provider, NO_WINDOW)
 
     def closes_after(self) -> dict[str, timedelta]:

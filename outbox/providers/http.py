@@ -112,12 +112,9 @@ class HttpProvider:
 
     @property
     def action_key_retention(self) -> Mapping[str, timedelta]:
-        """The actions whose keys the provider keeps for another time than key_retention."""
-        return {
-            name: spec.key_retention
-            for name, spec in self._options.actions.items()
-            if name != ANY_ACTION and spec.key_retention != self._options.key_retention
-        }
+        """How long the provider keeps each action's keys; "*" for every action not named
+        (docs/design.md, "Provider interface")."""
+        return {name: spec.key_retention for name, spec in self._options.actions.items()}
 
     @property
     def actions(self) -> frozenset[str]:
@@ -138,11 +135,25 @@ class HttpProvider:
         spec = self._spec_of(action)
         spec.target.render(payload, key="k", operation_id=0)
         if spec.body is not None:
-            part = spec.body.read(payload)
-            if part is MISSING:
-                raise InvalidRequest(f"the payload has no {spec.body.text}, the request's body")
-            if spec.key.field is not None and not isinstance(part, Mapping):
-                raise InvalidRequest("the request's body must be a JSON object to carry the key")
+            _part(spec, payload, "k")
+        if spec.lookup is not None:
+            # An operation its lookup cannot ask about could never be reconciled on its own.
+            try:
+                spec.lookup.target.render(payload, key="k", operation_id=0)
+                if spec.lookup.match is not None:
+                    spec.lookup.match.render(payload, key="k", operation_id=0, escape=False)
+            except InvalidRequest as exc:
+                raise InvalidRequest(f"its lookup cannot be made: {exc}") from None
+
+    def scope(self, action: str, payload: Mapping[str, Any]) -> str:
+        """Where and how an operation's key goes: stored with its first send, so that a lookup
+        after a change of base_url or of the key's settings says it proves nothing."""
+        spec = self.spec(action)
+        if spec is None:
+            return self._base
+        key = spec.key
+        place = f"header {key.header} {key.quoting}" if key.header else f"field {key.field}"
+        return f"{self._base} {place} {key.form}"
 
     def check_key(self, action: str, key: str) -> None:
         """Refuse a key the provider would refuse: too long, or of characters it does not take
@@ -249,7 +260,12 @@ class HttpProvider:
             raise LookupError(f"action {request.action!r} has no lookup")
         with self._shards.take() as client:
             asker = Asker(client, self._base, spec, request)
-            return await look_up(asker)
+            found = await look_up(asker)
+        sent = request.sent_scope
+        if isinstance(found, NotFound) and sent not in (None, self.scope(request.action, {})):
+            why = "the base URL or the key's settings changed since the first send"
+            return dataclasses.replace(found, complete=False, reason=why)
+        return found
 
     def retries_unknown(self, action: str) -> bool:
         """Whether an operation of ``action`` that may have reached the provider may be sent
@@ -280,14 +296,24 @@ def _body(spec: ActionSpec, request: SendRequest, wire: str) -> bytes | None:
         # The whole payload as stored (PostgreSQL's JSON text): every number as enqueued.
         text = request.payload_json
         return (text if text is not None else payloads.encode(request.payload)).encode()
-    part = spec.body.read(request.payload)
+    return payloads.encode(_part(spec, request.payload, wire)).encode()
+
+
+def _part(spec: ActionSpec, payload: Mapping[str, Any], wire: str) -> Any:
+    """The body's JSON value: the payload's part, with the key written into it where it
+    travels there. Raises InvalidRequest for a payload that cannot make one."""
+    assert spec.body is not None  # noqa: S101 (the callers' condition)
+    part = spec.body.read(payload)
     if part is MISSING:
         raise InvalidRequest(f"the payload has no {spec.body.text}, the request's body")
-    if spec.key.field is not None:
-        if not isinstance(part, Mapping):
-            raise InvalidRequest("the request's body must be a JSON object to carry the key")
-        part = spec.key.field.with_value(part, wire)
-    return payloads.encode(part).encode()
+    if spec.key.field is None:
+        return part
+    if not isinstance(part, Mapping):
+        raise InvalidRequest("the request's body must be a JSON object to carry the key")
+    try:
+        return spec.key.field.with_value(part, wire)
+    except TypeError:
+        raise InvalidRequest(f"the body has no object at {spec.key.field} for the key") from None
 
 
 def _classify(spec: ActionSpec, response: httpx.Response, wire: str) -> SendResult:
@@ -316,9 +342,17 @@ def _failure(kind: str, response: httpx.Response, details: dict[str, Any]) -> Fa
     if kind in ("in_use", "transient"):
         # 409 (the key is in use) and 429 (slow down) concern this request, not the provider's
         # health; 408 and 425 may.
+        # Neither looked at the request: the attempt is not spent (docs/design.md, "Attempts").
         only = kind == "in_use" or status == 429
         after = http_wire.retry_after(response)
-        return transient(f"http_{status}", why, retry_after=after, request_only=only, **details)
+        return transient(
+            f"http_{status}",
+            why,
+            retry_after=after,
+            request_only=only,
+            spends_attempt=not only,
+            **details,
+        )
     if kind == "permanent":
         return permanent(f"http_{status}", why, **details)
     if response.headers.get("idempotent-replayed") == "true":

@@ -40,12 +40,25 @@ _METHODS: Final = ("GET", "POST", "PUT", "PATCH", "DELETE")
 _KEY_KEYS: Final = ("header", "field", "quoting", "form", "max_length", "characters")
 _ACTION_KEYS: Final = ("method", "path", "body", "reference", "key_retention", "key", "status",
                        "lookup", "retry_unknown")  # fmt: skip
-_LOOKUP_KEYS: Final = ("method", "path", "found", "not_found", "items", "state", "done",
-                       "refused", "absent", "reference", "retention", "match")  # fmt: skip
+_LOOKUP_KEYS: Final = ("method", "path", "found", "not_found", "items", "more", "total",
+                       "state", "done", "refused", "absent", "reference", "retention",
+                       "match")  # fmt: skip
+# Statuses that prove nothing absent: a gateway's, a rate limit's, a refusal of credentials.
+_NOT_ABSENCE: Final = frozenset({401, 403, 407, 408, 409, 425, 429})
+_STATE_LISTS: Final = ("done", "refused", "absent")
 _RULE_KEYS: Final = ("status", "at", "is")
 # The keys outbox derives (68 characters) and a later generation of one: a stored key form
 # must let them through, or every operation without a key of its own would be refused.
-_DERIVED_SAMPLES: Final = ("ob1_" + "0123456789abcdef" * 4, "ob1_" + "0123456789abcdef" * 4 + ":r9")
+_DERIVED_SAMPLES: Final = (
+    "ob1_" + "0123456789abcdef" * 4,
+    "ob1_" + "0123456789abcdef" * 4 + ":r999999",  # a millionth generation: 76 characters
+)
+# Classes that say the provider did not act: never of a 2xx (it did) nor of a 5xx (a gateway
+# may answer one after the provider acted), whose retry could then outlive the key window.
+_NOT_ACTED: Final = frozenset({"transient", "in_use"})
+# Classes that end the operation without a retry: never of a 5xx, which may have acted (a
+# person replaying it from quarantine would act twice).
+_FINAL: Final = frozenset({"permanent", "refused"})
 
 
 def http_options(
@@ -53,19 +66,14 @@ def http_options(
 ) -> HttpOptions:
     reject_unknown(ps, _HTTP_KEYS)
     where = f"providers.{ps.name}"
-    base_url = ps.options.get("base_url")
-    if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
-        raise ConfigError(
-            f"{where}.base_url must be an http:// or https:// URL", key=f"{where}.base_url"
-        )
-    parts = urllib.parse.urlsplit(base_url)
-    if parts.query or parts.fragment or not parts.hostname:
-        raise ConfigError(
-            f"{where}.base_url must name a host, with no query or fragment", key=f"{where}.base_url"
-        )
+    base_url = _base_url(ps.options.get("base_url"), f"{where}.base_url")
     headers, secrets = read_headers(ps, environ)
     check_endpoint(
-        base_url, where, carries_secrets=bool(secrets), allow_insecure=allow_insecure(ps)
+        base_url,
+        where,
+        carries_secrets=bool(secrets),
+        allow_insecure=allow_insecure(ps),
+        setting="base_url",
     )
     key = key_spec(ps.options.get("key", {}), KeySpec(), f"{where}.key")
     actions = _table(ps.options.get("actions"), f"{where}.actions")
@@ -82,6 +90,7 @@ def http_options(
         )
         for name, table in actions.items()
     }
+    _check_key_headers(specs, {**headers, **secrets}, where)
     return HttpOptions(
         base_url=base_url,
         timeout=ps.timeout,
@@ -93,6 +102,29 @@ def http_options(
         max_connections=connection_cap(concurrency, ps.max_in_flight),
         max_response_bytes=max_response_bytes(ps),
     )
+
+
+def _base_url(value: object, where: str) -> str:
+    if not isinstance(value, str) or not value.startswith(("http://", "https://")):
+        raise ConfigError(f"{where} must be an http:// or https:// URL", key=where)
+    if "?" in value or "#" in value or not urllib.parse.urlsplit(value).hostname:
+        raise ConfigError(f"{where} must name a host, with no query or fragment", key=where)
+    return value
+
+
+def _check_key_headers(
+    specs: Mapping[str, ActionSpec], configured: Mapping[str, str], where: str
+) -> None:
+    """No configured header stands for the key: it would travel the same on every operation,
+    or be overwritten by the key, or overwrite a secret."""
+    names = {spec.key.header.lower() for spec in specs.values() if spec.key.header}
+    for name in configured:
+        if name.lower() in names or "idempotency" in name.lower():
+            raise ConfigError(
+                f"{where}: the header {name} is configured, and it carries (or looks like) the "
+                "idempotency key, which outbox writes for each operation (key.header)",
+                key=f"{where}.headers",
+            )
 
 
 def action_spec(
@@ -139,41 +171,70 @@ def _fields(spec: ActionSpec) -> dict[str, Any]:
 def lookup_spec(table: Mapping[str, Any], action: ActionSpec, where: str) -> LookupSpec:
     _known(table, _LOOKUP_KEYS, where)
     target = _template(table.get("path"), f"{where}.path")
-    found = _statuses(table.get("found", [200]), f"{where}.found")
-    not_found = _statuses(table.get("not_found", [404]), f"{where}.not_found")
-    if found & not_found:
+    found, not_found = _lookup_statuses(table, where)
+    match_at, match = _match(table.get("match"), f"{where}.match")
+    if not (target.parts_vary or match is not None):
         raise ConfigError(
-            f"{where}: a status cannot mean both found and not found", key=f"{where}.found"
-        )
-    state = None if "state" not in table else _pointer(table["state"], f"{where}.state")
-    done = _words(table.get("done", []), f"{where}.done")
-    if state is not None and not done:
-        raise ConfigError(
-            f"{where}.done must name the states that mean the effect happened", key=f"{where}.done"
+            f"{where}.path names no value of the operation ({{key}}, {{operation_id}} or a "
+            "payload pointer) and there is no match: every operation would find the same object",
+            key=f"{where}.path",
         )
     # By key, the lookup finds only what the provider still keeps by key; otherwise as long as
     # it keeps its objects, unless the table says.
     retention: timedelta | None = action.key_retention if target.uses_key else None
     if "retention" in table:
         retention = Duration().read(table["retention"], Where(f"{where}.retention"))
-    match_at, match = _match(table.get("match"), f"{where}.match")
     return LookupSpec(
         match_at=match_at,
         match=match,
-        method=_method(table.get("method", "GET"), f"{where}.method"),
+        method=_choice(table.get("method", "GET"), ("GET",), f"{where}.method"),
         target=target,
         found=found,
         not_found=not_found,
-        items=None if "items" not in table else _pointer(table["items"], f"{where}.items"),
-        state=state,
-        done=done,
-        refused=_words(table.get("refused", []), f"{where}.refused"),
-        absent=_words(table.get("absent", []), f"{where}.absent"),
-        reference=None
-        if "reference" not in table
-        else _pointer(table["reference"], f"{where}.reference"),
+        items=_optional_pointer(table, "items", where),
+        more=_optional_pointer(table, "more", where),
+        total=_optional_pointer(table, "total", where),
+        reference=_optional_pointer(table, "reference", where),
         retention=retention,
+        **_states(table, where),
     )
+
+
+def _lookup_statuses(table: Mapping[str, Any], where: str) -> tuple[frozenset[int], ...]:
+    found = _statuses(table.get("found", [200]), f"{where}.found")
+    not_found = _statuses(table.get("not_found", [404]), f"{where}.not_found")
+    if found & not_found:
+        raise ConfigError(f"{where}: a status cannot mean both found and not found", key=where)
+    unproven = sorted(s for s in not_found if s in _NOT_ABSENCE or s < 200 or s >= 500)
+    if unproven or any(300 <= s < 400 for s in not_found):
+        raise ConfigError(
+            f"{where}.not_found: {unproven or 'a 3xx'} can come from a gateway, a rate limit or "
+            "refused credentials, and proves nothing absent",
+            key=f"{where}.not_found",
+        )
+    return found, not_found
+
+
+def _states(table: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The state pointer and what its words mean, each word in one list only."""
+    words = {name: _words(table.get(name, []), f"{where}.{name}") for name in _STATE_LISTS}
+    if "state" not in table:
+        if any(words.values()):
+            raise ConfigError(f"{where}: done, refused and absent need a state", key=where)
+        return {"state": None, **words}
+    if not words["done"]:
+        raise ConfigError(
+            f"{where}.done must name the states that mean the effect happened", key=f"{where}.done"
+        )
+    for a, b in (("done", "refused"), ("done", "absent"), ("refused", "absent")):
+        if words[a] & words[b]:
+            shared = sorted(words[a] & words[b])
+            raise ConfigError(f"{where}: {shared} are both {a} and {b}", key=f"{where}.{b}")
+    return {"state": _pointer(table["state"], f"{where}.state"), **words}
+
+
+def _optional_pointer(table: Mapping[str, Any], name: str, where: str) -> Pointer | None:
+    return None if name not in table else _pointer(table[name], f"{where}.{name}")
 
 
 def _match(value: object, where: str) -> tuple[Pointer | None, Template | None]:
@@ -240,6 +301,7 @@ def _rules(value: object, where: str) -> dict[str, tuple[StatusRule, ...]]:
     seen: dict[StatusRule, str] = {}
     for name, listed in rules.items():
         for rule in listed:
+            _check_class(name, rule.status, where)
             if rule in seen:
                 raise ConfigError(
                     f"{where}: the same answer is both {seen[rule]} and {name}", key=where
@@ -248,20 +310,37 @@ def _rules(value: object, where: str) -> dict[str, tuple[StatusRule, ...]]:
     return rules
 
 
+def _check_class(name: str, status: int, where: str) -> None:
+    if name in _NOT_ACTED and (200 <= status < 300 or status >= 500):
+        raise ConfigError(
+            f"{where}.{name}: a {status} may come after the provider acted, so it cannot say "
+            "the provider did not (use unknown)",
+            key=f"{where}.{name}",
+        )
+    if name in _FINAL and status >= 500:
+        raise ConfigError(
+            f"{where}.{name}: a {status} may come after the provider acted (a gateway's): it "
+            "cannot end the operation (use unknown, or done)",
+            key=f"{where}.{name}",
+        )
+
+
 def _rule(value: object, where: str) -> StatusRule:
     if not isinstance(value, Mapping):
         return StatusRule(_status(value, where))
     _known(value, _RULE_KEYS, where)
     if ("at" in value) != ("is" in value):
         raise ConfigError(
-            f"{where}: a rule names both at (a JSON pointer) and is (its values)", key=where
+            f"{where}: a rule must name both at (a JSON pointer) and is (the values there)",
+            key=where,
         )
     status = _status(value.get("status"), f"{where}.status")
     if "at" not in value:
         return StatusRule(status)
-    return StatusRule(
-        status, _pointer(value["at"], f"{where}.at"), _words(value["is"], f"{where}.is")
-    )
+    values = _words(value["is"], f"{where}.is")
+    if not values:
+        raise ConfigError(f"{where}.is names no value: the rule would never match", key=where)
+    return StatusRule(status, _pointer(value["at"], f"{where}.at"), values)
 
 
 # --- what the webhook preset shares ------------------------------------------------------------
@@ -271,7 +350,12 @@ def _rule(value: object, where: str) -> StatusRule:
 _HEADER_NAME: Final = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 _HEADER_VALUE_BAD: Final = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 _SECRET_HEADER: Final = re.compile(
-    r"authorization|cookie|api[-_]?key|token|secret|password", re.IGNORECASE
+    r"auth|cookie|api[-_]?key|access[-_]?key|token|secret|password|signature|credential",
+    re.IGNORECASE,
+)
+# Headers the HTTP client writes from the request itself: one configured would contradict it.
+_FRAMING: Final = frozenset(
+    {"host", "content-length", "transfer-encoding", "connection", "te", "trailer", "upgrade"}
 )
 _LOOPBACK: Final = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
 
@@ -304,6 +388,8 @@ def read_headers(
 def check_header(name: str, value: str, key: str) -> None:
     if not _HEADER_NAME.fullmatch(name):
         raise ConfigError(f"{key}: {name!r} is not an HTTP header name", key=key)
+    if name.lower() in _FRAMING:
+        raise ConfigError(f"{key}: {name} frames the request: the HTTP client writes it", key=key)
     if _HEADER_VALUE_BAD.search(value) or not value.isascii():  # never quoted: it may be secret
         raise ConfigError(
             f"{key}: the value holds a line break, a control character or "
@@ -312,13 +398,16 @@ def check_header(name: str, value: str, key: str) -> None:
         )
 
 
-def check_endpoint(url: str, where: str, *, carries_secrets: bool, allow_insecure: bool) -> None:
+def check_endpoint(
+    url: str, where: str, *, carries_secrets: bool, allow_insecure: bool, setting: str = "url"
+) -> None:
     """No credentials in the URL; no secret over clear text to another host."""
     parts = urllib.parse.urlsplit(url)
     if parts.username is not None or parts.password is not None:
         raise ConfigError(
-            f"{where}.url holds credentials (user:password@): put them in "
-            "secret_headers instead, where they are never logged"
+            f"{where}.{setting} holds credentials (user:password@): put them in "
+            "secret_headers instead, where they are never logged",
+            key=f"{where}.{setting}",
         )
     host = (parts.hostname or "").lower()
     if carries_secrets and parts.scheme == "http" and host not in _LOOPBACK and not allow_insecure:
@@ -423,6 +512,8 @@ def _pointer(value: object, where: str) -> Pointer:
 def _header_name(value: object, where: str) -> str:
     if not isinstance(value, str) or not _HEADER_NAME.fullmatch(value):
         raise ConfigError(f"{where} must be an HTTP header name", key=where)
+    if value.lower() in _FRAMING or _SECRET_HEADER.search(value):
+        raise ConfigError(f"{where}: {value} cannot carry the idempotency key", key=where)
     return value
 
 

@@ -128,6 +128,11 @@ class Template:
     def uses_key(self) -> bool:
         return any(kind == "key" for kind, _ in self.parts)
 
+    @property
+    def parts_vary(self) -> bool:
+        """Whether it names a value of the operation (its key, id or a payload value)."""
+        return any(kind for kind, _ in self.parts)
+
     def pointers(self) -> list[Pointer]:
         return [Pointer.parse(name) for kind, name in self.parts if kind == "payload"]
 
@@ -178,7 +183,8 @@ def segment(payload: Mapping[str, Any], pointer: str) -> str:
     if isinstance(value, bool) or not isinstance(value, str | int):
         raise InvalidRequest(f"the payload's {pointer} is no string or integer, for the URL")
     text = str(value)
-    if not text or text in (".", "..") or len(text) > MAX_PLACEHOLDER_CHARS:
+    steps = re.split(r"[/\\]", text)  # as a server that decodes %2F or %5C first sees it
+    if not text or any(s in (".", "..") for s in steps) or len(text) > MAX_PLACEHOLDER_CHARS:
         raise InvalidRequest(
             f"the payload's {pointer} cannot stand in a URL (empty, a dot step or too long)"
         )
@@ -222,6 +228,10 @@ class LookupSpec:
     found: frozenset[int] = frozenset({200})
     not_found: frozenset[int] = frozenset({404})
     items: Pointer | None = None  # an array of candidates in the answer (a list endpoint)
+    # Where a list answer says there is more than its page: a true value (``has_more``), or a
+    # count (``total_count``) above the items it holds. Either makes a not-found incomplete.
+    more: Pointer | None = None
+    total: Pointer | None = None
     state: Pointer | None = None
     done: frozenset[str] = frozenset()
     refused: frozenset[str] = frozenset()

@@ -134,7 +134,11 @@ def stripe_options(
         raise ConfigError(f"{where}.api_base must be an http:// or https:// URL")
     # The API key travels in every request: never in clear text to another host.
     http_config.check_endpoint(
-        api_base, where, carries_secrets=True, allow_insecure=http_config.allow_insecure(ps)
+        api_base,
+        where,
+        carries_secrets=True,
+        allow_insecure=http_config.allow_insecure(ps),
+        setting="api_base",
     )
     account = ps.options.get("stripe_account")
     return StripeOptions(

@@ -94,7 +94,8 @@ async def test_an_operation_that_never_succeeds_is_quarantined_with_every_attemp
     db_url: str, pool: AsyncConnectionPool[Any], receiver: FakeWebhookReceiver, hook: Provider
 ) -> None:
     (op,) = enqueue_many(db_url, 1)
-    receiver.inject(WebhookFault.status(429), times=100)
+    # 408: transient, and the receiver looked at the request (a 409 or 429 spends no attempt).
+    receiver.inject(WebhookFault.status(408), times=100)
     d = dispatcher(pool, {"hook": hook}, max_attempts=4)
     for _ in range(4):
         assert await d.run_once() == 1

@@ -194,7 +194,9 @@ MINE = {"reference": "order-17"}
 def test_a_list_that_ignores_its_filter_hands_over_no_other_operations_effect(liar: Liar) -> None:
     liar.answer({"data": [{"id": "pay_1", "reference": "order-170", "status": "Authorized"}]})
     found = ask(provider(liar.url, BY_REFERENCE), {"k"}, payload=MINE)
-    assert isinstance(found, NotFound) and found.complete
+    # Not this operation's, and no proof of absence either: the filter was not applied.
+    assert isinstance(found, NotFound) and not found.complete
+    assert found.reason is not None and "another operation's object" in found.reason
     liar.answer({"data": [{"id": "pay_2", "reference": "order-17", "status": "Authorized"}]})
     mine = ask(provider(liar.url, BY_REFERENCE), {"k"}, payload=MINE)
     assert isinstance(mine, Found) and mine.reference == "pay_2"
@@ -244,6 +246,53 @@ def test_a_found_object_with_no_identifier_is_known_by_the_key(liar: Liar) -> No
     liar.answer({"status": "done", "id": {"an": "object"}})
     found = ask(provider(liar.url, BY_KEY), {"key-9"})
     assert isinstance(found, Found) and found.reference == "key-9"
+
+
+def test_without_a_state_only_an_identified_object_is_an_effect(liar: Liar) -> None:
+    """A 200 whose body is an error ({"error": "no such key"}) is no effect: it raises."""
+    bare = {"path": "/v1/effects?key={key}"}
+    liar.answer({"error": "no such key"})
+    with pytest.raises(Exception, match="no identifier at /id"):
+        ask(provider(liar.url, bare), {"key-10"})
+    liar.answer({"id": "eff_3"})
+    found = ask(provider(liar.url, bare), {"key-10"})
+    assert isinstance(found, Found) and found.reference == "eff_3"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"data": [], "has_more": True},
+        {"data": [{"reference": "x", "status": "Authorized"}], "total_count": 2},
+    ],
+    ids=["has-more", "total-count"],
+)
+def test_a_page_of_a_longer_list_proves_nothing(liar: Liar, body: Any) -> None:
+    liar.answer(body)
+    paged = {**BY_REFERENCE, "more": "/has_more", "total": "/total_count"}
+    found = ask(provider(liar.url, paged), {"k"}, payload=MINE)
+    assert isinstance(found, NotFound) and not found.complete
+
+
+def test_a_not_found_that_is_no_json_is_a_proxys_and_proves_nothing(liar: Liar) -> None:
+    liar.answer(b"<html>404 Not Found</html>", status=404)
+    with pytest.raises(Exception, match="not JSON"):
+        ask(provider(liar.url, BY_KEY), {"key-11"})
+
+
+def test_a_match_on_the_key_accepts_any_generation(liar: Liar) -> None:
+    """Asked once, by a payload value; the object carries the first generation's key."""
+    by_value = {**BY_REFERENCE, "match": {"at": "/metadata/key", "is": "{key}"}}
+    item = {"id": "pay_9", "reference": "order-17", "status": "Authorized"}
+    liar.answer({"data": [{**item, "metadata": {"key": "gen-1"}}]})
+    found = ask(provider(liar.url, by_value), {"gen-1", "gen-1:r2"}, payload=MINE)
+    assert isinstance(found, Found) and found.reference == "pay_9"
+
+
+def test_a_state_a_database_cannot_store_is_no_state(liar: Liar) -> None:
+    liar.answer({"status": "do\u0000ne", "id": "eff_4"})
+    found = ask(provider(liar.url, BY_KEY), {"key-12"})
+    assert isinstance(found, Found) and found.verdict is Verdict.UNDECIDED and found.state is None
 
 
 def test_an_action_without_a_lookup_is_left_to_a_person(
@@ -308,3 +357,36 @@ def test_a_webhook_with_a_lookup_settles_its_own_in_doubt_operations(
     found = ask(hook, {"key-6"})
     assert isinstance(found, Found) and found.reference == ref
     assert service.received[0].headers["idempotency-key"] == '"key-6"'  # quoted, as always
+
+
+def test_a_lookup_after_the_keys_settings_changed_proves_nothing(
+    service: FakeEffectsService,
+) -> None:
+    """The first send went with the key quoted; the config now sends it bare, so a lookup by
+    the (bare) key does not find it, and must not say it is absent."""
+    first = provider(service.url, BY_KEY)
+    scope = first.scope("post_effect", {})
+    send(first, "key-13")
+    service.forget_keys()  # as if the lookup could not find it by this key
+    request_scope = scope.replace("sf-string", "none")
+    found = asyncio.run(_ask_scoped(provider(service.url, BY_KEY), "key-13", request_scope))
+    assert isinstance(found, NotFound) and not found.complete
+    assert found.reason is not None and "changed since the first send" in found.reason
+
+
+async def _ask_scoped(p: HttpProvider, key: str, scope: str) -> Found | NotFound:
+    request = LookupRequest(
+        action="post_effect",
+        operation_id=1,
+        idempotency_key=key,
+        keys=frozenset({key}),
+        first_sent_at=NOW - timedelta(hours=1),
+        last_attempt_at=NOW - timedelta(hours=1),
+        search_until=NOW,
+        checked_now=NOW,
+        sent_scope=scope,
+    )
+    try:
+        return await p.lookup(request)
+    finally:
+        await p.aclose()

@@ -632,7 +632,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a person resends an operation that acted",
         "outbox/providers/http_lookup.py",
         "    if retention is not None and request.checked_now - request.first_sent_at "
-        "> retention:\n",
+        "> _trusted(retention):\n",
         "    if False:\n",
         "tests/integration/test_http_lookups.py",
     ),
@@ -675,7 +675,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "action-window-ignored",
         "an action whose keys the provider keeps for another time gets the provider's window",
         "outbox/dispatch/rules.py",
-        'window = self._action_windows.get((provider, action or ""))',
+        "window = self._action_windows.get((provider, action or ANY_ACTION))\n        window = "
+        "window or self._action_windows.get((provider, ANY_ACTION))",
         "window = None",
         "tests/unit/test_dispatch_parts.py",
     ),

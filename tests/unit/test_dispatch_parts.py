@@ -118,3 +118,9 @@ def test_an_actions_own_key_retention_is_its_window_and_the_gauge_warns_by_the_s
     assert not rules.window("paypal", "capture").has_passed(a_month_ago, NOW)
     assert rules.window("paypal", "capture").has_passed(NOW - timedelta(days=45), NOW)
     assert rules.closes_after() == {"paypal": timedelta(hours=5)}
+    # "*" is every action not named: its window, not the provider's (an http provider's).
+    provider.action_key_retention = {"capture": timedelta(days=45), "*": timedelta(hours=2)}
+    rules = ProviderRules({"paypal": provider}, timedelta(hours=1))  # type: ignore[dict-item]
+    assert rules.window("paypal", "refund").has_passed(NOW - timedelta(hours=1, minutes=1), NOW)
+    assert not rules.window("paypal", "capture").has_passed(a_month_ago, NOW)
+    assert rules.closes_after() == {"paypal": timedelta(hours=1)}
