@@ -7,6 +7,7 @@ header that looks like one is refused.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import urllib.parse
 from collections.abc import Mapping
@@ -161,11 +162,7 @@ def action_spec(
     if "lookup" not in table:
         return spec
     lookup = lookup_spec(_table(table["lookup"], f"{where}.lookup"), spec, f"{where}.lookup")
-    return ActionSpec(**{**_fields(spec), "lookup": lookup})
-
-
-def _fields(spec: ActionSpec) -> dict[str, Any]:
-    return {name: getattr(spec, name) for name in ActionSpec.__slots__}
+    return dataclasses.replace(spec, lookup=lookup)
 
 
 def lookup_spec(table: Mapping[str, Any], action: ActionSpec, where: str) -> LookupSpec:

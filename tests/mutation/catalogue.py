@@ -680,4 +680,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "window = None",
         "tests/unit/test_dispatch_parts.py",
     ),
+    _one(
+        "http-lookup-ignores-its-doubts",
+        "a list lookup whose filter was ignored, or that read one page of many, says a complete "
+        "not-found",
+        "outbox/providers/http_lookup.py",
+        "    if answers.doubts:\n",
+        "    if False:\n",
+        "tests/integration/test_http_lookups.py",
+    ),
 )
