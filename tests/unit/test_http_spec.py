@@ -4,6 +4,7 @@ of its configuration and of answers."""
 from __future__ import annotations
 
 import re
+import tomllib
 import urllib.parse
 from datetime import timedelta
 from typing import Any
@@ -22,7 +23,7 @@ from outbox.providers.http_config import http_options
 from outbox.providers.http_spec import KeyForm, KeySpec, Template
 from outbox.providers.json_pointer import MISSING, Pointer, PointerError
 from outbox.providers.registry import build_providers
-from tests.support.recipes import built, provider_table, recipes, secret_variables
+from tests.support.recipes import DOC, built, provider_table, recipes, secret_variables
 
 DERIVED = "ob1_" + "ab" * 32
 
@@ -295,3 +296,15 @@ def test_every_recipe_of_the_docs_builds_and_names_its_key_window() -> None:
             assert spec is not None
             # outbox's derived keys (68 characters) fit every recipe's provider as configured.
             assert spec.key.problem(spec.key.wire(DERIVED + ":r2")) is None, (recipe, action)
+
+
+def test_the_documented_example_of_the_http_type_builds() -> None:
+    """docs/providers.md's first example and its lookup example, as one provider."""
+    blocks = re.findall(r"```toml\n(.*?)```", DOC.read_text(), re.DOTALL)
+    example = next(b for b in blocks if b.startswith("[providers.ledger]\ntype"))
+    lookup = next(b for b in blocks if b.startswith("[providers.ledger.actions.transfer.lookup]"))
+    document = tomllib.loads(example + "\n" + lookup)
+    name, table = "ledger", document["providers"]["ledger"]
+    p = built(name, table, {"LEDGER_TOKEN": "Bearer x"}, {"retention_margin": "1h"})
+    spec = p.spec("transfer")
+    assert spec is not None and spec.lookup is not None and spec.lookup.total is not None
