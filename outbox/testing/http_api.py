@@ -36,9 +36,9 @@ from urllib.parse import parse_qsl, urlsplit
 from outbox.testing.loopback import (
     HOST,
     REPLAYED_HEADER,
-    BadAnswer,
-    BadAnswerFaults,
+    ApplyFault,
     Connections,
+    FaultKind,
     Headers,
     JsonHandler,
     KeyEntry,
@@ -122,78 +122,20 @@ class ApiEffect:
 # --- faults ---------------------------------------------------------------------------------
 
 
-class ApiFaultKind(enum.Enum):
-    """Where a fault strikes: before the ledger is consulted, or after the effect is applied."""
-
-    STATUS_BEFORE_APPLY = "status_before_apply"
-    RESET_BEFORE_APPLY = "reset_before_apply"
-    DELAY_AFTER_APPLY = "delay_after_apply"
-    ERROR_500_AFTER_APPLY = "error_500_after_apply"
-    RESET_AFTER_APPLY = "reset_after_apply"
-    BAD_ANSWER_AFTER_APPLY = "bad_answer_after_apply"
-
-
-_BEFORE_APPLY = frozenset({ApiFaultKind.STATUS_BEFORE_APPLY, ApiFaultKind.RESET_BEFORE_APPLY})
+# The APIs' fault kinds are those every fake that applies effects has.
+ApiFaultKind = FaultKind
 
 
 @dataclass(frozen=True)
-class ApiFault(BadAnswerFaults):
+class ApiFault(ApplyFault):
     """A misbehaviour to inject; build one with the class methods, e.g. ``ApiFault.status(503)``.
 
     Before-apply faults hit the next matching request of any route (a lookup or a replay too):
-    nothing is applied or saved. After-apply faults hit only a request that applies an effect;
-    the bad answers come from :class:`BadAnswerFaults`. What a 500 after apply leaves under the
-    key is the profile's choice (:class:`ErrorAfterApply`).
+    nothing is applied or saved; ``status`` answers in the API's error shape. After-apply
+    faults hit only a request that applies an effect; the bad answers come from
+    :class:`BadAnswerFaults`. What a 500 after apply leaves under the key is the profile's
+    choice (:class:`ErrorAfterApply`).
     """
-
-    kind: ApiFaultKind
-    seconds: float = 0.0
-    code: int = 500
-    retry_after: int | str | None = None
-    answer: BadAnswer | None = None
-
-    @classmethod
-    def status(cls, code: int, retry_after: int | str | None = None) -> ApiFault:
-        """Answer ``code`` (in the API's error shape) without applying or saving anything;
-        ``Retry-After: <retry_after>`` when given."""
-        if not 200 <= code <= 599:
-            raise ValueError(f"status {code} is not a final HTTP status")
-        return cls(ApiFaultKind.STATUS_BEFORE_APPLY, code=code, retry_after=retry_after)
-
-    @classmethod
-    def error_500_before_apply(cls) -> ApiFault:
-        """Answer 500 without applying or saving anything."""
-        return cls.status(500)
-
-    @classmethod
-    def reset_before_apply(cls) -> ApiFault:
-        """Reset the TCP connection without answering and without applying."""
-        return cls(ApiFaultKind.RESET_BEFORE_APPLY)
-
-    @classmethod
-    def delay_after_apply(cls, seconds: float) -> ApiFault:
-        """Apply and save, then wait ``seconds`` before answering (the key stays in progress)."""
-        return cls(ApiFaultKind.DELAY_AFTER_APPLY, seconds=seconds)
-
-    @classmethod
-    def error_500_after_apply(cls) -> ApiFault:
-        """Apply, then answer the API's 500; the key keeps what the profile says."""
-        return cls(ApiFaultKind.ERROR_500_AFTER_APPLY)
-
-    @classmethod
-    def reset_after_apply(cls) -> ApiFault:
-        """Apply and save the normal answer, then reset the connection without answering."""
-        return cls(ApiFaultKind.RESET_AFTER_APPLY)
-
-    @classmethod
-    def bad_answer_after_apply(cls, answer: BadAnswer) -> Self:
-        """Apply and save the normal answer, then send it as ``answer`` says."""
-        return cls(ApiFaultKind.BAD_ANSWER_AFTER_APPLY, answer=answer)
-
-    @property
-    def before_apply(self) -> bool:
-        """Whether the fault strikes before the idempotency ledger is consulted."""
-        return self.kind in _BEFORE_APPLY
 
 
 # --- what a profile is made of --------------------------------------------------------------

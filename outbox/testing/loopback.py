@@ -29,7 +29,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Generic, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Generic, Self, TypeVar
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -221,6 +221,79 @@ class BadAnswerFaults:
         """Apply and save, then answer ``body`` as it is (see BadAnswer.raw_body)."""
         answer = BadAnswer.raw_body(body, content_encoding=content_encoding)
         return cls.bad_answer_after_apply(answer)
+
+
+class FaultKind(enum.Enum):
+    """Where a fault strikes: before the ledger is consulted, or after the effect is applied."""
+
+    STATUS_BEFORE_APPLY = "status_before_apply"
+    RESET_BEFORE_APPLY = "reset_before_apply"
+    DELAY_AFTER_APPLY = "delay_after_apply"
+    ERROR_500_AFTER_APPLY = "error_500_after_apply"
+    RESET_AFTER_APPLY = "reset_after_apply"
+    BAD_ANSWER_AFTER_APPLY = "bad_answer_after_apply"
+
+
+_BEFORE_APPLY: Final = frozenset({FaultKind.STATUS_BEFORE_APPLY, FaultKind.RESET_BEFORE_APPLY})
+
+
+@dataclass(frozen=True)
+class ApplyFault(BadAnswerFaults):
+    """A fault of a fake whose faults strike before or after it applies the effect (the webhook
+    receiver's, the HTTP APIs'); build one with the class methods, e.g. ``status(503)``.
+
+    Before-apply faults hit any matching request (a replay too): nothing is applied or saved.
+    After-apply faults hit only a request that applies a new effect.
+    """
+
+    kind: FaultKind
+    seconds: float = 0.0
+    code: int = 500
+    retry_after: int | str | None = None
+    answer: BadAnswer | None = None
+
+    @classmethod
+    def status(cls, code: int, retry_after: int | str | None = None) -> Self:
+        """Answer ``code`` without applying or saving; ``Retry-After: <retry_after>`` when given
+        (a string goes as it is: a date, or digits no int could hold)."""
+        if not 200 <= code <= 599:
+            raise ValueError(f"status {code} is not a final HTTP status")
+        return cls(FaultKind.STATUS_BEFORE_APPLY, code=code, retry_after=retry_after)
+
+    @classmethod
+    def error_500_before_apply(cls) -> Self:
+        """Answer 500 without applying or saving anything."""
+        return cls.status(500)
+
+    @classmethod
+    def reset_before_apply(cls) -> Self:
+        """Reset the TCP connection without answering and without applying."""
+        return cls(FaultKind.RESET_BEFORE_APPLY)
+
+    @classmethod
+    def delay_after_apply(cls, seconds: float) -> Self:
+        """Apply and save, then wait ``seconds`` before answering (the key stays in progress)."""
+        return cls(FaultKind.DELAY_AFTER_APPLY, seconds=seconds)
+
+    @classmethod
+    def error_500_after_apply(cls) -> Self:
+        """Apply, then answer 500; what the key keeps is the fake's (its class says)."""
+        return cls(FaultKind.ERROR_500_AFTER_APPLY)
+
+    @classmethod
+    def reset_after_apply(cls) -> Self:
+        """Apply and save the normal answer, then reset the connection without answering."""
+        return cls(FaultKind.RESET_AFTER_APPLY)
+
+    @classmethod
+    def bad_answer_after_apply(cls, answer: BadAnswer) -> Self:
+        """Apply and save the normal answer, then send it as ``answer`` says."""
+        return cls(FaultKind.BAD_ANSWER_AFTER_APPLY, answer=answer)
+
+    @property
+    def before_apply(self) -> bool:
+        """Whether the fault strikes before the idempotency ledger is consulted."""
+        return self.kind in _BEFORE_APPLY
 
 
 def _check_size(size: int) -> None:

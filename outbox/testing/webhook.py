@@ -19,21 +19,21 @@ retry that changed one into the other gets 422). ``WebhookRequest.raw`` keeps th
 
 from __future__ import annotations
 
-import enum
 import json
 import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import Any, Self
+from typing import Any
 from urllib.parse import urlsplit
 
 from outbox.testing.loopback import (
     HOST,
+    ApplyFault,
     BadAnswer,
-    BadAnswerFaults,
     Connections,
+    FaultKind,
     Hold,
     JsonHandler,
     KeyEntry,
@@ -91,81 +91,21 @@ class WebhookRequest:
     raw: bytes = b""
 
 
-class WebhookFaultKind(enum.Enum):
-    """Where a fault strikes: before the ledger is consulted, or after the effect is applied."""
-
-    STATUS_BEFORE_APPLY = "status_before_apply"
-    RESET_BEFORE_APPLY = "reset_before_apply"
-    DELAY_AFTER_APPLY = "delay_after_apply"
-    ERROR_500_AFTER_APPLY = "error_500_after_apply"
-    RESET_AFTER_APPLY = "reset_after_apply"
-    BAD_ANSWER_AFTER_APPLY = "bad_answer_after_apply"
-
-
-_BEFORE_APPLY = frozenset(
-    {WebhookFaultKind.STATUS_BEFORE_APPLY, WebhookFaultKind.RESET_BEFORE_APPLY}
-)
+# The webhook's fault kinds are those every fake that applies effects has.
+WebhookFaultKind = FaultKind
 
 
 @dataclass(frozen=True)
-class WebhookFault(BadAnswerFaults):
+class WebhookFault(ApplyFault):
     """A misbehaviour to inject; build one with the class methods, e.g.
     ``WebhookFault.status(503)``.
 
     Before-apply faults hit any request carrying a key (a replay too): nothing is applied or
-    saved. After-apply faults hit only a request that applies a new effect; the bad answers
+    saved. After-apply faults hit only a request that applies a new effect; a 500 after apply
+    is saved as the key's answer (replays repeat it). The bad answers
     (``huge_answer_after_apply``, ``gzip_bomb_after_apply``, ``dribble_after_apply``,
     ``raw_answer_after_apply``) come from :class:`BadAnswerFaults`.
     """
-
-    kind: WebhookFaultKind
-    seconds: float = 0.0
-    code: int = 500
-    retry_after: int | str | None = None
-    answer: BadAnswer | None = None
-
-    @classmethod
-    def status(cls, code: int, retry_after: int | str | None = None) -> WebhookFault:
-        """Answer ``code`` without applying or saving; ``Retry-After: <retry_after>`` when given
-        (a string goes as it is: a date, or digits no int could hold)."""
-        if not 200 <= code <= 599:
-            raise ValueError(f"status {code} is not a final HTTP status")
-        return cls(WebhookFaultKind.STATUS_BEFORE_APPLY, code=code, retry_after=retry_after)
-
-    @classmethod
-    def error_500_before_apply(cls) -> WebhookFault:
-        """Answer 500 without applying or saving anything."""
-        return cls.status(500)
-
-    @classmethod
-    def reset_before_apply(cls) -> WebhookFault:
-        """Reset the TCP connection without answering and without applying."""
-        return cls(WebhookFaultKind.RESET_BEFORE_APPLY)
-
-    @classmethod
-    def delay_after_apply(cls, seconds: float) -> WebhookFault:
-        """Apply and save, then wait ``seconds`` before answering (the key stays in progress)."""
-        return cls(WebhookFaultKind.DELAY_AFTER_APPLY, seconds=seconds)
-
-    @classmethod
-    def error_500_after_apply(cls) -> WebhookFault:
-        """Apply, save a 500 as the response and answer it (replays repeat the 500)."""
-        return cls(WebhookFaultKind.ERROR_500_AFTER_APPLY)
-
-    @classmethod
-    def reset_after_apply(cls) -> WebhookFault:
-        """Apply and save the normal 201, then reset the connection without answering."""
-        return cls(WebhookFaultKind.RESET_AFTER_APPLY)
-
-    @classmethod
-    def bad_answer_after_apply(cls, answer: BadAnswer) -> Self:
-        """Apply and save the normal 201, then send it as ``answer`` says."""
-        return cls(WebhookFaultKind.BAD_ANSWER_AFTER_APPLY, answer=answer)
-
-    @property
-    def before_apply(self) -> bool:
-        """Whether the fault strikes before the idempotency ledger is consulted."""
-        return self.kind in _BEFORE_APPLY
 
 
 def parse_idempotency_key(value: str | None) -> str | None:
