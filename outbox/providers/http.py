@@ -321,7 +321,6 @@ def _classify(spec: ActionSpec, response: httpx.Response, wire: str) -> SendResu
     body = http_wire.json_body(response)
     details: dict[str, Any] = {"http_status": status, "request_id": http_wire.request_id(response)}
     kind = spec.classify(status, body) or http_wire.default_class(status)
-    why = http_wire.reason(response)
     ref = reference(spec.reference.read(body)) if body is not None else None
     if kind == "done":
         # An answer without a reference (or with something that is no identifier) still names
@@ -330,6 +329,7 @@ def _classify(spec: ActionSpec, response: httpx.Response, wire: str) -> SendResu
         return Succeeded(ref or wire, result, status, details["request_id"])
     if kind == "refused":
         # The provider acted and said no (a decline): the object it left is kept.
+        why = http_wire.reason(response)
         return permanent(f"http_{status}", why, reference=ref, reason=REASON_DECLINED, **details)
     return _failure(kind, response, details)
 

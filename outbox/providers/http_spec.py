@@ -71,7 +71,7 @@ class KeySpec:
                 f"the idempotency key is {len(wire)} characters; "
                 f"the provider takes at most {self.max_length}"
             )
-        if not re.fullmatch(f"[{self.characters}]+", wire):
+        if not _characters(self.characters).fullmatch(wire):
             return (
                 "the idempotency key holds characters the provider does not take "
                 f"(it takes [{self.characters}])"
@@ -167,6 +167,12 @@ def _placeholder(name: str) -> tuple[str, str]:
         f"{{{name}}} is no placeholder: use {{key}}, {{operation_id}} or a JSON pointer into "
         "the payload such as {/order_id}"
     )
+
+
+@functools.lru_cache(maxsize=64)
+def _characters(allowed: str) -> re.Pattern[str]:
+    """The key's pattern, compiled once per configured class (it is checked on every send)."""
+    return re.compile(f"[{allowed}]+")
 
 
 @functools.lru_cache(maxsize=1024)
