@@ -133,9 +133,6 @@ class Template:
         """Whether it names a value of the operation (its key, id or a payload value)."""
         return any(kind for kind, _ in self.parts)
 
-    def pointers(self) -> list[Pointer]:
-        return [Pointer.parse(name) for kind, name in self.parts if kind == "payload"]
-
     def render(
         self, payload: Mapping[str, Any], *, key: str, operation_id: int, escape: bool = True
     ) -> str:

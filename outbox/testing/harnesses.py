@@ -33,6 +33,7 @@ from outbox.testing.conformance.harness import (
     Unsupported,
 )
 from outbox.testing.http_api import ApiFault, FakeHttpApi
+from outbox.testing.loopback import LoopbackFake
 from outbox.testing.stripe import FakeStripe, StripeFault
 from outbox.testing.webhook import FakeWebhookReceiver, WebhookFault
 
@@ -92,10 +93,34 @@ class _Base:
         )
 
 
-class WebhookHarness(_Base):
+class _OnLoopback(_Base):
+    """A harness whose fake is a loopback fake: a refused connection is the fake's listener
+    closed, every other fault injected for the next request with the key."""
+
+    fake: LoopbackFake[Any, Any]
+
+    def injected(self, fault: Fault, key: str) -> tuple[Any, str]:
+        """The fake's fault for ``fault``, and the key as the fake sees it."""
+        raise NotImplementedError
+
+    def arm(self, fault: Fault, key: str) -> bool:
+        if fault is Fault.REFUSED:
+            self.fake.refuse_connections()
+            return True
+        made, wire = self.injected(fault, key)
+        self.fake.inject(made, key=wire)
+        return True
+
+    def restore(self) -> None:
+        if not self.fake.listening:
+            self.fake.accept_connections()
+
+
+class WebhookHarness(_OnLoopback):
     """outbox's webhook provider (or ``build``'s) against a started FakeWebhookReceiver."""
 
     name = "webhook"
+    fake: FakeWebhookReceiver
 
     def __init__(
         self,
@@ -123,16 +148,23 @@ class WebhookHarness(_Base):
     def keys_received(self) -> Sequence[str | None]:
         return [r.key for r in self.fake.received]
 
-    def arm(self, fault: Fault, key: str) -> bool:
-        if fault is Fault.REFUSED:
-            self.fake.refuse_connections()
-            return True
-        self.fake.inject(_webhook_fault(fault, self.timeout, self.max_response_bytes), key=key)
-        return True
+    def injected(self, fault: Fault, key: str) -> tuple[Any, str]:
+        return _webhook_fault(fault, self.timeout, self.max_response_bytes), key
 
-    def restore(self) -> None:
-        if not self.fake.listening:
-            self.fake.accept_connections()
+
+def _lookup_request(sent: SendRequest, first_sent_at: datetime, now: datetime) -> LookupRequest:
+    """The reconciler's question about the operation ``sent`` once sent, asked at ``now``."""
+    return LookupRequest(
+        action=sent.action,
+        operation_id=sent.operation_id,
+        idempotency_key=sent.idempotency_key,
+        keys=frozenset({sent.idempotency_key}),
+        first_sent_at=first_sent_at,
+        last_attempt_at=now,
+        search_until=now,
+        checked_now=now,
+        payload=sent.payload,
+    )
 
 
 def _webhook_fault(fault: Fault, timeout: float, cap: int) -> WebhookFault:
@@ -161,12 +193,13 @@ def _fault_of(kind: type[F], fault: Fault, timeout: float, cap: int) -> F:
     return made[fault]()
 
 
-class StripeHarness(_Base):
+class StripeHarness(_OnLoopback):
     """outbox's Stripe provider (``payment_intents.create``, and its lookup) against a started
     FakeStripe. The settings name the API key by ``api_key_env = STRIPE_KEY_VARIABLE``: a
     ``build`` of its own reads it from ``{STRIPE_KEY_VARIABLE: fake.api_key}``."""
 
     name = "stripe"
+    fake: FakeStripe
     action = "payment_intents.create"
 
     def __init__(
@@ -201,31 +234,13 @@ class StripeHarness(_Base):
     def keys_received(self) -> Sequence[str | None]:
         return [r.idempotency_key for r in self.fake.received if r.method == "POST"]
 
-    def arm(self, fault: Fault, key: str) -> bool:
-        if fault is Fault.REFUSED:
-            self.fake.refuse_connections()
-            return True
-        self.fake.inject(_stripe_fault(fault, self.timeout, self.max_response_bytes), key=key)
-        return True
-
-    def restore(self) -> None:
-        if not self.fake.listening:
-            self.fake.accept_connections()
+    def injected(self, fault: Fault, key: str) -> tuple[Any, str]:
+        return _stripe_fault(fault, self.timeout, self.max_response_bytes), key
 
     def lookup_request(
         self, sent: SendRequest, first_sent_at: datetime, now: datetime
     ) -> LookupRequest:
-        return LookupRequest(
-            action=sent.action,
-            operation_id=sent.operation_id,
-            idempotency_key=sent.idempotency_key,
-            keys=frozenset({sent.idempotency_key}),
-            first_sent_at=first_sent_at,
-            last_attempt_at=now,
-            search_until=now,
-            checked_now=now,
-            payload=sent.payload,
-        )
+        return _lookup_request(sent, first_sent_at, now)
 
     def arm_lookup(self, fault: LookupFault) -> bool:
         if fault is LookupFault.TIMEOUT:
@@ -319,7 +334,7 @@ def noop_harness(**options: Any) -> Iterator[NoopHarness]:
     yield NoopHarness(**options)
 
 
-class HttpApiHarness(_Base):
+class HttpApiHarness(_OnLoopback):
     """An `http` provider configured by ``table`` (a ``[providers.<name>]`` table as TOML reads
     it; its base_url is replaced by the fake's) against a started FakeHttpApi, sending
     ``action`` with ``payload(n)`` as the n-th operation's payload.
@@ -331,6 +346,7 @@ class HttpApiHarness(_Base):
     """
 
     name = "http"
+    fake: FakeHttpApi
 
     def __init__(
         self,
@@ -380,35 +396,15 @@ class HttpApiHarness(_Base):
         sends = (r for r in self.fake.received if r.method != "GET")
         return [None if r.key is None else self._stored.get(r.key, r.key) for r in sends]
 
-    def arm(self, fault: Fault, key: str) -> bool:
-        if fault is Fault.REFUSED:
-            self.fake.refuse_connections()
-            return True
-        self.fake.inject(
-            _api_fault(fault, self.timeout, self.max_response_bytes), key=self._wire(key)
-        )
-        return True
-
-    def restore(self) -> None:
-        if not self.fake.listening:
-            self.fake.accept_connections()
+    def injected(self, fault: Fault, key: str) -> tuple[Any, str]:
+        return _api_fault(fault, self.timeout, self.max_response_bytes), self._wire(key)
 
     def lookup_request(
         self, sent: SendRequest, first_sent_at: datetime, now: datetime
     ) -> LookupRequest:
         if self._forgotten:  # the key was forgotten because its retention passed
             now += self._retention + timedelta(seconds=1)
-        return LookupRequest(
-            action=sent.action,
-            operation_id=sent.operation_id,
-            idempotency_key=sent.idempotency_key,
-            keys=frozenset({sent.idempotency_key}),
-            first_sent_at=first_sent_at,
-            last_attempt_at=first_sent_at,
-            search_until=now,
-            checked_now=now,
-            payload=sent.payload,
-        )
+        return _lookup_request(sent, first_sent_at, now)
 
     def arm_lookup(self, fault: LookupFault) -> bool:
         if fault is LookupFault.TIMEOUT:

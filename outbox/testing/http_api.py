@@ -24,12 +24,10 @@ from __future__ import annotations
 import copy
 import enum
 import functools
-import json
 import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from decimal import Decimal
 from typing import Any, ClassVar, Self, TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
@@ -40,6 +38,7 @@ from outbox.testing.loopback import (
     Connections,
     FaultKind,
     Headers,
+    InvalidJson,
     JsonHandler,
     KeyEntry,
     Ledger,
@@ -47,6 +46,7 @@ from outbox.testing.loopback import (
     LoopbackServer,
     Plan,
     Reply,
+    parse_json_body,
 )
 
 __all__ = [
@@ -534,21 +534,6 @@ def _sent(answer: Reply, fault: ApiFault | None) -> Reply | None:
 
 
 @dataclass(frozen=True)
-class _InvalidJson:
-    text: str
-
-
-def _parse_json(raw: bytes) -> Any:
-    """The parsed body (None when empty), or _InvalidJson carrying the raw text."""
-    if not raw.strip():
-        return None
-    try:
-        return json.loads(raw, parse_float=Decimal)
-    except (ValueError, RecursionError):
-        return _InvalidJson(raw.decode("utf-8", "replace"))
-
-
-@dataclass(frozen=True)
 class _Incoming:
     """A request as read off the wire, before routing."""
 
@@ -569,13 +554,13 @@ class _Incoming:
         query: dict[str, str] = {}
         for name, value in parse_qsl(url.query, keep_blank_values=True):
             query.setdefault(name, value)
-        body = _parse_json(raw)
+        body = parse_json_body(raw)
         raw_key = spec.raw(headers, body)
         key = spec.parse(raw_key) if raw_key is not None else None
         return cls(method, url.path, query, body, headers, raw_key, key, raw)
 
     def record(self, route: str | None) -> Callable[[float], ApiCall]:
-        body = self.body.text if isinstance(self.body, _InvalidJson) else self.body
+        body = self.body.text if isinstance(self.body, InvalidJson) else self.body
 
         def make(at: float) -> ApiCall:
             return ApiCall(
@@ -659,7 +644,7 @@ class _Handler(JsonHandler):
             return found
         profile = self.server.ledger.profile
         route, params = found
-        if isinstance(incoming.body, _InvalidJson):
+        if isinstance(incoming.body, InvalidJson):
             return profile.bad_json()
         request = incoming.request(route, params)
         if route.effect:
@@ -667,23 +652,8 @@ class _Handler(JsonHandler):
             if rejection is not None:
                 return rejection
         plan = self.server.ledger.admit(route, request)
-        self._sit_out(plan)
+        self.server.ledger.sit_out(plan)
         return plan.reply
-
-    def _sit_out(self, plan: Plan) -> None:
-        """Wait out the plan's hold and delay, then end its key's in-progress state."""
-        ledger = self.server.ledger
-        try:
-            if plan.hold is not None:
-                plan.hold.arrived.set()
-                plan.hold.wait_released()
-            if plan.delay:
-                ledger.stopping.wait(plan.delay)
-        finally:
-            # Completed before answering: a client that got the answer and retries at once
-            # must see a replay, not the in-progress answer.
-            if plan.entry is not None:
-                ledger.complete(plan.entry)
 
 
 # --- the fake -------------------------------------------------------------------------------

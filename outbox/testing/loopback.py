@@ -13,6 +13,7 @@ completes) stays in each fake.
 
 from __future__ import annotations
 
+import decimal
 import enum
 import functools
 import json
@@ -464,6 +465,20 @@ class Ledger(Generic[FaultT, ReceivedT, EntryT]):
             entry.in_progress = False
             self.cond.notify_all()
 
+    def sit_out(self, plan: Plan) -> None:
+        """Wait out the plan's hold and delay (in a handler's thread), then end its key's
+        in-progress state: completed before answering, so a client that got the answer and
+        retries at once sees a replay, not the in-progress answer."""
+        try:
+            if plan.hold is not None:
+                plan.hold.arrived.set()
+                plan.hold.wait_released()
+            if plan.delay:
+                self.stopping.wait(plan.delay)
+        finally:
+            if plan.entry is not None:
+                self.complete(plan.entry)
+
     def _live_entry(self, key: str, now: float) -> EntryT | None:
         """The entry that still governs ``key`` (call with the lock held)."""
         entry = self._entries.get(key)
@@ -891,3 +906,22 @@ class LoopbackFake(ABC, Generic[FaultT, ReceivedT]):
     def forget_keys(self) -> None:
         """Behave as if ``key_retention`` had passed for every key seen so far."""
         self._ledger.forget_keys()
+
+
+@dataclass(frozen=True)
+class InvalidJson:
+    """A request body that is not JSON, as its text."""
+
+    text: str
+
+
+def parse_json_body(raw: bytes) -> Any:
+    """A request body as a careful payment API parses it (None when empty): numbers with a
+    point as Decimal, so 19.999999999999999999 and 20.0 are different bodies; InvalidJson
+    when it is not JSON."""
+    if not raw.strip():
+        return None
+    try:
+        return json.loads(raw, parse_float=decimal.Decimal)
+    except (ValueError, RecursionError):
+        return InvalidJson(raw.decode("utf-8", "replace"))

@@ -19,12 +19,10 @@ retry that changed one into the other gets 422). ``WebhookRequest.raw`` keeps th
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from decimal import Decimal
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -35,6 +33,7 @@ from outbox.testing.loopback import (
     Connections,
     FaultKind,
     Hold,
+    InvalidJson,
     JsonHandler,
     KeyEntry,
     Ledger,
@@ -42,6 +41,7 @@ from outbox.testing.loopback import (
     LoopbackServer,
     Plan,
     Reply,
+    parse_json_body,
 )
 
 __all__ = [
@@ -225,9 +225,9 @@ class _Handler(JsonHandler):
         if raw is None:
             return
         key = parse_idempotency_key(self.headers.get("Idempotency-Key"))
-        body = _parse_json(raw)
+        body = parse_json_body(raw)
         headers = {name.lower(): str(value) for name, value in self.headers.items()}
-        recorded = body.text if isinstance(body, _InvalidJson) else body
+        recorded = body.text if isinstance(body, InvalidJson) else body
         self._respond(
             lambda at: WebhookRequest(key, recorded, headers, None, False, at, raw=raw),
             lambda: decide(key, body, headers),
@@ -240,7 +240,7 @@ class _Handler(JsonHandler):
             return rejection
         assert key is not None  # noqa: S101 (_validate rejected the request otherwise)
         plan = self.server.ledger.admit(key, body, headers)
-        self._sit_out(plan)
+        self.server.ledger.sit_out(plan)
         return plan.reply
 
     def _validate(self, key: str | None, body: Any) -> Reply | None:
@@ -248,39 +248,9 @@ class _Handler(JsonHandler):
             return _error(404, "not found")
         if key is None:
             return _error(400, "missing Idempotency-Key header")
-        if isinstance(body, _InvalidJson):
+        if isinstance(body, InvalidJson):
             return _error(400, "body is not JSON")
         return None
-
-    def _sit_out(self, plan: Plan) -> None:
-        """Wait out the plan's hold and delay, then end its key's in-progress state."""
-        ledger = self.server.ledger
-        try:
-            if plan.hold is not None:
-                plan.hold.arrived.set()
-                plan.hold.wait_released()
-            if plan.delay:
-                ledger.stopping.wait(plan.delay)
-        finally:
-            # Completed before answering: a client that got the answer and retries at once
-            # must see a replay, not a 409.
-            if plan.entry is not None:
-                ledger.complete(plan.entry)
-
-
-@dataclass(frozen=True)
-class _InvalidJson:
-    text: str
-
-
-def _parse_json(raw: bytes) -> Any:
-    """The parsed body (None when empty), or _InvalidJson carrying the raw text."""
-    if not raw.strip():
-        return None
-    try:
-        return json.loads(raw, parse_float=Decimal)
-    except (ValueError, RecursionError):
-        return _InvalidJson(raw.decode("utf-8", "replace"))
 
 
 class FakeWebhookReceiver(LoopbackFake[WebhookFault, WebhookRequest]):

@@ -18,6 +18,7 @@ import pytest
 
 from outbox.config import ProviderSettings
 from outbox.model import FailureClass
+from outbox.providers.answers import ResponseTooLarge
 from outbox.providers.base import (
     Failed,
     Found,
@@ -28,6 +29,7 @@ from outbox.providers.base import (
     Verdict,
 )
 from outbox.providers.http import HttpProvider
+from outbox.providers.http_lookup import LookupFailed
 from outbox.providers.registry import build_providers
 from outbox.testing.apis import FakeEffectsService
 from outbox.testing.http_api import ApiFault
@@ -227,18 +229,22 @@ def test_each_state_means_what_the_table_says(
 
 
 @pytest.mark.parametrize(
-    "body",
+    ("body", "raised", "says"),
     [
-        b"not json",
-        {"data": {"not": "a list"}},
-        {"data": [{"reference": "order-17", "status": "Authorized"}] * 101},
-        {"data": [{"reference": "order-17", "status": "x" * 300_000}]},  # over the answer cap
+        (b"not json", LookupFailed, "not JSON"),
+        ({"data": {"not": "a list"}}, LookupFailed, "no list of at most 100"),
+        ({"data": [{"reference": "order-17", "status": "Done"}] * 101}, LookupFailed, "at most"),
+        ({"data": ["order-17"]}, LookupFailed, "holds no objects"),
+        # Over the answer cap: the bounds refuse it while it is read.
+        ({"data": [{"reference": "order-17", "status": "x" * 300_000}]}, ResponseTooLarge, "bytes"),
     ],
-    ids=["not-json", "no-list", "too-many", "too-large"],
+    ids=["not-json", "no-list", "too-many", "no-objects", "too-large"],
 )
-def test_an_answer_the_lookup_cannot_read_raises(liar: Liar, body: Any) -> None:
+def test_an_answer_the_lookup_cannot_read_raises(
+    liar: Liar, body: Any, raised: type[Exception], says: str
+) -> None:
     liar.answer(body)
-    with pytest.raises(Exception):  # noqa: B017, PT011 (any raise: the check proves nothing)
+    with pytest.raises(raised, match=says):
         ask(provider(liar.url, BY_REFERENCE), {"k"}, payload=MINE)
 
 
