@@ -45,6 +45,10 @@ import structlog
 from outbox import redaction
 from outbox.durations import format_duration
 from outbox.event_loop import EVENT_LOOPS, uvloop_available
+from outbox.queue_settings import amqp as amqp_options
+from outbox.queue_settings import cloudtasks as cloudtasks_options
+from outbox.queue_settings import nats as nats_options
+from outbox.queue_settings import sqs as sqs_options
 from outbox.settings_schema import (
     Boolean,
     Choice,
@@ -378,8 +382,9 @@ class ProviderSettings:
     type: str = field(
         metadata=setting(
             ProviderType(),
-            'The provider\'s type: "http", "webhook", "stripe", "noop", or the name a plug-in '
-            "registers in the entry point group outbox.providers.",
+            'The provider\'s type: "http", "webhook", "stripe", "noop", the queues "nats", '
+            '"amqp", "sqs" and "cloudtasks", or the name a plug-in registers in the entry point '
+            "group outbox.providers.",
         )
     )
     key_retention: timedelta = field(
@@ -400,6 +405,16 @@ class ProviderSettings:
         ),
     )
     options: Mapping[str, Any] = field(default_factory=_no_options)
+    retention_margin: timedelta | None = field(
+        default=None,
+        metadata=setting(
+            Duration(zero=True),
+            "This provider's own dispatcher.retention_margin: a queue that keeps keys for minutes "
+            "(JetStream's duplicate_window, 2 minutes by default) needs a margin of seconds, "
+            "which would be too thin for a provider that keeps them for a day.",
+            default_doc="`dispatcher.retention_margin`",
+        ),
+    )
     max_in_flight: int | None = field(
         default=None,
         metadata=setting(
@@ -637,6 +652,10 @@ PROVIDER_OPTIONS: Final[Mapping[str, tuple[Setting, ...]]] = MappingProxyType(
             ),
         ),
         "noop": (),
+        "nats": nats_options.OPTIONS,
+        "amqp": amqp_options.OPTIONS,
+        "sqs": sqs_options.OPTIONS,
+        "cloudtasks": cloudtasks_options.OPTIONS,
     }
 )
 
@@ -682,8 +701,13 @@ class Settings:
     def __post_init__(self) -> None:
         object.__setattr__(self, "providers", MappingProxyType(dict(self.providers)))
         check_fields(self, "")
-        margin = self.dispatcher.retention_margin
         for name, provider in self.providers.items():
+            margin = self.margin_of(provider)
+            setting_name = (
+                "dispatcher.retention_margin"
+                if provider.retention_margin is None
+                else f"providers.{name}.retention_margin"
+            )
             if name != provider.name:
                 raise ConfigError(
                     f"providers.{name} holds the settings of provider {provider.name!r}",
@@ -692,10 +716,26 @@ class Settings:
             if margin >= provider.key_retention:
                 raise ConfigError(
                     f"providers.{name}.key_retention ({format_duration(provider.key_retention)}) "
-                    f"must be longer than dispatcher.retention_margin ({format_duration(margin)}): "
+                    f"must be longer than {setting_name} ({format_duration(margin)}): "
                     "operations go to reconciliation that long before the provider forgets a key",
                     key=f"providers.{name}.key_retention",
                 )
+
+    def margin_of(self, provider: ProviderSettings) -> timedelta:
+        """How long before ``provider`` forgets a key its retries stop: its own
+        retention_margin, else the dispatcher's."""
+        own = provider.retention_margin
+        return self.dispatcher.retention_margin if own is None else own
+
+    @property
+    def margins(self) -> dict[str, timedelta]:
+        """The providers with a retention margin of their own, and that margin (the others
+        take the dispatcher's)."""
+        return {
+            name: ps.retention_margin
+            for name, ps in self.providers.items()
+            if ps.retention_margin is not None
+        }
 
 
 # The tables of the file, and the dataclass each is read into.

@@ -27,6 +27,7 @@ from outbox.db.probe import DatabaseProbe
 from outbox.db.store import Store
 from outbox.dispatcher import Dispatcher
 from outbox.durations import format_duration
+from outbox.providers import lifecycle
 from outbox.providers.base import Provider
 from outbox.reconciler import Reconciler
 
@@ -92,7 +93,7 @@ async def serve(
     metrics.BUILD_INFO.info({"version": outbox.__version__})
     _tune_gc()
     database = settings.database
-    refusal, checked = await _preflight(dsn, settings)
+    refusal, checked = await _preflight(dsn, settings, providers)
     if refusal:
         await _close(providers)
         return EXIT_MISCONFIGURED
@@ -108,6 +109,7 @@ async def serve(
         worker_id=worker_id(),
         call_timeouts=timeouts,
         limits=limits,
+        margins=settings.margins,
     )
     probe = DatabaseProbe(dsn, on_new_server=dispatcher.server_changed)
     health = Health(dispatcher, probe)
@@ -169,13 +171,17 @@ async def serve(
     return EXIT_MISCONFIGURED if refused.is_set() else 0
 
 
-async def _preflight(dsn: str, settings: Settings) -> tuple[bool, bool | None]:
+async def _preflight(
+    dsn: str, settings: Settings, providers: Mapping[str, Provider]
+) -> tuple[bool, bool | None]:
     """Whether `outbox run` must not start (each reason logged, with its fix), and the result
     of the pool-mode check (None: postponed)."""
     database = settings.database
     # First: a database that never answers, or a schema that is not this outbox's, ends the
-    # run now with the fix, not an error loop (outbox/startup.py).
+    # run now with the fix, not an error loop (outbox/startup.py). Then a provider whose live
+    # system contradicts its settings (outbox/providers/lifecycle.py).
     problem = await startup.check_database(dsn, database.startup_wait)
+    problem = problem or await lifecycle.start_all(providers)
     if problem is not None:
         log.error(f"outbox run cannot start: {problem}")
         return True, None

@@ -54,7 +54,9 @@ class Dispatcher:
         call_timeouts: Mapping[str, timedelta] | None = None,
         rng: random.Random | None = None,
         limits: Mapping[str, ProviderLimits] | None = None,
+        margins: Mapping[str, timedelta] | None = None,
     ) -> None:
+        """``margins``: the providers with a retention margin of their own (Settings.margins)."""
         # Every provider has a breaker; the other limits only where configured.
         every = {name: (limits or {}).get(name, ProviderLimits()) for name in providers}
         labels = Labels({name: getattr(p, "actions", None) for name, p in providers.items()})
@@ -66,7 +68,7 @@ class Dispatcher:
             labels=labels,
             limits=Limits(store, every),
             action_pauses=ActionPauses({n: lim.breaker_open_for for n, lim in every.items()}),
-            rules=ProviderRules(providers, settings.retention_margin, call_timeouts),
+            rules=ProviderRules(providers, settings.retention_margin, call_timeouts, margins),
             meters=Meters(labels),
         )
         self._inflight = shared.inflight

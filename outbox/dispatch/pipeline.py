@@ -216,6 +216,7 @@ class Pipeline:
             attempt=row.attempts,
             payload_json=row.payload,
             api_version=api_version(row, provider),
+            traceparent=row.traceparent,
         )
         flight.scope = _scope(provider, row.action, payload)
         flight.phase = Phase.SENDING

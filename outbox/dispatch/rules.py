@@ -29,24 +29,30 @@ class ProviderRules:
         providers: Mapping[str, Provider],
         retention_margin: timedelta,
         call_timeouts: Mapping[str, timedelta] | None = None,
+        margins: Mapping[str, timedelta] | None = None,
     ) -> None:
+        """``margins``: a provider's own retention margin, where it has one (a queue that keeps
+        keys for minutes); the others take ``retention_margin``."""
+        margin = {name: (margins or {}).get(name, retention_margin) for name in providers}
         # A provider's key retention is fixed: each window is made once. A provider may keep
         # the keys of some actions longer or shorter (``action_key_retention``: PayPal's Orders
         # for 6 hours, its Payments for 45 days).
         self._windows = {
-            name: KeyWindow(p.key_retention, retention_margin) for name, p in providers.items()
+            name: KeyWindow(p.key_retention, margin[name]) for name, p in providers.items()
         }
         self._action_windows = {
-            (name, action): KeyWindow(retention, retention_margin)
+            (name, action): KeyWindow(retention, margin[name])
             for name, p in providers.items()
             for action, retention in _action_retention(p).items()
         }
         for (name, action), window in self._action_windows.items():
-            if window.retention <= retention_margin:
+            if window.retention <= window.margin:
+                own = margins is not None and name in margins
+                setting = f"providers.{name}." if own else "dispatcher."
                 raise ConfigError(
                     f"providers.{name}.actions.{action}.key_retention "
                     f"({format_duration(window.retention)}) must be longer than "
-                    f"dispatcher.retention_margin ({format_duration(retention_margin)})",
+                    f"{setting}retention_margin ({format_duration(window.margin)})",
                     key=f"providers.{name}.actions.{action}.key_retention",
                 )
         self._call_limits = {

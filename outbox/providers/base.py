@@ -40,6 +40,9 @@ class SendRequest:
     # The provider API version to send with: the one of the operation's first send, or None
     # (never sent: the provider's configured version).
     api_version: str | None = None
+    # The W3C traceparent the producer's enqueue stored, if any: a queue provider passes it on
+    # in the message's headers, so that a consumer's span joins the producer's trace.
+    traceparent: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +201,10 @@ class Provider(Protocol):
 # would search elsewhere says so rather than "not found" (LookupRequest.sent_scope).
 # A provider may also declare ``api_version``, the version of its API it sends requests in: an
 # operation's first send stores it, and its retries and lookups use that one (SendRequest).
+# A provider may also declare ``async start() -> None``: awaited by `outbox run` before its first
+# claim, to check the configuration against the live system (a JetStream stream's
+# duplicate_window). It raises outbox.config.ConfigError to refuse to start (exit 2, its message
+# said); a system that is merely down is no reason: it logs, and sends fail transient meanwhile.
 # A provider may also declare ``actions``, a collection of the action names it knows: each keeps
 # its own label in the metrics. Other actions share at most outbox.metric_labels.MAX_OTHER_ACTIONS
 # labels per provider, then "other" (a row's action is the producer's choice).

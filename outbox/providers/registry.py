@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -38,6 +39,15 @@ from outbox.providers.webhook import (
 from outbox.settings_schema import file_keys
 
 ENTRY_POINT_GROUP: Final = "outbox.providers"
+# The queue types (docs/providers.md, "Queues"): the module that builds each, which exposes
+# ``build(ps, environ, *, concurrency) -> Provider``, and the top-level package of its client
+# library, an optional extra of the same name.
+QUEUE_TYPES: Final[Mapping[str, tuple[str, str]]] = {
+    "nats": ("nats_queue", "nats"),
+    "amqp": ("amqp_queue", "aio_pika"),
+    "sqs": ("sqs_queue", "aiobotocore"),
+    "cloudtasks": ("cloudtasks_queue", "google"),
+}
 Factory = Callable[[ProviderSettings], Provider]
 
 # The options each built-in type takes: declared once, in outbox.config (PROVIDER_OPTIONS).
@@ -72,7 +82,27 @@ def _build(ps: ProviderSettings, environ: Mapping[str, str] | None, concurrency:
         return NoopProvider(ps.name, ps.key_retention)
     if ps.type == "stripe":
         return StripeProvider(ps.name, stripe_options(ps, environ, concurrency=concurrency))
+    if ps.type in QUEUE_TYPES:
+        return _queue(ps, environ, concurrency)
     return _plugin(ps.type, ps.name)(ps)
+
+
+def _queue(ps: ProviderSettings, environ: Mapping[str, str] | None, concurrency: int) -> Provider:
+    """A queue provider, whose client library is an optional extra: imported only when a
+    provider of its type is configured, and named with the install command when missing."""
+    module_name, client = QUEUE_TYPES[ps.type]
+    try:
+        module = importlib.import_module(f"outbox.providers.{module_name}")
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not exc.name.startswith(client):
+            raise
+        raise ConfigError(
+            f'providers.{ps.name}.type = "{ps.type}" needs its client library ({exc.name}), '
+            f"which is not installed: pip install 'outbox[{ps.type}]'",
+            key=f"providers.{ps.name}.type",
+        ) from None
+    provider: Provider = module.build(ps, environ, concurrency=concurrency)
+    return provider
 
 
 def webhook_options(
@@ -195,5 +225,6 @@ def _plugin(type_name: str, provider_name: str) -> Factory:
             return factory
     raise ConfigError(
         f"providers.{provider_name}.type: unknown provider type {type_name!r}; built in: http, "
-        f"webhook, stripe, noop; plug-ins register in the entry point group {ENTRY_POINT_GROUP}"
+        f"webhook, stripe, noop, nats, amqp, sqs, cloudtasks; plug-ins register in the entry "
+        f"point group {ENTRY_POINT_GROUP}"
     )

@@ -567,6 +567,23 @@ def test_retention_margin_must_be_shorter_than_every_key_retention() -> None:
     assert "providers.a.key_retention (24h)" in str(error)
 
 
+def test_a_providers_own_retention_margin_replaces_the_dispatchers_for_it_alone() -> None:
+    # A JetStream stream keeps ids for 2 minutes: a margin of an hour would leave no window.
+    providers = {
+        "queue": {"type": "noop", "key_retention": "2m", "retention_margin": "30s"},
+        "stripe": {"type": "noop"},
+    }
+    settings = load({"providers": providers})
+    assert settings.margins == {"queue": timedelta(seconds=30)}
+    assert settings.margin_of(settings.providers["stripe"]) == timedelta(hours=1)
+    providers["queue"]["retention_margin"] = "2m"
+    error = config_error({"providers": providers})
+    assert error.key == "providers.queue.key_retention"
+    assert "must be longer than providers.queue.retention_margin (2m)" in str(error)
+    del providers["queue"]["retention_margin"]
+    assert "dispatcher.retention_margin (1h)" in str(config_error({"providers": providers}))
+
+
 def test_config_error_is_an_outbox_error() -> None:
     assert issubclass(ConfigError, OutboxError)
 
@@ -1375,7 +1392,7 @@ def test_every_key_says_what_it_does() -> None:
         *(s for options in PROVIDER_OPTIONS.values() for s in options),
     ]
     # The webhook's 7, http's 8, stripe's 8 options.
-    assert len(declared) == 1 + 8 + 14 + 4 + 7 + 8 + 8
+    assert len(declared) == 1 + 9 + 14 + 4 + 7 + 8 + 8
     for setting in declared:
         assert setting.doc.endswith("."), setting.name
         assert f"`{setting.name}" in reference(), setting.name

@@ -124,3 +124,32 @@ def test_an_actions_own_key_retention_is_its_window_and_the_gauge_warns_by_the_s
     assert rules.window("paypal", "refund").has_passed(NOW - timedelta(hours=1, minutes=1), NOW)
     assert not rules.window("paypal", "capture").has_passed(a_month_ago, NOW)
     assert rules.closes_after() == {"paypal": timedelta(hours=1)}
+
+
+def test_a_providers_own_margin_closes_its_window_and_no_other() -> None:
+    providers = {
+        "queue": _Provider("queue", timedelta(minutes=2)),
+        "stripe": _Provider("stripe", timedelta(hours=24)),
+    }
+    margins = {"queue": timedelta(seconds=30)}
+    rules = ProviderRules(providers, timedelta(hours=1), None, margins)  # type: ignore[arg-type]
+    assert rules.closes_after() == {
+        "queue": timedelta(seconds=90),
+        "stripe": timedelta(hours=23),
+    }
+    assert rules.window("queue").has_passed(NOW - timedelta(seconds=90), NOW)
+    assert not rules.window("queue").has_passed(NOW - timedelta(seconds=89), NOW)
+    # Without its own margin, the dispatcher's hour leaves a 2-minute queue no window at all.
+    per_action = _PerAction("queue", timedelta(minutes=2))
+    per_action.action_key_retention = {"*": timedelta(minutes=2)}
+    with pytest.raises(ConfigError, match=r"dispatcher\.retention_margin \(1h\)"):
+        ProviderRules({"queue": per_action}, timedelta(hours=1))  # type: ignore[dict-item]
+    rules = ProviderRules({"queue": per_action}, timedelta(hours=1), None, margins)  # type: ignore[dict-item]
+    assert rules.window("queue", "any").margin == timedelta(seconds=30)
+    with pytest.raises(ConfigError, match=r"providers\.queue\.retention_margin \(3m\)"):
+        ProviderRules(
+            {"queue": per_action},  # type: ignore[dict-item]
+            timedelta(hours=1),
+            None,
+            {"queue": timedelta(minutes=3)},
+        )

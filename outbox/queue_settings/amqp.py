@@ -1,0 +1,9 @@
+"""The options of `type = "amqp"` (docs/providers.md, "Queues")."""
+
+from __future__ import annotations
+
+from typing import Final
+
+from outbox.settings_schema import Setting
+
+OPTIONS: Final[tuple[Setting, ...]] = ()
