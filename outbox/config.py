@@ -468,6 +468,15 @@ class ProviderSettings:
         table = _dotted("providers", self.name)
         _provider_name(self.name, Where(table))
         check_fields(self, table)
+        if self.retention_margin is not None and self.retention_margin < self.timeout:
+            key = f"{table}.retention_margin"
+            raise ConfigError(
+                f"{key} ({format_duration(self.retention_margin)}) must be at least "
+                f"{table}.timeout ({format_duration(self.timeout)}): a retry that starts just "
+                "inside the key window may reach the provider that long after, when it has "
+                "forgotten the key",
+                key=key,
+            )
         # Frozen all the way down: a provider cannot change the settings another one sees.
         object.__setattr__(self, "options", _freeze(self.options))
 

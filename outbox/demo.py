@@ -24,7 +24,7 @@ import psycopg
 from psycopg_pool import AsyncConnectionPool
 
 import outbox
-from outbox import daemon
+from outbox import daemon, demo_queue
 from outbox.config import DispatcherSettings, ProviderSettings
 from outbox.db import migrations, statements
 from outbox.db.store import Store
@@ -109,8 +109,9 @@ def plan() -> list[Planned]:
     ]
 
 
-async def run(dsn: str | None, *, keep: bool, say: Say) -> int:
-    """The demo; returns the exit code."""
+async def run(dsn: str | None, *, keep: bool, say: Say, queue: str | None = None) -> int:
+    """The demo; returns the exit code. ``queue``: a NATS server's URL, to show the outbox in
+    front of a real JetStream too (outbox.demo_queue)."""
     with contextlib.ExitStack() as stack:
         kept: str | None = None
         if dsn is None:
@@ -128,6 +129,9 @@ async def run(dsn: str | None, *, keep: bool, say: Say) -> int:
         )
         await _dispatch_and_reconcile(dsn, stripe_fake, receiver, tenant, say)
         _report(dsn, tenant, stripe_fake=stripe_fake, receiver=receiver, say=say)
+        if queue is not None:
+            say("")
+            await demo_queue.run(dsn, queue, _SETTINGS, say)
         _next_steps(dsn, kept, say)
     return 0
 

@@ -151,6 +151,10 @@ QUARANTINE_REASONS: Final = (
     "internal_error",
     "provider_declined",
     "unencodable_request",
+    # The queues' (issue 25): no stream, queue or route takes the message; a message over the
+    # queue's size limit.
+    "unroutable",
+    "message_too_large",
 )
 ROUTED_REASONS: Final = ("key_window_passed", "indeterminate_provider_error")
 CHECK_FINDINGS: Final = (

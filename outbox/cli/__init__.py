@@ -295,12 +295,18 @@ def run(dsn: str, config_path: Path | None, metrics_addr: str) -> None:
 )
 @click.option("--keep", is_flag=True, help="Leave the embedded database running afterwards.")
 @click.option(
+    "--queue",
+    type=TEXT,
+    metavar="nats://HOST:PORT",
+    help="Also dispatch to a real NATS JetStream there (a stream of its own, deleted after).",
+)
+@click.option(
     "--stop",
     "stop_dir",
     type=click.Path(file_okay=False, path_type=Path),
     help="Stop the database --keep left in this directory; delete it.",
 )
-def demo(dsn: str | None, keep: bool, stop_dir: Path | None) -> None:
+def demo(dsn: str | None, keep: bool, queue: str | None, stop_dir: Path | None) -> None:
     """Watch outbox work: an embedded PostgreSQL, fake Stripe and webhook, a real dispatcher."""
     if stop_dir is not None:
         try:
@@ -312,7 +318,9 @@ def demo(dsn: str | None, keep: bool, stop_dir: Path | None) -> None:
         click.echo(f"stopped the demo's database and deleted {stop_dir}")
         return
     try:
-        code = asyncio.run(demo_module.run(dsn, keep=keep, say=click.echo))
+        if queue is not None and not queue.startswith(("nats://", "tls://")):
+            raise click.BadParameter("must be a nats:// URL", param_hint="--queue")
+        code = asyncio.run(demo_module.run(dsn, keep=keep, say=click.echo, queue=queue))
     except RuntimeError as exc:
         raise click.ClickException(str(exc)) from None
     sys.exit(code)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.queues import require_service
+
 pytestmark = pytest.mark.slow
 
 
@@ -113,3 +115,24 @@ def test_a_kept_demo_says_how_to_stop_it_and_that_stops_it(short_tmp: Path) -> N
         check=False,
     )
     assert after.returncode == 1  # nothing answers there any more
+
+
+def test_the_demo_in_front_of_a_real_jetstream_shows_the_repeat_recognised(db_url: str) -> None:
+    require_service("NATS with JetStream", 4222, "nats-server -js (see the machine notes)")
+    done = subprocess.run(
+        [sys.executable, "-m", "outbox", "demo", "--dsn", db_url, "--queue", NATS],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    orders = dict(re.findall(r"(order-\d)\s+succeeded\s+1\s+(\S+)", out))
+    assert sorted(orders) == [f"order-{n}" for n in range(1, 6)], out
+    assert len(set(orders.values())) == 5, orders  # one message, one sequence, per order
+    assert "the stream holds 5 messages for 5 orders" in out
+    assert f"answered {orders['order-1']} (the same message)" in out
+
+
+NATS = "nats://127.0.0.1:4222"

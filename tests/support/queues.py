@@ -91,7 +91,7 @@ def wait_settled(
         now = statuses(db_url)
         if now.get("succeeded", 0) >= count:
             return now
-        if not now.get("pending") and not now.get("running") and sum(now.values()) >= count:
+        if not now.get("pending") and not now.get("in_flight") and sum(now.values()) >= count:
             return now
         if time.monotonic() > deadline:
             log = process.log_text()[-4000:] if process is not None else ""

@@ -582,6 +582,11 @@ def test_a_providers_own_retention_margin_replaces_the_dispatchers_for_it_alone(
     assert "must be longer than providers.queue.retention_margin (2m)" in str(error)
     del providers["queue"]["retention_margin"]
     assert "dispatcher.retention_margin (1h)" in str(config_error({"providers": providers}))
+    # A margin thinner than one call: a retry begun inside the window could land after it.
+    providers["queue"].update(retention_margin="5s", timeout="10s")
+    error = config_error({"providers": providers})
+    assert error.key == "providers.queue.retention_margin"
+    assert "must be at least providers.queue.timeout (10s)" in str(error)
 
 
 def test_config_error_is_an_outbox_error() -> None:
@@ -1392,7 +1397,9 @@ def test_every_key_says_what_it_does() -> None:
         *(s for options in PROVIDER_OPTIONS.values() for s in options),
     ]
     # The webhook's 7, http's 8, stripe's 8 options.
-    assert len(declared) == 1 + 9 + 14 + 4 + 7 + 8 + 8
+    queues = sum(len(PROVIDER_OPTIONS[q]) for q in ("nats", "amqp", "sqs", "cloudtasks"))
+    assert queues >= 4 * 3  # every queue type declares its options: no type takes any key
+    assert len(declared) == 1 + 9 + 14 + 4 + 7 + 8 + 8 + queues
     for setting in declared:
         assert setting.doc.endswith("."), setting.name
         assert f"`{setting.name}" in reference(), setting.name
