@@ -23,30 +23,24 @@ import itertools
 import sys
 import time
 import uuid
-from typing import Any
 
 import aio_pika
+from _queue_bench import ACTION, NOOP_PHASE, PAYLOAD, Phase, print_phases, run_noop
 from _support import (
     bulk_enqueue,
     count_by_status,
     drain_window,
-    fmt_rate,
-    fmt_ratio,
     fresh_database,
     median,
     outbox_runs,
     print_machine,
-    print_table,
     progress,
     wait_drained,
 )
-from queue_nats import Phase
 
 from outbox.queue_settings.amqp import DEFAULT_CHANNELS
 
 PROVIDER = "rabbit"
-ACTION = "bench.event"
-PAYLOAD: dict[str, Any] = {"amount": 1000, "currency": "usd", "customer": "cus_bench"}
 TIMEOUT_S = 10.0
 
 
@@ -141,18 +135,6 @@ def run_outbox(url: str, count: int, concurrency: int, batch: int) -> float:
     return seconds
 
 
-def run_noop(count: int, concurrency: int, batch: int) -> float:
-    """The same drain to the noop provider: outbox's own ceiling on this machine, now."""
-    with fresh_database(prefix="amqp_noop_") as db_url:
-        bulk_enqueue(db_url, count, provider="noop", action=ACTION, payload=PAYLOAD)
-        providers = {"noop": {"type": "noop"}}
-        with outbox_runs(
-            db_url, providers=providers, concurrency=concurrency, batch_size=batch
-        ) as runs:
-            wait_drained(db_url, count, timeout=600, runs=runs)
-        return drain_window(db_url).seconds
-
-
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--count", type=int, default=20_000)
@@ -180,24 +162,9 @@ def main(argv: list[str]) -> int:
             median(bare),
         ),
         Phase("outbox run, amqp provider", count, median(outbox)),
-        Phase("outbox run, noop provider (outbox's own ceiling)", count, median(noop)),
+        Phase(NOOP_PHASE, count, median(noop)),
     ]
-    ratio = phases[1].per_second / phases[0].per_second
-    print_table(
-        ["", "messages", "seconds (median)", "msg/s", "outbox / this"],
-        [
-            (
-                p.name,
-                f"{p.messages:,}",
-                f"{p.seconds:.2f}",
-                fmt_rate(p.per_second),
-                fmt_ratio(phases[1].per_second / p.per_second),
-            )
-            for p in phases
-        ],
-        title=f"RabbitMQ throughput, concurrency {args.concurrency}, {runs} run(s)",
-    )
-    print_table(["ratio outbox / bare loop"], [(fmt_ratio(ratio),)])
+    print_phases(f"RabbitMQ throughput, concurrency {args.concurrency}, {runs} run(s)", phases)
     return 0
 
 

@@ -23,42 +23,25 @@ import itertools
 import sys
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Any
 
 import nats
+from _queue_bench import ACTION, NOOP_PHASE, PAYLOAD, Phase, print_phases, run_noop
 from _support import (
     bulk_enqueue,
     count_by_status,
     drain_window,
-    fmt_rate,
-    fmt_ratio,
     fresh_database,
     median,
     outbox_runs,
     print_machine,
-    print_table,
     progress,
     wait_drained,
 )
 from nats.js.api import StorageType, StreamConfig
 
 PROVIDER = "jets"
-ACTION = "bench.event"
-PAYLOAD: dict[str, Any] = {"amount": 1000, "currency": "usd", "customer": "cus_bench"}
 WINDOW_S = 120.0
 TIMEOUT_S = 10.0
-
-
-@dataclass(frozen=True)
-class Phase:
-    name: str
-    messages: int
-    seconds: float
-
-    @property
-    def per_second(self) -> float:
-        return self.messages / self.seconds if self.seconds > 0 else float("nan")
 
 
 async def _stream(servers: str, create: bool, name: str) -> int:
@@ -157,18 +140,6 @@ def run_outbox(servers: str, count: int, concurrency: int, batch: int) -> float:
     return seconds
 
 
-def run_noop(count: int, concurrency: int, batch: int) -> float:
-    """The same drain to the noop provider: outbox's own ceiling on this machine, now."""
-    with fresh_database(prefix="nats_noop_") as db_url:
-        bulk_enqueue(db_url, count, provider="noop", action=ACTION, payload=PAYLOAD)
-        providers = {"noop": {"type": "noop"}}
-        with outbox_runs(
-            db_url, providers=providers, concurrency=concurrency, batch_size=batch
-        ) as runs:
-            wait_drained(db_url, count, timeout=600, runs=runs)
-        return drain_window(db_url).seconds
-
-
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--count", type=int, default=20_000)
@@ -192,24 +163,11 @@ def main(argv: list[str]) -> int:
     phases = [
         Phase("bare nats-py loop (js.publish, one connection)", count, median(bare)),
         Phase("outbox run, nats provider", count, median(outbox)),
-        Phase("outbox run, noop provider (outbox's own ceiling)", count, median(noop)),
+        Phase(NOOP_PHASE, count, median(noop)),
     ]
-    ratio = phases[1].per_second / phases[0].per_second
-    print_table(
-        ["", "messages", "seconds (median)", "msg/s", "outbox / this"],
-        [
-            (
-                p.name,
-                f"{p.messages:,}",
-                f"{p.seconds:.2f}",
-                fmt_rate(p.per_second),
-                fmt_ratio(phases[1].per_second / p.per_second),
-            )
-            for p in phases
-        ],
-        title=f"NATS JetStream throughput, concurrency {args.concurrency}, {runs} run(s)",
+    print_phases(
+        f"NATS JetStream throughput, concurrency {args.concurrency}, {runs} run(s)", phases
     )
-    print_table(["ratio outbox / bare loop"], [(fmt_ratio(ratio),)])
     return 0
 
 

@@ -33,26 +33,21 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from _queue_bench import ACTION, NOOP_PHASE, PAYLOAD, Phase, print_phases, run_noop
 from _support import (
     bulk_enqueue,
     count_by_status,
     drain_window,
-    fmt_rate,
-    fmt_ratio,
     fresh_database,
     median,
     outbox_runs,
     print_machine,
-    print_table,
     progress,
     wait_drained,
 )
 from aiobotocore.session import AioSession
-from queue_nats import Phase
 
 PROVIDER = "sqs"
-ACTION = "bench.event"
-PAYLOAD: dict[str, Any] = {"amount": 1000, "currency": "usd", "customer": "cus_bench"}
 TIMEOUT_S = 10.0
 REGION = "us-east-1"
 # moto takes any credentials; nothing of a developer's own AWS setup is read.
@@ -198,18 +193,6 @@ def run_outbox(endpoint: str, count: int, concurrency: int, batch: int) -> float
     return seconds
 
 
-def run_noop(count: int, concurrency: int, batch: int) -> float:
-    """The same drain to the noop provider: outbox's own ceiling on this machine, now."""
-    with fresh_database(prefix="sqs_noop_") as db_url:
-        bulk_enqueue(db_url, count, provider="noop", action=ACTION, payload=PAYLOAD)
-        providers = {"noop": {"type": "noop"}}
-        with outbox_runs(
-            db_url, providers=providers, concurrency=concurrency, batch_size=batch
-        ) as runs:
-            wait_drained(db_url, count, timeout=600, runs=runs)
-        return drain_window(db_url).seconds
-
-
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--count", type=int, default=500)
@@ -238,24 +221,11 @@ def main(argv: list[str]) -> int:
     phases = [
         Phase("bare aiobotocore loop (SendMessage, one client)", count, median(bare)),
         Phase("outbox run, sqs provider", count, median(outbox)),
-        Phase("outbox run, noop provider (outbox's own ceiling)", count, median(noop)),
+        Phase(NOOP_PHASE, count, median(noop)),
     ]
-    ratio = phases[1].per_second / phases[0].per_second
-    print_table(
-        ["", "messages", "seconds (median)", "msg/s", "outbox / this"],
-        [
-            (
-                p.name,
-                f"{p.messages:,}",
-                f"{p.seconds:.2f}",
-                fmt_rate(p.per_second),
-                fmt_ratio(phases[1].per_second / p.per_second),
-            )
-            for p in phases
-        ],
-        title=f"SQS FIFO (moto) throughput, concurrency {args.concurrency}, {runs} run(s)",
+    print_phases(
+        f"SQS FIFO (moto) throughput, concurrency {args.concurrency}, {runs} run(s)", phases
     )
-    print_table(["ratio outbox / bare loop"], [(fmt_ratio(ratio),)])
     return 0
 
 
