@@ -42,6 +42,11 @@ RECORDER = "outbox/dispatch/recorder.py"
 POLICY = "outbox/policy.py"
 # The newest definitions of outbox.enqueue and outbox.check_text.
 ENQUEUE = "sql/0028_identities_refuse_format_characters.sql"
+# The queue providers' tests against the real brokers (and moto, the Cloud Tasks emulator).
+NATS_TESTS = "tests/integration/test_queue_nats.py"
+AMQP_TESTS = "tests/integration/test_queue_amqp.py"
+SQS_TESTS = "tests/integration/test_queue_sqs.py"
+TASKS_TESTS = "tests/integration/test_queue_cloudtasks.py"
 
 MUTANTS: tuple[Mutant, ...] = (
     # --- the lease fence, in every path that writes after a provider call ----------------------
@@ -688,5 +693,67 @@ MUTANTS: tuple[Mutant, ...] = (
         "    if answers.doubts:\n",
         "    if False:\n",
         "tests/integration/test_http_lookups.py",
+    ),
+    # --- the queue providers (issue 25): the key travels, the repeat is recognised ----------
+    _one(
+        "nats-no-msg-id",
+        "a JetStream publish without the stored key as Nats-Msg-Id: a retry after a lost "
+        "PubAck is a second message in the stream",
+        "outbox/providers/nats_queue.py",
+        "headers[MSG_ID] = wire",
+        'headers["Outbox-Not-Msg-Id"] = wire',
+        NATS_TESTS
+        + "::test_a_dispatcher_killed_between_publish_and_record_makes_no_second_message",
+    ),
+    _one(
+        "nats-window-unchecked",
+        "a key_retention longer than the stream's duplicate_window is taken: retries go on after "
+        "the stream has forgotten the id",
+        "outbox/providers/nats_link.py",
+        "        queue_kit.check_window(self._ps, windows[stream], f\"the stream {stream}'s "
+        'duplicate_window")\n',
+        "",
+        NATS_TESTS + "::test_start_is_refused_when_key_retention_outlasts_the_duplicate_window",
+    ),
+    _one(
+        "amqp-no-message-id",
+        "a RabbitMQ message without the stored key as its message_id: consumers cannot drop the "
+        "copy a lost confirmation makes",
+        "outbox/providers/amqp_queue.py",
+        "        message_id=wire,\n",
+        "        message_id=None,\n",
+        AMQP_TESTS + "::test_a_kill_between_publish_and_record_gives_copies_consumers_can_drop",
+    ),
+    _one(
+        "amqp-not-mandatory",
+        "an unroutable RabbitMQ message is dropped by the broker and recorded as delivered",
+        "outbox/providers/amqp_queue.py",
+        "message, route.routing_key, mandatory=route.mandatory",
+        "message, route.routing_key, mandatory=False",
+        AMQP_TESTS + "::test_an_unroutable_message_is_quarantined_and_the_others_delivered",
+    ),
+    _one(
+        "sqs-dedup-id-per-attempt",
+        "an SQS FIFO retry carries a deduplication id of its own: the repeat is a second message",
+        "outbox/providers/sqs_queue.py",
+        'params["MessageDeduplicationId"] = wire',
+        'params["MessageDeduplicationId"] = f"{wire[:120]}-{request.attempt}"',
+        SQS_TESTS + "::test_a_kill_between_publish_and_record_is_deduplicated_by_the_queue",
+    ),
+    _one(
+        "cloudtasks-name-per-attempt",
+        "a Cloud Tasks retry names a task of its own: a repeat is a second task, a second call",
+        "outbox/providers/cloudtasks_config.py",
+        'return f"{self.queue}/tasks/{TASK_ID.wire(idempotency_key)}"',
+        "return f\"{self.queue}/tasks/{__import__('uuid').uuid4().hex}\"",
+        TASKS_TESTS + "::test_a_kill_between_publish_and_record_repeats_the_same_task_name",
+    ),
+    _one(
+        "cloudtasks-repeat-not-success",
+        "a Cloud Tasks ALREADY_EXISTS, the repeat recognised, is not taken as the success it is",
+        "outbox/providers/cloudtasks_queue.py",
+        "        except gexc.AlreadyExists:\n            return Succeeded(reference=task.name)",
+        '        except gexc.AlreadyExists:\n            return unknown("x", "the repeat")',
+        TASKS_TESTS + "::test_a_kill_between_publish_and_record_repeats_the_same_task_name",
     ),
 )
