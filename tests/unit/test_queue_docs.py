@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import re
 import tomllib
+from collections.abc import Collection
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, cast
 
 import pytest
 
@@ -16,6 +17,15 @@ from outbox.config import settings_from_mapping
 from outbox.providers.registry import QUEUE_TYPES, build_providers
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "providers.md"
+
+
+class _Routed(Protocol):
+    """What each queue provider has beside the Provider interface: the actions it routes."""
+
+    @property
+    def actions(self) -> Collection[str]: ...
+
+
 _BLOCK = re.compile(r"```toml\n(.*?)```", re.DOTALL)
 
 
@@ -48,4 +58,4 @@ def test_the_example_builds(number: int, tmp_path: Path) -> None:
     assert set(providers) == set(document["providers"])
     for name, table in document["providers"].items():
         configured = {a for a in table.get("actions", {}) if a != "*"}
-        assert set(providers[name].actions) == configured, name
+        assert set(cast(_Routed, providers[name]).actions) == configured, name
