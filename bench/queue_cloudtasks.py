@@ -11,10 +11,11 @@ and the Outbox-* headers, each awaiting CreateTask's answer (the same confirmati
 loop from ``concurrency`` tasks over one CloudTasksAsyncClient (one gRPC channel), as the
 provider does. The outbox figure runs from the first claim to the last recorded success by the
 database's clock; the bare loop's from its first CreateTask to its last answer. Each phase is run
-``--runs`` times and the median shown. The emulator, a Python gRPC server with two worker
-threads, is the bottleneck of both, so the ratio says what outbox costs around each call, not
-what Cloud Tasks takes (its default queue rate is 500 dispatches a second; creation is bounded
-by the API's quotas). Exits non-zero only on errors.
+``--runs`` times and the median shown; a third phase drains as many operations to the noop
+provider, the dispatcher's own ceiling at that moment. The emulator, a Python gRPC server with
+two worker threads, is the bottleneck of both, so the ratio says what outbox costs around each
+call, not what Cloud Tasks takes (its default queue rate is 500 dispatches a second; creation
+is bounded by the API's quotas). Exits non-zero only on errors.
 """
 
 from __future__ import annotations
@@ -27,21 +28,17 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from _queue_bench import ACTION, NOOP_PHASE, PAYLOAD, Phase, print_phases, run_noop
 from _support import (
     bulk_enqueue,
     count_by_status,
     drain_window,
-    fmt_rate,
-    fmt_ratio,
     fresh_database,
     median,
     outbox_runs,
     print_machine,
-    print_table,
     progress,
     wait_drained,
 )
@@ -50,22 +47,9 @@ from outbox.providers.cloudtasks_client import build_client, tasks_v2
 from tests.support.tasks_emulator import LOCATION, PROJECT, TasksEmulator, queue_name
 
 PROVIDER = "tasks"
-ACTION = "bench.event"
 QUEUE = "bench"
-PAYLOAD: dict[str, Any] = {"amount": 1000, "currency": "usd", "customer": "cus_bench"}
 TIMEOUT_S = 10.0
 TARGET_URL = "http://127.0.0.1:9/never-called"  # the queue is paused
-
-
-@dataclass(frozen=True)
-class Phase:
-    name: str
-    tasks: int
-    seconds: float
-
-    @property
-    def per_second(self) -> float:
-        return self.tasks / self.seconds if self.seconds > 0 else float("nan")
 
 
 async def _pause(endpoint: str) -> None:
@@ -175,7 +159,7 @@ def main(argv: list[str]) -> int:
     count, runs = (1_000, 1) if args.quick else (args.count, args.runs)
 
     print_machine()
-    bare, outbox = [], []
+    bare, outbox, noop = [], [], []
     with tempfile.TemporaryDirectory(prefix="outbox-bench-tasks-") as tmp:
         directory = Path(tmp)
         for i in range(runs):
@@ -183,30 +167,15 @@ def main(argv: list[str]) -> int:
             bare.append(run_bare(directory, count, args.concurrency))
             progress(f"run {i + 1}/{runs}: outbox run, {count:,} operations")
             outbox.append(run_outbox(directory, count, args.concurrency, args.batch_size))
+            progress(f"run {i + 1}/{runs}: outbox run, noop provider, {count:,} operations")
+            noop.append(run_noop(count, args.concurrency, args.batch_size))
     phases = [
         Phase("bare google-cloud-tasks loop (CreateTask, one channel)", count, median(bare)),
         Phase("outbox run, cloudtasks provider", count, median(outbox)),
+        Phase(NOOP_PHASE, count, median(noop)),
     ]
-    print_table(
-        ["", "tasks", "seconds (median)", "tasks/s", "outbox / this"],
-        [
-            (
-                p.name,
-                f"{p.tasks:,}",
-                f"{p.seconds:.2f}",
-                fmt_rate(p.per_second),
-                fmt_ratio(phases[1].per_second / p.per_second),
-            )
-            for p in phases
-        ],
-        title=(
-            f"Cloud Tasks (gcloud-tasks-emulator) throughput, concurrency {args.concurrency}, "
-            f"{runs} run(s)"
-        ),
-    )
-    print_table(
-        ["ratio outbox / bare loop"], [(fmt_ratio(phases[1].per_second / phases[0].per_second),)]
-    )
+    title = "Cloud Tasks (gcloud-tasks-emulator) throughput"
+    print_phases(f"{title}, concurrency {args.concurrency}, {runs} run(s)", phases)
     return 0
 
 

@@ -16,6 +16,7 @@ import argparse
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -128,13 +129,22 @@ def run_tests(tree: Path, tests: Sequence[str], *, workers: int = 0) -> tuple[in
         str(workers),
         *tests,
     ]
-    try:
-        done = subprocess.run(
-            command, cwd=tree, env=env, capture_output=True, text=True, timeout=TIMEOUT, check=False
-        )
-    except subprocess.TimeoutExpired as exc:
-        return None, str(exc.stdout or "")
-    return done.returncode, done.stdout + done.stderr
+    with subprocess.Popen(
+        command, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as pytest:
+        try:
+            output, _ = pytest.communicate(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            # SIGINT, not SIGKILL: pytest then runs the tests' finalizers and its atexit hooks,
+            # which stop the `outbox run` processes (each in a session of its own) it started.
+            pytest.send_signal(signal.SIGINT)
+            try:
+                output, _ = pytest.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                pytest.kill()
+                output, _ = pytest.communicate()
+            return None, output or ""
+    return pytest.returncode, output or ""
 
 
 def imports_from(tree: Path) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -40,7 +41,11 @@ def _toml(value: Any) -> str:
 
 
 class OutboxProcess:
-    """One `outbox run` subprocess; its log goes to a file the test can read."""
+    """One `outbox run` subprocess; its log goes to a file the test can read.
+
+    Each runs in a session of its own, so nothing of pytest's ends it: a test that fails before
+    its ``stop()`` would leave it claiming and sending after the run. Every one still running
+    when the test process exits is killed then (``_kill_left_over``)."""
 
     def __init__(
         self,
@@ -73,6 +78,7 @@ class OutboxProcess:
             # Its own process group: stop() kills a wrapper's child (faketime forks) as well.
             start_new_session=True,
         )
+        _RUNNING.add(self)
 
     @property
     def pid(self) -> int:
@@ -97,6 +103,7 @@ class OutboxProcess:
 
     def stop(self) -> None:
         """SIGKILL the process and anything it started, if still running; close the log."""
+        _RUNNING.discard(self)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(timeout=30)
@@ -122,6 +129,16 @@ class OutboxProcess:
         """The JSON log lines whose event contains ``said``."""
         lines = (line for line in self.log_text().splitlines() if line.startswith("{"))
         return [e for e in map(json.loads, lines) if said in str(e.get("event", ""))]
+
+
+_RUNNING: set[OutboxProcess] = set()
+
+
+@atexit.register
+def _kill_left_over() -> None:
+    for process in list(_RUNNING):
+        with contextlib.suppress(Exception):
+            process.stop()
 
 
 def http_status(url: str) -> int:

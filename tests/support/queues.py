@@ -130,7 +130,11 @@ def crash_between_publish_and_record(
         assert recorded == 0, f"{recorded} recorded before the kill: the failpoint did not hold"
         first.stop()
     second = _start(db_url, tmp_path, providers, dispatcher)
-    wait_settled(db_url, count, timeout=timeout, process=second)
+    try:
+        wait_settled(db_url, count, timeout=timeout, process=second)
+    except BaseException:
+        second.stop()  # the caller never gets it to stop
+        raise
     return second
 
 
