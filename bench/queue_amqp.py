@@ -25,17 +25,9 @@ import time
 import uuid
 
 import aio_pika
-from _queue_bench import ACTION, NOOP_PHASE, PAYLOAD, Phase, print_phases, run_noop
+from _queue_bench import ACTION, drain_through, print_phases, run_noop, run_phases
 from _support import (
-    bulk_enqueue,
-    count_by_status,
-    drain_window,
-    fresh_database,
-    median,
-    outbox_runs,
     print_machine,
-    progress,
-    wait_drained,
 )
 
 from outbox.queue_settings.amqp import DEFAULT_CHANNELS
@@ -109,25 +101,16 @@ def run_outbox(url: str, count: int, concurrency: int, batch: int) -> float:
     name = f"bench-{uuid.uuid4().hex[:8]}"
     asyncio.run(_queue(url, name, create=True))
     try:
-        with fresh_database(prefix="amqp_") as db_url:
-            providers = {
-                PROVIDER: {
-                    "type": "amqp",
-                    "url": url,
-                    "key_retention": "24h",
-                    "timeout": f"{TIMEOUT_S:.0f}s",
-                    "actions": {ACTION: {"exchange": "", "routing_key": name}},
-                }
+        providers = {
+            PROVIDER: {
+                "type": "amqp",
+                "url": url,
+                "key_retention": "24h",
+                "timeout": f"{TIMEOUT_S:.0f}s",
+                "actions": {ACTION: {"exchange": "", "routing_key": name}},
             }
-            bulk_enqueue(db_url, count, provider=PROVIDER, action=ACTION, payload=PAYLOAD)
-            with outbox_runs(
-                db_url, providers=providers, concurrency=concurrency, batch_size=batch
-            ) as runs:
-                wait_drained(db_url, count, timeout=600, runs=runs)
-            statuses = count_by_status(db_url)
-            if statuses.get("succeeded", 0) != count:
-                raise RuntimeError(f"not every operation succeeded: {statuses}")
-            seconds = drain_window(db_url).seconds
+        }
+        seconds = drain_through(providers, count, concurrency, batch)
     finally:
         stored = asyncio.run(_queue(url, name, create=False))
     if stored != count:
@@ -147,23 +130,19 @@ def main(argv: list[str]) -> int:
     count, runs = (2_000, 1) if args.quick else (args.count, args.runs)
 
     print_machine()
-    bare, outbox, noop = [], [], []
-    for i in range(runs):
-        progress(f"run {i + 1}/{runs}: bare aio-pika loop, {count:,} publishes")
-        bare.append(run_bare(args.url, count, args.concurrency))
-        progress(f"run {i + 1}/{runs}: outbox run, {count:,} operations")
-        outbox.append(run_outbox(args.url, count, args.concurrency, args.batch_size))
-        progress(f"run {i + 1}/{runs}: outbox run, noop provider, {count:,} operations")
-        noop.append(run_noop(count, args.concurrency, args.batch_size))
-    phases = [
-        Phase(
+    phases = run_phases(
+        count,
+        runs,
+        (
             f"bare aio-pika loop (confirms, one connection, {DEFAULT_CHANNELS} channels)",
-            count,
-            median(bare),
+            lambda: run_bare(args.url, count, args.concurrency),
         ),
-        Phase("outbox run, amqp provider", count, median(outbox)),
-        Phase(NOOP_PHASE, count, median(noop)),
-    ]
+        (
+            "outbox run, amqp provider",
+            lambda: run_outbox(args.url, count, args.concurrency, args.batch_size),
+        ),
+        lambda: run_noop(count, args.concurrency, args.batch_size),
+    )
     print_phases(f"RabbitMQ throughput, concurrency {args.concurrency}, {runs} run(s)", phases)
     return 0
 

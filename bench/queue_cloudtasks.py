@@ -30,17 +30,9 @@ import time
 import uuid
 from pathlib import Path
 
-from _queue_bench import ACTION, NOOP_PHASE, PAYLOAD, Phase, print_phases, run_noop
+from _queue_bench import ACTION, drain_through, print_phases, run_noop, run_phases
 from _support import (
-    bulk_enqueue,
-    count_by_status,
-    drain_window,
-    fresh_database,
-    median,
-    outbox_runs,
     print_machine,
-    progress,
-    wait_drained,
 )
 
 from outbox.providers.cloudtasks_client import build_client, tasks_v2
@@ -118,28 +110,19 @@ def run_bare(directory: Path, count: int, concurrency: int) -> float:
 def run_outbox(directory: Path, count: int, concurrency: int, batch: int) -> float:
     emulator = _emulator(directory, "outbox")
     try:
-        with fresh_database(prefix="cloudtasks_") as db_url:
-            providers = {
-                PROVIDER: {
-                    "type": "cloudtasks",
-                    "project": PROJECT,
-                    "location": LOCATION,
-                    "endpoint": emulator.endpoint,
-                    "key_retention": "1h",
-                    "retention_margin": "10m",
-                    "timeout": f"{TIMEOUT_S:.0f}s",
-                    "actions": {ACTION: {"queue": QUEUE, "url": TARGET_URL}},
-                }
+        providers = {
+            PROVIDER: {
+                "type": "cloudtasks",
+                "project": PROJECT,
+                "location": LOCATION,
+                "endpoint": emulator.endpoint,
+                "key_retention": "1h",
+                "retention_margin": "10m",
+                "timeout": f"{TIMEOUT_S:.0f}s",
+                "actions": {ACTION: {"queue": QUEUE, "url": TARGET_URL}},
             }
-            bulk_enqueue(db_url, count, provider=PROVIDER, action=ACTION, payload=PAYLOAD)
-            with outbox_runs(
-                db_url, providers=providers, concurrency=concurrency, batch_size=batch
-            ) as runs:
-                wait_drained(db_url, count, timeout=600, runs=runs)
-            statuses = count_by_status(db_url)
-            if statuses.get("succeeded", 0) != count:
-                raise RuntimeError(f"not every operation succeeded: {statuses}")
-            seconds = drain_window(db_url).seconds
+        }
+        seconds = drain_through(providers, count, concurrency, batch)
         created = sum(emulator.created().values())
     finally:
         emulator.kill()
@@ -159,21 +142,21 @@ def main(argv: list[str]) -> int:
     count, runs = (1_000, 1) if args.quick else (args.count, args.runs)
 
     print_machine()
-    bare, outbox, noop = [], [], []
     with tempfile.TemporaryDirectory(prefix="outbox-bench-tasks-") as tmp:
         directory = Path(tmp)
-        for i in range(runs):
-            progress(f"run {i + 1}/{runs}: bare google-cloud-tasks loop, {count:,} tasks")
-            bare.append(run_bare(directory, count, args.concurrency))
-            progress(f"run {i + 1}/{runs}: outbox run, {count:,} operations")
-            outbox.append(run_outbox(directory, count, args.concurrency, args.batch_size))
-            progress(f"run {i + 1}/{runs}: outbox run, noop provider, {count:,} operations")
-            noop.append(run_noop(count, args.concurrency, args.batch_size))
-    phases = [
-        Phase("bare google-cloud-tasks loop (CreateTask, one channel)", count, median(bare)),
-        Phase("outbox run, cloudtasks provider", count, median(outbox)),
-        Phase(NOOP_PHASE, count, median(noop)),
-    ]
+        phases = run_phases(
+            count,
+            runs,
+            (
+                "bare google-cloud-tasks loop (CreateTask, one channel)",
+                lambda: run_bare(directory, count, args.concurrency),
+            ),
+            (
+                "outbox run, cloudtasks provider",
+                lambda: run_outbox(directory, count, args.concurrency, args.batch_size),
+            ),
+            lambda: run_noop(count, args.concurrency, args.batch_size),
+        )
     title = "Cloud Tasks (gcloud-tasks-emulator) throughput"
     print_phases(f"{title}, concurrency {args.concurrency}, {runs} run(s)", phases)
     return 0

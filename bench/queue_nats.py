@@ -25,17 +25,9 @@ import time
 import uuid
 
 import nats
-from _queue_bench import ACTION, NOOP_PHASE, PAYLOAD, Phase, print_phases, run_noop
+from _queue_bench import ACTION, drain_through, print_phases, run_noop, run_phases
 from _support import (
-    bulk_enqueue,
-    count_by_status,
-    drain_window,
-    fresh_database,
-    median,
-    outbox_runs,
     print_machine,
-    progress,
-    wait_drained,
 )
 from nats.js.api import StorageType, StreamConfig
 
@@ -113,26 +105,17 @@ def run_outbox(servers: str, count: int, concurrency: int, batch: int) -> float:
     asyncio.run(_stream(servers, True, name))
     stored = -1
     try:
-        with fresh_database(prefix="nats_") as db_url:
-            providers = {
-                PROVIDER: {
-                    "type": "nats",
-                    "servers": servers,
-                    "key_retention": "2m",
-                    "retention_margin": "30s",
-                    "timeout": f"{TIMEOUT_S:.0f}s",
-                    "actions": {ACTION: {"subject": f"bench.{name}", "stream": name}},
-                }
+        providers = {
+            PROVIDER: {
+                "type": "nats",
+                "servers": servers,
+                "key_retention": "2m",
+                "retention_margin": "30s",
+                "timeout": f"{TIMEOUT_S:.0f}s",
+                "actions": {ACTION: {"subject": f"bench.{name}", "stream": name}},
             }
-            bulk_enqueue(db_url, count, provider=PROVIDER, action=ACTION, payload=PAYLOAD)
-            with outbox_runs(
-                db_url, providers=providers, concurrency=concurrency, batch_size=batch
-            ) as runs:
-                wait_drained(db_url, count, timeout=600, runs=runs)
-            statuses = count_by_status(db_url)
-            if statuses.get("succeeded", 0) != count:
-                raise RuntimeError(f"not every operation succeeded: {statuses}")
-            seconds = drain_window(db_url).seconds
+        }
+        seconds = drain_through(providers, count, concurrency, batch)
     finally:
         stored = asyncio.run(_stream(servers, False, name))
     if stored != count:
@@ -152,19 +135,19 @@ def main(argv: list[str]) -> int:
     count, runs = (2_000, 1) if args.quick else (args.count, args.runs)
 
     print_machine()
-    bare, outbox, noop = [], [], []
-    for i in range(runs):
-        progress(f"run {i + 1}/{runs}: bare nats-py loop, {count:,} publishes")
-        bare.append(run_bare(args.servers, count, args.concurrency))
-        progress(f"run {i + 1}/{runs}: outbox run, {count:,} operations")
-        outbox.append(run_outbox(args.servers, count, args.concurrency, args.batch_size))
-        progress(f"run {i + 1}/{runs}: outbox run, noop provider, {count:,} operations")
-        noop.append(run_noop(count, args.concurrency, args.batch_size))
-    phases = [
-        Phase("bare nats-py loop (js.publish, one connection)", count, median(bare)),
-        Phase("outbox run, nats provider", count, median(outbox)),
-        Phase(NOOP_PHASE, count, median(noop)),
-    ]
+    phases = run_phases(
+        count,
+        runs,
+        (
+            "bare nats-py loop (js.publish, one connection)",
+            lambda: run_bare(args.servers, count, args.concurrency),
+        ),
+        (
+            "outbox run, nats provider",
+            lambda: run_outbox(args.servers, count, args.concurrency, args.batch_size),
+        ),
+        lambda: run_noop(count, args.concurrency, args.batch_size),
+    )
     print_phases(
         f"NATS JetStream throughput, concurrency {args.concurrency}, {runs} run(s)", phases
     )

@@ -33,17 +33,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from _queue_bench import ACTION, NOOP_PHASE, PAYLOAD, Phase, print_phases, run_noop
+from _queue_bench import ACTION, drain_through, print_phases, run_noop, run_phases
 from _support import (
-    bulk_enqueue,
-    count_by_status,
-    drain_window,
-    fresh_database,
-    median,
-    outbox_runs,
     print_machine,
-    progress,
-    wait_drained,
 )
 from aiobotocore.session import AioSession
 
@@ -156,36 +148,23 @@ def run_outbox(endpoint: str, count: int, concurrency: int, batch: int) -> float
     name = f"bench-{uuid.uuid4().hex[:8]}.fifo"
     asyncio.run(_queue(endpoint, name, create=True))
     try:
-        with fresh_database(prefix="sqs_") as db_url:
-            providers = {
-                PROVIDER: {
-                    "type": "sqs",
-                    "region": REGION,
-                    "endpoint_url": endpoint,
-                    "key_retention": "5m",
-                    "retention_margin": "1m",
-                    "timeout": f"{TIMEOUT_S:.0f}s",
-                    "actions": {
-                        ACTION: {
-                            "queue_url": f"{endpoint}/123456789012/{name}",
-                            "message_group": "{operation_key}",
-                        }
-                    },
-                }
+        providers = {
+            PROVIDER: {
+                "type": "sqs",
+                "region": REGION,
+                "endpoint_url": endpoint,
+                "key_retention": "5m",
+                "retention_margin": "1m",
+                "timeout": f"{TIMEOUT_S:.0f}s",
+                "actions": {
+                    ACTION: {
+                        "queue_url": f"{endpoint}/123456789012/{name}",
+                        "message_group": "{operation_key}",
+                    }
+                },
             }
-            bulk_enqueue(db_url, count, provider=PROVIDER, action=ACTION, payload=PAYLOAD)
-            with outbox_runs(
-                db_url,
-                providers=providers,
-                env=CREDENTIALS,
-                concurrency=concurrency,
-                batch_size=batch,
-            ) as runs:
-                wait_drained(db_url, count, timeout=600, runs=runs)
-            statuses = count_by_status(db_url)
-            if statuses.get("succeeded", 0) != count:
-                raise RuntimeError(f"not every operation succeeded: {statuses}")
-            seconds = drain_window(db_url).seconds
+        }
+        seconds = drain_through(providers, count, concurrency, batch, env=CREDENTIALS)
     finally:
         stored = asyncio.run(_queue(endpoint, name, create=False))
     if stored != count:
@@ -209,20 +188,20 @@ def main(argv: list[str]) -> int:
 
     os.environ.update(CREDENTIALS)
     print_machine()
-    bare, outbox, noop = [], [], []
     with moto_server() as endpoint:
-        for i in range(runs):
-            progress(f"run {i + 1}/{runs}: bare aiobotocore loop, {count:,} sends")
-            bare.append(run_bare(endpoint, count, args.concurrency))
-            progress(f"run {i + 1}/{runs}: outbox run, {count:,} operations")
-            outbox.append(run_outbox(endpoint, count, args.concurrency, args.batch_size))
-            progress(f"run {i + 1}/{runs}: outbox run, noop provider, {count:,} operations")
-            noop.append(run_noop(count, args.concurrency, args.batch_size))
-    phases = [
-        Phase("bare aiobotocore loop (SendMessage, one client)", count, median(bare)),
-        Phase("outbox run, sqs provider", count, median(outbox)),
-        Phase(NOOP_PHASE, count, median(noop)),
-    ]
+        phases = run_phases(
+            count,
+            runs,
+            (
+                "bare aiobotocore loop (SendMessage, one client)",
+                lambda: run_bare(endpoint, count, args.concurrency),
+            ),
+            (
+                "outbox run, sqs provider",
+                lambda: run_outbox(endpoint, count, args.concurrency, args.batch_size),
+            ),
+            lambda: run_noop(count, args.concurrency, args.batch_size),
+        )
     print_phases(
         f"SQS FIFO (moto) throughput, concurrency {args.concurrency}, {runs} run(s)", phases
     )
