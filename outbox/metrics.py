@@ -152,9 +152,10 @@ QUARANTINE_REASONS: Final = (
     "provider_declined",
     "unencodable_request",
     # The queues' (issue 25): no stream, queue or route takes the message; a message over the
-    # queue's size limit.
+    # queue's size limit; a message id another producer holds (JetStream).
     "unroutable",
     "message_too_large",
+    "key_collision",
 )
 ROUTED_REASONS: Final = ("key_window_passed", "indeterminate_provider_error")
 CHECK_FINDINGS: Final = (

@@ -23,12 +23,14 @@ marked; the codes are nats-server's server/errors.json):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any, Final
 
 import nats.errors
 import nats.js.errors
 
+from outbox.providers import queue_kit
 from outbox.providers.base import Failed, SendResult, Succeeded, permanent, transient, unknown
 
 EXPECTED_STREAM_MISMATCH: Final = 10060
@@ -70,6 +72,28 @@ def acknowledged(ack: Any, stream: str) -> SendResult:
     # before nats-server PR 5818); the stream alone is the reference then.
     reference = f"{stream}:{seq}" if seq > 0 else stream
     return Succeeded(reference, result=result)
+
+
+def duplicate_of(
+    answer: Succeeded,
+    kept_headers: Mapping[str, str],
+    kept_body: bytes,
+    headers: Mapping[str, str],
+    body: bytes,
+) -> SendResult:
+    """The duplicate ``answer`` if the kept message is this operation's (the same operation id,
+    tenant and body); otherwise a collision: permanent, since every retry would be answered with
+    the other message, and the operation is quarantined for a person, nothing recorded as sent."""
+    fields = (queue_kit.OPERATION_ID, queue_kit.TENANT_ID)
+    if all(kept_headers.get(f) == headers.get(f) for f in fields) and kept_body == body:
+        return answer
+    return permanent(
+        "key_collision",
+        f"JetStream already holds another message under this Nats-Msg-Id ({answer.reference}, "
+        f"operation {str(kept_headers.get(queue_kit.OPERATION_ID))[:40]!r}): another producer "
+        "publishes with the same ids to this stream; this operation was not published",
+        reason="key_collision",
+    )
 
 
 def not_sent(exc: BaseException) -> Failed:

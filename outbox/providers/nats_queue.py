@@ -36,6 +36,7 @@ from outbox.providers.base import (
     InvalidRequest,
     SendRequest,
     SendResult,
+    Succeeded,
     permanent,
     transient,
     unknown,
@@ -172,7 +173,8 @@ class NatsProvider:
         if ack.done() and not ack.cancelled():
             exc = ack.exception()
             if exc is None:
-                return nats_faults.acknowledged(ack.result(), route.stream)
+                answer = nats_faults.acknowledged(ack.result(), route.stream)
+                return await self._ours(link, route, answer, headers, body)
             return await self._failed(exc, link, route)
         if denied.done():
             return transient(
@@ -184,6 +186,28 @@ class NatsProvider:
             "connection_lost",
             f"the connection to NATS was lost before JetStream acknowledged {route.subject}",
         )
+
+    async def _ours(
+        self, link: Link, route: Route, answer: SendResult, headers: Mapping[str, str], body: bytes
+    ) -> SendResult:
+        """A duplicate is a success only if the message JetStream kept under our Nats-Msg-Id is
+        this operation's. Another producer on the stream (a second outbox database, whose derived
+        keys are the same hash of the same identity, or any client) may hold the id: taking its
+        message as ours would record a message that was never published (docs/providers.md,
+        "One owner of the message ids")."""
+        result = answer.result if isinstance(answer, Succeeded) else None
+        if not (isinstance(answer, Succeeded) and result and result["duplicate"] and result["seq"]):
+            return answer
+        assert link.js is not None  # noqa: S101
+        try:
+            kept = await link.js.get_msg(route.stream, result["seq"])
+        except nats.js.errors.NotFoundError:
+            return answer  # removed since (acked from a work queue, aged out): cannot differ
+        except Exception as exc:  # noqa: BLE001 (not read: unknown, retried inside the window)
+            why = f"reading {answer.reference} raised {type(exc).__name__}"
+            return unknown("duplicate_unread", why)
+        kept_headers = dict(kept.headers or {})
+        return nats_faults.duplicate_of(answer, kept_headers, kept.data or b"", headers, body)
 
     async def _failed(self, exc: BaseException, link: Link, route: Route) -> Failed:
         if isinstance(exc, (*nats_faults.NOT_SENT, nats.errors.MaxPayloadError)):

@@ -36,7 +36,7 @@ from outbox.config import ProviderSettings
 from outbox.providers.base import Failed, SendRequest, Succeeded
 from outbox.providers.nats_queue import NatsProvider, build
 from tests.support.daemon import OutboxProcess, wait_until, write_config
-from tests.support.dispatch import enqueue_many, rows, statuses
+from tests.support.dispatch import enqueue_many, key_of, rows, statuses
 from tests.support.queues import (
     FAST_RUN,
     crash_between_publish_and_record,
@@ -359,6 +359,38 @@ def test_an_unroutable_subject_is_quarantined_and_the_others_delivered(
         for _, reason, error in quarantined:
             assert reason == "unroutable"
             assert nowhere in str(error)
+
+
+async def _publish_foreign(stream: Stream, msg_id: str) -> None:
+    nc = await nats.connect(stream.url)
+    try:
+        headers = {"Nats-Msg-Id": msg_id, "Outbox-Operation-Id": "1"}
+        await nc.jetstream().publish(stream.subject, b'{"other": "app"}', headers=headers)
+    finally:
+        await nc.close()
+
+
+def test_a_message_id_another_producer_holds_is_quarantined_not_taken_as_ours(
+    db_url: str, tmp_path: Path
+) -> None:
+    """A second outbox database (its derived keys the same hash of the same identity) or any
+    client publishing to the stream may hold one of our Nats-Msg-Ids: JetStream answers
+    ``duplicate``, and taking that for a success would record a message never published. The
+    operation is quarantined as a key collision; every other one is delivered once."""
+    with a_stream() as stream:
+        ids = enqueue_many(db_url, 20, provider=PROVIDER)
+        victim = ids[7]
+        run(_publish_foreign(stream, key_of(db_url, victim)))
+        with outbox_run(db_url, tmp_path, {PROVIDER: provider(stream)}) as process:
+            settled = wait_settled(db_url, 20, timeout=60, process=process)
+        assert settled == {"succeeded": 19, "quarantined": 1}
+        ((status, reason),) = rows(
+            db_url, "SELECT status, status_reason FROM outbox.operations WHERE id = %s", (victim,)
+        )
+        assert (status, reason) == ("quarantined", "key_collision")
+        got = messages(stream)
+        assert len(got) == 20 and got[0].data == b'{"other": "app"}'
+        assert sorted(m.operation_id for m in got[1:]) == sorted(set(ids) - {victim})
 
 
 # --- answers, straight from the provider -----------------------------------------------------

@@ -716,6 +716,15 @@ MUTANTS: tuple[Mutant, ...] = (
         NATS_TESTS + "::test_start_is_refused_when_key_retention_outlasts_the_duplicate_window",
     ),
     _one(
+        "nats-duplicate-unchecked",
+        "a JetStream duplicate is taken as ours without reading the kept message: another "
+        "producer's message under the same Nats-Msg-Id is recorded as this operation's",
+        "outbox/providers/nats_faults.py",
+        "and kept_body == body:",
+        "or True:",
+        NATS_TESTS + "::test_a_message_id_another_producer_holds_is_quarantined_not_taken_as_ours",
+    ),
+    _one(
         "amqp-no-message-id",
         "a RabbitMQ message without the stored key as its message_id: consumers cannot drop the "
         "copy a lost confirmation makes",

@@ -150,6 +150,30 @@ def test_a_puback_is_the_stream_and_sequence_and_a_duplicate_the_original() -> N
     assert isinstance(zero, Succeeded) and zero.reference == "S"
 
 
+_OURS = {"Outbox-Operation-Id": "7", "Outbox-Tenant-Id": "acme", "Nats-Msg-Id": "k"}
+
+
+@pytest.mark.parametrize(
+    ("kept_headers", "kept_body"),
+    [
+        ({**_OURS, "Outbox-Operation-Id": "8"}, b"{}"),  # another database's operation 8
+        ({**_OURS, "Outbox-Tenant-Id": "acme2"}, b"{}"),  # same id, another tenant
+        (_OURS, b'{"n": 1}'),  # same identity headers, another body
+        ({"Nats-Msg-Id": "k"}, b"{}"),  # a client that is not outbox
+    ],
+)
+def test_a_duplicate_of_another_message_is_a_permanent_key_collision(
+    kept_headers: dict[str, str], kept_body: bytes
+) -> None:
+    answer = nats_faults.acknowledged(PubAck(stream="S", seq=3, duplicate=True), "S")
+    assert isinstance(answer, Succeeded)
+    assert nats_faults.duplicate_of(answer, _OURS, b"{}", _OURS, b"{}") is answer
+    verdict = nats_faults.duplicate_of(answer, kept_headers, kept_body, _OURS, b"{}")
+    assert not isinstance(verdict, Succeeded)
+    assert verdict.failure is FailureClass.PERMANENT and verdict.error_class == "key_collision"
+    assert "S:3" in verdict.message
+
+
 @pytest.mark.parametrize("ack", [PubAck(stream="OTHER", seq=1), PubAck(stream="S", seq=None)])  # type: ignore[arg-type]
 def test_a_puback_that_names_no_message_of_the_stream_is_unknown(ack: PubAck) -> None:
     answer = nats_faults.acknowledged(ack, "S")
