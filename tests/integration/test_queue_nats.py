@@ -13,16 +13,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
+import random
 import shutil
 import signal
 import socket
 import subprocess
+import urllib.parse
 import uuid
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -391,6 +394,76 @@ def test_a_message_id_another_producer_holds_is_quarantined_not_taken_as_ours(
         got = messages(stream)
         assert len(got) == 20 and got[0].data == b'{"other": "app"}'
         assert sorted(m.operation_id for m in got[1:]) == sorted(set(ids) - {victim})
+
+
+ENQUEUE_LIMIT = 1 << 20  # enqueue's default payload limit (sql/0004, outbox.limits)
+_HOSTILE = "aZ9 %'\"\\;-_.:/\u00e9\U0001f600\u4e2d\u00a0"
+
+
+def _hostile(rng: random.Random, longest: int) -> str:
+    return "".join(rng.choice(_HOSTILE) for _ in range(rng.randint(1, longest)))
+
+
+def _enqueue_hostile(db_url: str, rng: random.Random) -> tuple[dict[int, str], set[int]]:
+    """2,000 operations, each of its own tenant (any text enqueue takes), a seventh of them
+    scheduled, every 400th a payload exactly at enqueue's 1 MiB limit (its headers then take it
+    past JetStream's max_payload); the tenant by operation id, and the oversized ones."""
+    tenants, oversized = {}, set()
+    soon = datetime.now(UTC) + timedelta(seconds=2)
+    with psycopg.connect(db_url) as conn:
+        for i in range(2000):
+            payload: dict[str, Any] = {
+                "n": i,
+                "s": _hostile(rng, 50) + "x" * rng.choice([0, 9, 999]),
+            }
+            if i % 400 == 0:
+                payload["s"] = ""
+                payload["s"] = "x" * (ENQUEUE_LIMIT - len(json.dumps(payload)))
+            tenant = f"t{i}-{_hostile(rng, 100)}"
+            op = outbox.enqueue(
+                conn,
+                tenant_id=tenant,
+                operation_type="reminder.send",
+                operation_key=str(i),
+                provider=PROVIDER,
+                action=ACTION,
+                payload=payload,
+                correlation_id="c" + _hostile(rng, 200) if rng.random() < 0.5 else None,
+                available_at=soon if i % 7 == 0 else None,
+            )
+            tenants[op.operation_id] = tenant
+            if i % 400 == 0:
+                oversized.add(op.operation_id)
+    return tenants, oversized
+
+
+def test_a_seeded_hostile_workload_is_delivered_once_each_and_the_unsendable_quarantined(
+    db_url: str, tmp_path: Path
+) -> None:
+    """Thousands of tenants with identities built to hurt headers, scheduled work, payloads at
+    the limit and one key another producer holds: every sendable operation arrives once with its
+    tenant intact (percent-decoded), each unsendable one is quarantined with its reason, and none
+    holds up the rest."""
+    seed = int(os.environ.get("OUTBOX_TEST_SEED", random.randrange(1 << 30)))
+    with a_stream() as stream:
+        tenants, oversized = _enqueue_hostile(db_url, random.Random(seed))
+        victim = min(set(tenants) - oversized)
+        run(_publish_foreign(stream, key_of(db_url, victim)))
+        sendable = set(tenants) - oversized - {victim}
+        with outbox_run(db_url, tmp_path, {PROVIDER: provider(stream)}) as process:
+            settled = wait_settled(db_url, len(sendable), timeout=120, process=process)
+        assert settled == {"succeeded": len(sendable), "quarantined": 6}, f"seed {seed}"
+        got = messages(stream)[1:]
+        assert sorted(m.operation_id for m in got) == sorted(sendable), f"seed {seed}"
+        for m in got:
+            assert urllib.parse.unquote(m.headers["Outbox-Tenant-Id"]) == tenants[m.operation_id]
+        reasons = rows(
+            db_url, "SELECT id, status_reason FROM outbox.operations WHERE status = 'quarantined'"
+        )
+        assert dict(reasons) == {
+            **dict.fromkeys(oversized, "message_too_large"),
+            victim: "key_collision",
+        }
 
 
 # --- answers, straight from the provider -----------------------------------------------------
