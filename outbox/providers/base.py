@@ -11,7 +11,7 @@ import enum
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Final, Protocol, runtime_checkable
 
 from outbox.model import FailureClass
 
@@ -55,6 +55,11 @@ class Succeeded:
     request_id: str | None = None
 
 
+# The longest Failed.message kept: enough for any reason outbox writes and a provider's
+# explanation, not for a body a provider echoed back.
+MESSAGE_CHARS: Final = 2000
+
+
 @dataclass(frozen=True, slots=True)
 class Failed:
     """The provider did not confirm the effect. ``failure`` says what that leads to."""
@@ -92,6 +97,16 @@ class Failed:
     # Nothing of the request left this host: it could not be built (outbox.providers.building).
     # Recorded as not sent whatever ``failure`` says: no key window starts.
     not_sent: bool = False
+
+    def __post_init__(self) -> None:
+        # The message often quotes the provider's own words (an error description, a status
+        # text), and a broken or hostile provider can make those a megabyte: stored in every
+        # attempt row and logged on every retry, that bloats the database and floods the logs.
+        if len(self.message) > MESSAGE_CHARS:
+            cut = len(self.message) - MESSAGE_CHARS
+            object.__setattr__(
+                self, "message", f"{self.message[:MESSAGE_CHARS]}… ({cut:,} characters cut)"
+            )
 
     @property
     def may_have_reached_provider(self) -> bool:

@@ -716,6 +716,15 @@ MUTANTS: tuple[Mutant, ...] = (
         NATS_TESTS + "::test_start_is_refused_when_key_retention_outlasts_the_duplicate_window",
     ),
     _one(
+        "failed-message-unbounded",
+        "a provider's failure message is kept whole: a hostile provider's megabyte of error text "
+        "is stored in every attempt row and logged on every retry",
+        "outbox/providers/base.py",
+        "if len(self.message) > MESSAGE_CHARS:",
+        "if False:",
+        "tests/unit/test_failed_message.py",
+    ),
+    _one(
         "nats-duplicate-unchecked",
         "a JetStream duplicate is taken as ours without reading the kept message: another "
         "producer's message under the same Nats-Msg-Id is recorded as this operation's",
