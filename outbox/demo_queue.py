@@ -99,7 +99,7 @@ async def _dispatch(
             await running
     rows = _report(dsn, tenant)
     say(render_table(["id", "order", "status", "attempts", "reference"], rows))
-    await _repeat(providers[PROVIDER], tenant, keys, rows, say)
+    await _repeat(dsn, providers[PROVIDER], tenant=tenant, keys=keys, rows=rows, say=say)
     for provider in providers.values():
         await provider.aclose()
 
@@ -142,7 +142,9 @@ def _report(dsn: str, tenant: str) -> list[tuple[Any, ...]]:
 
 
 async def _repeat(
+    dsn: str,
     provider: Provider,
+    *,
     tenant: str,
     keys: dict[int, str],
     rows: list[tuple[Any, ...]],
@@ -151,6 +153,9 @@ async def _repeat(
     """Publish the first order's message again with its stored key, as a dispatcher killed
     between the publish and its record would after its lease: the stream recognises it."""
     op_id, key, _, _, reference = rows[0]
+    async with await psycopg.AsyncConnection.connect(dsn) as conn:
+        cur = await conn.execute(statements.DEMO_PAYLOAD, {"id": op_id})
+        (stored,) = await cur.fetchone() or (None,)
     again = await provider.send(
         SendRequest(
             operation_id=op_id,
@@ -159,6 +164,7 @@ async def _repeat(
             operation_key=key,
             action=ACTION,
             payload={"order": 1, "amount": 1250, "currency": "eur"},
+            payload_json=stored,
             idempotency_key=keys[op_id],
             correlation_id=None,
             attempt=2,

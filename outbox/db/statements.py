@@ -983,6 +983,12 @@ SELECT id, operation_key, provider, status, attempts, provider_ref, status_reaso
 FROM outbox.operations WHERE tenant_id = %(tenant)s ORDER BY id
 """
 
+# The payload as the dispatcher sends it (its stored JSON text), for the queue demo's repeat: a
+# JetStream duplicate counts as ours only if the kept message's body is the same bytes.
+DEMO_PAYLOAD: Final = """
+SELECT payload::text FROM outbox.operations WHERE id = %(id)s
+"""
+
 # --- provider limits ----------------------------------------------------------------------------
 # The token buckets of rate-limited providers, shared by every replica (sql/0016). Refilled by
 # the database clock only.
