@@ -96,6 +96,20 @@ def duplicate_of(
     )
 
 
+def vanished(answer: Succeeded, seq: int, last_seq: int) -> SendResult:
+    """A duplicate whose message JetStream no longer has at ``seq``: one removed since (acked
+    from a work queue, aged out, deleted) is accepted, as nothing is left to compare; but a
+    sequence past the stream's last was never stored, so the answer is a broker's lie or
+    confusion and proves nothing was published: unknown, retried inside the window."""
+    if seq <= last_seq:
+        return answer
+    return unknown(
+        "bad_ack",
+        f"JetStream names {answer.reference} as the duplicate, but the stream's last "
+        f"sequence is {last_seq}: no such message was ever stored",
+    )
+
+
 def not_sent(exc: BaseException) -> Failed:
     """A publish the client refused before writing it: nothing left this host."""
     if isinstance(exc, nats.errors.MaxPayloadError):

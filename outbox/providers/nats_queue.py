@@ -202,12 +202,22 @@ class NatsProvider:
         try:
             kept = await link.js.get_msg(route.stream, result["seq"])
         except nats.js.errors.NotFoundError:
-            return answer  # removed since (acked from a work queue, aged out): cannot differ
+            return await self._vanished(link, route, answer, result["seq"])
         except Exception as exc:  # noqa: BLE001 (not read: unknown, retried inside the window)
             why = f"reading {answer.reference} raised {type(exc).__name__}"
             return unknown("duplicate_unread", why)
         kept_headers = dict(kept.headers or {})
         return nats_faults.duplicate_of(answer, kept_headers, kept.data or b"", headers, body)
+
+    async def _vanished(self, link: Link, route: Route, answer: Succeeded, seq: int) -> SendResult:
+        """No message at the duplicate's sequence: whether the stream ever reached it."""
+        assert link.js is not None  # noqa: S101
+        try:
+            info = await link.js.stream_info(route.stream)
+        except Exception as exc:  # noqa: BLE001 (not read: unknown, retried inside the window)
+            why = f"reading the stream {route.stream} raised {type(exc).__name__}"
+            return unknown("duplicate_unread", why)
+        return nats_faults.vanished(answer, seq, int(info.state.last_seq or 0))
 
     async def _failed(self, exc: BaseException, link: Link, route: Route) -> Failed:
         if isinstance(exc, (*nats_faults.NOT_SENT, nats.errors.MaxPayloadError)):

@@ -521,6 +521,28 @@ def test_a_repeat_is_a_success_with_the_original_sequence() -> None:
         assert count(stream) == 2
 
 
+async def _delete_message(stream: Stream, seq: int) -> None:
+    nc = await nats.connect(stream.url)
+    try:
+        await nc.jetstream().delete_msg(stream.name, seq)
+    finally:
+        await nc.close()
+
+
+def test_a_repeat_whose_original_was_removed_is_still_the_original() -> None:
+    """A work-queue stream deletes a message once it is acked; the id stays in the duplicate
+    window. The repeat's read-back finds nothing at the sequence, and the stream did reach it:
+    accepted as the original, not resent and not sent to reconciliation."""
+    with a_stream() as stream:
+        p = build(_settings(stream))
+        (first,) = run(_send_all(p, [request(1)]))
+        run(_delete_message(stream, 1))
+        (again,) = run(_send_all(build(_settings(stream)), [request(1)]))
+        assert isinstance(first, Succeeded) and isinstance(again, Succeeded), again
+        assert again.reference == first.reference == f"{stream.name}:1"
+        assert count(stream) == 0  # nothing stored again
+
+
 def test_hostile_identities_and_keys_arrive_as_sent_and_header_safe() -> None:
     odd_key = "".join(chr(c) for c in range(33, 127)) * 3  # 282 visible ASCII: cut to 255
     odd_key = odd_key[:255]

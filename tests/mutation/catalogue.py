@@ -734,6 +734,16 @@ MUTANTS: tuple[Mutant, ...] = (
         NATS_TESTS + "::test_a_message_id_another_producer_holds_is_quarantined_not_taken_as_ours",
     ),
     _one(
+        "nats-vanished-unchecked",
+        "a JetStream duplicate whose sequence holds no message is accepted without asking how "
+        "far the stream got: a broker naming a sequence never stored passes a lost publish off "
+        "as delivered",
+        "outbox/providers/nats_faults.py",
+        "if seq <= last_seq:",
+        "if True:",
+        "tests/unit/test_nats_queue.py",
+    ),
+    _one(
         "amqp-no-message-id",
         "a RabbitMQ message without the stored key as its message_id: consumers cannot drop the "
         "copy a lost confirmation makes",

@@ -10,6 +10,8 @@ from typing import Any
 import nats.errors
 import nats.js.errors
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from nats.js.api import PubAck
 
 from outbox.config import ConfigError, ProviderSettings
@@ -172,6 +174,23 @@ def test_a_duplicate_of_another_message_is_a_permanent_key_collision(
     assert not isinstance(verdict, Succeeded)
     assert verdict.failure is FailureClass.PERMANENT and verdict.error_class == "key_collision"
     assert "S:3" in verdict.message
+
+
+@given(seq=st.integers(1, 2**64), last_seq=st.integers(0, 2**64))
+def test_a_vanished_duplicate_counts_only_where_the_stream_reached_its_sequence(
+    seq: int, last_seq: int
+) -> None:
+    """Not found at the duplicate's sequence: removed since, if the stream ever got that far; a
+    sequence past the stream's last is a lie, and proves nothing was published."""
+    answer = nats_faults.acknowledged(PubAck(stream="S", seq=seq, duplicate=True), "S")
+    assert isinstance(answer, Succeeded)
+    verdict = nats_faults.vanished(answer, seq, last_seq)
+    if seq <= last_seq:
+        assert verdict is answer
+    else:
+        assert not isinstance(verdict, Succeeded)
+        assert verdict.failure is FailureClass.UNKNOWN and verdict.error_class == "bad_ack"
+        assert f"S:{seq}" in verdict.message and str(last_seq) in verdict.message
 
 
 @pytest.mark.parametrize("ack", [PubAck(stream="OTHER", seq=1), PubAck(stream="S", seq=None)])  # type: ignore[arg-type]
