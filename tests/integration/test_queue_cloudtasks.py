@@ -189,12 +189,14 @@ def test_the_emulator_restarted_mid_run_loses_no_operation(
             emulator.start()
             assert wait_settled(db_url, count, timeout=90, process=run) == {"succeeded": count}
         expected = expected_refs(db_url)
-        uncalled = {expected[i] for i in ids if called_at_the_kill.get(str(i), 0) == 0}
-        before = set(emulator.created(0)) & uncalled
+
+        def uncalled(counts: dict[str, int]) -> set[str]:
+            return {expected[i] for i in ids if counts.get(str(i), 0) == 0}
+
+        before = set(emulator.created(0)) & uncalled(called_at_the_kill)
 
         def lost_outside_the_restart() -> set[str]:
-            counts = receiver.counts()
-            return {expected[i] for i in ids if counts.get(str(i), 0) == 0} - before
+            return uncalled(receiver.counts()) - before
 
         # The restarted emulator calls what it holds, slowly on a loaded machine: wait for the
         # calls rather than a fixed time, so that only a task never called fails the test.
@@ -209,10 +211,8 @@ def test_the_emulator_restarted_mid_run_loses_no_operation(
     # its call: each one outbox recorded has a task that was called, or was lost that way.
     lost = lost_outside_the_restart()
     # Each lost task's counts in the log: created, called, before and after the restart.
-    seen = {
-        n[-12:]: [f(r)[n] for r in (0, 1) for f in (emulator.created, emulator.dispatched)]
-        for n in lost
-    }
+    tallies = [f(r) for r in (0, 1) for f in (emulator.created, emulator.dispatched)]
+    seen = {n[-12:]: [tally[n] for tally in tallies] for n in lost}
     assert not lost, f"operations lost outside the restart (created, called, per run): {seen}"
     # A task created again after the restart (the emulator forgot the name) is a duplicate
     # only for an operation whose answer the kill cut off: it took a second attempt.
@@ -220,8 +220,7 @@ def test_the_emulator_restarted_mid_run_loses_no_operation(
     assert all(attempts[i] > 1 for i in duplicated), "a duplicate without a repeat"
     assert all(counts.get(str(i), 0) <= 2 for i in ids)
     assert {expected[i] for i in duplicated} <= created_after
-    never_called = {expected[i] for i in ids if counts.get(str(i), 0) == 0}
-    record_property("tasks_lost_in_the_emulators_memory", len(before & never_called))
+    record_property("tasks_lost_in_the_emulators_memory", len(before & uncalled(counts)))
     record_property("duplicates_after_the_restart", len(duplicated))
     record_property("operations_retried", sum(1 for a in attempts.values() if a > 1))
 
