@@ -138,6 +138,14 @@ def crash(pair: ReplicatedPair, receiver: FakeWebhookReceiver) -> None:
     has "stale" in flight under this process's own lease, and lacks "slow" altogether."""
     if not pair.synchronous:
         enqueue_with_call(pair.url, receiver, "stale", answer_after=1.0)
+        # The relay lags and the standby replays when it can: cut it off only once it holds the
+        # claim, or on a loaded machine it lacks "stale" altogether and the case is another.
+        wait_until(
+            lambda: status_on(pair.standby.url, "stale") == "in_flight",
+            timeout=10,
+            what="the stale operation's claim on the standby",
+            interval=0.005,
+        )
         pair.pause_replication()
     enqueue_with_call(pair.url, receiver, "slow", answer_after=SLOW_CALL)
     if not pair.synchronous:
