@@ -4,8 +4,10 @@ section, and the dashboard asks only for metrics outbox exports."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import prometheus_client
@@ -88,3 +90,29 @@ def test_a_scrape_passes_promtool_check_metrics() -> None:
     checked = promtool("check", "metrics", stdin=prometheus_client.generate_latest().decode())
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert checked.stdout + checked.stderr == ""
+
+
+def test_the_exposition_has_no_created_series() -> None:
+    # A fresh interpreter: the switch is process-wide, so only importing outbox.metrics there
+    # shows that the import turns it off (not another test, nor the environment).
+    script = (
+        "import prometheus_client\n"
+        "from outbox import metrics\n"
+        "metrics.start_at_zero(['p'])\n"
+        "metrics.DISPATCH.labels('p', 'a', 'succeeded').inc()\n"
+        "metrics.DISPATCH_DURATION.labels('p', 'a').observe(0.1)\n"
+        "print(prometheus_client.generate_latest().decode())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_DISABLE_CREATED_SERIES"}
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        env=env,
+        cwd=REPO,
+    )
+    assert "outbox_dispatch_total{" in done.stdout
+    assert "outbox_dispatch_duration_seconds_bucket{" in done.stdout
+    assert "_created" not in done.stdout
