@@ -67,6 +67,8 @@ UNSPENT_FOR = timedelta(hours=24)
 REASON_PERMANENT = "permanent_failure"
 REASON_EXHAUSTED = "attempts_exhausted"
 REASON_KEY_WINDOW = "key_window_passed"
+# An unknown outcome outbox stops retrying: one the provider will only repeat for this key, or
+# the budget used up while an attempt that may have reached the provider stays unknown.
 REASON_INDETERMINATE = "indeterminate_provider_error"
 # The stored payload cannot be carried to the provider (outbox.payloads); nothing was sent.
 REASON_INVALID_PAYLOAD = "invalid_payload"
@@ -104,16 +106,30 @@ def after_failure(
         return Next(Status.QUARANTINED, quarantine_reason or REASON_PERMANENT)
     if reconcile:
         return Next(Status.RECONCILING, REASON_INDETERMINATE)
+    closes = window.closes_at(first_sent_at)
+    if closes is not None and now >= closes:
+        return Next(Status.RECONCILING, REASON_KEY_WINDOW)
     if attempt >= max_attempts:
-        return Next(Status.QUARANTINED, REASON_EXHAUSTED)
+        return out_of_attempts(first_sent_at)
     delay = backoff.delay(attempt if backoff_attempt is None else backoff_attempt, rng)
     if retry_after is not None:
         delay = max(delay, retry_after)
-    closes = window.closes_at(first_sent_at)
     if closes is None:
         return Next(Status.PENDING, retry_in=delay)
-    if now >= closes:
-        return Next(Status.RECONCILING, REASON_KEY_WINDOW)
     # Never schedule an automatic retry past the window's end. Halfway to it leaves the retry
     # time to be claimed and sent while the provider still remembers the key.
     return Next(Status.PENDING, retry_in=min(delay, (closes - now) / 2))
+
+
+def out_of_attempts(first_sent_at: datetime | None) -> Next:
+    """Where an operation goes whose budget is used up.
+
+    In doubt, when an attempt may have reached the provider (``first_sent_at``) and none said
+    what became of it: reconciling, where the provider is asked first. Quarantine would invite a
+    replay, a resend on a person's word alone; and whether the budget or the key window ran out
+    first, one cause lands in one status (docs/design.md, "Attempts"). When nothing may have
+    reached the provider (transient answers, nothing sent), a replay is safe: quarantined.
+    """
+    if first_sent_at is not None:
+        return Next(Status.RECONCILING, REASON_INDETERMINATE)
+    return Next(Status.QUARANTINED, REASON_EXHAUSTED)

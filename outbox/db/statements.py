@@ -474,8 +474,10 @@ RETURNING o.id
 """
 
 # Take back rows whose dispatcher stopped renewing its lease. Its attempt may have reached the
-# provider, so it is recorded as unknown and the key window starts from it.
-# Relies on: triggers operations_cancel_when_attempt_ends and, when quarantined,
+# provider, so it is recorded as unknown and the key window starts from it. One that used up its
+# budget is in doubt, as policy.after_failure has it: to reconciliation, never to quarantine,
+# whose replay would send it again on a person's word alone.
+# Relies on: triggers operations_cancel_when_attempt_ends and, when reconciling,
 # operations_pass_turn.
 RESCUE: Final = """
 WITH expired AS MATERIALIZED (
@@ -492,10 +494,10 @@ rescued AS (
     UPDATE outbox.operations AS o
     SET status = CASE WHEN o.attempts - o.attempt_base
                            >= coalesce(o.max_attempts, %(max_attempts)s::integer)
-                      THEN 'quarantined' ELSE 'pending' END,
+                      THEN 'reconciling' ELSE 'pending' END,
         status_reason = CASE WHEN o.attempts - o.attempt_base
                                   >= coalesce(o.max_attempts, %(max_attempts)s::integer)
-                             THEN 'attempts_exhausted' END,
+                             THEN 'indeterminate_provider_error' END,
         available_at = now(),
         lease_owner = NULL,
         lease_token = NULL,
@@ -508,8 +510,8 @@ rescued AS (
     FROM expired AS e
     -- Re-checked under the row lock: a row recorded since the scan is left alone.
     WHERE o.id = e.id AND o.status = 'in_flight' AND o.lease_expires_at < now()
-    RETURNING o.id, o.status, o.provider, o.tenant_id, o.operation_type, o.operation_key,
-              o.action, o.attempts, o.correlation_id
+    RETURNING o.id, o.status, o.status_reason, o.provider, o.tenant_id, o.operation_type,
+              o.operation_key, o.action, o.attempts, o.correlation_id
 ),
 history AS (
     INSERT INTO outbox.attempts (operation_id, attempt, idempotency_key, worker, started_at,
@@ -520,8 +522,8 @@ history AS (
            'lease expired: the dispatcher stopped renewing it during the attempt'
     FROM rescued AS r JOIN expired AS e ON e.id = r.id
 )
-SELECT id, status, provider, tenant_id, operation_type, operation_key, action, attempts,
-       correlation_id
+SELECT id, status, status_reason, provider, tenant_id, operation_type, operation_key, action,
+       attempts, correlation_id
 FROM rescued
 """
 

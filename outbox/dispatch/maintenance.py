@@ -16,6 +16,7 @@ from outbox import loops, metrics
 from outbox.dispatch.flight import log
 from outbox.dispatch.shared import Shared
 from outbox.model import Status
+from outbox.policy import REASON_INDETERMINATE
 
 RESCUE_BATCH: Final = 500
 # A failover's stale leases are logged with this many of their ids at most.
@@ -50,9 +51,10 @@ class Maintenance:
             return 0
         for row in rescued:
             metrics.LEASE_EXPIRED.inc()
-            if row["status"] is Status.QUARANTINED:
+            if row["status"] is Status.RECONCILING and row["status_reason"] == REASON_INDETERMINATE:
+                # Its budget used up on an attempt whose outcome nobody knows (RESCUE).
                 label = self._shared.labels.provider(row["provider"])
-                metrics.QUARANTINED.labels(label, "attempts_exhausted").inc()
+                metrics.RECONCILIATION_ROUTED.labels(label, REASON_INDETERMINATE).inc()
             log.warning(
                 "lease expired; rescued",
                 operation_id=row["id"],

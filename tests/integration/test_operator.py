@@ -92,10 +92,14 @@ async def test_a_replay_past_the_key_window_lands_in_reconciling_not_at_the_prov
     hook: Provider,
 ) -> None:
     (op,) = enqueue_many(db_url, 1)
-    receiver.inject(WebhookFault.status(500))  # unknown: it may have acted
+    # A refusal the provider answered counts as sent: its key window starts. (An unknown
+    # outcome that used up the budget goes to reconciliation, not here: test_one_cause.py.)
+    receiver.inject(WebhookFault.status(422))
     d = dispatcher(pool, {"hook": hook}, max_attempts=1)
     assert await d.run_once() == 1
-    assert rows(db_url, "SELECT status FROM outbox.operations") == [("quarantined",)]
+    assert rows(db_url, "SELECT status, first_sent_at IS NOT NULL FROM outbox.operations") == [
+        ("quarantined", True)
+    ]
     with psycopg.connect(db_url) as conn:
         conn.execute("UPDATE outbox.operations SET first_sent_at = now() - interval '23h 30m'")
     assert (

@@ -93,14 +93,15 @@ async def test_answers_that_did_not_act_spend_the_budget_once_the_ceiling_passed
 async def test_an_unknown_answer_still_spends_its_attempt(
     db_url: str, pool: AsyncConnectionPool[Any], fake: FakeStripe, stripe: Provider
 ) -> None:
-    """Only answers that prove Stripe did not act are free: a 503 may have acted."""
+    """Only answers that prove Stripe did not act are free: a 503 may have acted, so out of
+    attempts the operation is in doubt, and reconciled (docs/design.md, "Attempts")."""
     for _ in range(MAX_ATTEMPTS):
         fake.inject(StripeFault.status(503, error_type="api_error"))
     enqueue_charges(db_url, 1)
     await _run(pool, stripe, db_url, MAX_ATTEMPTS)
-    assert rows(db_url, "SELECT status, attempts, attempt_base FROM outbox.operations") == [
-        ("quarantined", MAX_ATTEMPTS, 0)
-    ]
+    assert rows(
+        db_url, "SELECT status, status_reason, attempts, attempt_base FROM outbox.operations"
+    ) == [("reconciling", "indeterminate_provider_error", MAX_ATTEMPTS, 0)]
 
 
 async def test_a_403_on_one_action_pauses_that_action_and_not_the_provider(

@@ -130,7 +130,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "policy-key-window",
         "a failure past the key window is retried instead of reconciled",
         POLICY,
-        "    if now >= closes:\n        return Next(Status.RECONCILING, REASON_KEY_WINDOW)",
+        "    if closes is not None and now >= closes:\n"
+        "        return Next(Status.RECONCILING, REASON_KEY_WINDOW)",
         "    if False:\n        return Next(Status.RECONCILING, REASON_KEY_WINDOW)",
         "tests/unit/test_policy.py",
     ),
@@ -629,6 +630,27 @@ MUTANTS: tuple[Mutant, ...] = (
         "    if attempt >= max_attempts:\n",
         "    if False:\n",
         "tests/unit/test_policy.py",
+    ),
+    # --- one cause, one status (issue 37): in doubt goes to reconciliation ----------------------
+    _one(
+        "exhausted-unknown-quarantined",
+        "an operation out of attempts that may have reached the provider is quarantined, where a "
+        "replay resends it on a person's word alone",
+        POLICY,
+        "    if first_sent_at is not None:\n        return Next(Status.RECONCILING, REASON_INDET",
+        "    if False:\n        return Next(Status.RECONCILING, REASON_INDET",
+        "tests/unit/test_policy.py",
+        "tests/integration/test_one_cause.py",
+    ),
+    _one(
+        "rescue-exhausted-quarantined",
+        "the rescuer quarantines an operation whose last attempt's lease expired: in doubt, it "
+        "belongs in reconciliation",
+        STATEMENTS,
+        "                      THEN 'reconciling' ELSE 'pending' END,",
+        "                      THEN 'quarantined' ELSE 'pending' END,",
+        "tests/integration/test_one_cause.py::"
+        "test_a_lease_that_expires_on_the_last_attempt_goes_to_reconciliation",
     ),
     # --- the http provider (issue 24) --------------------------------------------------------
     _one(

@@ -203,3 +203,42 @@ def test_unspent_attempts_still_grow_the_delay() -> None:
         FailureClass.TRANSIENT, first_sent_at=None, attempt=1, rng=Top(), backoff_attempt=8
     )
     assert (spent.retry_in, storm.retry_in) == (timedelta(seconds=1), timedelta(seconds=128))
+
+
+# --- One cause, one status (issue 37) -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("failure", [FailureClass.TRANSIENT, FailureClass.UNKNOWN])
+def test_the_last_attempt_of_an_operation_in_doubt_goes_to_reconciliation(
+    failure: FailureClass,
+) -> None:
+    """An attempt may have reached the provider (first_sent_at): out of budget it is in doubt,
+    and quarantine would invite a replay: reconciling, inside the window as past it."""
+    first = NOW - timedelta(minutes=5)
+    nxt = decide(failure, attempt=10, first_sent_at=first)
+    assert nxt == Next(Status.RECONCILING, REASON_INDETERMINATE)
+
+
+def test_budget_and_window_run_out_together_the_window_says_why() -> None:
+    nxt = decide(FailureClass.UNKNOWN, attempt=10, first_sent_at=NOW - timedelta(hours=23))
+    assert nxt == Next(Status.RECONCILING, REASON_KEY_WINDOW)
+
+
+@PROPERTY
+@given(
+    attempt=st.integers(1, 12),
+    max_attempts=st.integers(1, 10),
+    sent_minutes_ago=st.one_of(st.none(), st.integers(0, 48 * 60)),
+    failure=st.sampled_from([FailureClass.TRANSIENT, FailureClass.UNKNOWN]),
+)
+def test_a_failure_that_may_have_reached_the_provider_is_never_quarantined(
+    attempt: int, max_attempts: int, sent_minutes_ago: int | None, failure: FailureClass
+) -> None:
+    first = None if sent_minutes_ago is None else NOW - timedelta(minutes=sent_minutes_ago)
+    nxt = decide(failure, attempt=attempt, max_attempts=max_attempts, first_sent_at=first)
+    if first is not None:
+        assert nxt.status in (Status.PENDING, Status.RECONCILING)
+    elif attempt >= max_attempts:
+        assert nxt == Next(Status.QUARANTINED, REASON_EXHAUSTED)
+    else:
+        assert nxt.status is Status.PENDING
