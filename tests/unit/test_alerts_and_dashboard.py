@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import prometheus_client
 
@@ -74,14 +75,46 @@ def exported_names() -> set[str]:
     }
 
 
+def dashboard() -> dict[str, Any]:
+    loaded: dict[str, Any] = json.loads(
+        (REPO / "deploy" / "grafana" / "outbox-dashboard.json").read_text()
+    )
+    return loaded
+
+
 def test_the_dashboard_asks_only_for_exported_metrics() -> None:
-    dashboard = json.loads((REPO / "deploy" / "grafana" / "outbox-dashboard.json").read_text())
-    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    panels = dashboard()["panels"]
+    exprs = [t["expr"] for p in panels for t in p["targets"]]
     used = {name for expr in exprs for name in re.findall(r"\boutbox_\w+", expr)}
     assert used <= exported_names(), used - exported_names()
-    titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
+    # What on-call looks for when an alert fires (docs/runbook.md).
+    assert {
+        "outbox_database_up",
+        "outbox_action_paused",
+        "outbox_ordering_blocked",
+        "outbox_internal_errors_total",
+        "outbox_provider_oldest_pending_age_seconds",
+        "outbox_reconcile_checks_total",
+    } <= used
+    titles = " ".join(p["title"] for p in panels).lower()
     for topic in ("throughput", "latency", "status", "oldest", "paused"):
         assert topic in titles
+
+
+def test_the_dashboard_panels_have_their_own_ids_and_do_not_overlap() -> None:
+    panels = dashboard()["panels"]
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids)), ids
+    cells: dict[tuple[int, int], str] = {}
+    for p in panels:
+        grid = p["gridPos"]
+        assert grid["x"] >= 0 and grid["x"] + grid["w"] <= 24, p["title"]  # 24 columns
+        for x in range(grid["x"], grid["x"] + grid["w"]):
+            for y in range(grid["y"], grid["y"] + grid["h"]):
+                assert (x, y) not in cells, (p["title"], cells.get((x, y)))
+                cells[(x, y)] = p["title"]
+        refs = [t["refId"] for t in p["targets"]]
+        assert len(refs) == len(set(refs)), p["title"]
 
 
 def test_a_scrape_passes_promtool_check_metrics() -> None:
