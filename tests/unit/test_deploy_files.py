@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from outbox.config import DEFAULT_SHUTDOWN_GRACE
+from outbox.cli.common import BadInput
+from outbox.config import DEFAULT_SHUTDOWN_GRACE, DatabaseSettings
+from outbox.daemon import EXIT_MISCONFIGURED
 from outbox.durations import parse_duration
 
 REPO = Path(__file__).resolve().parents[2]
@@ -52,6 +54,11 @@ def test_the_service_notifies_drains_restarts_and_is_hardened() -> None:
     assert parse_duration(service["WatchdogSec"][0]).total_seconds() > 0
     assert parse_duration(service["TimeoutStopSec"][0]) > DEFAULT_SHUTDOWN_GRACE
     assert service["Restart"] == ["on-failure"]
+    # A refusal to start (exit 2) is not restarted in a loop; everything else is.
+    assert service["RestartPreventExitStatus"] == [str(EXIT_MISCONFIGURED)]
+    assert BadInput.exit_code == EXIT_MISCONFIGURED == 2
+    # A database late at boot ends as a start timeout, which restarts, before its exit 2.
+    assert parse_duration(service["TimeoutStartSec"][0]) <= DatabaseSettings().startup_wait
     for key in ("DynamicUser", "NoNewPrivileges", "PrivateTmp", "ProtectHome"):
         assert service[key] == ["yes"], key
     assert service["ProtectSystem"] == ["strict"]
