@@ -3,15 +3,22 @@ on these machines (no container engine), so its file is checked for the properti
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
+import threading
 from collections import defaultdict
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
+from outbox import cli
 from outbox.cli.common import BadInput
 from outbox.config import DEFAULT_SHUTDOWN_GRACE, DatabaseSettings
 from outbox.daemon import EXIT_MISCONFIGURED
@@ -114,3 +121,126 @@ def test_every_documented_podman_build_keeps_the_healthcheck() -> None:
         builds = re.findall(r"podman build[^`\n]*", (REPO / doc).read_text())
         assert builds, doc
         assert all("--format docker" in b for b in builds), (doc, builds)
+
+
+def final_stage() -> list[tuple[str, str]]:
+    """The last stage's instructions as (KEYWORD, arguments), continuation lines joined and
+    comment lines dropped, as the builders read them."""
+    instructions: list[tuple[str, str]] = []
+    pending = ""
+    for line in (REPO / "Containerfile").read_text().splitlines():
+        if line.lstrip().startswith("#") or not (pending or line.strip()):
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1]
+            continue
+        keyword, _, arguments = (pending + line).strip().partition(" ")
+        instructions.append((keyword.upper(), arguments.strip()))
+        pending = ""
+    last_from = max(i for i, (keyword, _) in enumerate(instructions) if keyword == "FROM")
+    return instructions[last_from:]
+
+
+def instruction(keyword: str) -> str:
+    found = [arguments for k, arguments in final_stage() if k == keyword]
+    assert len(found) == 1, (keyword, found)
+    return found[0]
+
+
+def healthcheck_command() -> list[str]:
+    """HEALTHCHECK's CMD, in the exec (JSON) form: a builder that cannot parse it as JSON would
+    silently run it through /bin/sh as one word."""
+    _, cmd, command = instruction("HEALTHCHECK").partition(" CMD ")
+    assert cmd, "HEALTHCHECK without CMD"
+    parsed = json.loads(command)
+    assert isinstance(parsed, list) and all(isinstance(word, str) for word in parsed)
+    return parsed
+
+
+def test_run_and_the_healthcheck_read_one_metrics_address() -> None:
+    env = dict(word.partition("=")[::2] for word in instruction("ENV").split())
+    host, _, port = env["OUTBOX_METRICS_ADDR"].rpartition(":")
+    assert host == "0.0.0.0"  # faces the container's network  # noqa: S104
+    assert instruction("EXPOSE").split() == [port]
+    # run takes the address from the variable alone: no --metrics-addr to contradict it.
+    assert json.loads(instruction("CMD")) == ["run"]
+    metrics_addr = next(p for p in cli.run.params if p.name == "metrics_addr")
+    assert metrics_addr.envvar == "OUTBOX_METRICS_ADDR"
+    # Unset or empty, the check asks run's own default.
+    assert f"or {cli.DEFAULT_METRICS_ADDR!r}" in healthcheck_command()[-1]
+
+
+class _Healthz(BaseHTTPRequestHandler):
+    status = 200
+
+    def do_GET(self) -> None:
+        self.send_response(self.status if self.path == "/healthz" else 404)
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+class _Stalled(_Healthz):
+    status = 503
+
+
+class _Server6(ThreadingHTTPServer):
+    address_family = socket.AF_INET6
+
+
+def _check(metrics_addr: str | None) -> int:
+    """The HEALTHCHECK's exit status, run here with this OUTBOX_METRICS_ADDR."""
+    python, *args = healthcheck_command()
+    assert python == "python"
+    env = {k: v for k, v in os.environ.items() if k != "OUTBOX_METRICS_ADDR"}
+    if metrics_addr is not None:
+        env["OUTBOX_METRICS_ADDR"] = metrics_addr
+    done = subprocess.run(
+        [sys.executable, *args], env=env, capture_output=True, timeout=30, check=False
+    )
+    return done.returncode
+
+
+@pytest.fixture
+def serving() -> Iterator[Callable[[str, type[_Healthz]], int]]:
+    """Starts a /healthz server on a free port of a host; gives the port."""
+    servers: list[ThreadingHTTPServer] = []
+
+    def serve(host: str, handler: type[_Healthz]) -> int:
+        server = (_Server6 if ":" in host else ThreadingHTTPServer)((host, 0), handler)
+        servers.append(server)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        return int(server.server_address[1])
+
+    yield serve
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_healthcheck_asks_where_run_listens(
+    serving: Callable[[str, type[_Healthz]], int],
+) -> None:
+    port = serving("127.0.0.1", _Healthz)
+    assert _check(f"127.0.0.1:{port}") == 0
+    assert _check(f"0.0.0.0:{port}") == 0  # a wildcard is asked on loopback
+    assert _check(f":{port}") == 0  # no host: 127.0.0.1, as run binds it
+    stalled = serving("127.0.0.1", _Stalled)
+    assert _check(f"127.0.0.1:{stalled}") != 0
+    with socket.socket() as unused:  # a port nothing listens on
+        unused.bind(("127.0.0.1", 0))
+        nobody = unused.getsockname()[1]
+    assert _check(f"127.0.0.1:{nobody}") != 0
+    assert _check("off") == 0  # no listener to ask
+
+
+def test_the_healthcheck_asks_an_ipv6_listener(
+    serving: Callable[[str, type[_Healthz]], int],
+) -> None:
+    try:
+        port = serving("::1", _Healthz)
+    except OSError as exc:
+        pytest.skip(f"no IPv6 loopback here: {exc}")
+    assert _check(f"[::1]:{port}") == 0
+    assert _check(f"[::]:{port}") == 0
