@@ -129,6 +129,16 @@ def select_ids(
         return [row[0] for row in cur.execute(statements.SELECT_ATTENTION_IDS, params)]
 
 
+def reconciling_providers(
+    conn: psycopg.Connection[Any], operation_id: int | None, ids: list[int] | None
+) -> set[str]:
+    """The providers of the reconciling operations a check takes: ``operation_id``, those of
+    ``ids``, or (with neither) every one."""
+    params = {"id": operation_id, "ids": ids}
+    with conn.cursor() as cur:
+        return {row[0] for row in cur.execute(statements.RECONCILING_PROVIDERS, params)}
+
+
 def find_id(conn: psycopg.Connection[Any], identity: Identity) -> int:
     rows = _all(conn, statements.FIND_BY_IDENTITY, vars(identity))
     if not rows:

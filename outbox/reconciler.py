@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Final, LiteralString
@@ -74,9 +74,12 @@ class Reconciler:
         *,
         actor: str = ACTOR,
         limits: Mapping[str, ProviderLimits] | None = None,
+        without_lookup: Collection[str] = (),
     ) -> None:
         self._pool = pool
         self._providers = providers
+        # Configured, but with no lookup: not built (nor their secrets read); answered no_lookup.
+        self._without_lookup = frozenset(without_lookup) - set(providers)
         self._actor = actor
         # Lookups take their provider's rate-limit tokens, as sends do.
         self._pacer = LookupPacer(Store(pool), limits or {})
@@ -93,6 +96,8 @@ class Reconciler:
         """Reconciling operations to check (``operation_id``, ``ids`` or all), ``askable_only``:
         of providers with a lookup."""
         names = [n for n, p in self._providers.items() if asks(p) or not askable_only]
+        if not askable_only:
+            names += sorted(self._without_lookup)
         # Operations asked for by id are checked whatever their provider: an unconfigured one
         # is then named in the finding rather than leaving an empty table.
         named = operation_id is not None or ids is not None
@@ -177,8 +182,11 @@ class Reconciler:
     async def _look(self, row: Mapping[str, Any]) -> CheckResult:
         base = {"operation_id": row["id"], "provider": row["provider"]}
         provider = self._providers.get(row["provider"])
-        if provider is None:
-            return CheckResult(finding="no_lookup", error="not_configured", **base)
+        if provider is None:  # not built: configured without a lookup, or not configured
+            unknown = row["provider"] not in self._without_lookup
+            return CheckResult(
+                finding="no_lookup", error="not_configured" if unknown else None, **base
+            )
         if not isinstance(provider, Lookup) or not asks(provider, row["action"]):
             return CheckResult(finding="no_lookup", **base)
         try:
@@ -301,9 +309,11 @@ async def run_checks(
     on_total: Callable[[int], None],
     on_result: Callable[[CheckResult], None],
     limits: Mapping[str, ProviderLimits] | None = None,
+    without_lookup: Collection[str] = (),
 ) -> list[CheckResult]:
     """Check one operation, those of ``ids``, or (with neither) every reconciling one, for
-    `outbox reconcile check`."""
+    `outbox reconcile check`. ``without_lookup``: providers configured but not built, since
+    they have no lookup: their operations are answered no_lookup."""
     # prepare_threshold None: `reconcile check --all` may run through a transaction pooler.
     options = {
         "autocommit": True,
@@ -313,7 +323,13 @@ async def run_checks(
     async with AsyncConnectionPool(
         dsn, min_size=1, max_size=2, kwargs=options, configure=pin_search_path_async
     ) as pool:
-        reconciler = Reconciler(pool, providers, actor=f"{ACTOR} (manual)", limits=limits)
+        reconciler = Reconciler(
+            pool,
+            providers,
+            actor=f"{ACTOR} (manual)",
+            limits=limits,
+            without_lookup=without_lookup,
+        )
         rows = await reconciler.candidates(
             operation_id, ids=ids, limit=MANUAL_LIMIT, askable_only=False
         )

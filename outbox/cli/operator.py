@@ -29,10 +29,11 @@ from outbox.cli.common import (
     dsn_option,
     json_option,
 )
-from outbox.config import ConfigError, load_settings
+from outbox.config import ConfigError, ProviderSettings, load_settings
 from outbox.durations import format_duration
 from outbox.model import Status
-from outbox.providers.registry import build_providers
+from outbox.providers.base import Provider
+from outbox.providers.registry import build_providers, may_look_up
 from outbox.safe_text import printable
 from outbox.text_tables import render_table
 
@@ -207,22 +208,23 @@ def add_reconcile_check(group: click.Group) -> None:
         bulk.require_one_selection(operation_id, filters, check_all)
         try:
             configured = load_settings(config_path).providers
-            providers = build_providers(configured)
         except ConfigError as exc:
             raise BadInput(str(exc)) from None
-        if not providers:  # it would find nothing to ask, and say nothing of why
+        if not configured:  # it would find nothing to ask, and say nothing of why
             raise BadInput(
                 "no provider is configured, so none can be asked: give --config (or "
                 "OUTBOX_CONFIG) with the providers outbox run uses"
             )
         limits = {name: ps.limits for name, ps in configured.items()}
         ids = None
-        if filters.given():
-            with connect(dsn) as conn:
+        with connect(dsn) as conn:
+            if filters.given():
                 ids = operators.select_ids(conn, Status.RECONCILING, filters)
-            if not ids:
-                click.echo(f"no reconciling operations match ({filters.describe()})")
-                return
+                if not ids:
+                    click.echo(f"no reconciling operations match ({filters.describe()})")
+                    return
+            wanted = operators.reconciling_providers(conn, operation_id, ids)
+        providers, without_lookup = _providers_to_ask(configured, wanted)
         with click.progressbar(
             length=0, label="checking", file=sys.stderr, hidden=as_json or operation_id is not None
         ) as bar:
@@ -240,6 +242,7 @@ def add_reconcile_check(group: click.Group) -> None:
                     on_total=total,
                     on_result=lambda _: bar.update(1),
                     limits=limits,
+                    without_lookup=without_lookup,
                 )
             )
         if as_json:
@@ -261,6 +264,23 @@ def add_reconcile_check(group: click.Group) -> None:
                 ],
             )
         )
+
+
+def _providers_to_ask(
+    configured: Mapping[str, ProviderSettings], wanted: set[str]
+) -> tuple[dict[str, Provider], set[str]]:
+    """The providers of the operations a check takes, built; and those of them whose settings
+    show no lookup, not built: no secret of a provider not asked is read, so a laptop needs only
+    the secrets of the providers it checks."""
+    chosen = {name: ps for name, ps in configured.items() if name in wanted}
+    without_lookup = {name for name, ps in chosen.items() if not may_look_up(ps)}
+    try:
+        built = build_providers(
+            {name: ps for name, ps in chosen.items() if name not in without_lookup}
+        )
+    except ConfigError as exc:
+        raise BadInput(str(exc)) from None
+    return built, without_lookup
 
 
 def _check_note(result: reconciler.CheckResult, dry_run: bool) -> str:

@@ -764,6 +764,16 @@ ORDER BY status_changed_at, id
 LIMIT %(limit)s::integer
 """
 
+# `outbox reconcile check`: the providers of the reconciling operations it is about to check (one
+# by id, those of ids, or every one), so that it builds those alone: an on-call laptop need not
+# hold every provider's secret. Reads the index operations_attention (or the primary key).
+RECONCILING_PROVIDERS: Final = """
+SELECT DISTINCT provider FROM outbox.operations
+WHERE status = 'reconciling'
+  AND (%(id)s::bigint IS NULL OR id = %(id)s::bigint)
+  AND (%(ids)s::bigint[] IS NULL OR id = ANY (%(ids)s::bigint[]))
+"""
+
 # The newest migration applied (sql/0027), checked by `outbox run` at start-up.
 # Relies on: outbox.schema_version().
 SCHEMA_VERSION: Final = "SELECT outbox.schema_version()"

@@ -72,6 +72,29 @@ def build_providers(
     return {name: _build(ps, environ, concurrency) for name, ps in settings.items()}
 
 
+# Types that never look anything up (no `lookup` method; tests/unit/test_registry.py keeps this
+# true): reconciliation has no use for one of them, nor for its secrets.
+_WITHOUT_LOOKUP: Final = frozenset({"noop", "nats", "amqp", "sqs"})
+
+
+def may_look_up(ps: ProviderSettings) -> bool:
+    """Whether the provider ``ps`` configures may have a lookup, from its settings alone: false
+    for a type that has none, and for a webhook or `http` provider none of whose settings name a
+    ``lookup``. Then `outbox reconcile check` does not build it, nor read its secrets, to learn
+    that a person decides (outbox/cli/operator.py). A Stripe or Cloud Tasks provider, or a
+    plug-in, may: it must be built to be asked."""
+    if ps.type in _WITHOUT_LOOKUP:
+        return False
+    if ps.type == "webhook":
+        return "lookup" in ps.options
+    if ps.type == "http":
+        actions = ps.options.get("actions")
+        if not isinstance(actions, Mapping):
+            return True  # a malformed table: building it says what is wrong
+        return any(not isinstance(t, Mapping) or "lookup" in t for t in actions.values())
+    return True
+
+
 def _build(ps: ProviderSettings, environ: Mapping[str, str] | None, concurrency: int) -> Provider:
     if ps.type == "http":
         return HttpProvider(ps.name, http_config.http_options(ps, environ, concurrency=concurrency))

@@ -631,6 +631,26 @@ MUTANTS: tuple[Mutant, ...] = (
         "    if False:\n",
         "tests/unit/test_policy.py",
     ),
+    # --- `reconcile check` builds only what it asks (issue 37) -------------------------------
+    _one(
+        "check-builds-every-provider",
+        "`reconcile check` builds every configured provider: a laptop needs every secret to check "
+        "one provider's operations",
+        "outbox/cli/operator.py",
+        "    chosen = {name: ps for name, ps in configured.items() if name in wanted}\n",
+        "    chosen = dict(configured)\n",
+        "tests/integration/test_reconcile_without_config.py",
+    ),
+    _one(
+        "check-builds-a-webhook-without-lookup",
+        "`reconcile check` builds a provider that has no lookup, and needs its secrets, to answer "
+        "no_lookup",
+        "outbox/providers/registry.py",
+        '    if ps.type == "webhook":\n        return "lookup" in ps.options\n',
+        '    if ps.type == "webhook":\n        return True\n',
+        "tests/integration/test_reconcile_without_config.py",
+        "tests/unit/test_registry.py",
+    ),
     # --- one cause, one status (issue 37): in doubt goes to reconciliation ----------------------
     _one(
         "exhausted-unknown-quarantined",

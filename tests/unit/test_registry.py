@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -10,8 +11,9 @@ import pytest
 import structlog
 
 from outbox.config import ConfigError, ProviderSettings
-from outbox.providers.base import Provider
-from outbox.providers.registry import build_providers, stripe_options
+from outbox.providers.base import Lookup, Provider
+from outbox.providers.noop import NoopProvider
+from outbox.providers.registry import QUEUE_TYPES, build_providers, may_look_up, stripe_options
 
 
 def test_a_plugin_registered_as_an_entry_point_is_built(
@@ -152,3 +154,35 @@ def test_a_secret_file_others_can_read_is_warned_of(tmp_path: Path) -> None:
         _webhook({"secret_headers": {"Authorization": {"file": str(secret)}}})
     warned = "a secret file is readable by its group or by everyone: chmod 600 it"
     assert [(e["event"], e["mode"]) for e in logs] == [(warned, "0o644")]
+
+
+def test_the_types_said_to_have_no_lookup_have_none() -> None:
+    """`reconcile check` skips building a provider may_look_up says has none (issue 37): that
+    must stay true of the types' classes, or a check would answer no_lookup for one that has."""
+    classes: dict[str, type] = {"noop": NoopProvider}
+    for kind, (module, _client) in QUEUE_TYPES.items():
+        loaded = importlib.import_module(f"outbox.providers.{module}")
+        (classes[kind],) = [
+            getattr(loaded, n) for n in dir(loaded) if n.endswith("Provider") and n != "Provider"
+        ]
+    for kind, cls in classes.items():
+        has = issubclass(cls, Lookup)
+        assert may_look_up(ProviderSettings("p", kind)) == has, kind
+
+
+@pytest.mark.parametrize(
+    ("kind", "options", "asks"),
+    [
+        ("webhook", {"url": "https://x.example/h"}, False),
+        ("webhook", {"url": "https://x.example/h", "lookup": {"path": "/h/{key}"}}, True),
+        ("http", {"actions": {"a": {"path": "/a"}, "b": {"path": "/b"}}}, False),
+        ("http", {"actions": {"a": {"path": "/a"}, "b": {"lookup": {"path": "/b/{key}"}}}}, True),
+        ("http", {}, True),  # nothing to judge by: built, and its errors said
+        ("stripe", {}, True),
+        ("my-plugin", {}, True),
+    ],
+)
+def test_a_provider_may_look_up_unless_its_settings_say_it_cannot(
+    kind: str, options: dict[str, object], asks: bool
+) -> None:
+    assert may_look_up(ProviderSettings("p", kind, options=options)) is asks
