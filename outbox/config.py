@@ -61,6 +61,7 @@ from outbox.settings_schema import (
     Rate,
     Secret,
     Setting,
+    Share,
     Where,
     check_fields,
     default_of,
@@ -448,8 +449,28 @@ class ProviderSettings:
         default=5,
         metadata=setting(
             Count(),
-            "Failures in a row (transient or unknown) that open its circuit breaker: at a few "
-            "percent of random errors, five in a row happen about once in ten million calls.",
+            "Failures (transient or unknown) among its last calls that open its circuit "
+            "breaker, when they are also breaker_failure_rate of them: a provider that fails "
+            "a few calls at random never opens it, one that is down opens it within a few calls.",
+            group=_LIMITS,
+        ),
+    )
+    breaker_failure_rate: float = field(
+        default=0.8,
+        metadata=setting(
+            Share(),
+            "The share of failures among the last breaker_window calls that opens its breaker: "
+            "high, so that operations the provider refuses alone (one payload, one tenant) never "
+            "stop the others; they spend their own attempts instead.",
+            group=_LIMITS,
+        ),
+    )
+    breaker_window: int = field(
+        default=20,
+        metadata=setting(
+            Count(most=1000),
+            "How many of its last calls the breaker weighs: a few seconds of traffic at a "
+            "modest rate, so that it opens soon after a provider goes down.",
             group=_LIMITS,
         ),
     )
@@ -457,9 +478,9 @@ class ProviderSettings:
         default=timedelta(seconds=30),
         metadata=setting(
             Duration(),
-            "How long its breaker stays open before one probe, doubling while probes fail (up to "
-            "5 minutes, or this if longer): a provider back after a blip resumes within half a "
-            "minute, and one still down costs one request per probe.",
+            "How long its breaker stays open before one probe, doubling while probes of fresh "
+            "operations fail (up to 5 minutes, or this if longer): a provider back after a blip "
+            "resumes within half a minute, and one still down costs one request per probe.",
             group=_LIMITS,
         ),
     )
@@ -492,6 +513,8 @@ class ProviderSettings:
             burst=burst,
             breaker_failures=self.breaker_failures,
             breaker_open_for=self.breaker_open_for,
+            breaker_failure_rate=self.breaker_failure_rate,
+            breaker_window=self.breaker_window,
         )
 
     def __repr__(self) -> str:
@@ -671,6 +694,8 @@ PROVIDER_OPTIONS: Final[Mapping[str, tuple[Setting, ...]]] = MappingProxyType(
 
 _BREAKER_FAILURES: Final[int] = default_of(ProviderSettings, "breaker_failures")
 _BREAKER_OPEN_FOR: Final[timedelta] = default_of(ProviderSettings, "breaker_open_for")
+DEFAULT_FAILURE_RATE: Final[float] = default_of(ProviderSettings, "breaker_failure_rate")
+DEFAULT_WINDOW: Final[int] = default_of(ProviderSettings, "breaker_window")
 
 
 @dataclass(frozen=True, slots=True)
@@ -679,8 +704,8 @@ class ProviderLimits:
 
     ``max_in_flight``: calls in flight per process (None: up to ``dispatcher.concurrency``).
     ``rate``: calls per second across every replica (None: no limit), with ``burst`` calls at
-    once after a quiet spell. ``breaker_failures`` failures in a row open the breaker for
-    ``breaker_open_for`` before a probe.
+    once after a quiet spell. ``breaker_failures`` failures that are ``breaker_failure_rate`` of
+    the last ``breaker_window`` calls open the breaker for ``breaker_open_for`` before a probe.
     """
 
     max_in_flight: int | None = None
@@ -688,6 +713,8 @@ class ProviderLimits:
     burst: int = 1
     breaker_failures: int = _BREAKER_FAILURES
     breaker_open_for: timedelta = _BREAKER_OPEN_FOR
+    breaker_failure_rate: float = DEFAULT_FAILURE_RATE
+    breaker_window: int = DEFAULT_WINDOW
 
 
 def default_burst(rate: float) -> int:

@@ -102,6 +102,12 @@ PROVIDER_STATE: Final = Gauge(
     "A provider's circuit breaker in this process: 1 for its state, 0 for the others.",
     ["provider", "state"],
 )
+PROVIDER_FAILING_ALONE: Final = Gauge(
+    "outbox_provider_failing_alone",
+    "Operations this process found failing alone (they failed again after the provider had "
+    "succeeded for others): their failures no longer weigh on the provider's breaker.",
+    ["provider"],
+)
 PROVIDER_TRANSITIONS: Final = Counter(
     "outbox_provider_transitions",
     "Circuit breaker transitions, by the state entered.",

@@ -2,12 +2,14 @@
 
 Three limits decide how many rows of each provider a claim may take (its *cap*):
 
-* a **circuit breaker** per provider, in this process. A run of failures (transient or unknown)
-  opens it: its operations are not claimed, so they wait ``pending`` without spending attempts.
-  After ``breaker_open_for`` it is half-open: exactly one operation is claimed as a probe, whose
-  success closes it and whose failure opens it again for twice as long (up to a cap). Refused
-  credentials (``Failed.pause``, a 401/403) open it at once with reason "credentials", and only a
-  successful probe closes it; their probes come every ``breaker_open_for``, never less often.
+* a **circuit breaker** per provider, in this process (``Breaker``). A high share of failures
+  (transient or unknown) among its last calls opens it, not counting operations that fail alone
+  while others succeed: its operations are not claimed, so they wait ``pending`` without
+  spending attempts. After ``breaker_open_for`` it is half-open: one operation that has not
+  failed, from the next tenant in turn, is claimed as a probe, whose success closes it and whose
+  failure opens it again. Refused credentials (``Failed.pause``, a 401/403) open it at once
+  with reason "credentials", and only a successful probe closes it; their probes come every
+  ``breaker_open_for``, never less often.
 * ``max_in_flight``: at most that many of the provider's calls in flight in this process.
 * ``rate_limit``: a token bucket per provider in PostgreSQL (sql/0016), shared by every replica.
   A claim takes tokens first and claims at most as many rows as it got; what it did not use it
@@ -24,17 +26,22 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
-from collections import Counter
+from collections import Counter, OrderedDict, deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Final
+from typing import Any, Final
 
 import psycopg
 import structlog
 
 from outbox import metrics
-from outbox.config import BREAKER_OPEN_MAX, ProviderLimits
+from outbox.config import (
+    BREAKER_OPEN_MAX,
+    DEFAULT_FAILURE_RATE,
+    DEFAULT_WINDOW,
+    ProviderLimits,
+)
 from outbox.db.store import Claimed, Store, Tokens, TokenTake
 from outbox.model import FailureClass
 from outbox.providers.base import SendResult, Succeeded
@@ -46,6 +53,13 @@ TOKEN_PACE: Final = 0.1
 # A 429 without a Retry-After (Stripe sends none) still empties the bucket for this long.
 DEFAULT_THROTTLE: Final = timedelta(seconds=1)
 HTTP_TOO_MANY_REQUESTS: Final = 429
+
+# An operation found failing alone stays so this long (seconds), unless it succeeds; at most
+# this many are remembered (and as many dates of failures), the oldest forgotten first.
+ALONE_FOR: Final = 3600.0
+# A half-open provider whose probe claim found no due row is looked at again this much later.
+PROBE_LOOK_AGAIN: Final = 0.5
+MARKS_KEPT: Final = 10_000
 
 REASON_FAILURES: Final = "failures"
 REASON_CREDENTIALS: Final = "credentials"
@@ -79,7 +93,24 @@ def verdict(result: SendResult) -> Verdict:
 
 
 class Breaker:
-    """One provider's circuit breaker in this process."""
+    """One provider's circuit breaker in this process (docs/design.md, "Provider health").
+
+    Closed, it keeps the verdicts of the last ``window`` calls and opens when at least
+    ``failures`` of them failed and they are at least ``rate`` of the window: a share of calls,
+    not a run, so that a few failing operations among working ones never open it. An operation
+    that fails again after the provider succeeded for another since its last failure *fails
+    alone*: its calls leave the window and count no more (until it succeeds, or an hour has
+    passed), so it spends its own attempts and reaches quarantine while the rest goes on.
+
+    Open, nothing is claimed until the period ends; then it is half-open, and one operation is
+    claimed as the probe (the claim prefers operations that have not failed, from the next
+    tenant in turn: outbox.db.statements.CLAIM_PROBE). The probe's success closes it; its failure
+    opens it again, for twice as long if the probe had never failed before (the provider failed
+    a fresh operation), for as long otherwise (the probe may be failing alone). While open for
+    failures, any call that succeeds closes it: the provider works. Refused credentials open it
+    at once with reason "credentials", and only a probe closes it then: a call sent before the
+    key was revoked may still succeed.
+    """
 
     def __init__(
         self,
@@ -87,23 +118,35 @@ class Breaker:
         failures: int,
         open_for: timedelta,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        rate: float = DEFAULT_FAILURE_RATE,
+        window: int = DEFAULT_WINDOW,
     ) -> None:
         self.provider = provider
         self.state = State.CLOSED
         self.reason: str | None = None
         self._threshold = failures
+        self._rate = rate
+        self._calls: deque[tuple[int, bool]] = deque(maxlen=max(window, failures))
         self._base = open_for.total_seconds()
         self._longest = max(self._base, BREAKER_OPEN_MAX.total_seconds())
         self._open_for = self._base
         self._open_until = 0.0
-        self._failures = 0  # in a row, while closed
+        self._successes = 0  # successes so far: an operation's failures are dated by it
+        self._failed_at: OrderedDict[int, int] = OrderedDict()  # op -> successes at its failure
+        self._alone: OrderedDict[int, float] = OrderedDict()  # op -> when it was found alone
         self._probe: int | None = None  # the operation sent as the probe, while half-open
+        self._probe_fresh = True  # it had never failed before
         self._answered: int | None = None  # the last probe whose answer decided the state
         self._clock = clock
+        self.opened_at: float | None = None
         _show_state(provider, State.CLOSED, reason=None)
 
+    # --- what the claim may take -------------------------------------------------------------
+
     def allowance(self) -> int | None:
-        """How many rows a claim may take: None (no limit), 1 (the probe) or 0."""
+        """How many rows the ordinary claim may take: None (no limit) or 0. A half-open
+        breaker's probe is claimed on its own (``awaits_probe``)."""
         if self.state is State.OPEN and self._clock() >= self._open_until:
             self._enter(State.HALF_OPEN)
             log.info(
@@ -111,36 +154,29 @@ class Breaker:
                 provider=self.provider,
                 reason=self.reason,
             )
-        if self.state is State.CLOSED:
-            return None
-        return 1 if self.state is State.HALF_OPEN and self._probe is None else 0
+        return None if self.state is State.CLOSED else 0
 
     @property
     def awaits_probe(self) -> bool:
-        """Half-open with no probe yet: the next row claimed is the probe."""
+        """Half-open with no probe yet: the probe claim may take one row."""
+        self.allowance()
         return self.state is State.HALF_OPEN and self._probe is None
 
-    def claimed(self, operation_id: int) -> None:
-        """A row was claimed: while half-open, the first is the probe."""
+    def claimed(self, operation_id: int, *, fresh: bool = True) -> None:
+        """The probe was claimed; ``fresh``: it has not failed before (in this budget)."""
         if self.state is State.HALF_OPEN and self._probe is None:
-            self._probe = operation_id
+            self._probe, self._probe_fresh = operation_id, fresh
 
     def may_send(self, operation_id: int) -> bool:
         """False for a row claimed before the breaker opened: it goes back unsent."""
         return self.state is State.CLOSED or operation_id == self._probe
 
+    # --- what calls said ---------------------------------------------------------------------
+
     def record(self, operation_id: int, said: Verdict) -> None:
-        """Count a call's outcome. While open, only the probe's counts: calls that started
-        before the breaker opened say nothing about the provider now."""
+        """Count a call's outcome."""
         if operation_id == self._probe:
-            self._probe, self._answered = None, operation_id
-            if said is Verdict.REFUSED:
-                self._reopen(REASON_CREDENTIALS)
-            elif said is Verdict.FAILING:
-                # Credentials stay the reason until a probe gets past them.
-                self._reopen(self.reason or REASON_FAILURES)
-            else:
-                self._close()
+            self._probe_answered(operation_id, said)
         elif said is Verdict.REFUSED:
             if self.state is State.CLOSED:
                 self._open(REASON_CREDENTIALS)
@@ -149,13 +185,100 @@ class Breaker:
                 # is not due any sooner.
                 self.reason = REASON_CREDENTIALS
                 _show_state(self.provider, self.state, self.reason)
-        elif self.state is State.CLOSED:
+        elif said is Verdict.HEALTHY:
+            self._succeeded(operation_id)
+            if self.state is State.CLOSED:
+                self._calls.append((operation_id, False))
+            elif self.reason == REASON_FAILURES:
+                self._close(why="a call succeeded")
+                self._answered = operation_id  # its end wakes the claim (released)
+        elif said is Verdict.FAILING and self._counts(operation_id) and self.state is State.CLOSED:
+            self._calls.append((operation_id, True))
+            if self._too_many_failures():
+                self._open(REASON_FAILURES)
+
+    def _probe_answered(self, operation_id: int, said: Verdict) -> None:
+        self._probe, self._answered = None, operation_id
+        if said is Verdict.REFUSED:
+            self._reopen(REASON_CREDENTIALS)
+        elif said is Verdict.FAILING:
+            self._counts(operation_id)  # dates its failure
+            # Credentials stay the reason until a probe gets past them.
+            self._reopen(self.reason or REASON_FAILURES, longer=self._probe_fresh)
+        else:
             if said is Verdict.HEALTHY:
-                self._failures = 0
-            elif said is Verdict.FAILING:
-                self._failures += 1
-                if self._failures >= self._threshold:
-                    self._open(REASON_FAILURES)
+                self._succeeded(operation_id)
+            self._close(why="the probe succeeded")
+
+    def _succeeded(self, operation_id: int) -> None:
+        self._successes += 1
+        self._failed_at.pop(operation_id, None)
+        self._alone.pop(operation_id, None)
+
+    def _counts(self, operation_id: int) -> bool:
+        """Date this failure; False if it says nothing of the provider: the operation failed
+        before, and the provider has succeeded for another since (it fails alone)."""
+        now = self._clock()
+        marked = self._alone.get(operation_id)
+        if marked is not None and now - marked < ALONE_FOR:
+            return False
+        earlier = self._failed_at.pop(operation_id, None)
+        self._failed_at[operation_id] = self._successes
+        _trim(self._failed_at)
+        if earlier is None or earlier == self._successes:
+            return True
+        self._alone[operation_id] = now
+        self._alone.move_to_end(operation_id)
+        _trim(self._alone)
+        # Its earlier failures leave the window: they were its own.
+        kept = [call for call in self._calls if call[0] != operation_id]
+        self._calls.clear()
+        self._calls.extend(kept)
+        metrics.PROVIDER_FAILING_ALONE.labels(self.provider).set(len(self._alone))
+        return False
+
+    def _too_many_failures(self) -> bool:
+        failing = sum(1 for _, failed in self._calls if failed)
+        return failing >= self._threshold and failing >= self._rate * len(self._calls)
+
+    # --- what operators and start-up see and do ----------------------------------------------
+
+    @property
+    def failure_rate(self) -> float:
+        """The share of failures among the calls in the window (0 with none)."""
+        failing = sum(1 for _, failed in self._calls if failed)
+        return failing / len(self._calls) if self._calls else 0.0
+
+    @property
+    def failing_alone(self) -> int:
+        return len(self._alone)
+
+    def next_probe_in(self) -> float | None:
+        """Seconds until the next probe may go, while open; None otherwise."""
+        if self.state is not State.OPEN:
+            return None
+        return max(0.0, self._open_until - self._clock())
+
+    def restore(self, reason: str, probe_in: float, open_for: float) -> None:
+        """Start open, as another process of this provider left it (a restart in a crash loop
+        must not forget a provider that is down and send a burst at it)."""
+        self._open_for = min(max(open_for, self._base), self._longest)
+        self._open_until = self._clock() + max(0.0, probe_in)
+        self.reason = reason
+        self._enter(State.OPEN)
+
+    def reset(self) -> None:
+        """An operator closed it (``outbox providers reset``)."""
+        if self.state is not State.CLOSED:
+            self._probe = None
+            self._close(why="an operator reset it")
+
+    def probe_now(self) -> None:
+        """An operator asked for a probe now (``outbox providers probe``)."""
+        if self.state is State.OPEN:
+            self._open_until = self._clock()
+
+    # --- transitions -------------------------------------------------------------------------
 
     def released(self, operation_id: int) -> bool:
         """The row's task ended; True if it was the probe: it closed the breaker, or left
@@ -172,6 +295,7 @@ class Breaker:
         self._open_for = self._base
         self._open_until = self._clock() + self._open_for
         self.reason = reason
+        rate = self.failure_rate
         self._enter(State.OPEN)
         if reason == REASON_CREDENTIALS:
             log.warning(
@@ -185,16 +309,18 @@ class Breaker:
                 "provider breaker opened: operations wait until a probe succeeds",
                 provider=self.provider,
                 reason=reason,
-                failures=self._failures,
+                failures=sum(1 for _, failed in self._calls if failed),
+                failure_rate=round(rate, 2),
                 probe_in_s=self._open_for,
             )
 
-    def _reopen(self, reason: str) -> None:
-        """The probe failed. Failures are probed less and less often; credentials at the base
-        period, so that a fixed key resumes dispatch soon (a wrong one costs a request a probe)."""
-        if reason == REASON_FAILURES and self.reason == REASON_FAILURES:
+    def _reopen(self, reason: str, *, longer: bool = False) -> None:
+        """The probe failed. A provider that failed a fresh operation is probed less and less
+        often; credentials at the base period, so that a fixed key resumes dispatch soon (a
+        wrong one costs a request a probe); a probe that had failed before, as often as now."""
+        if reason == REASON_FAILURES and self.reason == REASON_FAILURES and longer:
             self._open_for = min(self._open_for * 2, self._longest)
-        else:
+        elif reason != REASON_FAILURES or self.reason != REASON_FAILURES:
             self._open_for = self._base
         self._open_until = self._clock() + self._open_for
         self.reason = reason
@@ -206,19 +332,24 @@ class Breaker:
             probe_in_s=self._open_for,
         )
 
-    def _close(self) -> None:
-        self._failures = 0
+    def _close(self, *, why: str) -> None:
         self._open_for = self._base
+        self._probe = None  # a probe still under way is an ordinary call now
+        self._calls.clear()  # a fresh start: the failures before say nothing now
         reason, self.reason = self.reason, None
         self._enter(State.CLOSED)
-        log.info(
-            "provider breaker closed: the probe succeeded", provider=self.provider, reason=reason
-        )
+        log.info(f"provider breaker closed: {why}", provider=self.provider, reason=reason)
 
     def _enter(self, state: State) -> None:
         self.state = state
+        self.opened_at = self._clock() if state is State.OPEN else self.opened_at
         metrics.PROVIDER_TRANSITIONS.labels(self.provider, state.value).inc()
         _show_state(self.provider, state, self.reason)
+
+
+def _trim(marks: OrderedDict[int, Any]) -> None:
+    while len(marks) > MARKS_KEPT:
+        marks.popitem(last=False)
 
 
 def _show_state(provider: str, state: State, reason: str | None) -> None:
@@ -250,9 +381,20 @@ class Limits:
         self._store = store
         self._limits = dict(limits)
         self._breakers = {
-            name: Breaker(name, lim.breaker_failures, lim.breaker_open_for, clock)
+            name: Breaker(
+                name,
+                lim.breaker_failures,
+                lim.breaker_open_for,
+                clock,
+                rate=lim.breaker_failure_rate,
+                window=lim.breaker_window,
+            )
             for name, lim in limits.items()
         }
+        self._probing: set[str] = set()  # providers whose probe a claim is taking now
+        self._probed_tenant: dict[str, str] = {}  # the tenant of each provider's last probe
+        self._no_probe_until: dict[str, float] = {}  # a probe claim found none: not before
+        self._clock = clock
         self._in_flight: Counter[str] = Counter()
         self._reserved: Counter[str] = Counter()  # rows promised to claims under way
         self._claim_again_in: float | None = None
@@ -260,9 +402,9 @@ class Limits:
     # --- before and after a claim -------------------------------------------------------------
 
     def caps(self) -> dict[str, int]:
-        """Most rows per provider a claim may take now, before tokens: breaker open -> 0,
-        half-open -> 1 if no probe is in flight, max_in_flight less those in flight; less what
-        claims under way were promised."""
+        """Most rows per provider the ordinary claim may take now, before tokens: breaker not
+        closed -> 0 (a half-open breaker's probe is claimed apart, ``probes_due``),
+        max_in_flight less those in flight; less what claims under way were promised."""
         caps: dict[str, int] = {}
         for name, lim in self._limits.items():
             bounds = []
@@ -274,6 +416,42 @@ class Limits:
             if bounds:
                 caps[name] = max(0, min(bounds) - self._reserved[name])
         return caps
+
+    def probes_due(self, most: int) -> list[str]:
+        """Up to ``most`` providers whose half-open breaker waits for its probe, now reserved for
+        the caller's probe claim (``probe_claimed`` ends it): one claim loop at a time takes a
+        provider's probe."""
+        now = self._clock()
+        due = [
+            name
+            for name, breaker in self._breakers.items()
+            if name not in self._probing
+            and breaker.awaits_probe
+            and self._has_slot(name)
+            and self._no_probe_until.get(name, 0.0) <= now
+        ][:most]
+        self._probing.update(due)
+        return due
+
+    def probe_claimed(self, provider: str, row: Claimed | None) -> None:
+        """The probe claim for ``provider`` is over: ``row`` is its probe (None: none due)."""
+        self._probing.discard(provider)
+        if row is None:  # none due: look again in a while, not at every claim
+            self._no_probe_until[provider] = self._clock() + PROBE_LOOK_AGAIN
+        else:
+            self._probed_tenant[provider] = row.tenant_id
+            self._breakers[provider].claimed(row.id, fresh=row.attempts - 1 <= row.attempt_base)
+
+    def probe_cursor(self, provider: str) -> str | None:
+        """The tenant of the provider's last probe: the next is taken after it."""
+        return self._probed_tenant.get(provider)
+
+    def _has_slot(self, provider: str) -> bool:
+        lim = self._limits[provider]
+        return lim.max_in_flight is None or self._in_flight[provider] < lim.max_in_flight
+
+    def breaker(self, provider: str) -> Breaker:
+        return self._breakers[provider]
 
     async def grant(self, want: int) -> Grant:
         """Caps for a claim of up to ``want`` rows, with tokens taken for the rate-limited
@@ -294,14 +472,6 @@ class Limits:
         self._reserved.subtract(grant.caps)
         counts = Counter(row.provider for row in claimed)
         self._in_flight.update(counts)
-        # Only a half-open breaker cares which rows were claimed (the first is its probe): with
-        # every breaker closed, nothing to look at per row.
-        probing = {b.provider: b for b in self._breakers.values() if b.awaits_probe}
-        if probing:
-            for row in claimed:
-                breaker = probing.get(row.provider)
-                if breaker is not None:
-                    breaker.claimed(row.id)
         unused = {name: t.granted - counts[name] for name, t in grant.tokens.items()}
         unused = {name: n for name, n in unused.items() if n > 0}
         if unused:

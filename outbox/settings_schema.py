@@ -33,6 +33,8 @@ _DURATION_FORMS: Final = "like 500ms, 30s, 10m, 24h, 1h30m or a number of second
 # A provider's rate limit: a number of calls per second or per minute.
 _RATE: Final = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*/\s*(s|m)\s*")
 _RATE_UNITS: Final = {"s": 1.0, "m": 60.0}
+# A share, as a percentage.
+_SHARE: Final = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*%\s*")
 
 
 class ConfigError(OutboxError):
@@ -257,6 +259,38 @@ class Rate(Kind[float]):
 
     def toml(self, value: float) -> str:
         return f'"{format_rate(value)}"'
+
+
+class Share(Kind[float]):
+    """A share of a whole: "80%" in the file (or the environment), a number above 0 and at most 1
+    built in Python."""
+
+    describe: ClassVar[str] = '`"N%"`, above 0 and at most 100'
+
+    def read(self, value: object, where: Where) -> float:
+        match = _SHARE.fullmatch(value) if isinstance(value, str) else None
+        share = float(match.group(1)) / 100 if match else 0.0
+        if not 0 < share <= 1:
+            raise where.error(
+                f'must be a percentage such as "80%" (above 0, at most 100), not {show(value)}'
+            )
+        return share
+
+    def check(self, value: object, where: Where) -> float:
+        number = value if isinstance(value, int | float) and not isinstance(value, bool) else None
+        if number is None or not 0 < number <= 1:
+            raise where.error(f"must be a share above 0 and at most 1, not {show(value)}")
+        return float(number)
+
+    def shown(self, value: float) -> object:
+        return format_share(value)
+
+    def toml(self, value: float) -> str:
+        return f'"{format_share(value)}"'
+
+
+def format_share(share: float) -> str:
+    return f"{share * 100:g}%"
 
 
 @dataclass(frozen=True, slots=True)

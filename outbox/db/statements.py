@@ -168,6 +168,52 @@ due AS (
     + _LEASE_DUE
 )
 
+# A half-open breaker's probe (outbox.provider_limits.Breaker): one due row of the provider, of
+# its first 1,000 due rows from the first tenant after the last probe's (around to the first):
+# one that has not failed in this budget (never tried, or handed back unsent), from the first
+# tenant in turn that has one, at random within it; failing that, the one whose last try is the
+# oldest. The rows that opened the breaker are the freshest failures, so they probe last: a
+# payload that fails alone cannot be every probe (issue 37). SKIP LOCKED as in CLAIM.
+CLAIM_PROBE: Final = (
+    """
+WITH
+near AS (
+    SELECT c.* FROM (
+        (SELECT o.id, o.tenant_id, o.attempts > o.attempt_base AS failed, o.last_attempt_at,
+                false AS wrapped
+         FROM outbox.operations o
+         WHERE o.provider = %(provider)s AND o.tenant_id > %(after_tenant)s
+           AND o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
+           AND o.available_at <= now()
+         ORDER BY o.provider, o.tenant_id, o.available_at, o.id LIMIT 1000)
+        UNION ALL
+        (SELECT o.id, o.tenant_id, o.attempts > o.attempt_base, o.last_attempt_at, true
+         FROM outbox.operations o
+         WHERE o.provider = %(provider)s AND o.tenant_id <= %(after_tenant)s
+           AND o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
+           AND o.available_at <= now()
+         ORDER BY o.provider, o.tenant_id, o.available_at, o.id LIMIT 1000)
+        LIMIT 1000) c
+),
+picked AS (
+    SELECT ARRAY(
+        SELECT near.id FROM near
+        ORDER BY near.failed, CASE WHEN near.failed THEN near.last_attempt_at END NULLS FIRST,
+                 near.wrapped, near.tenant_id, random()
+        LIMIT 20) AS ids
+),
+due AS (
+    SELECT o.id FROM outbox.operations o, picked
+    WHERE o.id = ANY (picked.ids)
+      AND o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
+    ORDER BY array_position(picked.ids, o.id)
+    LIMIT 1
+    FOR UPDATE OF o SKIP LOCKED
+)
+"""
+    + _LEASE_DUE
+)
+
 # Lease due pending rows to this worker, a fair share from each (provider, tenant) group: a
 # tenant's or a provider's backlog cannot fill every batch while another's operations wait. The
 # groups are visited from just after the cursor (the first group of the last claim), wrapping

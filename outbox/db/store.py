@@ -189,6 +189,21 @@ class Store:
             self._fair_only = FAIR_ONLY_CLAIMS
         return claimed
 
+    async def claim_probe(
+        self, worker: str, provider: str, lease: timedelta, after_tenant: str | None
+    ) -> Claimed | None:
+        """Lease one row of ``provider`` as its breaker's probe (statements.CLAIM_PROBE), from
+        the first tenant after ``after_tenant``; None when none is due."""
+        params = {
+            "worker": worker,
+            "provider": provider,
+            "lease": lease,
+            "after_tenant": after_tenant if after_tenant is not None else "",
+        }
+        async with self._connection() as conn:
+            cur = conn.cursor(row_factory=_CLAIMED_ROW)
+            return await (await cur.execute(statements.CLAIM_PROBE, params)).fetchone()
+
     async def record(self, rec: Record) -> bool:
         """True if recorded; False if this worker no longer held the lease (nothing changed)."""
         return (rec.id, rec.attempt) in await self.record_many([rec])

@@ -249,13 +249,43 @@ class ClaimScheduler:
 
     async def claim(self, limit: int) -> list[Claimed]:
         """Lease up to ``limit`` due rows within the providers' limits."""
-        grant = await self._limits.grant(limit)
-        claimed: list[Claimed] = []
+        # Probes first: a busy provider's backlog must not take every slot from them.
+        claimed = await self._claim_probes(limit)
+        grant = await self._limits.grant(limit - len(claimed))
         try:
-            claimed = await self._claim_capped(limit, grant.caps)
+            if len(claimed) < limit:
+                claimed += await self._claim_capped(limit - len(claimed), grant.caps)
         finally:
             await self._limits.settle(grant, claimed)
         return claimed
+
+    async def _claim_probes(self, room: int) -> list[Claimed]:
+        """The probes of half-open breakers, each claimed on its own (statements.CLAIM_PROBE):
+        the ordinary claim's oldest-first order would pick the rows that just failed."""
+        if room <= 0:
+            return []
+        probes: list[Claimed] = []
+        for provider in self._limits.probes_due(room):
+            row = None
+            try:
+                row = await self._store.claim_probe(
+                    self._shared.worker,
+                    provider,
+                    self._settings.lease,
+                    self._limits.probe_cursor(provider),
+                )
+            except psycopg.Error as exc:
+                metrics.DB_ERRORS.labels("claim").inc()
+                log.warning(
+                    "probe claim failed; retrying",
+                    provider=provider,
+                    error_class=type(exc).__name__,
+                )
+            finally:
+                self._limits.probe_claimed(provider, row)
+            if row is not None:
+                probes.append(row)
+        return probes
 
     async def _claim_capped(self, limit: int, caps: Mapping[str, int]) -> list[Claimed]:
         started = time.perf_counter()

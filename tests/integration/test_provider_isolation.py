@@ -12,12 +12,15 @@ from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
+import psycopg
 import pytest
 import structlog
 from psycopg_pool import AsyncConnectionPool
 
+import outbox
 from outbox import metrics
 from outbox.config import ProviderLimits, default_burst
+from outbox.db.store import Store
 from outbox.dispatcher import Dispatcher
 from outbox.providers.base import Provider
 from outbox.testing.stripe import FakeStripe, StripeFault
@@ -117,6 +120,100 @@ async def test_a_run_of_failures_opens_the_breaker_and_only_a_probe_goes_until_o
     ]
     assert [e["failures"] for e in logs if "failures" in e] == [3]
     assert [e["probe_in_s"] for e in logs if "probe_in_s" in e] == [0.3, 0.6]
+
+
+def enqueue_tenants(url: str, plan: list[tuple[str, str]]) -> list[tuple[int, str]]:
+    """One operation per (tenant, key) of ``plan``, in that order; their ids and stored keys."""
+    made = []
+    with psycopg.connect(url) as conn:
+        for tenant, key in plan:
+            result = outbox.enqueue(
+                conn,
+                tenant_id=tenant,
+                operation_type="invoice.charge",
+                operation_key=key,
+                provider="hook",
+                action="invoice.paid",
+                payload={"key": key},
+            )
+            made.append(result.operation_id)
+    found = dict(rows(url, "SELECT id, idempotency_key FROM outbox.operations"))
+    return [(i, str(found[i])) for i in made]
+
+
+def fail_always(receiver: FakeWebhookReceiver, keys: list[str]) -> None:
+    """The receiver answers 500 to these keys, every time (as to a payload it chokes on)."""
+    for key in keys:
+        receiver.inject(WebhookFault.status(500), key=key, times=1000)
+
+
+async def test_the_probe_is_an_operation_that_has_not_failed(
+    db_url: str, pool: AsyncConnectionPool[Any], receiver: FakeWebhookReceiver, hook: Provider
+) -> None:
+    """The bug of issue 37: the probe was the oldest due row, so the rows that opened the
+    breaker were every probe, and a provider that works for everything else stayed shut."""
+    made = enqueue_tenants(
+        db_url, [("a", f"bad-{n}") for n in range(3)] + [("a", f"good-{n}") for n in range(3)]
+    )
+    bad = [key for _, key in made[:3]]
+    fail_always(receiver, bad)
+    limits = {"hook": ProviderLimits(breaker_failures=3, breaker_open_for=FAST_BREAKER)}
+    d = dispatcher(pool, {"hook": hook}, concurrency=1, limits=limits, max_attempts=3)
+    for _ in range(3):  # oldest first: the three failures open the breaker
+        assert await d.run_once() == 1
+    assert metrics.PROVIDER_STATE.labels("hook", "open")._value.get() == 1
+    make_due(db_url)  # the failed rows are due again, and the oldest: the old probe's pick
+    await asyncio.sleep(0.35)
+    assert await d.run_once() == 1  # the probe
+    assert [r.key in bad for r in receiver.received] == [True, True, True, False]
+    assert metrics.PROVIDER_STATE.labels("hook", "closed")._value.get() == 1
+
+
+async def test_probes_go_round_the_tenants_and_take_failed_operations_last(
+    db_url: str, pool: AsyncConnectionPool[Any]
+) -> None:
+    enqueue_tenants(db_url, [("a", "a0"), ("a", "a1"), ("b", "b0"), ("c", "c0"), ("c", "c1")])
+    with psycopg.connect(db_url) as conn:  # a0 and c1 failed before (c1 the longer ago)
+        conn.execute(
+            "UPDATE outbox.operations SET attempts = 1, last_attempt_at = now() - "
+            "CASE operation_key WHEN 'c1' THEN interval '1 minute' ELSE interval '0' END "
+            "WHERE operation_key IN ('a0', 'c1')"
+        )
+    store, probed, after = Store(pool), [], None
+    while (row := await store.claim_probe("w", "hook", timedelta(seconds=30), after)) is not None:
+        probed.append(row.operation_key)
+        after = row.tenant_id
+    assert probed == ["a1", "b0", "c0", "c1", "a0"]
+    assert statuses(db_url) == {"in_flight": 5}
+
+
+async def test_operations_that_fail_alone_spend_their_own_attempts_and_the_rest_is_delivered(
+    db_url: str, pool: AsyncConnectionPool[Any], receiver: FakeWebhookReceiver, hook: Provider
+) -> None:
+    """Issue 37's trial in small: many operations of one provider that always get a 500, ahead
+    of the healthy ones in the claim's order. Every healthy one is delivered once; every failing
+    one uses its whole budget and leaves the line for a person."""
+    plan = [(f"t{n % 4}", f"bad-{n}") for n in range(12)]
+    plan += [(f"t{n % 4}", f"good-{n}") for n in range(20)]
+    made = enqueue_tenants(db_url, plan)
+    bad = [key for _, key in made[:12]]
+    fail_always(receiver, bad)
+    limits = {"hook": ProviderLimits(breaker_failures=5, breaker_open_for=FAST_BREAKER)}
+    d = dispatcher(pool, {"hook": hook}, concurrency=4, limits=limits, max_attempts=3)
+
+    def settled() -> bool:
+        return all(r.status is not None for r in receiver.received) and (
+            len([r for r in receiver.received if r.key not in bad]) >= 20
+            and len([r for r in receiver.received if r.key in bad]) >= 12 * 3
+        )
+
+    await run_until(d, settled, within=30)
+    by_key = dict(rows(db_url, "SELECT idempotency_key, status FROM outbox.operations"))
+    assert sorted({by_key[k] for k in bad}) in (["quarantined"], ["reconciling"])
+    assert [by_key[k] for _, k in made[12:]] == ["succeeded"] * 20
+    assert receiver.effect_count() == 20  # each healthy one once
+    spent = dict(rows(db_url, "SELECT idempotency_key, attempts FROM outbox.operations"))
+    assert {spent[k] for k in bad} == {3}
 
 
 async def test_permanent_answers_never_open_the_breaker(

@@ -180,6 +180,12 @@ def test_a_provider_s_limits_default_to_a_breaker_alone() -> None:
                 max_in_flight=4, breaker_failures=2, breaker_open_for=timedelta(minutes=1)
             ),
         ),
+        (
+            {"breaker_failure_rate": "50%", "breaker_window": 100},
+            ProviderLimits(breaker_failure_rate=0.5, breaker_window=100),
+        ),
+        ({"breaker_failure_rate": " 100 % "}, ProviderLimits(breaker_failure_rate=1.0)),
+        ({"breaker_failure_rate": "2.5%"}, ProviderLimits(breaker_failure_rate=0.025)),
     ],
 )
 def test_a_provider_s_limits_from_the_file(table: dict[str, Any], expected: ProviderLimits) -> None:
@@ -517,6 +523,19 @@ def test_an_ambiguous_provider_variable_is_named_as_the_key() -> None:
             {"providers": {"a": {"type": "noop", "breaker_open_for": "0s"}}},
             "providers.a.breaker_open_for",
             "greater than zero",
+        ),
+        *(
+            (
+                {"providers": {"a": {"type": "noop", "breaker_failure_rate": bad}}},
+                "providers.a.breaker_failure_rate",
+                "must be a percentage",
+            )
+            for bad in ("0%", "101%", "0.8", 0.8, "80", "-5%", "nan%")
+        ),
+        (
+            {"providers": {"a": {"type": "noop", "breaker_window": 1001}}},
+            "providers.a.breaker_window",
+            "at most 1,000",
         ),
     ],
 )
@@ -1399,7 +1418,7 @@ def test_every_key_says_what_it_does() -> None:
     # The webhook's 7, http's 8, stripe's 8 options.
     queues = sum(len(PROVIDER_OPTIONS[q]) for q in ("nats", "amqp", "sqs", "cloudtasks"))
     assert queues >= 4 * 3  # every queue type declares its options: no type takes any key
-    assert len(declared) == 1 + 9 + 14 + 4 + 7 + 8 + 8 + queues
+    assert len(declared) == 1 + 11 + 14 + 4 + 7 + 8 + 8 + queues
     for setting in declared:
         assert setting.doc.endswith("."), setting.name
         assert f"`{setting.name}" in reference(), setting.name

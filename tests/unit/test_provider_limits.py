@@ -27,8 +27,10 @@ class Clock:
         return self.now
 
 
-def breaker(clock: Clock, failures: int = 3, open_for: float = 10.0) -> Breaker:
-    return Breaker("p", failures, timedelta(seconds=open_for), clock)
+def breaker(
+    clock: Clock, failures: int = 3, open_for: float = 10.0, rate: float = 0.8, window: int = 10
+) -> Breaker:
+    return Breaker("p", failures, timedelta(seconds=open_for), clock, rate=rate, window=window)
 
 
 def fail_until_open(b: Breaker, times: int = 3) -> None:
@@ -36,24 +38,64 @@ def fail_until_open(b: Breaker, times: int = 3) -> None:
         b.record(op, FAILING)
 
 
-def probe(b: Breaker, op: int) -> None:
-    assert b.allowance() == 1
-    b.claimed(op)
-    assert b.allowance() == 0  # exactly one probe
+def probe(b: Breaker, op: int, *, fresh: bool = True) -> None:
+    assert b.awaits_probe
+    assert b.allowance() == 0  # the ordinary claim takes none: the probe is claimed apart
+    b.claimed(op, fresh=fresh)
+    assert not b.awaits_probe  # exactly one probe
     assert b.may_send(op)
 
 
-def test_a_run_of_failures_opens_and_a_success_in_between_resets_it() -> None:
+def test_failures_open_it_only_as_a_high_share_of_the_last_calls() -> None:
     b = breaker(Clock())
-    b.record(1, FAILING)
-    b.record(2, FAILING)
-    b.record(3, HEALTHY)
-    b.record(4, FAILING)
-    b.record(5, FAILING)
-    assert (b.state, b.allowance()) == (State.CLOSED, None)
-    b.record(6, FAILING)
+    for op in range(10):
+        b.record(op, HEALTHY)
+    # Seven of the last ten calls failing is 70 %: closed; the eighth makes 80 %.
+    for op in range(100, 107):
+        b.record(op, FAILING)
+        assert (b.state, b.allowance()) == (State.CLOSED, None)
+    b.record(107, FAILING)
     assert (b.state, b.reason, b.allowance()) == (State.OPEN, "failures", 0)
     assert not b.may_send(7)  # claimed before it opened: goes back unsent
+
+
+def test_a_fresh_breaker_opens_after_its_threshold_of_failures() -> None:
+    b = breaker(Clock())
+    b.record(1, FAILING)
+    b.record(1, FAILING)  # the same operation again: no success in between, so it counts
+    assert (b.state, b.allowance()) == (State.CLOSED, None)
+    b.record(2, FAILING)
+    assert (b.state, b.allowance()) == (State.OPEN, 0)
+
+
+def test_an_operation_failing_again_after_others_succeeded_fails_alone() -> None:
+    """The bug of issue 37: a few operations that always fail must not close the provider to
+    the rest. Each fails once, the provider succeeds for others, each fails again: from then on
+    their failures are theirs alone."""
+    b = breaker(Clock(), failures=3)
+    bad = [1, 2]
+    for round_ in range(50):
+        for op in bad:
+            b.record(op, FAILING)
+        b.record(1000 + round_, HEALTHY)
+        assert b.state is State.CLOSED, round_
+    assert b.failing_alone == 2
+    assert b.failure_rate < 0.5
+    # A success ends the mark: a later failure counts again.
+    b.record(1, HEALTHY)
+    assert b.failing_alone == 1
+
+
+def test_operations_failing_alone_never_open_it_even_once_the_others_are_gone() -> None:
+    b = breaker(Clock(), failures=3)
+    for op in range(20):  # the first failures of twenty bad operations, among successes
+        b.record(op, FAILING)
+        b.record(100 + op, HEALTHY)
+    for _ in range(10):  # then only their retries: the healthy ones are all delivered
+        for op in range(20):
+            b.record(op, FAILING)
+    assert b.state is State.CLOSED
+    assert b.failing_alone == 20
 
 
 def test_permanent_answers_neither_count_nor_reset() -> None:
@@ -72,14 +114,21 @@ def test_half_open_after_the_period_one_probe_closes_on_success() -> None:
     b = breaker(clock)
     fail_until_open(b)
     clock.now += 9.9
-    assert b.allowance() == 0
+    assert not b.awaits_probe
     clock.now += 0.1
     probe(b, 42)
     assert b.state is State.HALF_OPEN
-    b.record(43, HEALTHY)  # a call from before: says nothing
-    assert b.state is State.HALF_OPEN
     b.record(42, HEALTHY)
     assert (b.state, b.reason, b.allowance()) == (State.CLOSED, None, None)
+
+
+def test_a_success_while_open_for_failures_closes_it() -> None:
+    """A call in flight when it opened that then succeeds: the provider works."""
+    b = breaker(Clock())
+    fail_until_open(b)
+    b.record(77, HEALTHY)
+    assert (b.state, b.allowance()) == (State.CLOSED, None)
+    assert b.released(77)  # its end wakes the claim
 
 
 def test_failed_probes_double_the_period_up_to_the_cap_and_a_close_resets_it() -> None:
@@ -89,7 +138,7 @@ def test_failed_probes_double_the_period_up_to_the_cap_and_a_close_resets_it() -
     waits = []
     for op in range(100, 106):
         waited = 0.0
-        while b.allowance() == 0:
+        while not b.awaits_probe:
             clock.now += 1.0
             waited += 1.0
         waits.append(waited)
@@ -101,9 +150,24 @@ def test_failed_probes_double_the_period_up_to_the_cap_and_a_close_resets_it() -
     b.record(200, NEUTRAL)  # it answered: closed
     fail_until_open(b)
     clock.now += 59
-    assert b.allowance() == 0
+    assert not b.awaits_probe
     clock.now += 1
-    assert b.allowance() == 1
+    assert b.awaits_probe
+
+
+def test_a_failed_probe_that_had_failed_before_does_not_lengthen_the_period() -> None:
+    clock = Clock()
+    b = breaker(clock, open_for=60.0)
+    fail_until_open(b)
+    for op in range(3):
+        clock.now += 60
+        probe(b, op, fresh=False)  # only the rows that opened it are left
+        b.record(op, FAILING)
+        assert b.next_probe_in() == 60
+    clock.now += 60
+    probe(b, 9)
+    b.record(9, FAILING)  # a fresh operation fails too: the provider is sick
+    assert b.next_probe_in() == 120
 
 
 def test_a_probe_that_was_not_sent_lets_another_be_claimed() -> None:
@@ -113,7 +177,7 @@ def test_a_probe_that_was_not_sent_lets_another_be_claimed() -> None:
     clock.now += 10
     probe(b, 7)
     assert b.released(7)  # handed back unsent (shutdown, key window)
-    assert b.allowance() == 1
+    assert b.awaits_probe
     assert not b.released(8)
 
 
@@ -122,7 +186,7 @@ def test_refused_credentials_open_at_once_and_only_a_probe_closes() -> None:
     b = breaker(clock, failures=5)
     b.record(1, REFUSED)
     assert (b.state, b.reason) == (State.OPEN, "credentials")
-    b.record(2, HEALTHY)  # an older call succeeding proves nothing about the key now
+    b.record(2, HEALTHY)  # a call sent before the key was revoked proves nothing about it now
     assert b.state is State.OPEN
     for op in (10, 11, 12):
         clock.now += 10  # credentials are probed at the base period, never less often
