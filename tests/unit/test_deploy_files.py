@@ -244,3 +244,85 @@ def test_the_healthcheck_asks_an_ipv6_listener(
         pytest.skip(f"no IPv6 loopback here: {exc}")
     assert _check(f"[::1]:{port}") == 0
     assert _check(f"[::]:{port}") == 0
+
+
+def _ignore_rules(name: str) -> list[tuple[re.Pattern[str], bool]]:
+    """A .containerignore's patterns as docker and buildah match them: `*` and `?` within one
+    path segment, `**` across them, `!` to take a path back; the last match decides."""
+    rules = []
+    for line in (REPO / name).read_text().splitlines():
+        pattern = line.strip()
+        if not pattern or pattern.startswith("#"):
+            continue
+        keep = pattern.startswith("!")
+        pattern = pattern.removeprefix("!").strip("/")
+        regex = ""
+        for part in re.split(r"(\*\*/|\*\*|\*|\?|\[[^]]*\])", pattern):
+            if part == "**/":
+                regex += "(.*/)?"
+            elif part == "**":
+                regex += ".*"
+            elif part == "*":
+                regex += "[^/]*"
+            elif part == "?":
+                regex += "[^/]"
+            elif part.startswith("[") and part.endswith("]"):
+                regex += part
+            else:
+                regex += re.escape(part)
+        rules.append((re.compile(regex), keep))
+    return rules
+
+
+def _sent(path: str, rules: list[tuple[re.Pattern[str], bool]]) -> bool:
+    """Whether the builder gets this path of the context: a rule matching it or a directory
+    above it decides, the last one last."""
+    parts = path.split("/")
+    sent = True
+    for regex, keep in rules:
+        if any(regex.fullmatch("/".join(parts[:n])) for n in range(1, len(parts) + 1)):
+            sent = keep
+    return sent
+
+
+def test_docker_and_podman_ignore_the_same_files() -> None:
+    assert (REPO / ".dockerignore").read_text() == (REPO / ".containerignore").read_text()
+
+
+def test_the_build_context_is_what_the_containerfile_copies() -> None:
+    rules = _ignore_rules(".containerignore")
+    sources = [
+        word
+        for line in (REPO / "Containerfile").read_text().splitlines()
+        if line.startswith("COPY ") and "--from=" not in line
+        for word in line.split()[1:-1]
+    ]
+    assert sorted(sources) == ["README.md", "outbox", "pyproject.toml", "sql"]
+    copied = [
+        path.relative_to(REPO).as_posix()
+        for source in sources
+        for path in ([REPO / source] if (REPO / source).is_file() else (REPO / source).rglob("*"))
+        if path.is_file() and "__pycache__" not in path.parts
+    ]
+    assert len(copied) > 50
+    assert [path for path in copied if not _sent(path, rules)] == []
+    left_out = (
+        ".git/HEAD",
+        ".venv/bin/python",
+        "bench/.venv-hatchet/bin/python",
+        "bench/chaos.py",
+        "mutants/outbox/policy.py",
+        "py_spy-0.4.0-py2.py3-none-manylinux_2_5_x86_64.whl",
+        "dist/outbox-0.1.0-py3-none-any.whl",
+        "outbox.egg-info/PKG-INFO",
+        ".pytest_cache/v/cache/nodeids",
+        ".mypy_cache/3.11/outbox/metrics.data.json",
+        "outbox/__pycache__/metrics.cpython-311.pyc",
+        "outbox/db/__pycache__/store.cpython-311.pyc",
+        "outbox/stray.pyc",
+        "tests/unit/test_deploy_files.py",
+        "docs/runbook.md",
+        "deploy/grafana/outbox-dashboard.json",
+        "Containerfile",
+    )
+    assert [path for path in left_out if _sent(path, rules)] == []
