@@ -18,12 +18,13 @@ from collections.abc import Mapping
 from datetime import datetime, timedelta
 from typing import Final
 
-from outbox import metrics
+from outbox import loops, metrics
 from outbox.config import DispatcherSettings, ProviderLimits
 from outbox.db import statements
 from outbox.db.store import Claimed, Store
 from outbox.dispatch.claims import ClaimScheduler, next_cursor
 from outbox.dispatch.flight import InFlight, Phase
+from outbox.dispatch.health import HealthKeeper
 from outbox.dispatch.leases import LeaseKeeper
 from outbox.dispatch.maintenance import Maintenance
 from outbox.dispatch.meters import Meters
@@ -83,6 +84,7 @@ class Dispatcher:
             stage_by=self.maintenance.stage_by,
         )
         self._pipeline = Pipeline(shared, self._recorder, self.leases)
+        self.health = HealthKeeper(shared)
 
     # --- control ------------------------------------------------------------------------------
 
@@ -126,7 +128,9 @@ class Dispatcher:
     async def run(self) -> None:
         """Claim and dispatch until ``request_stop``, then drain."""
         self._shared.loop = asyncio.get_running_loop()
+        await self.health.restore()
         background = [
+            asyncio.create_task(loops.forever("health", self.health.round), name="outbox-health"),
             asyncio.create_task(self.leases.heartbeat_loop(), name="outbox-heartbeat"),
             asyncio.create_task(self.maintenance.rescue_loop(), name="outbox-rescuer"),
             asyncio.create_task(self.maintenance.repair_loop(), name="outbox-ordering-repair"),

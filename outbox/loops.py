@@ -34,6 +34,7 @@ LOOPS: Final = (
     "reconcile",
     "listen",
     "readiness",
+    "health",
 )
 for _name in LOOPS:
     metrics.INTERNAL_ERRORS.labels(_name)

@@ -191,6 +191,7 @@ DB_OPERATIONS: Final = (
     "ordering_repair",
     "take_tokens",
     "throttle_bucket",
+    "health",
 )
 
 

@@ -42,7 +42,7 @@ from outbox.config import (
     DEFAULT_WINDOW,
     ProviderLimits,
 )
-from outbox.db.store import Claimed, Store, Tokens, TokenTake
+from outbox.db.store import Claimed, Health, Store, Tokens, TokenTake
 from outbox.model import FailureClass
 from outbox.providers.base import SendResult, Succeeded
 
@@ -259,13 +259,37 @@ class Breaker:
             return None
         return max(0.0, self._open_until - self._clock())
 
-    def restore(self, reason: str, probe_in: float, open_for: float) -> None:
+    def snapshot(self) -> Health:
+        """What ``outbox providers`` shows of this breaker (written by outbox.dispatch.health)."""
+        self.allowance()  # open past its period: half-open now
+        opened_ago = None
+        if self.state is not State.CLOSED and self.opened_at is not None:
+            opened_ago = self._clock() - self.opened_at
+        return Health(
+            provider=self.provider,
+            state=self.state.value,
+            reason=self.reason,
+            failure_rate=round(self.failure_rate, 3),
+            calls=len(self._calls),
+            failing_alone=len(self._alone),
+            opened_ago=opened_ago,
+            probe_in=self.next_probe_in(),
+            open_for=None if self.state is State.CLOSED else self._open_for,
+        )
+
+    def restore(self, reason: str | None, probe_in: float, open_for: float) -> None:
         """Start open, as another process of this provider left it (a restart in a crash loop
         must not forget a provider that is down and send a burst at it)."""
         self._open_for = min(max(open_for, self._base), self._longest)
         self._open_until = self._clock() + max(0.0, probe_in)
-        self.reason = reason
+        self.reason = reason or REASON_FAILURES
         self._enter(State.OPEN)
+        log.warning(
+            "provider breaker open at start: a dispatcher left it open lately",
+            provider=self.provider,
+            reason=self.reason,
+            probe_in_s=round(max(0.0, probe_in), 1),
+        )
 
     def reset(self) -> None:
         """An operator closed it (``outbox providers reset``)."""
@@ -342,7 +366,10 @@ class Breaker:
 
     def _enter(self, state: State) -> None:
         self.state = state
-        self.opened_at = self._clock() if state is State.OPEN else self.opened_at
+        if state is State.CLOSED:
+            self.opened_at = None
+        elif self.opened_at is None:
+            self.opened_at = self._clock()  # since when it has not been closed
         metrics.PROVIDER_TRANSITIONS.labels(self.provider, state.value).inc()
         _show_state(self.provider, state, self.reason)
 

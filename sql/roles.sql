@@ -139,10 +139,16 @@ GRANT EXECUTE ON FUNCTION
     outbox.throttle_bucket(text, double precision, double precision, interval)
 TO outbox_dispatcher;
 
+-- Each provider's breaker as this dispatcher last wrote it, and operators' requests to reset a
+-- breaker or probe now (WRITE_HEALTH, RESTORE_HEALTH, PROVIDER_ACTIONS_SINCE; see 0031).
+GRANT SELECT, INSERT, UPDATE, DELETE ON outbox.provider_health TO outbox_dispatcher;
+GRANT SELECT ON outbox.provider_actions TO outbox_dispatcher;
+
 -- Operator: read everything (`outbox reconcile/quarantine list|show`, `outbox status`); change
 -- only through the functions that write the audit, including `outbox reconcile check`'s.
 GRANT SELECT ON outbox.operations, outbox.attempts, outbox.audit, outbox.ordering_modes,
-    outbox.ordering_repairs, outbox.limits TO outbox_operator;
+    outbox.ordering_repairs, outbox.limits, outbox.provider_health, outbox.provider_actions
+    TO outbox_operator;
 GRANT EXECUTE ON FUNCTION
     outbox.resolve_operation(bigint, text, text, text),
     outbox.cancel_operation(bigint, text, text),
@@ -157,5 +163,7 @@ GRANT EXECUTE ON FUNCTION
     outbox.defer_check(bigint, interval, interval, integer, integer),
     outbox.set_ordering_mode(text, text, text),
     outbox.set_ordering_mode(text, text, text, text),
+    -- `outbox providers reset|probe` (0031).
+    outbox.request_provider_action(text, text, text, text),
     outbox.schema_version()
 TO outbox_operator;

@@ -1,5 +1,5 @@
 -- sql/schema.sql: the outbox schema as the migrations of sql/ leave it
--- (every migration up to 0030_server_identity).
+-- (every migration up to 0031_provider_health).
 --
 -- GENERATED FILE: DO NOT EDIT IT BY HAND. It is regenerated, after adding a migration, by
 --     python -m outbox.db.schema_dump --dsn postgresql://postgres@127.0.0.1:5432/postgres --output sql/schema.sql
@@ -280,6 +280,25 @@ COMMENT ON TABLE outbox.ordering_turns IS 'Ordering keys enqueued by transaction
 -- privileges: the owner's only
 
 -- =================================================================================================
+-- table outbox.provider_actions
+-- history: created by 0031_provider_health
+
+CREATE TABLE outbox.provider_actions (
+    id       bigint NOT NULL GENERATED ALWAYS AS IDENTITY,
+    provider text NOT NULL,
+    action   text NOT NULL,
+    at       timestamp with time zone DEFAULT now() NOT NULL,
+    CONSTRAINT provider_actions_pkey PRIMARY KEY (id),
+    CONSTRAINT provider_actions_action_valid CHECK ((action = ANY (ARRAY['reset'::text, 'probe'::text])))
+);
+
+COMMENT ON TABLE outbox.provider_actions IS 'Operators'' requests to reset a provider''s breakers or probe it now; every dispatcher acts on those newer than its start.';
+
+CREATE INDEX provider_actions_at ON outbox.provider_actions USING btree (at);
+
+-- privileges: the owner's only
+
+-- =================================================================================================
 -- table outbox.provider_buckets
 -- history: created by 0016_provider_buckets
 
@@ -296,6 +315,30 @@ CREATE TABLE outbox.provider_buckets (
 );
 
 COMMENT ON TABLE outbox.provider_buckets IS 'One token bucket per rate-limited provider, shared by every dispatcher (0016).';
+
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- table outbox.provider_health
+-- history: created by 0031_provider_health
+
+CREATE TABLE outbox.provider_health (
+    provider      text NOT NULL,
+    worker        text NOT NULL,
+    state         text NOT NULL,
+    reason        text,
+    failure_rate  real DEFAULT 0 NOT NULL,
+    calls         integer DEFAULT 0 NOT NULL,
+    failing_alone integer DEFAULT 0 NOT NULL,
+    opened_at     timestamp with time zone,
+    next_probe_at timestamp with time zone,
+    open_for      interval,
+    updated_at    timestamp with time zone DEFAULT now() NOT NULL,
+    CONSTRAINT provider_health_pkey PRIMARY KEY (provider, worker),
+    CONSTRAINT provider_health_state_valid CHECK ((state = ANY (ARRAY['closed'::text, 'open'::text, 'half_open'::text])))
+);
+
+COMMENT ON TABLE outbox.provider_health IS 'Each dispatcher''s circuit breaker of each provider, as it last wrote it (issue 37).';
 
 -- privileges: the owner's only
 
@@ -1310,6 +1353,38 @@ BEGIN
     RETURN 'cancelled';
 END;
 $function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.request_provider_action(text,text,text,text)
+-- history: created by 0031_provider_health
+
+CREATE OR REPLACE FUNCTION outbox.request_provider_action(p_provider text, p_action text, p_actor text, p_reason text)
+ RETURNS bigint
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+DECLARE
+    v_id bigint;
+BEGIN
+    IF p_action IS NULL OR p_action NOT IN ('reset', 'probe') THEN
+        RAISE EXCEPTION 'unknown provider action %', p_action USING ERRCODE = 'OB002';
+    END IF;
+    IF p_provider IS NULL OR p_provider !~ '^[a-z0-9][a-z0-9_-]{0,63}$' THEN
+        RAISE EXCEPTION 'not a provider name: %', p_provider USING ERRCODE = 'OB002';
+    END IF;
+    PERFORM outbox.require_reason(p_actor, p_reason);
+    DELETE FROM outbox.provider_actions WHERE at < now() - interval '1 day';
+    INSERT INTO outbox.provider_actions (provider, action) VALUES (p_provider, p_action)
+    RETURNING id INTO v_id;
+    INSERT INTO outbox.audit (operation_id, actor, action, reason, details)
+    VALUES (NULL, p_actor, 'provider_' || p_action, p_reason,
+            jsonb_build_object('provider', p_provider, 'request', v_id));
+    RETURN v_id;
+END;
+$function$;
+COMMENT ON FUNCTION outbox.request_provider_action(text,text,text,text) IS 'Reset a provider''s breakers or ask for a probe now, on every dispatcher; audited.';
 -- privileges: the owner's only
 
 -- =================================================================================================

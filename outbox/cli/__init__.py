@@ -27,7 +27,7 @@ from outbox import (
     prune,
 )
 from outbox import demo as demo_module
-from outbox.cli import operator, ordering, status
+from outbox.cli import operator, ordering, providers, status
 from outbox.cli.common import (
     TEXT,
     BadInput,
@@ -331,6 +331,7 @@ main.add_command(operator.cancel)
 main.add_command(operator.reconcile)
 main.add_command(operator.quarantine)
 main.add_command(ordering.ordering)
+main.add_command(providers.providers)
 
 
 if __name__ == "__main__":  # pragma: no cover

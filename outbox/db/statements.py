@@ -214,6 +214,54 @@ due AS (
     + _LEASE_DUE
 )
 
+# Each provider's breaker in this dispatcher (outbox/dispatch/health.py; sql/0031), one row per
+# provider and worker, written every few seconds; rows no one has written for a day go.
+WRITE_HEALTH: Final = """
+WITH written AS (
+    INSERT INTO outbox.provider_health AS h (provider, worker, state, reason, failure_rate, calls,
+                                             failing_alone, opened_at, next_probe_at, open_for,
+                                             updated_at)
+    SELECT u.provider, %(worker)s, u.state, u.reason, u.failure_rate, u.calls, u.failing_alone,
+           now() - u.opened_ago, now() + u.probe_in, u.open_for, now()
+    FROM unnest(%(providers)s::text[], %(states)s::text[], %(reasons)s::text[],
+                %(rates)s::real[], %(calls)s::integer[], %(alone)s::integer[],
+                %(opened_ago)s::interval[], %(probe_in)s::interval[], %(open_for)s::interval[])
+         AS u (provider, state, reason, failure_rate, calls, failing_alone, opened_ago, probe_in,
+               open_for)
+    ON CONFLICT (provider, worker) DO UPDATE
+    SET state = excluded.state, reason = excluded.reason, failure_rate = excluded.failure_rate,
+        calls = excluded.calls, failing_alone = excluded.failing_alone,
+        opened_at = excluded.opened_at, next_probe_at = excluded.next_probe_at,
+        open_for = excluded.open_for, updated_at = excluded.updated_at
+    RETURNING 1
+)
+DELETE FROM outbox.provider_health WHERE updated_at < now() - interval '1 day'
+"""
+
+# At start-up: for each of these providers, the newest word any dispatcher wrote in the last ten
+# minutes, if that word is "not closed" and no operator reset the provider since. A process that
+# restarts (a crash loop, a deploy) starts with that breaker open instead of sending a burst to
+# a provider that is down.
+RESTORE_HEALTH: Final = """
+SELECT n.provider, n.reason,
+       extract(epoch FROM greatest(n.next_probe_at - now(), interval '0'))::float8 AS probe_in,
+       extract(epoch FROM coalesce(n.open_for, interval '0'))::float8 AS open_for
+FROM (SELECT DISTINCT ON (h.provider) h.*
+      FROM outbox.provider_health h
+      WHERE h.provider = ANY (%(providers)s::text[])
+        AND h.updated_at > now() - interval '10 minutes'
+      ORDER BY h.provider, h.updated_at DESC) n
+WHERE n.state <> 'closed'
+  AND NOT EXISTS (SELECT FROM outbox.provider_actions a
+                  WHERE a.provider = n.provider AND a.action = 'reset' AND a.at >= n.updated_at)
+"""
+
+# Operators' requests (`outbox providers reset|probe`) this dispatcher has not acted on yet.
+PROVIDER_ACTIONS_SINCE: Final = """
+SELECT id, provider, action FROM outbox.provider_actions WHERE id > %(after)s ORDER BY id
+"""
+LAST_PROVIDER_ACTION: Final = "SELECT coalesce(max(id), 0) FROM outbox.provider_actions"
+
 # Lease due pending rows to this worker, a fair share from each (provider, tenant) group: a
 # tenant's or a provider's backlog cannot fill every batch while another's operations wait. The
 # groups are visited from just after the cursor (the first group of the last claim), wrapping
@@ -819,6 +867,21 @@ WHERE status = 'reconciling'
   AND (%(id)s::bigint IS NULL OR id = %(id)s::bigint)
   AND (%(ids)s::bigint[] IS NULL OR id = ANY (%(ids)s::bigint[]))
 """
+
+# `outbox providers`: every dispatcher's breakers, newest first within each provider; rows not
+# written for `stale` are a process that is gone (or cannot reach the database).
+PROVIDER_HEALTH: Final = """
+SELECT provider, worker, state, reason, failure_rate, calls, failing_alone, opened_at,
+       next_probe_at, open_for, updated_at, updated_at < now() - %(stale)s::interval AS stale
+FROM outbox.provider_health
+WHERE %(provider)s::text IS NULL OR provider = %(provider)s::text
+ORDER BY provider, updated_at DESC, worker
+"""
+# `outbox providers reset|probe`: the request every dispatcher acts on, with its audit row.
+# Relies on: outbox.request_provider_action().
+REQUEST_PROVIDER_ACTION: Final = (
+    "SELECT outbox.request_provider_action(%(provider)s, %(action)s, %(actor)s, %(reason)s)"
+)
 
 # The newest migration applied (sql/0027), checked by `outbox run` at start-up.
 # Relies on: outbox.schema_version().

@@ -126,6 +126,33 @@ class Record(NamedTuple):
     scope: str | None = None  # where it was sent, as the provider names it (sql/0023)
 
 
+class Health(NamedTuple):
+    """One provider's breaker in one dispatcher, as ``outbox providers`` shows it."""
+
+    provider: str
+    state: str
+    reason: str | None
+    failure_rate: float
+    calls: int
+    failing_alone: int
+    opened_ago: float | None  # seconds since it opened; None while closed
+    probe_in: float | None  # seconds to the next probe, while open
+    open_for: float | None  # the open period now, while not closed
+
+
+class OpenBreaker(NamedTuple):
+    """A breaker a dispatcher left open (RESTORE_HEALTH): seconds to its probe, its period."""
+
+    provider: str
+    reason: str | None
+    probe_in: float
+    open_for: float
+
+
+def _seconds(value: float | None) -> timedelta | None:
+    return None if value is None else timedelta(seconds=value)
+
+
 def claim_params(
     worker: str,
     limit: int,
@@ -396,6 +423,49 @@ class Store:
             cur = conn.cursor(row_factory=tuple_row)
             rows = await (await cur.execute(statements.TAKE_TOKENS, params)).fetchall()
         return {provider: Tokens(granted, level) for provider, granted, level in rows}
+
+    # --- provider health (sql/0031) -----------------------------------------------------------
+
+    async def write_health(self, worker: str, rows: Sequence[Health]) -> None:
+        """This worker's breakers as they are now, one row per provider."""
+        params = {
+            "worker": worker,
+            "providers": [h.provider for h in rows],
+            "states": [h.state for h in rows],
+            "reasons": [h.reason for h in rows],
+            "rates": [h.failure_rate for h in rows],
+            "calls": [h.calls for h in rows],
+            "alone": [h.failing_alone for h in rows],
+            "opened_ago": [_seconds(h.opened_ago) for h in rows],
+            "probe_in": [_seconds(h.probe_in) for h in rows],
+            "open_for": [_seconds(h.open_for) for h in rows],
+        }
+        async with self._connection() as conn:
+            await conn.execute(statements.WRITE_HEALTH, params)
+
+    async def restore_health(self, providers: Sequence[str]) -> list[OpenBreaker]:
+        """The breakers of ``providers`` that a dispatcher left open lately (RESTORE_HEALTH)."""
+        async with self._connection() as conn:
+            cur = conn.cursor(row_factory=args_row(OpenBreaker))
+            return await (
+                await cur.execute(statements.RESTORE_HEALTH, {"providers": list(providers)})
+            ).fetchall()
+
+    async def last_provider_action(self) -> int:
+        """The newest operator's request (0: none): a dispatcher acts only on later ones."""
+        async with self._connection() as conn:
+            cur = conn.cursor(row_factory=tuple_row)
+            row = await (await cur.execute(statements.LAST_PROVIDER_ACTION)).fetchone()
+        return int(row[0]) if row else 0
+
+    async def provider_actions(self, after: int) -> list[tuple[int, str, str]]:
+        """Operators' requests after id ``after``: (id, provider, action), oldest first."""
+        async with self._connection() as conn:
+            cur = conn.cursor(row_factory=tuple_row)
+            found = await (
+                await cur.execute(statements.PROVIDER_ACTIONS_SINCE, {"after": after})
+            ).fetchall()
+        return [(int(i), str(p), str(a)) for i, p, a in found]
 
     async def throttle_bucket(
         self, provider: str, rate: float, burst: int, pause: timedelta

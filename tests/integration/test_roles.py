@@ -253,6 +253,7 @@ def test_every_function_is_pinned_and_executable_only_by_its_roles(roles_db: str
         "outbox.repair_ordering_key(text,text)": (True, ["outbox_dispatcher"]),
         "outbox.set_ordering_mode(text,text,text)": (True, ["outbox_operator"]),
         "outbox.set_ordering_mode(text,text,text,text)": (True, ["outbox_operator"]),
+        "outbox.request_provider_action(text,text,text,text)": (True, ["outbox_operator"]),
         "outbox.schema_version()": (True, ["outbox_dispatcher", "outbox_operator"]),
         "outbox.server_identity()": (True, ["outbox_dispatcher"]),
         "outbox.wake_lock_space()": (False, ["outbox_dispatcher"]),

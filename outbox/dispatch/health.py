@@ -1,0 +1,78 @@
+"""Each provider's breaker, seen beyond this process (issue 37; sql/0031).
+
+Every few seconds a dispatcher writes its breakers to ``outbox.provider_health`` (``outbox
+providers`` shows them, one row per provider and worker) and acts on operators' requests in
+``outbox.provider_actions`` (``outbox providers reset|probe``) that are newer than its start. At
+start-up it opens the breakers another process left open in the last ten minutes, unless an
+operator reset them since: a dispatcher restarting in a crash loop must not forget that its
+provider is down and send it a burst each time.
+
+All of it is best effort: the database away costs the view, never a claim or a send.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import psycopg
+import structlog
+
+from outbox import metrics
+from outbox.dispatch.shared import Shared
+
+# How often the breakers are written and operators' requests read (seconds).
+HEALTH_INTERVAL: Final = 2.0
+
+log = structlog.get_logger("outbox.health")
+
+
+class HealthKeeper:
+    def __init__(self, shared: Shared) -> None:
+        self._shared = shared
+        self._last_action: int | None = None  # the newest request seen; None: not read yet
+
+    async def restore(self) -> None:
+        """Open the breakers another process left open lately, and note where operators'
+        requests stand (only later ones are acted on)."""
+        limits, store = self._shared.limits, self._shared.store
+        try:
+            self._last_action = await store.last_provider_action()
+            left = await store.restore_health(list(self._shared.providers))
+        except psycopg.Error as exc:
+            metrics.DB_ERRORS.labels("health").inc()
+            log.warning("could not read the providers' health", error_class=type(exc).__name__)
+            return
+        for breaker in left:
+            limits.breaker(breaker.provider).restore(
+                breaker.reason, breaker.probe_in, breaker.open_for
+            )
+
+    async def round(self) -> float:
+        """Act on new requests, then write the breakers; returns the wait before the next."""
+        store = self._shared.store
+        try:
+            await self._act()
+            snapshots = [
+                self._shared.limits.breaker(name).snapshot() for name in self._shared.providers
+            ]
+            await store.write_health(self._shared.worker, snapshots)
+        except psycopg.Error as exc:
+            metrics.DB_ERRORS.labels("health").inc()
+            log.debug("could not write the providers' health", error_class=type(exc).__name__)
+        return HEALTH_INTERVAL
+
+    async def _act(self) -> None:
+        store, limits = self._shared.store, self._shared.limits
+        if self._last_action is None:
+            self._last_action = await store.last_provider_action()
+            return
+        for request, provider, action in await store.provider_actions(self._last_action):
+            self._last_action = request
+            if provider not in self._shared.providers:
+                continue
+            breaker = limits.breaker(provider)
+            if action == "reset":
+                breaker.reset()
+            elif action == "probe":
+                breaker.probe_now()
+            log.info("operator request carried out", provider=provider, action=action)
