@@ -139,6 +139,25 @@ def reconciling_providers(
         return {row[0] for row in cur.execute(statements.RECONCILING_PROVIDERS, params)}
 
 
+def list_ids(conn: psycopg.Connection[Any], ids: list[int]) -> list[Row]:
+    """These operations as `list` shows them, oldest in their status first."""
+    return _all(conn, statements.LIST_IDS, {"ids": ids})
+
+
+def statuses_of(conn: psycopg.Connection[Any], ids: list[int]) -> dict[int, Status]:
+    """The status of each of these operations that exists."""
+    with conn.cursor() as cur:
+        found = cur.execute(statements.STATUS_OF_IDS, {"ids": ids}).fetchall()
+    return {int(i): Status.parse(s) for i, s in found}
+
+
+def retryable_ids(conn: psycopg.Connection[Any], ids: list[int]) -> set[int]:
+    """Those of these reconciling operations `retry` takes without --force: a check (or a
+    person, `resolve --no-effect`) found no effect, 30 s or more after the last attempt."""
+    with conn.cursor() as cur:
+        return {int(r[0]) for r in cur.execute(statements.RETRYABLE_IDS, {"ids": ids})}
+
+
 def find_id(conn: psycopg.Connection[Any], identity: Identity) -> int:
     rows = _all(conn, statements.FIND_BY_IDENTITY, vars(identity))
     if not rows:
@@ -167,6 +186,16 @@ def resolve(
         conn,
         statements.RESOLVE,
         {"id": operation_id, "provider_ref": provider_ref, "reason": reason, "actor": actor},
+    )
+
+
+def record_no_effect(
+    conn: psycopg.Connection[Any], operation_id: int, *, reason: str, actor: str
+) -> Status:
+    """A person found no effect at the provider: a not_found finding of theirs, audited, after
+    which `retry` needs no force (sql/0032). The operation stays reconciling."""
+    return _act(
+        conn, statements.RECORD_NO_EFFECT, {"id": operation_id, "reason": reason, "actor": actor}
     )
 
 

@@ -156,6 +156,8 @@ GRANT EXECUTE ON FUNCTION
     outbox.replay_operation(bigint, text, text),
     outbox.request_reconciliation(bigint, text, text),
     outbox.retry_operation(bigint, text, text, boolean),
+    -- `outbox reconcile resolve --no-effect` (0032).
+    outbox.record_no_effect(bigint, text, text),
     outbox.record_check(bigint, text, text, jsonb, integer, integer),
     outbox.record_finding(bigint, text, text, text, text, jsonb, integer, integer),
     outbox.touch_check(bigint),

@@ -1,5 +1,5 @@
 -- sql/schema.sql: the outbox schema as the migrations of sql/ leave it
--- (every migration up to 0031_provider_health).
+-- (every migration up to 0032_operator_finds_no_effect).
 --
 -- GENERATED FILE: DO NOT EDIT IT BY HAND. It is regenerated, after adding a migration, by
 --     python -m outbox.db.schema_dump --dsn postgresql://postgres@127.0.0.1:5432/postgres --output sql/schema.sql
@@ -1234,6 +1234,36 @@ BEGIN
 END;
 $function$;
 COMMENT ON FUNCTION outbox.record_finding(bigint,text,text,text,text,jsonb,integer,integer) IS 'A reconciliation finding with the state of the object found: found (succeeded), refused (quarantined, provider_declined), undecided or not_found (still reconciling).';
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.record_no_effect(bigint,text,text)
+-- history: created by 0032_operator_finds_no_effect
+
+CREATE OR REPLACE FUNCTION outbox.record_no_effect(operation_id bigint, reason text, actor text)
+ RETURNS text
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+DECLARE
+    op outbox.operations;
+BEGIN
+    PERFORM outbox.require_reason(actor, reason);
+    op := outbox.lock_for_action(operation_id, 'no_effect', ARRAY['reconciling']);
+    UPDATE outbox.operations o
+    SET checked_at = now(), check_finding = 'not_found', check_state = NULL,
+        check_details = jsonb_build_object('by', 'operator', 'actor', actor),
+        updated_at = now()
+    WHERE o.id = op.id;
+    PERFORM outbox.write_audit(op, actor, 'no_effect', reason, 'reconciling',
+                               jsonb_build_object('finding', 'not_found',
+                                                  'previous_finding', op.check_finding,
+                                                  'previous_state', op.check_state));
+    RETURN 'reconciling';
+END;
+$function$;
+COMMENT ON FUNCTION outbox.record_no_effect(bigint,text,text) IS 'An operator found no effect at the provider: a not_found finding by a person, audited, after which reconcile retry needs no force.';
 -- privileges: the owner's only
 
 -- =================================================================================================

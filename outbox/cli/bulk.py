@@ -10,12 +10,14 @@ reports and nothing else; the same command again takes up the rest.
 
 from __future__ import annotations
 
+import csv
+import io
 import sys
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, TypeVar
+from typing import IO, Any, Final, TypeVar
 
 import click
 import psycopg
@@ -147,6 +149,16 @@ class Outcome:
         return sum(self.became.values()) + len(self.skipped)
 
 
+@dataclass(frozen=True)
+class Only:
+    """A bulk action that applies to some of what the filters select (`reconcile retry` without
+    --force: those a check found missing): ``keep`` picks them, ``why`` says why the others are
+    left alone."""
+
+    keep: Callable[[psycopg.Connection[Any], list[int]], set[int]]
+    why: str
+
+
 def run(
     dsn: str,
     status: Status,
@@ -156,40 +168,95 @@ def run(
     action: Action,
     dry_run: bool,
     yes: bool,
+    only: Only | None = None,
+    then: str | None = None,
 ) -> None:
-    """Select, show, confirm, act; exit 3 when some had changed status before their turn."""
+    """Select, show, confirm, act; exit 3 when some had changed status before their turn.
+    ``then``: what to do next, said once the action is done."""
     with connect(dsn, autocommit=True) as conn:  # each action commits alone
         ids = operators.select_ids(conn, status, filters)
         if not ids:
             click.echo(f"no {status.value} operations match ({filters.describe()})")
             return
-        _show(conn, status, filters, ids)
-        if dry_run:
-            click.echo(
-                f"dry run: nothing changed; without --dry-run, {verb} would act on these {len(ids)}"
-            )
-            return
-        _confirm(verb, status, len(ids), yes)
-        outcome = _act_on_each(conn, dsn, ids, verb, action)
-    _report(outcome, verb, status, len(ids))
+        more = (
+            f" (the first {operators.MAX_BULK}; run again for the rest)"
+            if len(ids) >= operators.MAX_BULK
+            else ""
+        )
+        heading = f"{len(ids)} {status.value} operations match ({filters.describe()}){more}"
+        if only is not None:
+            ids = _narrow(conn, ids, only, heading, verb)
+        outcome = confirm_and_act(
+            conn,
+            dsn,
+            ids,
+            heading=heading,
+            rest=f"`outbox {_group(status)} list` with the same filters pages through them all",
+            verb=verb,
+            status=status,
+            action=action,
+            dry_run=dry_run,
+            yes=yes,
+        )
+    if outcome is not None:
+        _report(outcome, verb, status, len(ids), then)
+
+
+def _narrow(
+    conn: psycopg.Connection[Any], ids: list[int], only: Only, heading: str, verb: str
+) -> list[int]:
+    """The ids ``only`` keeps; the others are named, and left alone."""
+    kept = only.keep(conn, ids)
+    left = [i for i in ids if i not in kept]
+    if not left:
+        return ids
+    named = ", ".join(map(str, left[:PREVIEW_ROWS])) + (", ..." if len(left) > PREVIEW_ROWS else "")
+    if len(left) == len(ids):
+        raise BadInput(f"{heading}, and {verb} applies to none of them: {only.why} ({named})")
+    click.echo(f"{len(left)} of the {len(ids)} that match are left alone: {only.why} ({named})")
+    return [i for i in ids if i in kept]
+
+
+def confirm_and_act(
+    conn: psycopg.Connection[Any],
+    dsn: str,
+    ids: list[int],
+    *,
+    heading: str,
+    rest: str,
+    verb: str,
+    status: Status,
+    action: Action,
+    dry_run: bool,
+    yes: bool,
+    references: Mapping[int, str] | None = None,
+) -> Outcome | None:
+    """Show ``ids``, then (unless ``dry_run``) confirm and act on each; None for a dry run."""
+    _show(conn, heading, ids, rest, references)
+    if dry_run:
+        click.echo(
+            f"dry run: nothing changed; without --dry-run, {verb} would act on these {len(ids)}"
+        )
+        return None
+    _confirm(verb, status, len(ids), yes)
+    return _act_on_each(conn, dsn, ids, verb, action)
 
 
 def _show(
-    conn: psycopg.Connection[Any], status: Status, filters: operators.Filters, ids: list[int]
+    conn: psycopg.Connection[Any],
+    heading: str,
+    ids: list[int],
+    rest: str,
+    references: Mapping[int, str] | None,
 ) -> None:
-    more = (
-        f" (the first {operators.MAX_BULK}; run again for the rest)"
-        if len(ids) >= operators.MAX_BULK
-        else ""
-    )
-    click.echo(f"{len(ids)} {status.value} operations match ({filters.describe()}){more}:")
-    preview = operators.list_attention(conn, status, filters, limit=PREVIEW_ROWS)
-    click.echo(render_summary(preview))
+    click.echo(f"{heading}:")
+    preview = operators.list_ids(conn, ids[:PREVIEW_ROWS])
+    if references is None:
+        click.echo(render_summary(preview))
+    else:
+        click.echo(render_with_references(preview, references))
     if len(ids) > len(preview):
-        click.echo(
-            f"... and {len(ids) - len(preview)} more: `outbox {_group(status)} list` "
-            "with the same filters pages through them all"
-        )
+        click.echo(f"... and {len(ids) - len(preview)} more: {rest}")
 
 
 def _confirm(verb: str, status: Status, count: int, yes: bool) -> None:
@@ -222,9 +289,13 @@ def _act_on_each(
     return outcome
 
 
-def _report(outcome: Outcome, verb: str, status: Status, count: int) -> None:
+def _report(
+    outcome: Outcome, verb: str, status: Status, count: int, then: str | None = None
+) -> None:
     became = ", ".join(f"{n} now {s}" for s, n in sorted(outcome.became.items()))
     click.echo(f"{verb}: {sum(outcome.became.values())} of {count} ({became or 'none'})")
+    if then and outcome.became:
+        click.echo(then)
     if outcome.skipped:
         for operation_id, why in list(outcome.skipped.items())[:PREVIEW_ROWS]:
             click.echo(f"skipped {operation_id}: {printable(why)}", err=True)
@@ -258,6 +329,16 @@ def render_summary(rows: list[dict[str, Any]]) -> str:
     return render_table(list(SUMMARY_HEADERS), [_summary(r) for r in rows])
 
 
+def render_with_references(rows: list[dict[str, Any]], references: Mapping[int, str]) -> str:
+    """A resolve's preview: each operation with the reference it is about to be given."""
+    headers = ["id", "provider", "action", "reason", "age", "reference", "identity"]
+    shown = []
+    for r in rows:
+        row = _summary(r)
+        shown.append((*row[:5], printable(_short(references[r["id"]])), row[-1]))
+    return render_table(headers, shown)
+
+
 def _summary(r: dict[str, Any]) -> tuple[object, ...]:
     identity = f"{r['tenant_id']}/{r['operation_type']}/{r['operation_key']}"
     age = format_duration(timedelta(seconds=r["age_seconds"]))
@@ -281,3 +362,148 @@ def _short(text: str | None, width: int = 48) -> str:
     if not text:
         return "-"
     return text if len(text) <= width else text[: width - 1] + "…"
+
+
+# --- `reconcile resolve --refs-file`: each operation with the reference of its effect --------
+
+REFS_HEADER: Final = ("id", "reference")
+BAD_LINES_SHOWN: Final = 20
+
+
+@dataclass(frozen=True)
+class Ref:
+    """One line of a references file: the operation, and its provider's reference."""
+
+    line: int
+    operation_id: int
+    reference: str
+
+
+def read_refs(file: IO[str]) -> list[Ref]:
+    """The lines ``id,reference`` of ``file`` (CSV: quote a reference that holds a comma).
+    Blank lines, lines starting with #, and a first line ``id,reference`` are skipped; any other
+    line that is not an id and a reference, as `resolve ID --provider-ref` takes them, refuses
+    the whole file, every bad line named: nothing is resolved from a file with a mistake."""
+    name = source_of(file)
+    try:
+        text = file.read()
+    except UnicodeDecodeError as exc:
+        raise BadInput(f"{name} is not UTF-8 text (byte {exc.start})") from None
+    refs: list[Ref] = []
+    bad: list[str] = []
+    first_line: dict[int, int] = {}
+    reader = csv.reader(io.StringIO(text, newline=""), skipinitialspace=True)
+    while True:
+        try:
+            row = next(reader)
+        except StopIteration:
+            break
+        except csv.Error as exc:
+            bad.append(f"line {reader.line_num}: {exc}")
+            break
+        line = reader.line_num
+        fields = [f.strip() for f in row]
+        if not any(fields) or fields[0].startswith("#"):
+            continue
+        if not refs and not bad and tuple(f.lower() for f in fields) == REFS_HEADER:
+            continue
+        problem, ref = _ref(line, fields)
+        if problem:
+            bad.append(f"line {line}: {problem}")
+        elif ref is not None and ref.operation_id in first_line:
+            bad.append(
+                f"line {line}: operation {ref.operation_id} is on line "
+                f"{first_line[ref.operation_id]} too"
+            )
+        elif ref is not None:
+            first_line[ref.operation_id] = line
+            refs.append(ref)
+    if bad:
+        shown = "\n".join(printable(b) for b in bad[:BAD_LINES_SHOWN])
+        more = f"\n... and {len(bad) - BAD_LINES_SHOWN} more" if len(bad) > BAD_LINES_SHOWN else ""
+        raise BadInput(
+            f"{name}: {len(bad)} line(s) are not `id,reference`; nothing was resolved:\n"
+            f"{shown}{more}"
+        )
+    if not refs:
+        raise BadInput(f"{name} has no `id,reference` line")
+    if len(refs) > operators.MAX_BULK:
+        raise BadInput(f"{name} has {len(refs)} lines: at most {operators.MAX_BULK} at a time")
+    return refs
+
+
+def _ref(line: int, fields: list[str]) -> tuple[str | None, Ref | None]:
+    """A line's Ref, or what is wrong with it."""
+    if len(fields) != len(REFS_HEADER):
+        return f"{len(fields)} field(s), not 2 (id,reference)", None
+    text_id, reference = fields
+    if not (text_id.isascii() and text_id.isdigit() and len(text_id) < 20) or not (
+        0 < int(text_id) < 2**63
+    ):
+        return f"{printable(text_id)!r} is not an operation id", None
+    if not reference:
+        return "no reference: resolve needs the provider's reference of the effect", None
+    try:
+        reference = TEXT.convert(reference, None, None)
+    except click.BadParameter as exc:
+        return f"the reference {exc.format_message()}", None
+    return None, Ref(line, int(text_id), reference)
+
+
+def source_of(file: IO[str]) -> str:
+    name = getattr(file, "name", "-")
+    return "stdin" if name in ("-", "<stdin>") else printable(str(name))
+
+
+def run_refs(
+    dsn: str,
+    refs: list[Ref],
+    source: str,
+    *,
+    reason: str,
+    actor: str,
+    dry_run: bool,
+    yes: bool,
+) -> None:
+    """Resolve each operation of ``refs`` with its reference, as `resolve ID --provider-ref`
+    does, one transaction and audit row each; only once every one of them is reconciling."""
+    references = {r.operation_id: r.reference for r in refs}
+    ids = list(references)
+    with connect(dsn, autocommit=True) as conn:
+        found = operators.statuses_of(conn, ids)
+        wrong = [
+            f"line {r.line}: no operation {r.operation_id}"
+            if r.operation_id not in found
+            else f"line {r.line}: operation {r.operation_id} is {found[r.operation_id].value}, "
+            "not reconciling"
+            for r in refs
+            if found.get(r.operation_id) is not Status.RECONCILING
+        ]
+        if wrong:
+            shown = "\n".join(wrong[:BAD_LINES_SHOWN])
+            more = (
+                f"\n... and {len(wrong) - BAD_LINES_SHOWN} more"
+                if len(wrong) > BAD_LINES_SHOWN
+                else ""
+            )
+            raise BadInput(
+                f"{source}: {len(wrong)} operation(s) are not reconciling; nothing was "
+                f"resolved:\n{shown}{more}"
+            )
+        outcome = confirm_and_act(
+            conn,
+            dsn,
+            ids,
+            heading=f"{len(ids)} reconciling operations to resolve with the references of {source}",
+            rest=f"{source} names them all",
+            verb="resolve",
+            status=Status.RECONCILING,
+            action=lambda c, i: operators.resolve(
+                c, i, provider_ref=references[i], reason=reason, actor=actor
+            ),
+            dry_run=dry_run,
+            yes=yes,
+            references=references,
+        )
+    if outcome is not None:
+        _report(outcome, "resolve", Status.RECONCILING, len(ids))

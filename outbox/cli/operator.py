@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import IO, Any, Final, TypeVar
 
 import click
 
@@ -146,39 +146,123 @@ def build_group(name: str, status: Status) -> click.Group:
 def add_reconcile_actions(group: click.Group) -> None:
     @group.command()
     @dsn_option
-    @click.argument("operation_id", type=int)
+    @click.argument("operation_id", type=int, required=False)
+    @click.option("--provider-ref", type=TEXT, help="The provider's id of the effect (with an ID).")
     @click.option(
-        "--provider-ref", type=TEXT, required=True, help="The provider's id of the effect."
+        "--refs-file",
+        type=click.File("r", encoding="utf-8"),
+        help="Lines `id,reference` (CSV; '-': stdin): each operation with its effect's id.",
+    )
+    @click.option(
+        "--no-effect",
+        is_flag=True,
+        help="You found no effect at the provider: recorded as a not_found finding, so that "
+        "`retry` needs no --force.",
     )
     @_reason_option
     @actor_option
-    def resolve(dsn: str, operation_id: int, provider_ref: str, reason: str, actor: str) -> None:
-        """Mark succeeded: the effect exists at the provider under PROVIDER_REF."""
-        _run_action(
-            dsn,
-            operation_id,
-            lambda conn: operators.resolve(
-                conn, operation_id, provider_ref=provider_ref, reason=reason, actor=actor
-            ),
-        )
+    @bulk.bulk_options
+    def resolve(
+        dsn: str,
+        operation_id: int | None,
+        provider_ref: str | None,
+        refs_file: IO[str] | None,
+        no_effect: bool,
+        reason: str,
+        actor: str,
+        **selection: Any,
+    ) -> None:
+        """Settle what a person found at the provider: the effect exists (succeeded), or not.
+
+        --provider-ref REF: operation ID succeeded with the effect REF. --refs-file F: each
+        operation of F's lines `id,reference` succeeded with its reference, once every line is
+        well formed and every operation reconciling. --no-effect: there is none (ID, or a
+        selection): the operation stays reconciling with a not_found finding of yours; then
+        `reconcile retry` sends it again under a new key, or `reconcile cancel` gives it up.
+        """
+        filters = bulk.filters_of(selection)
+        selected = filters.given() or selection["select_all"]
+        ways = (provider_ref is not None) + (refs_file is not None) + no_effect
+        if ways != 1:
+            raise click.UsageError(
+                "give one of --provider-ref REF (with an ID: the effect exists), --refs-file F "
+                "(several, each with its reference) or --no-effect (there is none)"
+            )
+        if refs_file is not None:
+            if operation_id is not None or selected:
+                raise click.UsageError("--refs-file names its operations: no ID or filters")
+            refs = bulk.read_refs(refs_file)
+            bulk.run_refs(
+                dsn,
+                refs,
+                bulk.source_of(refs_file),
+                reason=reason,
+                actor=actor,
+                dry_run=selection["dry_run"],
+                yes=selection["yes"],
+            )
+        elif provider_ref is not None:
+            if operation_id is None or selected or selection["dry_run"]:
+                raise click.UsageError(
+                    "--provider-ref is the effect of one operation: give its ID, no filters "
+                    "(for several, --refs-file)"
+                )
+            _run_action(
+                dsn,
+                operation_id,
+                lambda conn: operators.resolve(
+                    conn, operation_id, provider_ref=provider_ref, reason=reason, actor=actor
+                ),
+            )
+        else:
+            _one_or_many(
+                dsn,
+                Status.RECONCILING,
+                operation_id,
+                selection,
+                "record no effect",
+                lambda conn, i: operators.record_no_effect(conn, i, reason=reason, actor=actor),
+                then=NO_EFFECT_THEN,
+            )
 
     @group.command()
     @dsn_option
-    @click.argument("operation_id", type=int)
+    @click.argument("operation_id", type=int, required=False)
     @_reason_option
     @actor_option
     @click.option(
         "--force", is_flag=True, help="Retry even though no check found the effect missing."
     )
-    def retry(dsn: str, operation_id: int, reason: str, actor: str, force: bool) -> None:
-        """Send again under a new key generation (a new request to the provider)."""
-        _run_action(
+    @bulk.bulk_options
+    def retry(
+        dsn: str, operation_id: int | None, reason: str, actor: str, force: bool, **selection: Any
+    ) -> None:
+        """Send again under a new key generation (a new request to the provider): one by ID, or
+        those the filters select. Without --force, only those a check (or `resolve --no-effect`)
+        found missing; a selection leaves the others alone and names them."""
+        _one_or_many(
             dsn,
+            Status.RECONCILING,
             operation_id,
-            lambda conn: operators.retry(
-                conn, operation_id, reason=reason, actor=actor, force=force
-            ),
+            selection,
+            "retry",
+            lambda conn, i: operators.retry(conn, i, reason=reason, actor=actor, force=force),
+            only=None if force else RETRY_ONLY,
         )
+
+
+# What `reconcile resolve --no-effect` leads to.
+NO_EFFECT_THEN: Final = (
+    "no effect recorded: `outbox reconcile retry` with the same ID or selection now sends again "
+    "under a new key, without --force; `outbox reconcile cancel` gives up"
+)
+# `reconcile retry` of a selection, without --force: what a check found missing.
+RETRY_ONLY: Final = bulk.Only(
+    operators.retryable_ids,
+    "no check found their effect missing, 30 s or more after their last attempt: "
+    "`outbox reconcile check` them, or `reconcile resolve --no-effect` once you looked, "
+    "or retry with --force",
+)
 
 
 def add_reconcile_check(group: click.Group) -> None:
@@ -365,6 +449,9 @@ def _one_or_many(
     selection: dict[str, Any],
     verb: str,
     action: bulk.Action,
+    *,
+    only: bulk.Only | None = None,
+    then: str | None = None,
 ) -> None:
     """One operation by id (as before bulk actions existed), or a confirmed selection."""
     filters = bulk.filters_of(selection)
@@ -378,11 +465,15 @@ def _one_or_many(
             action=action,
             dry_run=selection["dry_run"],
             yes=selection["yes"],
+            only=only,
+            then=then,
         )
         return
     if selection["dry_run"]:
         raise click.UsageError("--dry-run goes with a selection; `show ID` shows one operation")
     _run_action(dsn, operation_id, lambda conn: action(conn, operation_id))
+    if then:
+        click.echo(then)
 
 
 @click.command("cancel")

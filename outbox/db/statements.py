@@ -753,6 +753,17 @@ SELECT id, tenant_id, operation_type, operation_key, provider, action, status_re
 # the action touches exactly what the person saw counted (operations that match later do not).
 SELECT_ATTENTION_IDS: Final = "SELECT id" + _ATTENTION_WHERE
 
+# The first rows of what a bulk action is about to act on, as `list` shows them (its preview).
+LIST_IDS: Final = """
+SELECT id, tenant_id, operation_type, operation_key, provider, action, status_reason, attempts,
+       last_error_class, last_error, status_changed_at,
+       extract(epoch FROM now() - status_changed_at)::float8 AS age_seconds,
+       checked_at, check_finding, check_state
+FROM outbox.operations
+WHERE id = ANY (%(ids)s::bigint[])
+ORDER BY status_changed_at, id
+"""
+
 # One operation, everything but the payload (shown only when asked for, as its stored JSON text:
 # decoding it here would turn exact numbers into floats, and fail on a row no one can decode).
 SHOW_OPERATION: Final = """
@@ -799,6 +810,23 @@ REQUEST_RECONCILIATION: Final = (
     "SELECT outbox.request_reconciliation(%(id)s, %(reason)s, %(actor)s)"
 )
 RETRY: Final = "SELECT outbox.retry_operation(%(id)s, %(reason)s, %(actor)s, %(force)s)"
+# `reconcile resolve --no-effect`: a person found no effect at the provider; recorded as a
+# not_found finding with their reason, so that retry needs no force (sql/0032).
+# Relies on: outbox.record_no_effect().
+RECORD_NO_EFFECT: Final = "SELECT outbox.record_no_effect(%(id)s, %(reason)s, %(actor)s)"
+# Of these reconciling operations, those `reconcile retry` takes without --force: a not_found
+# finding taken 30 s or more after the last attempt, as retry_operation (sql/0009) requires; the
+# function itself still decides, row by row, under its lock.
+RETRYABLE_IDS: Final = """
+SELECT id FROM outbox.operations
+WHERE id = ANY (%(ids)s::bigint[]) AND status = 'reconciling' AND check_finding = 'not_found'
+  AND NOT coalesce(checked_at < last_attempt_at + interval '30 seconds', false)
+"""
+# The status of each of these operations (`reconcile resolve --refs-file`: every line's
+# operation must be reconciling before any is resolved).
+STATUS_OF_IDS: Final = """
+SELECT id, status FROM outbox.operations WHERE id = ANY (%(ids)s::bigint[])
+"""
 # A finding with the found object's state: found, refused, undecided or not_found (sql/0021).
 # Returns the operation's status after it, or 'stale' if it moved on since the check was taken.
 RECORD_FINDING: Final = """

@@ -227,6 +227,7 @@ def test_every_function_is_pinned_and_executable_only_by_its_roles(roles_db: str
         "outbox.replay_operation(bigint,text,text)": (True, ["outbox_operator"]),
         "outbox.request_reconciliation(bigint,text,text)": (True, ["outbox_operator"]),
         "outbox.retry_operation(bigint,text,text,boolean)": (True, ["outbox_operator"]),
+        "outbox.record_no_effect(bigint,text,text)": (True, ["outbox_operator"]),
         "outbox.record_check(bigint,text,text,jsonb,integer,integer)": (
             True,
             dispatcher_and_operator,

@@ -651,6 +651,53 @@ MUTANTS: tuple[Mutant, ...] = (
         "tests/integration/test_reconcile_without_config.py",
         "tests/unit/test_registry.py",
     ),
+    # --- bulk everywhere (issue 37): reconcile resolve and retry in bulk ----------------------
+    _one(
+        "bulk-ignores-dry-run",
+        "a bulk action's --dry-run acts (bulk retry resends what the person only meant to count)",
+        "outbox/cli/bulk.py",
+        "    if dry_run:\n",
+        "    if False:\n",
+        "tests/integration/test_bulk_reconcile.py::"
+        "test_no_effect_then_retry_act_on_exactly_the_selection_after_a_dry_run_and_with_yes",
+    ),
+    _one(
+        "bulk-retry-takes-unchecked",
+        "a bulk retry without --force takes operations no check found missing: each one refused, "
+        "reported as changed meanwhile, instead of left alone and named",
+        "outbox/cli/bulk.py",
+        "            ids = _narrow(conn, ids, only, heading, verb)\n",
+        "            pass\n",
+        "tests/integration/test_bulk_reconcile.py::"
+        "test_a_retry_without_force_takes_only_what_was_found_missing_and_names_the_rest",
+    ),
+    _one(
+        "refs-file-resolves-around-a-bad-line",
+        "a references file with a malformed line still resolves its good lines",
+        "outbox/cli/bulk.py",
+        "    if bad:\n",
+        "    if False:\n",
+        "tests/integration/test_bulk_reconcile.py::"
+        "test_a_file_with_a_bad_line_resolves_nothing_and_names_every_bad_line",
+    ),
+    _one(
+        "refs-file-resolves-before-checking-every-status",
+        "a references file naming an operation that is not reconciling still resolves the others",
+        "outbox/cli/bulk.py",
+        "        if wrong:\n",
+        "        if False:\n",
+        "tests/integration/test_bulk_reconcile.py::"
+        "test_a_file_with_a_bad_line_resolves_nothing_and_names_every_bad_line",
+    ),
+    _one(
+        "no-effect-records-no-finding",
+        "`resolve --no-effect` records no not_found finding: retry still needs --force",
+        "sql/0032_operator_finds_no_effect.sql",
+        "    SET checked_at = now(), check_finding = 'not_found', check_state = NULL,",
+        "    SET checked_at = now(), check_finding = 'undecided', check_state = NULL,",
+        "tests/integration/test_bulk_reconcile.py::"
+        "test_one_operation_found_without_effect_is_retried_without_force",
+    ),
     # --- one cause, one status (issue 37): in doubt goes to reconciliation ----------------------
     _one(
         "exhausted-unknown-quarantined",
