@@ -40,6 +40,7 @@ STATEMENTS = "outbox/db/statements.py"
 PIPELINE = "outbox/dispatch/pipeline.py"
 RECORDER = "outbox/dispatch/recorder.py"
 POLICY = "outbox/policy.py"
+ISOLATION_TESTS = "tests/integration/test_provider_isolation.py"
 # The newest definitions of outbox.enqueue and outbox.check_text.
 ENQUEUE = "sql/0028_identities_refuse_format_characters.sql"
 # The queue providers' tests against the real brokers (and moto, the Cloud Tasks emulator).
@@ -602,6 +603,37 @@ MUTANTS: tuple[Mutant, ...] = (
         "    if False:\n",
         "tests/unit/test_policy.py",
         "tests/integration/test_dispatch.py::test_a_permanent_answer_quarantines_after_one_attempt",
+    ),
+    # --- provider health: a sick provider is not sick operations (issue 37) -------------------
+    _one(
+        "breaker-lone-failure-counts",
+        "an operation that fails alone while its neighbours succeed weighs on its provider's "
+        "breaker, and a few such operations close the provider to every other",
+        "outbox/provider_limits.py",
+        "        if earlier is None or earlier == self._successes:\n            return True",
+        "        if True:\n            return True",
+        "tests/unit/test_provider_limits.py",
+        ISOLATION_TESTS
+        + "::test_operations_that_fail_alone_spend_their_own_attempts_and_the_rest_is_delivered",
+    ),
+    _one(
+        "probe-picks-failed-row",
+        "a half-open breaker's probe is an operation that just failed, so a payload that fails "
+        "alone is every probe and the provider stays shut",
+        STATEMENTS,
+        "        ORDER BY near.failed, CASE",
+        "        ORDER BY NOT near.failed, CASE",
+        ISOLATION_TESTS + "::test_the_probe_is_an_operation_that_has_not_failed",
+        ISOLATION_TESTS + "::test_probes_go_round_the_tenants_and_take_failed_operations_last",
+    ),
+    _one(
+        "breaker-forgotten-on-restart",
+        "a dispatcher restarting in a crash loop forgets that its provider is down and sends it "
+        "a burst each time",
+        "outbox/dispatch/health.py",
+        "        for breaker in left:",
+        "        for breaker in left[:0]:",
+        "tests/integration/test_provider_health.py",
     ),
     # --- wake-ups (sql/0029) --------------------------------------------------------------
     _one(
