@@ -121,6 +121,11 @@ class Dispatcher:
         self.claims.listening = value
 
     @property
+    def limits(self) -> Limits:
+        """Each provider's breaker and limits in this process."""
+        return self._shared.limits
+
+    @property
     def rules(self) -> ProviderRules:
         """Each provider's key window and call limit (the gauges read the windows too)."""
         return self._shared.rules

@@ -281,7 +281,8 @@ class Breaker:
         """Start open, as another process of this provider left it (a restart in a crash loop
         must not forget a provider that is down and send a burst at it)."""
         self._open_for = min(max(open_for, self._base), self._longest)
-        self._open_until = self._clock() + max(0.0, probe_in)
+        # Never longer than this process would wait on its own.
+        self._open_until = self._clock() + min(max(0.0, probe_in), self._longest)
         self.reason = reason or REASON_FAILURES
         self._enter(State.OPEN)
         log.warning(

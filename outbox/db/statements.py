@@ -244,8 +244,14 @@ DELETE FROM outbox.provider_health WHERE updated_at < now() - interval '1 day'
 # a provider that is down.
 RESTORE_HEALTH: Final = """
 SELECT n.provider, n.reason,
-       extract(epoch FROM greatest(n.next_probe_at - now(), interval '0'))::float8 AS probe_in,
-       extract(epoch FROM coalesce(n.open_for, interval '0'))::float8 AS open_for
+       -- Bounded: a row written to keep a provider shut for ever (any dispatcher login may
+       -- write this table) holds it for an hour at most, and only if no one resets it.
+       extract(epoch FROM CASE WHEN isfinite(n.next_probe_at)
+                               THEN least(greatest(n.next_probe_at - now(), interval '0'),
+                                          interval '1 hour')
+                               ELSE interval '0' END)::float8 AS probe_in,
+       extract(epoch FROM least(greatest(coalesce(n.open_for, interval '0'), interval '0'),
+                                interval '1 hour'))::float8 AS open_for
 FROM (SELECT DISTINCT ON (h.provider) h.*
       FROM outbox.provider_health h
       WHERE h.provider = ANY (%(providers)s::text[])

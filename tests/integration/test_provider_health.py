@@ -18,7 +18,7 @@ from typing import Any
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
-from outbox.config import ProviderLimits
+from outbox.config import BREAKER_OPEN_MAX, ProviderLimits
 from outbox.dispatcher import Dispatcher
 from outbox.providers.base import Provider
 from outbox.testing.webhook import FakeWebhookReceiver, WebhookFault
@@ -163,6 +163,27 @@ async def test_a_breaker_another_process_left_open_stays_open_and_a_reset_since_
     assert reset.returncode == 0, reset.stderr
     d = dispatcher(pool, {"hook": hook}, worker="w3")
     await run_while(d, lambda: statuses(db_url) == {"succeeded": 5}, within=10)
+
+
+async def test_a_row_written_to_keep_a_provider_shut_holds_it_no_longer_than_its_own_breaker(
+    db_url: str, pool: AsyncConnectionPool[Any], hook: Provider
+) -> None:
+    """Any dispatcher login may write outbox.provider_health: a row that says "probe in a
+    thousand years" (or never) must not shut the provider for every replica that starts."""
+    for worker, never in (("far", False), ("never", True)):
+        with psycopg.connect(db_url) as conn:
+            conn.execute("DELETE FROM outbox.provider_health")
+            conn.execute(
+                "INSERT INTO outbox.provider_health (provider, worker, state, reason, "
+                "next_probe_at, open_for) VALUES ('hook', %s, 'open', 'failures', "
+                "CASE WHEN %s THEN 'infinity' ELSE now() + interval '1000 years' END, "
+                "interval '1000 years')",
+                (worker, never),
+            )
+        d = dispatcher(pool, {"hook": hook}, worker="w")
+        await d.health.restore()
+        probe_in = d.limits.breaker("hook").next_probe_in()
+        assert probe_in is not None and probe_in <= BREAKER_OPEN_MAX.total_seconds(), worker
 
 
 def closed_port() -> int:

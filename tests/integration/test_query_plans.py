@@ -106,6 +106,20 @@ def test_the_one_group_claim_reads_the_claim_index(big_db: str) -> None:
     assert (nodes[0]["Actual Rows"],) == pending  # one group's: every pending row
 
 
+PROBE_PARAMS: dict[str, Any] = {
+    "worker": "w",
+    "provider": "hook",
+    "lease": timedelta(seconds=30),
+    "after_tenant": "",
+}
+
+
+def test_the_probe_claim_reads_the_claim_index(big_db: str) -> None:
+    nodes = plan_nodes(big_db, statements.CLAIM_PROBE, PROBE_PARAMS, analyze=True)
+    assert_reads_only_the_claim_index(nodes)
+    assert nodes[0]["Actual Rows"] == 1  # one probe
+
+
 def test_the_rescue_reads_the_lease_index(big_db: str) -> None:
     scans = scans_of_operations(
         plan_nodes(big_db, statements.RESCUE, {"limit": 500, "max_attempts": 10})
@@ -194,6 +208,7 @@ def _one_record() -> dict[str, Any]:
 DISPATCHER_STATEMENTS: dict[str, tuple[LiteralString, dict[str, Any]]] = {
     "CLAIM": (statements.CLAIM, CLAIM_PARAMS),
     "CLAIM_ONE_GROUP": (statements.CLAIM_ONE_GROUP, CLAIM_PARAMS),
+    "CLAIM_PROBE": (statements.CLAIM_PROBE, PROBE_PARAMS),
     "RECORD_MANY": (statements.RECORD_MANY, {"batch": Jsonb([_one_record()]), "worker": "w"}),
     "UNCLAIM": (
         statements.UNCLAIM,

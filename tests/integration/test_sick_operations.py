@@ -204,9 +204,7 @@ def test_a_provider_failing_everything_opens_the_breaker_and_spends_almost_nothi
         receiver.inject(WebhookFault.status(500), key=w.keys[op], times=1000)
     said = f"seed {w.seed}, {mode}"
     with run(db_url, tmp_path, target) as process:
-        wait_until(
-            lambda: bool(process.events("provider breaker opened")), timeout=20, what=said
-        )
+        wait_until(lambda: bool(process.events("provider breaker opened")), timeout=20, what=said)
         time.sleep(WATCH)
         opened = process.events("provider breaker opened")
         probes = len(process.events("provider breaker half-open"))
