@@ -114,6 +114,35 @@ def list_attention(
     return _all(conn, statements.LIST_ATTENTION, params)
 
 
+def list_pending_failed(
+    conn: psycopg.Connection[Any],
+    filters: Filters = Filters(),
+    *,
+    after: Cursor | None = None,
+    limit: int = 100,
+) -> list[Row]:
+    """Pending operations whose last attempt failed, oldest in the status first, from
+    ``after``; ``error`` is the last attempt's error class."""
+    params = {
+        "status": Status.PENDING.value,
+        **filters.params(),
+        "limit": limit,
+        "after_at": after.at if after else None,
+        "after_id": after.id if after else None,
+    }
+    return _all(conn, statements.LIST_PENDING_FAILED, params)
+
+
+def pending_failed_by_provider(
+    conn: psycopg.Connection[Any], *, count_limit: int, provider_limit: int
+) -> list[Row]:
+    """Per provider (at most ``provider_limit``), its pending operations whose last attempt
+    failed, by that attempt's error class: (provider, error, pending) rows, most first, of at
+    most ``count_limit`` (the oldest) per provider."""
+    params = {"count_limit": count_limit, "provider_limit": provider_limit}
+    return _all(conn, statements.PENDING_FAILED_BY_PROVIDER, params)
+
+
 def select_ids(
     conn: psycopg.Connection[Any], status: Status, filters: Filters, limit: int = MAX_BULK
 ) -> list[int]:

@@ -1,5 +1,5 @@
 -- sql/schema.sql: the outbox schema as the migrations of sql/ leave it
--- (every migration up to 0032_operator_finds_no_effect).
+-- (every migration up to 0033_pending_failures).
 --
 -- GENERATED FILE: DO NOT EDIT IT BY HAND. It is regenerated, after adding a migration, by
 --     python -m outbox.db.schema_dump --dsn postgresql://postgres@127.0.0.1:5432/postgres --output sql/schema.sql
@@ -139,7 +139,7 @@ COMMENT ON TABLE outbox.limits IS 'Limits only the schema owner may change: max_
 --     0010_immutable_operations, 0012_wake_only_idle_dispatchers, 0014_fair_claims,
 --     0015_ordering_keys, 0018_operations_fillfactor, 0019_limits_schedule_and_key_locks,
 --     0021_findings_carry_the_state, 0023_lookups_say_what_they_searched,
---     0024_keys_name_one_operation
+--     0024_keys_name_one_operation, 0033_pending_failures
 
 CREATE TABLE outbox.operations (
     id                  bigint NOT NULL GENERATED ALWAYS AS IDENTITY,
@@ -208,6 +208,7 @@ CREATE INDEX operations_claim_group ON outbox.operations USING btree (provider, 
 CREATE INDEX operations_lease ON outbox.operations USING btree (lease_expires_at) WHERE (status = 'in_flight'::text);
 CREATE INDEX operations_ordering_blocked ON outbox.operations USING btree (tenant_id, ordering_key, id) WHERE ordering_blocked;
 CREATE INDEX operations_ordering_heads ON outbox.operations USING btree (tenant_id, ordering_key) WHERE ((ordering_key IS NOT NULL) AND (NOT ordering_blocked) AND (status = ANY (ARRAY['pending'::text, 'in_flight'::text, 'quarantined'::text, 'reconciling'::text])));
+CREATE INDEX operations_pending_failed ON outbox.operations USING btree (provider, status_changed_at, id) WHERE ((status = 'pending'::text) AND (last_error_class IS NOT NULL));
 CREATE UNIQUE INDEX operations_provider_key ON outbox.operations USING btree (provider, idempotency_key) WHERE (NOT key_shared);
 CREATE INDEX operations_scheduled ON outbox.operations USING btree (available_at, id) INCLUDE (provider, first_sent_at, ordering_blocked) WHERE scheduled;
 CREATE TRIGGER operations_cancel_when_attempt_ends BEFORE UPDATE OF status ON outbox.operations FOR EACH ROW WHEN (((old.status = 'in_flight'::text) AND (old.cancel_requested_at IS NOT NULL) AND (new.status <> 'in_flight'::text))) EXECUTE FUNCTION outbox.cancel_when_attempt_ends();

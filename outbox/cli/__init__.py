@@ -2,8 +2,9 @@
 
 This module holds the group (``main``, the console script) and the commands of one screen each;
 the others live beside it: ``status``, ``operator`` (reconcile, quarantine, cancel), ``bulk`` (the
-same action on every operation a set of filters selects) and ``ordering``. ``common`` holds what
-they share, the exit codes among it. Only this package imports click.
+same action on every operation a set of filters selects), ``pending`` (the failing pending
+operations) and ``ordering``. ``common`` holds what they share, the exit codes among it. Only
+this package imports click.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from outbox import (
     prune,
 )
 from outbox import demo as demo_module
-from outbox.cli import operator, ordering, providers, status
+from outbox.cli import operator, ordering, pending, providers, status
 from outbox.cli.common import (
     TEXT,
     BadInput,
@@ -330,6 +331,7 @@ main.add_command(status.status)
 main.add_command(operator.cancel)
 main.add_command(operator.reconcile)
 main.add_command(operator.quarantine)
+main.add_command(pending.pending)
 main.add_command(ordering.ordering)
 main.add_command(providers.providers)
 

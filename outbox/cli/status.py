@@ -12,7 +12,7 @@ import click
 import psycopg
 from psycopg.rows import dict_row
 
-from outbox import gauges
+from outbox import gauges, operators
 from outbox.cli.common import BadInput, config_option, connect, dsn_option, json_option
 from outbox.config import ConfigError, load_settings
 from outbox.db import statements
@@ -23,6 +23,12 @@ from outbox.text_tables import render_table
 
 PROVIDER_LIMIT: Final = 200  # providers shown; more names than this is a producer's bug
 COUNT_LIMIT: Final = 10_000  # each provider's count stops here ("10000+")
+# The failing pending operations (a last attempt that failed), by provider and error: of each
+# provider at most the oldest FAILING_LIMIT are read ("1000+"), each with a probe of its last
+# attempt; of FAILING_PROVIDERS providers at most; the TOP_ERRORS commonest errors named.
+FAILING_LIMIT: Final = 1_000
+FAILING_PROVIDERS: Final = 50
+TOP_ERRORS: Final = 3
 
 
 @click.command()
@@ -31,8 +37,9 @@ COUNT_LIMIT: Final = 10_000  # each provider's count stops here ("10000+")
 @json_option
 def status(dsn: str, config_path: Path | None, as_json: bool) -> None:
     """Operations per status, the age of the oldest pending operation that is due, the due ones
-    per provider (those no configured provider takes, and when they are quarantined), and the
-    operations waiting for their ordering key's turn, by what they wait behind."""
+    per provider (those no configured provider takes, and when they are quarantined), the
+    pending ones whose last attempt failed per provider and error, and the operations waiting
+    for their ordering key's turn, by what they wait behind."""
     configured = _configured(config_path)
     # The gauges' query and the skip scans: partial indexes only, fast at ten million rows.
     with connect(dsn) as conn:
@@ -43,6 +50,7 @@ def status(dsn: str, config_path: Path | None, as_json: bool) -> None:
         ).fetchone()
         blocked = cur.execute(statements.ORDERING_BLOCKED).fetchall()
         providers = _pending_by_provider(conn, configured)
+        failing = _failing_by_provider(conn)
     assert row is not None  # noqa: S101 (a SELECT of scalars returns one row)
     truncated, providers = len(providers) > PROVIDER_LIMIT, providers[:PROVIDER_LIMIT]
     if truncated:  # on stderr, so that the table (or the JSON) stays whole for scripts
@@ -61,6 +69,7 @@ def status(dsn: str, config_path: Path | None, as_json: bool) -> None:
                     "oldest_due_pending_age_seconds": oldest,
                     "due_by_provider": providers,
                     "due_by_provider_truncated": truncated,
+                    "failing_by_provider": failing,
                     "ordering_blocked": [dict(b) for b in blocked],
                 },
                 default=str,
@@ -80,6 +89,17 @@ def status(dsn: str, config_path: Path | None, as_json: bool) -> None:
             render_table(
                 ["provider", "due", "note"],
                 [(p["provider"], _count(p), _note(p, config_path)) for p in providers],
+            )
+        )
+    if failing:
+        click.echo(
+            "\npending after a failed attempt "
+            "(`outbox pending list --provider P --error E` lists them):"
+        )
+        click.echo(
+            render_table(
+                ["provider", "pending", "last errors"],
+                [(f["provider"], _failing_count(f), _errors(f)) for f in failing],
             )
         )
     if blocked:
@@ -115,6 +135,37 @@ def _pending_by_provider(
         if p["configured"] is not False:  # only an unconfigured provider's rows are quarantined
             p["quarantined_from"] = p["quarantine_due"] = None
     return found
+
+
+def _failing_by_provider(conn: psycopg.Connection[Any]) -> list[dict[str, Any]]:
+    """Per provider, its pending operations whose last attempt failed, with their count by
+    that attempt's error class, commonest first."""
+    found = operators.pending_failed_by_provider(
+        conn, count_limit=FAILING_LIMIT, provider_limit=FAILING_PROVIDERS
+    )
+    by_provider: dict[str, dict[str, Any]] = {}
+    for r in found:
+        p = by_provider.setdefault(
+            r["provider"], {"provider": r["provider"], "pending": 0, "by_error": []}
+        )
+        p["pending"] += r["pending"]
+        p["by_error"].append({"error": r["error"], "pending": r["pending"]})
+    for p in by_provider.values():
+        p["pending_is_lower_bound"] = p["pending"] >= FAILING_LIMIT
+    return list(by_provider.values())
+
+
+def _failing_count(f: dict[str, Any]) -> str:
+    return f"{f['pending']}+" if f["pending_is_lower_bound"] else str(f["pending"])
+
+
+def _errors(f: dict[str, Any]) -> str:
+    named = [f"{e['error'] or '-'} {e['pending']}" for e in f["by_error"][:TOP_ERRORS]]
+    others = sum(e["pending"] for e in f["by_error"][TOP_ERRORS:])
+    if others:
+        named.append(f"other {others}")
+    of_oldest = f" (of the oldest {FAILING_LIMIT})" if f["pending_is_lower_bound"] else ""
+    return ", ".join(named) + of_oldest
 
 
 def _count(p: dict[str, Any]) -> str:

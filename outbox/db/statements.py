@@ -726,9 +726,7 @@ RETURNING o.id
 # The filters are those of `list` and of the bulk actions (outbox/operators.py, Filters); NULL
 # means "any". Paged by keyset on (status_changed_at, id): a page stays right while earlier rows
 # leave the status, as they do while someone replays them.
-_ATTENTION_WHERE: Final = """
-FROM outbox.operations o
-WHERE status = %(status)s::text
+_FILTERS: Final = """
   AND (%(provider)s::text IS NULL OR provider = %(provider)s::text)
   AND (%(reason)s::text IS NULL OR status_reason = %(reason)s::text)
   -- --error: the last attempt's error class (unknown_provider, http_422, ...), what `show` prints
@@ -744,6 +742,12 @@ WHERE status = %(status)s::text
 ORDER BY status_changed_at, id
 LIMIT %(limit)s::integer
 """
+_ATTENTION_WHERE: Final = (
+    """
+FROM outbox.operations o
+WHERE status = %(status)s::text"""
+    + _FILTERS
+)
 
 LIST_ATTENTION: Final = (
     """
@@ -758,6 +762,25 @@ SELECT id, tenant_id, operation_type, operation_key, provider, action, status_re
 # The ids a bulk action acts on: taken once, shown, confirmed, then acted on one by one, so that
 # the action touches exactly what the person saw counted (operations that match later do not).
 SELECT_ATTENTION_IDS: Final = "SELECT id" + _ATTENTION_WHERE
+
+# `outbox pending list`: the pending operations whose last attempt failed (retrying: waiting out
+# a backoff, or their provider's breaker), oldest in the status first, with the filters of `list`
+# (--error: the last attempt's error class, `error` here). Served by the partial index
+# operations_pending_failed (sql/0033), which holds those rows only: never a read of every
+# pending row.
+LIST_PENDING_FAILED: Final = (
+    """
+SELECT id, tenant_id, operation_type, operation_key, provider, action, attempts, attempt_base,
+       max_attempts, last_error_class, last_error, status_changed_at, scheduled,
+       ordering_blocked,
+       extract(epoch FROM now() - status_changed_at)::float8 AS age_seconds,
+       greatest(extract(epoch FROM available_at - now()), 0)::float8 AS due_in_seconds,
+       (SELECT a.error_class FROM outbox.attempts a WHERE a.operation_id = o.id
+        ORDER BY a.attempt DESC LIMIT 1) AS error
+FROM outbox.operations o
+WHERE status = 'pending' AND last_error_class IS NOT NULL"""
+    + _FILTERS
+)
 
 # The first rows of what a bulk action is about to act on, as `list` shows them (its preview).
 LIST_IDS: Final = """
@@ -1101,6 +1124,38 @@ CROSS JOIN LATERAL (
 ) AS c
 WHERE n.provider IS NOT NULL
 LIMIT %(provider_limit)s::integer
+"""
+
+# `outbox status`: per provider, the pending operations whose last attempt failed, by that
+# attempt's error class (what `pending list --error` takes): "50 pending with http_500". A skip
+# scan of the partial index operations_pending_failed (sql/0033: one probe per provider), at most
+# %(count_limit)s of each provider's rows (the oldest), each with one probe of the attempts'
+# primary key: bounded whatever the table's size.
+PENDING_FAILED_BY_PROVIDER: Final = """
+WITH RECURSIVE names (provider) AS (
+    (SELECT provider FROM outbox.operations
+     WHERE status = 'pending' AND last_error_class IS NOT NULL
+     ORDER BY provider LIMIT 1)
+    UNION ALL
+    SELECT (SELECT o.provider FROM outbox.operations o
+            WHERE o.status = 'pending' AND o.last_error_class IS NOT NULL
+              AND o.provider > n.provider
+            ORDER BY o.provider LIMIT 1)
+    FROM names n WHERE n.provider IS NOT NULL
+)
+SELECT n.provider, e.error, count(*) AS pending
+FROM (SELECT provider FROM names WHERE provider IS NOT NULL
+      LIMIT %(provider_limit)s::integer) AS n
+CROSS JOIN LATERAL (
+    SELECT (SELECT a.error_class FROM outbox.attempts a WHERE a.operation_id = o.id
+            ORDER BY a.attempt DESC LIMIT 1) AS error
+    FROM outbox.operations o
+    WHERE o.status = 'pending' AND o.last_error_class IS NOT NULL AND o.provider = n.provider
+    ORDER BY o.status_changed_at, o.id
+    LIMIT %(count_limit)s::integer
+) AS e
+GROUP BY n.provider, e.error
+ORDER BY n.provider, count(*) DESC, e.error
 """
 
 # Per provider: pending operations whose key window closes within the hour, so they will go to

@@ -18,6 +18,7 @@ import pytest
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
+from outbox import operators
 from outbox.db import connect, statements
 from outbox.db.store import claim_params
 from tests.support.dispatch import enqueue_many
@@ -251,3 +252,28 @@ def test_the_generic_plan_does_the_work_of_the_custom_plan(big_db: str, name: st
     # read of the whole table, never run past the exact-count limit; see the test above.)
     assert reads_whole_table(generic) <= reads_whole_table(custom)
     assert blocks(generic) <= 2 * blocks(custom) + 50, (blocks(generic), blocks(custom))
+
+
+def test_the_failing_pending_operations_are_read_from_their_own_index(big_db: str) -> None:
+    """`outbox status`'s failing operations per provider and `outbox pending list` read the
+    partial index of pending operations with a last error (sql/0033), never the whole table."""
+    with psycopg.connect(big_db) as conn:
+        conn.execute(
+            "UPDATE outbox.operations SET last_error_class = 'unknown' WHERE status = 'pending'"
+        )
+    with psycopg.connect(big_db, autocommit=True) as conn:
+        conn.execute("ANALYZE outbox.operations")
+
+    def listed(**filters: Any) -> dict[str, Any]:
+        params = operators.Filters(**filters).params()
+        return {"status": "pending", **params, "limit": 101, "after_at": None, "after_id": None}
+
+    for query, params in (
+        (statements.PENDING_FAILED_BY_PROVIDER, {"count_limit": 1000, "provider_limit": 50}),
+        (statements.LIST_PENDING_FAILED, listed()),
+        (statements.LIST_PENDING_FAILED, listed(provider="hook", error="http_500")),
+    ):
+        nodes = plan_nodes(big_db, query, params, analyze=True)
+        assert ("Seq Scan", None) not in scans_of_operations(nodes)
+        indexes = {n.get("Index Name") for n in nodes if n.get("Index Name")}
+        assert "operations_pending_failed" in indexes, indexes

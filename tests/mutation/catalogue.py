@@ -730,6 +730,34 @@ MUTANTS: tuple[Mutant, ...] = (
         "tests/integration/test_bulk_reconcile.py::"
         "test_one_operation_found_without_effect_is_retried_without_force",
     ),
+    # --- seen: the failing pending operations (issue 37) -------------------------------------
+    _one(
+        "pending-failures-read-the-whole-table",
+        "`outbox status` and `pending list` read every pending row of the table for the failing "
+        "ones: slow on a big table, when on-call needs it",
+        "sql/0033_pending_failures.sql",
+        "    WHERE status = 'pending' AND last_error_class IS NOT NULL;",
+        "    WHERE status = 'cancelled';",
+        "tests/integration/test_query_plans.py::"
+        "test_the_failing_pending_operations_are_read_from_their_own_index",
+    ),
+    _one(
+        "pending-list-takes-the-untried",
+        "`pending list` lists operations never tried among the failing ones",
+        STATEMENTS,
+        "FROM outbox.operations o\nWHERE status = 'pending' AND last_error_class IS NOT NULL",
+        "FROM outbox.operations o\nWHERE status = 'pending' AND true",
+        "tests/integration/test_pending_failures.py",
+    ),
+    _one(
+        "failing-count-reads-the-newest",
+        "`outbox status` counts a provider's newest failing operations past its limit, not the "
+        "oldest it says it counted",
+        STATEMENTS,
+        "    ORDER BY o.status_changed_at, o.id\n    LIMIT %(count_limit)s::integer",
+        "    ORDER BY o.status_changed_at DESC, o.id DESC\n    LIMIT %(count_limit)s::integer",
+        "tests/integration/test_pending_failures.py",
+    ),
     # --- one cause, one status (issue 37): in doubt goes to reconciliation ----------------------
     _one(
         "exhausted-unknown-quarantined",
