@@ -57,6 +57,8 @@ HTTP_TOO_MANY_REQUESTS: Final = 429
 # An operation found failing alone stays so this long (seconds), unless it succeeds; at most
 # this many are remembered (and as many dates of failures), the oldest forgotten first.
 ALONE_FOR: Final = 3600.0
+# Failures of at least this many operations open a breaker.
+DISTINCT_FAILING: Final = 2
 # A half-open provider whose probe claim found no due row is looked at again this much later.
 PROBE_LOOK_AGAIN: Final = 0.5
 MARKS_KEPT: Final = 10_000
@@ -238,8 +240,14 @@ class Breaker:
         return False
 
     def _too_many_failures(self) -> bool:
-        failing = sum(1 for _, failed in self._calls if failed)
-        return failing >= self._threshold and failing >= self._rate * len(self._calls)
+        failing = [op for op, failed in self._calls if failed]
+        return (
+            len(failing) >= self._threshold
+            and len(failing) >= self._rate * len(self._calls)
+            # One operation failing again and again says nothing of the provider: it spends its
+            # own budget (a provider down with one operation to send loses no more than that).
+            and len(set(failing)) >= min(DISTINCT_FAILING, self._threshold)
+        )
 
     # --- what operators and start-up see and do ----------------------------------------------
 

@@ -84,11 +84,12 @@ async def test_a_run_of_failures_opens_the_breaker_and_only_a_probe_goes_until_o
     receiver.inject(WebhookFault.status(503), times=4)  # three in a row, then the first probe
     before = transitions("hook")
     limits = {"hook": ProviderLimits(breaker_failures=3, breaker_open_for=FAST_BREAKER)}
-    d = dispatcher(pool, {"hook": hook}, concurrency=1, limits=limits)  # one call at a time
+    # One call at a time; a retry waits 10 s, so three operations fail once each.
+    slow_retry = {"backoff_base": timedelta(seconds=10), "backoff_max": timedelta(seconds=10)}
+    d = dispatcher(pool, {"hook": hook}, concurrency=1, limits=limits, **slow_retry)
     with structlog.testing.capture_logs() as logs:
         for _ in range(3):
             assert await d.run_once() == 1
-            make_due(db_url)
         assert await d.run_once() == 0  # open: nothing claimed, no attempt spent
         assert attempts_total(db_url, "hook") == 3
         await asyncio.sleep(0.35)

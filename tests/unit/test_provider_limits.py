@@ -86,6 +86,15 @@ def test_an_operation_failing_again_after_others_succeeded_fails_alone() -> None
     assert b.failing_alone == 1
 
 
+def test_one_operation_failing_with_no_other_traffic_never_opens_it() -> None:
+    b = breaker(Clock())
+    for _ in range(50):
+        b.record(1, FAILING)
+    assert (b.state, b.failure_rate) == (State.CLOSED, 1.0)
+    b.record(2, FAILING)  # a second operation fails too: the provider, then
+    assert b.state is State.OPEN
+
+
 def test_operations_failing_alone_never_open_it_even_once_the_others_are_gone() -> None:
     b = breaker(Clock(), failures=3)
     for op in range(20):  # the first failures of twenty bad operations, among successes
