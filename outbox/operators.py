@@ -187,6 +187,13 @@ def retryable_ids(conn: psycopg.Connection[Any], ids: list[int]) -> set[int]:
         return {int(r[0]) for r in cur.execute(statements.RETRYABLE_IDS, {"ids": ids})}
 
 
+def settled_ids(conn: psycopg.Connection[Any], ids: list[int]) -> set[int]:
+    """Those of these reconciling operations whose last attempt was 30 s ago or more: a person's
+    "no effect" is taken of those only (sql/0034)."""
+    with conn.cursor() as cur:
+        return {int(r[0]) for r in cur.execute(statements.SETTLED_IDS, {"ids": ids})}
+
+
 def find_id(conn: psycopg.Connection[Any], identity: Identity) -> int:
     rows = _all(conn, statements.FIND_BY_IDENTITY, vars(identity))
     if not rows:
@@ -267,6 +274,16 @@ def retry(
     """Reconciling back to pending under a new key generation."""
     params = {"id": operation_id, "reason": reason, "actor": actor, "force": force}
     return _act(conn, statements.RETRY, params)
+
+
+def retry_with_no_effect(
+    conn: psycopg.Connection[Any], operation_id: int, *, reason: str, actor: str
+) -> Status:
+    """A person found no effect at the provider: their finding recorded (``record_no_effect``),
+    then the operation retried under a new key without force, in one transaction."""
+    with conn.transaction():
+        record_no_effect(conn, operation_id, reason=reason, actor=actor)
+        return retry(conn, operation_id, reason=reason, actor=actor)
 
 
 def _act(conn: psycopg.Connection[Any], query: LiteralString, params: Row) -> Status:

@@ -1,5 +1,5 @@
 -- sql/schema.sql: the outbox schema as the migrations of sql/ leave it
--- (every migration up to 0033_pending_failures).
+-- (every migration up to 0034_no_effect_after_the_last_attempt).
 --
 -- GENERATED FILE: DO NOT EDIT IT BY HAND. It is regenerated, after adding a migration, by
 --     python -m outbox.db.schema_dump --dsn postgresql://postgres@127.0.0.1:5432/postgres --output sql/schema.sql
@@ -1239,7 +1239,8 @@ COMMENT ON FUNCTION outbox.record_finding(bigint,text,text,text,text,jsonb,integ
 
 -- =================================================================================================
 -- function outbox.record_no_effect(bigint,text,text)
--- history: created by 0032_operator_finds_no_effect
+-- history: created by 0032_operator_finds_no_effect; changed by
+--     0034_no_effect_after_the_last_attempt
 
 CREATE OR REPLACE FUNCTION outbox.record_no_effect(operation_id bigint, reason text, actor text)
  RETURNS text
@@ -1252,6 +1253,12 @@ DECLARE
 BEGIN
     PERFORM outbox.require_reason(actor, reason);
     op := outbox.lock_for_action(operation_id, 'no_effect', ARRAY['reconciling']);
+    IF op.last_attempt_at > now() - interval '30 seconds' THEN
+        RAISE EXCEPTION 'operation %: its last attempt was less than 30 s ago, and what the '
+                        'provider shows may not have its effect yet: look again in a moment',
+                        op.id
+            USING ERRCODE = 'OB004';
+    END IF;
     UPDATE outbox.operations o
     SET checked_at = now(), check_finding = 'not_found', check_state = NULL,
         check_details = jsonb_build_object('by', 'operator', 'actor', actor),

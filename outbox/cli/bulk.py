@@ -300,8 +300,8 @@ def _report(
         for operation_id, why in list(outcome.skipped.items())[:PREVIEW_ROWS]:
             click.echo(f"skipped {operation_id}: {printable(why)}", err=True)
         click.echo(
-            f"{len(outcome.skipped)} skipped: they were no longer {status.value} as the "
-            "command found them",
+            f"{len(outcome.skipped)} skipped, each for the reason above: as they were when their "
+            f"turn came (no longer {status.value}, or changed meanwhile), {verb} did not apply",
             err=True,
         )
         sys.exit(EXIT_CONFLICT)

@@ -222,6 +222,7 @@ def add_reconcile_actions(group: click.Group) -> None:
                 selection,
                 "record no effect",
                 lambda conn, i: operators.record_no_effect(conn, i, reason=reason, actor=actor),
+                only=NO_EFFECT_ONLY,
                 then=NO_EFFECT_THEN,
             )
 
@@ -233,21 +234,42 @@ def add_reconcile_actions(group: click.Group) -> None:
     @click.option(
         "--force", is_flag=True, help="Retry even though no check found the effect missing."
     )
+    @click.option(
+        "--no-effect",
+        is_flag=True,
+        help="You found no effect at the provider: record it (as `resolve --no-effect`), then "
+        "retry; not with --force.",
+    )
     @bulk.bulk_options
     def retry(
-        dsn: str, operation_id: int | None, reason: str, actor: str, force: bool, **selection: Any
+        dsn: str,
+        operation_id: int | None,
+        reason: str,
+        actor: str,
+        force: bool,
+        no_effect: bool,
+        **selection: Any,
     ) -> None:
         """Send again under a new key generation (a new request to the provider): one by ID, or
         those the filters select. Without --force, only those a check (or `resolve --no-effect`)
-        found missing; a selection leaves the others alone and names them."""
+        found missing; a selection leaves the others alone and names them. --no-effect records
+        your finding that the provider has none first, each in the transaction of its retry."""
+        if force and no_effect:
+            raise click.UsageError("--force retries on no finding; --no-effect records yours")
+
+        def action(conn: Any, one: int) -> Status:
+            if no_effect:
+                return operators.retry_with_no_effect(conn, one, reason=reason, actor=actor)
+            return operators.retry(conn, one, reason=reason, actor=actor, force=force)
+
         _one_or_many(
             dsn,
             Status.RECONCILING,
             operation_id,
             selection,
             "retry",
-            lambda conn, i: operators.retry(conn, i, reason=reason, actor=actor, force=force),
-            only=None if force else RETRY_ONLY,
+            action,
+            only=NO_EFFECT_ONLY if no_effect else None if force else RETRY_ONLY,
         )
 
 
@@ -255,6 +277,13 @@ def add_reconcile_actions(group: click.Group) -> None:
 NO_EFFECT_THEN: Final = (
     "no effect recorded: `outbox reconcile retry` with the same ID or selection now sends again "
     "under a new key, without --force; `outbox reconcile cancel` gives up"
+)
+# `reconcile resolve --no-effect` and `retry --no-effect` of a selection: a person's finding is
+# taken of what was last attempted 30 s ago or more.
+NO_EFFECT_ONLY: Final = bulk.Only(
+    operators.settled_ids,
+    "their last attempt was less than 30 s ago, and what the provider shows may not have its "
+    "effect yet: look again in a moment",
 )
 # `reconcile retry` of a selection, without --force: what a check found missing.
 RETRY_ONLY: Final = bulk.Only(

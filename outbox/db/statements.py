@@ -749,10 +749,11 @@ WHERE status = %(status)s::text"""
     + _FILTERS
 )
 
+# With each one's idempotency key (`list --json`): what a person searches a provider for.
 LIST_ATTENTION: Final = (
     """
 SELECT id, tenant_id, operation_type, operation_key, provider, action, status_reason, attempts,
-       last_error_class, last_error, status_changed_at,
+       last_error_class, last_error, status_changed_at, idempotency_key,
        extract(epoch FROM now() - status_changed_at)::float8 AS age_seconds,
        checked_at, check_finding, check_state
 """
@@ -772,7 +773,7 @@ LIST_PENDING_FAILED: Final = (
     """
 SELECT id, tenant_id, operation_type, operation_key, provider, action, attempts, attempt_base,
        max_attempts, last_error_class, last_error, status_changed_at, scheduled,
-       ordering_blocked,
+       ordering_blocked, idempotency_key,
        extract(epoch FROM now() - status_changed_at)::float8 AS age_seconds,
        greatest(extract(epoch FROM available_at - now()), 0)::float8 AS due_in_seconds,
        (SELECT a.error_class FROM outbox.attempts a WHERE a.operation_id = o.id
@@ -850,6 +851,13 @@ RETRYABLE_IDS: Final = """
 SELECT id FROM outbox.operations
 WHERE id = ANY (%(ids)s::bigint[]) AND status = 'reconciling' AND check_finding = 'not_found'
   AND NOT coalesce(checked_at < last_attempt_at + interval '30 seconds', false)
+"""
+# Of these reconciling operations, those whose last attempt was 30 s ago or more: a person's
+# "no effect" is taken of those only (outbox.record_no_effect, sql/0034; the function decides).
+SETTLED_IDS: Final = """
+SELECT id FROM outbox.operations
+WHERE id = ANY (%(ids)s::bigint[]) AND status = 'reconciling'
+  AND NOT coalesce(last_attempt_at > now() - interval '30 seconds', false)
 """
 # The status of each of these operations (`reconcile resolve --refs-file`: every line's
 # operation must be reconciling before any is resolved).

@@ -294,3 +294,57 @@ def test_a_retry_that_finds_an_operation_retried_meanwhile_skips_it_and_exits_3(
         "SELECT actor, count(*) FROM outbox.audit WHERE action = 'retry' GROUP BY 1 ORDER BY 1",
     ) == [("alice", 3), ("bob", 1)]
     assert set(status_of(db_url).values()) == {"pending"}
+
+
+def test_retry_no_effect_records_the_finding_and_retries_in_one_go(
+    db_url: str, cli_env: dict[str, str]
+) -> None:
+    population = reconciling_population(db_url, random.Random(12), 8)
+    hook = sorted(op["id"] for op in population if op["provider"] == "hook")
+    both = outbox_cli(
+        cli_env, "reconcile", "retry", "--all", "--force", "--no-effect", "--reason", "x"
+    )
+    assert both.returncode == 2, both.stderr
+    done = outbox_cli(
+        cli_env, "reconcile", "retry", "--provider", "hook", "--no-effect",
+        "--reason", "not in the receiver's log", "--yes",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert sorted(i for i, s in status_of(db_url).items() if s == "pending") == hook
+    assert sorted(audit_of(db_url)) == sorted(
+        [(i, "no_effect", "not in the receiver's log", "reconciling", "reconciling") for i in hook]
+        + [(i, "retry", "not in the receiver's log", "reconciling", "pending") for i in hook]
+    )
+    assert rows(
+        db_url, "SELECT DISTINCT details->>'forced' FROM outbox.audit WHERE action = 'retry'"
+    ) == [("false",)]
+
+
+def test_no_effect_waits_thirty_seconds_after_the_last_attempt(
+    db_url: str, cli_env: dict[str, str]
+) -> None:
+    """What the provider shows may not have an effect that young: a person's "no effect" is
+    refused within 30 s of the last attempt, as a check's finding would prove nothing."""
+    population = reconciling_population(db_url, random.Random(3), 4)
+    young, *settled = sorted(op["id"] for op in population)
+    with psycopg.connect(db_url) as conn:
+        conn.execute(
+            "UPDATE outbox.operations SET last_attempt_at = now() - interval '5 seconds' "
+            "WHERE id = %s",
+            (young,),
+        )
+    one = outbox_cli(cli_env, "reconcile", "resolve", str(young), "--no-effect", "--reason", "x")
+    assert one.returncode == 2 and "less than 30 s ago" in one.stderr, one.stderr
+    many = outbox_cli(
+        cli_env, "reconcile", "retry", "--all", "--no-effect", "--reason", "x", "--yes"
+    )
+    assert many.returncode == 0, many.stderr
+    assert "1 of the 4 that match are left alone" in many.stdout
+    assert status_of(db_url) == {
+        young: "reconciling",
+        **dict.fromkeys(settled, "pending"),
+    }
+    assert findings(db_url)[young] is None
+    assert rows(db_url, "SELECT count(*) FROM outbox.audit WHERE operation_id = %s", (young,)) == [
+        (0,)
+    ]

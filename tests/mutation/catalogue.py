@@ -724,11 +724,33 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "no-effect-records-no-finding",
         "`resolve --no-effect` records no not_found finding: retry still needs --force",
-        "sql/0032_operator_finds_no_effect.sql",
+        "sql/0034_no_effect_after_the_last_attempt.sql",
         "    SET checked_at = now(), check_finding = 'not_found', check_state = NULL,",
         "    SET checked_at = now(), check_finding = 'undecided', check_state = NULL,",
         "tests/integration/test_bulk_reconcile.py::"
         "test_one_operation_found_without_effect_is_retried_without_force",
+    ),
+    _one(
+        "no-effect-too-soon",
+        "a person's `no effect` is recorded within 30 s of the last attempt, where the provider "
+        "may not show its effect yet",
+        "sql/0034_no_effect_after_the_last_attempt.sql",
+        "    IF op.last_attempt_at > now() - interval '30 seconds' THEN",
+        "    IF false THEN",
+        "tests/integration/test_bulk_reconcile.py::"
+        "test_no_effect_waits_thirty_seconds_after_the_last_attempt",
+    ),
+    _one(
+        "retry-no-effect-forces",
+        "`retry --no-effect` retries on no finding at all (as --force does): the person's finding "
+        "is never recorded",
+        "outbox/operators.py",
+        "        record_no_effect(conn, operation_id, reason=reason, actor=actor)\n"
+        "        return retry(conn, operation_id, reason=reason, actor=actor)\n",
+        "        return retry(conn, operation_id, reason=reason, actor=actor, force=True)\n",
+        "tests/integration/test_bulk_reconcile.py::"
+        "test_retry_no_effect_records_the_finding_and_retries_in_one_go",
+        "tests/integration/test_on_call_exercise.py",
     ),
     # --- seen: the failing pending operations (issue 37) -------------------------------------
     _one(
