@@ -85,8 +85,10 @@ async def test_a_run_of_failures_opens_the_breaker_and_only_a_probe_goes_until_o
     before = transitions("hook")
     limits = {"hook": ProviderLimits(breaker_failures=3, breaker_open_for=FAST_BREAKER)}
     # One call at a time; a retry waits 10 s, so three operations fail once each.
-    slow_retry = {"backoff_base": timedelta(seconds=10), "backoff_max": timedelta(seconds=10)}
-    d = dispatcher(pool, {"hook": hook}, concurrency=1, limits=limits, **slow_retry)
+    ten = timedelta(seconds=10)
+    d = dispatcher(
+        pool, {"hook": hook}, concurrency=1, limits=limits, backoff_base=ten, backoff_max=ten
+    )
     with structlog.testing.capture_logs() as logs:
         for _ in range(3):
             assert await d.run_once() == 1

@@ -3,10 +3,10 @@
 A receiver fails a chosen share of operations every time (by payload, by tenant, by ordering
 key) and takes the rest, while healthy operations keep coming. Below 100 %: every healthy
 operation is delivered once, within HEALTHY_WITHIN seconds of its enqueue, the breaker does
-not open (at 10 % and less), and every failing one spends its whole budget and leaves the line for a person (an
-ordering key's later operations wait behind it, unsent). At
-100 %, and with the provider down, the breaker opens and the operations wait pending: only the
-calls in flight as it opened and its probes are spent.
+not open (at 10 % and less), and every failing one spends its whole budget and leaves the line
+for a person (an ordering key's later operations wait behind it, unsent). At 100 %, and with
+the provider down, the breaker opens and the operations wait pending: only the calls in flight
+as it opened and its probes are spent.
 
 Seeded: OUTBOX_TEST_SEED replays a run; the seed is in every assertion message.
 """
