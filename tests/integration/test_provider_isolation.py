@@ -212,7 +212,8 @@ async def test_operations_that_fail_alone_spend_their_own_attempts_and_the_rest_
 
     await run_until(d, settled, within=30)
     by_key = dict(rows(db_url, "SELECT idempotency_key, status FROM outbox.operations"))
-    assert sorted({by_key[k] for k in bad}) in (["quarantined"], ["reconciling"])
+    # Every attempt was a 500, which may have acted: in doubt, to reconciliation (departure 20).
+    assert {by_key[k] for k in bad} == {"reconciling"}
     assert [by_key[k] for _, k in made[12:]] == ["succeeded"] * 20
     assert receiver.effect_count() == 20  # each healthy one once
     spent = dict(rows(db_url, "SELECT idempotency_key, attempts FROM outbox.operations"))

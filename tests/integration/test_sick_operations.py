@@ -199,7 +199,8 @@ def test_failing_operations_spend_their_own_budget_and_the_healthy_ones_go(
 
     def settled() -> bool:
         now = table(db_url)
-        return all(now[op][0] in ("quarantined", "reconciling") for op in failing_heads)
+        # Their 500s may have acted: in doubt, they go to reconciliation (departure 20).
+        return all(now[op][0] == "reconciling" for op in failing_heads)
 
     with run(db_url, tmp_path, receiver.url) as process:
         with Stream(db_url, w) as stream:
