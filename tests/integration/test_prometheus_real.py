@@ -37,7 +37,7 @@ WAIT: Final = 30.0
 # The rules are the file's own, expressions and all, except for two rewrites that let each alert
 # fire within seconds: every `for:` becomes one second, and the age threshold two seconds.
 FOR_SHORT: Final = "1s"
-AGE_RULE: Final = "(outbox_provider_paused) == 1)\n          ) > 300"
+AGE_RULE: Final = "          ) > 300\n          unless on (provider) ("
 AGE_THRESHOLD: Final = 2
 
 
