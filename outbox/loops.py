@@ -42,6 +42,19 @@ for _name in LOOPS:
 log = structlog.get_logger("outbox.loops")
 
 
+async def wait_event(event: asyncio.Event, seconds: float) -> bool:
+    """Wait for ``event`` at most ``seconds``; True if it was set. Not asyncio.wait_for: on
+    Python 3.11 a wait_for whose inner wait ends in the same loop turn as a cancellation swallows
+    the cancellation (CPython gh-86296), and a background loop cancelled at shutdown then never
+    ends; `outbox run` hung at SIGTERM that way when a last record nudged the stager."""
+    try:
+        async with asyncio.timeout(seconds):
+            await event.wait()
+    except TimeoutError:
+        return False
+    return True
+
+
 async def forever(name: str, round_: Callable[[], Awaitable[float]]) -> NoReturn:
     """Run ``round_`` again and again; each returns how many seconds to wait before the next."""
     while True:

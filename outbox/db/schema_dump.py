@@ -876,9 +876,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--dsn",
-        default=os.environ.get("OUTBOX_DATABASE_URL"),
         help="a database of the server to make the scratch database on (default: "
-        "$OUTBOX_DATABASE_URL); with --existing, the database to dump",
+        "$OUTBOX_DATABASE_URL); with --existing, the database to dump. No password: as every "
+        "outbox command, it takes one only from the environment (outbox/cli/common.py)",
     )
     parser.add_argument(
         "--existing",
@@ -887,6 +887,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--output", "-o", default="-", help="where to write it (default: stdout)")
     args = parser.parse_args(argv)
+    if args.dsn is not None:
+        # A password on the command line is visible to every user of this machine (ps,
+        # /proc/<pid>/cmdline) and stays in shell histories: refused, as outbox's CLI does.
+        try:
+            with_password = dsn_util.has_password(args.dsn)
+        except ValueError as exc:
+            parser.error(f"--dsn: {exc}")
+        if with_password:
+            parser.error(
+                "--dsn: a password on the command line is visible to every user of this "
+                "machine; set OUTBOX_DATABASE_URL, PGPASSWORD or a ~/.pgpass file instead"
+            )
+    else:
+        args.dsn = os.environ.get("OUTBOX_DATABASE_URL")
     if not args.dsn:
         parser.error("name a server with --dsn or $OUTBOX_DATABASE_URL")
     try:

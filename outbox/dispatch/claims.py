@@ -5,7 +5,6 @@ poll interval."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import time
 from collections import Counter
@@ -110,8 +109,7 @@ class ClaimScheduler:
             if pause:
                 # After an error; not cut short by wake-ups: a round that keeps failing must
                 # not spin.
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.stop.wait(), pause)
+                await loops.wait_event(self.stop, pause)
 
     async def _round(self, *, primary: bool, chunk: int) -> float:
         """One claim and what follows it; returns 0 (the next round at once, as loops.survive
@@ -170,8 +168,7 @@ class ClaimScheduler:
             return
         if self.empty_wakes:
             gap = min(WAKE_GAP_MAX, WAKE_GAP_MIN * 2.0 ** (self.empty_wakes - 1))
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.stop.wait(), gap)
+            await loops.wait_event(self.stop, gap)
         # Counted as empty until the claim it starts finds something (then `found` resets it).
         self.empty_wakes += 1
         if not self._taken:
@@ -234,11 +231,7 @@ class ClaimScheduler:
 
     async def _sleep_until_woken(self, seconds: float) -> bool:
         """Sleep until woken or ``seconds`` have passed; True if woken."""
-        try:
-            await asyncio.wait_for(self.woken.wait(), seconds)
-        except TimeoutError:
-            return False
-        return True
+        return await loops.wait_event(self.woken, seconds)
 
     def _idle_wait(self) -> float:
         """How long a claim loop that found too little waits: a poll interval, or less when a

@@ -5,7 +5,6 @@ moves scheduled operations that came due into the claim."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable
 from datetime import datetime
 from typing import Final
@@ -151,5 +150,4 @@ class Maintenance:
             self._stage_at = min(self._stage_at, loop.time() + wait)
             while (delay := max(self._stage_at, last + STAGE_MIN_GAP) - loop.time()) > 0:
                 self._stage_nudge.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stage_nudge.wait(), delay)
+                await loops.wait_event(self._stage_nudge, delay)

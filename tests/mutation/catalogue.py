@@ -604,6 +604,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "tests/unit/test_policy.py",
         "tests/integration/test_dispatch.py::test_a_permanent_answer_quarantines_after_one_attempt",
     ),
+    _one(
+        "wait-swallows-cancel",
+        "a background loop cancelled at shutdown in the turn its wait ends goes on for ever: "
+        "`outbox run` hangs at SIGTERM (asyncio.wait_for on Python 3.11)",
+        "outbox/loops.py",
+        "        async with asyncio.timeout(seconds):\n            await event.wait()",
+        "        await asyncio.wait_for(event.wait(), seconds)",
+        "tests/unit/test_loops.py",
+    ),
     # --- provider health: a sick provider is not sick operations (issue 37) -------------------
     _one(
         "breaker-lone-failure-counts",

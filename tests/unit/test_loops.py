@@ -1,0 +1,35 @@
+"""The background loops' own waits end when the loop is cancelled, whatever else happens in the
+same turn (outbox.loops.wait_event)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from outbox import loops
+
+
+async def _nudged_loop(event: asyncio.Event) -> None:
+    while True:  # as the stager waits for its nudge
+        event.clear()
+        await loops.wait_event(event, 5)
+
+
+async def test_a_loop_cancelled_in_the_turn_its_wait_ends_stops() -> None:
+    """On Python 3.11 asyncio.wait_for swallowed the cancellation here, and `outbox run` hung at
+    SIGTERM waiting for its stager."""
+    for _ in range(20):
+        event = asyncio.Event()
+        task = asyncio.create_task(_nudged_loop(event))
+        await asyncio.sleep(0.001)
+        event.set()  # a last record nudges the loop ...
+        await asyncio.sleep(0)  # ... and in the next turn the dispatcher cancels it
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=2)
+        assert done == {task} and task.cancelled()
+
+
+async def test_wait_event_says_whether_the_event_came() -> None:
+    event = asyncio.Event()
+    assert not await loops.wait_event(event, 0.01)
+    asyncio.get_running_loop().call_later(0.01, event.set)
+    assert await loops.wait_event(event, 5)
