@@ -9,7 +9,8 @@ marked; the codes are nats-server's server/errors.json):
 - a PubAck ``{"stream": S, "seq": N}``: stored as message N of S (verified);
 - ``"duplicate": true``: the Nats-Msg-Id was seen inside the stream's duplicate_window; the
   message was not stored again, and ``seq`` is the original's (verified, a limits stream; an
-  interest stream without consumers answered seq 0 before nats-server PR 5818);
+  interest stream without consumers answered seq 0 before nats-server PR 5818: unknown, since
+  whose message was kept cannot then be checked);
 - no responders (a 503 status, nats-py's NoStreamResponseError): nothing subscribes to the
   subject, so no stream took it (verified); nats.go retries it briefly, as a stream may be
   recovering: the caller asks the stream whether it binds the subject before calling it
@@ -64,12 +65,21 @@ def acknowledged(ack: Any, stream: str) -> SendResult:
             f"JetStream's acknowledgement names stream {stored_in!r} sequence {seq!r}, not a "
             f"message of stream {stream}",
         )
+    if duplicate and seq == 0:
+        # The server did not say which message it kept under our Nats-Msg-Id (an interest
+        # stream's answer before nats-server PR 5818, or anyone answering on its behalf), so
+        # nothing shows it is this operation's and not another producer's (duplicate_of):
+        # unproven, as any answer outbox cannot check. Retried inside the key window, then
+        # reconciliation; never a success taken on the word of an unverifiable duplicate.
+        return unknown(
+            "duplicate_unverified",
+            f"JetStream answered a duplicate in stream {stream} without the sequence of the "
+            "message it kept: whose message it is cannot be checked",
+        )
     result: dict[str, Any] = {"stream": stream, "seq": seq, "duplicate": duplicate}
     domain = getattr(ack, "domain", None)
     if isinstance(domain, str):
         result["domain"] = domain
-    # seq 0 on a duplicate: the server did not say the original's (an interest stream's answer
-    # before nats-server PR 5818); the stream alone is the reference then.
     reference = f"{stream}:{seq}" if seq > 0 else stream
     return Succeeded(reference, result=result)
 
