@@ -24,7 +24,7 @@ import psycopg
 from psycopg_pool import AsyncConnectionPool
 
 import outbox
-from outbox import daemon, demo_queue
+from outbox import daemon, demo_queue, operators
 from outbox.config import DispatcherSettings, ProviderSettings
 from outbox.db import migrations, statements
 from outbox.db.store import Store
@@ -67,13 +67,26 @@ class Planned:
     story: str
 
 
+def _charge(n: int, amount: int) -> dict[str, Any]:
+    """A PaymentIntent confirmed at its create with Stripe's test card: a charge, ``succeeded``
+    when it went through (one never confirmed would only await a payment method)."""
+    return {
+        "amount": amount,
+        "currency": "usd",
+        "customer": f"cus_{n:03d}",
+        "payment_method": "pm_card_visa",
+        "payment_method_types": ["card"],
+        "confirm": True,
+    }
+
+
 def plan() -> list[Planned]:
     charges = [
         Planned(
             f"invoice-{n}-charge",
             "stripe",
             "payment_intents.create",
-            {"amount": 1000 * n, "currency": "usd", "customer": f"cus_{n:03d}"},
+            _charge(n, 1000 * n),
             "charged once",
         )
         for n in range(1, 5)
@@ -96,14 +109,14 @@ def plan() -> list[Planned]:
             "invoice-6-charge",
             "stripe",
             "payment_intents.create",
-            {"amount": 600, "currency": "usd", "customer": "cus_006"},
+            _charge(6, 600),
             "card declined (402): quarantined for a person",
         ),
         Planned(
             "invoice-7-charge",
             "stripe",
             "payment_intents.create",
-            {"amount": 700, "currency": "usd", "customer": "cus_007"},
+            _charge(7, 700),
             "timed out after Stripe acted: reconciled, not resent",
         ),
     ]
@@ -232,6 +245,7 @@ def _report(
     stories = {p.key: p.story for p in plan()}
     with psycopg.connect(dsn) as conn:
         rows = conn.execute(statements.DEMO_REPORT, {"tenant": tenant}).fetchall()
+        checked = [op for op in (operators.show(conn, r[0]) for r in rows) if op["check_finding"]]
     headers = ["id", "operation", "provider", "status", "attempts", "reference", "story"]
     say("")
     say(render_table(headers, [(*r[:5], r[5] or r[6], stories[r[1]]) for r in rows]))
@@ -242,6 +256,12 @@ def _report(
         f"effects at the providers: {stripe_fake.object_count()} Stripe objects for {charges} "
         f"charges, {receiver.effect_count()} webhook deliveries for {events} events"
     )
+    for op in checked:  # what the reconciler judged by the object's state (docs/runbook.md)
+        say(
+            f"reconciled {op['operation_key']}: the check {op['check_finding']} its object at "
+            f"{op['provider']} in state {op['check_state']}, so the operation is {op['status']} "
+            f"after {op['attempts']} attempt(s), never sent again"
+        )
 
 
 def _next_steps(dsn: str, kept: str | None, say: Say) -> None:

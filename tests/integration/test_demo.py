@@ -48,6 +48,12 @@ def test_the_demo_runs_to_completion_and_leaves_no_process_or_port(short_tmp: Pa
         "invoice-6-charge": "quarantined",
     }
     assert "5 Stripe objects for 6 charges" in out and "5 webhook deliveries" in out
+    # The timeout's charge went through at Stripe: the check finds it paid (docs/runbook.md,
+    # "Reconciliation"), not a PaymentIntent that awaits a payment method.
+    assert (
+        "reconciled invoice-7-charge: the check found its object at stripe in state succeeded, "
+        "so the operation is succeeded after 1 attempt(s)"
+    ) in out, out
     # Nothing left: the embedded server's directory is gone, and every port it printed is closed.
     assert list(tmp_path.glob("outbox-demo-*")) == []
     for port in re.findall(r"127\.0\.0\.1:(\d+)", out):
