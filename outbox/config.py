@@ -348,7 +348,9 @@ class DatabaseSettings:
         metadata=setting(
             Duration(),
             "How long `outbox run` gives the database to answer at start-up before it exits (code "
-            "2) saying so; once it has started, an unreachable database is waited out for ever.",
+            "2) saying so; the first failed try is logged at once with its reason, and a refusal "
+            "that waiting will not change (no such database or role, a failed login) exits at "
+            "once. Once it has started, an unreachable database is waited out for ever.",
         ),
     )
 

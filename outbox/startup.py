@@ -2,7 +2,10 @@
 exit code 2 and one line that names the cause and the fix, instead of a daemon that loops on
 an error for ever.
 
-* The database answers within ``database.startup_wait``.
+* The database answers within ``database.startup_wait``. The first failed try is logged at once
+  with its reason (issue 38: a wrong database name was silent for the whole minute), and each
+  new reason after it; a refusal that waiting will not change (no such database or role, a
+  failed authentication) ends the run at once instead of after the wait.
 * Its schema is this outbox's: no schema, or an older one, says "run `outbox migrate`"; a
   newer one (a rolled-back deploy) is said loudly and tolerated, since migrations add to the
   schema and an older dispatcher keeps working on it.
@@ -11,6 +14,7 @@ an error for ever.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from datetime import timedelta
 from typing import Final
@@ -28,6 +32,24 @@ from outbox.durations import format_duration
 RETRY_EVERY: Final = 1.0
 # One try's own limit: a host that swallows packets must not use up the whole wait at once.
 CONNECT_TIMEOUT: Final = 5
+# The server's answers to a login that waiting will not change, as PostgreSQL words them (in
+# English, its default language; libpq gives no SQLSTATE for a failed connection): no such
+# database, no such role, a role that may not log in, an authentication that failed, no
+# pg_hba.conf line for this client, no CONNECT privilege; and libpq's own "no password
+# supplied". Anything else is waited for: refused, timed out, "the database system is starting
+# up", "too many clients already", a host name that does not resolve yet, and these same answers
+# in another language. systemd does not restart a run that exits 2: in doubt, wait.
+_WILL_NOT_CHANGE: Final = re.compile(
+    r'database ".*" does not exist'
+    r'|role ".*" does not exist'
+    r"|is not permitted to log in"
+    r"|authentication failed for user"
+    r"|no pg_hba\.conf entry for"
+    r"|permission denied for database"
+    r"|no password supplied"
+)
+# psycopg's message when it tried several hosts (or addresses): one "- host: ..." item each.
+_EACH_ATTEMPT: Final = "All failures were:"
 
 log = structlog.get_logger("outbox.startup")
 
@@ -41,7 +63,7 @@ async def check_database(dsn: str, wait: timedelta) -> str | None:
     """None when the database answers and its schema is this outbox's or newer; otherwise
     why `outbox run` must not start, in one line that says what to do."""
     deadline = time.monotonic() + wait.total_seconds()
-    told = False
+    told: str | None = None  # the reason last logged
     while True:
         try:
             version = await _schema_version(dsn)
@@ -62,20 +84,48 @@ async def check_database(dsn: str, wait: timedelta) -> str | None:
                 "it EXECUTE"
             )
         except psycopg.OperationalError as exc:
+            why = failure_reason(exc, dsn)
+            if will_not_change(exc):
+                return (
+                    f"the database refused the connection, and waiting will not change that: "
+                    f"{why} (fix the connection string's database, user or password, or the "
+                    "server's roles, grants or pg_hba.conf)"
+                )
             if time.monotonic() >= deadline:
-                why = dsn_util.scrub(str(exc).strip().splitlines()[0] if str(exc) else "", dsn)
                 return (
                     f"the database did not answer in {format_duration(wait)} "
-                    f"(database.startup_wait): {why or type(exc).__name__}"
+                    f"(database.startup_wait): {why}"
                 )
-            if not told:
+            if why != told:  # the first failure at once, then each new reason
                 log.warning(
-                    "waiting for the database to answer", startup_wait=format_duration(wait)
+                    "waiting for the database to answer",
+                    reason=why,
+                    startup_wait=format_duration(wait),
                 )
-                told = True
+                told = why
             await asyncio.sleep(RETRY_EVERY)
             continue
         return _judge(version)
+
+
+def will_not_change(exc: psycopg.OperationalError) -> bool:
+    """Whether a failed connection was refused for a reason waiting will not change; with
+    several hosts, only when each of them refused so."""
+    attempts = _attempts(str(exc))
+    return bool(attempts) and all(_WILL_NOT_CHANGE.search(a) for a in attempts)
+
+
+def _attempts(message: str) -> list[str]:
+    _, several, each = message.partition(_EACH_ATTEMPT)
+    if not several:
+        return [message] if message.strip() else []
+    return [a.strip() for a in re.split(r"\n- (?=host: )", each) if a.strip()]
+
+
+def failure_reason(exc: psycopg.OperationalError, dsn: str) -> str:
+    """Why the connection failed, in one line without the password: each host's first line."""
+    firsts = [a.strip().splitlines()[0] for a in _attempts(str(exc))]
+    return dsn_util.scrub("; ".join(firsts), dsn) or type(exc).__name__
 
 
 def _judge(version: int | None) -> str | None:

@@ -48,6 +48,7 @@ NATS_TESTS = "tests/integration/test_queue_nats.py"
 AMQP_TESTS = "tests/integration/test_queue_amqp.py"
 SQS_TESTS = "tests/integration/test_queue_sqs.py"
 TASKS_TESTS = "tests/integration/test_queue_cloudtasks.py"
+STARTUP_TESTS = "tests/integration/test_run_startup.py"
 
 MUTANTS: tuple[Mutant, ...] = (
     # --- the lease fence, in every path that writes after a provider call ----------------------
@@ -963,5 +964,24 @@ MUTANTS: tuple[Mutant, ...] = (
         "        except gexc.AlreadyExists:\n            return Succeeded(reference=task.name)",
         '        except gexc.AlreadyExists:\n            return unknown("x", "the repeat")',
         TASKS_TESTS + "::test_a_kill_between_publish_and_record_repeats_the_same_task_name",
+    ),
+    # --- `outbox run` says at once why the database does not answer (issue 38) --------------
+    _one(
+        "startup-reason-unsaid",
+        "`outbox run` waits for a database that does not answer without saying why until "
+        "database.startup_wait has passed (a closed port was silent for a minute)",
+        "outbox/startup.py",
+        "                    reason=why,\n",
+        "",
+        STARTUP_TESTS + "::test_a_closed_port_says_why_at_once_then_waits_and_starts_when_it_opens",
+    ),
+    _one(
+        "startup-lasting-refusal-waited",
+        "a refusal that waiting will not change (no such database or role) is waited out for "
+        "database.startup_wait before `outbox run` exits",
+        "outbox/startup.py",
+        "            if will_not_change(exc):\n",
+        "            if False:\n",
+        STARTUP_TESTS + "::test_a_refusal_that_waiting_will_not_change_ends_the_run_at_once",
     ),
 )
