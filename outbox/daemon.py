@@ -25,7 +25,7 @@ from outbox.config import DEFAULT_LISTEN_URL_ENV, Settings
 from outbox.db.connect import dispatcher_pool, shares_server_sessions
 from outbox.db.probe import DatabaseProbe
 from outbox.db.store import Store
-from outbox.dispatcher import Dispatcher
+from outbox.dispatcher import UNKNOWN_PROVIDER_GRACE, Dispatcher
 from outbox.durations import format_duration
 from outbox.providers import lifecycle
 from outbox.providers.base import Provider
@@ -92,6 +92,12 @@ async def serve(
     """Run until SIGTERM or SIGINT, then drain; returns the exit code."""
     metrics.BUILD_INFO.info({"version": outbox.__version__})
     _tune_gc()
+    if not providers:  # no --config, or a file without a provider: a trap, said at once
+        log.warning(
+            "outbox run has no providers (its config, --config or OUTBOX_CONFIG, names no "
+            "[providers.<name>]): it sends nothing, and quarantines each operation it claims "
+            f"{format_duration(UNKNOWN_PROVIDER_GRACE)} after its enqueue (unknown_provider)"
+        )
     database = settings.database
     refusal, checked = await _preflight(dsn, settings, providers)
     if refusal:

@@ -13,6 +13,7 @@ import json
 import re
 from collections.abc import Mapping
 from datetime import datetime
+from decimal import Decimal
 from typing import Any, NoReturn
 
 import psycopg
@@ -214,14 +215,50 @@ def _payload_json(payload: object) -> str:
             # A decimal.Decimal somewhere, most likely: an amount to be kept exact, which the C
             # encoder could write only by way of a float. The slower exact encoder writes it.
             text = payloads.encode(payload)
+            _check_decimals(payload)
+            if not text.isascii() and not _encodable(text):
+                raise InvalidOperation("payload", _LONE_SURROGATE) from None
     except RecursionError:
         # enqueue refuses more than 64 levels anyway (sql/0019): say so, not a traceback.
         raise InvalidOperation("payload", "payload nests too deep to be written") from None
     except (TypeError, ValueError) as exc:
+        if isinstance(exc, InvalidOperation):
+            raise
         raise InvalidOperation("payload", f"payload is not valid JSON: {exc}") from None
     if "\\u0000" in text and _ESCAPED_NUL.search(text):  # the regex only where it may match
         raise InvalidOperation("payload", "payload must not contain NUL characters")
+    if "\\ud" in text and any(m.group(1) for m in _SURROGATE_ESCAPES.finditer(text)):
+        raise InvalidOperation("payload", _LONE_SURROGATE)
     return text
+
+
+def _check_decimals(payload: Mapping[str, Any]) -> None:
+    """InvalidOperation for a Decimal PostgreSQL would refuse as a raw driver error: its jsonb
+    cannot hold more than 16,383 digits after the point, and enqueue refuses 1e100 and more
+    (outbox.payloads.MAX_NUMBER_DIGITS), but only once the cast has let it through. Iterative,
+    as the payload has been written already (its depth is no risk to the stack here)."""
+    stack: list[Any] = [payload]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, Mapping):
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+        elif isinstance(item, Decimal):
+            exponent = item.as_tuple().exponent
+            if isinstance(exponent, int) and exponent < -_MAX_FRACTION_DIGITS:
+                raise InvalidOperation(
+                    "payload",
+                    f"payload holds a number with more than {_MAX_FRACTION_DIGITS} digits after "
+                    "the decimal point, which PostgreSQL cannot store",
+                )
+            if item and item.adjusted() >= payloads.MAX_NUMBER_DIGITS:
+                raise InvalidOperation(
+                    "payload",
+                    f"payload holds a number of 1e{payloads.MAX_NUMBER_DIGITS} or more in "
+                    f"magnitude; at most {payloads.MAX_NUMBER_DIGITS} digits before the decimal "
+                    "point are allowed",
+                )
 
 
 # One encoder for every call: json.dumps builds a new one whenever an argument is not its
@@ -231,6 +268,19 @@ _PAYLOAD_ENCODER = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
 # \u0000 (ensure_ascii); an even run of backslashes before it is escaped backslashes, not the
 # escape. Searching the text the encoder wrote anyway costs less than walking the payload.
 _ESCAPED_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+# A lone surrogate (U+D800 to U+DFFF without its pair: a str from undecodable bytes) is no
+# UTF-8 text. The encoder writes it as \udXXX, which PostgreSQL's jsonb refuses with an error
+# whose context quotes the payload into the server's log: refused here instead. Each escape is
+# read whole from its backslash (an escaped backslash, a pair, or a lone one: group 1), so an
+# escaped backslash before "ud800" is not taken for an escape.
+_SURROGATE_ESCAPES = re.compile(
+    r"\\(?:\\|ud[89ab][0-9a-f]{2}\\ud[c-f][0-9a-f]{2}|(ud[89a-f][0-9a-f]{2}))"
+)
+_LONE_SURROGATE = (
+    "payload holds a lone surrogate (U+D800 to U+DFFF without its pair), which is not UTF-8 text"
+)
+# The most digits after the decimal point a PostgreSQL numeric (and so a jsonb number) holds.
+_MAX_FRACTION_DIGITS = 16383
 
 
 def _enqueue_result(row: tuple[Any, ...] | None) -> EnqueueResult:

@@ -4,13 +4,19 @@ claimed or written."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from outbox import daemon
 from tests.support.cli import outbox_cli
+from tests.support.daemon import wait_until, write_config
 from tests.support.dispatch import enqueue_many, rows, statuses
 
 BAD_CONFIGS = [
@@ -159,3 +165,40 @@ def test_the_metrics_listener_binds_loopback_unless_told_otherwise() -> None:
     assert daemon.parse_addr("127.0.0.1:9464") == ("127.0.0.1", 9464)
     assert daemon.parse_addr("0.0.0.0:9464") == ("0.0.0.0", 9464)  # noqa: S104 (told to)
     assert daemon.parse_addr("off") is None
+
+
+@pytest.mark.parametrize("configured", [False, True], ids=["no config", "a noop provider"])
+def test_a_run_without_providers_warns_before_it_starts(
+    cli_env: dict[str, str], tmp_path: Path, configured: bool
+) -> None:
+    """With no provider, `outbox run` sends nothing and quarantines what it claims 10 minutes
+    after its enqueue (issue 38, item 6): it says so before it starts, not 10 minutes later."""
+    env = {k: v for k, v in cli_env.items() if k != "OUTBOX_CONFIG"}
+    args = ["--metrics-addr", "off"]
+    if configured:
+        config = write_config(tmp_path / "outbox.toml", providers={"hook": {"type": "noop"}})
+        args += ["--config", str(config)]
+    log_path = tmp_path / "run.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "outbox", "run", *args],
+            env={**env, "OUTBOX_LOG_LEVEL": "info"},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        started = '"outbox run started"'
+        wait_until(lambda: started in log_path.read_text(), timeout=30, what="the run to start")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    text = log_path.read_text()
+    warned = "outbox run has no providers" in text
+    assert warned is not configured, text
+    if warned:
+        assert "unknown_provider" in text and "10m" in text
+        assert text.index("no providers") < text.index(started)

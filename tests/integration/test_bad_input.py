@@ -392,3 +392,59 @@ def test_python_refuses_a_payload_nested_past_its_recursion_limit(
     assert caught.value.field == "payload"
     conn.rollback()
     assert count(db_url) == 0
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        ({"note": "\ud800"}, "lone surrogate"),
+        ({"\udc00key": 1}, "lone surrogate"),
+        ({"n": [{"deep": "a\udbff b"}]}, "lone surrogate"),
+        ({"note": "\ud800", "amount": Decimal("1.5")}, "lone surrogate"),  # the exact encoder
+        ({"amount": Decimal("1E+200000")}, "a number of 1e100 or more"),
+        ({"amount": Decimal("-1E+100")}, "a number of 1e100 or more"),
+        ({"amount": Decimal("1E-20000")}, "more than 16383 digits after the decimal point"),
+        ({"amount": Decimal("0E-16384")}, "more than 16383 digits after the decimal point"),
+    ],
+    ids=[
+        "surrogate",
+        "surrogate-key",
+        "surrogate-nested",
+        "surrogate-exact",
+        "huge",
+        "minus",
+        "tiny",
+        "zero-scale",
+    ],
+)
+def test_python_refuses_what_postgresql_would_refuse_as_a_raw_error_before_sending_it(
+    conn: psycopg.Connection[Any], db_url: str, payload: Any, message: str
+) -> None:
+    """Out-of-range Decimals and lone surrogates once reached the server, and came back as the
+    driver's own errors; the surrogate's quoted a fragment of the payload into the server's log
+    (issue 38). Refused in Python, naming the payload and quoting none of it; nothing is sent,
+    so the caller's transaction goes on."""
+    with pytest.raises(InvalidOperation, match=message) as caught:
+        outbox.enqueue(conn, **charge(payload=payload))
+    assert caught.value.field == "payload"
+    assert "deep" not in str(caught.value) and "note" not in str(caught.value)
+    assert conn.info.transaction_status is not psycopg.pq.TransactionStatus.INERROR
+    outbox.enqueue(conn, **charge())  # the transaction was never touched
+    conn.commit()
+    assert count(db_url) == 1
+
+
+def test_the_most_postgresql_holds_is_accepted_from_python(
+    conn: psycopg.Connection[Any], db_url: str
+) -> None:
+    exact = {
+        "small": Decimal("1E-16383"),
+        "large": Decimal("9.99E+99"),
+        "zero": Decimal("0E+200000"),
+        "emoji": "\U0001f600",
+        "spelled": "\\ud800",
+    }
+    outbox.enqueue(conn, **charge(payload=exact))
+    conn.commit()
+    ((stored,),) = rows(db_url, "SELECT payload::text FROM outbox.operations")
+    assert "\U0001f600" in stored and '"\\\\ud800"' in stored
