@@ -1,5 +1,5 @@
 -- sql/schema.sql: the outbox schema as the migrations of sql/ leave it
--- (every migration up to 0034_no_effect_after_the_last_attempt).
+-- (every migration up to 0035_allowances_match_the_tenant_exactly).
 --
 -- GENERATED FILE: DO NOT EDIT IT BY HAND. It is regenerated, after adding a migration, by
 --     python -m outbox.db.schema_dump --dsn postgresql://postgres@127.0.0.1:5432/postgres --output sql/schema.sql
@@ -100,7 +100,7 @@ CREATE TRIGGER audit_no_truncate BEFORE TRUNCATE ON outbox.audit FOR EACH STATEM
 
 -- =================================================================================================
 -- table outbox.enqueue_allowances
--- history: created by 0026_enqueue_allow_lists
+-- history: created by 0026_enqueue_allow_lists; changed by 0035_allowances_match_the_tenant_exactly
 
 CREATE TABLE outbox.enqueue_allowances (
     tenant_pattern text NOT NULL,
@@ -113,7 +113,7 @@ CREATE TABLE outbox.enqueue_allowances (
     CONSTRAINT enqueue_allowances_not_blank CHECK (((btrim(tenant_pattern) <> ''::text) AND (btrim(provider) <> ''::text) AND (btrim(action) <> ''::text)))
 );
 
-COMMENT ON TABLE outbox.enqueue_allowances IS 'What each tenant may enqueue (tenant_pattern LIKE, provider, action or *); empty: everything.';
+COMMENT ON TABLE outbox.enqueue_allowances IS 'What each tenant may enqueue: tenant_pattern the tenant id exactly, * any run of characters (sql/0035); provider; action exactly or *. Empty: everything.';
 
 -- privileges: the owner's only
 
@@ -1452,7 +1452,7 @@ $function$;
 
 -- =================================================================================================
 -- function outbox.require_allowance(text,text,text)
--- history: created by 0026_enqueue_allow_lists
+-- history: created by 0026_enqueue_allow_lists; changed by 0035_allowances_match_the_tenant_exactly
 
 CREATE OR REPLACE FUNCTION outbox.require_allowance(tenant_id text, provider text, action text)
  RETURNS void
@@ -1463,12 +1463,14 @@ AS $function$
 #variable_conflict use_variable
 BEGIN
     IF EXISTS (SELECT FROM outbox.enqueue_allowances a
-               WHERE tenant_id LIKE a.tenant_pattern AND a.provider = provider
+               WHERE tenant_id LIKE outbox.tenant_glob_to_like(a.tenant_pattern)
+                 AND a.provider = provider
                  AND (a.action = '*' OR a.action = action)) THEN
         RETURN;
     END IF;
     IF NOT EXISTS (SELECT FROM outbox.enqueue_allowances a
-                   WHERE tenant_id LIKE a.tenant_pattern AND a.provider = provider) THEN
+                   WHERE tenant_id LIKE outbox.tenant_glob_to_like(a.tenant_pattern)
+                     AND a.provider = provider) THEN
         RAISE EXCEPTION 'tenant % may not enqueue to provider %', tenant_id, provider
             USING ERRCODE = 'OB002', COLUMN = 'provider',
                   HINT = 'the allow-list (outbox.enqueue_allowances) has no rule for it';
@@ -1815,6 +1817,22 @@ BEGIN
     RETURN NULL;
 END;
 $function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.tenant_glob_to_like(text)
+-- history: created by 0035_allowances_match_the_tenant_exactly
+
+CREATE OR REPLACE FUNCTION outbox.tenant_glob_to_like(pattern text)
+ RETURNS text
+ LANGUAGE sql
+ IMMUTABLE PARALLEL SAFE STRICT
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+    -- LIKE's escape character is \ by default: escape it first, then LIKE's wildcards.
+    SELECT replace(replace(replace(replace(pattern, '\', '\\'), '%', '\%'), '_', '\_'), '*', '%')
+$function$;
+COMMENT ON FUNCTION outbox.tenant_glob_to_like(text) IS 'An allow-list tenant_pattern as the LIKE pattern that matches the same tenants: * any run of characters, every other character itself (sql/0035).';
 -- privileges: the owner's only
 
 -- =================================================================================================

@@ -18,9 +18,11 @@ from pathlib import Path
 from typing import IO, Any
 
 import click
+import psycopg
 
 from outbox import (
     daemon,
+    demo_queue,
     event_loop,
     logs,
     payloads,
@@ -115,6 +117,9 @@ def migrate(
     if blocker is not None:
         raise click.ClickException(blocker)
     with connect(dsn, autocommit=True) as conn:
+        # A migration's WARNINGs say what it changed that a person must know of (0035: the
+        # allow-list rules it rewrote); the server's log is not where anyone would look.
+        conn.add_notice_handler(_show_warning)
         try:
             report = migrations.migrate(
                 conn,
@@ -138,6 +143,11 @@ def migrate(
         click.echo(f"{len(report.applied)} applied, {report.already_applied} already applied")
     else:
         click.echo(f"up to date: {report.already_applied} migrations applied, nothing to do")
+
+
+def _show_warning(diagnostic: psycopg.errors.Diagnostic) -> None:
+    if diagnostic.severity_nonlocalized == "WARNING" and diagnostic.message_primary:
+        click.echo(f"warning: {printable(diagnostic.message_primary)}", err=True)
 
 
 @main.command()
@@ -321,6 +331,10 @@ def demo(dsn: str | None, keep: bool, queue: str | None, stop_dir: Path | None) 
     try:
         if queue is not None and not queue.startswith(("nats://", "tls://")):
             raise click.BadParameter("must be a nats:// URL", param_hint="--queue")
+        # Before anything starts: the client installed, a server with JetStream answering.
+        problem = None if queue is None else asyncio.run(demo_queue.check(queue))
+        if problem is not None:
+            raise BadInput(problem)
         code = asyncio.run(demo_module.run(dsn, keep=keep, say=click.echo, queue=queue))
     except RuntimeError as exc:
         raise click.ClickException(str(exc)) from None

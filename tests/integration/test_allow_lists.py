@@ -14,8 +14,10 @@ import psycopg
 import pytest
 
 import outbox
+from outbox.db import migrations
 from outbox.providers.base import Provider
 from outbox.testing.webhook import FakeWebhookReceiver
+from tests.integration.test_migrations import run_migrate
 from tests.integration.test_roles import APP, as_role, roles_db, sqlstate_of
 from tests.support.dispatch import dispatcher, rows
 
@@ -24,7 +26,7 @@ __all__ = ["roles_db"]  # the fixture, shared with test_roles
 RULES = [
     ("acme", "stripe", "payment_intents.create"),
     ("acme", "stripe", "refunds.create"),
-    ("eu-%", "hook", "*"),
+    ("eu-*", "hook", "*"),
 ]
 
 
@@ -100,3 +102,67 @@ async def test_the_webhook_receiver_is_told_the_tenant(
     assert await dispatcher(pool, {"hook": hook}).run_once() == 1
     (effect,) = receiver.effects
     assert effect.headers["outbox-tenant-id"] == "tenant-%C3%BC-1"  # ASCII, as UTF-8 percent-coded
+
+
+@pytest.mark.parametrize(
+    ("pattern", "admitted", "refused"),
+    [
+        # _ and % were LIKE's wildcards (issue 38): a rule for acme_eu admitted acme-eu.
+        ("acme_eu", ["acme_eu"], ["acme-eu", "acmeXeu", "acme_eu2", "ACME_EU"]),
+        ("50%", ["50%"], ["500", "50", "50%x"]),
+        ("a\\b", ["a\\b"], ["ab", "a\\\\b"]),
+        ("eu-*", ["eu-", "eu-1", "eu-x_y%"], ["eu", "xeu-1", "EU-1"]),
+        ("*-eu", ["acme-eu", "-eu"], ["acme-eu-2"]),
+        ("*", ["anyone", "a_b", "50%"], []),
+    ],
+)
+def test_a_pattern_is_the_tenant_id_itself_where_only_a_star_is_a_wildcard(
+    db_url: str, pattern: str, admitted: list[str], refused: list[str]
+) -> None:
+    allow(db_url, [(pattern, "stripe", "*")])
+    with psycopg.connect(db_url) as conn:
+        for tenant in admitted:
+            assert enqueue(conn, tenant, "stripe", "payouts.create").outcome == "accepted", tenant
+        for tenant in refused:
+            conn.execute("SAVEPOINT s")
+            with pytest.raises(outbox.InvalidOperation) as exc:
+                enqueue(conn, tenant, "stripe", "payouts.create")
+            assert exc.value.field == "provider", tenant
+            conn.execute("ROLLBACK TO SAVEPOINT s")
+
+
+def test_rules_written_for_like_keep_their_meaning_but_underscores(empty_db_url: str) -> None:
+    """0035 rewrites the rules 0026 matched with LIKE: % becomes *, an escaped character itself;
+    _ matches only itself from now on. Two rules that become one are kept once."""
+    with psycopg.connect(empty_db_url, autocommit=True) as conn:
+        migrations.migrate(conn, target=34)
+        conn.cursor().executemany(
+            "INSERT INTO outbox.enqueue_allowances (tenant_pattern, provider, action) "
+            "VALUES (%s, %s, %s)",
+            [
+                ("eu-%", "hook", "*"),
+                ("%", "noop", "*"),
+                ("acme_eu", "stripe", "*"),
+                ("acme\\_eu", "stripe", "*"),  # the same tenant, escaped as LIKE wants
+                ("50\\%", "stripe", "refunds.create"),
+                ("a\\\\b", "stripe", "*"),
+                ("plain", "stripe", "refunds.create"),
+            ],
+        )
+        done = run_migrate(empty_db_url)
+        assert done.returncode == 0, done.stderr
+        # Each rule whose text or meaning changed is named to the person migrating.
+        assert "warning: enqueue_allowances: the tenant pattern 'acme_eu' (LIKE)" in done.stderr
+        assert "'eu-%' (LIKE) is now 'eu-*'" in done.stderr
+        assert "'plain'" not in done.stderr
+        kept = conn.execute(
+            "SELECT tenant_pattern, provider, action FROM outbox.enqueue_allowances ORDER BY 1, 2"
+        ).fetchall()
+    assert kept == [
+        ("*", "noop", "*"),
+        ("50%", "stripe", "refunds.create"),
+        ("a\\b", "stripe", "*"),
+        ("acme_eu", "stripe", "*"),
+        ("eu-*", "hook", "*"),
+        ("plain", "stripe", "refunds.create"),
+    ]

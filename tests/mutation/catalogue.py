@@ -490,6 +490,16 @@ MUTANTS: tuple[Mutant, ...] = (
         "tests/integration/test_allow_lists.py",
     ),
     _one(
+        "allow-list-like-wildcards",
+        "an allow-list rule for one tenant admits others whose ids differ where the rule has a _ "
+        "or a % (acme_eu admits acme-eu)",
+        "sql/0035_allowances_match_the_tenant_exactly.sql",
+        "    SELECT replace(replace(replace(replace(pattern, '\\', '\\\\'), '%', '\\%'), '_', '\\_'), "
+        "'*', '%')\n",
+        "    SELECT replace(pattern, '*', '%')\n",
+        "tests/integration/test_allow_lists.py",
+    ),
+    _one(
         "webhook-credentials-quarantine",
         "a webhook that refuses outbox's credentials quarantines the whole backlog",
         "outbox/providers/http_wire.py",
