@@ -3,13 +3,16 @@ it (issue 37; docs/operations.md, "Provider isolation").
 
 `list` shows what each `outbox run` last wrote (sql/0031): the breaker's state and reason, the
 share of failures among the calls it weighs, the operations found failing alone, and when the
-next probe goes. `reset` closes a provider's breakers and `probe` sends a probe now, in every
-dispatcher within a few seconds; both are recorded in the audit.
+next probe goes. Any dispatcher login may write that table: values no dispatcher writes are shown
+as unknown (null in JSON), and a row dated ahead of the database's clock as suspect. `reset`
+closes a provider's breakers and `probe` sends a probe now, in every dispatcher within a few
+seconds; both are recorded in the audit.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from datetime import datetime, timedelta
 from typing import Any, Final
 
@@ -45,7 +48,7 @@ def list_(dsn: str, provider: str | None, show_all: bool, as_json: bool) -> None
         rows = cur.execute(statements.PROVIDER_HEALTH, params).fetchall()
     rows = [r for r in rows if show_all or not r["stale"]]
     if as_json:
-        click.echo(json.dumps([_jsonable(r) for r in rows]))
+        click.echo(json.dumps([_jsonable(r) for r in rows], allow_nan=False))
         return
     if not rows:
         click.echo("no dispatcher has written its breakers in the last minute")
@@ -55,13 +58,18 @@ def list_(dsn: str, provider: str | None, show_all: bool, as_json: bool) -> None
 
 
 def _line(r: dict[str, Any]) -> tuple[object, ...]:
-    rate = f"{r['failure_rate']:.0%} of {r['calls']}" if r["calls"] else "-"
+    rate = "-"
+    if r["calls"]:
+        share = "unknown" if r["failure_rate"] is None else f"{r['failure_rate']:.0%}"
+        rate = f"{share} of {r['calls']}"
     probe = "-"
     if r["state"] == "half_open":
         probe = "now"
-    elif r["next_probe_at"] is not None:
-        probe = "in " + format_duration(max(timedelta(0), r["next_probe_at"] - r["updated_at"]))
-    seen = "stale" if r["stale"] else "live"
+    elif r["probe_in"] is not None:  # counted from now: a row is rewritten every 30 s only
+        probe = "in " + format_duration(r["probe_in"])
+    elif r["state"] == "open":  # an open breaker has a next probe: this row's is no time
+        probe = "unknown"
+    seen = "suspect" if r["suspect"] else "stale" if r["stale"] else "live"
     return (
         r["provider"],
         r["worker"],
@@ -81,6 +89,8 @@ def _jsonable(r: dict[str, Any]) -> dict[str, Any]:
             out[key] = value.isoformat()
         elif isinstance(value, timedelta):
             out[key] = value.total_seconds()
+        elif isinstance(value, float) and not math.isfinite(value):
+            out[key] = None  # PROVIDER_HEALTH leaves none; JSON has no NaN
         else:
             out[key] = value
     return out

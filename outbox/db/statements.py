@@ -239,9 +239,11 @@ DELETE FROM outbox.provider_health WHERE updated_at < now() - interval '1 day'
 """
 
 # At start-up: for each of these providers, the newest word any dispatcher wrote in the last ten
-# minutes, if that word is "not closed" and no operator reset the provider since. A process that
-# restarts (a crash loop, a deploy) starts with that breaker open instead of sending a burst to
-# a provider that is down.
+# minutes, if that word is "not closed" and no operator reset the provider since the breaker
+# opened (or since the row was written). A process that restarts (a crash loop, a deploy) starts
+# with that breaker open instead of sending a burst to a provider that is down. A row dated
+# ahead of this clock by more than a minute (a failover's skew) is not a dispatcher's: it is
+# left out, so that it neither outlives a reset nor hides the newest real row.
 RESTORE_HEALTH: Final = """
 SELECT n.provider, n.reason,
        -- Bounded: a row written to keep a provider shut for ever (any dispatcher login may
@@ -256,10 +258,13 @@ FROM (SELECT DISTINCT ON (h.provider) h.*
       FROM outbox.provider_health h
       WHERE h.provider = ANY (%(providers)s::text[])
         AND h.updated_at > now() - interval '10 minutes'
+        AND h.updated_at <= now() + interval '1 minute'
       ORDER BY h.provider, h.updated_at DESC) n
 WHERE n.state <> 'closed'
   AND NOT EXISTS (SELECT FROM outbox.provider_actions a
-                  WHERE a.provider = n.provider AND a.action = 'reset' AND a.at >= n.updated_at)
+                  WHERE a.provider = n.provider AND a.action = 'reset'
+                    -- least() passes over a NULL opened_at.
+                    AND a.at >= least(n.opened_at, n.updated_at))
 """
 
 # Operators' requests (`outbox providers reset|probe`) this dispatcher has not acted on yet.
@@ -934,13 +939,30 @@ WHERE status = 'reconciling'
 """
 
 # `outbox providers`: every dispatcher's breakers, newest first within each provider; rows not
-# written for `stale` are a process that is gone (or cannot reach the database).
+# written for `stale` are a process that is gone (or cannot reach the database). Any dispatcher
+# login may write this table, so what no dispatcher writes comes back NULL (shown as unknown):
+# a time infinite or more than a century from now (Python holds no year past 9999), a rate that
+# is no share (NaN, Infinity), an open period below 0 or over a century. A row dated more than a
+# minute ahead of this clock is `suspect` (RESTORE_HEALTH leaves it out). probe_in: the next
+# probe from now, 0 if overdue (the row's own time is up to 30 s old).
 PROVIDER_HEALTH: Final = """
-SELECT provider, worker, state, reason, failure_rate, calls, failing_alone, opened_at,
-       next_probe_at, open_for, updated_at, updated_at < now() - %(stale)s::interval AS stale
-FROM outbox.provider_health
-WHERE %(provider)s::text IS NULL OR provider = %(provider)s::text
-ORDER BY provider, updated_at DESC, worker
+SELECT h.provider, h.worker, h.state, h.reason,
+       CASE WHEN h.failure_rate BETWEEN 0 AND 1 THEN h.failure_rate END AS failure_rate,
+       h.calls, h.failing_alone,
+       CASE WHEN h.opened_at BETWEEN b.earliest AND b.latest THEN h.opened_at END AS opened_at,
+       CASE WHEN h.next_probe_at BETWEEN b.earliest AND b.latest
+            THEN h.next_probe_at END AS next_probe_at,
+       CASE WHEN h.next_probe_at BETWEEN b.earliest AND b.latest
+            THEN greatest(h.next_probe_at - now(), interval '0') END AS probe_in,
+       CASE WHEN h.open_for BETWEEN interval '0' AND interval '100 years'
+            THEN h.open_for END AS open_for,
+       CASE WHEN h.updated_at BETWEEN b.earliest AND b.latest THEN h.updated_at END AS updated_at,
+       h.updated_at < now() - %(stale)s::interval AS stale,
+       h.updated_at > now() + interval '1 minute' AS suspect
+FROM outbox.provider_health h,
+     (SELECT now() - interval '100 years' AS earliest, now() + interval '100 years' AS latest) b
+WHERE %(provider)s::text IS NULL OR h.provider = %(provider)s::text
+ORDER BY h.provider, h.updated_at DESC, h.worker
 """
 # `outbox providers reset|probe`: the request every dispatcher acts on, with its audit row.
 # Relies on: outbox.request_provider_action().

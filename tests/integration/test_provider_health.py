@@ -19,6 +19,7 @@ import psycopg
 from psycopg_pool import AsyncConnectionPool
 
 from outbox.config import BREAKER_OPEN_MAX, ProviderLimits
+from outbox.db.store import Store
 from outbox.dispatcher import Dispatcher
 from outbox.providers.base import Provider
 from outbox.testing.webhook import FakeWebhookReceiver, WebhookFault
@@ -231,3 +232,120 @@ def test_a_crash_loop_does_not_send_a_burst_at_a_provider_that_is_down(
     finally:
         second.stop()
     assert statuses(db_url) == {"pending": 50}
+
+
+def strict_json(text: str) -> Any:
+    """JSON as the standard has it: NaN and Infinity are not JSON, and jq refuses them."""
+
+    def refuse(word: str) -> Any:
+        raise AssertionError(f"not JSON: {word}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_odd_rows_are_listed_with_unknowns_and_rows_dated_ahead_as_suspect(
+    db_url: str, cli_env: dict[str, str]
+) -> None:
+    """Any dispatcher login may write outbox.provider_health: times no timestamp type of Python
+    holds, a rate that is no share, a row dated years ahead. `list` and `list --json` still
+    answer, show what they cannot trust as unknown, and the JSON stays JSON."""
+    with psycopg.connect(db_url) as conn:
+        conn.execute(
+            "INSERT INTO outbox.provider_health (provider, worker, state, reason, failure_rate, "
+            "calls, failing_alone, opened_at, next_probe_at, open_for, updated_at) VALUES "
+            "('hook', 'inf', 'open', 'failures', 'NaN', 3, 0, '-infinity', 'infinity', "
+            " '1 hour', now()), "
+            "('hook', 'huge', 'open', 'failures', 'Infinity', 3, 0, now(), "
+            " now() + interval '5000 years', '100000000 years', now()), "
+            "('hook', 'ahead', 'open', 'credentials', 1, 3, 0, now(), now() + interval '1 hour', "
+            " '1 hour', now() + interval '10 years')"
+        )
+    listed = outbox_cli(cli_env, "providers", "list")
+    assert listed.returncode == 0, listed.stderr
+    lines = {line.split()[1]: line for line in listed.stdout.splitlines()[1:]}
+    assert set(lines) == {"inf", "huge", "ahead"}
+    for worker in ("inf", "huge"):
+        # rate, calls, alone, next probe, seen
+        assert lines[worker].split()[4:] == ["unknown", "of", "3", "0", "unknown", "live"]
+    assert lines["ahead"].endswith("suspect"), lines["ahead"]
+
+    as_json = outbox_cli(cli_env, "providers", "list", "--json")
+    assert as_json.returncode == 0, as_json.stderr
+    found = {r["worker"]: r for r in strict_json(as_json.stdout)}
+    for worker in ("inf", "huge"):
+        r = found[worker]
+        assert (r["failure_rate"], r["next_probe_at"], r["probe_in"]) == (None, None, None)
+        assert not r["suspect"]
+    assert found["inf"]["opened_at"] is None and found["inf"]["open_for"] == 3600.0
+    assert found["huge"]["open_for"] is None
+    ahead = found["ahead"]
+    assert ahead["suspect"] and not ahead["stale"] and ahead["updated_at"] is not None
+
+
+def test_the_next_probe_is_counted_from_now_not_from_the_last_write(
+    db_url: str, cli_env: dict[str, str]
+) -> None:
+    """A breaker that has not changed is written every 30 s only: its row's time is no clock."""
+    with psycopg.connect(db_url) as conn:
+        conn.execute(
+            "INSERT INTO outbox.provider_health (provider, worker, state, reason, failure_rate, "
+            "calls, failing_alone, opened_at, next_probe_at, open_for, updated_at) VALUES "
+            "('hook', 'w1', 'open', 'failures', 1, 20, 0, now() - interval '25 s', "
+            " now() + interval '45 s', '70 s', now() - interval '25 s'), "
+            "('hook', 'w2', 'open', 'failures', 1, 20, 0, now() - interval '25 s', "
+            " now() - interval '5 s', '20 s', now() - interval '25 s')"
+        )
+    listed = outbox_cli(cli_env, "providers", "list")
+    assert listed.returncode == 0, listed.stderr
+    lines = {line.split()[1]: line for line in listed.stdout.splitlines()[1:]}
+    assert " in 4" in lines["w1"], lines["w1"]  # 40-some seconds, not 1m10s
+    assert " in 0ms " in lines["w2"], lines["w2"]  # overdue: now, not "in 20s"
+    found = {
+        r["worker"]: r
+        for r in strict_json(outbox_cli(cli_env, "providers", "list", "--json").stdout)
+    }
+    assert 30 < found["w1"]["probe_in"] <= 45 and found["w2"]["probe_in"] == 0
+
+
+async def test_a_row_dated_ahead_is_not_restored_and_a_reset_wins_over_rows_opened_before_it(
+    db_url: str, pool: AsyncConnectionPool[Any]
+) -> None:
+    store = Store(pool)
+
+    def write(sql: str) -> None:
+        with psycopg.connect(db_url, autocommit=True) as conn:
+            conn.execute("DELETE FROM outbox.provider_health")
+            conn.execute(sql)
+
+    insert = (
+        "INSERT INTO outbox.provider_health (provider, worker, state, reason, opened_at, "
+        "next_probe_at, open_for, updated_at) VALUES "
+    )
+    # Dated ten years ahead, it would win over every reset for ten years; it is not taken at all
+    # (not even to hide the newest real row, here an open one).
+    write(
+        insert + "('hook', 'evil', 'closed', NULL, NULL, NULL, NULL, now() + interval '10 years'),"
+        " ('hook', 'w1', 'open', 'failures', now(), now() + interval '1 minute', '1 minute', "
+        "  now())"
+    )
+    assert [b.provider for b in await store.restore_health(["hook"])] == ["hook"]
+    write(
+        insert + "('hook', 'evil', 'open', 'credentials', now(), 'infinity', '1 hour', "
+        "now() + interval '10 years')"
+    )
+    assert await store.restore_health(["hook"]) == []
+
+    # A row written after a reset by a process that kept a breaker it had opened before the
+    # reset: the reset wins. One opened after the reset is a new outage: it is taken.
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("SELECT outbox.request_provider_action('hook', 'reset', 'oncall', 'fixed')")
+    write(
+        insert + "('hook', 'w1', 'open', 'failures', now() - interval '1 minute', "
+        "now() + interval '1 minute', '1 minute', now())"
+    )
+    assert await store.restore_health(["hook"]) == []
+    write(
+        insert + "('hook', 'w1', 'open', 'failures', now(), now() + interval '1 minute', "
+        "'1 minute', now())"
+    )
+    assert [b.provider for b in await store.restore_health(["hook"])] == ["hook"]
