@@ -4,12 +4,15 @@ A stream of the demo's own is made with a two-minute duplicate_window; a few ope
 dispatched to it by a real dispatcher with the `nats` provider; then one operation's message is
 published again with its stored key, as a dispatcher killed before its record would, and the
 stream answers that it is a duplicate, with the original's sequence. The stream is deleted at the
-end. Needs the nats extra (nats-py) and a NATS server with JetStream.
+end. Needs the nats extra (nats-py) and a NATS server with JetStream: :func:`check` says, before
+the demo starts anything, which of them is missing (issue 38: with nothing listening the demo
+ran its whole first part, then retried the connection for ever).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import Callable
@@ -20,7 +23,7 @@ import psycopg
 from psycopg_pool import AsyncConnectionPool
 
 import outbox
-from outbox import daemon
+from outbox import daemon, redaction
 from outbox.config import DispatcherSettings, ProviderSettings
 from outbox.db import statements
 from outbox.db.store import Store
@@ -37,6 +40,8 @@ ACTION: Final = "order.placed"
 WINDOW: Final = timedelta(minutes=2)
 DEADLINE: Final = 30.0
 ORDERS: Final = 5
+# How long the check before the demo gives the server to answer, JetStream included.
+CHECK_WITHIN: Final = 5.0
 
 
 def _provider_settings(url: str, stream: str, subject: str) -> ProviderSettings:
@@ -50,6 +55,72 @@ def _provider_settings(url: str, stream: str, subject: str) -> ProviderSettings:
     )
 
 
+async def check(url: str) -> str | None:
+    """None when the NATS client is installed and a NATS server with JetStream answers at
+    ``url`` within :data:`CHECK_WITHIN` seconds; otherwise why not, in one line with the fix."""
+    shown = redaction.scrub(url)
+    try:
+        nats = _client_library()
+    except RuntimeError as exc:
+        return str(exc)
+    try:
+        client = await asyncio.wait_for(_connect(nats, url), CHECK_WITHIN)
+    except Exception as exc:  # noqa: BLE001 (whatever stops the connection is the answer)
+        return (
+            f"outbox demo --queue: no NATS server answers at {shown} ({_why(exc)}): start one "
+            "with JetStream (nats-server -js), or leave out --queue"
+        )
+    try:
+        await asyncio.wait_for(client.jetstream(timeout=CHECK_WITHIN).account_info(), CHECK_WITHIN)
+    except Exception as exc:  # noqa: BLE001 (no JetStream answers, whatever the error)
+        return (
+            f"outbox demo --queue: the NATS server at {shown} answers, but not its JetStream "
+            f"({_why(exc, detail=False)}): start it with -js, or leave out --queue"
+        )
+    finally:
+        with contextlib.suppress(Exception):
+            await client.close()
+    return None
+
+
+async def _connect(nats: Any, url: str) -> Any:
+    """A connection tried twice at once at most, never again (nats-py's max_reconnect_attempts=0
+    means for ever, and its reconnect_time_wait 2 s between tries), its errors this module's to
+    say, not tracebacks in nats-py's log. A failure raises the first error a try met: nats-py's
+    own is only "no servers available"."""
+    met: list[Exception] = []
+
+    async def keep(exc: Exception) -> None:
+        met.append(exc)
+
+    client = nats.NATS()
+    try:
+        await client.connect(
+            url,
+            connect_timeout=3,
+            allow_reconnect=False,
+            max_reconnect_attempts=1,
+            reconnect_time_wait=0,
+            error_cb=keep,
+        )
+    except Exception as exc:  # noqa: BLE001 (raised again, as the first error met)
+        with contextlib.suppress(Exception):  # a refused connection's socket may stay open
+            await client.close()
+        raise (met[0] if met else exc) from None
+    return client
+
+
+def _why(exc: BaseException, *, detail: bool = True) -> str:
+    """The error in a few words: its type, and its message's first line unless nats-py's
+    JetStream errors would only repeat the type."""
+    if isinstance(exc, TimeoutError):
+        return f"no answer within {CHECK_WITHIN:g} s"
+    if not detail:
+        return type(exc).__name__
+    text = redaction.scrub(str(exc).strip().splitlines()[0]) if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 async def run(dsn: str, url: str, settings: DispatcherSettings, say: Say) -> None:
     """Dispatch the demo's orders to a stream of its own at ``url``, show the repeat recognised,
     and delete the stream."""
@@ -57,9 +128,9 @@ async def run(dsn: str, url: str, settings: DispatcherSettings, say: Say) -> Non
     suffix = uuid.uuid4().hex[:8]
     stream, subject = f"OUTBOX_DEMO_{suffix.upper()}", f"outbox.demo.{suffix}.orders"
     try:
-        client = await nats.connect(url, connect_timeout=3, max_reconnect_attempts=0)
+        client = await asyncio.wait_for(_connect(nats, url), CHECK_WITHIN)
     except Exception as exc:  # noqa: BLE001 (any failure to connect ends this part alone)
-        say(f"queue: no NATS server answers at {url} ({type(exc).__name__}): skipped")
+        say(f"queue: no NATS server answers at {redaction.scrub(url)} ({_why(exc)}): skipped")
         return
     try:
         js = client.jetstream()
@@ -185,6 +256,7 @@ def _client_library() -> Any:
         import nats  # noqa: PLC0415 (the nats extra)
     except ImportError:
         raise RuntimeError(
-            "outbox demo --queue needs the NATS client: pip install 'outbox[nats]'"
+            "outbox demo --queue needs the NATS client (nats-py, the nats extra), which is not "
+            "installed: pip install 'outbox[nats]'"
         ) from None
     return nats

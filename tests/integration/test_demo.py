@@ -9,12 +9,16 @@ import socket
 import subprocess
 import sys
 import tempfile
+import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.support.queues import require_service
+from tests.support.cluster import free_port
+from tests.support.queues import require_service, wait_for_port
+from tests.support.tools import require_tool
 
 pytestmark = pytest.mark.slow
 
@@ -142,3 +146,93 @@ def test_the_demo_in_front_of_a_real_jetstream_shows_the_repeat_recognised(db_ur
 
 
 NATS = "nats://127.0.0.1:4222"
+
+
+# A refusal before anything starts: the check connects once, within outbox.demo_queue's 5 s.
+REFUSED_WITHIN = 15.0
+
+
+def demo_queue(url: str, tmp: Path, *, block_nats: bool = False) -> tuple[int, str, str, float]:
+    """`outbox demo --queue URL` on an embedded PostgreSQL in ``tmp``: its exit code, stdout,
+    stderr and time taken. ``block_nats``: as on a machine without the nats extra, `import nats`
+    fails (a finder ahead of the others on sys.meta_path, as for a package not installed)."""
+    blocker = textwrap.dedent(
+        """
+        import runpy, sys
+
+        class NoNats:
+            def find_spec(self, name, path=None, target=None):
+                if name == "nats" or name.startswith("nats."):
+                    raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+                return None
+
+        sys.meta_path.insert(0, NoNats())
+        sys.argv = ["outbox", *sys.argv[1:]]
+        runpy.run_module("outbox", run_name="__main__", alter_sys=True)
+        """
+    )
+    prefix = [sys.executable, "-c", blocker] if block_nats else [sys.executable, "-m", "outbox"]
+    env = {**os.environ, "TMPDIR": str(tmp)}
+    env.pop("OUTBOX_DATABASE_URL", None)
+    began = time.monotonic()
+    done = subprocess.run(
+        [*prefix, "demo", "--queue", url],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    return done.returncode, done.stdout, done.stderr, time.monotonic() - began
+
+
+def assert_nothing_started(tmp: Path, out: str, err: str) -> None:
+    assert "starting an embedded PostgreSQL" not in out and "enqueued" not in out, out
+    assert list(tmp.glob("outbox-demo-*")) == []
+    assert "Traceback" not in err, err
+
+
+def test_a_queue_url_nothing_listens_on_exits_2_at_once_before_anything_starts(
+    short_tmp: Path,
+) -> None:
+    """It retried the connection for ever (nats-py's max_reconnect_attempts=0), after running
+    the whole demo first."""
+    url = f"nats://127.0.0.1:{free_port()}"
+    code, out, err, took = demo_queue(url, short_tmp)
+    assert code == 2, out + err
+    assert took < REFUSED_WITHIN, f"{took:.1f}s"
+    assert f"no NATS server answers at {url} (ConnectionRefusedError" in err, err
+    assert "nats-server -js" in err
+    assert_nothing_started(short_tmp, out, err)
+
+
+def test_without_the_nats_extra_the_demo_exits_2_before_anything_starts(short_tmp: Path) -> None:
+    """It ran the whole demo, then failed for want of the client. The server is one that
+    answers, so that the missing client alone is the reason."""
+    require_service("NATS with JetStream", 4222, "nats-server -js (see the machine notes)")
+    code, out, err, took = demo_queue(NATS, short_tmp, block_nats=True)
+    assert code == 2, out + err
+    assert took < REFUSED_WITHIN, f"{took:.1f}s"
+    assert "needs the NATS client (nats-py, the nats extra)" in err, err
+    assert "pip install 'outbox[nats]'" in err
+    assert_nothing_started(short_tmp, out, err)
+
+
+def test_a_nats_server_without_jetstream_exits_2_naming_it(short_tmp: Path) -> None:
+    server = require_tool("nats-server")
+    port = free_port()
+    nats = subprocess.Popen(
+        [server, "-a", "127.0.0.1", "-p", str(port)],  # no -js
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for_port(port, timeout=20, what="a nats-server without JetStream")
+        code, out, err, took = demo_queue(f"nats://127.0.0.1:{port}", short_tmp)
+    finally:
+        nats.terminate()
+        nats.wait(timeout=30)
+    assert code == 2, out + err
+    assert took < REFUSED_WITHIN, f"{took:.1f}s"
+    assert "answers, but not its JetStream" in err and "-js" in err, err
+    assert_nothing_started(short_tmp, out, err)
