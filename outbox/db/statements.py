@@ -215,27 +215,32 @@ due AS (
 )
 
 # Each provider's breaker in this dispatcher (outbox/dispatch/health.py; sql/0031), one row per
-# provider and worker, written every few seconds; rows no one has written for a day go.
+# provider and worker, written every few seconds.
 WRITE_HEALTH: Final = """
-WITH written AS (
-    INSERT INTO outbox.provider_health AS h (provider, worker, state, reason, failure_rate, calls,
-                                             failing_alone, opened_at, next_probe_at, open_for,
-                                             updated_at)
-    SELECT u.provider, %(worker)s, u.state, u.reason, u.failure_rate, u.calls, u.failing_alone,
-           now() - u.opened_ago, now() + u.probe_in, u.open_for, now()
-    FROM unnest(%(providers)s::text[], %(states)s::text[], %(reasons)s::text[],
-                %(rates)s::real[], %(calls)s::integer[], %(alone)s::integer[],
-                %(opened_ago)s::interval[], %(probe_in)s::interval[], %(open_for)s::interval[])
-         AS u (provider, state, reason, failure_rate, calls, failing_alone, opened_ago, probe_in,
-               open_for)
-    ON CONFLICT (provider, worker) DO UPDATE
-    SET state = excluded.state, reason = excluded.reason, failure_rate = excluded.failure_rate,
-        calls = excluded.calls, failing_alone = excluded.failing_alone,
-        opened_at = excluded.opened_at, next_probe_at = excluded.next_probe_at,
-        open_for = excluded.open_for, updated_at = excluded.updated_at
-    RETURNING 1
-)
-DELETE FROM outbox.provider_health WHERE updated_at < now() - interval '1 day'
+INSERT INTO outbox.provider_health AS h (provider, worker, state, reason, failure_rate, calls,
+                                         failing_alone, opened_at, next_probe_at, open_for,
+                                         updated_at)
+SELECT u.provider, %(worker)s, u.state, u.reason, u.failure_rate, u.calls, u.failing_alone,
+       now() - u.opened_ago, now() + u.probe_in, u.open_for, now()
+FROM unnest(%(providers)s::text[], %(states)s::text[], %(reasons)s::text[],
+            %(rates)s::real[], %(calls)s::integer[], %(alone)s::integer[],
+            %(opened_ago)s::interval[], %(probe_in)s::interval[], %(open_for)s::interval[])
+     AS u (provider, state, reason, failure_rate, calls, failing_alone, opened_ago, probe_in,
+           open_for)
+ON CONFLICT (provider, worker) DO UPDATE
+SET state = excluded.state, reason = excluded.reason, failure_rate = excluded.failure_rate,
+    calls = excluded.calls, failing_alone = excluded.failing_alone,
+    opened_at = excluded.opened_at, next_probe_at = excluded.next_probe_at,
+    open_for = excluded.open_for, updated_at = excluded.updated_at
+"""
+
+# Every few minutes per dispatcher, not at each write (the table has no index on updated_at):
+# rows no one has written for a day go, and so do rows dated more than a day ahead of this
+# clock, which no dispatcher writes (any dispatcher login may write this table) and which would
+# otherwise never go.
+PRUNE_HEALTH: Final = """
+DELETE FROM outbox.provider_health
+WHERE updated_at < now() - interval '1 day' OR updated_at > now() + interval '1 day'
 """
 
 # At start-up: for each of these providers, the newest word any dispatcher wrote in the last ten

@@ -443,6 +443,11 @@ class Store:
         async with self._connection() as conn:
             await conn.execute(statements.WRITE_HEALTH, params)
 
+    async def prune_health(self) -> None:
+        """Drop the rows no one has written for a day, or dated a day ahead (PRUNE_HEALTH)."""
+        async with self._connection() as conn:
+            await conn.execute(statements.PRUNE_HEALTH)
+
     async def restore_health(self, providers: Sequence[str]) -> list[OpenBreaker]:
         """The breakers of ``providers`` that a dispatcher left open lately (RESTORE_HEALTH)."""
         async with self._connection() as conn:

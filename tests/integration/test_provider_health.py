@@ -16,11 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+import pytest
 from psycopg_pool import AsyncConnectionPool
 
 from outbox.config import BREAKER_OPEN_MAX, ProviderLimits
 from outbox.db.store import Store
+from outbox.dispatch import health as health_module
 from outbox.dispatcher import Dispatcher
+from outbox.provider_limits import State, Verdict
 from outbox.providers.base import Provider
 from outbox.testing.webhook import FakeWebhookReceiver, WebhookFault
 from tests.support.cli import outbox_cli
@@ -349,3 +352,78 @@ async def test_a_row_dated_ahead_is_not_restored_and_a_reset_wins_over_rows_open
         "'1 minute', now())"
     )
     assert [b.provider for b in await store.restore_health(["hook"])] == ["hook"]
+
+
+def health_workers(url: str) -> list[str]:
+    return [w for (w,) in rows(url, "SELECT worker FROM outbox.provider_health ORDER BY worker")]
+
+
+async def test_rows_not_written_for_a_day_or_dated_a_day_ahead_go_every_few_minutes(
+    db_url: str,
+    pool: AsyncConnectionPool[Any],
+    hook: Provider,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Not at every write: 50 replicas writing every 2 s would scan the table 25 times a second."""
+
+    def old(worker: str, when: str) -> None:
+        with psycopg.connect(db_url) as conn:
+            conn.execute(
+                "INSERT INTO outbox.provider_health (provider, worker, state, updated_at) "
+                "VALUES ('hook', %s, 'closed', now() + %s::interval)",
+                (worker, when),
+            )
+
+    old("gone", "-2 days")
+    old("ahead", "2 days")
+    old("recent", "-1 hour")
+    d = dispatcher(pool, {"hook": hook}, worker="w")
+    await d.health.round()
+    assert health_workers(db_url) == ["recent", "w"]
+
+    old("gone", "-2 days")
+    d.limits.breaker("hook").record(1, Verdict.FAILING)  # a change: written this round
+    before = rows(db_url, "SELECT failure_rate FROM outbox.provider_health WHERE worker = 'w'")
+    await d.health.round()
+    after = rows(db_url, "SELECT failure_rate FROM outbox.provider_health WHERE worker = 'w'")
+    assert (before, after) == ([(0.0,)], [(1.0,)])
+    assert health_workers(db_url) == ["gone", "recent", "w"]
+
+    monkeypatch.setattr(health_module, "PRUNE_EVERY", 0.0)
+    await d.health.round()
+    assert health_workers(db_url) == ["recent", "w"]
+
+
+async def test_a_restore_the_database_refused_at_start_is_tried_again_until_it_is_done(
+    db_url: str, pool: AsyncConnectionPool[Any], hook: Provider
+) -> None:
+    """`outbox run` started while the database was away: once it is back, the breaker another
+    process left open is open here too, unless a breaker of this process has moved since."""
+    with psycopg.connect(db_url) as conn:
+        conn.execute(
+            "INSERT INTO outbox.provider_health (provider, worker, state, reason, opened_at, "
+            "next_probe_at, open_for) VALUES ('hook', 'dead', 'open', 'credentials', now(), "
+            "now() + interval '1 minute', interval '2 minutes')"
+        )
+
+    def away(away: bool) -> None:
+        names = ("provider_health", "provider_health_away")
+        with psycopg.connect(db_url) as conn:
+            conn.execute(f"ALTER TABLE outbox.{names[not away]} RENAME TO {names[away]}")
+
+    fresh = dispatcher(pool, {"hook": hook}, worker="fresh")
+    moved = dispatcher(pool, {"hook": hook}, worker="moved")
+    away(True)
+    for d in (fresh, moved):
+        await d.health.restore()
+        await d.health.round()
+        assert d.limits.breaker("hook").state is State.CLOSED
+    away(False)
+    # This one has sent a call since (and it succeeded): its own word is newer than the row.
+    moved.limits.breaker("hook").record(1, Verdict.HEALTHY)
+    for _ in range(2):
+        for d in (fresh, moved):
+            await d.health.round()
+    assert fresh.limits.breaker("hook").state is State.OPEN
+    assert fresh.limits.breaker("hook").reason == "credentials"
+    assert moved.limits.breaker("hook").state is State.CLOSED
