@@ -215,7 +215,8 @@ class Breaker:
     def _succeeded(self, operation_id: int) -> None:
         self._successes += 1
         self._failed_at.pop(operation_id, None)
-        self._alone.pop(operation_id, None)
+        if self._alone.pop(operation_id, None) is not None:
+            metrics.PROVIDER_FAILING_ALONE.labels(self.provider).set(len(self._alone))
 
     def _counts(self, operation_id: int) -> bool:
         """Date this failure; False if it says nothing of the provider: the operation failed
@@ -270,6 +271,12 @@ class Breaker:
     def snapshot(self) -> Health:
         """What ``outbox providers`` shows of this breaker (written by outbox.dispatch.health)."""
         self.allowance()  # open past its period: half-open now
+        # Marks past ALONE_FOR count no more (_counts): they go here, oldest first (each is
+        # added at the end), and the gauge follows.
+        now = self._clock()
+        while self._alone and now - next(iter(self._alone.values())) >= ALONE_FOR:
+            self._alone.popitem(last=False)
+        metrics.PROVIDER_FAILING_ALONE.labels(self.provider).set(len(self._alone))
         opened_ago = None
         if self.state is not State.CLOSED and self.opened_at is not None:
             opened_ago = self._clock() - self.opened_at

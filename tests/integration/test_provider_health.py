@@ -17,13 +17,14 @@ from typing import Any
 
 import psycopg
 import pytest
+from prometheus_client import REGISTRY
 from psycopg_pool import AsyncConnectionPool
 
 from outbox.config import BREAKER_OPEN_MAX, ProviderLimits
 from outbox.db.store import Store
 from outbox.dispatch import health as health_module
 from outbox.dispatcher import Dispatcher
-from outbox.provider_limits import State, Verdict
+from outbox.provider_limits import ALONE_FOR, Breaker, State, Verdict
 from outbox.providers.base import Provider
 from outbox.testing.webhook import FakeWebhookReceiver, WebhookFault
 from tests.support.cli import outbox_cli
@@ -427,3 +428,35 @@ async def test_a_restore_the_database_refused_at_start_is_tried_again_until_it_i
     assert fresh.limits.breaker("hook").state is State.OPEN
     assert fresh.limits.breaker("hook").reason == "credentials"
     assert moved.limits.breaker("hook").state is State.CLOSED
+
+
+def test_the_failing_alone_gauge_counts_the_operations_failing_alone_now() -> None:
+    """It follows them when they succeed at last, and when their hour is over."""
+
+    class Clock:
+        now = 1000.0
+
+        def __call__(self) -> float:
+            return self.now
+
+    clock = Clock()
+    b = Breaker("alone-gauge", 5, timedelta(seconds=30), clock)
+
+    def gauge() -> float | None:
+        return REGISTRY.get_sample_value(
+            "outbox_provider_failing_alone", {"provider": "alone-gauge"}
+        )
+
+    for op in range(3):  # each fails, another succeeds, it fails again: alone
+        b.record(op, Verdict.FAILING)
+        b.record(100 + op, Verdict.HEALTHY)
+        b.record(op, Verdict.FAILING)
+    assert (b.snapshot().failing_alone, gauge()) == (3, 3)
+    b.record(0, Verdict.HEALTHY)
+    assert gauge() == 2
+    b.record(1, Verdict.HEALTHY)
+    assert (b.snapshot().failing_alone, gauge()) == (1, 1)
+    clock.now += ALONE_FOR - 1
+    assert (b.snapshot().failing_alone, gauge()) == (1, 1)
+    clock.now += 1  # op 2's hour is over (it was quarantined and will never succeed)
+    assert (b.snapshot().failing_alone, gauge()) == (0, 0)
