@@ -1,5 +1,5 @@
 -- sql/schema.sql: the outbox schema as the migrations of sql/ leave it
--- (every migration up to 0035_allowances_match_the_tenant_exactly).
+-- (every migration up to 0036_identities_refuse_spaces_at_their_ends).
 --
 -- GENERATED FILE: DO NOT EDIT IT BY HAND. It is regenerated, after adding a migration, by
 --     python -m outbox.db.schema_dump --dsn postgresql://postgres@127.0.0.1:5432/postgres --output sql/schema.sql
@@ -490,6 +490,42 @@ $function$;
 -- privileges: the owner's only
 
 -- =================================================================================================
+-- function outbox.check_ends(text,text)
+-- history: created by 0036_identities_refuse_spaces_at_their_ends
+
+CREATE OR REPLACE FUNCTION outbox.check_ends(field text, value text)
+ RETURNS void
+ LANGUAGE plpgsql
+ IMMUTABLE
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+DECLARE
+    v_bad text;
+    v_at  integer;
+    v_hex text;
+BEGIN
+    IF value IS NULL THEN
+        RETURN;
+    END IF;
+    v_bad := substring(value from '^[\u0020\u00a0\u1680\u2000-\u200a\u202f\u205f\u3000]');
+    v_at := 1;
+    IF v_bad IS NULL THEN
+        v_bad := substring(value from '[\u0020\u00a0\u1680\u2000-\u200a\u202f\u205f\u3000]$');
+        v_at := char_length(value);
+    END IF;
+    IF v_bad IS NOT NULL THEN
+        v_hex := upper(to_hex(ascii(v_bad)));
+        RAISE EXCEPTION '% must not begin or end with a space (U+% at character %)',
+            field, lpad(v_hex, 4, '0'), v_at
+            USING ERRCODE = 'OB002', COLUMN = field,
+                  HINT = 'a space at either end (U+0020, U+00A0 and the other Unicode spaces) '
+                         'makes a value that looks like another';
+    END IF;
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
 -- function outbox.check_text(text,text,integer,boolean)
 -- history: created by 0004_enqueue; changed by 0011_security_definer,
 --     0028_identities_refuse_format_characters
@@ -634,7 +670,7 @@ $function$;
 -- function outbox.enqueue(text,text,text,text,text,jsonb,text,text,timestamp with time zone,integer,text,text)
 -- history: created by 0015_ordering_keys; changed by 0017_cheaper_enqueue,
 --     0019_limits_schedule_and_key_locks, 0024_keys_name_one_operation, 0026_enqueue_allow_lists,
---     0028_identities_refuse_format_characters
+--     0028_identities_refuse_format_characters, 0036_identities_refuse_spaces_at_their_ends
 
 CREATE OR REPLACE FUNCTION outbox.enqueue(tenant_id text, operation_type text, operation_key text, provider text, action text, payload jsonb, correlation_id text DEFAULT NULL::text, idempotency_key text DEFAULT NULL::text, available_at timestamp with time zone DEFAULT NULL::timestamp with time zone, max_attempts integer DEFAULT NULL::integer, traceparent text DEFAULT NULL::text, ordering_key text DEFAULT NULL::text)
  RETURNS TABLE(operation_id bigint, outcome text)
@@ -678,6 +714,12 @@ BEGIN
              OR (btrim(correlation_id) <> '' AND char_length(correlation_id) <= 255))
         AND (ordering_key IS NULL
              OR (btrim(ordering_key) <> '' AND char_length(ordering_key) <= 255))
+        -- No space of any kind (Unicode's Zs) at either end of a field: between the fields'
+        -- ends, U+0001 (refused in any field, so no field holds it here).
+        AND (E'\x01' || tenant_id || E'\x01' || operation_type || E'\x01' || operation_key
+             || E'\x01' || provider || E'\x01' || action || E'\x01'
+             || coalesce(correlation_id, '') || E'\x01' || coalesce(ordering_key, '') || E'\x01')
+            !~ '\x01[\u0020\u00a0\u1680\u2000-\u200a\u202f\u205f\u3000]|[\u0020\u00a0\u1680\u2000-\u200a\u202f\u205f\u3000]\x01'
         AND (tenant_id || operation_type || operation_key || provider || action
              || coalesce(correlation_id, '') || coalesce(ordering_key, ''))
             !~ '[\u0001-\u001f\u007f-\u009f\u00ad\u0600-\u0605\u061c\u06dd\u070f\u0890\u0891\u08e2\u180e\u200b-\u200f\u2028-\u202e\u2060-\u2064\u2066-\u206f\ufeff\ufff9-\ufffb\U000110bd\U000110cd\U00013430-\U0001343f\U0001bca0-\U0001bca3\U0001d173-\U0001d17a\U000e0001\U000e0020-\U000e007f]'
@@ -689,6 +731,13 @@ BEGIN
         PERFORM outbox.check_text('action', action, 128);
         PERFORM outbox.check_text('correlation_id', correlation_id, 255, false);
         PERFORM outbox.check_text('ordering_key', ordering_key, 255, false);
+        PERFORM outbox.check_ends('tenant_id', tenant_id);
+        PERFORM outbox.check_ends('operation_type', operation_type);
+        PERFORM outbox.check_ends('operation_key', operation_key);
+        PERFORM outbox.check_ends('provider', provider);
+        PERFORM outbox.check_ends('action', action);
+        PERFORM outbox.check_ends('correlation_id', correlation_id);
+        PERFORM outbox.check_ends('ordering_key', ordering_key);
     END IF;
 
     IF payload IS NULL THEN
@@ -734,10 +783,11 @@ BEGIN
     END IF;
     -- outbox's own keys: derived ones (ob1_ and a hash anyone can compute of an identity), and
     -- the later generations of any key (:r2...). A caller taking one would occupy the key of
-    -- an operation not enqueued yet, or of a reconcile retry.
-    IF idempotency_key LIKE 'ob1\_%' OR idempotency_key ~ ':r[0-9]+$' THEN
-        RAISE EXCEPTION 'idempotency_key may not begin with ob1_ or end with :r and a number: '
-                        'outbox keeps those forms for the keys it makes'
+    -- an operation not enqueued yet, or of a reconcile retry. In any case (0036): a provider
+    -- that compares keys without regard to case takes OB1_... for ob1_....
+    IF idempotency_key ILIKE 'ob1\_%' OR idempotency_key ~* ':r[0-9]+$' THEN
+        RAISE EXCEPTION 'idempotency_key may not begin with ob1_ or end with :r and a number, '
+                        'in any case: outbox keeps those forms for the keys it makes'
             USING ERRCODE = 'OB002', COLUMN = 'idempotency_key';
     END IF;
     v_key := coalesce(idempotency_key,

@@ -41,8 +41,9 @@ PIPELINE = "outbox/dispatch/pipeline.py"
 RECORDER = "outbox/dispatch/recorder.py"
 POLICY = "outbox/policy.py"
 ISOLATION_TESTS = "tests/integration/test_provider_isolation.py"
-# The newest definitions of outbox.enqueue and outbox.check_text.
-ENQUEUE = "sql/0028_identities_refuse_format_characters.sql"
+# The newest definitions of outbox.enqueue and of outbox.check_text.
+ENQUEUE = "sql/0036_identities_refuse_spaces_at_their_ends.sql"
+CHECK_TEXT = "sql/0028_identities_refuse_format_characters.sql"
 # The queue providers' tests against the real brokers (and moto, the Cloud Tasks emulator).
 NATS_TESTS = "tests/integration/test_queue_nats.py"
 AMQP_TESTS = "tests/integration/test_queue_amqp.py"
@@ -435,7 +436,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "caller-takes-derived-key",
         "a producer occupies the derived key of another tenant's operation before it exists",
         ENQUEUE,
-        "    IF idempotency_key LIKE 'ob1\\_%' OR idempotency_key ~ ':r[0-9]+$' THEN\n",
+        "    IF idempotency_key ILIKE 'ob1\\_%' OR idempotency_key ~* ':r[0-9]+$' THEN\n",
         "    IF false THEN\n",
         "tests/integration/test_key_namespace.py",
     ),
@@ -460,10 +461,19 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "identity-format-characters-check-text",
         "an identity holding a bidi override or a line separator is enqueued (check_text)",
-        ENQUEUE,
+        CHECK_TEXT,
         "    v_bad := substring(value from '[",
         "    v_bad := substring(value from '[[:cntrl:]]');\n    PERFORM substring(value from '[",
         "tests/integration/test_identity_characters.py",
+    ),
+    _one(
+        "identity-edge-spaces",
+        "an identity ending in a no-break space is enqueued, and looks like another tenant's or "
+        "operation's",
+        ENQUEUE,
+        "    IF value IS NULL THEN\n",
+        "    IF true THEN\n",
+        "tests/integration/test_identity_ends.py",
     ),
     _one(
         "table-cells-unescaped",
