@@ -57,6 +57,13 @@ HTTP_TOO_MANY_REQUESTS: Final = 429
 # An operation found failing alone stays so this long (seconds), unless it succeeds; at most
 # this many are remembered (and as many dates of failures), the oldest forgotten first.
 ALONE_FOR: Final = 3600.0
+# ... and only while the provider has succeeded for another operation in this many seconds:
+# past that, with nothing but failures (an outage), every failure counts again.
+ALONE_RECENT: Final = 600.0
+# After a probe showed the provider working, the breaker weighs at least this many calls before
+# it may open again (doubling per episode from its window), for this long (seconds).
+GRACE_MAX: Final = 640
+GRACE_FOR: Final = 3600.0
 # Failures of at least this many operations open a breaker.
 DISTINCT_FAILING: Final = 2
 # A half-open provider whose probe claim found no due row is looked at again this much later.
@@ -129,12 +136,21 @@ class Breaker:
         self.reason: str | None = None
         self._threshold = failures
         self._rate = rate
-        self._calls: deque[tuple[int, bool]] = deque(maxlen=max(window, failures))
+        # The last calls: (operation, failed, tenant, counted). A failure of an operation that
+        # fails alone is not counted while the window holds a success.
+        self._calls: deque[tuple[int, bool, str, bool]] = deque(maxlen=max(window, failures))
+        # After a probe showed the provider working, the breaker may open again only once it
+        # has weighed this many calls since (doubling with each such episode, for an hour).
+        self._grace = 0
+        self._episodes = 0
+        self._since_close = 0
+        self._closed_at = clock()
         self._base = open_for.total_seconds()
         self._longest = max(self._base, BREAKER_OPEN_MAX.total_seconds())
         self._open_for = self._base
         self._open_until = 0.0
         self._successes = 0  # successes so far: an operation's failures are dated by it
+        self._last_success_at = -ALONE_RECENT
         self._failed_at: OrderedDict[int, int] = OrderedDict()  # op -> successes at its failure
         self._alone: OrderedDict[int, float] = OrderedDict()  # op -> when it was found alone
         self._probe: int | None = None  # the operation sent as the probe, while half-open
@@ -175,8 +191,8 @@ class Breaker:
 
     # --- what calls said ---------------------------------------------------------------------
 
-    def record(self, operation_id: int, said: Verdict) -> None:
-        """Count a call's outcome."""
+    def record(self, operation_id: int, said: Verdict, tenant: str = "") -> None:
+        """Count a call's outcome (``tenant``: the operation's)."""
         if operation_id == self._probe:
             self._probe_answered(operation_id, said)
         elif said is Verdict.REFUSED:
@@ -190,14 +206,18 @@ class Breaker:
         elif said is Verdict.HEALTHY:
             self._succeeded(operation_id)
             if self.state is State.CLOSED:
-                self._calls.append((operation_id, False))
+                self._calls.append((operation_id, False, tenant, True))
+                self._since_close += 1
             elif self.reason == REASON_FAILURES:
-                self._close(why="a call succeeded")
+                self._close(why="a call succeeded", works=True)
                 self._answered = operation_id  # its end wakes the claim (released)
-        elif said is Verdict.FAILING and self._counts(operation_id) and self.state is State.CLOSED:
-            self._calls.append((operation_id, True))
-            if self._too_many_failures():
-                self._open(REASON_FAILURES)
+        elif said is Verdict.FAILING:
+            counted = self._counts(operation_id)
+            if self.state is State.CLOSED:
+                self._calls.append((operation_id, True, tenant, counted))
+                self._since_close += 1
+                if self._too_many_failures():
+                    self._open(REASON_FAILURES)
 
     def _probe_answered(self, operation_id: int, said: Verdict) -> None:
         self._probe, self._answered = None, operation_id
@@ -210,17 +230,20 @@ class Breaker:
         else:
             if said is Verdict.HEALTHY:
                 self._succeeded(operation_id)
-            self._close(why="the probe succeeded")
+            self._close(why="the probe succeeded", works=self.reason == REASON_FAILURES)
 
     def _succeeded(self, operation_id: int) -> None:
         self._successes += 1
+        self._last_success_at = self._clock()
         self._failed_at.pop(operation_id, None)
         if self._alone.pop(operation_id, None) is not None:
             metrics.PROVIDER_FAILING_ALONE.labels(self.provider).set(len(self._alone))
 
     def _counts(self, operation_id: int) -> bool:
         """Date this failure; False if it says nothing of the provider: the operation failed
-        before, and the provider has succeeded for another since (it fails alone)."""
+        before, and the provider has succeeded for another since, as lately as the calls the
+        window holds (it fails alone while its neighbours succeed; in an outage the window
+        holds no success, and its failures count again)."""
         now = self._clock()
         marked = self._alone.get(operation_id)
         if marked is not None and now - marked < ALONE_FOR:
@@ -230,32 +253,50 @@ class Breaker:
         _trim(self._failed_at)
         if earlier is None or earlier == self._successes:
             return True
+        if not self._recently_succeeded():
+            return True
         self._alone[operation_id] = now
         self._alone.move_to_end(operation_id)
         _trim(self._alone)
-        # Its earlier failures leave the window: they were its own.
-        kept = [call for call in self._calls if call[0] != operation_id]
+        # Its earlier failures no longer count: they were its own.
+        kept = [(op, f, t, c and op != operation_id) for op, f, t, c in self._calls]
         self._calls.clear()
         self._calls.extend(kept)
         metrics.PROVIDER_FAILING_ALONE.labels(self.provider).set(len(self._alone))
         return False
 
+    def _recently_succeeded(self) -> bool:
+        """The provider succeeded for some operation lately: failing alone still means that."""
+        return self._clock() - self._last_success_at < ALONE_RECENT
+
     def _too_many_failures(self) -> bool:
-        failing = [op for op, failed in self._calls if failed]
-        return (
-            len(failing) >= self._threshold
-            and len(failing) >= self._rate * len(self._calls)
-            # One operation failing again and again says nothing of the provider: it spends its
-            # own budget (a provider down with one operation to send loses no more than that).
-            and len(set(failing)) >= min(DISTINCT_FAILING, self._threshold)
-        )
+        # With no success for a while (an outage), every failure counts, alone or not.
+        every = not self._recently_succeeded()
+        failing = [
+            (op, t) for op, failed, t, counted in self._calls if failed and (counted or every)
+        ]
+        if len(failing) < self._threshold or len(failing) < self._rate * len(self._calls):
+            return False
+        # One operation failing again and again says nothing of the provider: it spends its own
+        # budget (a provider down with one operation to send loses no more than that).
+        if len({op for op, _ in failing}) < min(DISTINCT_FAILING, self._threshold):
+            return False
+        # One tenant's operations failing while another tenant's succeed are that tenant's own.
+        sick = {tenant for _, tenant in failing}
+        if len(sick) == 1 and any(not f and t not in sick for _, f, t, _ in self._calls):
+            return False
+        # Lately a probe showed the provider working: weigh more calls before believing it sick.
+        if self._clock() - self._closed_at > GRACE_FOR:
+            self._grace, self._episodes = 0, 0
+        return self._since_close >= self._grace
 
     # --- what operators and start-up see and do ----------------------------------------------
 
     @property
     def failure_rate(self) -> float:
         """The share of failures among the calls in the window (0 with none)."""
-        failing = sum(1 for _, failed in self._calls if failed)
+        every = not self._recently_succeeded()
+        failing = sum(1 for _, f, _, counted in self._calls if f and (counted or every))
         return failing / len(self._calls) if self._calls else 0.0
 
     @property
@@ -332,6 +373,10 @@ class Breaker:
         return True
 
     def _open(self, reason: str) -> None:
+        if reason == REASON_FAILURES and self._alone:
+            # Found alone while it looked healthy; sick now, it may be every operation's.
+            self._alone.clear()
+            metrics.PROVIDER_FAILING_ALONE.labels(self.provider).set(0)
         self._open_for = self._base
         self._open_until = self._clock() + self._open_for
         self.reason = reason
@@ -349,7 +394,7 @@ class Breaker:
                 "provider breaker opened: operations wait until a probe succeeds",
                 provider=self.provider,
                 reason=reason,
-                failures=sum(1 for _, failed in self._calls if failed),
+                failures=sum(1 for _, failed, _, _ in self._calls if failed),
                 failure_rate=round(rate, 2),
                 probe_in_s=self._open_for,
             )
@@ -372,7 +417,16 @@ class Breaker:
             probe_in_s=self._open_for,
         )
 
-    def _close(self, *, why: str) -> None:
+    def _close(self, *, why: str, works: bool = False) -> None:
+        """``works``: a call succeeded while it was open for failures: the provider worked, so
+        the failures that opened it were the operations' own (a burst of bad payloads ahead of
+        good ones): it weighs twice as many calls as last time before it may open again."""
+        if works:
+            self._episodes += 1
+            self._grace = min(self._calls.maxlen or 1, GRACE_MAX) * 2 ** min(self._episodes, 5)
+            self._grace = min(self._grace, GRACE_MAX)
+        self._since_close = 0
+        self._closed_at = self._clock()
         self._open_for = self._base
         self._probe = None  # a probe still under way is an ordinary call now
         self._calls.clear()  # a fresh start: the failures before say nothing now
@@ -539,7 +593,7 @@ class Limits:
         coroutine: nearly every call needs no round trip, and so no await."""
         breaker = self._breakers.get(row.provider)
         if breaker is not None:
-            breaker.record(row.id, verdict(result))
+            breaker.record(row.id, verdict(result), row.tenant_id)
         if isinstance(result, Succeeded) or result.http_status != HTTP_TOO_MANY_REQUESTS:
             return None
         lim = self._limits.get(row.provider)

@@ -168,38 +168,77 @@ due AS (
     + _LEASE_DUE
 )
 
-# A half-open breaker's probe (outbox.provider_limits.Breaker): one due row of the provider, of
-# its first 1,000 due rows from the first tenant after the last probe's (around to the first):
-# one that has not failed in this budget (never tried, or handed back unsent), from the first
-# tenant in turn that has one, at random within it; failing that, the one whose last try is the
-# oldest. The rows that opened the breaker are the freshest failures, so they probe last: a
-# payload that fails alone cannot be every probe (issue 37). SKIP LOCKED as in CLAIM.
+# A half-open breaker's probe (outbox.provider_limits.Breaker): one due row of the provider, from
+# the next five tenants after the last probe's (around to the first): of each, the ten newest due
+# rows that have not failed (among its 200 newest) and its ten oldest. Rows that have not failed
+# in this budget come first: the newest, then those handed back unsent, then the oldest never
+# tried, the nearest tenant first, at random within each; failing that, the row whose last try
+# is the oldest. The ordinary claim goes oldest first, so the failures that opened the breaker
+# came from the oldest rows: the newest are the other part of the line, and a burst of bad
+# payloads queued ahead of good ones is not every probe (issue 37). Every scan reads the claim
+# index, forwards or backwards; SKIP LOCKED as in CLAIM.
 CLAIM_PROBE: Final = (
     """
-WITH
-near AS (
-    SELECT c.* FROM (
-        (SELECT o.id, o.tenant_id, o.attempts > o.attempt_base AS failed, o.last_attempt_at,
-                false AS wrapped
-         FROM outbox.operations o
+WITH RECURSIVE
+tenants (tenant_id, n, wrapped) AS (
+    SELECT t.tenant_id, 1, t.wrapped FROM (
+        (SELECT o.tenant_id, false AS wrapped FROM outbox.operations o
          WHERE o.provider = %(provider)s AND o.tenant_id > %(after_tenant)s
            AND o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
-           AND o.available_at <= now()
-         ORDER BY o.provider, o.tenant_id, o.available_at, o.id LIMIT 1000)
+         ORDER BY o.provider, o.tenant_id, o.available_at, o.id LIMIT 1)
         UNION ALL
-        (SELECT o.id, o.tenant_id, o.attempts > o.attempt_base, o.last_attempt_at, true
+        (SELECT o.tenant_id, true FROM outbox.operations o
+         WHERE o.provider = %(provider)s
+           AND o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
+         ORDER BY o.provider, o.tenant_id, o.available_at, o.id LIMIT 1)
+        LIMIT 1) t
+    UNION ALL
+    SELECT nx.tenant_id, t.n + 1, nx.wrapped
+    FROM tenants t
+    CROSS JOIN LATERAL (
+        (SELECT o.tenant_id, t.wrapped AS wrapped FROM outbox.operations o
+         WHERE o.provider = %(provider)s AND o.tenant_id > t.tenant_id
+           AND o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
+         ORDER BY o.provider, o.tenant_id, o.available_at, o.id LIMIT 1)
+        UNION ALL
+        (SELECT o.tenant_id, true FROM outbox.operations o
+         WHERE NOT t.wrapped AND o.provider = %(provider)s
+           AND o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
+         ORDER BY o.provider, o.tenant_id, o.available_at, o.id LIMIT 1)
+        LIMIT 1) nx
+    -- Up to five tenants, and once around at most.
+    WHERE t.n < 5 AND NOT (nx.wrapped AND nx.tenant_id > %(after_tenant)s)
+),
+near AS (
+    SELECT DISTINCT ON (c.id) c.id, t.n, c.failed, c.newest, c.handed_back, c.last_attempt_at
+    FROM tenants t
+    CROSS JOIN LATERAL (
+        (SELECT x.* FROM (
+             SELECT o.id, o.attempts > o.attempt_base AS failed, true AS newest,
+                    o.last_attempt_at IS NOT NULL AS handed_back, o.last_attempt_at
+             FROM outbox.operations o
+             WHERE o.provider = %(provider)s AND o.tenant_id = t.tenant_id
+               AND o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
+               AND o.available_at <= now()
+             ORDER BY o.available_at DESC, o.id DESC LIMIT 200) x
+         -- Retries come due after their backoff, so the newest by due time are often rows
+         -- that just failed: the ten newest that have not.
+         WHERE NOT x.failed LIMIT 10)
+        UNION ALL
+        (SELECT o.id, o.attempts > o.attempt_base, false, o.last_attempt_at IS NOT NULL,
+                o.last_attempt_at
          FROM outbox.operations o
-         WHERE o.provider = %(provider)s AND o.tenant_id <= %(after_tenant)s
+         WHERE o.provider = %(provider)s AND o.tenant_id = t.tenant_id
            AND o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
            AND o.available_at <= now()
-         ORDER BY o.provider, o.tenant_id, o.available_at, o.id LIMIT 1000)
-        LIMIT 1000) c
+         ORDER BY o.available_at, o.id LIMIT 10)
+    ) c
 ),
 picked AS (
     SELECT ARRAY(
         SELECT near.id FROM near
         ORDER BY near.failed, CASE WHEN near.failed THEN near.last_attempt_at END NULLS FIRST,
-                 near.wrapped, near.tenant_id, random()
+                 near.newest DESC, near.handed_back DESC, near.n, random()
         LIMIT 20) AS ids
 ),
 due AS (

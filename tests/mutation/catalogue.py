@@ -504,7 +504,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "an allow-list rule for one tenant admits others whose ids differ where the rule has a _ "
         "or a % (acme_eu admits acme-eu)",
         "sql/0035_allowances_match_the_tenant_exactly.sql",
-        "    SELECT replace(replace(replace(replace(pattern, '\\', '\\\\'), '%', '\\%'), '_', '\\_'), "
+        "    SELECT replace(replace(replace(replace(pattern, '\\', '\\\\'), '%', '\\%'), "
+        "'_', '\\_'), "
         "'*', '%')\n",
         "    SELECT replace(pattern, '*', '%')\n",
         "tests/integration/test_allow_lists.py",

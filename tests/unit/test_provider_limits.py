@@ -6,7 +6,7 @@ from datetime import timedelta
 
 import httpx
 
-from outbox.provider_limits import Breaker, State, Verdict, verdict
+from outbox.provider_limits import ALONE_RECENT, Breaker, State, Verdict, verdict
 from outbox.providers.base import Failed, transient, unknown
 from outbox.providers.http import _classify
 from outbox.providers.webhook import WebhookOptions, WebhookProvider
@@ -36,6 +36,11 @@ def breaker(
 def fail_until_open(b: Breaker, times: int = 3) -> None:
     for op in range(times):
         b.record(op, FAILING)
+
+
+def state(b: Breaker) -> State:
+    """The state now (a call, so that mypy does not narrow it across records)."""
+    return b.state
 
 
 def probe(b: Breaker, op: int, *, fresh: bool = True) -> None:
@@ -95,15 +100,17 @@ def test_one_operation_failing_with_no_other_traffic_never_opens_it() -> None:
     assert b.state is State.OPEN
 
 
-def test_operations_failing_alone_never_open_it_even_once_the_others_are_gone() -> None:
-    b = breaker(Clock(), failures=3)
+def test_operations_failing_alone_never_open_it_while_the_provider_works_for_others() -> None:
+    clock = Clock()
+    b = breaker(clock, failures=3)
     for op in range(20):  # the first failures of twenty bad operations, among successes
         b.record(op, FAILING)
         b.record(100 + op, HEALTHY)
-    for _ in range(10):  # then only their retries: the healthy ones are all delivered
+    for round_ in range(10):  # then only their retries, the healthy ones all delivered
+        clock.now += 30
         for op in range(20):
             b.record(op, FAILING)
-    assert b.state is State.CLOSED
+        assert state(b) is State.CLOSED, round_
     assert b.failing_alone == 20
 
 
@@ -157,7 +164,11 @@ def test_failed_probes_double_the_period_up_to_the_cap_and_a_close_resets_it() -
     clock.now += 300
     probe(b, 200)
     b.record(200, NEUTRAL)  # it answered: closed
-    fail_until_open(b)
+    # The provider worked after all: it weighs twice its window before it may open again.
+    fail_until_open(b, 19)
+    assert state(b) is State.CLOSED
+    fail_until_open(b, 20)
+    assert state(b) is State.OPEN
     clock.now += 59
     assert not b.awaits_probe
     clock.now += 1
@@ -253,3 +264,69 @@ def test_the_webhook_provider_says_which_failures_are_the_requests_own() -> None
     assert replayed.request_only and replayed.reconcile  # it will only ever say this again
     fresh = classify(500)
     assert not fresh.request_only and not fresh.reconcile
+
+
+def test_one_tenant_failing_while_another_succeeds_is_that_tenant_s_own() -> None:
+    """A review's flood: one tenant's operations all fail, another's keep succeeding."""
+    b = breaker(Clock(), failures=3)
+    for op in range(100):
+        b.record(op, FAILING, "evil")
+        if op % 9 == 0:
+            b.record(1000 + op, HEALTHY, "good")
+    assert state(b) is State.CLOSED
+    for op in range(200, 230):  # the good tenant's calls fail too now: the provider
+        b.record(op, FAILING, "good")
+    assert state(b) is State.OPEN
+
+
+def test_a_tenant_alone_on_the_provider_can_still_open_it() -> None:
+    b = breaker(Clock(), failures=3)
+    for op in range(3):
+        b.record(op, FAILING, "only")
+    assert b.state is State.OPEN
+
+
+def test_a_probe_that_succeeds_doubles_the_calls_weighed_before_the_next_opening() -> None:
+    """Bad payloads queued ahead of good ones: each time a probe gets through, the breaker
+    weighs twice as many calls before it opens again, so the bad rows are tried and spend
+    their own attempts in a few episodes, not one window at a time."""
+    clock = Clock()
+    b = breaker(clock, failures=3, open_for=10.0, window=10)
+    op, weighed = 0, []
+    for _episode in range(4):
+        calls = 0
+        while state(b) is State.CLOSED:
+            b.record(op, FAILING)
+            op, calls = op + 1, calls + 1
+        weighed.append(calls)
+        clock.now += 10
+        probe(b, 10_000 + op)
+        b.record(10_000 + op, HEALTHY)
+    assert weighed == [3, 20, 40, 80]
+    clock.now += 3601  # an hour closed: back to its window
+    b.record(1, FAILING)
+    b.record(2, FAILING)
+    b.record(3, FAILING)
+    assert b.state is State.OPEN
+
+
+def test_in_an_outage_operations_that_failed_alone_before_count_again() -> None:
+    """A review's case: a spell of failures among successes marks some operations alone; then
+    the provider goes down with only their retries to send. Once it has succeeded for no one in
+    ALONE_RECENT, their failures count, and the breaker opens instead of letting them spend
+    every attempt."""
+    clock = Clock()
+    b = breaker(clock, failures=5, window=20)
+    for op in range(30):  # a spell: each fails, others succeed
+        b.record(op, FAILING)
+        b.record(1000 + op, HEALTHY)
+    for op in range(30):  # a second failure after a success: alone
+        b.record(op, FAILING)
+    assert b.failing_alone == 30 and state(b) is State.CLOSED
+    clock.now += ALONE_RECENT  # down since: no success for ten minutes
+    spent = 0
+    while state(b) is State.CLOSED and spent < 300:  # only their retries now
+        b.record(spent % 30, FAILING)
+        spent += 1
+    assert 1 <= spent <= 20, spent
+    assert b.failing_alone == 0  # sick: every failure counts again
