@@ -187,11 +187,9 @@ def test_a_run_without_providers_warns_before_it_starts(
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    try:
-        started = '"outbox run started"'
+    started = '"outbox run started"'
+    try:  # what it says as it starts is the point here, not how it drains: killed after
         wait_until(lambda: started in log_path.read_text(), timeout=30, what="the run to start")
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
