@@ -1,5 +1,5 @@
 -- sql/schema.sql: the outbox schema as the migrations of sql/ leave it
--- (every migration up to 0036_identities_refuse_spaces_at_their_ends).
+-- (every migration up to 0037_payloads_bounded_in_values).
 --
 -- GENERATED FILE: DO NOT EDIT IT BY HAND. It is regenerated, after adding a migration, by
 --     python -m outbox.db.schema_dump --dsn postgresql://postgres@127.0.0.1:5432/postgres --output sql/schema.sql
@@ -119,17 +119,20 @@ COMMENT ON TABLE outbox.enqueue_allowances IS 'What each tenant may enqueue: ten
 
 -- =================================================================================================
 -- table outbox.limits
--- history: created by 0019_limits_schedule_and_key_locks
+-- history: created by 0019_limits_schedule_and_key_locks; changed by
+--     0037_payloads_bounded_in_values
 
 CREATE TABLE outbox.limits (
-    one               boolean DEFAULT true NOT NULL,
-    max_payload_bytes integer DEFAULT 1048576 NOT NULL,
+    one                  boolean DEFAULT true NOT NULL,
+    max_payload_bytes    integer DEFAULT 1048576 NOT NULL,
+    max_payload_elements integer DEFAULT 100000 NOT NULL,
     CONSTRAINT limits_pkey PRIMARY KEY (one),
     CONSTRAINT limits_max_payload_bytes_check CHECK (((max_payload_bytes >= 4096) AND (max_payload_bytes <= 67108864))),
+    CONSTRAINT limits_max_payload_elements_check CHECK (((max_payload_elements >= 10000) AND (max_payload_elements <= 50000000))),
     CONSTRAINT limits_one_check CHECK (one)
 );
 
-COMMENT ON TABLE outbox.limits IS 'Limits only the schema owner may change: max_payload_bytes (bytes of the JSON text of a payload, 4096 to 67108864; enqueue refuses larger payloads, the claim hands none over).';
+COMMENT ON TABLE outbox.limits IS 'Limits only the schema owner may change: max_payload_bytes (bytes of the JSON text of a payload, 4096 to 67108864; enqueue refuses larger payloads, the claim hands none over) and max_payload_elements (JSON values in a payload, itself included, 10000 to 50000000; enqueue refuses more, sql/0037).';
 
 -- privileges: the owner's only
 
@@ -670,7 +673,8 @@ $function$;
 -- function outbox.enqueue(text,text,text,text,text,jsonb,text,text,timestamp with time zone,integer,text,text)
 -- history: created by 0015_ordering_keys; changed by 0017_cheaper_enqueue,
 --     0019_limits_schedule_and_key_locks, 0024_keys_name_one_operation, 0026_enqueue_allow_lists,
---     0028_identities_refuse_format_characters, 0036_identities_refuse_spaces_at_their_ends
+--     0028_identities_refuse_format_characters, 0036_identities_refuse_spaces_at_their_ends,
+--     0037_payloads_bounded_in_values
 
 CREATE OR REPLACE FUNCTION outbox.enqueue(tenant_id text, operation_type text, operation_key text, provider text, action text, payload jsonb, correlation_id text DEFAULT NULL::text, idempotency_key text DEFAULT NULL::text, available_at timestamp with time zone DEFAULT NULL::timestamp with time zone, max_attempts integer DEFAULT NULL::integer, traceparent text DEFAULT NULL::text, ordering_key text DEFAULT NULL::text)
  RETURNS TABLE(operation_id bigint, outcome text)
@@ -683,6 +687,8 @@ DECLARE
     v_payload_text text;
     v_bytes        integer;
     v_max_bytes    integer;
+    v_max_values   integer;
+    v_values       integer;
     v_available_at timestamptz;
     v_fingerprint  bytea;
     v_id           bigint;
@@ -751,8 +757,10 @@ BEGIN
     v_bytes := octet_length(v_payload_text);
     -- outbox.limits is read only for a payload over the least limit it can hold (4 KiB).
     IF v_bytes > 4096 THEN
-        SELECT l.max_payload_bytes INTO v_max_bytes FROM outbox.limits l;
-        v_max_bytes := coalesce(v_max_bytes, 1048576);  -- the row deleted: the default
+        SELECT l.max_payload_bytes, l.max_payload_elements INTO v_max_bytes, v_max_values
+        FROM outbox.limits l;
+        v_max_bytes := coalesce(v_max_bytes, 1048576);  -- the row deleted: the defaults
+        v_max_values := coalesce(v_max_values, 100000);
         IF v_bytes > v_max_bytes THEN
             RAISE EXCEPTION 'payload is % bytes of JSON; at most % are allowed',
                 v_bytes, v_max_bytes
@@ -767,6 +775,23 @@ BEGIN
                          'strict $.**{64} ? (@.type() == "object" || @.type() == "array")') THEN
         RAISE EXCEPTION 'payload nests objects and arrays deeper than 64 levels'
             USING ERRCODE = 'OB002', COLUMN = 'payload';
+    END IF;
+    -- Its values, the payload object included (0037). Each takes two bytes of the text at the
+    -- least ("0," and "[]" alike; PostgreSQL writes ", " between them), so only a payload of
+    -- twice the limit's bytes can hold too many. Of those, only one whose commas and opening
+    -- brackets outnumber the limit is counted (each value but the first of its container
+    -- follows a comma; a container's first, its bracket); the rest are ordinary data.
+    IF v_bytes > 4096 AND v_bytes >= 2 * v_max_values
+       AND v_bytes - octet_length(translate(v_payload_text, ',[{', '')) >= v_max_values THEN
+        v_values := jsonb_array_length(jsonb_path_query_array(payload, 'strict $.**.type()'));
+        IF v_values > v_max_values THEN
+            RAISE EXCEPTION 'payload holds % JSON values (objects, arrays, strings, numbers, '
+                            'booleans and nulls, itself included); at most % are allowed',
+                v_values, v_max_values
+                USING ERRCODE = 'OB002', COLUMN = 'payload',
+                      HINT = 'the limit is outbox.limits.max_payload_elements, set by the owner '
+                             'of the outbox schema';
+        END IF;
     END IF;
     IF jsonb_path_exists(payload,
                          'strict $.** ? (@.type() == "number" && (@ >= 1e100 || @ <= -1e100))')

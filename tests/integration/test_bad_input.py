@@ -448,3 +448,90 @@ def test_the_most_postgresql_holds_is_accepted_from_python(
     conn.commit()
     ((stored,),) = rows(db_url, "SELECT payload::text FROM outbox.operations")
     assert "\U0001f600" in stored and '"\\\\ud800"' in stored
+
+
+# --- the number of values (issue 38; sql/0037) ---------------------------------------------------
+
+
+def values(n: int) -> dict[str, Any]:
+    """A payload of exactly ``n`` JSON values, as dense as JSON gets: itself, a list, and n - 2
+    empty lists in it (the decoder's costliest value, about 3 bytes of text each)."""
+    return {"a": [[] for _ in range(n - 2)]}
+
+
+def test_a_payload_of_more_values_than_the_limit_is_refused_naming_both(
+    conn: psycopg.Connection[Any], db_url: str
+) -> None:
+    """Dense with brackets, a payload far under max_payload_bytes cost the dispatcher 0.2 s of
+    its event loop and 19 MB to decode; the count is bounded at the door, as the depth is."""
+    outbox.enqueue(conn, **charge(operation_key="at-the-limit", payload=values(100_000)))
+    with pytest.raises(
+        InvalidOperation,
+        match=r"^payload holds 100001 JSON values \(objects, arrays, strings, numbers, booleans "
+        r"and nulls, itself included\); at most 100000 are allowed$",
+    ) as caught:
+        outbox.enqueue(conn, **charge(operation_key="past-it", payload=values(100_001)))
+    assert caught.value.field == "payload"
+    conn.rollback()
+    args = charge(payload=json.dumps(values(260_000)))  # about 1 MiB of [] as jsonb writes it
+    names = ", ".join(f"{name} => %({name})s" for name in args)
+    with pytest.raises(psycopg.Error, match="payload holds 260000 JSON values") as refused:
+        conn.execute(f"SELECT * FROM outbox.enqueue({names})", args)  # noqa: S608 (fixed names)
+    assert (refused.value.sqlstate, refused.value.diag.column_name) == ("OB002", "payload")
+    assert "max_payload_elements" in (refused.value.diag.message_hint or "")
+    conn.rollback()
+    assert count(db_url) == 0
+
+
+async def test_the_async_enqueue_refuses_it_too(aconn: psycopg.AsyncConnection[Any]) -> None:
+    with pytest.raises(InvalidOperation, match="payload holds 100001 JSON values") as caught:
+        await outbox.enqueue_async(aconn, **charge(payload=values(100_001)))
+    assert caught.value.field == "payload"
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        # A megabyte of data: records of four short fields, about 70,000 values.
+        {
+            "records": [
+                {"id": 10_000 + n, "amount": 1999, "currency": "usd", "note": "a, b"}
+                for n in range(13_000)
+            ]
+        },
+        # Strings full of commas and brackets: they look dense and are counted, and pass.
+        {"text": ["[{,,,,,,,,,,,,,,,,,,,,,,,,,,,,,,,,,,,,,,,,,,,,,,,,,,,,,,,,,,,,,,,]}"] * 9_000},
+        # 99,999 numbers of six digits: values of their own, one under the limit with the rest.
+        {"ids": list(range(100_000, 199_998))},
+    ],
+    ids=["records", "punctuation-in-strings", "ids"],
+)
+def test_payloads_of_data_under_a_megabyte_are_accepted(
+    conn: psycopg.Connection[Any], payload: dict[str, Any]
+) -> None:
+    assert len(json.dumps(payload)) < 1_048_576
+    assert outbox.enqueue(conn, **charge(payload=payload)).outcome is outbox.EnqueueOutcome.ACCEPTED
+
+
+def test_the_values_limit_is_the_schema_owners_and_no_session_can_lift_it(
+    conn: psycopg.Connection[Any], db_url: str
+) -> None:
+    with psycopg.connect(db_url) as owner:
+        owner.execute("UPDATE outbox.limits SET max_payload_elements = 10000")
+    outbox.enqueue(conn, **charge(payload=values(10_000)))
+    with pytest.raises(
+        InvalidOperation, match=r"payload holds 10001 JSON values \(.*\); at most 10000 are"
+    ):
+        outbox.enqueue(conn, **charge(operation_key="more", payload=values(10_001)))
+    conn.rollback()
+    with psycopg.connect(db_url) as owner:
+        owner.execute("UPDATE outbox.limits SET max_payload_elements = 200000")
+    outbox.enqueue(conn, **charge(payload=values(150_000)))
+    conn.rollback()
+    for bound in (9_999, 50_000_001):
+        with psycopg.connect(db_url) as owner, pytest.raises(psycopg.errors.CheckViolation):
+            owner.execute("UPDATE outbox.limits SET max_payload_elements = %s", (bound,))
+    with psycopg.connect(db_url) as owner:
+        owner.execute("DELETE FROM outbox.limits")  # the row gone: the defaults
+    with pytest.raises(InvalidOperation, match="at most 100000 are allowed"):
+        outbox.enqueue(conn, **charge(payload=values(100_001)))

@@ -42,7 +42,7 @@ RECORDER = "outbox/dispatch/recorder.py"
 POLICY = "outbox/policy.py"
 ISOLATION_TESTS = "tests/integration/test_provider_isolation.py"
 # The newest definitions of outbox.enqueue and of outbox.check_text.
-ENQUEUE = "sql/0036_identities_refuse_spaces_at_their_ends.sql"
+ENQUEUE = "sql/0037_payloads_bounded_in_values.sql"
 CHECK_TEXT = "sql/0028_identities_refuse_format_characters.sql"
 # The queue providers' tests against the real brokers (and moto, the Cloud Tasks emulator).
 NATS_TESTS = "tests/integration/test_queue_nats.py"
@@ -470,10 +470,20 @@ MUTANTS: tuple[Mutant, ...] = (
         "identity-edge-spaces",
         "an identity ending in a no-break space is enqueued, and looks like another tenant's or "
         "operation's",
-        ENQUEUE,
+        "sql/0036_identities_refuse_spaces_at_their_ends.sql",
         "    IF value IS NULL THEN\n",
         "    IF true THEN\n",
         "tests/integration/test_identity_ends.py",
+    ),
+    _one(
+        "payload-values-unbounded",
+        "a payload of 260,000 empty arrays under 1 MiB is enqueued, and each costs the dispatcher "
+        "a fifth of a second of its event loop and 19 MB to decode",
+        "sql/0037_payloads_bounded_in_values.sql",
+        "    IF v_bytes > 4096 AND v_bytes >= 2 * v_max_values\n",
+        "    IF false\n",
+        "tests/integration/test_bad_input.py::"
+        "test_a_payload_of_more_values_than_the_limit_is_refused_naming_both",
     ),
     _one(
         "table-cells-unescaped",
