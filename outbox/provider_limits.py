@@ -60,6 +60,8 @@ ALONE_FOR: Final = 3600.0
 # ... and only while the provider has succeeded for another operation in this many seconds:
 # past that, with nothing but failures (an outage), every failure counts again.
 ALONE_RECENT: Final = 600.0
+# One tenant's failures are its own while another tenant succeeded in this many seconds.
+TENANT_RECENT: Final = 60.0
 # After a probe showed the provider working, the breaker weighs at least this many calls before
 # it may open again (doubling per episode from its window), for this long (seconds).
 GRACE_MAX: Final = 640
@@ -151,6 +153,7 @@ class Breaker:
         self._open_until = 0.0
         self._successes = 0  # successes so far: an operation's failures are dated by it
         self._last_success_at = -ALONE_RECENT
+        self._tenant_ok: OrderedDict[str, float] = OrderedDict()  # tenant -> its last success
         self._failed_at: OrderedDict[int, int] = OrderedDict()  # op -> successes at its failure
         self._alone: OrderedDict[int, float] = OrderedDict()  # op -> when it was found alone
         self._probe: int | None = None  # the operation sent as the probe, while half-open
@@ -205,6 +208,9 @@ class Breaker:
                 _show_state(self.provider, self.state, self.reason)
         elif said is Verdict.HEALTHY:
             self._succeeded(operation_id)
+            self._tenant_ok[tenant] = self._clock()
+            self._tenant_ok.move_to_end(tenant)
+            _trim(self._tenant_ok)
             if self.state is State.CLOSED:
                 self._calls.append((operation_id, False, tenant, True))
                 self._since_close += 1
@@ -265,6 +271,17 @@ class Breaker:
         metrics.PROVIDER_FAILING_ALONE.labels(self.provider).set(len(self._alone))
         return False
 
+    def _another_tenant_succeeded(self, tenant: str) -> bool:
+        """Another tenant's operation succeeded in the last TENANT_RECENT seconds (the newest
+        successes are looked at first, and only those that recent)."""
+        now = self._clock()
+        for other, at in reversed(self._tenant_ok.items()):
+            if now - at >= TENANT_RECENT:
+                return False
+            if other != tenant:
+                return True
+        return False
+
     def _recently_succeeded(self) -> bool:
         """The provider succeeded for some operation lately: failing alone still means that."""
         return self._clock() - self._last_success_at < ALONE_RECENT
@@ -283,7 +300,7 @@ class Breaker:
             return False
         # One tenant's operations failing while another tenant's succeed are that tenant's own.
         sick = {tenant for _, tenant in failing}
-        if len(sick) == 1 and any(not f and t not in sick for _, f, t, _ in self._calls):
+        if len(sick) == 1 and self._another_tenant_succeeded(next(iter(sick))):
             return False
         # Lately a probe showed the provider working: weigh more calls before believing it sick.
         if self._clock() - self._closed_at > GRACE_FOR:
@@ -444,7 +461,7 @@ class Breaker:
         _show_state(self.provider, state, self.reason)
 
 
-def _trim(marks: OrderedDict[int, Any]) -> None:
+def _trim(marks: OrderedDict[Any, Any]) -> None:
     while len(marks) > MARKS_KEPT:
         marks.popitem(last=False)
 

@@ -9,7 +9,7 @@ import bisect
 import itertools
 import time
 from collections.abc import Callable, Mapping
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -125,7 +125,7 @@ async def test_a_run_of_failures_opens_the_breaker_and_only_a_probe_goes_until_o
     assert [e["probe_in_s"] for e in logs if "probe_in_s" in e] == [0.3, 0.6]
 
 
-def enqueue_tenants(url: str, plan: list[tuple[str, str]]) -> list[tuple[int, str]]:
+def enqueue_tenants(url: str, plan: list[tuple[str, str]], **fields: Any) -> list[tuple[int, str]]:
     """One operation per (tenant, key) of ``plan``, in that order; their ids and stored keys."""
     made = []
     with psycopg.connect(url) as conn:
@@ -138,6 +138,7 @@ def enqueue_tenants(url: str, plan: list[tuple[str, str]]) -> list[tuple[int, st
                 provider="hook",
                 action="invoice.paid",
                 payload={"key": key},
+                **fields,
             )
             made.append(result.operation_id)
     found = dict(rows(url, "SELECT id, idempotency_key FROM outbox.operations"))
@@ -218,6 +219,60 @@ async def test_operations_that_fail_alone_spend_their_own_attempts_and_the_rest_
     assert receiver.effect_count() == 20  # each healthy one once
     spent = dict(rows(db_url, "SELECT idempotency_key, attempts FROM outbox.operations"))
     assert {spent[k] for k in bad} == {3}
+
+
+async def test_healthy_rows_queued_behind_a_burst_of_bad_ones_are_delivered(
+    db_url: str, pool: AsyncConnectionPool[Any], receiver: FakeWebhookReceiver, hook: Provider
+) -> None:
+    """A review's case: one tenant's 300 operations that always get a 500, queued ahead of 100
+    good ones. The claim goes oldest first, so the bad rows open the breaker again and again;
+    the probe must find the good rows at the other end, and each success must buy the bad rows
+    room to be tried. Before: 0 of 300 good rows in 20 s."""
+    made = enqueue_tenants(
+        db_url, [("a", f"bad-{n}") for n in range(300)] + [("a", f"good-{n}") for n in range(100)]
+    )
+    fail_always(receiver, [key for _, key in made[:300]])
+    limits = {"hook": ProviderLimits(breaker_open_for=FAST_BREAKER)}
+    later = timedelta(seconds=30)  # retries
+    d = dispatcher(
+        pool,
+        {"hook": hook},
+        concurrency=8,
+        batch_size=8,
+        limits=limits,
+        backoff_base=later,
+        backoff_max=later,
+    )
+    took = await run_until(d, lambda: receiver.effect_count() >= 100, within=30)
+    print(f"\n100 good rows behind 300 bad: delivered in {took:.1f} s")  # noqa: T201
+    assert receiver.effect_count() == 100
+
+
+async def test_one_tenant_s_flood_of_failures_does_not_shut_the_provider_to_the_others(
+    db_url: str, pool: AsyncConnectionPool[Any], receiver: FakeWebhookReceiver, hook: Provider
+) -> None:
+    """A review's case: tenant "good" keeps sending; tenant "evil" enqueues 200 operations that
+    always fail. Good's operations are delivered as they come, and the breaker never opens."""
+    before = transitions("hook")
+    limits = {"hook": ProviderLimits(breaker_open_for=timedelta(seconds=30))}
+    d = dispatcher(pool, {"hook": hook}, concurrency=8, batch_size=8, limits=limits)
+
+    async def produce() -> None:
+        for n in range(40):
+            await asyncio.to_thread(enqueue_tenants, db_url, [("good", f"good-{n}")])
+            if n == 5:  # good traffic flows; then the flood, its faults armed before it is due
+                flood = [("evil", f"bad-{m}") for m in range(200)]
+                later = datetime.now(UTC) + timedelta(hours=1)
+                made = await asyncio.to_thread(enqueue_tenants, db_url, flood, available_at=later)
+                fail_always(receiver, [key for _, key in made])
+                await asyncio.to_thread(make_due, db_url)
+            await asyncio.sleep(0.05)
+
+    producer = asyncio.create_task(produce())
+    await run_until(d, lambda: producer.done() and receiver.effect_count() >= 40, within=30)
+    await producer
+    assert receiver.effect_count() == 40
+    assert since(before, transitions("hook"))["open"] == 0
 
 
 async def test_permanent_answers_never_open_the_breaker(

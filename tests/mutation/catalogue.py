@@ -668,6 +668,24 @@ MUTANTS: tuple[Mutant, ...] = (
         ISOLATION_TESTS + "::test_probes_go_round_the_tenants_and_take_failed_operations_last",
     ),
     _one(
+        "probe-oldest-first",
+        "a half-open breaker's probe is taken from the oldest rows, where the burst of bad "
+        "payloads that opened it is: the good rows behind never get through",
+        STATEMENTS,
+        "                 near.newest DESC, near.handed_back DESC, near.n, random()",
+        "                 near.newest, near.handed_back DESC, near.n, random()",
+        ISOLATION_TESTS + "::test_healthy_rows_queued_behind_a_burst_of_bad_ones_are_delivered",
+    ),
+    _one(
+        "tenant-failures-shut-all",
+        "one tenant's flood of failing operations opens its provider's breaker for every tenant",
+        "outbox/provider_limits.py",
+        "        if len(sick) == 1 and self._another_tenant_succeeded(next(iter(sick))):",
+        "        if False:",
+        ISOLATION_TESTS
+        + "::test_one_tenant_s_flood_of_failures_does_not_shut_the_provider_to_the_others",
+    ),
+    _one(
         "breaker-forgotten-on-restart",
         "a dispatcher restarting in a crash loop forgets that its provider is down and sends it "
         "a burst each time",
