@@ -20,7 +20,7 @@ import structlog
 from psycopg.conninfo import conninfo_to_dict
 
 import outbox
-from outbox import gauges, metrics, sdnotify, startup, wakeup
+from outbox import gauges, loops, metrics, sdnotify, startup, wakeup
 from outbox.config import DEFAULT_LISTEN_URL_ENV, Settings
 from outbox.db.connect import dispatcher_pool, shares_server_sessions
 from outbox.db.probe import DatabaseProbe
@@ -164,9 +164,7 @@ async def serve(
     try:
         await dispatcher.run()
     finally:
-        for task in helpers:
-            task.cancel()
-        await asyncio.gather(*helpers, return_exceptions=True)
+        await loops.stop_tasks(helpers)
         for provider in providers.values():
             await provider.aclose()
         await pool.close()

@@ -146,9 +146,7 @@ class Dispatcher:
         finally:
             await self._drain()
             await self.claims.unmark()
-            for task in background:
-                task.cancel()
-            await asyncio.gather(*background, return_exceptions=True)
+            await loops.stop_tasks(background)
             self.leases.disarm()
 
     async def run_once(self) -> int:

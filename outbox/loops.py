@@ -10,8 +10,8 @@ inside each round; this is for the rest: logged with the traceback, counted in
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
-from typing import Final, NoReturn
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, Final, NoReturn
 
 import structlog
 
@@ -53,6 +53,19 @@ async def wait_event(event: asyncio.Event, seconds: float) -> bool:
     except TimeoutError:
         return False
     return True
+
+
+async def stop_tasks(tasks: Iterable[asyncio.Task[Any]], *, again_after: float = 1.0) -> None:
+    """Cancel background tasks and wait until every one has ended, cancelling again those still
+    running after ``again_after`` seconds. Once is not always enough on Python 3.11: a
+    cancellation that arrives in the loop turn an inner wait_for ends is swallowed (CPython
+    gh-86296), inside our code or a library's (psycopg_pool's getconn): the task goes on, and a
+    single cancel() and gather() waited for it for ever at shutdown."""
+    pending = set(tasks)
+    while pending:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=again_after)
 
 
 async def forever(name: str, round_: Callable[[], Awaitable[float]]) -> NoReturn:

@@ -4,6 +4,7 @@ same turn (outbox.loops.wait_event)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from outbox import loops
 
@@ -33,3 +34,17 @@ async def test_wait_event_says_whether_the_event_came() -> None:
     assert not await loops.wait_event(event, 0.01)
     asyncio.get_running_loop().call_later(0.01, event.set)
     assert await loops.wait_event(event, 5)
+
+
+async def _swallows_one_cancel() -> None:
+    """A task that swallows the first cancellation, as a library's wait_for can on 3.11."""
+    with contextlib.suppress(asyncio.CancelledError):
+        await asyncio.sleep(10)
+    await asyncio.sleep(10)
+
+
+async def test_stop_tasks_cancels_again_what_swallowed_a_cancellation() -> None:
+    tasks = [asyncio.create_task(_swallows_one_cancel()) for _ in range(3)]
+    await asyncio.sleep(0)
+    await asyncio.wait_for(loops.stop_tasks(tasks, again_after=0.05), 5)
+    assert all(task.done() for task in tasks)
