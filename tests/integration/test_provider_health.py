@@ -5,12 +5,10 @@ provider that is down. Requests are counted at a real receiver, rows in the data
 
 from __future__ import annotations
 
-import asyncio
 import json
 import signal
 import socket
 import time
-from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -29,24 +27,10 @@ from outbox.providers.base import Provider
 from outbox.testing.webhook import FakeWebhookReceiver, WebhookFault
 from tests.support.cli import outbox_cli
 from tests.support.daemon import OutboxProcess, wait_until, write_config
-from tests.support.dispatch import dispatcher, enqueue_many, rows, statuses
+from tests.support.dispatch import dispatcher, enqueue_many, rows, run_until, statuses
 from tests.support.queues import FAST_RUN
 
 LONG = timedelta(minutes=10)  # an open period no test waits out
-
-
-async def run_while(d: Dispatcher, done: Callable[[], bool], within: float) -> None:
-    """Run ``d`` (with its background loops) until ``done()``, a cheap check."""
-    runner = asyncio.create_task(d.run())
-    started = time.monotonic()
-    try:
-        while not done():
-            if time.monotonic() - started > within or runner.done():
-                raise AssertionError(f"not done within {within}s")
-            await asyncio.sleep(0.02)
-    finally:
-        d.request_stop()
-        await runner
 
 
 def health(url: str) -> list[tuple[Any, ...]]:
@@ -87,7 +71,7 @@ async def test_a_reset_reaches_the_running_dispatcher_and_is_audited(
             assert reset.returncode == 0, reset.stderr
         return statuses(db_url).get("succeeded", 0) == 20
 
-    await run_while(d, listed_open, within=20)
+    await run_until(d, listed_open, within=20)
     listed = seen["listed"]
     assert listed.returncode == 0, listed.stderr
     (row,) = json.loads(listed.stdout)
@@ -124,7 +108,7 @@ async def test_a_probe_on_request_goes_now_and_its_success_closes_the_breaker(
             assert asked[0].returncode == 0, asked[0].stderr
         return statuses(db_url).get("succeeded", 0) == 20
 
-    await run_while(d, probed, within=20)
+    await run_until(d, probed, within=20)
     assert len(receiver.received) == 23  # the three failures, the probe, the other nineteen
     ((action,),) = rows(db_url, "SELECT action FROM outbox.audit")
     assert action == "provider_probe"
@@ -159,7 +143,7 @@ async def test_a_breaker_another_process_left_open_stays_open_and_a_reset_since_
         )
     d = dispatcher(pool, {"hook": hook}, worker="w2")
     started = time.monotonic()
-    await run_while(d, lambda: time.monotonic() - started > 1.0, within=10)
+    await run_until(d, lambda: time.monotonic() - started > 1.0, within=10)
     assert receiver.received == []  # not one call: it is down, as far as anyone knows
     assert statuses(db_url) == {"pending": 5}
     assert ("hook", "w2", "open", "failures", 0, True) in health(db_url)
@@ -167,7 +151,7 @@ async def test_a_breaker_another_process_left_open_stays_open_and_a_reset_since_
     reset = outbox_cli(cli_env, "providers", "reset", "hook", "--reason", "fixed")
     assert reset.returncode == 0, reset.stderr
     d = dispatcher(pool, {"hook": hook}, worker="w3")
-    await run_while(d, lambda: statuses(db_url) == {"succeeded": 5}, within=10)
+    await run_until(d, lambda: statuses(db_url) == {"succeeded": 5}, within=10)
 
 
 async def test_a_row_written_to_keep_a_provider_shut_holds_it_no_longer_than_its_own_breaker(

@@ -8,7 +8,7 @@ import asyncio
 import bisect
 import itertools
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -21,7 +21,6 @@ import outbox
 from outbox import metrics
 from outbox.config import ProviderLimits, default_burst
 from outbox.db.store import Store
-from outbox.dispatcher import Dispatcher
 from outbox.providers.base import Provider
 from outbox.testing.stripe import FakeStripe, StripeFault
 from outbox.testing.webhook import FakeWebhookReceiver, WebhookFault
@@ -31,6 +30,7 @@ from tests.support.dispatch import (
     enqueue_many,
     make_due,
     rows,
+    run_until,
     statuses,
     webhook,
 )
@@ -56,22 +56,6 @@ def attempts_total(url: str, provider: str) -> int:
         (provider,),
     )
     return int(total)
-
-
-async def run_until(d: Dispatcher, done: Callable[[], bool], within: float) -> float:
-    """Run ``d`` until ``done()`` holds; returns the seconds that took. Only cheap,
-    non-blocking checks in ``done``: it runs in the dispatcher's own event loop."""
-    runner = asyncio.create_task(d.run())
-    started = time.monotonic()
-    try:
-        while not done():
-            if time.monotonic() - started > within or runner.done():
-                raise AssertionError(f"not done within {within}s")
-            await asyncio.sleep(0.01)
-        return time.monotonic() - started
-    finally:
-        d.request_stop()
-        await runner
 
 
 # --- the circuit breaker ---------------------------------------------------------------------

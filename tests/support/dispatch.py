@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -165,3 +167,19 @@ def enqueue_charges(
             )
             ids.append(result.operation_id)
     return ids
+
+
+async def run_until(d: Dispatcher, done: Callable[[], bool], within: float) -> float:
+    """Run ``d`` until ``done()`` holds; returns the seconds that took. Only cheap,
+    non-blocking checks in ``done``: it runs in the dispatcher's own event loop."""
+    runner = asyncio.create_task(d.run())
+    started = time.monotonic()
+    try:
+        while not done():
+            if time.monotonic() - started > within or runner.done():
+                raise AssertionError(f"not done within {within}s")
+            await asyncio.sleep(0.01)
+        return time.monotonic() - started
+    finally:
+        d.request_stop()
+        await runner
