@@ -1,7 +1,8 @@
 -- roles.sql: outbox's least-privilege roles, and exactly their privileges in this database.
 --
 --   outbox_producer    (NOLOGIN; grant it to your application's login role) may call
---                      outbox.enqueue and outbox.get_operation, and nothing else.
+--                      outbox.enqueue, outbox.get_operation and outbox.bind_tenant, and
+--                      nothing else.
 --   outbox_dispatcher  (LOGIN, for `outbox run`) reads operations, updates their state, lease
 --                      and result columns, inserts attempts, records reconciliation findings
 --                      through outbox.record_check and outbox.touch_check, and takes tokens from
@@ -88,11 +89,13 @@ REVOKE ALL ON SCHEMA outbox FROM PUBLIC, outbox_producer, outbox_dispatcher, out
 
 GRANT USAGE ON SCHEMA outbox TO outbox_producer, outbox_dispatcher, outbox_operator;
 
--- Producer: the two functions of the producer API.
+-- Producer: the two functions of the producer API, and the binding of a transaction to its
+-- tenant under tenant isolation (0038).
 GRANT EXECUTE ON FUNCTION
     outbox.enqueue(text, text, text, text, text, jsonb, text, text, timestamptz, integer, text,
                    text),
-    outbox.get_operation(text, text, text)
+    outbox.get_operation(text, text, text),
+    outbox.bind_tenant(text)
 TO outbox_producer;
 
 -- Dispatcher: what outbox/db/statements.py's CLAIM, RECORD, UNCLAIM, HEARTBEAT, RESCUE,

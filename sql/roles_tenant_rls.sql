@@ -5,9 +5,12 @@
 -- later leaves isolation on.
 --
 -- A transaction acts for one tenant once it runs
---     SELECT set_config('outbox.tenant_id', 'acme', true);   -- true: this transaction only
+--     SELECT outbox.bind_tenant('acme');   -- this transaction only
 -- (outbox.bind_tenant(conn, "acme") in Python). The binding ends with the transaction, so a
--- pooled connection never carries it into the next one.
+-- pooled connection never carries it into the next one: it sets outbox.tenant_id and, beside
+-- it, outbox.tenant_bound_at, the start of this transaction, and counts only where the two
+-- agree (0038). A session-level SET of outbox.tenant_id, which would outlive the transaction,
+-- binds nothing.
 --
 -- Who sees what:
 --   outbox_dispatcher, outbox_operator  every tenant (policy operations_all_tenants).
@@ -34,6 +37,13 @@ DO $rls$
 DECLARE
     owner_role text := (SELECT pg_catalog.pg_get_userbyid(c.relowner) FROM pg_catalog.pg_class c
                         WHERE c.oid = 'outbox.operations'::regclass);
+    -- The tenant this transaction bound, as outbox.bound_tenant() reads it (0038): NULL for none
+    -- and for a value left from an earlier transaction.
+    bound CONSTANT text :=
+        'CASE WHEN pg_catalog.current_setting(''outbox.tenant_bound_at'', true) = '
+        'pg_catalog.to_char(pg_catalog.transaction_timestamp() AT TIME ZONE ''UTC'', '
+        '''YYYYMMDDHH24MISSUS'') '
+        'THEN nullif(pg_catalog.current_setting(''outbox.tenant_id'', true), '''') END';
 BEGIN
     -- Each change takes an ACCESS EXCLUSIVE lock on the table: skip the ones already made, so
     -- a rerun on every deploy does not queue behind live traffic.
@@ -45,21 +55,17 @@ BEGIN
     END IF;
     IF NOT EXISTS (SELECT FROM pg_catalog.pg_policies WHERE schemaname = 'outbox'
                    AND tablename = 'operations' AND policyname = 'operations_bound_tenant') THEN
-        CREATE POLICY operations_bound_tenant ON outbox.operations
-            TO PUBLIC
-            USING (tenant_id = nullif(current_setting('outbox.tenant_id', true), ''))
-            WITH CHECK (tenant_id = nullif(current_setting('outbox.tenant_id', true), ''));
+        EXECUTE pg_catalog.format(
+            'CREATE POLICY operations_bound_tenant ON outbox.operations TO PUBLIC '
+            'USING (tenant_id = %s) WITH CHECK (tenant_id = %s)', bound, bound);
     END IF;
     -- Named per owner: after ALTER TABLE ... OWNER TO, a rerun adds the new owner's policy.
     IF NOT EXISTS (SELECT FROM pg_catalog.pg_policies WHERE schemaname = 'outbox'
                    AND tablename = 'operations' AND policyname = 'operations_owner_' || owner_role) THEN
         EXECUTE pg_catalog.format(
             'CREATE POLICY %I ON outbox.operations TO %I '
-            'USING (nullif(current_setting(''outbox.tenant_id'', true), '''') IS NULL '
-            '       OR tenant_id = nullif(current_setting(''outbox.tenant_id'', true), '''')) '
-            'WITH CHECK (nullif(current_setting(''outbox.tenant_id'', true), '''') IS NULL '
-            '       OR tenant_id = nullif(current_setting(''outbox.tenant_id'', true), ''''))',
-            'operations_owner_' || owner_role, owner_role);
+            'USING ((%s) IS NULL OR tenant_id = %s) WITH CHECK ((%s) IS NULL OR tenant_id = %s)',
+            'operations_owner_' || owner_role, owner_role, bound, bound, bound, bound);
     END IF;
     IF NOT (SELECT c.relrowsecurity AND c.relforcerowsecurity FROM pg_catalog.pg_class c
             WHERE c.oid = 'outbox.operations'::regclass) THEN

@@ -1,5 +1,5 @@
 -- sql/schema.sql: the outbox schema as the migrations of sql/ leave it
--- (every migration up to 0037_payloads_bounded_in_values).
+-- (every migration up to 0038_bindings_end_with_their_transaction).
 --
 -- GENERATED FILE: DO NOT EDIT IT BY HAND. It is regenerated, after adding a migration, by
 --     python -m outbox.db.schema_dump --dsn postgresql://postgres@127.0.0.1:5432/postgres --output sql/schema.sql
@@ -411,8 +411,30 @@ $function$;
 -- privileges: the owner's only
 
 -- =================================================================================================
+-- function outbox.bind_tenant(text)
+-- history: created by 0038_bindings_end_with_their_transaction
+
+CREATE OR REPLACE FUNCTION outbox.bind_tenant(tenant_id text)
+ RETURNS void
+ LANGUAGE plpgsql
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+BEGIN
+    IF tenant_id IS NULL OR btrim(tenant_id) = '' THEN
+        RAISE EXCEPTION 'tenant_id is required' USING ERRCODE = 'OB002', COLUMN = 'tenant_id';
+    END IF;
+    PERFORM set_config('outbox.tenant_id', tenant_id, true);
+    PERFORM set_config('outbox.tenant_bound_at',
+                       to_char(transaction_timestamp() AT TIME ZONE 'UTC', 'YYYYMMDDHH24MISSUS'),
+                       true);
+END;
+$function$;
+COMMENT ON FUNCTION outbox.bind_tenant(text) IS 'Binds this transaction, and only it, to a tenant under tenant isolation (sql/0038).';
+-- privileges: the owner's only
+
+-- =================================================================================================
 -- function outbox.bound_tenant()
--- history: created by 0011_security_definer
+-- history: created by 0011_security_definer; changed by 0038_bindings_end_with_their_transaction
 
 CREATE OR REPLACE FUNCTION outbox.bound_tenant()
  RETURNS text
@@ -420,7 +442,9 @@ CREATE OR REPLACE FUNCTION outbox.bound_tenant()
  STABLE
  SET search_path TO 'pg_catalog', 'pg_temp'
 AS $function$
-    SELECT nullif(current_setting('outbox.tenant_id', true), '')
+    SELECT CASE WHEN current_setting('outbox.tenant_bound_at', true)
+                     = to_char(transaction_timestamp() AT TIME ZONE 'UTC', 'YYYYMMDDHH24MISSUS')
+                THEN nullif(current_setting('outbox.tenant_id', true), '') END
 $function$;
 -- privileges: the owner's only
 
@@ -674,7 +698,7 @@ $function$;
 -- history: created by 0015_ordering_keys; changed by 0017_cheaper_enqueue,
 --     0019_limits_schedule_and_key_locks, 0024_keys_name_one_operation, 0026_enqueue_allow_lists,
 --     0028_identities_refuse_format_characters, 0036_identities_refuse_spaces_at_their_ends,
---     0037_payloads_bounded_in_values
+--     0037_payloads_bounded_in_values, 0038_bindings_end_with_their_transaction
 
 CREATE OR REPLACE FUNCTION outbox.enqueue(tenant_id text, operation_type text, operation_key text, provider text, action text, payload jsonb, correlation_id text DEFAULT NULL::text, idempotency_key text DEFAULT NULL::text, available_at timestamp with time zone DEFAULT NULL::timestamp with time zone, max_attempts integer DEFAULT NULL::integer, traceparent text DEFAULT NULL::text, ordering_key text DEFAULT NULL::text)
  RETURNS TABLE(operation_id bigint, outcome text)
@@ -697,8 +721,12 @@ DECLARE
     v_key          text;
     v_holder       outbox.operations;
 BEGIN
-    -- The tenant check (require_tenant, 0011), as in 0017.
-    IF nullif(current_setting('outbox.tenant_id', true), '') IS DISTINCT FROM tenant_id
+    -- The tenant check (require_tenant, 0011), as in 0017: skipped for the tenant this
+    -- transaction bound (bound_tenant(), 0038: a value from an earlier transaction is none).
+    IF (CASE WHEN current_setting('outbox.tenant_bound_at', true)
+                  = to_char(transaction_timestamp() AT TIME ZONE 'UTC', 'YYYYMMDDHH24MISSUS')
+             THEN nullif(current_setting('outbox.tenant_id', true), '') END)
+           IS DISTINCT FROM tenant_id
        AND btrim(tenant_id) <> '' THEN
         SELECT c.relrowsecurity INTO v_isolated FROM pg_catalog.pg_class c
         WHERE c.oid = 'outbox.operations'::regclass;
@@ -1589,7 +1617,7 @@ $function$;
 
 -- =================================================================================================
 -- function outbox.require_tenant(text)
--- history: created by 0011_security_definer
+-- history: created by 0011_security_definer; changed by 0038_bindings_end_with_their_transaction
 
 CREATE OR REPLACE FUNCTION outbox.require_tenant(tenant_id text)
  RETURNS void
@@ -1605,11 +1633,20 @@ BEGIN
                WHERE c.oid = 'outbox.operations'::regclass) THEN
         RETURN;  -- a missing or blank tenant_id is enqueue's OB002
     END IF;
+    IF bound IS NULL AND nullif(current_setting('outbox.tenant_id', true), '') IS NOT NULL THEN
+        RAISE EXCEPTION 'tenant isolation is on: this transaction is not bound to a tenant '
+                        '(outbox.tenant_id is set, but not by outbox.bind_tenant in this '
+                        'transaction)'
+            USING ERRCODE = 'insufficient_privilege',
+                  HINT = 'SELECT outbox.bind_tenant(<tenant>) in the same transaction, or '
+                         'outbox.bind_tenant(conn, tenant) in Python; a SET of the session, or '
+                         'set_config alone, would outlive the transaction and is not taken';
+    END IF;
     IF bound IS NULL THEN
         RAISE EXCEPTION 'tenant isolation is on: bind this transaction to its tenant first'
             USING ERRCODE = 'insufficient_privilege',
-                  HINT = 'SELECT set_config(''outbox.tenant_id'', <tenant>, true) in the same '
-                         'transaction, or outbox.bind_tenant(conn, tenant) in Python';
+                  HINT = 'SELECT outbox.bind_tenant(<tenant>) in the same transaction, or '
+                         'outbox.bind_tenant(conn, tenant) in Python';
     END IF;
     IF bound <> tenant_id THEN
         RAISE EXCEPTION 'this transaction is bound to tenant %: it may not act for tenant %',

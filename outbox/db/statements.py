@@ -44,8 +44,16 @@ SELECT operation_id, outcome FROM outbox.enqueue(
 """
 
 # Bind this transaction to a tenant: set_config's third argument (true) makes the setting end
-# with the transaction, so a pooled connection never carries it into the next one.
-BIND_TENANT: Final = "SELECT pg_catalog.set_config('outbox.tenant_id', %s::text, true)"
+# with the transaction, so a pooled connection never carries it into the next one. Beside it,
+# the start of this transaction, which outbox.bound_tenant() compares (sql/0038): a value left
+# by a SET of the session names an earlier one, and binds nothing. What outbox.bind_tenant()
+# does, written out, so that it needs neither that function nor its grant.
+BIND_TENANT: Final = """
+SELECT pg_catalog.set_config('outbox.tenant_id', %s::text, true),
+       pg_catalog.set_config('outbox.tenant_bound_at',
+           pg_catalog.to_char(pg_catalog.transaction_timestamp() AT TIME ZONE 'UTC',
+                              'YYYYMMDDHH24MISSUS'), true)
+"""
 
 # An operation's persisted state by identity, through the read API function.
 # Relies on: outbox.get_operation().

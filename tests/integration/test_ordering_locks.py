@@ -54,7 +54,7 @@ def test_a_producer_of_one_tenant_cannot_hold_another_tenants_key(
         with pytest.raises(psycopg.errors.InsufficientPrivilege):
             attacker.execute("SELECT 1 FROM outbox.ordering_keys FOR UPDATE")
         with psycopg.connect(as_role(db_url, APP)) as victim:
-            victim.execute("SELECT set_config('outbox.tenant_id', 'victim', true)")
+            victim.execute("SELECT outbox.bind_tenant('victim')")
             victim.execute("SET LOCAL lock_timeout = '3s'")  # a wait fails the test, not hangs it
             enqueue_ordered(victim, "victim", "order-7", 2)
             victim.commit()

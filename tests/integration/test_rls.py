@@ -284,3 +284,117 @@ def test_without_isolation_binding_changes_nothing(db_url: str) -> None:
         ("k2",),
         ("k3",),
     ]
+
+
+# --- a binding ends with its transaction, however it was set (issue 38; sql/0038) ----------------
+
+
+def test_a_session_level_binding_binds_no_later_transaction(rls_db: str) -> None:
+    """`SET outbox.tenant_id` (of the session) outlives its transaction: on a pooled connection
+    the next request's transaction, which bound nothing, acted for that tenant. It binds
+    nothing now, in that transaction or any later one, and enqueue and get_operation say so."""
+    with psycopg.connect(as_role(rls_db, APP), autocommit=True) as conn:
+        conn.execute("SET outbox.tenant_id = 'tenant-a'")
+        with conn.transaction():
+            error = refused(lambda: enqueue_in(conn, "tenant-a", "leaked"))
+        assert error == INSUFFICIENT_PRIVILEGE
+        with conn.transaction():
+            assert refused(lambda: outbox.get_operation(conn, "tenant-a", "t", "k")) == (
+                INSUFFICIENT_PRIVILEGE
+            )
+        with pytest.raises(
+            psycopg.errors.InsufficientPrivilege, match=r"not by outbox\.bind_tenant"
+        ):
+            enqueue_in(conn, "tenant-a", "leaked")  # autocommit: a transaction of its own
+        conn.execute("SELECT set_config('outbox.tenant_id', 'tenant-a', false)")
+        assert refused(lambda: enqueue_in(conn, "tenant-a", "leaked")) == INSUFFICIENT_PRIVILEGE
+        # Bound in the transaction, it acts; the session's value is still there after it.
+        with conn.transaction():
+            outbox.bind_tenant(conn, "tenant-a")
+            enqueue_in(conn, "tenant-a", "bound")
+        assert refused(lambda: enqueue_in(conn, "tenant-a", "after")) == INSUFFICIENT_PRIVILEGE
+    assert rows(rls_db, "SELECT operation_key FROM outbox.operations") == [("bound",)]
+
+
+def test_a_binding_copied_into_the_session_binds_only_its_own_transaction(rls_db: str) -> None:
+    """Both settings copied into the session by hand: the start they name is their own
+    transaction's, so no later one takes them."""
+    with psycopg.connect(as_role(rls_db, APP)) as conn:
+        outbox.bind_tenant(conn, "tenant-a")
+        ((bound_at,),) = conn.execute("SELECT current_setting('outbox.tenant_bound_at')")
+        conn.execute("SELECT set_config('outbox.tenant_id', 'tenant-a', false)")
+        conn.execute("SELECT set_config('outbox.tenant_bound_at', %s, false)", (bound_at,))
+        enqueue_in(conn, "tenant-a", "first")
+        conn.commit()
+        assert conn.execute("SELECT current_setting('outbox.tenant_bound_at')").fetchone() == (
+            bound_at,
+        )
+        assert refused(lambda: enqueue_in(conn, "tenant-a", "second")) == INSUFFICIENT_PRIVILEGE
+    assert rows(rls_db, "SELECT operation_key FROM outbox.operations") == [("first",)]
+
+
+def test_sql_binds_with_outbox_bind_tenant_and_set_config_alone_no_longer(rls_db: str) -> None:
+    with psycopg.connect(as_role(rls_db, APP)) as conn:
+        conn.execute("SELECT outbox.bind_tenant('tenant-a')")
+        enqueue_in(conn, "tenant-a", "bound")
+        conn.commit()
+        conn.execute("SELECT set_config('outbox.tenant_id', 'tenant-a', true)")
+        with pytest.raises(psycopg.errors.InsufficientPrivilege) as caught:
+            enqueue_in(conn, "tenant-a", "set-config")
+        assert "outbox.bind_tenant" in (caught.value.diag.message_hint or "")
+        conn.rollback()
+        with pytest.raises(psycopg.Error) as blank:
+            conn.execute("SELECT outbox.bind_tenant('  ')")
+        assert (blank.value.sqlstate, blank.value.diag.column_name) == ("OB002", "tenant_id")
+    assert rows(rls_db, "SELECT operation_key FROM outbox.operations") == [("bound",)]
+
+
+def test_a_role_reading_the_table_sees_no_tenant_through_a_session_binding(
+    rls_db: str, pg_server: str
+) -> None:
+    """The policy for any other role granted the table reads the binding the same way."""
+    enqueue_for(as_role(rls_db, APP), "tenant-a", "k")
+    with psycopg.connect(rls_db, autocommit=True) as admin:
+        admin.execute("DROP ROLE IF EXISTS outbox_test_reader")
+        admin.execute("CREATE ROLE outbox_test_reader")
+        admin.execute("GRANT USAGE ON SCHEMA outbox TO outbox_test_reader")
+        admin.execute("GRANT SELECT ON outbox.operations TO outbox_test_reader")
+        admin.execute("GRANT EXECUTE ON FUNCTION outbox.bind_tenant(text) TO outbox_test_reader")
+    try:
+        with psycopg.connect(rls_db) as conn:
+            conn.execute("SET ROLE outbox_test_reader")
+            conn.execute("SET outbox.tenant_id = 'tenant-a'")
+            conn.commit()
+            assert conn.execute("SELECT count(*) FROM outbox.operations").fetchone() == (0,)
+            conn.commit()
+            conn.execute("SELECT outbox.bind_tenant('tenant-a')")
+            assert conn.execute("SELECT count(*) FROM outbox.operations").fetchone() == (1,)
+            conn.rollback()
+    finally:
+        with psycopg.connect(rls_db, autocommit=True) as admin:
+            admin.execute("DROP OWNED BY outbox_test_reader")
+            admin.execute("DROP ROLE outbox_test_reader")
+
+
+def test_0038_alters_the_policies_a_deployment_already_has(empty_db_url: str) -> None:
+    """The policies of roles_tenant_rls.sql as they were made before 0038 read the setting
+    alone: the migration makes them read the binding as enqueue does."""
+    old = "nullif(current_setting('outbox.tenant_id', true), '')"
+    with psycopg.connect(empty_db_url, autocommit=True) as conn:
+        migrations.migrate(conn, target=37)
+        conn.execute(
+            f"CREATE POLICY operations_bound_tenant ON outbox.operations TO PUBLIC "
+            f"USING (tenant_id = {old}) WITH CHECK (tenant_id = {old})"
+        )
+        conn.execute(
+            f"CREATE POLICY operations_owner_postgres ON outbox.operations TO postgres "
+            f"USING ({old} IS NULL OR tenant_id = {old})"
+        )
+        migrations.migrate(conn)
+        quals = conn.execute(
+            "SELECT policyname, qual, with_check FROM pg_policies "
+            "WHERE tablename = 'operations' ORDER BY 1"
+        ).fetchall()
+    assert [name for name, *_ in quals] == ["operations_bound_tenant", "operations_owner_postgres"]
+    for _, qual, check in quals:
+        assert "outbox.tenant_bound_at" in qual and "outbox.tenant_bound_at" in check

@@ -221,6 +221,7 @@ def test_every_function_is_pinned_and_executable_only_by_its_roles(roles_db: str
         "outbox.enqueue(text,text,text,text,text,jsonb,text,text,timestamp with time zone,"
         "integer,text,text)": (True, ["outbox_producer"]),
         "outbox.get_operation(text,text,text)": (True, ["outbox_producer"]),
+        "outbox.bind_tenant(text)": (False, ["outbox_producer"]),
         "outbox.resolve_operation(bigint,text,text,text)": (True, ["outbox_operator"]),
         "outbox.cancel_operation(bigint,text,text)": (True, ["outbox_operator"]),
         "outbox.request_cancel(bigint,text,text)": (True, ["outbox_operator"]),

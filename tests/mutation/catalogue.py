@@ -42,7 +42,7 @@ RECORDER = "outbox/dispatch/recorder.py"
 POLICY = "outbox/policy.py"
 ISOLATION_TESTS = "tests/integration/test_provider_isolation.py"
 # The newest definitions of outbox.enqueue and of outbox.check_text.
-ENQUEUE = "sql/0037_payloads_bounded_in_values.sql"
+ENQUEUE = "sql/0038_bindings_end_with_their_transaction.sql"
 CHECK_TEXT = "sql/0028_identities_refuse_format_characters.sql"
 # The queue providers' tests against the real brokers (and moto, the Cloud Tasks emulator).
 NATS_TESTS = "tests/integration/test_queue_nats.py"
@@ -479,7 +479,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "payload-values-unbounded",
         "a payload of 260,000 empty arrays under 1 MiB is enqueued, and each costs the dispatcher "
         "a fifth of a second of its event loop and 19 MB to decode",
-        "sql/0037_payloads_bounded_in_values.sql",
+        ENQUEUE,
         "    IF v_bytes > 4096 AND v_bytes >= 2 * v_max_values\n",
         "    IF false\n",
         "tests/integration/test_bad_input.py::"
@@ -623,8 +623,19 @@ MUTANTS: tuple[Mutant, ...] = (
         "rls-tenant-binding",
         "a producer bound to one tenant reads another tenant's operations",
         "sql/roles_tenant_rls.sql",
-        "            USING (tenant_id = nullif(current_setting('outbox.tenant_id', true), ''))\n",
-        "            USING (true)\n",
+        "            'USING (tenant_id = %s) WITH CHECK (tenant_id = %s)', bound, bound);\n",
+        "            'USING (true) WITH CHECK (tenant_id = %s)', bound);\n",
+        "tests/integration/test_rls.py",
+    ),
+    _one(
+        "rls-session-binding",
+        "a tenant bound with SET for the session is taken as the binding of later transactions: "
+        "a pooled connection carries one request's tenant into the next, unbound, request",
+        "sql/0038_bindings_end_with_their_transaction.sql",
+        "    SELECT CASE WHEN current_setting('outbox.tenant_bound_at', true)\n"
+        "                     = to_char(transaction_timestamp() AT TIME ZONE 'UTC', "
+        "'YYYYMMDDHH24MISSUS')\n",
+        "    SELECT CASE WHEN true\n",
         "tests/integration/test_rls.py",
     ),
     _one(
