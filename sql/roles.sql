@@ -128,8 +128,9 @@ GRANT EXECUTE ON FUNCTION
     outbox.repair_ordering_key(text, text),
     -- `outbox run` checks the schema at start-up (0027).
     outbox.schema_version(),
-    -- MARK_WAITING tries the wake-up lock (0029); the readiness probe asks which server
-    -- answers (0030).
+    -- MARK_WAITING tries the wake-up gate (0039; wake_lock_space for dispatchers of earlier
+    -- versions, 0029); the readiness probe asks which server answers (0030).
+    outbox.try_wake_gate(),
     outbox.wake_lock_space(),
     outbox.server_identity()
 TO outbox_dispatcher;

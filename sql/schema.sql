@@ -1,5 +1,5 @@
 -- sql/schema.sql: the outbox schema as the migrations of sql/ leave it
--- (every migration up to 0038_bindings_end_with_their_transaction).
+-- (every migration up to 0039_a_wake_gate_only_outbox_can_hold).
 --
 -- GENERATED FILE: DO NOT EDIT IT BY HAND. It is regenerated, after adding a migration, by
 --     python -m outbox.db.schema_dump --dsn postgresql://postgres@127.0.0.1:5432/postgres --output sql/schema.sql
@@ -372,6 +372,18 @@ CREATE UNLOGGED TABLE outbox.waiting_dispatchers (
 );
 
 COMMENT ON TABLE outbox.waiting_dispatchers IS 'Dispatchers idle and LISTENing. The first producer to commit while one is here deletes the marks and notifies; the dispatchers mark themselves again when next idle (sql/0029). Marks older than 10 minutes (a dispatcher that died waiting) are ignored.';
+
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- table outbox.wake_gate
+-- history: created by 0039_a_wake_gate_only_outbox_can_hold
+
+CREATE TABLE outbox.wake_gate (
+
+);
+
+COMMENT ON TABLE outbox.wake_gate IS 'No rows: its lock is the wake-up lock. Producers hold ROW EXCLUSIVE from the wake-up check at COMMIT until their rows are visible; a dispatcher marking itself waiting tries SHARE (outbox.try_wake_gate). Only outbox''s functions lock it (sql/0039).';
 
 -- privileges: the owner's only
 
@@ -2007,8 +2019,29 @@ $function$;
 -- privileges: the owner's only
 
 -- =================================================================================================
+-- function outbox.try_wake_gate()
+-- history: created by 0039_a_wake_gate_only_outbox_can_hold
+
+CREATE OR REPLACE FUNCTION outbox.try_wake_gate()
+ RETURNS boolean
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+BEGIN
+    LOCK TABLE outbox.wake_gate IN SHARE MODE NOWAIT;
+    RETURN true;
+EXCEPTION WHEN lock_not_available THEN
+    RETURN false;
+END;
+$function$;
+COMMENT ON FUNCTION outbox.try_wake_gate() IS 'A dispatcher marking itself waiting: true (and the wake-up gate held until the end of its transaction) when no commit is becoming visible unseen; false at once otherwise (sql/0039).';
+-- privileges: the owner's only
+
+-- =================================================================================================
 -- function outbox.wake_dispatchers()
--- history: created by 0012_wake_only_idle_dispatchers; changed by 0029_one_wakeup_per_idle_period
+-- history: created by 0012_wake_only_idle_dispatchers; changed by 0029_one_wakeup_per_idle_period,
+--     0039_a_wake_gate_only_outbox_can_hold
 -- fired by trigger operations_wake_dispatchers ON outbox.operations
 
 CREATE OR REPLACE FUNCTION outbox.wake_dispatchers()
@@ -2018,12 +2051,16 @@ CREATE OR REPLACE FUNCTION outbox.wake_dispatchers()
  SET search_path TO 'pg_catalog', 'pg_temp'
 AS $function$
 BEGIN
-    IF NOT pg_try_advisory_xact_lock_shared(outbox.wake_lock_space(), 0) THEN
-        -- A dispatcher is marking itself this instant (or some role holds the key): notify, as
+    BEGIN
+        -- Held from here until this transaction's rows are visible (locks outlast the commit's
+        -- visibility), or not at all: never waited for.
+        LOCK TABLE outbox.wake_gate IN ROW EXCLUSIVE MODE NOWAIT;
+    EXCEPTION WHEN lock_not_available THEN
+        -- A dispatcher is marking itself this instant (or the owner holds the gate): notify, as
         -- every commit did before 0029; one notification per transaction, however many rows.
         PERFORM pg_notify('outbox_enqueue', '');
         RETURN NULL;
-    END IF;
+    END;
     IF current_setting('synchronous_standby_names') = '' THEN
         -- No synchronous standby: a NOTIFY costs a commit little, so marks stay, and a
         -- dispatcher need not mark itself again after every wake-up (a statement each time).
@@ -2051,15 +2088,23 @@ $function$;
 
 -- =================================================================================================
 -- function outbox.wake_lock_space()
--- history: created by 0029_one_wakeup_per_idle_period
+-- history: created by 0029_one_wakeup_per_idle_period; changed by
+--     0039_a_wake_gate_only_outbox_can_hold
 
 CREATE OR REPLACE FUNCTION outbox.wake_lock_space()
  RETURNS integer
- LANGUAGE sql
- IMMUTABLE PARALLEL SAFE
+ LANGUAGE plpgsql
+ SECURITY DEFINER
  SET search_path TO 'pg_catalog', 'pg_temp'
-AS $function$ SELECT 1869968504 $function$;
-COMMENT ON FUNCTION outbox.wake_lock_space() IS 'First key of the advisory lock pair (wake_lock_space(), 0) that producers hold shared from the wake-up check at COMMIT until their rows are visible (sql/0029).';
+AS $function$
+BEGIN
+    IF outbox.try_wake_gate() THEN
+        RETURN 1869968504;  -- 'outx' as a big-endian integer, 0029's
+    END IF;
+    RETURN NULL;
+END;
+$function$;
+COMMENT ON FUNCTION outbox.wake_lock_space() IS 'For dispatchers of versions before sql/0039 only: tries the wake-up gate (try_wake_gate) and gives the key of 0029''s advisory lock only when it holds it, NULL otherwise.';
 -- privileges: the owner's only
 
 -- =================================================================================================

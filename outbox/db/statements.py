@@ -728,10 +728,11 @@ LOCK_OPERATION: Final = "SELECT id FROM outbox.operations WHERE id = %s FOR UPDA
 
 # An idle dispatcher that LISTENs marks itself waiting, so that the next producer's commit
 # notifies (sql/0029); it refreshes the mark while idle, and clears up marks of dispatchers long
-# dead. In the same transaction it tries the wake-up lock: true when no producer's commit was
-# between its wake-up check and its rows becoming visible, so that sleeping loses no wake-up;
-# and reads the count of commits that woke no one, to tell whether one went by since its last
-# mark (then it claims once more).
+# dead. In the same transaction it tries the wake-up lock, the gate only outbox's roles can
+# take (sql/0039): true when no producer's commit was between its wake-up check and its rows
+# becoming visible, so that sleeping loses no wake-up; and reads the count of commits that woke
+# no one, to tell whether one went by since its last mark (then it claims once more).
+# Relies on: outbox.try_wake_gate().
 MARK_WAITING: Final = """
 WITH expired AS (
     DELETE FROM outbox.waiting_dispatchers
@@ -741,7 +742,7 @@ WITH expired AS (
     ON CONFLICT (worker) DO UPDATE SET seen_at = now()
     RETURNING worker
 )
-SELECT pg_catalog.pg_try_advisory_xact_lock(outbox.wake_lock_space(), 0) AS quiet,
+SELECT outbox.try_wake_gate() AS quiet,
        (SELECT CASE WHEN is_called THEN last_value ELSE 0 END
         FROM outbox.unnotified_commits) AS unnotified
 FROM marked

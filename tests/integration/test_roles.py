@@ -258,7 +258,8 @@ def test_every_function_is_pinned_and_executable_only_by_its_roles(roles_db: str
         "outbox.request_provider_action(text,text,text,text)": (True, ["outbox_operator"]),
         "outbox.schema_version()": (True, ["outbox_dispatcher", "outbox_operator"]),
         "outbox.server_identity()": (True, ["outbox_dispatcher"]),
-        "outbox.wake_lock_space()": (False, ["outbox_dispatcher"]),
+        "outbox.wake_lock_space()": (True, ["outbox_dispatcher"]),
+        "outbox.try_wake_gate()": (True, ["outbox_dispatcher"]),
     }
     # Only those entry points run as the owner, and the triggers: the wake-up and the ordering
     # key's turn fire at the producer's commit, after enqueue has returned (sql/0012, 0015);

@@ -5,7 +5,8 @@ wait included, so notifying commits queue behind each other. The first commit af
 dispatcher marked itself waiting takes the mark and notifies; the others do not. What must not
 follow is a lost wake-up: a commit that checked before the dispatcher's mark and became visible
 after its last claim. The dispatcher's mark tries the wake-up lock that such commits hold, and
-does not sleep while it cannot get it.
+does not sleep while it cannot get it. That lock is the table outbox.wake_gate's, which only
+outbox's roles can take (sql/0039): an advisory key, 0029's, any role could hold.
 """
 
 from __future__ import annotations
@@ -23,10 +24,14 @@ import pytest
 import outbox
 from outbox.db.statements import ENQUEUE_CHANNEL, MARK_WAITING
 from outbox.testing.webhook import FakeWebhookReceiver
+from tests.integration.test_roles import APP, apply_roles, as_role
 from tests.support.daemon import OutboxProcess, wait_until, write_config
 from tests.support.replication import replicated_pair
 
-WAKE_LOCK = "outbox.wake_lock_space(), 0"
+# What a producer holds from its COMMIT's wake-up check until its rows are visible (sql/0039).
+PRODUCER_GATE = "LOCK TABLE outbox.wake_gate IN ROW EXCLUSIVE MODE"
+# 0029's advisory key, which any role could take.
+OLD_KEY = "1869968504, 0"
 
 
 @pytest.fixture(scope="module")
@@ -145,32 +150,87 @@ def test_commits_racing_in_one_idle_period_notify_once(sync_conn: Any, sync_url:
 def test_a_commit_becoming_visible_keeps_a_dispatcher_from_sleeping(db_url: str) -> None:
     # What a producer holds from its COMMIT's check until its rows are visible.
     with psycopg.connect(db_url, autocommit=True) as dispatcher, psycopg.connect(db_url) as mid:
-        mid.execute(f"SELECT pg_advisory_xact_lock_shared({WAKE_LOCK})")
+        mid.execute(PRODUCER_GATE)
         assert mark(dispatcher, "d")[0] is False
         mid.commit()
         assert mark(dispatcher, "d")[0] is True
 
 
-def test_a_role_holding_the_wake_lock_costs_notifications_never_a_commit(
+def test_whoever_holds_the_wake_gate_costs_notifications_never_a_commit(
     conn: psycopg.Connection[Any], db_url: str
 ) -> None:
-    """Any role can take an advisory lock. Held exclusively, producers cannot take it shared,
-    and notify as they did before sql/0029, mark or no mark; nobody ever waits for it."""
+    """Only the schema owner (a superuser here) can hold the gate outside outbox's functions.
+    Held, producers cannot take it and notify as they did before sql/0029, mark or no mark;
+    nobody ever waits for it."""
     with (
-        psycopg.connect(db_url, autocommit=True) as holder,
+        psycopg.connect(db_url) as holder,
         psycopg.connect(db_url, autocommit=True) as listener,
     ):
-        holder.execute(f"SELECT pg_advisory_lock({WAKE_LOCK})")
+        holder.execute("LOCK TABLE outbox.wake_gate IN ACCESS EXCLUSIVE MODE")
         listener.execute(f"LISTEN {ENQUEUE_CHANNEL}")
         conn.execute("SET lock_timeout = '2s'")  # a COMMIT that waited would fail the test
         for n in range(3):
             enqueue(conn, f"held-{n}")
             conn.commit()
         assert notifications(listener) == 3
-        holder.execute(f"SELECT pg_advisory_unlock({WAKE_LOCK})")
+        holder.rollback()
         enqueue(conn, "free")
         conn.commit()
         assert notifications(listener) == 0  # no mark, nobody waiting: no notification
+
+
+def test_no_other_role_can_take_the_wake_lock(
+    conn: psycopg.Connection[Any], db_url: str, pg_server: str
+) -> None:
+    """Any role that could connect took 0029's advisory key and turned idle dispatchers into
+    pollers (1,360 transactions in 10 s instead of 43) and every commit into a notification
+    (issue 38). The key means nothing now, and the gate is out of reach: a producer's login
+    (the role of every application) can neither lock it nor read it, and a dispatcher's mark
+    finds the way clear, so it sleeps, and no commit notifies."""
+    apply_roles(pg_server, db_url)
+    app = as_role(db_url, APP)
+    with (
+        psycopg.connect(app, autocommit=True) as attacker,
+        psycopg.connect(db_url, autocommit=True) as dispatcher,
+    ):
+        attacker.execute(f"SELECT pg_advisory_lock({OLD_KEY})")
+        attacker.execute(f"SELECT pg_advisory_lock_shared({OLD_KEY})")
+        dispatcher.execute(f"LISTEN {ENQUEUE_CHANNEL}")
+        assert mark(dispatcher, "idle")[0] is True  # quiet: it may sleep
+        for n in range(3):
+            enqueue(conn, f"attacked-{n}")
+            conn.commit()
+        # One notification per commit, as for any idle dispatcher without a standby: the key
+        # changes nothing, where before it made every mark fail and the dispatcher poll.
+        assert [n.payload for n in dispatcher.notifies(timeout=0.5)] == ["", "", ""]
+        assert mark(dispatcher, "idle")[0] is True
+        for query in (
+            "LOCK TABLE outbox.wake_gate IN ACCESS EXCLUSIVE MODE",
+            "LOCK TABLE outbox.wake_gate IN ROW EXCLUSIVE MODE",
+            "LOCK TABLE outbox.wake_gate IN ACCESS SHARE MODE",
+            "SELECT * FROM outbox.wake_gate",
+            "SELECT outbox.try_wake_gate()",
+            "SELECT outbox.wake_lock_space()",
+        ):
+            with pytest.raises(psycopg.errors.InsufficientPrivilege), attacker.transaction():
+                attacker.execute(query)
+        assert mark(dispatcher, "idle")[0] is True
+
+
+def test_a_dispatcher_of_an_earlier_version_still_loses_no_wake_up(db_url: str) -> None:
+    """Its MARK_WAITING (0029's) tries the advisory key of outbox.wake_lock_space(), which now
+    gives the key only once it holds the gate: with a commit in flight, no key, so not quiet."""
+    old_mark = MARK_WAITING.replace(
+        "outbox.try_wake_gate() AS quiet",
+        "pg_catalog.pg_try_advisory_xact_lock(outbox.wake_lock_space(), 0) AS quiet",
+    )
+    with psycopg.connect(db_url, autocommit=True) as dispatcher, psycopg.connect(db_url) as mid:
+        mid.execute(PRODUCER_GATE)
+        row = dispatcher.execute(old_mark, {"worker": "old"}).fetchone()
+        assert row is not None and not row[0]  # NULL: the old code's bool() says not quiet
+        mid.commit()
+        row = dispatcher.execute(old_mark, {"worker": "old"}).fetchone()
+        assert row is not None and row[0] is True
 
 
 # --- under synchronous replication, with a real `outbox run` -------------------------------------

@@ -711,10 +711,19 @@ MUTANTS: tuple[Mutant, ...] = (
         "a dispatcher sleeps while a commit that did not see its mark becomes visible: a lost "
         "wake-up, the row waits for the next poll",
         STATEMENTS,
-        "SELECT pg_catalog.pg_try_advisory_xact_lock(outbox.wake_lock_space(), 0) AS quiet,\n",
+        "SELECT outbox.try_wake_gate() AS quiet,\n",
         "SELECT true AS quiet,\n",
         "tests/integration/test_wakeups.py::"
         "test_a_commit_still_becoming_visible_keeps_the_dispatcher_claiming",
+    ),
+    _one(
+        "wake-lock-anyone-can-take",
+        "a role that can connect holds the wake-up lock and keeps every idle dispatcher polling "
+        "and every commit notifying (0029's advisory key)",
+        "sql/0039_a_wake_gate_only_outbox_can_hold.sql",
+        "    LOCK TABLE outbox.wake_gate IN SHARE MODE NOWAIT;\n    RETURN true;\n",
+        "    RETURN pg_try_advisory_xact_lock(1869968504, 0);\n",
+        "tests/integration/test_wakeups.py::test_no_other_role_can_take_the_wake_lock",
     ),
     _one(
         "failover-stale-leases-kept",
