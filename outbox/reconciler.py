@@ -10,6 +10,7 @@ to a person.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
@@ -39,6 +40,11 @@ RECHECK_AFTER: Final = timedelta(hours=1)
 ERROR_RETRY: Final = timedelta(minutes=5)
 BATCH: Final = 100
 MANUAL_LIMIT: Final = 100_000
+# The most one check may take, its provider's pacing included: a provider that answers slowly
+# (a header line a second), or a plug-in whose lookup never returns, ends the check as an error,
+# tried again after ERROR_RETRY, rather than holding it for good. Each request of the built-in
+# lookups has its provider's own timeout besides (outbox/providers/http_lookup.py).
+CHECK_DEADLINE: Final = timedelta(minutes=2)
 
 log = structlog.get_logger("outbox.reconciler")
 
@@ -75,8 +81,10 @@ class Reconciler:
         actor: str = ACTOR,
         limits: Mapping[str, ProviderLimits] | None = None,
         without_lookup: Collection[str] = (),
+        check_deadline: timedelta = CHECK_DEADLINE,
     ) -> None:
         self._pool = pool
+        self._deadline = check_deadline.total_seconds()
         self._providers = providers
         # Configured, but with no lookup: not built (nor their secrets read); answered no_lookup.
         self._without_lookup = frozenset(without_lookup) - set(providers)
@@ -148,30 +156,66 @@ class Reconciler:
         on_result: Callable[[CheckResult], None] | None = None,
     ) -> int:
         """Check every reconciling operation not checked since ``recheck_after`` that no other
-        replica is checking: each is claimed (marked checked) as it is taken."""
-        rows = await self.claim(recheck_after=recheck_after, limit=BATCH)
+        replica is checking: each is claimed (marked checked) as it is taken. Each provider's
+        operations are checked apart from the others', at once: a slow provider holds up only
+        its own."""
+        counts = await asyncio.gather(
+            *(
+                self.run_provider(name, recheck_after=recheck_after, on_result=on_result)
+                for name in self._askable()
+            )
+        )
+        return sum(counts)
+
+    async def run_provider(
+        self,
+        provider: str,
+        *,
+        recheck_after: timedelta = RECHECK_AFTER,
+        on_result: Callable[[CheckResult], None] | None = None,
+    ) -> int:
+        """One round of one provider's checks: a batch claimed, each checked in turn."""
+        rows = await self.claim(recheck_after=recheck_after, limit=BATCH, providers=[provider])
         for row in rows:
             result = await self.check(row, recheck_after=recheck_after)
             if on_result is not None:
                 on_result(result)
         return len(rows)
 
-    async def claim(self, *, recheck_after: timedelta, limit: int) -> list[dict[str, Any]]:
-        """Due checks of providers with a lookup, marked checked as they are taken."""
-        names = [n for n, p in self._providers.items() if asks(p)]
-        params = {"providers": names, "recheck_after": recheck_after, "limit": limit}
+    async def claim(
+        self, *, recheck_after: timedelta, limit: int, providers: Sequence[str] | None = None
+    ) -> list[dict[str, Any]]:
+        """Due checks of providers with a lookup (of ``providers`` among them), marked checked
+        as they are taken."""
+        names = self._askable() if providers is None else providers
+        params = {"providers": list(names), "recheck_after": recheck_after, "limit": limit}
         return await self._rows(statements.CLAIM_CHECKS, params)
 
     async def run_forever(self, interval: timedelta) -> None:
-        async def round_() -> float:
-            try:
-                await self.run_once()
-            except psycopg.Error as exc:
-                metrics.DB_ERRORS.labels("reconcile").inc()
-                log.warning("reconciliation pass failed", error_class=type(exc).__name__)
-            return interval.total_seconds()
+        """A loop of its own for each provider with a lookup: one whose checks are slow (each
+        up to the check's deadline) delays no other provider's round."""
 
-        await loops.forever("reconcile", round_)
+        def round_for(provider: str) -> Callable[[], Awaitable[float]]:
+            async def round_() -> float:
+                try:
+                    await self.run_provider(provider)
+                except psycopg.Error as exc:
+                    metrics.DB_ERRORS.labels("reconcile").inc()
+                    log.warning(
+                        "reconciliation pass failed",
+                        provider=provider,
+                        error_class=type(exc).__name__,
+                    )
+                return interval.total_seconds()
+
+            return round_
+
+        await asyncio.gather(
+            *(loops.forever("reconcile", round_for(name)) for name in self._askable())
+        )
+
+    def _askable(self) -> list[str]:
+        return [n for n, p in self._providers.items() if asks(p)]
 
     async def _rows(self, query: LiteralString, params: Mapping[str, Any]) -> list[dict[str, Any]]:
         async with self._pool.connection() as conn:
@@ -189,12 +233,17 @@ class Reconciler:
             )
         if not isinstance(provider, Lookup) or not asks(provider, row["action"]):
             return CheckResult(finding="no_lookup", **base)
+        deadline = asyncio.timeout(self._deadline)
         try:
             if "payload" not in row:  # listed without it (RECONCILING_TO_CHECK)
                 row = {**row, "payload": await self._payload(row["id"])}
-            found = await provider.lookup(_request(row, self._pacer.pace(row["provider"])))
+            request = _request(row, self._pacer.pace(row["provider"]))
+            async with deadline:
+                found = await provider.lookup(request)
         except Exception as exc:  # noqa: BLE001 (a failed look proves nothing either way)
-            return CheckResult(finding="error", error=type(exc).__name__, **base)
+            # Past the check's deadline (CHECK_DEADLINE), the provider did not answer in time.
+            error = "deadline" if deadline.expired() else type(exc).__name__
+            return CheckResult(finding="error", error=error, **base)
         if isinstance(found, NotFound):
             searched = {
                 "searched": list(found.sources),
@@ -334,11 +383,19 @@ async def run_checks(
             operation_id, ids=ids, limit=MANUAL_LIMIT, askable_only=False
         )
         on_total(len(rows))
-        results = []
-        for row in rows:
-            result = await reconciler.check(row, dry_run=dry_run)
-            on_result(result)
-            results.append(result)
+        # Each provider's operations in turn, the providers at once: a slow one holds up only
+        # its own. The results in the order of the rows.
+        by_provider: dict[str, list[tuple[int, Mapping[str, Any]]]] = {}
+        for n, row in enumerate(rows):
+            by_provider.setdefault(row["provider"], []).append((n, row))
+        results: dict[int, CheckResult] = {}
+
+        async def check_all(mine: list[tuple[int, Mapping[str, Any]]]) -> None:
+            for n, row in mine:
+                results[n] = await reconciler.check(row, dry_run=dry_run)
+                on_result(results[n])
+
+        await asyncio.gather(*(check_all(mine) for mine in by_provider.values()))
     for provider in providers.values():
         await provider.aclose()
-    return results
+    return [results[n] for n in range(len(rows))]

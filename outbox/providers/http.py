@@ -259,7 +259,7 @@ class HttpProvider:
         if spec is None or spec.lookup is None:
             raise LookupError(f"action {request.action!r} has no lookup")
         with self._shards.take() as client:
-            asker = Asker(client, self._base, spec, request)
+            asker = Asker(client, self._base, spec, request, self._options.timeout.total_seconds())
             found = await look_up(asker)
         sent = request.sent_scope
         if isinstance(found, NotFound) and sent not in (None, self.scope(request.action, {})):

@@ -11,6 +11,7 @@ error raises: the check is tried again later and proves nothing meanwhile.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -38,12 +39,15 @@ class LookupFailed(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Asker:
-    """One lookup's means: a client, the base URL, the action and the operation."""
+    """One lookup's means: a client, the base URL, the action and the operation; ``timeout``,
+    the most each of its requests may take, whole (the provider's ``timeout``; None: httpx's
+    own, which bounds each read, not the answer: a header line a second never ends it)."""
 
     client: httpx.AsyncClient
     base: str
     spec: ActionSpec
     request: LookupRequest
+    timeout: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +94,13 @@ def _keys(asker: Asker, every: bool) -> list[str]:
 async def _ask(asker: Asker, lookup: LookupSpec, target: str, key: str, answers: _Answers) -> None:
     if asker.request.pace is not None:
         await asker.request.pace()
-    response = await asker.client.request(lookup.method, asker.base + target)
+    try:
+        async with asyncio.timeout(asker.timeout):
+            response = await asker.client.request(lookup.method, asker.base + target)
+    except TimeoutError:
+        raise LookupFailed(
+            f"no whole answer within the provider's timeout ({asker.timeout:g} s)"
+        ) from None
     status = response.status_code
     body = http_wire.json_body(response)
     if status in lookup.not_found:
