@@ -419,7 +419,8 @@ def _enqueue_hostile(db_url: str, rng: random.Random) -> tuple[dict[int, str], s
             if i % 400 == 0:
                 payload["s"] = ""
                 payload["s"] = "x" * (ENQUEUE_LIMIT - len(json.dumps(payload)))
-            tenant = f"t{i}-{_hostile(rng, 100)}"
+            # Ends in "-": enqueue refuses a space at either end of an identity (sql/0036).
+            tenant = f"t{i}-{_hostile(rng, 100)}-"
             op = outbox.enqueue(
                 conn,
                 tenant_id=tenant,
@@ -428,7 +429,7 @@ def _enqueue_hostile(db_url: str, rng: random.Random) -> tuple[dict[int, str], s
                 provider=PROVIDER,
                 action=ACTION,
                 payload=payload,
-                correlation_id="c" + _hostile(rng, 200) if rng.random() < 0.5 else None,
+                correlation_id="c" + _hostile(rng, 200) + "c" if rng.random() < 0.5 else None,
                 available_at=soon if i % 7 == 0 else None,
             )
             tenants[op.operation_id] = tenant
