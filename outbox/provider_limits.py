@@ -197,7 +197,7 @@ class Breaker:
     def record(self, operation_id: int, said: Verdict, tenant: str = "") -> None:
         """Count a call's outcome (``tenant``: the operation's)."""
         if operation_id == self._probe:
-            self._probe_answered(operation_id, said)
+            self._probe_answered(operation_id, said, tenant)
         elif said is Verdict.REFUSED:
             if self.state is State.CLOSED:
                 self._open(REASON_CREDENTIALS)
@@ -207,10 +207,7 @@ class Breaker:
                 self.reason = REASON_CREDENTIALS
                 _show_state(self.provider, self.state, self.reason)
         elif said is Verdict.HEALTHY:
-            self._succeeded(operation_id)
-            self._tenant_ok[tenant] = self._clock()
-            self._tenant_ok.move_to_end(tenant)
-            _trim(self._tenant_ok)
+            self._succeeded(operation_id, tenant)
             if self.state is State.CLOSED:
                 self._calls.append((operation_id, False, tenant, True))
                 self._since_close += 1
@@ -225,7 +222,7 @@ class Breaker:
                 if self._too_many_failures():
                     self._open(REASON_FAILURES)
 
-    def _probe_answered(self, operation_id: int, said: Verdict) -> None:
+    def _probe_answered(self, operation_id: int, said: Verdict, tenant: str) -> None:
         self._probe, self._answered = None, operation_id
         if said is Verdict.REFUSED:
             self._reopen(REASON_CREDENTIALS)
@@ -235,12 +232,16 @@ class Breaker:
             self._reopen(self.reason or REASON_FAILURES, longer=self._probe_fresh)
         else:
             if said is Verdict.HEALTHY:
-                self._succeeded(operation_id)
+                self._succeeded(operation_id, tenant)
             self._close(why="the probe succeeded", works=self.reason == REASON_FAILURES)
 
-    def _succeeded(self, operation_id: int) -> None:
+    def _succeeded(self, operation_id: int, tenant: str) -> None:
+        now = self._clock()
         self._successes += 1
-        self._last_success_at = self._clock()
+        self._last_success_at = now
+        self._tenant_ok[tenant] = now
+        self._tenant_ok.move_to_end(tenant)
+        _trim(self._tenant_ok)
         self._failed_at.pop(operation_id, None)
         if self._alone.pop(operation_id, None) is not None:
             metrics.PROVIDER_FAILING_ALONE.labels(self.provider).set(len(self._alone))
@@ -286,12 +287,14 @@ class Breaker:
         """The provider succeeded for some operation lately: failing alone still means that."""
         return self._clock() - self._last_success_at < ALONE_RECENT
 
-    def _too_many_failures(self) -> bool:
-        # With no success for a while (an outage), every failure counts, alone or not.
+    def _failing(self) -> list[tuple[int, str]]:
+        """The failures in the window that weigh on the provider, as (operation, tenant): those
+        counted, and with no success for a while (an outage) every one, alone or not."""
         every = not self._recently_succeeded()
-        failing = [
-            (op, t) for op, failed, t, counted in self._calls if failed and (counted or every)
-        ]
+        return [(op, t) for op, failed, t, counted in self._calls if failed and (counted or every)]
+
+    def _too_many_failures(self) -> bool:
+        failing = self._failing()
         if len(failing) < self._threshold or len(failing) < self._rate * len(self._calls):
             return False
         # One operation failing again and again says nothing of the provider: it spends its own
@@ -312,9 +315,7 @@ class Breaker:
     @property
     def failure_rate(self) -> float:
         """The share of failures among the calls in the window (0 with none)."""
-        every = not self._recently_succeeded()
-        failing = sum(1 for _, f, _, counted in self._calls if f and (counted or every))
-        return failing / len(self._calls) if self._calls else 0.0
+        return len(self._failing()) / len(self._calls) if self._calls else 0.0
 
     @property
     def failing_alone(self) -> int:
@@ -411,7 +412,7 @@ class Breaker:
                 "provider breaker opened: operations wait until a probe succeeds",
                 provider=self.provider,
                 reason=reason,
-                failures=sum(1 for _, failed, _, _ in self._calls if failed),
+                failures=len(self._failing()),
                 failure_rate=round(rate, 2),
                 probe_in_s=self._open_for,
             )
