@@ -129,9 +129,16 @@ def test_every_loop_outlives_exceptions_and_a_bug_before_the_send_quarantines_un
     """The failpoint makes the first two rounds of every loop raise, and the dispatch of the
     first two operations, before their send: each is counted, none ends the process."""
     ops = enqueue_good(db_url)
+    # A provider with a lookup, so that a reconcile loop runs: there is one per such provider.
+    lookup = {"path": "/v1/effects?key={key}", "state": "/status", "done": ["ok"]}
+    askable = {
+        "type": "http",
+        "base_url": receiver.url,
+        "actions": {"post_effect": {"path": "/v1/effects", "lookup": lookup}},
+    }
     cfg = write_config(
         tmp_path / "outbox.toml",
-        providers={"hook": {"type": "webhook", "url": receiver.url}},
+        providers={"hook": {"type": "webhook", "url": receiver.url}, "svc": askable},
         poll_interval="200ms",
         heartbeat="1s",
         lease="5s",
