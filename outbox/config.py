@@ -172,7 +172,8 @@ class DispatcherSettings:
     lease: timedelta = field(
         default=timedelta(seconds=30),
         metadata=setting(
-            Duration(),
+            # The database's bound too (sql/0040): a lease of years would hide a row for years.
+            Duration(most=timedelta(days=1)),
             "How long a claim holds an operation, renewed by a heartbeat while its call runs: "
             "outlives a provider call at its timeout (10-20 s) plus recording the result, yet a "
             "crashed process's operations are claimed again within half a minute.",
@@ -199,7 +200,8 @@ class DispatcherSettings:
     max_attempts: int = field(
         default=10,
         metadata=setting(
-            Count(),
+            # As enqueue bounds an operation's own (sql/0004), and the rescuer's (sql/0040).
+            Count(most=1000),
             "Attempts before an operation needs a human: with doubling backoff from 1 s, ten ride "
             "out a provider outage of several minutes.",
         ),
@@ -217,7 +219,8 @@ class DispatcherSettings:
     backoff_max: timedelta = field(
         default=timedelta(minutes=10),
         metadata=setting(
-            Duration(),
+            # The database's bound on a retry's delay (sql/0040).
+            Duration(most=timedelta(days=366)),
             "The longest delay between retries: a recovered provider is tried again within ten "
             "minutes, and a long outage costs each operation no more than six calls an hour.",
         ),

@@ -166,15 +166,18 @@ def as_timedelta(value: object) -> timedelta | None:
 
 @dataclass(frozen=True, slots=True)
 class Duration(Kind[timedelta]):
-    """A duration greater than zero (or, with ``zero``, of zero or more)."""
+    """A duration greater than zero (or, with ``zero``, of zero or more), and at most ``most``."""
 
     zero: bool = False
+    most: timedelta | None = None
 
     def read(self, value: object, where: Where) -> timedelta:
         duration = as_timedelta(value)
         if duration is None or duration < timedelta(0) or (not duration and not self.zero):
             bound = "zero or more" if self.zero else "greater than zero"
             raise where.error(f"must be a duration {bound} ({_DURATION_FORMS}), not {show(value)}")
+        if self.most is not None and duration > self.most:
+            raise where.error(f"must be at most {format_duration(self.most)}, not {show(value)}")
         return duration
 
     def shown(self, value: timedelta) -> object:
@@ -184,7 +187,10 @@ class Duration(Kind[timedelta]):
         return f'"{format_duration(value)}"'
 
     def text(self) -> str:
-        return "duration, " + ("0 or more" if self.zero else "more than 0")
+        low = "0 or more" if self.zero else "more than 0"
+        if self.most is None:
+            return f"duration, {low}"
+        return f"duration, {low}, at most {format_duration(self.most)}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,9 +3,12 @@
 --   outbox_producer    (NOLOGIN; grant it to your application's login role) may call
 --                      outbox.enqueue, outbox.get_operation and outbox.bind_tenant, and
 --                      nothing else.
---   outbox_dispatcher  (LOGIN, for `outbox run`) reads operations, updates their state, lease
---                      and result columns, inserts attempts, records reconciliation findings
---                      through outbox.record_check and outbox.touch_check, and takes tokens from
+--   outbox_dispatcher  (NOLOGIN; grant it to the login role `outbox run` connects as) reads
+--                      operations and attempts, and changes them only through the SECURITY
+--                      DEFINER functions of sql/0040 (claim, record, unclaim, renew, rescue,
+--                      stage), which enforce the lifecycle's transitions, the lease fence and
+--                      bounded arguments; records reconciliation findings through
+--                      outbox.record_check and outbox.touch_check, and takes tokens from
 --                      rate-limited providers' buckets through outbox.take_tokens and
 --                      outbox.throttle_bucket.
 --   outbox_operator    (NOLOGIN; grant it to each person's login role, so the audit names them)
@@ -21,6 +24,13 @@
 --
 -- Roles are cluster-wide: they are created once, and each database gets its own grants. An
 -- existing role keeps its attributes (LOGIN, password, ...): set them with ALTER ROLE.
+--
+-- The dispatcher's login is a member of outbox_dispatcher, with a password of its own:
+--     CREATE ROLE outbox_run LOGIN PASSWORD '...' IN ROLE outbox_dispatcher;
+-- and this file, run again, gives every such member the session limits below. An
+-- outbox_dispatcher created LOGIN by an earlier version stays so (the dispatchers that log in
+-- as it keep working) and gets a WARNING here: create the member login, switch `outbox run`
+-- to it, then ALTER ROLE outbox_dispatcher NOLOGIN.
 
 -- Create the roles that do not exist yet. Another database's migrate may create one at the same
 -- moment: the loser of that race finds it created, which is all it wanted.
@@ -29,7 +39,7 @@ DECLARE
     r record;
 BEGIN
     FOR r IN SELECT * FROM (VALUES ('outbox_producer', 'NOLOGIN'),
-                                   ('outbox_dispatcher', 'LOGIN'),
+                                   ('outbox_dispatcher', 'NOLOGIN'),
                                    ('outbox_operator', 'NOLOGIN')) AS wanted (name, login)
     LOOP
         CONTINUE WHEN EXISTS (SELECT FROM pg_catalog.pg_roles WHERE rolname = r.name);
@@ -43,37 +53,56 @@ END
 $roles$;
 
 -- The dispatcher's session limits, as outbox/db/connect.py SESSION_LIMITS sets them per
--- connection; set on the role too, because behind PgBouncer in transaction mode a connection's
--- SET would leak into other clients' transactions, and the server enforces
--- idle_in_transaction_session_timeout even when the client forgets. Only written when missing,
--- so a rerun does not touch the cluster-wide catalog. Not plan_cache_mode: it spares planning
--- only for prepared statements, and behind a transaction pooler outbox prepares none.
+-- connection; set on the roles too, because behind PgBouncer in transaction mode a
+-- connection's SET would leak into other clients' transactions, and the server enforces
+-- idle_in_transaction_session_timeout even when the client forgets. A role's settings apply
+-- only to sessions that log in as it, never to its members: so they are set on
+-- outbox_dispatcher and on every login role that is a member of it (directly or not). Only
+-- written when missing, so a rerun does not touch the cluster-wide catalog. Not
+-- plan_cache_mode: it spares planning only for prepared statements, and behind a transaction
+-- pooler outbox prepares none.
 DO $limits$
 DECLARE
     s record;
+    r record;
 BEGIN
-    FOR s IN SELECT * FROM (VALUES ('lock_timeout', '2s'),
-                                   ('default_transaction_isolation', 'read committed'),
-                                   ('statement_timeout', '30s'),
-                                   ('idle_in_transaction_session_timeout', '60s'),
-                                   ('jit', 'off'),
-                                   -- Through a transaction pooler no session SET reaches it.
-                                   ('search_path', 'pg_catalog, pg_temp'),
-                                   -- PostgreSQL 14+: a claim whose client vanished is rolled back.
-                                   ('client_connection_check_interval', '1s')) AS l (name, value)
+    FOR r IN WITH RECURSIVE members (oid) AS (
+                 SELECT oid FROM pg_catalog.pg_roles WHERE rolname = 'outbox_dispatcher'
+                 UNION
+                 SELECT m.member FROM pg_catalog.pg_auth_members m JOIN members ON m.roleid = members.oid
+             )
+             SELECT rolname, rolconfig FROM pg_catalog.pg_roles
+             WHERE oid IN (SELECT oid FROM members)
+               AND (rolname = 'outbox_dispatcher' OR rolcanlogin) AND NOT rolsuper
     LOOP
-        CONTINUE WHEN s.name = 'client_connection_check_interval'
-                  AND pg_catalog.current_setting('server_version_num')::integer < 140000;
-        CONTINUE WHEN EXISTS (SELECT FROM pg_catalog.pg_roles
-                              WHERE rolname = 'outbox_dispatcher'
-                                AND s.name || '=' || s.value = ANY (rolconfig));
-        -- A list setting takes its value as a list: quoted, 'pg_catalog, pg_temp' would name
-        -- one schema of that name. The values are this script's own.
-        EXECUTE pg_catalog.format(CASE WHEN s.name = 'search_path'
-                                       THEN 'ALTER ROLE outbox_dispatcher SET %I = %s'
-                                       ELSE 'ALTER ROLE outbox_dispatcher SET %I = %L' END,
-                                  s.name, s.value);
+        FOR s IN SELECT * FROM (VALUES ('lock_timeout', '2s'),
+                                       ('default_transaction_isolation', 'read committed'),
+                                       ('statement_timeout', '30s'),
+                                       ('idle_in_transaction_session_timeout', '60s'),
+                                       ('jit', 'off'),
+                                       -- Through a transaction pooler no session SET reaches it.
+                                       ('search_path', 'pg_catalog, pg_temp'),
+                                       -- PostgreSQL 14+: a claim whose client vanished is rolled
+                                       -- back.
+                                       ('client_connection_check_interval', '1s')) AS l (name, value)
+        LOOP
+            CONTINUE WHEN s.name = 'client_connection_check_interval'
+                      AND pg_catalog.current_setting('server_version_num')::integer < 140000;
+            CONTINUE WHEN s.name || '=' || s.value = ANY (r.rolconfig);
+            -- A list setting takes its value as a list: quoted, 'pg_catalog, pg_temp' would name
+            -- one schema of that name. The values are this script's own.
+            EXECUTE pg_catalog.format(CASE WHEN s.name = 'search_path'
+                                           THEN 'ALTER ROLE %I SET %I = %s'
+                                           ELSE 'ALTER ROLE %I SET %I = %L' END,
+                                      r.rolname, s.name, s.value);
+        END LOOP;
     END LOOP;
+    IF EXISTS (SELECT FROM pg_catalog.pg_roles WHERE rolname = 'outbox_dispatcher' AND rolcanlogin)
+    THEN
+        RAISE WARNING 'outbox_dispatcher can log in: create a login that is a member of it, '
+                      'switch outbox run to it, then ALTER ROLE outbox_dispatcher NOLOGIN '
+                      '(docs/operations.md, "Roles")';
+    END IF;
 END
 $limits$;
 
@@ -98,22 +127,25 @@ GRANT EXECUTE ON FUNCTION
     outbox.bind_tenant(text)
 TO outbox_producer;
 
--- Dispatcher: what outbox/db/statements.py's CLAIM, RECORD, UNCLAIM, HEARTBEAT, RESCUE,
--- ATTEMPT_RECORDED, RECONCILING_TO_CHECK, GAUGES and NEARING_KEY_EXPIRY need, and no more.
--- It reads every column (the claim returns the payload) but may change only the state, lease
--- and result columns; identity, request, key, attempt budget and reconciliation findings are
--- beyond its reach (0010's trigger guards the first three against everyone).
+-- Dispatcher: what outbox/db/statements.py's statements need, and no more. It reads every
+-- column (the claim returns the payload) and changes operations and attempts only through the
+-- functions of sql/0040, which enforce the lifecycle's transitions, the lease fence and bounded
+-- arguments: no INSERT, UPDATE or DELETE on either table.
 GRANT SELECT ON outbox.operations TO outbox_dispatcher;
-GRANT UPDATE (status, status_reason, available_at, scheduled, attempts, lease_owner,
-              lease_token, lease_expires_at, first_sent_at, last_attempt_at, provider_ref, result,
-              last_error, last_error_class, updated_at, status_changed_at, finished_at,
-              -- Attempts the provider did not act on, and the API version of the first send
-              -- (RECORD_MANY; sql/0023).
-              attempt_base, api_version, sent_scope)
-    ON outbox.operations TO outbox_dispatcher;
+GRANT EXECUTE ON FUNCTION
+    outbox.claim_fair(text, interval, integer, text[], integer[], text, text, integer),
+    outbox.claim_one_group(text, interval, integer, text[], integer[]),
+    outbox.claim_probe(text, text, interval, text),
+    outbox.record_attempts(text, jsonb),
+    outbox.unclaim(bigint, uuid, text, text, interval),
+    outbox.renew_leases(bigint[], uuid[], interval),
+    outbox.rescue_leases(integer, integer),
+    outbox.stage_due(integer),
+    outbox.expire_stray_leases(text, uuid[], timestamptz)
+TO outbox_dispatcher;
 -- The payload limit the claim applies (0019); only the schema owner changes it.
 GRANT SELECT ON outbox.limits TO outbox_dispatcher;
-GRANT SELECT, INSERT ON outbox.attempts TO outbox_dispatcher;
+GRANT SELECT ON outbox.attempts TO outbox_dispatcher;
 -- Its own mark while it waits idle for wake-ups (MARK_WAITING, UNMARK_WAITING; see 0012), and
 -- the count of commits that woke no one, which MARK_WAITING reads (0029).
 GRANT SELECT, INSERT, UPDATE, DELETE ON outbox.waiting_dispatchers TO outbox_dispatcher;

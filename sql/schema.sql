@@ -1,5 +1,5 @@
 -- sql/schema.sql: the outbox schema as the migrations of sql/ leave it
--- (every migration up to 0039_a_wake_gate_only_outbox_can_hold).
+-- (every migration up to 0040_the_dispatcher_writes_through_functions).
 --
 -- GENERATED FILE: DO NOT EDIT IT BY HAND. It is regenerated, after adding a migration, by
 --     python -m outbox.db.schema_dump --dsn postgresql://postgres@127.0.0.1:5432/postgres --output sql/schema.sql
@@ -529,6 +529,44 @@ $function$;
 -- privileges: the owner's only
 
 -- =================================================================================================
+-- function outbox.check_between(text,interval,interval,interval)
+-- history: created by 0040_the_dispatcher_writes_through_functions
+
+CREATE OR REPLACE FUNCTION outbox.check_between(name text, value interval, low interval, high interval)
+ RETURNS void
+ LANGUAGE plpgsql
+ IMMUTABLE
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+BEGIN
+    IF value IS NULL OR value < low OR value > high THEN
+        RAISE EXCEPTION '% must be % to %, not %', name, low, high, coalesce(value::text, 'NULL')
+            USING ERRCODE = '22023';
+    END IF;
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.check_count(text,bigint,bigint,bigint)
+-- history: created by 0040_the_dispatcher_writes_through_functions
+
+CREATE OR REPLACE FUNCTION outbox.check_count(name text, value bigint, low bigint, high bigint)
+ RETURNS void
+ LANGUAGE plpgsql
+ IMMUTABLE
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+BEGIN
+    IF value IS NULL OR value < low OR value > high THEN
+        RAISE EXCEPTION '% must be % to %, not %', name, low, high, coalesce(value::text, 'NULL')
+            USING ERRCODE = '22023';
+    END IF;
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
 -- function outbox.check_ends(text,text)
 -- history: created by 0036_identities_refuse_spaces_at_their_ends
 
@@ -559,6 +597,26 @@ BEGIN
             USING ERRCODE = 'OB002', COLUMN = field,
                   HINT = 'a space at either end (U+0020, U+00A0 and the other Unicode spaces) '
                          'makes a value that looks like another';
+    END IF;
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.check_number(text,double precision,double precision,double precision)
+-- history: created by 0040_the_dispatcher_writes_through_functions
+
+CREATE OR REPLACE FUNCTION outbox.check_number(name text, value double precision, low double precision, high double precision)
+ RETURNS void
+ LANGUAGE plpgsql
+ IMMUTABLE
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+BEGIN
+    -- NaN sorts above every number, infinity above every finite one: both are refused.
+    IF value IS NULL OR value < low OR value > high THEN
+        RAISE EXCEPTION '% must be % to %, not %', name, low, high, coalesce(value::text, 'NULL')
+            USING ERRCODE = '22023';
     END IF;
 END;
 $function$;
@@ -609,9 +667,27 @@ $function$;
 -- privileges: the owner's only
 
 -- =================================================================================================
+-- function outbox.check_worker(text)
+-- history: created by 0040_the_dispatcher_writes_through_functions
+
+CREATE OR REPLACE FUNCTION outbox.check_worker(worker text)
+ RETURNS void
+ LANGUAGE plpgsql
+ IMMUTABLE
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+BEGIN
+    IF worker IS NULL OR length(worker) NOT BETWEEN 1 AND 400 THEN
+        RAISE EXCEPTION 'a worker name is 1 to 400 characters' USING ERRCODE = '22023';
+    END IF;
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
 -- function outbox.claim_checks(text[],interval,integer)
 -- history: created by 0013_claim_checks; changed by 0022_lookups_cover_every_generation,
---     0023_lookups_say_what_they_searched
+--     0023_lookups_say_what_they_searched, 0040_the_dispatcher_writes_through_functions
 
 CREATE OR REPLACE FUNCTION outbox.claim_checks(providers text[], recheck_after interval, max_rows integer)
  RETURNS TABLE(id bigint, provider text, action text, idempotency_key text, key_generation integer, attempts integer, first_sent_at timestamp with time zone, last_attempt_at timestamp with time zone, keys text[], payload text, search_until timestamp with time zone, checked_now timestamp with time zone, api_version text, sent_scope text)
@@ -619,6 +695,9 @@ CREATE OR REPLACE FUNCTION outbox.claim_checks(providers text[], recheck_after i
  SECURITY DEFINER
  SET search_path TO 'pg_catalog', 'pg_temp'
 AS $function$
+    SELECT outbox.check_between('recheck_after', claim_checks.recheck_after, interval '0',
+                                interval '366 days'),
+           outbox.check_count('max_rows', claim_checks.max_rows, 0, 10000);
     WITH due AS MATERIALIZED (
         SELECT o.id, o.checked_at AS checked_before
         FROM outbox.operations o
@@ -651,8 +730,347 @@ COMMENT ON FUNCTION outbox.claim_checks(text[],interval,integer) IS 'Reconciling
 -- privileges: the owner's only
 
 -- =================================================================================================
+-- function outbox.claim_fair(text,interval,integer,text[],integer[],text,text,integer)
+-- history: created by 0040_the_dispatcher_writes_through_functions
+
+CREATE OR REPLACE FUNCTION outbox.claim_fair(p_worker text, p_lease interval, p_limit integer, p_cap_providers text[], p_caps integer[], p_after_provider text, p_after_tenant text, p_max_groups integer)
+ RETURNS TABLE(id bigint, tenant_id text, operation_type text, operation_key text, provider text, action text, payload text, payload_bytes integer, payload_limit integer, idempotency_key text, correlation_id text, traceparent text, attempts integer, attempt_base integer, max_attempts integer, lease_token uuid, first_sent_at timestamp with time zone, created_at timestamp with time zone, claimed_at timestamp with time zone, api_version text)
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+#variable_conflict use_column
+DECLARE
+    v_ids bigint[];
+BEGIN
+    PERFORM outbox.check_worker(p_worker);
+    PERFORM outbox.check_between('lease', p_lease, interval '1 millisecond', interval '1 day');
+    PERFORM outbox.check_count('limit', p_limit, 0, 100000);
+    PERFORM outbox.check_count('max_groups', p_max_groups, 1, 200000);
+    WITH RECURSIVE
+    limits AS (
+        -- Per provider, the most rows this claim may take (0: none); absent: no cap.
+        SELECT * FROM unnest(p_cap_providers::text[], p_caps::integer[]) AS l(provider, cap)
+    ),
+    groups (provider, tenant_id, available_at, cap, wrapped, n, pn) AS (
+        -- A loose index scan: one probe per group, each giving the group's earliest row. n counts
+        -- the groups visited that may give rows (a provider capped at 0 is a probe, not a visit:
+        -- with a claim of one row and two paused providers, they once took up the whole visit);
+        -- pn the groups of this provider visited in a row.
+        SELECT f.provider, f.tenant_id, f.available_at, c.cap, f.wrapped, (c.cap > 0)::integer, 1
+        FROM (
+            (SELECT o.provider, o.tenant_id, o.available_at, false AS wrapped
+             FROM outbox.operations o
+             WHERE o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
+               AND (o.provider, o.tenant_id) > (p_after_provider::text, p_after_tenant::text)
+             ORDER BY o.provider, o.tenant_id, o.available_at, o.id LIMIT 1)
+            UNION ALL
+            (SELECT o.provider, o.tenant_id, o.available_at, true
+             FROM outbox.operations o
+             WHERE o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
+             ORDER BY o.provider, o.tenant_id, o.available_at, o.id LIMIT 1)
+            LIMIT 1
+        ) f
+        CROSS JOIN LATERAL (
+            SELECT coalesce((SELECT l.cap FROM limits l WHERE l.provider = f.provider), p_limit)
+        ) AS c(cap)
+        UNION ALL
+        SELECT nx.provider, nx.tenant_id, nx.available_at, c.cap, nx.wrapped,
+               g.n + (c.cap > 0)::integer, CASE WHEN nx.provider = g.provider THEN g.pn + 1 ELSE 1 END
+        FROM groups g
+        CROSS JOIN LATERAL (
+            -- The next group. Past a provider capped at 0, or one with as many groups visited as
+            -- rows it may give (each group in the index has a due row: the scheduled ones are
+            -- elsewhere, 0019), its other tenants are jumped over: a provider with a small cap and
+            -- a thousand tenants must not take up the whole visit while the next provider's rows
+            -- wait. At the end, around to the first group. UNION ALL ... LIMIT 1 stops at the first
+            -- branch that finds one, and each branch's condition on g is checked before its scan.
+            (SELECT o.provider, o.tenant_id, o.available_at, g.wrapped AS wrapped
+             FROM outbox.operations o
+             WHERE g.cap > 0 AND g.pn < g.cap
+               AND o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
+               AND (o.provider, o.tenant_id) > (g.provider, g.tenant_id)
+             ORDER BY o.provider, o.tenant_id, o.available_at, o.id LIMIT 1)
+            UNION ALL
+            (SELECT o.provider, o.tenant_id, o.available_at, g.wrapped
+             FROM outbox.operations o
+             WHERE (g.cap <= 0 OR g.pn >= g.cap)
+               AND o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
+               AND o.provider > g.provider
+             ORDER BY o.provider, o.tenant_id, o.available_at, o.id LIMIT 1)
+            UNION ALL
+            (SELECT o.provider, o.tenant_id, o.available_at, true
+             FROM outbox.operations o
+             WHERE NOT g.wrapped
+               AND o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
+             ORDER BY o.provider, o.tenant_id, o.available_at, o.id LIMIT 1)
+            LIMIT 1
+        ) nx
+        CROSS JOIN LATERAL (
+            SELECT coalesce((SELECT l.cap FROM limits l WHERE l.provider = nx.provider), p_limit)
+        ) AS c(cap)
+        WHERE g.n < p_max_groups
+          -- Once around, stop where the visit began.
+          AND NOT (nx.wrapped
+                   AND (nx.provider, nx.tenant_id) > (p_after_provider::text, p_after_tenant::text))
+    ),
+    ready AS MATERIALIZED (
+        -- The groups with a due row, each with its share of the batch and of its provider's cap:
+        -- an even split, the remainder to the groups first in line, so shares never add up to more.
+        SELECT provider, tenant_id, n,
+               least(p_limit / count(*) OVER ()
+                       + (row_number() OVER (ORDER BY n) <= p_limit % count(*) OVER ())::integer,
+                     cap / count(*) OVER (PARTITION BY provider)
+                       + (row_number() OVER (PARTITION BY provider ORDER BY n)
+                          <= cap % count(*) OVER (PARTITION BY provider))::integer) AS share,
+               cap
+        FROM groups
+        WHERE cap > 0 AND available_at <= now()
+    ),
+    first AS MATERIALIZED (
+        SELECT r.provider, r.tenant_id, pick.id
+        FROM ready r
+        CROSS JOIN LATERAL (
+            SELECT o.id FROM outbox.operations o
+            WHERE o.provider = r.provider AND o.tenant_id = r.tenant_id
+              AND o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
+              AND o.available_at <= now()
+            ORDER BY o.available_at, o.id
+            LIMIT r.share
+            FOR UPDATE SKIP LOCKED
+        ) pick
+        LIMIT p_limit
+    ),
+    taken AS (
+        -- Integers: sum() of bigints is numeric, and the room below, divided as numeric and then
+        -- rounded, once gave a provider capped at 3 two rows more than its cap.
+        SELECT provider, tenant_id, count(*)::integer AS k,
+               (sum(count(*)) OVER (PARTITION BY provider))::integer AS provider_k
+        FROM first GROUP BY provider, tenant_id
+    ),
+    busy AS MATERIALIZED (
+        -- Groups that filled their share may have more: they split what is left of their
+        -- provider's cap the same way, visited in the same order.
+        SELECT r.provider, r.tenant_id, r.share, r.n, r.cap, t.provider_k,
+               ((r.cap - t.provider_k) / count(*) OVER (PARTITION BY r.provider)
+                + (row_number() OVER (PARTITION BY r.provider ORDER BY r.n)
+                   <= (r.cap - t.provider_k) % count(*) OVER (PARTITION BY r.provider))::integer
+               )::integer AS room
+        FROM ready r JOIN taken t USING (provider, tenant_id)
+        WHERE t.k = r.share
+        ORDER BY r.n
+    ),
+    more AS MATERIALIZED (
+        SELECT b.provider, b.tenant_id, pick.id
+        FROM busy b
+        CROSS JOIN LATERAL (
+            -- Past the rows of the first pass. Should a concurrent claim have moved them, a row
+            -- may come twice (the UNION below drops it) or be left for the next claim.
+            SELECT o.id FROM outbox.operations o
+            WHERE o.provider = b.provider AND o.tenant_id = b.tenant_id
+              AND o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
+              AND o.available_at <= now()
+            ORDER BY o.available_at, o.id
+            OFFSET b.share LIMIT greatest(b.room, 0)
+            FOR UPDATE SKIP LOCKED
+        ) pick
+        LIMIT greatest(p_limit - (SELECT count(*) FROM first), 0)
+    ),
+    got AS (
+        SELECT provider, tenant_id, count(*)::integer AS k FROM more GROUP BY provider, tenant_id
+    ),
+    provider_got AS (
+        SELECT provider, count(*)::integer AS k FROM more GROUP BY provider
+    ),
+    spare AS MATERIALIZED (
+        -- A group with fewer rows than its room leaves some of its provider's cap unused; without
+        -- this pass a claim came back short with rows left in the groups that used all of theirs,
+        -- and the dispatcher slept on them. Those groups take the rest, in visiting order.
+        SELECT b.provider, b.tenant_id, b.n, b.share + b.room AS skip,
+               b.cap - b.provider_k - coalesce(pg.k, 0) AS room
+        FROM busy b
+        LEFT JOIN got g USING (provider, tenant_id)
+        LEFT JOIN provider_got pg USING (provider)
+        WHERE coalesce(g.k, 0) = greatest(b.room, 0)
+          AND b.cap - b.provider_k - coalesce(pg.k, 0) > 0
+          -- Nothing to add to a claim that is full already.
+          AND (SELECT count(*) FROM first) + (SELECT count(*) FROM more) < p_limit
+    ),
+    rest AS MATERIALIZED (
+        SELECT ranked.id
+        FROM (
+            SELECT pick.id, s.n, s.room,
+                   row_number() OVER (PARTITION BY s.provider ORDER BY s.n, pick.available_at,
+                                                                       pick.id) AS k
+            FROM spare s
+            CROSS JOIN LATERAL (
+                SELECT o.id, o.available_at FROM outbox.operations o
+                WHERE o.provider = s.provider AND o.tenant_id = s.tenant_id
+                  AND o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
+                  AND o.available_at <= now()
+                ORDER BY o.available_at, o.id
+                OFFSET s.skip LIMIT greatest(s.room, 0)
+                FOR UPDATE SKIP LOCKED
+            ) pick
+        ) ranked
+        WHERE ranked.k <= ranked.room
+        ORDER BY ranked.n, ranked.k
+        LIMIT greatest(p_limit - (SELECT count(*) FROM first) - (SELECT count(*) FROM more), 0)
+    ),
+    due AS (
+        SELECT id FROM first UNION SELECT id FROM more UNION SELECT id FROM rest
+    )
+    SELECT array_agg(id) INTO v_ids FROM due;
+    RETURN QUERY SELECT * FROM outbox.lease_claimed(v_ids, p_worker, p_lease);
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.claim_one_group(text,interval,integer,text[],integer[])
+-- history: created by 0040_the_dispatcher_writes_through_functions
+
+CREATE OR REPLACE FUNCTION outbox.claim_one_group(p_worker text, p_lease interval, p_limit integer, p_cap_providers text[], p_caps integer[])
+ RETURNS TABLE(id bigint, tenant_id text, operation_type text, operation_key text, provider text, action text, payload text, payload_bytes integer, payload_limit integer, idempotency_key text, correlation_id text, traceparent text, attempts integer, attempt_base integer, max_attempts integer, lease_token uuid, first_sent_at timestamp with time zone, created_at timestamp with time zone, claimed_at timestamp with time zone, api_version text)
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+#variable_conflict use_column
+DECLARE
+    v_ids bigint[];
+BEGIN
+    PERFORM outbox.check_worker(p_worker);
+    PERFORM outbox.check_between('lease', p_lease, interval '1 millisecond', interval '1 day');
+    PERFORM outbox.check_count('limit', p_limit, 0, 100000);
+    WITH
+    lone AS (
+        SELECT a.provider, a.tenant_id,
+               coalesce((SELECT l.cap
+                         FROM unnest(p_cap_providers::text[], p_caps::integer[]) AS l(provider, cap)
+                         WHERE l.provider = a.provider), p_limit) AS cap
+        FROM (SELECT o.provider, o.tenant_id FROM outbox.operations o
+              WHERE o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
+              ORDER BY o.provider, o.tenant_id, o.available_at, o.id LIMIT 1) a
+        JOIN (SELECT o.provider, o.tenant_id FROM outbox.operations o
+              WHERE o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
+              ORDER BY o.provider DESC, o.tenant_id DESC, o.available_at DESC, o.id DESC
+              LIMIT 1) b USING (provider, tenant_id)
+    ),
+    due AS (
+        SELECT pick.id
+        FROM lone
+        CROSS JOIN LATERAL (
+            SELECT o.id FROM outbox.operations o
+            WHERE o.provider = lone.provider AND o.tenant_id = lone.tenant_id
+              AND o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
+              AND o.available_at <= now()
+            ORDER BY o.available_at, o.id
+            LIMIT greatest(least(p_limit, lone.cap), 0)
+            FOR UPDATE SKIP LOCKED
+        ) pick
+    )
+    SELECT array_agg(id) INTO v_ids FROM due;
+    RETURN QUERY SELECT * FROM outbox.lease_claimed(v_ids, p_worker, p_lease);
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.claim_probe(text,text,interval,text)
+-- history: created by 0040_the_dispatcher_writes_through_functions
+
+CREATE OR REPLACE FUNCTION outbox.claim_probe(p_worker text, p_provider text, p_lease interval, p_after_tenant text)
+ RETURNS TABLE(id bigint, tenant_id text, operation_type text, operation_key text, provider text, action text, payload text, payload_bytes integer, payload_limit integer, idempotency_key text, correlation_id text, traceparent text, attempts integer, attempt_base integer, max_attempts integer, lease_token uuid, first_sent_at timestamp with time zone, created_at timestamp with time zone, claimed_at timestamp with time zone, api_version text)
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+#variable_conflict use_column
+DECLARE
+    v_ids bigint[];
+BEGIN
+    PERFORM outbox.check_worker(p_worker);
+    PERFORM outbox.check_between('lease', p_lease, interval '1 millisecond', interval '1 day');
+    WITH RECURSIVE
+    tenants (tenant_id, n, wrapped) AS (
+        SELECT t.tenant_id, 1, t.wrapped FROM (
+            (SELECT o.tenant_id, false AS wrapped FROM outbox.operations o
+             WHERE o.provider = p_provider AND o.tenant_id > p_after_tenant
+               AND o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
+             ORDER BY o.provider, o.tenant_id, o.available_at, o.id LIMIT 1)
+            UNION ALL
+            (SELECT o.tenant_id, true FROM outbox.operations o
+             WHERE o.provider = p_provider
+               AND o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
+             ORDER BY o.provider, o.tenant_id, o.available_at, o.id LIMIT 1)
+            LIMIT 1) t
+        UNION ALL
+        SELECT nx.tenant_id, t.n + 1, nx.wrapped
+        FROM tenants t
+        CROSS JOIN LATERAL (
+            (SELECT o.tenant_id, t.wrapped AS wrapped FROM outbox.operations o
+             WHERE o.provider = p_provider AND o.tenant_id > t.tenant_id
+               AND o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
+             ORDER BY o.provider, o.tenant_id, o.available_at, o.id LIMIT 1)
+            UNION ALL
+            (SELECT o.tenant_id, true FROM outbox.operations o
+             WHERE NOT t.wrapped AND o.provider = p_provider
+               AND o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
+             ORDER BY o.provider, o.tenant_id, o.available_at, o.id LIMIT 1)
+            LIMIT 1) nx
+        -- Up to five tenants, and once around at most.
+        WHERE t.n < 5 AND NOT (nx.wrapped AND nx.tenant_id > p_after_tenant)
+    ),
+    near AS (
+        SELECT DISTINCT ON (c.id) c.id, t.n, c.failed, c.newest, c.handed_back, c.last_attempt_at
+        FROM tenants t
+        CROSS JOIN LATERAL (
+            (SELECT x.* FROM (
+                 SELECT o.id, o.attempts > o.attempt_base AS failed, true AS newest,
+                        o.last_attempt_at IS NOT NULL AS handed_back, o.last_attempt_at
+                 FROM outbox.operations o
+                 WHERE o.provider = p_provider AND o.tenant_id = t.tenant_id
+                   AND o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
+                   AND o.available_at <= now()
+                 ORDER BY o.available_at DESC, o.id DESC LIMIT 200) x
+             -- Retries come due after their backoff, so the newest by due time are often rows
+             -- that just failed: the ten newest that have not.
+             WHERE NOT x.failed LIMIT 10)
+            UNION ALL
+            (SELECT o.id, o.attempts > o.attempt_base, false, o.last_attempt_at IS NOT NULL,
+                    o.last_attempt_at
+             FROM outbox.operations o
+             WHERE o.provider = p_provider AND o.tenant_id = t.tenant_id
+               AND o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
+               AND o.available_at <= now()
+             ORDER BY o.available_at, o.id LIMIT 10)
+        ) c
+    ),
+    picked AS (
+        SELECT ARRAY(
+            SELECT near.id FROM near
+            ORDER BY near.failed, CASE WHEN near.failed THEN near.last_attempt_at END NULLS FIRST,
+                     near.newest DESC, near.handed_back DESC, near.n, random()
+            LIMIT 20) AS ids
+    ),
+    due AS (
+        SELECT o.id FROM outbox.operations o, picked
+        WHERE o.id = ANY (picked.ids)
+          AND o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
+        ORDER BY array_position(picked.ids, o.id)
+        LIMIT 1
+        FOR UPDATE OF o SKIP LOCKED
+    )
+    SELECT array_agg(id) INTO v_ids FROM due;
+    RETURN QUERY SELECT * FROM outbox.lease_claimed(v_ids, p_worker, p_lease);
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
 -- function outbox.defer_check(bigint,interval,interval)
--- history: created by 0013_claim_checks
+-- history: created by 0013_claim_checks; changed by 0040_the_dispatcher_writes_through_functions
 
 CREATE OR REPLACE FUNCTION outbox.defer_check(operation_id bigint, recheck_after interval, retry_in interval)
  RETURNS void
@@ -660,6 +1078,10 @@ CREATE OR REPLACE FUNCTION outbox.defer_check(operation_id bigint, recheck_after
  SECURITY DEFINER
  SET search_path TO 'pg_catalog', 'pg_temp'
 AS $function$
+    SELECT outbox.check_between('recheck_after', defer_check.recheck_after, interval '0',
+                                interval '366 days'),
+           outbox.check_between('retry_in', defer_check.retry_in, interval '0',
+                                interval '31 days');
     UPDATE outbox.operations o
     SET checked_at = now() - defer_check.recheck_after + defer_check.retry_in
     WHERE o.id = defer_check.operation_id AND o.status = 'reconciling';
@@ -669,7 +1091,8 @@ COMMENT ON FUNCTION outbox.defer_check(bigint,interval,interval) IS 'After a fai
 
 -- =================================================================================================
 -- function outbox.defer_check(bigint,interval,interval,integer,integer)
--- history: created by 0020_fenced_defer_check
+-- history: created by 0020_fenced_defer_check; changed by
+--     0040_the_dispatcher_writes_through_functions
 
 CREATE OR REPLACE FUNCTION outbox.defer_check(operation_id bigint, recheck_after interval, retry_in interval, expected_generation integer, expected_attempts integer)
  RETURNS boolean
@@ -677,6 +1100,10 @@ CREATE OR REPLACE FUNCTION outbox.defer_check(operation_id bigint, recheck_after
  SECURITY DEFINER
  SET search_path TO 'pg_catalog', 'pg_temp'
 AS $function$
+    SELECT outbox.check_between('recheck_after', defer_check.recheck_after, interval '0',
+                                interval '366 days'),
+           outbox.check_between('retry_in', defer_check.retry_in, interval '0',
+                                interval '31 days');
     WITH deferred AS (
         UPDATE outbox.operations o
         SET checked_at = now() - defer_check.recheck_after + defer_check.retry_in
@@ -957,6 +1384,29 @@ COMMENT ON FUNCTION outbox.enqueue(text,text,text,text,text,jsonb,text,text,time
 -- privileges: the owner's only
 
 -- =================================================================================================
+-- function outbox.expire_stray_leases(text,uuid[],timestamp with time zone)
+-- history: created by 0040_the_dispatcher_writes_through_functions
+
+CREATE OR REPLACE FUNCTION outbox.expire_stray_leases(p_worker text, p_held uuid[], p_since timestamp with time zone)
+ RETURNS SETOF bigint
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+BEGIN
+    PERFORM outbox.check_worker(p_worker);
+    RETURN QUERY
+    UPDATE outbox.operations AS o
+    SET lease_expires_at = now() - interval '1 millisecond'
+    WHERE o.status = 'in_flight' AND o.lease_owner = p_worker
+      AND o.lease_token <> ALL (p_held)
+      AND o.last_attempt_at < p_since
+    RETURNING o.id;
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
 -- function outbox.get_operation(text,text,text)
 -- history: created by 0004_enqueue; changed by 0011_security_definer
 
@@ -995,6 +1445,48 @@ AS $function$
         -- Too long for Stripe's 255 characters with a suffix: a hash of it, still deterministic.
         ELSE 'ob1_' || encode(sha256(convert_to(first_key, 'UTF8')), 'hex') || ':r' || generation
     END
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.lease_claimed(bigint[],text,interval)
+-- history: created by 0040_the_dispatcher_writes_through_functions
+
+CREATE OR REPLACE FUNCTION outbox.lease_claimed(p_ids bigint[], p_worker text, p_lease interval)
+ RETURNS TABLE(id bigint, tenant_id text, operation_type text, operation_key text, provider text, action text, payload text, payload_bytes integer, payload_limit integer, idempotency_key text, correlation_id text, traceparent text, attempts integer, attempt_base integer, max_attempts integer, lease_token uuid, first_sent_at timestamp with time zone, created_at timestamp with time zone, claimed_at timestamp with time zone, api_version text)
+ LANGUAGE plpgsql
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
+    UPDATE outbox.operations AS o
+    SET status = 'in_flight',
+        lease_owner = p_worker,
+        -- A fresh token per claim fences every later write to this attempt.
+        lease_token = gen_random_uuid(),
+        lease_expires_at = now() + p_lease::interval,
+        attempts = o.attempts + 1,
+        last_attempt_at = now(),
+        updated_at = now(),
+        status_changed_at = now()
+    -- The limit of outbox.limits (0019; its default should the owner have deleted the row).
+    FROM (SELECT coalesce((SELECT l.max_payload_bytes FROM outbox.limits l), 1048576) AS max) AS lim
+    -- An array, not a join: the planner cannot misjudge it into a scan of the whole table.
+    WHERE o.id = ANY (p_ids) AND o.status = 'pending'
+    -- The payload as PostgreSQL's own text, never decoded here: the dispatcher decodes each row on
+    -- its own, so one row it cannot decode is quarantined alone (outbox/payloads.py). One whose
+    -- text is past the limit is not handed over at all (NULL): payload_bytes is its size as enqueue
+    -- measured it; a row written some other way is measured here.
+    RETURNING o.id, o.tenant_id, o.operation_type, o.operation_key, o.provider, o.action,
+              CASE WHEN coalesce(o.payload_bytes, octet_length(o.payload::text)) <= lim.max
+                   THEN o.payload::text END AS payload,
+              coalesce(o.payload_bytes, octet_length(o.payload::text)) AS payload_bytes,
+              lim.max AS payload_limit,
+              o.idempotency_key, o.correlation_id, o.traceparent, o.attempts, o.attempt_base,
+              o.max_attempts, o.lease_token, o.first_sent_at, o.created_at, now() AS claimed_at,
+              o.api_version;
+END;
 $function$;
 -- privileges: the owner's only
 
@@ -1217,6 +1709,111 @@ $function$;
 -- privileges: the owner's only
 
 -- =================================================================================================
+-- function outbox.record_attempts(text,jsonb)
+-- history: created by 0040_the_dispatcher_writes_through_functions
+
+CREATE OR REPLACE FUNCTION outbox.record_attempts(p_worker text, p_batch jsonb)
+ RETURNS TABLE(operation_id bigint, attempt integer)
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+#variable_conflict use_column
+DECLARE
+    v_bad text;
+BEGIN
+    PERFORM outbox.check_worker(p_worker);
+    IF jsonb_typeof(p_batch) IS DISTINCT FROM 'array' OR jsonb_array_length(p_batch) > 10000 THEN
+        RAISE EXCEPTION 'a batch of records is a JSON array of at most 10000'
+            USING ERRCODE = '22023';
+    END IF;
+    SELECT c.bad INTO v_bad
+    FROM (SELECT CASE
+                     WHEN i.status IS NULL
+                          OR i.status NOT IN ('pending', 'succeeded', 'quarantined', 'reconciling')
+                         THEN 'a record gives the status pending, succeeded, quarantined or '
+                              'reconciling'
+                     WHEN i.outcome IS NULL OR (i.outcome = 'succeeded') <> (i.status = 'succeeded')
+                         THEN 'a record''s outcome is succeeded exactly when its status is'
+                     WHEN i.retry_in_s IS NULL OR NOT i.retry_in_s BETWEEN 0 AND 366 * 86400
+                         THEN 'a retry is due in 0 to 366 days'
+                     WHEN length(i.provider_ref) > 1024
+                         THEN 'a provider reference is at most 1024 characters'
+                 END AS bad
+          FROM jsonb_to_recordset(p_batch)
+               AS i(status text, outcome text, retry_in_s double precision,
+                    provider_ref text)) c
+    WHERE c.bad IS NOT NULL
+    LIMIT 1;
+    IF v_bad IS NOT NULL THEN
+        RAISE EXCEPTION 'refused: %', v_bad USING ERRCODE = '22023';
+    END IF;
+    RETURN QUERY
+    WITH input AS (
+        -- One JSON document for the whole batch: encoded in C by json.dumps, where a dozen
+        -- arrays would be encoded element by element.
+        SELECT i.id, i.lease_token, i.attempt, i.status, i.reason, i.retry_in_s, i.sent,
+               i.provider_ref, i.result, left(i.error, 8192) AS error, i.failure, i.outcome,
+               left(i.error_class, 200) AS error_class, i.http_status,
+               left(i.request_id, 1024) AS request_id, i.unspent, left(i.api_version, 200) AS api_version,
+               left(i.scope, 1024) AS scope
+        FROM jsonb_to_recordset(p_batch)
+             AS i(id bigint, lease_token uuid, attempt integer, status text, reason text,
+                  retry_in_s double precision, sent boolean, provider_ref text, result jsonb,
+                  error text, failure text, outcome text, error_class text, http_status integer,
+                  request_id text, unspent boolean, api_version text, scope text)
+    ),
+    recorded AS (
+        UPDATE outbox.operations AS o
+        SET status = i.status,
+            status_reason = i.reason,
+            available_at = CASE WHEN i.status = 'pending'
+                                THEN now() + make_interval(secs => i.retry_in_s)
+                                ELSE o.available_at END,
+            -- A retry after a delay waits out of the claim index until STAGE finds it due.
+            scheduled = i.status = 'pending' AND i.retry_in_s > 0,
+            lease_owner = NULL,
+            lease_token = NULL,
+            lease_expires_at = NULL,
+            first_sent_at = CASE WHEN i.sent THEN coalesce(o.first_sent_at, o.last_attempt_at)
+                                 ELSE o.first_sent_at END,
+            -- An attempt the provider did not act on is not counted toward max_attempts.
+            attempt_base = o.attempt_base + CASE WHEN i.unspent THEN 1 ELSE 0 END,
+            -- The API version of the first attempt that may have reached the provider (sql/0023).
+            api_version = coalesce(o.api_version, CASE WHEN i.sent THEN i.api_version END),
+            sent_scope = coalesce(o.sent_scope, CASE WHEN i.sent THEN i.scope END),
+            provider_ref = coalesce(i.provider_ref, o.provider_ref),
+            -- At most 64 KiB of the provider's answer is kept (its reference always is): a row is
+            -- read back by operators and get_operation, and the answer's size is the provider's.
+            result = CASE WHEN pg_column_size(i.result) > 65536
+                          THEN jsonb_build_object('outbox_omitted', format(
+                                   'the answer was %s bytes; outbox keeps at most 65536',
+                                   pg_column_size(i.result)))
+                          ELSE coalesce(i.result, o.result) END,
+            last_error = i.error,
+            last_error_class = i.failure,
+            updated_at = now(),
+            status_changed_at = now(),
+            finished_at = CASE WHEN i.status IN ('succeeded', 'cancelled') THEN now() END
+        FROM input AS i
+        WHERE o.id = i.id
+          AND o.lease_token = i.lease_token
+          AND o.attempts = i.attempt
+          AND o.status = 'in_flight'
+        RETURNING o.id, o.idempotency_key, o.last_attempt_at, i.attempt, i.outcome, i.sent,
+                  i.error_class, i.error, i.http_status, i.request_id
+    )
+    INSERT INTO outbox.attempts (operation_id, attempt, idempotency_key, worker, started_at, outcome,
+                                 sent, error_class, error_message, http_status, provider_request_id)
+    SELECT id, attempt, idempotency_key, p_worker, last_attempt_at, outcome, sent, error_class,
+           error, http_status, request_id
+    FROM recorded
+    RETURNING operation_id, attempt;
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
 -- function outbox.record_check(bigint,text,text,jsonb)
 -- history: created by 0005_operator; changed by 0006_check_audit, 0011_security_definer
 
@@ -1404,6 +2001,28 @@ BEGIN
     PERFORM outbox.lock_ordering_key(NEW.tenant_id, NEW.ordering_key);
     NEW.ordering_blocked := outbox.ordering_has_head(NEW.tenant_id, NEW.ordering_key, NEW.id);
     RETURN NEW;
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.renew_leases(bigint[],uuid[],interval)
+-- history: created by 0040_the_dispatcher_writes_through_functions
+
+CREATE OR REPLACE FUNCTION outbox.renew_leases(p_ids bigint[], p_tokens uuid[], p_lease interval)
+ RETURNS SETOF bigint
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+BEGIN
+    PERFORM outbox.check_between('lease', p_lease, interval '1 millisecond', interval '1 day');
+    RETURN QUERY
+    UPDATE outbox.operations AS o
+    SET lease_expires_at = now() + p_lease
+    FROM unnest(p_ids, p_tokens) AS held(id, token)
+    WHERE o.id = held.id AND o.lease_token = held.token AND o.status = 'in_flight'
+    RETURNING o.id;
 END;
 $function$;
 -- privileges: the owner's only
@@ -1670,6 +2289,71 @@ $function$;
 -- privileges: the owner's only
 
 -- =================================================================================================
+-- function outbox.rescue_leases(integer,integer)
+-- history: created by 0040_the_dispatcher_writes_through_functions
+
+CREATE OR REPLACE FUNCTION outbox.rescue_leases(p_limit integer, p_max_attempts integer)
+ RETURNS TABLE(id bigint, status text, status_reason text, provider text, tenant_id text, operation_type text, operation_key text, action text, attempts integer, correlation_id text)
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+#variable_conflict use_column
+BEGIN
+    PERFORM outbox.check_count('limit', p_limit, 0, 100000);
+    -- enqueue's own bound on an operation's max_attempts (0004).
+    PERFORM outbox.check_count('max_attempts', p_max_attempts, 1, 1000);
+    RETURN QUERY
+    WITH expired AS MATERIALIZED (
+        -- Served by the partial index operations_lease; SKIP LOCKED so that rescuers in several
+        -- processes split the work and never wait on a row a dispatcher is recording right now.
+        SELECT id, lease_owner, last_attempt_at, idempotency_key, attempts
+        FROM outbox.operations
+        WHERE status = 'in_flight' AND lease_expires_at < now()
+        ORDER BY lease_expires_at
+        LIMIT p_limit::integer
+        FOR UPDATE SKIP LOCKED
+    ),
+    rescued AS (
+        UPDATE outbox.operations AS o
+        SET status = CASE WHEN o.attempts - o.attempt_base
+                               >= coalesce(o.max_attempts, p_max_attempts::integer)
+                          THEN 'reconciling' ELSE 'pending' END,
+            status_reason = CASE WHEN o.attempts - o.attempt_base
+                                      >= coalesce(o.max_attempts, p_max_attempts::integer)
+                                 THEN 'indeterminate_provider_error' END,
+            available_at = now(),
+            lease_owner = NULL,
+            lease_token = NULL,
+            lease_expires_at = NULL,
+            first_sent_at = coalesce(o.first_sent_at, o.last_attempt_at),
+            last_error = 'lease expired: the dispatcher stopped renewing it during the attempt',
+            last_error_class = 'unknown',
+            updated_at = now(),
+            status_changed_at = now()
+        FROM expired AS e
+        -- Re-checked under the row lock: a row recorded since the scan is left alone.
+        WHERE o.id = e.id AND o.status = 'in_flight' AND o.lease_expires_at < now()
+        RETURNING o.id, o.status, o.status_reason, o.provider, o.tenant_id, o.operation_type,
+                  o.operation_key, o.action, o.attempts, o.correlation_id
+    ),
+    history AS (
+        INSERT INTO outbox.attempts (operation_id, attempt, idempotency_key, worker, started_at,
+                                     outcome, sent, error_class, error_message)
+        SELECT e.id, e.attempts, e.idempotency_key, coalesce(e.lease_owner, 'unknown'),
+               e.last_attempt_at, 'unknown', true,
+               'lease_expired',
+               'lease expired: the dispatcher stopped renewing it during the attempt'
+        FROM rescued AS r JOIN expired AS e ON e.id = r.id
+    )
+    SELECT id, status, status_reason, provider, tenant_id, operation_type, operation_key, action,
+           attempts, correlation_id
+    FROM rescued;
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
 -- function outbox.resolve_operation(bigint,text,text,text)
 -- history: created by 0005_operator; changed by 0011_security_definer
 
@@ -1862,8 +2546,42 @@ $function$;
 -- privileges: the owner's only
 
 -- =================================================================================================
+-- function outbox.stage_due(integer)
+-- history: created by 0040_the_dispatcher_writes_through_functions
+
+CREATE OR REPLACE FUNCTION outbox.stage_due(p_limit integer)
+ RETURNS TABLE(staged bigint, next_in double precision)
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+#variable_conflict use_column
+BEGIN
+    PERFORM outbox.check_count('limit', p_limit, 0, 100000);
+    RETURN QUERY
+    WITH due AS MATERIALIZED (
+        SELECT o.id FROM outbox.operations o
+        WHERE o.scheduled AND o.available_at <= now()
+        ORDER BY o.available_at, o.id
+        LIMIT p_limit::integer
+        FOR UPDATE SKIP LOCKED
+    ),
+    staged AS (
+        UPDATE outbox.operations AS o SET scheduled = false
+        WHERE o.id = ANY (ARRAY(SELECT id FROM due)) AND o.scheduled
+        RETURNING 1
+    )
+    SELECT (SELECT count(*) FROM staged) AS staged,
+           (SELECT extract(epoch FROM min(o.available_at) - now())::float8
+            FROM outbox.operations o WHERE o.scheduled AND o.available_at > now()) AS next_in;
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
 -- function outbox.take_tokens(text,double precision,double precision,integer,integer)
--- history: created by 0016_provider_buckets
+-- history: created by 0016_provider_buckets; changed by
+--     0040_the_dispatcher_writes_through_functions
 
 CREATE OR REPLACE FUNCTION outbox.take_tokens(provider text, rate double precision, burst double precision, wanted integer, returned integer)
  RETURNS TABLE(granted integer, tokens double precision)
@@ -1871,6 +2589,10 @@ CREATE OR REPLACE FUNCTION outbox.take_tokens(provider text, rate double precisi
  SECURITY DEFINER
  SET search_path TO 'pg_catalog', 'pg_temp'
 AS $function$
+    SELECT outbox.check_number('rate', take_tokens.rate, 1e-6, 1e6),
+           outbox.check_number('burst', take_tokens.burst, 1, 1e6),
+           outbox.check_count('wanted', take_tokens.wanted, 0, 100000),
+           outbox.check_count('returned', take_tokens.returned, 0, 100000);
     INSERT INTO outbox.provider_buckets AS b (provider, rate, burst, tokens, refilled_at, taken)
     VALUES (take_tokens.provider, take_tokens.rate, take_tokens.burst, 0, now(), 0)
     ON CONFLICT ON CONSTRAINT provider_buckets_pkey DO UPDATE
@@ -1961,7 +2683,8 @@ COMMENT ON FUNCTION outbox.tenant_glob_to_like(text) IS 'An allow-list tenant_pa
 
 -- =================================================================================================
 -- function outbox.throttle_bucket(text,double precision,double precision,interval)
--- history: created by 0016_provider_buckets
+-- history: created by 0016_provider_buckets; changed by
+--     0040_the_dispatcher_writes_through_functions
 
 CREATE OR REPLACE FUNCTION outbox.throttle_bucket(provider text, rate double precision, burst double precision, pause interval)
  RETURNS double precision
@@ -1969,6 +2692,9 @@ CREATE OR REPLACE FUNCTION outbox.throttle_bucket(provider text, rate double pre
  SECURITY DEFINER
  SET search_path TO 'pg_catalog', 'pg_temp'
 AS $function$
+    SELECT outbox.check_number('rate', throttle_bucket.rate, 1e-6, 1e6),
+           outbox.check_number('burst', throttle_bucket.burst, 1, 1e6),
+           outbox.check_between('pause', throttle_bucket.pause, interval '0', interval '1 day');
     INSERT INTO outbox.provider_buckets AS b (provider, rate, burst, tokens, refilled_at)
     VALUES (throttle_bucket.provider, throttle_bucket.rate, throttle_bucket.burst,
             -throttle_bucket.rate * extract(epoch FROM throttle_bucket.pause)::float8, now())
@@ -2036,6 +2762,43 @@ EXCEPTION WHEN lock_not_available THEN
 END;
 $function$;
 COMMENT ON FUNCTION outbox.try_wake_gate() IS 'A dispatcher marking itself waiting: true (and the wake-up gate held until the end of its transaction) when no commit is becoming visible unseen; false at once otherwise (sql/0039).';
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.unclaim(bigint,uuid,text,text,interval)
+-- history: created by 0040_the_dispatcher_writes_through_functions
+
+CREATE OR REPLACE FUNCTION outbox.unclaim(p_id bigint, p_lease_token uuid, p_status text, p_reason text, p_delay interval)
+ RETURNS SETOF bigint
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+BEGIN
+    IF p_status IS NULL OR p_status NOT IN ('pending', 'reconciling') THEN
+        RAISE EXCEPTION 'a row handed back goes to pending or reconciling, not %',
+            coalesce(p_status, 'NULL') USING ERRCODE = '22023';
+    END IF;
+    IF p_delay IS NOT NULL THEN
+        PERFORM outbox.check_between('delay', p_delay, interval '0', interval '366 days');
+    END IF;
+    RETURN QUERY
+    UPDATE outbox.operations AS o
+    SET status = p_status,
+        status_reason = p_reason,
+        attempts = o.attempts - 1,
+        -- Shutdown keeps the row's place in line; a row handed back for later waits its delay.
+        available_at = coalesce(now() + p_delay, o.available_at),
+        scheduled = coalesce(p_status = 'pending' AND p_delay > interval '0', false),
+        lease_owner = NULL,
+        lease_token = NULL,
+        lease_expires_at = NULL,
+        updated_at = now(),
+        status_changed_at = now()
+    WHERE o.id = p_id AND o.lease_token = p_lease_token AND o.status = 'in_flight'
+    RETURNING o.id;
+END;
+$function$;
 -- privileges: the owner's only
 
 -- =================================================================================================

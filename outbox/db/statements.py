@@ -108,73 +108,20 @@ RECORD_MIGRATION: Final = (
 # --- dispatcher ---------------------------------------------------------------------------------
 # The claim protocol: claim (one short transaction) -> call the provider with no transaction
 # open -> record (one short transaction, fenced by the lease token and attempt number).
-
-# The claim's last step, shared by CLAIM_ONE_GROUP and CLAIM: lease the rows of ``due``.
-_LEASE_DUE: Final = """UPDATE outbox.operations AS o
-SET status = 'in_flight',
-    lease_owner = %(worker)s,
-    -- A fresh token per claim fences every later write to this attempt.
-    lease_token = gen_random_uuid(),
-    lease_expires_at = now() + %(lease)s::interval,
-    attempts = o.attempts + 1,
-    last_attempt_at = now(),
-    updated_at = now(),
-    status_changed_at = now()
--- The limit of outbox.limits (0019; its default should the owner have deleted the row).
-FROM (SELECT coalesce((SELECT l.max_payload_bytes FROM outbox.limits l), 1048576) AS max) AS lim
--- An array, not a join: the planner cannot misjudge it into a scan of the whole table.
-WHERE o.id = ANY (ARRAY(SELECT id FROM due))
--- The payload as PostgreSQL's own text, never decoded here: the dispatcher decodes each row on
--- its own, so one row it cannot decode is quarantined alone (outbox/payloads.py). One whose
--- text is past the limit is not handed over at all (NULL): payload_bytes is its size as enqueue
--- measured it; a row written some other way is measured here.
-RETURNING o.id, o.tenant_id, o.operation_type, o.operation_key, o.provider, o.action,
-          CASE WHEN coalesce(o.payload_bytes, octet_length(o.payload::text)) <= lim.max
-               THEN o.payload::text END AS payload,
-          coalesce(o.payload_bytes, octet_length(o.payload::text)) AS payload_bytes,
-          lim.max AS payload_limit,
-          o.idempotency_key, o.correlation_id, o.traceparent, o.attempts, o.attempt_base,
-          o.max_attempts, o.lease_token, o.first_sent_at, o.created_at, now() AS claimed_at,
-          o.api_version
-"""
+# Every write of the dispatcher's to operations and attempts is a SECURITY DEFINER function of
+# sql/0040, which enforces the lifecycle's transitions, the lease fence and bounded arguments
+# (outbox_dispatcher holds no INSERT, UPDATE or DELETE on either table): the statements below
+# call them, and the comments say what each does.
 
 # While a single (provider, tenant) group has claimable rows, a fair claim has nothing to share
 # out: lease its oldest due rows, up to the limit and its provider's cap, without CLAIM's steps
 # (a claim of one row at 0.28 against 0.68 ms of the database's CPU, of 100 rows 2.1 against
 # 2.8 ms). Takes nothing when the first and the last entry of operations_claim_group belong to
 # different groups: then CLAIM must run (outbox.db.store.Store.claim).
-CLAIM_ONE_GROUP: Final = (
-    """
-WITH
-lone AS (
-    SELECT a.provider, a.tenant_id,
-           coalesce((SELECT l.cap
-                     FROM unnest(%(cap_providers)s::text[], %(caps)s::integer[]) AS l(provider, cap)
-                     WHERE l.provider = a.provider), %(limit)s) AS cap
-    FROM (SELECT o.provider, o.tenant_id FROM outbox.operations o
-          WHERE o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
-          ORDER BY o.provider, o.tenant_id, o.available_at, o.id LIMIT 1) a
-    JOIN (SELECT o.provider, o.tenant_id FROM outbox.operations o
-          WHERE o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
-          ORDER BY o.provider DESC, o.tenant_id DESC, o.available_at DESC, o.id DESC
-          LIMIT 1) b USING (provider, tenant_id)
-),
-due AS (
-    SELECT pick.id
-    FROM lone
-    CROSS JOIN LATERAL (
-        SELECT o.id FROM outbox.operations o
-        WHERE o.provider = lone.provider AND o.tenant_id = lone.tenant_id
-          AND o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
-          AND o.available_at <= now()
-        ORDER BY o.available_at, o.id
-        LIMIT greatest(least(%(limit)s, lone.cap), 0)
-        FOR UPDATE SKIP LOCKED
-    ) pick
-)
+CLAIM_ONE_GROUP: Final = """
+SELECT * FROM outbox.claim_one_group(%(worker)s::text, %(lease)s::interval, %(limit)s::integer,
+                                     %(cap_providers)s::text[], %(caps)s::integer[])
 """
-    + _LEASE_DUE
-)
 
 # A half-open breaker's probe (outbox.provider_limits.Breaker): one due row of the provider, from
 # the next five tenants after the last probe's (around to the first): of each, the ten newest due
@@ -185,81 +132,10 @@ due AS (
 # came from the oldest rows: the newest are the other part of the line, and a burst of bad
 # payloads queued ahead of good ones is not every probe (issue 37). Every scan reads the claim
 # index, forwards or backwards; SKIP LOCKED as in CLAIM.
-CLAIM_PROBE: Final = (
-    """
-WITH RECURSIVE
-tenants (tenant_id, n, wrapped) AS (
-    SELECT t.tenant_id, 1, t.wrapped FROM (
-        (SELECT o.tenant_id, false AS wrapped FROM outbox.operations o
-         WHERE o.provider = %(provider)s AND o.tenant_id > %(after_tenant)s
-           AND o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
-         ORDER BY o.provider, o.tenant_id, o.available_at, o.id LIMIT 1)
-        UNION ALL
-        (SELECT o.tenant_id, true FROM outbox.operations o
-         WHERE o.provider = %(provider)s
-           AND o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
-         ORDER BY o.provider, o.tenant_id, o.available_at, o.id LIMIT 1)
-        LIMIT 1) t
-    UNION ALL
-    SELECT nx.tenant_id, t.n + 1, nx.wrapped
-    FROM tenants t
-    CROSS JOIN LATERAL (
-        (SELECT o.tenant_id, t.wrapped AS wrapped FROM outbox.operations o
-         WHERE o.provider = %(provider)s AND o.tenant_id > t.tenant_id
-           AND o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
-         ORDER BY o.provider, o.tenant_id, o.available_at, o.id LIMIT 1)
-        UNION ALL
-        (SELECT o.tenant_id, true FROM outbox.operations o
-         WHERE NOT t.wrapped AND o.provider = %(provider)s
-           AND o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
-         ORDER BY o.provider, o.tenant_id, o.available_at, o.id LIMIT 1)
-        LIMIT 1) nx
-    -- Up to five tenants, and once around at most.
-    WHERE t.n < 5 AND NOT (nx.wrapped AND nx.tenant_id > %(after_tenant)s)
-),
-near AS (
-    SELECT DISTINCT ON (c.id) c.id, t.n, c.failed, c.newest, c.handed_back, c.last_attempt_at
-    FROM tenants t
-    CROSS JOIN LATERAL (
-        (SELECT x.* FROM (
-             SELECT o.id, o.attempts > o.attempt_base AS failed, true AS newest,
-                    o.last_attempt_at IS NOT NULL AS handed_back, o.last_attempt_at
-             FROM outbox.operations o
-             WHERE o.provider = %(provider)s AND o.tenant_id = t.tenant_id
-               AND o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
-               AND o.available_at <= now()
-             ORDER BY o.available_at DESC, o.id DESC LIMIT 200) x
-         -- Retries come due after their backoff, so the newest by due time are often rows
-         -- that just failed: the ten newest that have not.
-         WHERE NOT x.failed LIMIT 10)
-        UNION ALL
-        (SELECT o.id, o.attempts > o.attempt_base, false, o.last_attempt_at IS NOT NULL,
-                o.last_attempt_at
-         FROM outbox.operations o
-         WHERE o.provider = %(provider)s AND o.tenant_id = t.tenant_id
-           AND o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
-           AND o.available_at <= now()
-         ORDER BY o.available_at, o.id LIMIT 10)
-    ) c
-),
-picked AS (
-    SELECT ARRAY(
-        SELECT near.id FROM near
-        ORDER BY near.failed, CASE WHEN near.failed THEN near.last_attempt_at END NULLS FIRST,
-                 near.newest DESC, near.handed_back DESC, near.n, random()
-        LIMIT 20) AS ids
-),
-due AS (
-    SELECT o.id FROM outbox.operations o, picked
-    WHERE o.id = ANY (picked.ids)
-      AND o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
-    ORDER BY array_position(picked.ids, o.id)
-    LIMIT 1
-    FOR UPDATE OF o SKIP LOCKED
-)
+CLAIM_PROBE: Final = """
+SELECT * FROM outbox.claim_probe(%(worker)s::text, %(provider)s::text, %(lease)s::interval,
+                                 %(after_tenant)s::text)
 """
-    + _LEASE_DUE
-)
 
 # Each provider's breaker in this dispatcher (outbox/dispatch/health.py; sql/0031), one row per
 # provider and worker, written every few seconds.
@@ -335,184 +211,12 @@ LAST_PROVIDER_ACTION: Final = "SELECT coalesce(max(id), 0) FROM outbox.provider_
 # are `scheduled`, out of the index until STAGE, sql/0019) and providers capped at 0 (breaker
 # open, no rate tokens) cost nothing. SKIP LOCKED: concurrent dispatchers take other
 # rows instead of queueing behind these.
-CLAIM: Final = (
-    """
-WITH RECURSIVE
-limits AS (
-    -- Per provider, the most rows this claim may take (0: none); absent: no cap.
-    SELECT * FROM unnest(%(cap_providers)s::text[], %(caps)s::integer[]) AS l(provider, cap)
-),
-groups (provider, tenant_id, available_at, cap, wrapped, n, pn) AS (
-    -- A loose index scan: one probe per group, each giving the group's earliest row. n counts
-    -- the groups visited that may give rows (a provider capped at 0 is a probe, not a visit:
-    -- with a claim of one row and two paused providers, they once took up the whole visit);
-    -- pn the groups of this provider visited in a row.
-    SELECT f.provider, f.tenant_id, f.available_at, c.cap, f.wrapped, (c.cap > 0)::integer, 1
-    FROM (
-        (SELECT o.provider, o.tenant_id, o.available_at, false AS wrapped
-         FROM outbox.operations o
-         WHERE o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
-           AND (o.provider, o.tenant_id) > (%(after_provider)s::text, %(after_tenant)s::text)
-         ORDER BY o.provider, o.tenant_id, o.available_at, o.id LIMIT 1)
-        UNION ALL
-        (SELECT o.provider, o.tenant_id, o.available_at, true
-         FROM outbox.operations o
-         WHERE o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
-         ORDER BY o.provider, o.tenant_id, o.available_at, o.id LIMIT 1)
-        LIMIT 1
-    ) f
-    CROSS JOIN LATERAL (
-        SELECT coalesce((SELECT l.cap FROM limits l WHERE l.provider = f.provider), %(limit)s)
-    ) AS c(cap)
-    UNION ALL
-    SELECT nx.provider, nx.tenant_id, nx.available_at, c.cap, nx.wrapped,
-           g.n + (c.cap > 0)::integer, CASE WHEN nx.provider = g.provider THEN g.pn + 1 ELSE 1 END
-    FROM groups g
-    CROSS JOIN LATERAL (
-        -- The next group. Past a provider capped at 0, or one with as many groups visited as
-        -- rows it may give (each group in the index has a due row: the scheduled ones are
-        -- elsewhere, 0019), its other tenants are jumped over: a provider with a small cap and
-        -- a thousand tenants must not take up the whole visit while the next provider's rows
-        -- wait. At the end, around to the first group. UNION ALL ... LIMIT 1 stops at the first
-        -- branch that finds one, and each branch's condition on g is checked before its scan.
-        (SELECT o.provider, o.tenant_id, o.available_at, g.wrapped AS wrapped
-         FROM outbox.operations o
-         WHERE g.cap > 0 AND g.pn < g.cap
-           AND o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
-           AND (o.provider, o.tenant_id) > (g.provider, g.tenant_id)
-         ORDER BY o.provider, o.tenant_id, o.available_at, o.id LIMIT 1)
-        UNION ALL
-        (SELECT o.provider, o.tenant_id, o.available_at, g.wrapped
-         FROM outbox.operations o
-         WHERE (g.cap <= 0 OR g.pn >= g.cap)
-           AND o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
-           AND o.provider > g.provider
-         ORDER BY o.provider, o.tenant_id, o.available_at, o.id LIMIT 1)
-        UNION ALL
-        (SELECT o.provider, o.tenant_id, o.available_at, true
-         FROM outbox.operations o
-         WHERE NOT g.wrapped
-           AND o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
-         ORDER BY o.provider, o.tenant_id, o.available_at, o.id LIMIT 1)
-        LIMIT 1
-    ) nx
-    CROSS JOIN LATERAL (
-        SELECT coalesce((SELECT l.cap FROM limits l WHERE l.provider = nx.provider), %(limit)s)
-    ) AS c(cap)
-    WHERE g.n < %(max_groups)s
-      -- Once around, stop where the visit began.
-      AND NOT (nx.wrapped
-               AND (nx.provider, nx.tenant_id) > (%(after_provider)s::text, %(after_tenant)s::text))
-),
-ready AS MATERIALIZED (
-    -- The groups with a due row, each with its share of the batch and of its provider's cap:
-    -- an even split, the remainder to the groups first in line, so shares never add up to more.
-    SELECT provider, tenant_id, n,
-           least(%(limit)s / count(*) OVER ()
-                   + (row_number() OVER (ORDER BY n) <= %(limit)s %% count(*) OVER ())::integer,
-                 cap / count(*) OVER (PARTITION BY provider)
-                   + (row_number() OVER (PARTITION BY provider ORDER BY n)
-                      <= cap %% count(*) OVER (PARTITION BY provider))::integer) AS share,
-           cap
-    FROM groups
-    WHERE cap > 0 AND available_at <= now()
-),
-first AS MATERIALIZED (
-    SELECT r.provider, r.tenant_id, pick.id
-    FROM ready r
-    CROSS JOIN LATERAL (
-        SELECT o.id FROM outbox.operations o
-        WHERE o.provider = r.provider AND o.tenant_id = r.tenant_id
-          AND o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
-          AND o.available_at <= now()
-        ORDER BY o.available_at, o.id
-        LIMIT r.share
-        FOR UPDATE SKIP LOCKED
-    ) pick
-    LIMIT %(limit)s
-),
-taken AS (
-    -- Integers: sum() of bigints is numeric, and the room below, divided as numeric and then
-    -- rounded, once gave a provider capped at 3 two rows more than its cap.
-    SELECT provider, tenant_id, count(*)::integer AS k,
-           (sum(count(*)) OVER (PARTITION BY provider))::integer AS provider_k
-    FROM first GROUP BY provider, tenant_id
-),
-busy AS MATERIALIZED (
-    -- Groups that filled their share may have more: they split what is left of their
-    -- provider's cap the same way, visited in the same order.
-    SELECT r.provider, r.tenant_id, r.share, r.n, r.cap, t.provider_k,
-           ((r.cap - t.provider_k) / count(*) OVER (PARTITION BY r.provider)
-            + (row_number() OVER (PARTITION BY r.provider ORDER BY r.n)
-               <= (r.cap - t.provider_k) %% count(*) OVER (PARTITION BY r.provider))::integer
-           )::integer AS room
-    FROM ready r JOIN taken t USING (provider, tenant_id)
-    WHERE t.k = r.share
-    ORDER BY r.n
-),
-more AS MATERIALIZED (
-    SELECT b.provider, b.tenant_id, pick.id
-    FROM busy b
-    CROSS JOIN LATERAL (
-        -- Past the rows of the first pass. Should a concurrent claim have moved them, a row
-        -- may come twice (the UNION below drops it) or be left for the next claim.
-        SELECT o.id FROM outbox.operations o
-        WHERE o.provider = b.provider AND o.tenant_id = b.tenant_id
-          AND o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
-          AND o.available_at <= now()
-        ORDER BY o.available_at, o.id
-        OFFSET b.share LIMIT greatest(b.room, 0)
-        FOR UPDATE SKIP LOCKED
-    ) pick
-    LIMIT greatest(%(limit)s - (SELECT count(*) FROM first), 0)
-),
-got AS (
-    SELECT provider, tenant_id, count(*)::integer AS k FROM more GROUP BY provider, tenant_id
-),
-provider_got AS (
-    SELECT provider, count(*)::integer AS k FROM more GROUP BY provider
-),
-spare AS MATERIALIZED (
-    -- A group with fewer rows than its room leaves some of its provider's cap unused; without
-    -- this pass a claim came back short with rows left in the groups that used all of theirs,
-    -- and the dispatcher slept on them. Those groups take the rest, in visiting order.
-    SELECT b.provider, b.tenant_id, b.n, b.share + b.room AS skip,
-           b.cap - b.provider_k - coalesce(pg.k, 0) AS room
-    FROM busy b
-    LEFT JOIN got g USING (provider, tenant_id)
-    LEFT JOIN provider_got pg USING (provider)
-    WHERE coalesce(g.k, 0) = greatest(b.room, 0)
-      AND b.cap - b.provider_k - coalesce(pg.k, 0) > 0
-      -- Nothing to add to a claim that is full already.
-      AND (SELECT count(*) FROM first) + (SELECT count(*) FROM more) < %(limit)s
-),
-rest AS MATERIALIZED (
-    SELECT ranked.id
-    FROM (
-        SELECT pick.id, s.n, s.room,
-               row_number() OVER (PARTITION BY s.provider ORDER BY s.n, pick.available_at,
-                                                                   pick.id) AS k
-        FROM spare s
-        CROSS JOIN LATERAL (
-            SELECT o.id, o.available_at FROM outbox.operations o
-            WHERE o.provider = s.provider AND o.tenant_id = s.tenant_id
-              AND o.status = 'pending' AND NOT o.ordering_blocked AND NOT o.scheduled
-              AND o.available_at <= now()
-            ORDER BY o.available_at, o.id
-            OFFSET s.skip LIMIT greatest(s.room, 0)
-            FOR UPDATE SKIP LOCKED
-        ) pick
-    ) ranked
-    WHERE ranked.k <= ranked.room
-    ORDER BY ranked.n, ranked.k
-    LIMIT greatest(%(limit)s - (SELECT count(*) FROM first) - (SELECT count(*) FROM more), 0)
-),
-due AS (
-    SELECT id FROM first UNION SELECT id FROM more UNION SELECT id FROM rest
-)
+CLAIM: Final = """
+SELECT * FROM outbox.claim_fair(%(worker)s::text, %(lease)s::interval, %(limit)s::integer,
+                                %(cap_providers)s::text[], %(caps)s::integer[],
+                                %(after_provider)s::text, %(after_tenant)s::text,
+                                %(max_groups)s::integer)
 """
-    + _LEASE_DUE
-)
 
 # Record attempts' outcomes and their operations' next statuses, one or many in a statement (the
 # dispatcher's group commit), each only if this worker still holds the lease of that attempt: a
@@ -523,85 +227,15 @@ due AS (
 # in UNCLAIM and RESCUE.
 # Relies on: triggers operations_cancel_when_attempt_ends (a cancel requested in flight) and
 # operations_pass_turn (an ordered operation settles: the next of its key may go).
-RECORD_MANY: Final = """
-WITH input AS (
-    -- One JSON document for the whole batch: encoded in C by json.dumps, where a dozen
-    -- arrays would be encoded element by element.
-    SELECT *
-    FROM jsonb_to_recordset(%(batch)s::jsonb)
-         AS i(id bigint, lease_token uuid, attempt integer, status text, reason text,
-              retry_in_s double precision, sent boolean, provider_ref text, result jsonb,
-              error text, failure text, outcome text, error_class text, http_status integer,
-              request_id text, unspent boolean, api_version text, scope text)
-),
-recorded AS (
-    UPDATE outbox.operations AS o
-    SET status = i.status,
-        status_reason = i.reason,
-        available_at = CASE WHEN i.status = 'pending'
-                            THEN now() + make_interval(secs => i.retry_in_s)
-                            ELSE o.available_at END,
-        -- A retry after a delay waits out of the claim index until STAGE finds it due.
-        scheduled = i.status = 'pending' AND i.retry_in_s > 0,
-        lease_owner = NULL,
-        lease_token = NULL,
-        lease_expires_at = NULL,
-        first_sent_at = CASE WHEN i.sent THEN coalesce(o.first_sent_at, o.last_attempt_at)
-                             ELSE o.first_sent_at END,
-        -- An attempt the provider did not act on is not counted toward max_attempts.
-        attempt_base = o.attempt_base + CASE WHEN i.unspent THEN 1 ELSE 0 END,
-        -- The API version of the first attempt that may have reached the provider (sql/0023).
-        api_version = coalesce(o.api_version, CASE WHEN i.sent THEN i.api_version END),
-        sent_scope = coalesce(o.sent_scope, CASE WHEN i.sent THEN i.scope END),
-        provider_ref = coalesce(i.provider_ref, o.provider_ref),
-        -- At most 64 KiB of the provider's answer is kept (its reference always is): a row is
-        -- read back by operators and get_operation, and the answer's size is the provider's.
-        result = CASE WHEN pg_column_size(i.result) > 65536
-                      THEN jsonb_build_object('outbox_omitted', format(
-                               'the answer was %%s bytes; outbox keeps at most 65536',
-                               pg_column_size(i.result)))
-                      ELSE coalesce(i.result, o.result) END,
-        last_error = i.error,
-        last_error_class = i.failure,
-        updated_at = now(),
-        status_changed_at = now(),
-        finished_at = CASE WHEN i.status IN ('succeeded', 'cancelled') THEN now() END
-    FROM input AS i
-    WHERE o.id = i.id
-      AND o.lease_token = i.lease_token
-      AND o.attempts = i.attempt
-      AND o.status = 'in_flight'
-    RETURNING o.id, o.idempotency_key, o.last_attempt_at, i.attempt, i.outcome, i.sent,
-              i.error_class, i.error, i.http_status, i.request_id
-)
-INSERT INTO outbox.attempts (operation_id, attempt, idempotency_key, worker, started_at, outcome,
-                             sent, error_class, error_message, http_status, provider_request_id)
-SELECT id, attempt, idempotency_key, %(worker)s, last_attempt_at, outcome, sent, error_class,
-       error, http_status, request_id
-FROM recorded
-RETURNING operation_id, attempt
-"""
+RECORD_MANY: Final = "SELECT * FROM outbox.record_attempts(%(worker)s::text, %(batch)s::jsonb)"
 
 # Give a claimed row back without an attempt having been made: released at shutdown (to
 # pending) or routed to reconciliation by the key-window rule before sending.
 # Relies on: triggers operations_cancel_when_attempt_ends and, to reconciling,
 # operations_pass_turn.
 UNCLAIM: Final = """
-UPDATE outbox.operations AS o
-SET status = %(status)s::text,
-    status_reason = %(reason)s::text,
-    attempts = o.attempts - 1,
-    -- Shutdown keeps the row's place in line; a row handed back for later waits its delay.
-    available_at = coalesce(now() + %(delay)s::interval, o.available_at),
-    scheduled = coalesce(%(status)s::text = 'pending' AND %(delay)s::interval > interval '0',
-                         false),
-    lease_owner = NULL,
-    lease_token = NULL,
-    lease_expires_at = NULL,
-    updated_at = now(),
-    status_changed_at = now()
-WHERE o.id = %(id)s AND o.lease_token = %(lease_token)s AND o.status = 'in_flight'
-RETURNING o.id
+SELECT * FROM outbox.unclaim(%(id)s::bigint, %(lease_token)s::uuid, %(status)s::text,
+                              %(reason)s::text, %(delay)s::interval)
 """
 
 # Did this worker's record of this attempt commit? Asked when its acknowledgement was lost.
@@ -623,11 +257,7 @@ WHERE operation_id = %(id)s AND attempt = %(attempt)s AND worker = %(worker)s
 
 # Renew the leases of calls still in flight, so a slow but live call is never rescued.
 HEARTBEAT: Final = """
-UPDATE outbox.operations AS o
-SET lease_expires_at = now() + %(lease)s::interval
-FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS held(id, token)
-WHERE o.id = held.id AND o.lease_token = held.token AND o.status = 'in_flight'
-RETURNING o.id
+SELECT * FROM outbox.renew_leases(%(ids)s::bigint[], %(tokens)s::uuid[], %(lease)s::interval)
 """
 
 # Take back rows whose dispatcher stopped renewing its lease. Its attempt may have reached the
@@ -637,51 +267,7 @@ RETURNING o.id
 # Relies on: triggers operations_cancel_when_attempt_ends and, when reconciling,
 # operations_pass_turn.
 RESCUE: Final = """
-WITH expired AS MATERIALIZED (
-    -- Served by the partial index operations_lease; SKIP LOCKED so that rescuers in several
-    -- processes split the work and never wait on a row a dispatcher is recording right now.
-    SELECT id, lease_owner, last_attempt_at, idempotency_key, attempts
-    FROM outbox.operations
-    WHERE status = 'in_flight' AND lease_expires_at < now()
-    ORDER BY lease_expires_at
-    LIMIT %(limit)s::integer
-    FOR UPDATE SKIP LOCKED
-),
-rescued AS (
-    UPDATE outbox.operations AS o
-    SET status = CASE WHEN o.attempts - o.attempt_base
-                           >= coalesce(o.max_attempts, %(max_attempts)s::integer)
-                      THEN 'reconciling' ELSE 'pending' END,
-        status_reason = CASE WHEN o.attempts - o.attempt_base
-                                  >= coalesce(o.max_attempts, %(max_attempts)s::integer)
-                             THEN 'indeterminate_provider_error' END,
-        available_at = now(),
-        lease_owner = NULL,
-        lease_token = NULL,
-        lease_expires_at = NULL,
-        first_sent_at = coalesce(o.first_sent_at, o.last_attempt_at),
-        last_error = 'lease expired: the dispatcher stopped renewing it during the attempt',
-        last_error_class = 'unknown',
-        updated_at = now(),
-        status_changed_at = now()
-    FROM expired AS e
-    -- Re-checked under the row lock: a row recorded since the scan is left alone.
-    WHERE o.id = e.id AND o.status = 'in_flight' AND o.lease_expires_at < now()
-    RETURNING o.id, o.status, o.status_reason, o.provider, o.tenant_id, o.operation_type,
-              o.operation_key, o.action, o.attempts, o.correlation_id
-),
-history AS (
-    INSERT INTO outbox.attempts (operation_id, attempt, idempotency_key, worker, started_at,
-                                 outcome, sent, error_class, error_message)
-    SELECT e.id, e.attempts, e.idempotency_key, coalesce(e.lease_owner, 'unknown'),
-           e.last_attempt_at, 'unknown', true,
-           'lease_expired',
-           'lease expired: the dispatcher stopped renewing it during the attempt'
-    FROM rescued AS r JOIN expired AS e ON e.id = r.id
-)
-SELECT id, status, status_reason, provider, tenant_id, operation_type, operation_key, action,
-       attempts, correlation_id
-FROM rescued
+SELECT * FROM outbox.rescue_leases(%(limit)s::integer, %(max_attempts)s::integer)
 """
 
 # Ordering keys whose next operation a settled head could not promote (a producer of the key was
@@ -698,23 +284,7 @@ REPAIR_ORDERING_KEY: Final = "SELECT outbox.repair_ordering_key(%(tenant_id)s, %
 # Scheduled operations that are due join the claim index (sql/0019): the oldest first, a batch
 # at a time, SKIP LOCKED so that the stagers of several processes split the work. Returns how
 # many were staged and how long until the next scheduled one is due (NULL: none is scheduled).
-STAGE: Final = """
-WITH due AS MATERIALIZED (
-    SELECT o.id FROM outbox.operations o
-    WHERE o.scheduled AND o.available_at <= now()
-    ORDER BY o.available_at, o.id
-    LIMIT %(limit)s::integer
-    FOR UPDATE SKIP LOCKED
-),
-staged AS (
-    UPDATE outbox.operations AS o SET scheduled = false
-    WHERE o.id = ANY (ARRAY(SELECT id FROM due)) AND o.scheduled
-    RETURNING 1
-)
-SELECT (SELECT count(*) FROM staged) AS staged,
-       (SELECT extract(epoch FROM min(o.available_at) - now())::float8
-        FROM outbox.operations o WHERE o.scheduled AND o.available_at > now()) AS next_in
-"""
+STAGE: Final = "SELECT * FROM outbox.stage_due(%(limit)s::integer)"
 
 # Which server session answers: two connections that get the same one go through a
 # transaction-mode pooler (outbox.db.connect's check at startup).
@@ -770,12 +340,8 @@ SELECT in_recovery, system_identifier, timeline, server_now FROM outbox.server_i
 # Made expired, so that the rescuer takes them back now, as it takes back any lease: recorded as
 # an attempt of unknown outcome, and re-sent with the same key.
 EXPIRE_STRAY_LEASES: Final = """
-UPDATE outbox.operations AS o
-SET lease_expires_at = now() - interval '1 millisecond'
-WHERE o.status = 'in_flight' AND o.lease_owner = %(worker)s
-  AND o.lease_token <> ALL (%(held)s::uuid[])
-  AND o.last_attempt_at < %(since)s
-RETURNING o.id
+SELECT * FROM outbox.expire_stray_leases(%(worker)s::text, %(held)s::uuid[],
+                                          %(since)s::timestamptz)
 """
 
 # --- operators ----------------------------------------------------------------------------------

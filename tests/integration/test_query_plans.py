@@ -65,11 +65,49 @@ def _top(row: tuple[Any, ...] | None) -> dict[str, Any]:
 def plan_nodes(
     url: str, query: LiteralString, params: dict[str, Any], *, analyze: bool = False
 ) -> list[dict[str, Any]]:
+    """The nodes of ``query``'s plan, its top node first. For a call of one of outbox's
+    functions (sql/0040), the nodes of the statements it ran come after it (auto_explain's
+    nested plans: EXPLAIN shows only a function scan), so the call is always run."""
+    analyze = analyze or _calls_function(query)
     explain: LiteralString = (
         "EXPLAIN (ANALYZE, FORMAT JSON) " if analyze else "EXPLAIN (FORMAT JSON) "
     )
     with psycopg.connect(url) as conn:
-        return _walk(_top(conn.execute(explain + query, params).fetchone()))
+        nested = explain_nested(conn, analyze=analyze)
+        top = _walk(_top(conn.execute(explain + query, params).fetchone()))
+    return top + [n for plan in nested for n in _walk(plan)]
+
+
+def _calls_function(query: str) -> bool:
+    return query.lstrip().startswith("SELECT * FROM outbox.")
+
+
+def explain_nested(conn: psycopg.Connection[Any], *, analyze: bool) -> list[dict[str, Any]]:
+    """The plans of the statements functions run on ``conn`` from now on, as auto_explain
+    reports them (a superuser's session: LOAD needs one). Filled in as they run."""
+    plans: list[dict[str, Any]] = []
+
+    def collect(diag: psycopg.errors.Diagnostic) -> None:
+        text = diag.message_primary or ""
+        if "plan:" in text:
+            found = json.loads(text[text.index("{") :])
+            if not found["Query Text"].lstrip().upper().startswith(("EXPLAIN", "SELECT * FROM")):
+                plans.append(found["Plan"])
+
+    conn.execute("LOAD 'auto_explain'")
+    settings = {
+        "auto_explain.log_format": "json",
+        "auto_explain.log_level": "notice",
+        "auto_explain.log_min_duration": "0",
+        "auto_explain.log_nested_statements": "on",
+        "auto_explain.log_analyze": "on" if analyze else "off",
+        "auto_explain.log_buffers": "on" if analyze else "off",
+        "auto_explain.log_timing": "off",
+    }
+    for name, value in settings.items():
+        conn.execute(statements.SET_SESSION_LIMIT, (name, value))
+    conn.add_notice_handler(collect)
+    return plans
 
 
 def scans_of_operations(nodes: list[dict[str, Any]]) -> list[tuple[str, str | None]]:
@@ -156,7 +194,13 @@ def custom_and_generic(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """EXPLAIN ANALYZE of ``query`` planned for ``params``, and of its generic plan (a
     server-side PREPARE in a session set as `outbox run` sets its own), each run in a
-    transaction rolled back; the top plan node of each."""
+    transaction rolled back; the top plan node of each. For a call of one of outbox's functions,
+    the statements it runs are what is planned: PL/pgSQL keeps their plans as a PREPARE would,
+    so the call runs once in a session with custom plans forced and once with generic ones."""
+    if _calls_function(query):
+        return _function_plan(url, query, params, "force_custom_plan"), _function_plan(
+            url, query, params, "force_generic_plan"
+        )
     names: list[str] = []
 
     def number(match: re.Match[str]) -> str:
@@ -182,6 +226,24 @@ def custom_and_generic(
         ).fetchone()
     assert kinds == (1, 0), "EXPLAIN EXECUTE should have run the generic plan"
     return custom, generic
+
+
+def _function_plan(
+    url: str, query: LiteralString, params: dict[str, Any], mode: str
+) -> dict[str, Any]:
+    """The statements the call ran, planned in ``mode``, as one plan: a node holding them all,
+    with the buffers they touched."""
+    with psycopg.connect(url) as conn:
+        nested = explain_nested(conn, analyze=True)
+        conn.execute(statements.SET_SESSION_LIMIT, ("plan_cache_mode", mode))
+        conn.execute(query, params)
+        conn.rollback()
+    return {
+        "Node Type": "Function Body",
+        "Plans": nested,
+        "Shared Hit Blocks": sum(int(p["Shared Hit Blocks"]) for p in nested),
+        "Shared Read Blocks": sum(int(p["Shared Read Blocks"]) for p in nested),
+    }
 
 
 def _one_record() -> dict[str, Any]:

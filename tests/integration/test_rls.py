@@ -19,7 +19,7 @@ from outbox.db import connect, migrations, statements
 from outbox.model import Status
 from outbox.providers.base import Provider
 from outbox.testing.webhook import FakeWebhookReceiver
-from tests.integration.test_query_plans import CLAIM_PARAMS
+from tests.integration.test_query_plans import CLAIM_PARAMS, explain_nested
 from tests.integration.test_roles import (
     APP,
     DISPATCHER,
@@ -184,10 +184,15 @@ async def test_the_dispatcher_and_the_operator_see_every_tenant(
 
 
 def test_the_claim_still_reads_its_partial_index_under_row_level_security(rls_db: str) -> None:
-    with psycopg.connect(as_role(rls_db, DISPATCHER)) as conn:
-        plan = conn.execute("EXPLAIN (FORMAT JSON) " + statements.CLAIM, CLAIM_PARAMS).fetchone()
+    """The claim's statements, which run as the schema owner inside outbox.claim_fair (sql/0040),
+    called by the dispatcher's login: auto_explain shows their plans (loaded as a superuser,
+    then the session becomes the login)."""
+    with psycopg.connect(rls_db) as conn:
+        nested = explain_nested(conn, analyze=False)
+        conn.execute(sql.SQL("SET ROLE {}").format(sql.Identifier(DISPATCHER)))
+        conn.execute(statements.CLAIM, CLAIM_PARAMS)
         conn.rollback()
-    assert plan is not None and '"Index Name": "operations_claim_group"' in _json_text(plan[0])
+    assert '"Index Name": "operations_claim_group"' in _json_text(nested)
 
 
 def _json_text(value: Any) -> str:

@@ -43,10 +43,11 @@ Query = LiteralString | sql.Composed
 ROLES_LOCK_KEY = int.from_bytes(b"obx:role", "big")
 INSUFFICIENT_PRIVILEGE = "42501"
 
-# Login roles of the tests: an application that produces, and a person who operates.
+# Login roles of the tests: an application that produces, a person who operates, and the login
+# `outbox run` uses, a member of the NOLOGIN outbox_dispatcher (sql/roles.sql).
 APP = "outbox_test_app"
 OPERATOR = "outbox_test_operator"
-DISPATCHER = "outbox_dispatcher"  # `outbox run` logs in as the role itself
+DISPATCHER = "outbox_test_dispatcher"
 
 _TEST_LOGINS = """
 DO $$
@@ -57,10 +58,17 @@ BEGIN
     IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'outbox_test_operator') THEN
         CREATE ROLE outbox_test_operator LOGIN;
     END IF;
+    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'outbox_test_dispatcher') THEN
+        CREATE ROLE outbox_test_dispatcher LOGIN;
+    END IF;
 END
 $$;
 GRANT outbox_producer TO outbox_test_app;
 GRANT outbox_operator TO outbox_test_operator;
+GRANT outbox_dispatcher TO outbox_test_dispatcher;
+-- The last step of the upgrade from a LOGIN outbox_dispatcher (sql/roles.sql), which a cluster
+-- that ran earlier versions' tests still has.
+ALTER ROLE outbox_dispatcher NOLOGIN;
 """
 
 
@@ -76,10 +84,17 @@ def cluster_lock(server_url: str) -> Iterator[None]:
 
 
 def apply_roles(server_url: str, url: str, *, tenant_rls: bool = False) -> None:
-    """`outbox migrate --with-roles` on ``url``, plus the tests' login roles."""
+    """`outbox migrate --with-roles` on ``url``, plus the tests' login roles. The roles script
+    runs again once the dispatcher's login is new, as the operations guide says to: it sets the
+    session limits on the members of outbox_dispatcher it finds."""
     with cluster_lock(server_url), psycopg.connect(url, autocommit=True) as conn:
         migrations.migrate(conn, with_roles=True, tenant_rls=tenant_rls)
         conn.execute(_TEST_LOGINS)
+        new = conn.execute(
+            "SELECT rolconfig IS NULL FROM pg_roles WHERE rolname = %s", (DISPATCHER,)
+        ).fetchone()
+        if new == (True,):
+            migrations.migrate(conn, with_roles=True, tenant_rls=tenant_rls)
 
 
 def as_role(url: str, role: str) -> str:
@@ -165,12 +180,13 @@ def test_roles_exist_with_the_dispatchers_session_limits(roles_db: str) -> None:
         "FROM pg_roles WHERE rolname IN ('outbox_producer', 'outbox_dispatcher',"
         " 'outbox_operator') ORDER BY 1",
     ) == [
-        ("outbox_dispatcher", True, False, False, False),
+        ("outbox_dispatcher", False, False, False, False),
         ("outbox_operator", False, False, False, False),
         ("outbox_producer", False, False, False, False),
     ]
-    # A new session of the dispatcher has the limits from the role, with no SET of its own
-    # (behind PgBouncer in transaction mode it could not SET them).
+    # A new session of the dispatcher's login has the limits from the role, with no SET of its
+    # own (behind PgBouncer in transaction mode it could not SET them): roles.sql sets them on
+    # each login that is a member of outbox_dispatcher, since a role's settings are not inherited.
     with psycopg.connect(as_role(roles_db, DISPATCHER)) as conn:
         for name, value in connect.SESSION_LIMITS.items():
             if name == "plan_cache_mode":
@@ -260,6 +276,25 @@ def test_every_function_is_pinned_and_executable_only_by_its_roles(roles_db: str
         "outbox.server_identity()": (True, ["outbox_dispatcher"]),
         "outbox.wake_lock_space()": (True, ["outbox_dispatcher"]),
         "outbox.try_wake_gate()": (True, ["outbox_dispatcher"]),
+        # Every write of the dispatcher's to operations and attempts (sql/0040).
+        "outbox.claim_fair(text,interval,integer,text[],integer[],text,text,integer)": (
+            True,
+            ["outbox_dispatcher"],
+        ),
+        "outbox.claim_one_group(text,interval,integer,text[],integer[])": (
+            True,
+            ["outbox_dispatcher"],
+        ),
+        "outbox.claim_probe(text,text,interval,text)": (True, ["outbox_dispatcher"]),
+        "outbox.record_attempts(text,jsonb)": (True, ["outbox_dispatcher"]),
+        "outbox.unclaim(bigint,uuid,text,text,interval)": (True, ["outbox_dispatcher"]),
+        "outbox.renew_leases(bigint[],uuid[],interval)": (True, ["outbox_dispatcher"]),
+        "outbox.rescue_leases(integer,integer)": (True, ["outbox_dispatcher"]),
+        "outbox.stage_due(integer)": (True, ["outbox_dispatcher"]),
+        "outbox.expire_stray_leases(text,uuid[],timestamp with time zone)": (
+            True,
+            ["outbox_dispatcher"],
+        ),
     }
     # Only those entry points run as the owner, and the triggers: the wake-up and the ordering
     # key's turn fire at the producer's commit, after enqueue has returned (sql/0012, 0015);
@@ -274,38 +309,139 @@ def test_every_function_is_pinned_and_executable_only_by_its_roles(roles_db: str
     }
 
 
-def test_the_dispatcher_may_update_state_lease_and_result_columns_only(roles_db: str) -> None:
-    updatable = rows(
+def test_the_dispatcher_holds_no_write_on_operations_or_attempts(roles_db: str) -> None:
+    """Every write it makes is one of sql/0040's functions: not a table's, not a column's."""
+    writes = rows(
         roles_db,
-        "SELECT column_name FROM information_schema.column_privileges "
-        "WHERE grantee = 'outbox_dispatcher' AND table_name = 'operations' "
-        "AND privilege_type = 'UPDATE' ORDER BY 1",
+        """
+        SELECT t.relname, p.privilege
+        FROM (VALUES ('operations'), ('attempts')) AS t (relname),
+             unnest(ARRAY['INSERT', 'UPDATE', 'DELETE', 'TRUNCATE']) AS p (privilege)
+        WHERE has_table_privilege('outbox_dispatcher', 'outbox.' || t.relname, p.privilege)
+           OR (p.privilege IN ('INSERT', 'UPDATE')
+               AND has_any_column_privilege('outbox_dispatcher', 'outbox.' || t.relname,
+                                            p.privilege))""",
     )
-    assert [c for (c,) in updatable] == sorted(
-        [
-            "status",
-            "status_reason",
-            "available_at",
-            "scheduled",
-            "attempts",
-            "lease_owner",
-            "lease_token",
-            "lease_expires_at",
-            "first_sent_at",
-            "last_attempt_at",
-            "provider_ref",
-            "result",
-            "last_error",
-            "last_error_class",
-            "updated_at",
-            "status_changed_at",
-            "finished_at",
-            # Attempts the provider did not act on, and the first send's API version (0023).
-            "attempt_base",
-            "api_version",
-            "sent_scope",
-        ]
-    )
+    assert writes == []
+
+
+def _settled_and_in_flight(url: str) -> tuple[int, int, str]:
+    """A quarantined operation that was sent, and one in flight (its id and lease token)."""
+    quarantined, in_flight = enqueue_many(url, 2, prefix="attack")
+    with psycopg.connect(url) as conn:
+        conn.execute(
+            "UPDATE outbox.operations SET status = 'quarantined', status_reason = 'permanent', "
+            "attempts = 1, first_sent_at = now(), last_attempt_at = now() WHERE id = %s",
+            (quarantined,),
+        )
+        token = conn.execute(
+            "UPDATE outbox.operations SET status = 'in_flight', attempts = 1, "
+            "lease_owner = 'w', lease_token = gen_random_uuid(), last_attempt_at = now(), "
+            "lease_expires_at = now() + interval '1 minute' WHERE id = %s "
+            "RETURNING lease_token::text",
+            (in_flight,),
+        ).fetchone()
+    assert token is not None
+    return quarantined, in_flight, token[0]
+
+
+def _record(op: int, token: str, **fields: Any) -> str:
+    entry = {
+        "id": op,
+        "lease_token": token,
+        "attempt": 1,
+        "status": "succeeded",
+        "retry_in_s": 0,
+        "sent": True,
+        "unspent": False,
+        "outcome": "succeeded",
+        "provider_ref": "forged",
+        **fields,
+    }
+    return json.dumps([entry])
+
+
+def test_the_dispatchers_credential_cannot_rewrite_history(roles_db: str) -> None:
+    """The attacks of issue 38 (item 1), as the dispatcher's login: a quarantined operation set
+    back to pending and unsent, a forged success, invented attempts, checks deferred and
+    providers throttled for a thousand years. Each is refused, and nothing changed."""
+    quarantined, in_flight, token = _settled_and_in_flight(roles_db)
+    before = rows(roles_db, "SELECT * FROM outbox.operations ORDER BY id")
+    refused: dict[str, Query] = {
+        "resurrect": sql.SQL(
+            "UPDATE outbox.operations SET status = 'pending', first_sent_at = NULL, "
+            "attempts = 0 WHERE id = {}"
+        ).format(quarantined),
+        "forge a success": sql.SQL(
+            "UPDATE outbox.operations SET status = 'succeeded', provider_ref = 'forged' "
+            "WHERE id = {}"
+        ).format(quarantined),
+        "invent an attempt": sql.SQL(
+            "INSERT INTO outbox.attempts (operation_id, attempt, idempotency_key, worker, "
+            "started_at, outcome, sent) VALUES ({}, 9, 'k', 'w', now(), 'succeeded', true)"
+        ).format(quarantined),
+        "defer a check by -1000 years": "SELECT outbox.defer_check(1, '1 minute', '-1000 years')",
+        "defer a check by 1000 years": "SELECT outbox.defer_check(1, '1 minute', '1000 years', "
+        "1, 1)",
+        "throttle for 1000 years": "SELECT outbox.throttle_bucket('hook', 1, 1, '1000 years')",
+        "take tokens at an infinite rate": "SELECT * FROM outbox.take_tokens('hook', "
+        "'Infinity', 1, 1, 0)",
+        "lease for 1000 years": "SELECT * FROM outbox.claim_fair('w', '1000 years', 10, '{}', "
+        "'{}', '', '', 20)",
+        "renew for 1000 years": sql.SQL(
+            "SELECT * FROM outbox.renew_leases(ARRAY[{}]::bigint[], ARRAY[{}]::uuid[], "
+            "'1000 years')"
+        ).format(in_flight, token),
+        "hand back as succeeded": sql.SQL(
+            "SELECT * FROM outbox.unclaim({}, {}, 'succeeded', NULL, NULL)"
+        ).format(in_flight, token),
+        "record as cancelled": sql.SQL("SELECT * FROM outbox.record_attempts('w', {})").format(
+            _record(in_flight, token, status="cancelled", outcome="permanent")
+        ),
+        "retry in 1000 years": sql.SQL("SELECT * FROM outbox.record_attempts('w', {})").format(
+            _record(
+                in_flight,
+                token,
+                status="pending",
+                outcome="transient",
+                retry_in_s=1000 * 366 * 86400,
+            )
+        ),
+        "a success that failed": sql.SQL("SELECT * FROM outbox.record_attempts('w', {})").format(
+            _record(in_flight, token, outcome="permanent")
+        ),
+        "rescue with an endless budget": "SELECT * FROM outbox.rescue_leases(10, 2000000000)",
+    }
+    got = refusals(as_role(roles_db, DISPATCHER), refused)
+    assert got == {
+        name: INVALID_PARAMETER if name.startswith(_BOUNDED) else INSUFFICIENT_PRIVILEGE
+        for name in refused
+    }
+    # A record under no lease of the settled row changes nothing: there is no lease to match.
+    with psycopg.connect(as_role(roles_db, DISPATCHER), autocommit=True) as conn:
+        for stolen in (token, "00000000-0000-0000-0000-000000000000"):
+            forged = _record(quarantined, stolen)
+            recorded = conn.execute(
+                "SELECT * FROM outbox.record_attempts('w', %s)", (forged,)
+            ).fetchall()
+            assert recorded == []
+    assert rows(roles_db, "SELECT * FROM outbox.operations ORDER BY id") == before
+    assert rows(roles_db, "SELECT count(*) FROM outbox.attempts") == [(0,)]
+
+
+INVALID_PARAMETER = "22023"
+_BOUNDED = (
+    "defer",
+    "throttle",
+    "take tokens",
+    "lease",
+    "renew",
+    "hand back",
+    "record",
+    "retry",
+    "a success",
+    "rescue",
+)
 
 
 def test_rerunning_the_roles_script_converges_on_exactly_its_grants(

@@ -36,6 +36,8 @@ def _one(name: str, breaks: str, path: str, find: str, replace: str, *tests: str
 
 
 STATEMENTS = "outbox/db/statements.py"
+# The dispatcher's writes to operations and attempts (sql/0040).
+DISPATCH_SQL = "sql/0040_the_dispatcher_writes_through_functions.sql"
 # The dispatcher's parts (outbox/dispatch/): one operation's way, and the recording of outcomes.
 PIPELINE = "outbox/dispatch/pipeline.py"
 RECORDER = "outbox/dispatch/recorder.py"
@@ -50,29 +52,30 @@ AMQP_TESTS = "tests/integration/test_queue_amqp.py"
 SQS_TESTS = "tests/integration/test_queue_sqs.py"
 TASKS_TESTS = "tests/integration/test_queue_cloudtasks.py"
 STARTUP_TESTS = "tests/integration/test_run_startup.py"
+ROLES_TESTS = "tests/integration/test_roles.py"
 
 MUTANTS: tuple[Mutant, ...] = (
     # --- the lease fence, in every path that writes after a provider call ----------------------
     _one(
         "record-fence",
         "a worker whose lease expired records over another worker's attempt",
-        STATEMENTS,
-        "      AND o.lease_token = i.lease_token\n      AND o.attempts = i.attempt\n",
+        DISPATCH_SQL,
+        "          AND o.lease_token = i.lease_token\n          AND o.attempts = i.attempt\n",
         "",
         *FENCE_TESTS,
     ),
     _one(
         "release-fence",
         "a worker whose lease expired hands back a row another worker holds",
-        STATEMENTS,
-        "WHERE o.id = %(id)s AND o.lease_token = %(lease_token)s AND o.status = 'in_flight'",
-        "WHERE o.id = %(id)s AND o.status = 'in_flight'",
+        DISPATCH_SQL,
+        "WHERE o.id = p_id AND o.lease_token = p_lease_token AND o.status = 'in_flight'",
+        "WHERE o.id = p_id AND o.status = 'in_flight'",
         *FENCE_TESTS,
     ),
     _one(
         "heartbeat-fence",
         "a worker whose lease expired renews the lease of another worker",
-        STATEMENTS,
+        DISPATCH_SQL,
         "WHERE o.id = held.id AND o.lease_token = held.token AND o.status = 'in_flight'",
         "WHERE o.id = held.id AND o.status = 'in_flight'",
         *FENCE_TESTS,
@@ -82,12 +85,12 @@ MUTANTS: tuple[Mutant, ...] = (
         "the rescuer takes back a row whose lease is still live",
         (
             Edit(
-                STATEMENTS,
-                "    WHERE status = 'in_flight' AND lease_expires_at < now()\n",
-                "    WHERE status = 'in_flight'\n",
+                DISPATCH_SQL,
+                "        WHERE status = 'in_flight' AND lease_expires_at < now()\n",
+                "        WHERE status = 'in_flight'\n",
             ),
             Edit(
-                STATEMENTS,
+                DISPATCH_SQL,
                 "o.status = 'in_flight' AND o.lease_expires_at < now()",
                 "o.status = 'in_flight'",
             ),
@@ -151,9 +154,9 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "record-window-start",
         "an attempt that may have reached the provider starts no window",
-        STATEMENTS,
-        "first_sent_at = CASE WHEN i.sent THEN coalesce(o.first_sent_at, "
-        "o.last_attempt_at)\n                             ELSE o.first_sent_at END,",
+        DISPATCH_SQL,
+        "first_sent_at = CASE WHEN i.sent THEN coalesce(o.first_sent_at, o.last_attempt_at)\n"
+        "                                 ELSE o.first_sent_at END,",
         "first_sent_at = o.first_sent_at,",
         "tests/integration/test_dispatch.py",
     ),
@@ -168,10 +171,10 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "rescue-not-sent",
         "the rescuer forgets that the dead worker's call may have been sent",
-        STATEMENTS,
-        "        first_sent_at = coalesce(o.first_sent_at, o.last_attempt_at),\n"
-        "        last_error = 'lease expired",
-        "        last_error = 'lease expired",
+        DISPATCH_SQL,
+        "            first_sent_at = coalesce(o.first_sent_at, o.last_attempt_at),\n"
+        "            last_error = 'lease expired",
+        "            last_error = 'lease expired",
         "tests/integration/test_dispatch.py::"
         "test_a_dead_workers_lease_is_rescued_as_unknown_and_sent_once",
     ),
@@ -322,8 +325,8 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "not-acted-spends-budget",
         "a long rate-limit episode quarantines operations that never reached Stripe",
-        STATEMENTS,
-        "        attempt_base = o.attempt_base + CASE WHEN i.unspent THEN 1 ELSE 0 END,\n",
+        DISPATCH_SQL,
+        "            attempt_base = o.attempt_base + CASE WHEN i.unspent THEN 1 ELSE 0 END,\n",
         "",
         "tests/integration/test_stripe_not_acted.py",
     ),
@@ -362,8 +365,9 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "first-version-forgotten",
         "the API version of an operation's first send is not kept for its retries",
-        STATEMENTS,
-        "        api_version = coalesce(o.api_version, CASE WHEN i.sent THEN i.api_version END),\n",
+        DISPATCH_SQL,
+        "            api_version = coalesce(o.api_version, CASE WHEN i.sent THEN i.api_version "
+        "END),\n",
         "",
         "tests/integration/test_stripe_version.py",
     ),
@@ -556,36 +560,38 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "stage-before-due",
         "a scheduled operation is claimed before it is due",
-        STATEMENTS,
-        "    WHERE o.scheduled AND o.available_at <= now()\n",
-        "    WHERE o.scheduled\n",
+        DISPATCH_SQL,
+        "        WHERE o.scheduled AND o.available_at <= now()\n",
+        "        WHERE o.scheduled\n",
         "tests/integration/test_scheduled_claims.py",
     ),
     _one(
         "claim-before-due",
         "the fair claim takes a row that is not due, if it is not marked scheduled",
-        STATEMENTS,
+        DISPATCH_SQL,
         # The share of a group whose first row is due. (The filter of `ready` only keeps groups
         # with nothing due from taking shares: removing it costs fairness, not correctness.)
-        "          AND o.available_at <= now()\n        ORDER BY o.available_at, o.id\n"
-        "        LIMIT r.share\n",
-        "        ORDER BY o.available_at, o.id\n        LIMIT r.share\n",
+        "              AND o.available_at <= now()\n"
+        "            ORDER BY o.available_at, o.id\n"
+        "            LIMIT r.share\n",
+        "            ORDER BY o.available_at, o.id\n            LIMIT r.share\n",
         "tests/integration/test_scheduled_claims.py",
     ),
     _one(
         "claim-one-group-before-due",
         "the one-group claim takes a row that is not due",
-        STATEMENTS,
-        "          AND o.available_at <= now()\n        ORDER BY o.available_at, o.id\n"
-        "        LIMIT greatest(least(%(limit)s, lone.cap), 0)",
-        "        ORDER BY o.available_at, o.id\n"
-        "        LIMIT greatest(least(%(limit)s, lone.cap), 0)",
+        DISPATCH_SQL,
+        "              AND o.available_at <= now()\n"
+        "            ORDER BY o.available_at, o.id\n"
+        "            LIMIT greatest(least(p_limit, lone.cap), 0)",
+        "            ORDER BY o.available_at, o.id\n"
+        "            LIMIT greatest(least(p_limit, lone.cap), 0)",
         "tests/integration/test_scheduled_claims.py",
     ),
     _one(
         "claim-room-over-cap",
         "a claim takes more rows of a provider than its cap allows",
-        STATEMENTS,
+        DISPATCH_SQL,
         "(sum(count(*)) OVER (PARTITION BY provider))::integer AS provider_k",
         "sum(count(*)) OVER (PARTITION BY provider) AS provider_k",
         "tests/integration/test_scheduled_claims.py::"
@@ -594,7 +600,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "claim-leaves-spare-room",
         "a claim comes back short with due rows left, and sleeps",
-        STATEMENTS,
+        DISPATCH_SQL,
         "SELECT id FROM first UNION SELECT id FROM more UNION SELECT id FROM rest",
         "SELECT id FROM first UNION SELECT id FROM more",
         "tests/integration/test_scheduled_claims.py::"
@@ -672,9 +678,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "probe-picks-failed-row",
         "a half-open breaker's probe is an operation that just failed, so a payload that fails "
         "alone is every probe and the provider stays shut",
-        STATEMENTS,
-        "        ORDER BY near.failed, CASE",
-        "        ORDER BY NOT near.failed, CASE",
+        DISPATCH_SQL,
+        "            ORDER BY near.failed, CASE",
+        "            ORDER BY NOT near.failed, CASE",
         ISOLATION_TESTS + "::test_the_probe_is_an_operation_that_has_not_failed",
         ISOLATION_TESTS + "::test_probes_go_round_the_tenants_and_take_failed_operations_last",
     ),
@@ -682,9 +688,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "probe-oldest-first",
         "a half-open breaker's probe is taken from the oldest rows, where the burst of bad "
         "payloads that opened it is: the good rows behind never get through",
-        STATEMENTS,
-        "                 near.newest DESC, near.handed_back DESC, near.n, random()",
-        "                 near.newest, near.handed_back DESC, near.n, random()",
+        DISPATCH_SQL,
+        "                     near.newest DESC, near.handed_back DESC, near.n, random()",
+        "                     near.newest, near.handed_back DESC, near.n, random()",
         ISOLATION_TESTS + "::test_healthy_rows_queued_behind_a_burst_of_bad_ones_are_delivered",
     ),
     _one(
@@ -874,9 +880,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "rescue-exhausted-quarantined",
         "the rescuer quarantines an operation whose last attempt's lease expired: in doubt, it "
         "belongs in reconciliation",
-        STATEMENTS,
-        "                      THEN 'reconciling' ELSE 'pending' END,",
-        "                      THEN 'quarantined' ELSE 'pending' END,",
+        DISPATCH_SQL,
+        "                          THEN 'reconciling' ELSE 'pending' END,",
+        "                          THEN 'quarantined' ELSE 'pending' END,",
         "tests/integration/test_one_cause.py::"
         "test_a_lease_that_expires_on_the_last_attempt_goes_to_reconciliation",
     ),
@@ -1052,5 +1058,33 @@ MUTANTS: tuple[Mutant, ...] = (
         "            if will_not_change(exc):\n",
         "            if False:\n",
         STARTUP_TESTS + "::test_a_refusal_that_waiting_will_not_change_ends_the_run_at_once",
+    ),
+    # --- the dispatcher's credential cannot rewrite history (issue 38, item 1; sql/0040) ------
+    _one(
+        "dispatcher-inserts-attempts",
+        "the dispatcher's credential invents attempts outside a record under its lease",
+        "sql/roles.sql",
+        "GRANT SELECT ON outbox.attempts TO outbox_dispatcher;",
+        "GRANT SELECT, INSERT ON outbox.attempts TO outbox_dispatcher;",
+        ROLES_TESTS + "::test_the_dispatchers_credential_cannot_rewrite_history",
+    ),
+    _one(
+        "dispatcher-records-any-status",
+        "a record gives a status that is not the dispatcher's to give (cancelled, in_flight)",
+        DISPATCH_SQL,
+        "                     WHEN i.status IS NULL\n"
+        "                          OR i.status NOT IN ('pending', 'succeeded', 'quarantined', "
+        "'reconciling')\n",
+        "                     WHEN false\n",
+        ROLES_TESTS + "::test_the_dispatchers_credential_cannot_rewrite_history",
+    ),
+    _one(
+        "dispatcher-throttles-for-ever",
+        "a provider's bucket is pushed into debt for a thousand years",
+        DISPATCH_SQL,
+        "           outbox.check_between('pause', throttle_bucket.pause, interval '0', "
+        "interval '1 day');\n",
+        "           NULL;\n",
+        ROLES_TESTS + "::test_the_dispatchers_credential_cannot_rewrite_history",
     ),
 )

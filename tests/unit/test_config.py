@@ -1496,3 +1496,18 @@ def test_redaction_keeps_the_names_of_a_secret_table() -> None:
         "api_token": "***",
         "n": [1, 2],
     }
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "bound"),
+    [
+        ("lease", "2d", "24h"),
+        ("backoff_max", "367d", "8784h"),
+        ("max_attempts", 1001, "1,000"),
+    ],
+)
+def test_the_dispatchers_bounds_are_the_databases(key: str, value: object, bound: str) -> None:
+    """sql/0040 refuses a lease past a day, a retry past 366 days and a rescue's budget past
+    1,000 attempts: a config past them fails at start-up, not at every claim or record."""
+    error = config_error({"dispatcher": {key: value}})
+    assert str(error).startswith(f"dispatcher.{key} (in <config>) must be at most {bound}, not")
