@@ -13,6 +13,7 @@ Pure: imports nothing from the database or provider layers.
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 from collections.abc import Iterator, Mapping
@@ -36,25 +37,23 @@ class InvalidPayload(ValueError):
 
 def carried(text: str) -> Mapping[str, Any]:
     """The payload of ``text`` (PostgreSQL's JSON text) as the dispatcher hands it to a
-    provider: a mapping decoded on first use, since a webhook sends the text itself and never
-    looks; or InvalidPayload now, with decode()'s reasons.
+    provider: a mapping decoded on first use, since a webhook or a queue sends the text itself and
+    never looks; or InvalidPayload now, with the reason decode() would give.
 
-    What PostgreSQL writes is valid JSON, so three looks at the text decide what decode() would:
-    an object starts with "{"; a number of 1e100 or more is a run of more than 100 digits;
-    nesting past MAX_DEPTH takes more brackets than that. Only a text that fails a look is
-    decoded now, for the verdict.
+    The verdict is read from the text (_problem), never by building the object: a payload dense
+    with brackets costs a provider that sends the text a pass of a regular expression, not the
+    decoding's allocations (bench/payload_decode.py has both).
     """
-    if (
-        not text.startswith("{")
-        or _LONG_RUN.search(text)
-        or text.count("[") + text.count("{") > MAX_DEPTH
-    ):
-        return decode(text)
+    problem = _problem(text)
+    if problem is not None:
+        raise InvalidPayload(problem)
     return Decoded(text)
 
 
 class Decoded(Mapping[str, Any]):
-    """A payload object decoded (by decode()) the first time it is read."""
+    """A payload object decoded the first time it is read, and kept until release(). Made by
+    carried(), whose verdict stands: the text is an object within the limits, so decoding it
+    needs none of decode()'s checks again."""
 
     __slots__ = ("_text", "_value")
 
@@ -62,9 +61,15 @@ class Decoded(Mapping[str, Any]):
         self._text = text
         self._value: dict[str, Any] | None = None
 
+    def release(self) -> None:
+        """Let the decoded object go; read again, it is decoded again. The dispatcher calls it
+        once the provider has built its request: a call in flight then holds its request, not a
+        decoded payload of up to ~13 MB (bench/payload_decode.py)."""
+        self._value = None
+
     def _object(self) -> dict[str, Any]:
         if self._value is None:
-            self._value = decode(self._text)
+            self._value = _scan(_EXACT, self._text)  # an object: carried's verdict
         return self._value
 
     def __getitem__(self, key: str) -> Any:
@@ -84,16 +89,20 @@ def decode(text: str) -> dict[str, Any]:
     """The payload object of ``text`` (PostgreSQL's JSON text), numbers exact.
 
     Raises InvalidPayload if it is not a JSON object, nests deeper than MAX_DEPTH, or holds a
-    number of more than MAX_NUMBER_DIGITS digits before its point. The message never quotes
-    the payload.
+    number of more than MAX_NUMBER_DIGITS digits before its point; of these, the first that
+    applies in that order (the number, the kind, the depth). The message never quotes the
+    payload.
     """
     # PostgreSQL writes every number out in full (1e5000 as 5,001 digits): only a text with a
     # run of that many digits can hold one too large, and only it pays for the checking decoder.
     decoder = _CHECKING if _LONG_RUN.search(text) else _EXACT
     try:
-        value = decoder.decode(text)
+        value = _scan(decoder, text)
     except RecursionError:
-        raise InvalidPayload(f"the payload nests deeper than {MAX_DEPTH} levels") from None
+        # Deeper than the scanner goes (some hundreds of levels, fewer the deeper the caller's
+        # stack): the text says what a shallower one would be refused for, the same anywhere.
+        problem = _problem(text.lstrip(_JSON_SPACE))
+        raise InvalidPayload(problem or _too_deep()) from None
     except InvalidPayload:
         raise
     except ValueError as exc:
@@ -101,10 +110,45 @@ def decode(text: str) -> dict[str, Any]:
         raise InvalidPayload(f"the payload is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
         raise InvalidPayload(f"the payload is a JSON {_kind(value)}, not an object")
-    # Nesting past MAX_DEPTH takes more brackets than that: the usual payload skips the walk.
-    if text.count("[") + text.count("{") > MAX_DEPTH and _depth_exceeds(value, MAX_DEPTH):
-        raise InvalidPayload(f"the payload nests deeper than {MAX_DEPTH} levels")
+    if _nests_deeper(text):
+        raise InvalidPayload(_too_deep())
     return value
+
+
+def _problem(text: str) -> str | None:
+    """Why decode() would refuse ``text``, PostgreSQL's JSON text, read from the text alone, or
+    None. What PostgreSQL writes is valid JSON with every number in full and no space before
+    its value, so its first character says its kind, a number of 1e100 or more is an integer part
+    of more than 100 digits, and its depth is that of its brackets, those in strings aside. A
+    usual payload (few brackets, no long run of digits) costs three looks and no pass at all.
+    """
+    if _LONG_RUN.search(text) and _LONG_INTEGER.search(_STRING.sub('""', text)):
+        return _too_large()
+    if not text.startswith("{"):
+        return f"the payload is a JSON {_KINDS.get(text[:1], 'number')}, not an object"
+    if _nests_deeper(text):
+        return _too_deep()
+    return None
+
+
+def _nests_deeper(text: str) -> bool:
+    """Whether the brackets of ``text``, valid JSON, nest deeper than MAX_DEPTH: a text with
+    fewer brackets cannot, any other is matched against _WITHIN_DEPTH, in one linear pass."""
+    return text.count("[") + text.count("{") > MAX_DEPTH and not _WITHIN_DEPTH.fullmatch(text)
+
+
+def _scan(decoder: json.JSONDecoder, text: str) -> Any:
+    """``decoder.decode(text)`` with the cyclic collector paused. A payload of 100,000 empty
+    arrays is 100,000 tracked containers made in one call, and the collector, left on, walks the
+    growing payload again and again: 20 of the 27 ms it took. A payload holds no cycles, so its
+    containers go by their counts, and the collector runs again with the next allocations."""
+    enabled = gc.isenabled()  # an application that turned it off keeps it off
+    gc.disable()
+    try:
+        return decoder.decode(text)
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _integer(text: str) -> int:
@@ -133,21 +177,39 @@ _CHECKING: Final = json.JSONDecoder(
 )
 _LONG_RUN: Final = re.compile(f"[0-9]{{{MAX_NUMBER_DIGITS + 1}}}")
 
+# The textual verdict's patterns, each linear in the text: possessive quantifiers never give
+# back what they took, so no input makes them backtrack.
+# A JSON string, escapes included (a \" does not end it).
+_STRING_PATTERN: Final = r'"[^"\\]*+(?:\\.[^"\\]*+)*+"'
+_STRING: Final = re.compile(_STRING_PATTERN)
+# An integer part of more than MAX_NUMBER_DIGITS digits, in a text with its strings emptied: a
+# run not after a digit or a point (a fraction's digits make no number large).
+_LONG_INTEGER: Final = re.compile(f"(?<![0-9.])[0-9]{{{MAX_NUMBER_DIGITS + 1}}}")
+
+
+def _within(depth: int) -> re.Pattern[str]:
+    """A pattern whose full match is a text that nests at most ``depth`` brackets deep, strings
+    skipped whole: one nested group per level. Types are not paired ("[" with "}"): the texts
+    it reads are valid JSON, where they always pair."""
+    flat = r'[^"\[\]{}]++|' + _STRING_PATTERN
+    content = f"(?:{flat})*+"
+    for _ in range(depth):
+        content = rf"(?:{flat}|[\[{{]{content}[\]}}])*+"
+    return re.compile(content)
+
+
+_WITHIN_DEPTH: Final = _within(MAX_DEPTH)
+# A value's kind by its first character, as PostgreSQL writes it (anything else: a number).
+_KINDS: Final = {"[": "array", '"': "string", "n": "null", "t": "boolean", "f": "boolean"}
+_JSON_SPACE: Final = " \t\n\r"
+
 
 def _too_large() -> str:
     return f"the payload holds a number of 1e{MAX_NUMBER_DIGITS} or more in magnitude"
 
 
-def _depth_exceeds(value: Any, limit: int) -> bool:
-    """Whether containers nest deeper than ``limit``; iterative, so depth costs no stack."""
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        item, level = stack.pop()
-        if level > limit:
-            return True
-        children = item.values() if isinstance(item, dict) else item
-        stack.extend((c, level + 1) for c in children if isinstance(c, dict | list))
-    return False
+def _too_deep() -> str:
+    return f"the payload nests deeper than {MAX_DEPTH} levels"
 
 
 def _kind(value: object) -> str:
