@@ -52,6 +52,7 @@ AMQP_TESTS = "tests/integration/test_queue_amqp.py"
 SQS_TESTS = "tests/integration/test_queue_sqs.py"
 TASKS_TESTS = "tests/integration/test_queue_cloudtasks.py"
 STARTUP_TESTS = "tests/integration/test_run_startup.py"
+CARRIED = "tests/integration/test_carried_payloads.py::"
 ROLES_TESTS = "tests/integration/test_roles.py"
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -488,6 +489,45 @@ MUTANTS: tuple[Mutant, ...] = (
         "    IF false\n",
         "tests/integration/test_bad_input.py::"
         "test_a_payload_of_more_values_than_the_limit_is_refused_naming_both",
+    ),
+    # --- a provider that sends the stored text never builds the object (issue 38, item 2) -----
+    _one(
+        "carried-decodes",
+        "a provider that sends the stored text has the payload object built all the same: a "
+        "payload dense with brackets costs the webhook 0.1 s of the event loop and 6 to 19 MB",
+        "outbox/payloads.py",
+        "        raise InvalidPayload(problem)\n    return Decoded(text)\n",
+        "        raise InvalidPayload(problem)\n    return decode(text)\n",
+        CARRIED + "test_the_webhook_sends_dense_payloads_at_the_limits_without_building_them",
+        CARRIED + "test_the_verdict_on_a_dense_text_builds_nothing",
+    ),
+    _one(
+        "verdict-counts-digits-in-strings",
+        "a payload with a long run of digits in a string (an account number, a token) is "
+        "quarantined as holding a number of 1e100 or more",
+        "outbox/payloads.py",
+        "_LONG_INTEGER.search(_STRING.sub('\"\"', text))",
+        "_LONG_INTEGER.search(text)",
+        CARRIED + "test_the_verdict_from_the_text_is_decodes_on_every_text_postgresql_writes",
+    ),
+    _one(
+        "payload-held-in-flight",
+        "every call in flight holds its decoded payload until it ends: 300 calls of dense "
+        "payloads hold 300 objects of up to 13 MB",
+        PIPELINE,
+        "            loop.call_soon(payload.release)\n",
+        "            pass\n",
+        CARRIED + "test_a_call_in_flight_holds_no_decoded_payload",
+    ),
+    _one(
+        "payload-work-one-turn",
+        "the payload work of a claim's rows runs in one turn of the event loop: no socket is read "
+        "for seconds, and answered calls are cut off as unknown",
+        PIPELINE,
+        "            if not self._turns.take(cost):\n"
+        "                await self._turns.wait(cost)\n",
+        "",
+        CARRIED + "test_the_rows_of_a_claim_do_their_payload_work_a_turn_apart",
     ),
     _one(
         "table-cells-unescaped",
