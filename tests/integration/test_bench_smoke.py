@@ -77,3 +77,13 @@ def test_a_queue_bench_runs_its_three_phases(pg_server: str, queue: str) -> None
     out = run_bench(pg_server, f"queue_{queue}.py", "--count", "200", "--runs", "1")
     assert f"outbox run, {queue} provider" in out
     assert "| ratio outbox / bare loop |" in out
+
+
+def test_the_payload_bench_enqueues_its_payloads_through_the_door_and_works_them(
+    pg_server: str,
+) -> None:
+    """bench/payload_decode.py --quick: its payloads are still within the door's limits (each
+    enqueue would raise), and the pipeline's turns it measures are still there."""
+    out = run_bench(pg_server, "payload_decode.py", "--quick")
+    assert "### One payload: CPU time, median of 3; peak memory allocated" in out
+    assert "| verdict + read (Stripe), in turns" in out
