@@ -1,5 +1,5 @@
 -- sql/schema.sql: the outbox schema as the migrations of sql/ leave it
--- (every migration up to 0040_the_dispatcher_writes_through_functions).
+-- (every migration up to 0041_derived_keys_hold_a_secret).
 --
 -- GENERATED FILE: DO NOT EDIT IT BY HAND. It is regenerated, after adding a migration, by
 --     python -m outbox.db.schema_dump --dsn postgresql://postgres@127.0.0.1:5432/postgres --output sql/schema.sql
@@ -114,6 +114,23 @@ CREATE TABLE outbox.enqueue_allowances (
 );
 
 COMMENT ON TABLE outbox.enqueue_allowances IS 'What each tenant may enqueue: tenant_pattern the tenant id exactly, * any run of characters (sql/0035); provider; action exactly or *. Empty: everything.';
+
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- table outbox.installation
+-- history: created by 0041_derived_keys_hold_a_secret
+
+CREATE TABLE outbox.installation (
+    singleton  boolean DEFAULT true NOT NULL,
+    key_secret bytea NOT NULL,
+    created_at timestamp with time zone DEFAULT now() NOT NULL,
+    CONSTRAINT installation_pkey PRIMARY KEY (singleton),
+    CONSTRAINT installation_key_secret_length CHECK ((octet_length(key_secret) >= 16)),
+    CONSTRAINT installation_one_row CHECK (singleton)
+);
+
+COMMENT ON TABLE outbox.installation IS 'This database''s secret, mixed into derived idempotency keys (sql/0041). The schema owner''s alone; never granted.';
 
 -- privileges: the owner's only
 
@@ -1119,16 +1136,19 @@ COMMENT ON FUNCTION outbox.defer_check(bigint,interval,interval,integer,integer)
 
 -- =================================================================================================
 -- function outbox.derive_idempotency_key(text,text,text)
--- history: created by 0004_enqueue; changed by 0011_security_definer
+-- history: created by 0004_enqueue; changed by 0011_security_definer,
+--     0041_derived_keys_hold_a_secret
 
 CREATE OR REPLACE FUNCTION outbox.derive_idempotency_key(tenant_id text, operation_type text, operation_key text)
  RETURNS text
  LANGUAGE sql
- IMMUTABLE PARALLEL SAFE STRICT
+ STABLE STRICT
  SET search_path TO 'pg_catalog', 'pg_temp'
 AS $function$
-    SELECT 'ob1_' || encode(sha256(convert_to(
-        jsonb_build_array(tenant_id, operation_type, operation_key)::text, 'UTF8')), 'hex')
+    SELECT 'ob2_' || encode(sha256(i.key_secret || sha256(i.key_secret || convert_to(
+               jsonb_build_array(tenant_id, operation_type, operation_key)::text, 'UTF8'))),
+               'hex')
+    FROM outbox.installation i
 $function$;
 -- privileges: the owner's only
 
@@ -1137,7 +1157,8 @@ $function$;
 -- history: created by 0015_ordering_keys; changed by 0017_cheaper_enqueue,
 --     0019_limits_schedule_and_key_locks, 0024_keys_name_one_operation, 0026_enqueue_allow_lists,
 --     0028_identities_refuse_format_characters, 0036_identities_refuse_spaces_at_their_ends,
---     0037_payloads_bounded_in_values, 0038_bindings_end_with_their_transaction
+--     0037_payloads_bounded_in_values, 0038_bindings_end_with_their_transaction,
+--     0041_derived_keys_hold_a_secret
 
 CREATE OR REPLACE FUNCTION outbox.enqueue(tenant_id text, operation_type text, operation_key text, provider text, action text, payload jsonb, correlation_id text DEFAULT NULL::text, idempotency_key text DEFAULT NULL::text, available_at timestamp with time zone DEFAULT NULL::timestamp with time zone, max_attempts integer DEFAULT NULL::integer, traceparent text DEFAULT NULL::text, ordering_key text DEFAULT NULL::text)
  RETURNS TABLE(operation_id bigint, outcome text)
@@ -1158,6 +1179,7 @@ DECLARE
     v_existing     bytea;
     v_isolated     boolean;
     v_key          text;
+    v_secret       bytea;
     v_holder       outbox.operations;
 BEGIN
     -- The tenant check (require_tenant, 0011), as in 0017: skipped for the tenant this
@@ -1273,19 +1295,33 @@ BEGIN
         RAISE EXCEPTION 'idempotency_key must be 1 to 255 visible ASCII characters without spaces'
             USING ERRCODE = 'OB002', COLUMN = 'idempotency_key';
     END IF;
-    -- outbox's own keys: derived ones (ob1_ and a hash anyone can compute of an identity), and
-    -- the later generations of any key (:r2...). A caller taking one would occupy the key of
-    -- an operation not enqueued yet, or of a reconcile retry. In any case (0036): a provider
-    -- that compares keys without regard to case takes OB1_... for ob1_....
-    IF idempotency_key ILIKE 'ob1\_%' OR idempotency_key ~* ':r[0-9]+$' THEN
-        RAISE EXCEPTION 'idempotency_key may not begin with ob1_ or end with :r and a number, '
+    -- outbox's own keys: derived ones (ob1_ and a hash anyone can compute of an identity,
+    -- before 0041; ob2_ since, and any ob<N>_ to come), and the later generations of any key
+    -- (:r2...). A caller taking one would occupy the key of an operation not enqueued yet, or
+    -- of a reconcile retry. In any case (0036): a provider that compares keys without regard
+    -- to case takes OB1_... for ob1_....
+    IF idempotency_key ~* '^ob[0-9]+_' OR idempotency_key ~* ':r[0-9]+$' THEN
+        RAISE EXCEPTION 'idempotency_key may not begin with ob<digits>_ (ob1_, ob2_) or end '
+                        'with :r and a number, '
                         'in any case: outbox keeps those forms for the keys it makes'
             USING ERRCODE = 'OB002', COLUMN = 'idempotency_key';
     END IF;
-    v_key := coalesce(idempotency_key,
-                      'ob1_' || encode(sha256(convert_to(
-                          jsonb_build_array(tenant_id, operation_type, operation_key)::text,
-                          'UTF8')), 'hex'));
+    -- The derived key mixes in this installation's secret (0041): no one who knows only the
+    -- identity can compute it, and two databases never derive the same key.
+    IF idempotency_key IS NULL THEN
+        SELECT i.key_secret INTO v_secret FROM outbox.installation i;
+        IF v_secret IS NULL THEN
+            RAISE EXCEPTION 'outbox.installation has no key secret'
+                USING ERRCODE = '55000',
+                      HINT = 'the schema owner restores its row from a backup of this database '
+                             '(docs/operations.md, "Derived keys")';
+        END IF;
+        v_key := 'ob2_' || encode(sha256(v_secret || sha256(v_secret || convert_to(
+                     jsonb_build_array(tenant_id, operation_type, operation_key)::text,
+                     'UTF8'))), 'hex');
+    ELSE
+        v_key := idempotency_key;
+    END IF;
     IF max_attempts IS NOT NULL AND max_attempts < 1 THEN
         RAISE EXCEPTION 'max_attempts must be at least 1, not %', max_attempts
             USING ERRCODE = 'OB002', COLUMN = 'max_attempts';

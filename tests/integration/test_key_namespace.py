@@ -3,7 +3,10 @@
 A producer of tenant A could enqueue an operation carrying the derived key of tenant B's future
 operation, or the same caller key as B: the provider then refused B's request (422, Stripe's
 idempotency_error) or replayed A's answer to it. Keys are now unique per provider across every
-tenant, refused at enqueue; the forms outbox makes (ob1_..., ...:rN) are its own.
+tenant, refused at enqueue; the forms outbox makes (ob1_..., ob2_..., ...:rN) are its own.
+
+Since sql/0041 a derived key mixes in a secret of the database (issue 38, 3i): no one who knows
+only an identity can compute its key, and two databases derive different keys.
 """
 
 from __future__ import annotations
@@ -41,16 +44,24 @@ def enqueue(
     )
 
 
-def derived_key(tenant: str, operation_type: str, key: str) -> str:
-    """What enqueue derives: ob1_ and the SHA-256 of PostgreSQL's JSON text of the identity."""
-    text = json.dumps([tenant, operation_type, key], ensure_ascii=False).replace('", "', '", "')
-    return "ob1_" + hashlib.sha256(text.encode()).hexdigest()
+def installation_secret(url: str) -> bytes:
+    """The database's key secret (sql/0041), read as the schema owner."""
+    ((secret,),) = rows(url, "SELECT key_secret FROM outbox.installation")
+    return bytes(secret)
+
+
+def derived_key(secret: bytes, tenant: str, operation_type: str, key: str) -> str:
+    """What enqueue derives: ob2_ and SHA-256(secret || SHA-256(secret || identity)), the
+    identity as PostgreSQL's JSON text of [tenant, type, key]."""
+    text = json.dumps([tenant, operation_type, key], ensure_ascii=False).encode()
+    inner = hashlib.sha256(secret + text).digest()
+    return "ob2_" + hashlib.sha256(secret + inner).hexdigest()
 
 
 def test_nobody_can_occupy_another_tenants_derived_key_in_advance(db_url: str) -> None:
-    victim = derived_key("zz-victim", "order.ship", "ord-7")
+    victim = derived_key(installation_secret(db_url), "zz-victim", "order.ship", "ord-7")
     with psycopg.connect(db_url) as conn:
-        with pytest.raises(outbox.InvalidOperation, match="ob1_") as refused:
+        with pytest.raises(outbox.InvalidOperation, match="ob<digits>_") as refused:
             enqueue(conn, "attacker", "mine", idempotency_key=victim)
         assert refused.value.field == "idempotency_key"
         conn.rollback()
@@ -62,7 +73,9 @@ def test_nobody_can_occupy_another_tenants_derived_key_in_advance(db_url: str) -
     ]  # derived as the test computed it: the attack was real
 
 
-@pytest.mark.parametrize("key", ["order-1:r2", "x:r10", "ob1_anything"])
+@pytest.mark.parametrize(
+    "key", ["order-1:r2", "x:r10", "ob1_anything", "ob2_anything", "OB2_x", "Ob9_x", "ob10_x"]
+)
 def test_the_forms_outbox_makes_are_refused_as_caller_keys(db_url: str, key: str) -> None:
     with psycopg.connect(db_url) as conn, pytest.raises(outbox.InvalidOperation):
         enqueue(conn, "acme", "k", idempotency_key=key)
@@ -104,6 +117,7 @@ def test_randomized_producers_never_share_a_providers_key(db_url: str, seed: int
     providers. Every (provider, key) ends with exactly one operation, the first to take it, and
     every refusal is a conflict or an invalid key, never a quarantine later."""
     rng = random.Random(seed)
+    secret = installation_secret(db_url)
     taken: dict[tuple[str, str], tuple[str, str]] = {}  # (provider, key) -> identity
     providers: dict[tuple[str, str], str] = {}  # identity -> its provider
     counts = {"accepted": 0, "duplicate": 0, "conflict": 0}
@@ -112,7 +126,7 @@ def test_randomized_producers_never_share_a_providers_key(db_url: str, seed: int
             tenant, key = rng.choice(["a", "b", "c"]), f"ord-{rng.randint(1, 20)}"
             provider = rng.choice(["hook", "stripe"])
             given = None if rng.random() < 0.3 else f"k-{rng.randint(1, 15)}"
-            sent = given or derived_key(tenant, "order.ship", key)
+            sent = given or derived_key(secret, tenant, "order.ship", key)
             try:
                 result = enqueue(conn, tenant, key, idempotency_key=given, provider=provider)
                 conn.commit()
@@ -153,3 +167,34 @@ def test_operations_that_already_share_a_key_are_kept_and_the_oldest_holds_it(
     ) == [("a", False), ("b", True)]
     with psycopg.connect(empty_db_url) as conn, pytest.raises(outbox.OperationConflict):
         enqueue(conn, "c", "ord-1", idempotency_key="order-1")
+
+
+def test_two_databases_derive_different_keys_and_old_rows_keep_theirs(
+    db_url: str, empty_db_url: str
+) -> None:
+    """A database migrated before 0041 holds ob1_ keys, kept as they are when 0041 comes; from
+    then on each database derives with its own secret, which neither the identity nor the other
+    database's keys give away."""
+    with psycopg.connect(empty_db_url, autocommit=True) as conn:
+        migrations.migrate(conn, target=40)
+    with psycopg.connect(empty_db_url) as conn:
+        enqueue(conn, "acme", "before")
+        conn.commit()
+    ((old_key,),) = rows(empty_db_url, "SELECT idempotency_key FROM outbox.operations")
+    plain = json.dumps(["acme", "order.ship", "before"]).encode()
+    assert old_key == "ob1_" + hashlib.sha256(plain).hexdigest()
+    with psycopg.connect(empty_db_url, autocommit=True) as conn:
+        migrations.migrate(conn)
+    keys = {}
+    for url in (db_url, empty_db_url):
+        with psycopg.connect(url) as conn:
+            enqueue(conn, "acme", "before")  # a duplicate: the stored key stands
+            enqueue(conn, "acme", "after")
+            conn.commit()
+        keys[url] = dict(rows(url, "SELECT operation_key, idempotency_key FROM outbox.operations"))
+        secret = installation_secret(url)
+        assert keys[url]["after"] == derived_key(secret, "acme", "order.ship", "after")
+    assert keys[empty_db_url]["before"] == old_key
+    assert keys[db_url]["after"] != keys[empty_db_url]["after"]
+    assert installation_secret(db_url) != installation_secret(empty_db_url)
+    assert len(installation_secret(db_url)) == 32

@@ -44,7 +44,7 @@ RECORDER = "outbox/dispatch/recorder.py"
 POLICY = "outbox/policy.py"
 ISOLATION_TESTS = "tests/integration/test_provider_isolation.py"
 # The newest definitions of outbox.enqueue and of outbox.check_text.
-ENQUEUE = "sql/0038_bindings_end_with_their_transaction.sql"
+ENQUEUE = "sql/0041_derived_keys_hold_a_secret.sql"
 CHECK_TEXT = "sql/0028_identities_refuse_format_characters.sql"
 # The queue providers' tests against the real brokers (and moto, the Cloud Tasks emulator).
 NATS_TESTS = "tests/integration/test_queue_nats.py"
@@ -441,9 +441,26 @@ MUTANTS: tuple[Mutant, ...] = (
         "caller-takes-derived-key",
         "a producer occupies the derived key of another tenant's operation before it exists",
         ENQUEUE,
-        "    IF idempotency_key ILIKE 'ob1\\_%' OR idempotency_key ~* ':r[0-9]+$' THEN\n",
+        "    IF idempotency_key ~* '^ob[0-9]+_' OR idempotency_key ~* ':r[0-9]+$' THEN\n",
         "    IF false THEN\n",
         "tests/integration/test_key_namespace.py",
+    ),
+    _one(
+        "derived-key-without-secret",
+        "a derived key is computed from the public identity alone (issue 38, 3i): whoever may "
+        "publish beside outbox takes an operation's key first, and two databases collide",
+        ENQUEUE,
+        "        v_key := 'ob2_' || encode(sha256(v_secret || sha256(v_secret || convert_to(\n",
+        "        v_key := 'ob2_' || encode(sha256(sha256(convert_to(\n",
+        "tests/integration/test_key_namespace.py",
+    ),
+    _one(
+        "caller-takes-new-derived-form",
+        "a producer takes a key of the ob2_ form outbox derives since sql/0041",
+        ENQUEUE,
+        "    IF idempotency_key ~* '^ob[0-9]+_' OR",
+        "    IF idempotency_key ~* '^ob1_' OR",
+        "tests/integration/test_key_namespace.py::test_the_forms_outbox_makes_are_refused_as_caller_keys",
     ),
     _one(
         "key-collision-reveals-tenant",

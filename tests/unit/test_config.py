@@ -1149,7 +1149,7 @@ def test_the_pgbouncer_guide_s_settings_load() -> None:
     environ = dict(re.findall(r"^(OUTBOX_\w+)=(\S+)$", env_file.group(0), re.MULTILINE))
     database = load({}, **environ).database
     assert database.transaction_pooling
-    assert database.listen_url == "postgresql://outbox_dispatcher@db-primary:5432/app"
+    assert database.listen_url == "postgresql://outbox_run@db-primary:5432/app"
     tables = re.findall(r"```toml\n(.*?)```", guide, re.DOTALL)
     assert len(tables) == 2
     for table in tables:
