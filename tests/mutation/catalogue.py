@@ -117,7 +117,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "defer-fence",
         "a reconciler's late deferral postpones the check of a newer episode",
-        "sql/0020_fenced_defer_check.sql",
+        DISPATCH_SQL,
         "          AND o.key_generation = defer_check.expected_generation\n"
         "          AND o.attempts = defer_check.expected_attempts\n",
         "",
@@ -275,7 +275,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "claim-checks-window-from-current-generation",
         "after reconcile retry, the daemon's check searches only from the new generation's send",
-        "sql/0023_lookups_say_what_they_searched.sql",
+        DISPATCH_SQL,
         "              least(coalesce(o.first_sent_at, o.created_at),\n"
         "                    (SELECT min(a.started_at) FROM outbox.attempts a\n"
         "                     WHERE a.operation_id = o.id AND a.sent)),",
@@ -309,7 +309,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "check-window-never-grows",
         "a re-check searches the same window as the first check, however late Stripe dated it",
-        "sql/0023_lookups_say_what_they_searched.sql",
+        DISPATCH_SQL,
         "                       CASE WHEN due.checked_before IS NOT NULL\n"
         "                            THEN least(due.checked_before, now()) END),",
         "                       NULL),",
