@@ -13,6 +13,7 @@ that it ran, and format() tries to make its creator superuser.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 from collections.abc import Mapping
 from datetime import timedelta
@@ -20,6 +21,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg import sql
 
 import outbox
 from outbox import gauges
@@ -44,7 +46,9 @@ CREATE FUNCTION public.format(text, text, text) RETURNS text LANGUAGE plpgsql AS
 BEGIN
     INSERT INTO public.hijacks VALUES ('format');
     BEGIN
-        EXECUTE 'ALTER ROLE outbox_test_planter SUPERUSER';  -- works when a superuser is the caller
+        -- Makes its creator superuser, when a superuser is the caller.
+        EXECUTE 'ALTER ROLE ' || quote_ident((SELECT pg_get_userbyid(proowner) FROM pg_proc
+            WHERE oid = 'public.format(text, text, text)'::regprocedure)) || ' SUPERUSER';
     EXCEPTION WHEN insufficient_privilege THEN NULL;
     END;
     RETURN pg_catalog.format($1, $2, $3);
@@ -78,16 +82,23 @@ BEGIN INSERT INTO public.hijacks VALUES ('current_setting');
 
 
 @pytest.fixture
-def planted(empty_db_url: str, pg_server: str) -> str:
+def planter(request: pytest.FixtureRequest) -> str:
+    """A planter of this test's own: the control below makes its planter superuser, which
+    another test running at the same time (xdist) must not see happen to its own."""
+    return f"{PLANTER}_{hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:8]}"
+
+
+@pytest.fixture
+def planted(empty_db_url: str, pg_server: str, planter: str) -> str:
     """An empty database whose public schema holds the planter's functions."""
     with cluster_lock(pg_server), psycopg.connect(empty_db_url, autocommit=True) as conn:
         conn.execute(
             f"DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = "
-            f"'{PLANTER}') THEN CREATE ROLE {PLANTER} LOGIN; END IF; END $$"
+            f"'{planter}') THEN CREATE ROLE {planter} LOGIN; END IF; END $$"
         )
-        conn.execute(f"ALTER ROLE {PLANTER} NOSUPERUSER")
-        conn.execute(f"GRANT CREATE ON SCHEMA public TO {PLANTER}")
-    with psycopg.connect(as_role(empty_db_url, PLANTER), autocommit=True) as conn:
+        conn.execute(f"ALTER ROLE {planter} NOSUPERUSER")
+        conn.execute(f"GRANT CREATE ON SCHEMA public TO {planter}")
+    with psycopg.connect(as_role(empty_db_url, planter), autocommit=True) as conn:
         conn.execute(PLANT)
     return empty_db_url
 
@@ -96,16 +107,23 @@ def hijacks(url: str) -> list[str]:
     return [what for (what,) in rows(url, "SELECT what FROM public.hijacks")]
 
 
-def test_a_session_that_does_not_pin_its_path_is_taken_over(planted: str) -> None:
-    """The control: without the pin, the planted format() runs as the caller."""
-    with psycopg.connect(planted, autocommit=True) as conn:
-        conn.execute("SELECT format('%s-%s', 'a', 'b')")
-        conn.execute("SELECT 'attempt ' || 7")
-    assert hijacks(planted) == ["format", "operator ||"]
+def test_a_session_that_does_not_pin_its_path_is_taken_over(planted: str, planter: str) -> None:
+    """The control: without the pin, the planted format() runs as the caller, a superuser here,
+    and makes its creator one."""
+    superuser = "SELECT rolsuper FROM pg_roles WHERE rolname = %s"
+    try:
+        with psycopg.connect(planted, autocommit=True) as conn:
+            conn.execute("SELECT format('%s-%s', 'a', 'b')")
+            conn.execute("SELECT 'attempt ' || 7")
+        assert hijacks(planted) == ["format", "operator ||"]
+        assert rows(planted, superuser, (planter,)) == [(True,)]
+    finally:
+        with psycopg.connect(planted, autocommit=True) as conn:
+            conn.execute(sql.SQL("ALTER ROLE {} NOSUPERUSER").format(sql.Identifier(planter)))
 
 
 def test_migrate_with_the_roles_dispatch_and_the_cli_never_run_a_planted_function(
-    planted: str, pg_server: str
+    planted: str, pg_server: str, planter: str
 ) -> None:
     with cluster_lock(pg_server), psycopg.connect(planted, autocommit=True) as conn:
         migrations.migrate(conn, with_roles=True, tenant_rls=True)
@@ -153,7 +171,7 @@ def test_migrate_with_the_roles_dispatch_and_the_cli_never_run_a_planted_functio
         done = outbox_cli(env, *args)
         assert done.returncode == 0, (args, done.stderr)
     assert hijacks(planted) == []
-    assert rows(planted, "SELECT rolsuper FROM pg_roles WHERE rolname = %s", (PLANTER,)) == [
+    assert rows(planted, "SELECT rolsuper FROM pg_roles WHERE rolname = %s", (planter,)) == [
         (False,)
     ]
 
