@@ -27,7 +27,7 @@ import outbox
 from outbox import gauges
 from outbox.cli.common import connect as cli_connect
 from outbox.config import DispatcherSettings, ProviderLimits
-from outbox.db import connect, migrations
+from outbox.db import connect, migrations, statements
 from outbox.db.store import Store
 from outbox.dispatcher import Dispatcher
 from outbox.providers.base import SendRequest, SendResult, Succeeded
@@ -195,9 +195,10 @@ async def _dispatch(url: str) -> None:
     await pool.open()
     try:
         noop = NoopProvider("noop", timedelta(hours=24))
-        # A cap makes the claim unnest its caps: unnest(a, b) in FROM is two one-argument
-        # unnest calls, which public.unnest(text[]) would take over.
-        limits = {"noop": ProviderLimits(max_in_flight=8)}
+        # A cap and a rate: the claim unnests its caps (inside outbox.claim_fair, pinned since
+        # sql/0040) and the dispatcher takes tokens (TAKE_TOKENS), more of its statements run
+        # beside the planted functions.
+        limits = {"noop": ProviderLimits(max_in_flight=8, rate=10_000.0, burst=100)}
         d = Dispatcher(
             Store(pool),
             {"noop": noop, "verbose": Verbose()},
@@ -205,8 +206,17 @@ async def _dispatch(url: str) -> None:
             worker_id="search-path",
             limits=limits,
         )
-        assert await d.run_once() == 6
+        done = 0
+        async with asyncio.timeout(10):  # the bucket starts empty and fills at the rate
+            while done < 6:
+                done += await d.run_once()
+        assert done == 6
         await gauges.refresh(pool, {"noop": timedelta(hours=23)})
+        # Its hottest statements run inside pinned functions since sql/0040 and would survive an
+        # unpinned session; the next statement outbox adds at the top level might not.
+        async with pool.connection() as conn:
+            shown = await (await conn.execute(statements.SHOW_SEARCH_PATH)).fetchone()
+        assert shown == (statements.SEARCH_PATH,)
     finally:
         await pool.close()
 
