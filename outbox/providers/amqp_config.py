@@ -15,8 +15,8 @@ from typing import Any, Final
 
 from outbox.config import ConfigError, ProviderSettings, read_secret
 from outbox.providers import queue_kit
-from outbox.providers.http_config import reject_unknown
-from outbox.providers.http_spec import KeyForm, KeySpec
+from outbox.providers.http.config import reject_unknown
+from outbox.providers.http.spec import KeyForm, KeySpec
 from outbox.queue_settings import amqp as amqp_settings
 from outbox.settings_schema import file_keys
 

@@ -15,8 +15,9 @@ from datetime import timedelta
 from typing import Any, Final
 
 from outbox.config import ConfigError, ProviderSettings
-from outbox.providers import http_config, queue_kit
-from outbox.providers.http_spec import KeyForm, KeySpec
+from outbox.providers import queue_kit
+from outbox.providers.http import config as http_config
+from outbox.providers.http.spec import KeyForm, KeySpec
 from outbox.queue_settings.cloudtasks import OPTIONS
 from outbox.settings_schema import file_keys
 

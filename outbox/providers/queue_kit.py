@@ -20,8 +20,8 @@ from typing import Any, Final, TypeVar
 from outbox.config import ConfigError, ProviderSettings
 from outbox.durations import format_duration
 from outbox.providers.base import SendRequest
-from outbox.providers.http_spec import ANY_ACTION
-from outbox.providers.http_wire import header_safe
+from outbox.providers.http.spec import ANY_ACTION
+from outbox.providers.http.wire import header_safe
 
 T = TypeVar("T")
 

@@ -18,10 +18,16 @@ from outbox.config import (
     ProviderSettings,
     read_secret,
 )
-from outbox.providers import http_config
 from outbox.providers.base import Provider
-from outbox.providers.http import HttpProvider
-from outbox.providers.http_spec import ANY_ACTION
+from outbox.providers.http import config as http_config
+from outbox.providers.http.provider import HttpProvider
+from outbox.providers.http.spec import ANY_ACTION
+from outbox.providers.http.webhook import (
+    DEFAULT_REFERENCE_FIELD,
+    WebhookOptions,
+    WebhookProvider,
+    preset,
+)
 from outbox.providers.noop import NoopProvider
 from outbox.providers.shards import connection_cap
 from outbox.providers.stripe import (
@@ -29,12 +35,6 @@ from outbox.providers.stripe import (
     DEFAULT_STRIPE_VERSION,
     StripeOptions,
     StripeProvider,
-)
-from outbox.providers.webhook import (
-    DEFAULT_REFERENCE_FIELD,
-    WebhookOptions,
-    WebhookProvider,
-    preset,
 )
 from outbox.settings_schema import file_keys
 

@@ -15,9 +15,10 @@ from datetime import timedelta
 from typing import Any, Final
 
 from outbox.config import PROVIDER_OPTIONS, ConfigError, ProviderSettings
-from outbox.providers import http_config, queue_kit
+from outbox.providers import queue_kit
 from outbox.providers.base import InvalidRequest, SendRequest
-from outbox.providers.http_spec import KeyForm, KeySpec
+from outbox.providers.http import config as http_config
+from outbox.providers.http.spec import KeyForm, KeySpec
 from outbox.providers.json_pointer import MISSING, Pointer, PointerError
 from outbox.queue_settings.sqs import MAX_MESSAGE_BYTES
 from outbox.settings_schema import file_keys

@@ -34,7 +34,7 @@ import stripe
 
 from outbox import payloads
 from outbox.config import DEFAULT_CONCURRENCY, DEFAULT_MAX_RESPONSE_BYTES
-from outbox.providers import building, http_wire, stripe_states
+from outbox.providers import building, stripe_states
 from outbox.providers.answers import (
     MAX_BYTES_EXTENSION,
     AnswerLimits,
@@ -56,6 +56,7 @@ from outbox.providers.base import (
     transient,
     unknown,
 )
+from outbox.providers.http import wire as http_wire
 from outbox.providers.shards import Shards, shard_sizes
 from outbox.providers.stripe_actions import ACTIONS, TARGET
 from outbox.providers.stripe_lookup import (

@@ -28,8 +28,8 @@ from outbox.providers.base import (
     Succeeded,
     Verdict,
 )
-from outbox.providers.http import HttpProvider
-from outbox.providers.http_lookup import LookupFailed
+from outbox.providers.http.lookup import LookupFailed
+from outbox.providers.http.provider import HttpProvider
 from outbox.providers.registry import build_providers
 from outbox.testing.apis import FakeEffectsService
 from outbox.testing.http_api import ApiFault

@@ -31,8 +31,8 @@ from outbox.providers.base import (
     SendResult,
     Succeeded,
 )
-from outbox.providers.http import HttpProvider
-from outbox.providers.http_lookup import LookupFailed
+from outbox.providers.http.lookup import LookupFailed
+from outbox.providers.http.provider import HttpProvider
 from outbox.providers.registry import build_providers
 from outbox.reconciler import CheckResult, Reconciler
 from tests.support.dispatch import enqueue_many, rows

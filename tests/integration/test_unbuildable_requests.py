@@ -25,8 +25,8 @@ import stripe
 from psycopg_pool import AsyncConnectionPool
 
 import outbox
-from outbox.providers import http_wire
 from outbox.providers.base import Provider
+from outbox.providers.http import wire as http_wire
 from outbox.testing.stripe import FakeStripe
 from outbox.testing.webhook import FakeWebhookReceiver
 from tests.support.dispatch import dispatcher, enqueue_charges, enqueue_many, rows, statuses

@@ -191,7 +191,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "webhook-key",
         "webhook and http calls carry another key than the operation's",
-        "outbox/providers/http.py",
+        "outbox/providers/http/provider.py",
         "headers[spec.key.header] = spec.key.header_value(wire)",
         'headers[spec.key.header] = spec.key.header_value(f"{wire}:{request.attempt}")',
         "tests/integration/test_dispatch.py",
@@ -584,7 +584,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "webhook-credentials-quarantine",
         "a webhook that refuses outbox's credentials quarantines the whole backlog",
-        "outbox/providers/http_wire.py",
+        "outbox/providers/http/wire.py",
         '    if status in REFUSED_CREDENTIALS:\n        return "credentials"',
         '    if False:\n        return "credentials"',
         "tests/integration/test_webhook_credentials.py",
@@ -600,7 +600,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "webhook-identity-header-unencoded",
         'a webhook operation of tenant "acme " (a space h11 refuses) is never delivered',
-        "outbox/providers/http_wire.py",
+        "outbox/providers/http/wire.py",
         'and "%" not in value and value.strip(" ") == value:',
         ":",
         "tests/integration/test_unbuildable_requests.py",
@@ -948,7 +948,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "http-lookup-trusts-a-forgotten-key",
         "a lookup by key says a complete not-found after the provider may have forgotten the key: "
         "a person resends an operation that acted",
-        "outbox/providers/http_lookup.py",
+        "outbox/providers/http/lookup.py",
         "    if retention is not None and request.checked_now - request.first_sent_at "
         "> _trusted(retention):\n",
         "    if False:\n",
@@ -958,7 +958,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "http-lookup-takes-anothers-effect",
         "a list endpoint that ignores its filter hands another operation's payment over as this "
         "one's",
-        "outbox/providers/http_lookup.py",
+        "outbox/providers/http/lookup.py",
         "    if lookup.match_at is None or lookup.match is None:\n",
         "    if True:\n",
         "tests/integration/test_http_lookups.py",
@@ -966,7 +966,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "http-path-value-unescaped",
         "a payload value can add path steps or a query to an http request's URL",
-        "outbox/providers/http_spec.py",
+        "outbox/providers/http/spec.py",
         'out.append(urllib.parse.quote(value, safe="") if escape else value)',
         "out.append(value)",
         "tests/unit/test_http_spec.py",
@@ -975,7 +975,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "http-retry-after-unknown-anyway",
         "a provider that keeps only successes under a key gets a retry after a 500 that followed "
         "the effect: a second payment",
-        "outbox/providers/http.py",
+        "outbox/providers/http/provider.py",
         "if not spec.retry_unknown and isinstance(result, Failed) and _unknown(result):",
         "if False:",
         "tests/integration/test_http_lookups.py",
@@ -1002,7 +1002,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "http-lookup-ignores-its-doubts",
         "a list lookup whose filter was ignored, or that read one page of many, says a complete "
         "not-found",
-        "outbox/providers/http_lookup.py",
+        "outbox/providers/http/lookup.py",
         "    if answers.doubts:\n",
         "    if False:\n",
         "tests/integration/test_http_lookups.py",

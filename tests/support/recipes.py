@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from outbox.config import settings_from_mapping
-from outbox.providers.http import HttpProvider
+from outbox.providers.http.provider import HttpProvider
 from outbox.providers.registry import build_providers
 from outbox.testing.apis import FakeAdyen, FakeCheckoutCom, FakeEffectsService
 from outbox.testing.harnesses import HttpApiHarness

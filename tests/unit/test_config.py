@@ -37,7 +37,8 @@ from outbox.config import (
 )
 from outbox.config_reference import COMMAND, reference
 from outbox.errors import OutboxError
-from outbox.providers import registry, stripe, webhook
+from outbox.providers import registry, stripe
+from outbox.providers.http import webhook
 from outbox.settings_schema import settings_of
 
 PROPERTY = hypothesis_settings(database=None, deadline=None)

@@ -8,8 +8,8 @@ import httpx
 
 from outbox.provider_limits import ALONE_RECENT, Breaker, State, Verdict, verdict
 from outbox.providers.base import Failed, transient, unknown
-from outbox.providers.http import _classify
-from outbox.providers.webhook import WebhookOptions, WebhookProvider
+from outbox.providers.http.provider import _classify
+from outbox.providers.http.webhook import WebhookOptions, WebhookProvider
 
 FAILING, HEALTHY, NEUTRAL, REFUSED = (
     Verdict.FAILING,

@@ -22,8 +22,8 @@ from outbox.config import (
     ProviderSettings,
     read_secret,
 )
-from outbox.providers.http import HttpOptions
-from outbox.providers.http_spec import (
+from outbox.providers.http.provider import HttpOptions
+from outbox.providers.http.spec import (
     CLASSES,
     ActionSpec,
     KeyForm,

@@ -24,7 +24,7 @@ import httpx
 from outbox import payloads
 from outbox.config import DEFAULT_CONCURRENCY, DEFAULT_MAX_RESPONSE_BYTES
 from outbox.model import FailureClass
-from outbox.providers import building, http_wire
+from outbox.providers import building
 from outbox.providers.answers import AnswerLimits, AnswerRefused, Tally, reference
 from outbox.providers.base import (
     Failed,
@@ -39,8 +39,9 @@ from outbox.providers.base import (
     transient,
     unknown,
 )
-from outbox.providers.http_lookup import Asker, look_up
-from outbox.providers.http_spec import ANY_ACTION, ActionSpec
+from outbox.providers.http import wire as http_wire
+from outbox.providers.http.lookup import Asker, look_up
+from outbox.providers.http.spec import ANY_ACTION, ActionSpec
 from outbox.providers.json_pointer import MISSING
 from outbox.providers.shards import Shards, shard_sizes
 

@@ -32,8 +32,8 @@ from typing import Final
 import httpx
 
 from outbox.config import DEFAULT_CONCURRENCY, DEFAULT_MAX_RESPONSE_BYTES
-from outbox.providers.http import HttpOptions, HttpProvider
-from outbox.providers.http_spec import ANY_ACTION, ActionSpec, KeySpec, LookupSpec, Template
+from outbox.providers.http.provider import HttpOptions, HttpProvider
+from outbox.providers.http.spec import ANY_ACTION, ActionSpec, KeySpec, LookupSpec, Template
 from outbox.providers.json_pointer import Pointer
 
 DEFAULT_REFERENCE_FIELD = "id"

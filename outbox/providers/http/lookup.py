@@ -20,10 +20,10 @@ from typing import Any, Final
 import httpx
 
 from outbox.durations import format_duration
-from outbox.providers import http_wire
 from outbox.providers.answers import reference
 from outbox.providers.base import Found, LookupRequest, NotFound, Verdict
-from outbox.providers.http_spec import ActionSpec, LookupSpec
+from outbox.providers.http import wire as http_wire
+from outbox.providers.http.spec import ActionSpec, LookupSpec
 from outbox.providers.json_pointer import MISSING
 
 # The most candidates one answer may hold that are read: a list endpoint answering thousands of
