@@ -30,7 +30,7 @@ from outbox.providers.http.webhook import (
 )
 from outbox.providers.noop import NoopProvider
 from outbox.providers.shards import connection_cap
-from outbox.providers.stripe import (
+from outbox.providers.stripe.provider import (
     DEFAULT_REDACTED,
     DEFAULT_STRIPE_VERSION,
     StripeOptions,

@@ -33,7 +33,7 @@ from outbox.providers.answers import MAX_REFERENCE_CHARS, READ_PIECE
 from outbox.providers.base import Failed, Found, SendRequest, SendResult, Succeeded
 from outbox.providers.http.webhook import WebhookProvider
 from outbox.providers.registry import build_providers
-from outbox.providers.stripe import StripeProvider
+from outbox.providers.stripe.provider import StripeProvider
 from outbox.testing.loopback import compressed
 from outbox.testing.stripe import DEFAULT_API_KEY, FakeStripe, StripeFault
 from outbox.testing.webhook import FakeWebhookReceiver, WebhookFault

@@ -165,7 +165,7 @@ async def test_the_lookup_pages_through_lists_and_reports_duplicate_effects(
 ) -> None:
     from datetime import UTC, datetime  # noqa: PLC0415
 
-    from outbox.providers.stripe import StripeProvider  # noqa: PLC0415
+    from outbox.providers.stripe.provider import StripeProvider  # noqa: PLC0415
 
     assert isinstance(provider, StripeProvider)
     import stripe  # noqa: PLC0415

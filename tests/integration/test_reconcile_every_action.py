@@ -16,7 +16,7 @@ from psycopg_pool import AsyncConnectionPool
 
 import outbox
 from outbox import operators
-from outbox.providers.stripe_actions import ACTIONS
+from outbox.providers.stripe.actions import ACTIONS
 from outbox.reconciler import Reconciler
 from outbox.testing.stripe import FakeStripe, StripeFault
 from tests.support.cli import outbox_cli

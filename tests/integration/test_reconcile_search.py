@@ -23,7 +23,7 @@ from outbox.config import ProviderLimits
 from outbox.db.store import Store
 from outbox.provider_limits import LookupPacer, LookupThrottled
 from outbox.providers.base import Found, Lookup, NotFound, Provider, SendRequest, Succeeded
-from outbox.providers.stripe_lookup import LOOKUP_MAX_PAGES
+from outbox.providers.stripe.lookup import LOOKUP_MAX_PAGES
 from outbox.reconciler import Reconciler
 from outbox.testing.stripe import FakeStripe, StripeFault
 from tests.support.cli import outbox_cli

@@ -20,7 +20,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from outbox.config import ConfigError
 from outbox.providers.base import Lookup
-from outbox.providers.stripe import DEFAULT_STRIPE_VERSION
+from outbox.providers.stripe.provider import DEFAULT_STRIPE_VERSION
 from outbox.reconciler import Reconciler
 from outbox.testing.stripe import FakeStripe, StripeFault
 from tests.support.dispatch import dispatcher, enqueue_charges, make_due, rows, stripe_provider

@@ -183,7 +183,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "stripe-key",
         "Stripe calls go out without the operation's idempotency key",
-        "outbox/providers/stripe.py",
+        "outbox/providers/stripe/provider.py",
         '"idempotency_key": request.idempotency_key,',
         '"idempotency_key": None,',
         "tests/integration/test_stripe.py",
@@ -224,7 +224,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "decline-is-done",
         "a PaymentIntent whose confirmation was declined counts as paid",
-        "outbox/providers/stripe_states.py",
+        "outbox/providers/stripe/states.py",
         "        return Verdict.REFUSED  # a confirmation was declined: no payment happened",
         "        return Verdict.DONE",
         "tests/unit/test_stripe_states.py",
@@ -241,7 +241,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "stripe-5xx-permanent",
         "a Stripe 5xx that says not to retry is quarantined, though Stripe may have acted",
-        "outbox/providers/stripe.py",
+        "outbox/providers/stripe/provider.py",
         "    if status is not None and status >= 500 and should_retry is False:\n",
         "    if False:\n",
         "tests/integration/test_stripe.py::test_the_error_map",
@@ -249,7 +249,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "client-secret-kept",
         "a PaymentIntent's client_secret is stored in the operation's result",
-        "outbox/providers/stripe.py",
+        "outbox/providers/stripe/provider.py",
         "REDACTED if k in fields and v is not None else",
         "v if k in fields and v is not None else",
         "tests/integration/test_stripe_results.py",
@@ -257,7 +257,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "lookup-misses-hashed-generations",
         "the lookup of a long key's later generation misses the first generation's object",
-        "outbox/providers/stripe_lookup.py",
+        "outbox/providers/stripe/lookup.py",
         'return frozenset({first, "ob1_" + hashlib.sha256(first.encode()).hexdigest()})',
         "return frozenset({first})",
         "tests/integration/test_reconcile_findings.py",
@@ -285,7 +285,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "lookup-without-events",
         "a deleted customer is reported not found, so a person creates it again",
-        "outbox/providers/stripe.py",
+        "outbox/providers/stripe/provider.py",
         "            if events.matches:\n",
         "            if False:\n",
         "tests/integration/test_reconcile_search.py",
@@ -293,7 +293,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "lookup-pages-unbounded",
         "a lookup reads a list that never ends for ever, and a capped search says not found",
-        "outbox/providers/stripe_lookup.py",
+        "outbox/providers/stripe/lookup.py",
         "    for _ in range(LOOKUP_MAX_PAGES):\n",
         "    for _ in range(10**6):\n",
         "tests/integration/test_reconcile_search.py",
@@ -301,7 +301,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "capped-search-not-found",
         "a search cut short by its page cap is recorded as not found",
-        "outbox/providers/stripe_lookup.py",
+        "outbox/providers/stripe/lookup.py",
         "    if objects.complete or events_whole:\n",
         "    if True:\n",
         "tests/integration/test_reconcile_search.py",
@@ -318,7 +318,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "lookup-without-filters",
         "a lookup scans every object of its type instead of the payload's list filters",
-        "outbox/providers/stripe_lookup.py",
+        "outbox/providers/stripe/lookup.py",
         "    params = {**dict(searchable.always), **narrowing}\n",
         "    params = dict(searchable.always)\n",
         "tests/integration/test_reconcile_search.py",
@@ -350,7 +350,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "403-pauses-provider",
         "a 403 on one action stops every action of the provider",
-        "outbox/providers/stripe.py",
+        "outbox/providers/stripe/provider.py",
         "message, pause_action=True, request_only=True,",
         "message, pause=True, request_only=True,",
         "tests/integration/test_stripe_not_acted.py",
@@ -358,7 +358,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "retry-in-the-new-version",
         "a retry after a config or SDK upgrade is sent in another API version than its first send",
-        "outbox/providers/stripe.py",
+        "outbox/providers/stripe/provider.py",
         "                version = request.api_version or self._options.stripe_version\n",
         "                version = self._options.stripe_version\n",
         "tests/integration/test_stripe_version.py",
@@ -375,7 +375,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "hostile-decline-codes-kept",
         "a provider's answer writes escapes and newlines into last_error, shown on a terminal",
-        "outbox/providers/stripe.py",
+        "outbox/providers/stripe/provider.py",
         "if isinstance(value, str) and _WORD.fullmatch(value)\n",
         "if isinstance(value, str)\n",
         "tests/integration/test_stripe_results.py",
@@ -383,7 +383,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "lookup-ignores-where-it-was-sent",
         "a check after the account or key mode changed searches the wrong place: not found",
-        "outbox/providers/stripe.py",
+        "outbox/providers/stripe/provider.py",
         "        if request.sent_scope is None or request.sent_scope == here:\n",
         "        if True:\n",
         "tests/integration/test_stripe_connect.py",
@@ -391,7 +391,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "operation-accounts-always-allowed",
         "a producer sends on another connected account's behalf without the operator's leave",
-        "outbox/providers/stripe.py",
+        "outbox/providers/stripe/provider.py",
         "        if not self._options.operation_accounts:\n",
         "        if False:\n",
         "tests/integration/test_stripe_connect.py",
@@ -399,7 +399,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "lookups-bypass-rate-limit",
         "reconciliation lookups push the provider's calls past its rate limit",
-        "outbox/providers/stripe_lookup.py",
+        "outbox/providers/stripe/lookup.py",
         "    async def list(self, service: str, params: dict[str, Any]) -> Any:\n"
         "        await self._paced()\n",
         "    async def list(self, service: str, params: dict[str, Any]) -> Any:\n",
@@ -408,7 +408,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "change-found-whatever-its-state",
         "a state change whose target says it never happened is marked succeeded",
-        "outbox/providers/stripe.py",
+        "outbox/providers/stripe/provider.py",
         "    if decided is None:\n        return NotFound(",
         "    if False:\n        return NotFound(",
         "tests/integration/test_reconcile_every_action.py",
@@ -416,7 +416,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "change-target-unchecked",
         "a change is sent to whatever object the payload names, of any kind",
-        "outbox/providers/stripe_actions.py",
+        "outbox/providers/stripe/actions.py",
         "        if not isinstance(value, str) or not re.fullmatch(pattern, value):\n",
         "        if not isinstance(value, str):\n",
         "tests/integration/test_reconcile_every_action.py",
@@ -608,7 +608,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "stripe-unwritable-head-unknown",
         "a Stripe request whose head h11 refuses to write is taken for one that reached Stripe",
-        "outbox/providers/stripe.py",
+        "outbox/providers/stripe/provider.py",
         "        except building.NOT_WRITTEN as exc:\n            raise building.Unbuilt",
         "        except ZeroDivisionError as exc:\n            raise building.Unbuilt",
         "tests/integration/test_unbuildable_requests.py",

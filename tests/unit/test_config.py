@@ -37,8 +37,9 @@ from outbox.config import (
 )
 from outbox.config_reference import COMMAND, reference
 from outbox.errors import OutboxError
-from outbox.providers import registry, stripe
+from outbox.providers import registry
 from outbox.providers.http import webhook
+from outbox.providers.stripe import provider as stripe
 from outbox.settings_schema import settings_of
 
 PROPERTY = hypothesis_settings(database=None, deadline=None)

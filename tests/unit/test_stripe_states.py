@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from outbox.providers.base import Verdict
-from outbox.providers.stripe_actions import ACTIONS
-from outbox.providers.stripe_states import CHANGE_RULES, RULES, verdict
+from outbox.providers.stripe.actions import ACTIONS
+from outbox.providers.stripe.states import CHANGE_RULES, RULES, verdict
 
 DECLINE = {
     "type": "card_error",

@@ -34,7 +34,7 @@ import stripe
 
 from outbox import payloads
 from outbox.config import DEFAULT_CONCURRENCY, DEFAULT_MAX_RESPONSE_BYTES
-from outbox.providers import building, stripe_states
+from outbox.providers import building
 from outbox.providers.answers import (
     MAX_BYTES_EXTENSION,
     AnswerLimits,
@@ -58,8 +58,9 @@ from outbox.providers.base import (
 )
 from outbox.providers.http import wire as http_wire
 from outbox.providers.shards import Shards, shard_sizes
-from outbox.providers.stripe_actions import ACTIONS, TARGET
-from outbox.providers.stripe_lookup import (
+from outbox.providers.stripe import states as stripe_states
+from outbox.providers.stripe.actions import ACTIONS, TARGET
+from outbox.providers.stripe.lookup import (
     EVENTS_KEPT,
     LOOKUPS,
     METADATA_IDEMPOTENCY_KEY,
