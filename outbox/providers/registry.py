@@ -43,7 +43,7 @@ ENTRY_POINT_GROUP: Final = "outbox.providers"
 # ``build(ps, environ, *, concurrency) -> Provider``, and the top-level package of its client
 # library, an optional extra of the same name.
 QUEUE_TYPES: Final[Mapping[str, tuple[str, str]]] = {
-    "nats": ("nats_queue", "nats"),
+    "nats": ("nats.provider", "nats"),
     "amqp": ("amqp_queue", "aio_pika"),
     "sqs": ("sqs_queue", "aiobotocore"),
     "cloudtasks": ("cloudtasks_queue", "google"),

@@ -37,7 +37,7 @@ from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 import outbox
 from outbox.config import ProviderSettings
 from outbox.providers.base import Failed, SendRequest, Succeeded
-from outbox.providers.nats_queue import NatsProvider, build
+from outbox.providers.nats.provider import NatsProvider, build
 from tests.support.daemon import OutboxProcess, wait_until, write_config
 from tests.support.dispatch import enqueue_many, key_of, rows, statuses
 from tests.support.queues import (

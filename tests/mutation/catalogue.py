@@ -1012,7 +1012,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "nats-no-msg-id",
         "a JetStream publish without the stored key as Nats-Msg-Id: a retry after a lost "
         "PubAck is a second message in the stream",
-        "outbox/providers/nats_queue.py",
+        "outbox/providers/nats/provider.py",
         "headers[MSG_ID] = wire",
         'headers["Outbox-Not-Msg-Id"] = wire',
         NATS_TESTS
@@ -1022,7 +1022,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "nats-window-unchecked",
         "a key_retention longer than the stream's duplicate_window is taken: retries go on after "
         "the stream has forgotten the id",
-        "outbox/providers/nats_link.py",
+        "outbox/providers/nats/link.py",
         "        queue_kit.check_window(self._ps, windows[stream], f\"the stream {stream}'s "
         'duplicate_window")\n',
         "",
@@ -1041,7 +1041,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "nats-duplicate-unchecked",
         "a JetStream duplicate is taken as ours without reading the kept message: another "
         "producer's message under the same Nats-Msg-Id is recorded as this operation's",
-        "outbox/providers/nats_faults.py",
+        "outbox/providers/nats/faults.py",
         "and kept_body == body:",
         "or True:",
         NATS_TESTS + "::test_a_message_id_another_producer_holds_is_quarantined_not_taken_as_ours",
@@ -1051,7 +1051,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a JetStream duplicate whose sequence holds no message is accepted without asking how "
         "far the stream got: a broker naming a sequence never stored passes a lost publish off "
         "as delivered",
-        "outbox/providers/nats_faults.py",
+        "outbox/providers/nats/faults.py",
         "if seq <= last_seq:",
         "if True:",
         "tests/unit/test_nats_queue.py",

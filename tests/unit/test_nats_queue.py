@@ -16,10 +16,10 @@ from nats.js.api import PubAck
 
 from outbox.config import ConfigError, ProviderSettings
 from outbox.model import FailureClass
-from outbox.providers import nats_faults
 from outbox.providers.base import InvalidRequest, Succeeded
-from outbox.providers.nats_config import nats_options, subject_problem
-from outbox.providers.nats_queue import build
+from outbox.providers.nats import faults as nats_faults
+from outbox.providers.nats.config import nats_options, subject_problem
+from outbox.providers.nats.provider import build
 from outbox.providers.registry import build_providers
 
 ACTIONS = {"invoice.paid": {"subject": "orders.paid", "stream": "ORDERS"}}

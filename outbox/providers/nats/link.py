@@ -25,8 +25,9 @@ from nats.js import JetStreamContext
 from nats.js.api import RetentionPolicy
 
 from outbox.config import ConfigError, ProviderSettings
-from outbox.providers import nats_faults, queue_kit
-from outbox.providers.nats_config import NatsOptions
+from outbox.providers import queue_kit
+from outbox.providers.nats import faults as nats_faults
+from outbox.providers.nats.config import NatsOptions
 
 # nats-py pings every 2 minutes and gives up after 2 unanswered: a connection that died
 # silently (a partition, no RST) would take 6 minutes to notice, every publish on it timing

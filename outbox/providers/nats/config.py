@@ -20,7 +20,7 @@ from outbox.config import ConfigError, ProviderSettings, read_secret
 from outbox.providers import queue_kit
 from outbox.providers.http.config import reject_unknown
 from outbox.providers.http.spec import KeyForm, KeySpec
-from outbox.queue_settings.nats import DEFAULT_SERVERS, OPTIONS
+from outbox.providers.nats.options import DEFAULT_SERVERS, OPTIONS
 from outbox.settings_schema import file_keys
 
 # The header JetStream deduplicates by (docs.nats.io, "Message Deduplication"). A NATS header

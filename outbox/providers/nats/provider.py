@@ -30,7 +30,7 @@ import structlog
 
 from outbox import payloads
 from outbox.config import ConfigError, ProviderSettings
-from outbox.providers import building, nats_faults, queue_kit
+from outbox.providers import building, queue_kit
 from outbox.providers.base import (
     Failed,
     InvalidRequest,
@@ -41,8 +41,9 @@ from outbox.providers.base import (
     transient,
     unknown,
 )
-from outbox.providers.nats_config import MSG_ID, NatsOptions, Route, nats_options
-from outbox.providers.nats_link import Connection, Link
+from outbox.providers.nats import faults as nats_faults
+from outbox.providers.nats.config import MSG_ID, NatsOptions, Route, nats_options
+from outbox.providers.nats.link import Connection, Link
 
 CONTENT_TYPE: Final = "application/json"
 _HEADER_FRAMING: Final = len(b"NATS/1.0\r\n\r\n")
