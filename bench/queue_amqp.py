@@ -30,7 +30,7 @@ from _support import (
     print_machine,
 )
 
-from outbox.queue_settings.amqp import DEFAULT_CHANNELS
+from outbox.providers.amqp.options import DEFAULT_CHANNELS
 
 PROVIDER = "rabbit"
 TIMEOUT_S = 10.0

@@ -44,7 +44,7 @@ ENTRY_POINT_GROUP: Final = "outbox.providers"
 # library, an optional extra of the same name.
 QUEUE_TYPES: Final[Mapping[str, tuple[str, str]]] = {
     "nats": ("nats.provider", "nats"),
-    "amqp": ("amqp_queue", "aio_pika"),
+    "amqp": ("amqp.provider", "aio_pika"),
     "sqs": ("sqs_queue", "aiobotocore"),
     "cloudtasks": ("cloudtasks_queue", "google"),
 }

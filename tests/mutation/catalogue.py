@@ -1060,7 +1060,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "amqp-no-message-id",
         "a RabbitMQ message without the stored key as its message_id: consumers cannot drop the "
         "copy a lost confirmation makes",
-        "outbox/providers/amqp_queue.py",
+        "outbox/providers/amqp/provider.py",
         "        message_id=wire,\n",
         "        message_id=None,\n",
         AMQP_TESTS + "::test_a_kill_between_publish_and_record_gives_copies_consumers_can_drop",
@@ -1068,7 +1068,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "amqp-not-mandatory",
         "an unroutable RabbitMQ message is dropped by the broker and recorded as delivered",
-        "outbox/providers/amqp_queue.py",
+        "outbox/providers/amqp/provider.py",
         "message, route.routing_key, mandatory=route.mandatory",
         "message, route.routing_key, mandatory=False",
         AMQP_TESTS + "::test_an_unroutable_message_is_quarantined_and_the_others_delivered",

@@ -14,9 +14,9 @@ import pytest
 
 from outbox.config import ConfigError, ProviderSettings
 from outbox.model import FailureClass
-from outbox.providers import amqp_faults as faults
-from outbox.providers.amqp_config import Route, amqp_options
-from outbox.providers.amqp_queue import AmqpProvider, _message, build
+from outbox.providers.amqp import faults
+from outbox.providers.amqp.config import Route, amqp_options
+from outbox.providers.amqp.provider import AmqpProvider, _message, build
 from outbox.providers.base import Failed, InvalidRequest, SendRequest
 from outbox.providers.registry import build_providers
 

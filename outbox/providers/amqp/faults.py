@@ -23,7 +23,7 @@ from typing import Final
 
 import aiormq.exceptions as amqp_errors
 
-from outbox.providers.amqp_config import Route
+from outbox.providers.amqp.config import Route
 from outbox.providers.base import Failed, permanent, transient, unknown
 
 # How long a full reject-publish queue is given before the next try: long enough for

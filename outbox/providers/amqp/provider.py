@@ -30,9 +30,9 @@ from aio_pika.abc import AbstractChannel, AbstractConnection, DeliveryMode
 
 from outbox import payloads
 from outbox.config import ProviderSettings
-from outbox.providers import amqp_faults as faults
 from outbox.providers import building, queue_kit
-from outbox.providers.amqp_config import SHORTSTR_BYTES, AmqpOptions, Route, amqp_options
+from outbox.providers.amqp import faults
+from outbox.providers.amqp.config import SHORTSTR_BYTES, AmqpOptions, Route, amqp_options
 from outbox.providers.base import (
     Failed,
     InvalidRequest,

@@ -15,9 +15,9 @@ from typing import Any, Final
 
 from outbox.config import ConfigError, ProviderSettings, read_secret
 from outbox.providers import queue_kit
+from outbox.providers.amqp import options as amqp_settings
 from outbox.providers.http.config import reject_unknown
 from outbox.providers.http.spec import KeyForm, KeySpec
-from outbox.queue_settings import amqp as amqp_settings
 from outbox.settings_schema import file_keys
 
 _KEYS: Final = tuple(file_keys(amqp_settings.OPTIONS))
