@@ -45,7 +45,7 @@ ENTRY_POINT_GROUP: Final = "outbox.providers"
 QUEUE_TYPES: Final[Mapping[str, tuple[str, str]]] = {
     "nats": ("nats.provider", "nats"),
     "amqp": ("amqp.provider", "aio_pika"),
-    "sqs": ("sqs_queue", "aiobotocore"),
+    "sqs": ("sqs.provider", "aiobotocore"),
     "cloudtasks": ("cloudtasks_queue", "google"),
 }
 Factory = Callable[[ProviderSettings], Provider]

@@ -31,7 +31,7 @@ import outbox
 from outbox.config import ProviderSettings
 from outbox.model import FailureClass
 from outbox.providers.base import SendRequest, Succeeded
-from outbox.providers.sqs_queue import SqsProvider, build
+from outbox.providers.sqs.provider import SqsProvider, build
 from tests.support.daemon import wait_until
 from tests.support.dispatch import enqueue_many, rows, statuses
 from tests.support.moto_server import REGION, MotoServer, aws_env, free_port, moto

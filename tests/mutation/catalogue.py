@@ -1076,7 +1076,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "sqs-dedup-id-per-attempt",
         "an SQS FIFO retry carries a deduplication id of its own: the repeat is a second message",
-        "outbox/providers/sqs_queue.py",
+        "outbox/providers/sqs/provider.py",
         'params["MessageDeduplicationId"] = wire',
         'params["MessageDeduplicationId"] = f"{wire[:120]}-{request.attempt}"',
         SQS_TESTS + "::test_a_kill_between_publish_and_record_is_deduplicated_by_the_queue",

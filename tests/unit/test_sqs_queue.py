@@ -21,8 +21,8 @@ from outbox.model import FailureClass
 from outbox.providers import queue_kit
 from outbox.providers.base import InvalidRequest, SendRequest, Succeeded
 from outbox.providers.registry import build_providers
-from outbox.providers.sqs_answers import answer, client_error, transport_error
-from outbox.providers.sqs_queue import SqsProvider, build
+from outbox.providers.sqs.answers import answer, client_error, transport_error
+from outbox.providers.sqs.provider import SqsProvider, build
 
 FIFO = "https://sqs.eu-west-1.amazonaws.com/123456789012/orders.fifo"
 STANDARD = "https://sqs.eu-west-1.amazonaws.com/123456789012/events"

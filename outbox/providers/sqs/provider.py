@@ -26,10 +26,11 @@ from botocore import exceptions as boto
 
 from outbox import payloads
 from outbox.config import ConfigError, ProviderSettings
-from outbox.providers import building, queue_kit, sqs_answers
+from outbox.providers import building, queue_kit
 from outbox.providers.base import InvalidRequest, SendRequest, SendResult
 from outbox.providers.http.spec import ANY_ACTION
-from outbox.providers.sqs_config import SqsOptions, Target, read_options
+from outbox.providers.sqs import answers as sqs_answers
+from outbox.providers.sqs.config import SqsOptions, Target, read_options
 
 log = structlog.get_logger("outbox.providers.sqs")
 

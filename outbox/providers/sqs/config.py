@@ -20,7 +20,7 @@ from outbox.providers.base import InvalidRequest, SendRequest
 from outbox.providers.http import config as http_config
 from outbox.providers.http.spec import KeyForm, KeySpec
 from outbox.providers.json_pointer import MISSING, Pointer, PointerError
-from outbox.queue_settings.sqs import MAX_MESSAGE_BYTES
+from outbox.providers.sqs.options import MAX_MESSAGE_BYTES
 from outbox.settings_schema import file_keys
 
 SQS_KEYS: Final = tuple(file_keys(PROVIDER_OPTIONS["sqs"]))
