@@ -35,7 +35,7 @@ from _support import (
     print_machine,
 )
 
-from outbox.providers.cloudtasks_client import build_client, tasks_v2
+from outbox.providers.cloudtasks.client import build_client, tasks_v2
 from tests.support.tasks_emulator import LOCATION, PROJECT, TasksEmulator, queue_name
 
 PROVIDER = "tasks"

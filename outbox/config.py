@@ -46,9 +46,9 @@ from outbox import redaction
 from outbox.durations import format_duration
 from outbox.event_loop import EVENT_LOOPS, uvloop_available
 from outbox.providers.amqp import options as amqp_options
+from outbox.providers.cloudtasks import options as cloudtasks_options
 from outbox.providers.nats import options as nats_options
 from outbox.providers.sqs import options as sqs_options
-from outbox.queue_settings import cloudtasks as cloudtasks_options
 from outbox.settings_schema import (
     Boolean,
     Choice,

@@ -46,7 +46,7 @@ QUEUE_TYPES: Final[Mapping[str, tuple[str, str]]] = {
     "nats": ("nats.provider", "nats"),
     "amqp": ("amqp.provider", "aio_pika"),
     "sqs": ("sqs.provider", "aiobotocore"),
-    "cloudtasks": ("cloudtasks_queue", "google"),
+    "cloudtasks": ("cloudtasks.provider", "google"),
 }
 Factory = Callable[[ProviderSettings], Provider]
 

@@ -32,8 +32,8 @@ from outbox.providers.base import (
     SendRequest,
     Succeeded,
 )
-from outbox.providers.cloudtasks_config import TASK_ID
-from outbox.providers.cloudtasks_queue import NOT_FOUND_REASON, CloudTasksProvider, build
+from outbox.providers.cloudtasks.config import TASK_ID
+from outbox.providers.cloudtasks.provider import NOT_FOUND_REASON, CloudTasksProvider, build
 from outbox.providers.http.spec import KeyForm, KeySpec
 from tests.support.daemon import wait_until
 from tests.support.dispatch import enqueue_many, rows, statuses

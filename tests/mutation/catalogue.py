@@ -1084,7 +1084,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "cloudtasks-name-per-attempt",
         "a Cloud Tasks retry names a task of its own: a repeat is a second task, a second call",
-        "outbox/providers/cloudtasks_config.py",
+        "outbox/providers/cloudtasks/config.py",
         'return f"{self.queue}/tasks/{TASK_ID.wire(idempotency_key)}"',
         "return f\"{self.queue}/tasks/{__import__('uuid').uuid4().hex}\"",
         TASKS_TESTS + "::test_a_kill_between_publish_and_record_repeats_the_same_task_name",
@@ -1092,7 +1092,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "cloudtasks-repeat-not-success",
         "a Cloud Tasks ALREADY_EXISTS, the repeat recognised, is not taken as the success it is",
-        "outbox/providers/cloudtasks_queue.py",
+        "outbox/providers/cloudtasks/provider.py",
         "        except gexc.AlreadyExists:\n            return Succeeded(reference=task.name)",
         '        except gexc.AlreadyExists:\n            return unknown("x", "the repeat")',
         TASKS_TESTS + "::test_a_kill_between_publish_and_record_repeats_the_same_task_name",

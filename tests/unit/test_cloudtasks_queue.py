@@ -15,10 +15,10 @@ from google.rpc import error_details_pb2  # type: ignore[import-untyped]
 from outbox.config import ConfigError, ProviderSettings
 from outbox.model import FailureClass
 from outbox.providers.base import Failed, InvalidRequest, SendRequest
-from outbox.providers.cloudtasks_answers import DEFAULT_THROTTLE, MESSAGE_CHARS, failure
-from outbox.providers.cloudtasks_client import gexc, tasks_v2
-from outbox.providers.cloudtasks_config import TASK_ID, TASK_NAME_WINDOW, options
-from outbox.providers.cloudtasks_queue import CloudTasksProvider, build
+from outbox.providers.cloudtasks.answers import DEFAULT_THROTTLE, MESSAGE_CHARS, failure
+from outbox.providers.cloudtasks.client import gexc, tasks_v2
+from outbox.providers.cloudtasks.config import TASK_ID, TASK_NAME_WINDOW, options
+from outbox.providers.cloudtasks.provider import CloudTasksProvider, build
 from outbox.providers.registry import build_providers
 
 QUEUE = "projects/acme-prod/locations/europe-west1/queues/orders"

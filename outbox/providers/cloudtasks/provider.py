@@ -32,15 +32,15 @@ from outbox.providers.base import (
     transient,
     unknown,
 )
-from outbox.providers.cloudtasks_answers import failure
-from outbox.providers.cloudtasks_client import (
+from outbox.providers.cloudtasks.answers import failure
+from outbox.providers.cloudtasks.client import (
     CloudTasksAsyncClient,
     auth_exceptions,
     build_client,
     gexc,
     tasks_v2,
 )
-from outbox.providers.cloudtasks_config import (
+from outbox.providers.cloudtasks.config import (
     MAX_BODY_BYTES,
     TASK_ID,
     CloudTasksOptions,

@@ -15,7 +15,7 @@ from datetime import timedelta
 from typing import Final
 
 from outbox.providers.base import Failed, permanent, transient, unknown
-from outbox.providers.cloudtasks_client import gexc, grpc
+from outbox.providers.cloudtasks.client import gexc, grpc
 
 # When RESOURCE_EXHAUSTED carries no RetryInfo: Cloud Tasks' API quotas are counted per minute
 # and its queues ramp up their enqueue rate over seconds, so a few seconds is a fair first pause.

@@ -16,9 +16,9 @@ from typing import Any, Final
 
 from outbox.config import ConfigError, ProviderSettings
 from outbox.providers import queue_kit
+from outbox.providers.cloudtasks.options import OPTIONS
 from outbox.providers.http import config as http_config
 from outbox.providers.http.spec import KeyForm, KeySpec
-from outbox.queue_settings.cloudtasks import OPTIONS
 from outbox.settings_schema import file_keys
 
 # Cloud Tasks keeps a task's name while the task exists and for about an hour after it ran or
