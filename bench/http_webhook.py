@@ -76,7 +76,7 @@ def _receiver_window(stats: dict[str, Any]) -> float:
 
 
 def _client() -> httpx.AsyncClient:
-    # As outbox/providers/webhook.py builds its client: the same timeout, limits and redirect
+    # As outbox/providers/http/webhook.py builds its client: the same timeout, limits and redirect
     # policy, so the two phases differ only in what outbox does around each request.
     return httpx.AsyncClient(
         timeout=httpx.Timeout(TIMEOUT_S),

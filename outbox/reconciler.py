@@ -43,7 +43,7 @@ MANUAL_LIMIT: Final = 100_000
 # The most one check may take, its provider's pacing included: a provider that answers slowly
 # (a header line a second), or a plug-in whose lookup never returns, ends the check as an error,
 # tried again after ERROR_RETRY, rather than holding it for good. Each request of the built-in
-# lookups has its provider's own timeout besides (outbox/providers/http_lookup.py).
+# lookups has its provider's own timeout besides (outbox/providers/http/lookup.py).
 CHECK_DEADLINE: Final = timedelta(minutes=2)
 
 log = structlog.get_logger("outbox.reconciler")

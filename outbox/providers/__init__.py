@@ -1,2 +1,5 @@
-"""Providers: the Provider protocol and result types (base), the built-in webhook and noop
-providers, and the registry that builds the configured ones."""
+"""Providers: the Provider protocol and its result types (base), the registry that builds the
+configured ones (registry), their start before the first claim (lifecycle), the kits the families
+share (answers, building, json_pointer, shards, queue_kit) and the noop provider; then one package
+per family, each holding its provider, options, wire format, answers, faults and lookup: http
+(with webhook, its preset), stripe, and the queues nats, amqp, sqs and cloudtasks."""

@@ -54,7 +54,8 @@ from tests.support.recipes import http_recipe_harness
 
 test_webhook = conformance_tests(webhook_harness)
 # The suite's two findings against Stripe (a 429's Retry-After unread; send raising KeyError for
-# an unknown action) were fixed in outbox/providers/stripe.py: every check now passes or skips.
+# an unknown action) were fixed in outbox/providers/stripe/provider.py: every check now passes or
+# skips.
 test_stripe = conformance_tests(stripe_harness)
 test_noop = conformance_tests(noop_harness)
 # The http provider as three recipes of docs/providers.md configure it, against their fakes:

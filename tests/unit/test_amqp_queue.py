@@ -1,5 +1,5 @@
 """`type = "amqp"` without a broker: its settings, read and refused, and what each of RabbitMQ's
-answers means (outbox.providers.amqp_config, amqp_faults, amqp_queue)."""
+answers means (outbox/providers/amqp/: config, faults, provider)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """`type = "nats"`: its settings read and checked, and each JetStream answer classified
-(outbox.providers.nats_config, outbox.providers.nats_faults); no server needed."""
+(outbox.providers.nats.config, outbox.providers.nats.faults); no server needed."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What a found Stripe object's state means for its operation (outbox/providers/stripe_states.py):
+"""What a found Stripe object's state means for its operation (outbox/providers/stripe/states.py):
 never DONE for an effect that did not happen."""
 
 from __future__ import annotations

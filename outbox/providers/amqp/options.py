@@ -1,4 +1,8 @@
-"""The options of `type = "amqp"` (docs/providers.md, "Queues": RabbitMQ)."""
+"""The options of `type = "amqp"` (docs/providers.md, "Queues": RabbitMQ).
+
+Declared as outbox.config declares every key (outbox.settings_schema): outbox.config puts
+``OPTIONS`` into PROVIDER_OPTIONS, so this module stays pure, declarations only, no client
+library; config.py beside it reads a provider's table by them."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """The `http` provider: any HTTP API that takes an idempotency key, described by configuration.
 
-Per action (outbox.providers.http_spec, docs/providers.md): the method, a target below the base
+Per action (outbox.providers.http.spec, docs/providers.md): the method, a target below the base
 URL filled from the payload (each value percent-encoded whole, so it can neither add a path step
 nor reach another host), which part of the payload is the body, where the key travels and in
 which form, how long the provider keeps keys, where the reference is in the answer, and which
-answers mean what. The webhook type is a preset of it (outbox.providers.webhook).
+answers mean what. The webhook type is a preset of it (outbox.providers.http.webhook).
 
 A body that is the whole payload goes exactly as stored (``payload_json``); a part of it, or one
 with the key written into it, is written exactly from the decoded payload (numbers as

@@ -1,5 +1,5 @@
 """What an `http` provider sends for each action, and how it reads the answers: the parsed form
-of its configuration (outbox.providers.http_config reads it; docs/providers.md documents it).
+of its configuration (outbox.providers.http.config reads it; docs/providers.md documents it).
 
 Pure: no I/O. Everything here is checked when the configuration is read, so that a provider
 that starts can build every request its configuration describes.

@@ -1,13 +1,13 @@
 """The webhook provider: POST the payload as JSON to one URL with the stored Idempotency-Key; a
-preset of the `http` provider (outbox.providers.http), whose settings it keeps.
+preset of the `http` provider (outbox.providers.http.provider), whose settings it keeps.
 
 The body is the payload exactly as stored: PostgreSQL's JSON text of it (``payload_json``), so
 that every number reaches the receiver as it was enqueued (``19.999999999999999999``, not 20.0).
 The key travels as an RFC 8941 string (quoted, as the IETF Idempotency-Key draft wants), with
-the Outbox-* identity headers (http_wire.identity_headers); any action goes, named in
+the Outbox-* identity headers (wire.identity_headers); any action goes, named in
 Outbox-Action.
 
-Response classes follow the IETF Idempotency-Key draft (http_wire.default_class): 2xx success;
+Response classes follow the IETF Idempotency-Key draft (wire.default_class): 2xx success;
 409 (a request with that key is in progress), 408, 425 and 429 transient, honouring Retry-After;
 401 and 403 pause the provider (our credentials are refused: nothing is spent); 422 and other
 4xx permanent; every 5xx (503 included: a gateway may answer it after the receiver acted),
@@ -18,7 +18,7 @@ within bounds (outbox.providers.answers): one over ``max_response_bytes``, undec
 slow is unknown, since the receiver answered and so may have acted. The reference of a 2xx is
 its ``reference_field`` when that is an identifier (``answers.reference``), else the
 idempotency key. With a ``lookup``, reconciliation asks the receiver (outbox.providers.
-http_lookup).
+http.lookup).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""The settings of a `type = "nats"` provider (outbox.queue_settings.nats declares them), read and
-checked: every mistake is a ConfigError naming its key, before anything connects.
+"""The settings of a `type = "nats"` provider (outbox.providers.nats.options declares them), read
+and checked: every mistake is a ConfigError naming its key, before anything connects.
 
-Pure of the client library: the connection is outbox.providers.nats_queue's.
+Pure of the client library: the connection is outbox.providers.nats.provider's.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What each answer of NATS JetStream to a publish means (docs/providers.md, "NATS JetStream"):
 the PubAck read into a reference, and every error the client raises into its class.
 
-Pure: a function of the answer or the exception. The connection is outbox.providers.nats_queue's.
+Pure: a function of the answer or the exception. The connection is outbox.providers.nats.provider's.
 
 JetStream's answers, as nats-server 2.9 to 2.11 give them (each verified against 2.9.10 where
 marked; the codes are nats-server's server/errors.json):

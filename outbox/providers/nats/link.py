@@ -1,4 +1,4 @@
-"""The connection of a `type = "nats"` provider (outbox.providers.nats_queue): one per provider,
+"""The connection of a `type = "nats"` provider (outbox.providers.nats.provider): one per provider,
 opened on the first need, shared by every publish, opened again after it is lost; and before any
 publish goes out on a new one, the duplicate_window of every stream the actions use read and
 checked against key_retention (queue_kit.check_window).

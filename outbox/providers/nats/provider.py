@@ -3,13 +3,13 @@ operation one message on its action's subject, stored by the stream the action n
 stored key as Nats-Msg-Id, so that JetStream drops a repeat inside the stream's
 duplicate_window and answers it with the original's sequence.
 
-One connection per provider (outbox.providers.nats_link), every publish in flight on it at once
+One connection per provider (outbox.providers.nats.link), every publish in flight on it at once
 (nats-py multiplexes the acknowledgements on one inbox). Before a connection carries a publish,
 the duplicate_window of every stream the actions use is checked against key_retention: at start
 a refusal stops `outbox run`; on a later connection it pauses the provider (Failed transient,
 pause=True) with the fix logged, so nothing is sent and nothing is lost, until the stream or the
 config is fixed: the next probe connects and checks again. What each answer means is
-outbox.providers.nats_faults'.
+outbox.providers.nats.faults'.
 
 No lookup: JetStream finds a message by sequence or by its subject's last message, not by
 Nats-Msg-Id, and a stream that removed the message (work queue, max_age, a purge) could not

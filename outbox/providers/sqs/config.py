@@ -1,7 +1,7 @@
 """Reads a `type = "sqs"` provider's table into SqsOptions, checking every key, so that a provider
 that starts can build each message its configuration describes (docs/providers.md, "Amazon SQS").
 
-Pure of the client library: the provider (outbox.providers.sqs_queue) brings aiobotocore.
+Pure of the client library: the provider (outbox.providers.sqs.provider) brings aiobotocore.
 """
 
 from __future__ import annotations

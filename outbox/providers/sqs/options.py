@@ -1,5 +1,9 @@
 """The options of `type = "sqs"` (docs/providers.md, "Queues").
 
+Declared as outbox.config declares every key (outbox.settings_schema): outbox.config puts
+``OPTIONS`` into PROVIDER_OPTIONS, so this module stays pure, declarations only, no client
+library; config.py beside it reads a provider's table by them.
+
 No credential is an option: the provider takes them from the standard AWS chain (the
 environment's AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and AWS_SESSION_TOKEN, a profile of the
 shared config files, a web identity token, the instance's or the task's role), never from the

@@ -1,10 +1,10 @@
 """The Stripe actions outbox can send, and how each is named, sent and reconciled (issue 19).
 
 A *create* makes a new object: it carries outbox's metadata, and the reconciler finds it by
-that metadata in its list, or by the event of its creation (stripe_lookup). A *change* acts on
+that metadata in its list, or by the event of its creation (stripe/lookup.py). A *change* acts on
 an existing object, its *target*, named by the payload's ``id``: the rest of the payload is the
 call's parameters, and the reconciler decides by retrieving the target and reading its state
-(stripe_states.CHANGE_RULES). There is no "any POST" action: only these calls can be made, and
+(states.CHANGE_RULES). There is no "any POST" action: only these calls can be made, and
 no payload field becomes the key, the API key or the account (``stripe_account`` is only ever
 the Stripe-Account header, where the provider allows it).
 """

@@ -78,7 +78,7 @@ from outbox.providers.stripe.lookup import (
 # the provider allows it (operation_accounts): sent as Stripe-Account, never as a parameter.
 OPERATION_ACCOUNT: Final = "stripe_account"
 _ACCOUNT: Final = re.compile(r"acct_[A-Za-z0-9]{1,64}")
-# Stripe allows 50 metadata keys; two are ours (stripe_lookup), merged under the payload's own.
+# Stripe allows 50 metadata keys; two are ours (stripe/lookup.py), merged under the payload's own.
 _METADATA_LIMIT: Final = 50
 # A first 500 is retried after this long: Stripe may still roll the request forward or back.
 # If the retry replays the saved 500, the operation goes to reconciliation.
@@ -312,7 +312,7 @@ class StripeProvider:
     @staticmethod
     def _found(action: str, matches: list[tuple[str, dict[str, Any]]]) -> Found:
         (reference, effect), *others = matches
-        # Found is not done: a declined PaymentIntent exists too (stripe_states).
+        # Found is not done: a declined PaymentIntent exists too (stripe/states.py).
         decided, state, details = stripe_states.verdict(action, effect)
         return Found(reference, tuple(ref for ref, _ in others), decided, state, details)
 
