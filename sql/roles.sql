@@ -13,7 +13,12 @@
 --                      outbox.throttle_bucket.
 --   outbox_operator    (NOLOGIN; grant it to each person's login role, so the audit names them)
 --                      reads operations, attempts and the audit, and changes operations only
---                      through the SECURITY DEFINER operator functions, which write the audit.
+--                      through the SECURITY DEFINER operator functions, which write the audit;
+--                      reads the inbox's records and conflicts.
+--   outbox_consumer    (NOLOGIN; grant it to a worker's login role) records the deliveries it
+--                      handles through outbox.inbox_begin and outbox.inbox_complete (sql/0042),
+--                      prunes expired records through outbox.inbox_prune, binds its tenant, and
+--                      touches no outbox table itself.
 --
 -- Applied by `outbox migrate --with-roles` after the numbered migrations, or by hand by a DBA,
 -- after `outbox migrate`, connected to the application's database as a role with CREATEROLE
@@ -40,7 +45,8 @@ DECLARE
 BEGIN
     FOR r IN SELECT * FROM (VALUES ('outbox_producer', 'NOLOGIN'),
                                    ('outbox_dispatcher', 'NOLOGIN'),
-                                   ('outbox_operator', 'NOLOGIN')) AS wanted (name, login)
+                                   ('outbox_operator', 'NOLOGIN'),
+                                   ('outbox_consumer', 'NOLOGIN')) AS wanted (name, login)
     LOOP
         CONTINUE WHEN EXISTS (SELECT FROM pg_catalog.pg_roles WHERE rolname = r.name);
         BEGIN
@@ -109,14 +115,15 @@ $limits$;
 -- Start from nothing in this database, so a rerun converges on exactly the grants below.
 -- (Revoking a table privilege revokes the same privilege on each of its columns too.)
 REVOKE ALL ON ALL TABLES IN SCHEMA outbox
-    FROM PUBLIC, outbox_producer, outbox_dispatcher, outbox_operator;
+    FROM PUBLIC, outbox_producer, outbox_dispatcher, outbox_operator, outbox_consumer;
 REVOKE ALL ON ALL SEQUENCES IN SCHEMA outbox
-    FROM PUBLIC, outbox_producer, outbox_dispatcher, outbox_operator;
+    FROM PUBLIC, outbox_producer, outbox_dispatcher, outbox_operator, outbox_consumer;
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA outbox
-    FROM PUBLIC, outbox_producer, outbox_dispatcher, outbox_operator;
-REVOKE ALL ON SCHEMA outbox FROM PUBLIC, outbox_producer, outbox_dispatcher, outbox_operator;
+    FROM PUBLIC, outbox_producer, outbox_dispatcher, outbox_operator, outbox_consumer;
+REVOKE ALL ON SCHEMA outbox FROM PUBLIC, outbox_producer, outbox_dispatcher, outbox_operator, outbox_consumer;
 
-GRANT USAGE ON SCHEMA outbox TO outbox_producer, outbox_dispatcher, outbox_operator;
+GRANT USAGE ON SCHEMA outbox
+    TO outbox_producer, outbox_dispatcher, outbox_operator, outbox_consumer;
 
 -- Producer: the two functions of the producer API, and the binding of a transaction to its
 -- tenant under tenant isolation (0038).
@@ -205,3 +212,16 @@ GRANT EXECUTE ON FUNCTION
     outbox.request_provider_action(text, text, text, text),
     outbox.schema_version()
 TO outbox_operator;
+
+-- Operator: the inbox's records and the conflicts seen against them (`outbox inbox`, 0042).
+GRANT SELECT ON outbox.inbox, outbox.inbox_conflicts TO outbox_operator;
+
+-- Consumer: a worker records its deliveries in its own transactions through the functions of
+-- sql/0042, which fence every record by its token and refuse a 5xx; no table privilege, so its
+-- credential cannot delete a record (the next delivery would run again) nor write another's.
+GRANT EXECUTE ON FUNCTION
+    outbox.inbox_begin(text, text, text, text, bytea, interval, interval),
+    outbox.inbox_complete(bigint, uuid, integer, jsonb, bytea),
+    outbox.inbox_prune(integer),
+    outbox.bind_tenant(text)
+TO outbox_consumer;

@@ -1,5 +1,5 @@
 -- sql/schema.sql: the outbox schema as the migrations of sql/ leave it
--- (every migration up to 0041_derived_keys_hold_a_secret).
+-- (every migration up to 0042_inbox).
 --
 -- GENERATED FILE: DO NOT EDIT IT BY HAND. It is regenerated, after adding a migration, by
 --     python -m outbox.db.schema_dump --dsn postgresql://postgres@127.0.0.1:5432/postgres --output sql/schema.sql
@@ -114,6 +114,57 @@ CREATE TABLE outbox.enqueue_allowances (
 );
 
 COMMENT ON TABLE outbox.enqueue_allowances IS 'What each tenant may enqueue: tenant_pattern the tenant id exactly, * any run of characters (sql/0035); provider; action exactly or *. Empty: everything.';
+
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- table outbox.inbox
+-- history: created by 0042_inbox
+
+CREATE TABLE outbox.inbox (
+    id               bigint NOT NULL GENERATED ALWAYS AS IDENTITY,
+    tenant_id        text NOT NULL,
+    handler          text NOT NULL,
+    key              text NOT NULL,
+    state            text NOT NULL,
+    body_digest      bytea NOT NULL,
+    token            uuid NOT NULL,
+    response_status  smallint,
+    response_headers jsonb,
+    response_body    bytea,
+    created_at       timestamp with time zone DEFAULT now() NOT NULL,
+    completed_at     timestamp with time zone,
+    expires_at       timestamp with time zone NOT NULL,
+    CONSTRAINT inbox_pkey PRIMARY KEY (id),
+    CONSTRAINT inbox_identity UNIQUE (tenant_id, handler, key),
+    CONSTRAINT inbox_completed_has_outcome CHECK (((state <> 'completed'::text) OR ((completed_at IS NOT NULL) AND (response_status IS NOT NULL)))),
+    CONSTRAINT inbox_never_5xx CHECK (((response_status >= 200) AND (response_status <= 499))),
+    CONSTRAINT inbox_response_bounded CHECK ((octet_length(response_body) <= 1048576)),
+    CONSTRAINT inbox_state_valid CHECK ((state = ANY (ARRAY['in_progress'::text, 'completed'::text])))
+) WITH (fillfactor=80);
+
+COMMENT ON TABLE outbox.inbox IS 'One record per delivery identity a worker handled, committed with its business writes (sql/0042).';
+
+CREATE INDEX inbox_expiry ON outbox.inbox USING btree (expires_at);
+CREATE CONSTRAINT TRIGGER inbox_outcome_before_commit AFTER INSERT ON outbox.inbox DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION outbox.inbox_outcome_before_commit();
+
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- table outbox.inbox_conflicts
+-- history: created by 0042_inbox
+
+CREATE TABLE outbox.inbox_conflicts (
+    inbox_id      bigint NOT NULL,
+    body_digest   bytea NOT NULL,
+    seen          integer DEFAULT 1 NOT NULL,
+    first_seen_at timestamp with time zone DEFAULT now() NOT NULL,
+    last_seen_at  timestamp with time zone DEFAULT now() NOT NULL,
+    CONSTRAINT inbox_conflicts_pkey PRIMARY KEY (inbox_id, body_digest),
+    CONSTRAINT inbox_conflicts_inbox_id_fkey FOREIGN KEY (inbox_id) REFERENCES outbox.inbox(id) ON DELETE CASCADE
+);
+
+COMMENT ON TABLE outbox.inbox_conflicts IS 'Deliveries that came under a recorded identity with another body (sql/0042).';
 
 -- privileges: the owner's only
 
@@ -1461,6 +1512,181 @@ AS $function$
     WHERE o.tenant_id = get_operation.tenant_id
       AND o.operation_type = get_operation.operation_type
       AND o.operation_key = get_operation.operation_key
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.inbox_begin(text,text,text,text,bytea,interval,interval)
+-- history: created by 0042_inbox
+
+CREATE OR REPLACE FUNCTION outbox.inbox_begin(tenant_id text, handler text, key text, body_json text, body_raw bytea, wait interval, retention interval, OUT decision text, OUT inbox_id bigint, OUT token uuid, OUT response_status integer, OUT response_headers jsonb, OUT response_body bytea)
+ RETURNS record
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+DECLARE
+    v_bound  text := outbox.bound_tenant();
+    v_digest bytea;
+    v_wait   text;
+    v_old    text := current_setting('lock_timeout');
+    r        outbox.inbox;
+BEGIN
+    PERFORM outbox.check_text('tenant_id', tenant_id, 128);
+    PERFORM outbox.check_text('key', key, 512);
+    IF handler IS NULL OR handler !~ '^[a-z0-9][a-z0-9._-]{0,127}$' THEN
+        RAISE EXCEPTION 'handler must be 1 to 128 of a-z, 0-9, ".", "_" and "-", starting with a '
+                        'letter or digit' USING ERRCODE = 'OB002', COLUMN = 'handler';
+    END IF;
+    IF (body_json IS NULL) = (body_raw IS NULL) THEN
+        RAISE EXCEPTION 'exactly one of body_json and body_raw is given' USING ERRCODE = '22023';
+    END IF;
+    IF coalesce(octet_length(body_json), octet_length(body_raw)) > 16777216 THEN
+        RAISE EXCEPTION 'a body may be at most 16 MiB' USING ERRCODE = '22023';
+    END IF;
+    PERFORM outbox.check_between('wait', wait, interval '0', interval '60 seconds');
+    PERFORM outbox.check_between('retention', retention, interval '1 hour', interval '400 days');
+    IF v_bound IS NOT NULL AND v_bound <> tenant_id THEN
+        RAISE EXCEPTION 'this transaction is bound to another tenant'
+            USING ERRCODE = 'insufficient_privilege';
+    END IF;
+    PERFORM outbox.bind_tenant(tenant_id);
+    v_digest := CASE WHEN body_json IS NOT NULL
+                     THEN sha256(convert_to(body_json::jsonb::text, 'UTF8'))
+                     ELSE sha256(body_raw) END;
+    -- lock_timeout 0 would mean "wait for ever": a wait of 0 is one millisecond.
+    v_wait := greatest(1, ceil(extract(epoch FROM wait) * 1000))::bigint || 'ms';
+
+    -- A record deleted between the INSERT and the SELECT (pruned or forgotten): try again.
+    FOR attempt IN 1..3 LOOP
+        BEGIN
+            PERFORM set_config('lock_timeout', v_wait, true);
+            INSERT INTO outbox.inbox AS i (tenant_id, handler, key, state, body_digest, token,
+                                           expires_at)
+            VALUES (tenant_id, handler, key, 'in_progress', v_digest, gen_random_uuid(),
+                    now() + retention)
+            ON CONFLICT ON CONSTRAINT inbox_identity DO NOTHING
+            RETURNING i.id, i.token INTO inbox_id, token;
+            PERFORM set_config('lock_timeout', v_old, true);
+        EXCEPTION WHEN lock_not_available THEN
+            -- The first delivery's transaction still holds the identity: rolled back to here,
+            -- lock_timeout included.
+            decision := 'in_progress';
+            RETURN;
+        END;
+        IF inbox_id IS NOT NULL THEN
+            decision := 'new';
+            RETURN;
+        END IF;
+        SELECT * INTO r FROM outbox.inbox i
+        WHERE i.tenant_id = inbox_begin.tenant_id AND i.handler = inbox_begin.handler
+          AND i.key = inbox_begin.key;
+        CONTINUE WHEN NOT FOUND;
+        inbox_id := r.id;
+        IF r.body_digest <> v_digest THEN
+            INSERT INTO outbox.inbox_conflicts AS c (inbox_id, body_digest)
+            VALUES (r.id, v_digest)
+            ON CONFLICT ON CONSTRAINT inbox_conflicts_pkey
+            DO UPDATE SET seen = c.seen + 1, last_seen_at = now();
+            decision := 'conflict';
+            RETURN;
+        END IF;
+        IF r.state = 'completed' THEN
+            decision := 'replayed';
+            response_status := r.response_status;
+            response_headers := r.response_headers;
+            response_body := r.response_body;
+            RETURN;
+        END IF;
+        decision := 'in_progress';
+        RETURN;
+    END LOOP;
+    decision := 'in_progress';
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.inbox_complete(bigint,uuid,integer,jsonb,bytea)
+-- history: created by 0042_inbox
+
+CREATE OR REPLACE FUNCTION outbox.inbox_complete(inbox_id bigint, token uuid, status integer, headers jsonb, body bytea)
+ RETURNS boolean
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+BEGIN
+    IF status IS NULL OR status NOT BETWEEN 200 AND 499 THEN
+        RAISE EXCEPTION 'only a 2xx, 3xx or 4xx outcome is recorded, not %', status
+            USING ERRCODE = '22023';
+    END IF;
+    IF jsonb_typeof(headers) IS DISTINCT FROM 'array' OR jsonb_array_length(headers) > 64
+       OR octet_length(headers::text) > 16384
+       OR EXISTS (SELECT FROM jsonb_array_elements(headers) h
+                  WHERE jsonb_typeof(h) <> 'array' OR jsonb_array_length(h) <> 2
+                     OR jsonb_typeof(h -> 0) <> 'string' OR jsonb_typeof(h -> 1) <> 'string') THEN
+        RAISE EXCEPTION 'headers are at most 64 [name, value] pairs of strings, 16 KiB in all'
+            USING ERRCODE = '22023';
+    END IF;
+    IF body IS NULL OR octet_length(body) > 1048576 THEN
+        RAISE EXCEPTION 'a recorded body is given and at most 1 MiB' USING ERRCODE = '22023';
+    END IF;
+    -- The tenant too, explicitly: an owner that is a superuser or BYPASSRLS skips the
+    -- policies of roles_tenant_rls.sql (as 0011 says of enqueue).
+    UPDATE outbox.inbox i
+    SET state = 'completed', completed_at = now(), response_status = status,
+        response_headers = headers, response_body = body
+    WHERE i.id = inbox_complete.inbox_id AND i.token = inbox_complete.token
+      AND i.state = 'in_progress' AND i.tenant_id = outbox.bound_tenant();
+    RETURN FOUND;
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.inbox_outcome_before_commit()
+-- history: created by 0042_inbox
+-- fired by trigger inbox_outcome_before_commit ON outbox.inbox
+
+CREATE OR REPLACE FUNCTION outbox.inbox_outcome_before_commit()
+ RETURNS trigger
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+BEGIN
+    IF EXISTS (SELECT FROM outbox.inbox i WHERE i.id = NEW.id AND i.state = 'in_progress') THEN
+        RAISE EXCEPTION 'inbox record % has no outcome at commit', NEW.id
+            USING ERRCODE = 'OB006',
+                  HINT = 'call outbox.inbox_complete before COMMIT, or roll back';
+    END IF;
+    RETURN NULL;
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.inbox_prune(integer)
+-- history: created by 0042_inbox
+
+CREATE OR REPLACE FUNCTION outbox.inbox_prune(batch integer)
+ RETURNS integer
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+DECLARE
+    v_count integer;
+BEGIN
+    PERFORM outbox.check_count('batch', batch, 1, 10000);
+    DELETE FROM outbox.inbox
+    WHERE id IN (SELECT i.id FROM outbox.inbox i
+                 WHERE i.expires_at < now() AND i.state = 'completed'
+                 ORDER BY i.expires_at LIMIT batch FOR UPDATE SKIP LOCKED);
+    GET DIAGNOSTICS v_count = ROW_COUNT;
+    RETURN v_count;
+END;
 $function$;
 -- privileges: the owner's only
 

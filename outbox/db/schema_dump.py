@@ -62,7 +62,9 @@ REGENERATE: Final = (
 # The roles sql/roles.sql makes. Their grants are that script's (optional, cluster-wide, run
 # per deployment), yet some migrations grant them EXECUTE on a new function where they exist
 # already: left out, so the file does not depend on what else the server has seen.
-ROLE_SCRIPT_ROLES: Final = frozenset({"outbox_producer", "outbox_dispatcher", "outbox_operator"})
+ROLE_SCRIPT_ROLES: Final = frozenset(
+    {"outbox_producer", "outbox_dispatcher", "outbox_operator", "outbox_consumer"}
+)
 
 # Deparsed constants follow these settings; pinned so that every session prints the same text.
 _SESSION_SETTINGS: Final = (

@@ -48,6 +48,7 @@ INSUFFICIENT_PRIVILEGE = "42501"
 APP = "outbox_test_app"
 OPERATOR = "outbox_test_operator"
 DISPATCHER = "outbox_test_dispatcher"
+WORKER = "outbox_test_worker"  # a worker that records its deliveries (outbox_consumer)
 
 _TEST_LOGINS = """
 DO $$
@@ -61,11 +62,15 @@ BEGIN
     IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'outbox_test_dispatcher') THEN
         CREATE ROLE outbox_test_dispatcher LOGIN;
     END IF;
+    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'outbox_test_worker') THEN
+        CREATE ROLE outbox_test_worker LOGIN;
+    END IF;
 END
 $$;
 GRANT outbox_producer TO outbox_test_app;
 GRANT outbox_operator TO outbox_test_operator;
 GRANT outbox_dispatcher TO outbox_test_dispatcher;
+GRANT outbox_consumer TO outbox_test_worker;
 -- The last step of the upgrade from a LOGIN outbox_dispatcher (sql/roles.sql), which a cluster
 -- that ran earlier versions' tests still has.
 ALTER ROLE outbox_dispatcher NOLOGIN;
@@ -178,8 +183,9 @@ def test_roles_exist_with_the_dispatchers_session_limits(roles_db: str) -> None:
         roles_db,
         "SELECT rolname, rolcanlogin, rolsuper, rolcreaterole, rolbypassrls "
         "FROM pg_roles WHERE rolname IN ('outbox_producer', 'outbox_dispatcher',"
-        " 'outbox_operator') ORDER BY 1",
+        " 'outbox_operator', 'outbox_consumer') ORDER BY 1",
     ) == [
+        ("outbox_consumer", False, False, False, False),
         ("outbox_dispatcher", False, False, False, False),
         ("outbox_operator", False, False, False, False),
         ("outbox_producer", False, False, False, False),
@@ -223,7 +229,7 @@ def test_every_function_is_pinned_and_executable_only_by_its_roles(roles_db: str
                EXISTS (SELECT FROM aclexplode(coalesce(p.proacl, acldefault('f', p.proowner))) a
                        WHERE a.grantee = 0) AS public_execute,
                array(SELECT r FROM unnest(ARRAY['outbox_producer', 'outbox_dispatcher',
-                                                'outbox_operator']) AS r
+                                                'outbox_operator', 'outbox_consumer']) AS r
                      WHERE has_function_privilege(r, p.oid, 'EXECUTE') ORDER BY 1) AS roles
         FROM pg_proc p WHERE p.pronamespace = 'outbox'::regnamespace""",
     )
@@ -237,7 +243,14 @@ def test_every_function_is_pinned_and_executable_only_by_its_roles(roles_db: str
         "outbox.enqueue(text,text,text,text,text,jsonb,text,text,timestamp with time zone,"
         "integer,text,text)": (True, ["outbox_producer"]),
         "outbox.get_operation(text,text,text)": (True, ["outbox_producer"]),
-        "outbox.bind_tenant(text)": (False, ["outbox_producer"]),
+        "outbox.bind_tenant(text)": (False, ["outbox_consumer", "outbox_producer"]),
+        # A worker's deliveries, recorded in its own transactions (sql/0042).
+        "outbox.inbox_begin(text,text,text,text,bytea,interval,interval)": (
+            True,
+            ["outbox_consumer"],
+        ),
+        "outbox.inbox_complete(bigint,uuid,integer,jsonb,bytea)": (True, ["outbox_consumer"]),
+        "outbox.inbox_prune(integer)": (True, ["outbox_consumer"]),
         "outbox.resolve_operation(bigint,text,text,text)": (True, ["outbox_operator"]),
         "outbox.cancel_operation(bigint,text,text)": (True, ["outbox_operator"]),
         "outbox.request_cancel(bigint,text,text)": (True, ["outbox_operator"]),
@@ -306,6 +319,7 @@ def test_every_function_is_pinned_and_executable_only_by_its_roles(roles_db: str
         "outbox.pass_turn()",
         "outbox.rejoin_line()",
         "outbox.cancel_when_attempt_ends()",
+        "outbox.inbox_outcome_before_commit()",
     }
 
 

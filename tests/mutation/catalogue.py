@@ -54,6 +54,11 @@ TASKS_TESTS = "tests/integration/test_queue_cloudtasks.py"
 STARTUP_TESTS = "tests/integration/test_run_startup.py"
 CARRIED = "tests/integration/test_carried_payloads.py::"
 ROLES_TESTS = "tests/integration/test_roles.py"
+# The inbox (issue 40): its SQL, its middleware, and the tests in process and against the
+# example worker under uvicorn.
+INBOX_SQL = "sql/0042_inbox.sql"
+INBOX_TESTS = "tests/integration/test_inbox.py"
+WORKER_TESTS = "tests/integration/test_inbox_worker.py"
 
 MUTANTS: tuple[Mutant, ...] = (
     # --- the lease fence, in every path that writes after a provider call ----------------------
@@ -686,8 +691,10 @@ MUTANTS: tuple[Mutant, ...] = (
         "rls-tenant-binding",
         "a producer bound to one tenant reads another tenant's operations",
         "sql/roles_tenant_rls.sql",
-        "            'USING (tenant_id = %s) WITH CHECK (tenant_id = %s)', bound, bound);\n",
-        "            'USING (true) WITH CHECK (tenant_id = %s)', bound);\n",
+        "                'USING (tenant_id = %s) WITH CHECK (tenant_id = %s)',\n"
+        "                t.name || '_bound_tenant', t.name, bound, bound);\n",
+        "                'USING (true) WITH CHECK (tenant_id = %s)',\n"
+        "                t.name || '_bound_tenant', t.name, bound);\n",
         "tests/integration/test_rls.py",
     ),
     _one(
@@ -1143,5 +1150,94 @@ MUTANTS: tuple[Mutant, ...] = (
         "interval '1 day');\n",
         "           NULL;\n",
         ROLES_TESTS + "::test_the_dispatchers_credential_cannot_rewrite_history",
+    ),
+    # --- the inbox: one recorded outcome per delivery identity (issue 40; sql/0042) -------------
+    _one(
+        "inbox-unbounded-wait",
+        "a duplicate waits for the first delivery's transaction for as long as it runs, holding "
+        'a connection, instead of hearing "in progress" after `wait`',
+        INBOX_SQL,
+        "            PERFORM set_config('lock_timeout', v_wait, true);\n",
+        "            PERFORM set_config('lock_timeout', '0', true);\n",
+        INBOX_TESTS + "::test_a_duplicate_waits_at_most_wait_then_hears_in_progress",
+    ),
+    _one(
+        "inbox-no-conflict-check",
+        "the same identity with another body replays the first outcome instead of a conflict",
+        INBOX_SQL,
+        "        IF r.body_digest <> v_digest THEN\n",
+        "        IF false THEN\n",
+        INBOX_TESTS + "::test_any_spelling_of_the_same_json_replays_and_any_change_conflicts",
+        WORKER_TESTS
+        + "::test_the_same_key_with_other_input_is_a_conflict_and_the_first_invoice_stays",
+    ),
+    _one(
+        "inbox-completion-unfenced",
+        "a transaction completes a record it did not begin",
+        INBOX_SQL,
+        "    WHERE i.id = inbox_complete.inbox_id AND i.token = inbox_complete.token\n",
+        "    WHERE i.id = inbox_complete.inbox_id\n",
+        INBOX_TESTS + "::test_the_workers_role_records_deliveries_and_can_do_nothing_else",
+    ),
+    _one(
+        "inbox-skips-tenant",
+        "a worker's transaction is not bound to its delivery's tenant, so it reaches the records "
+        "of every tenant",
+        INBOX_SQL,
+        "    PERFORM outbox.bind_tenant(tenant_id);\n",
+        "",
+        INBOX_TESTS + "::test_the_workers_role_records_deliveries_and_can_do_nothing_else",
+    ),
+    _one(
+        "inbox-prune-unexpired",
+        "the prune deletes records the sender may still redeliver, which then run again",
+        INBOX_SQL,
+        "                 WHERE i.expires_at < now() AND i.state = 'completed'\n",
+        "                 WHERE i.state = 'completed'\n",
+        INBOX_TESTS + "::test_prune_deletes_only_completed_records_past_their_retention",
+    ),
+    _one(
+        "inbox-records-5xx",
+        "a failure is recorded, so every redelivery is answered with it and the work never runs",
+        "outbox/inbox/asgi.py",
+        "recordable = 200 <= response.status < 400 or",
+        "recordable = 200 <= response.status < 600 or",
+        INBOX_TESTS + "::test_a_5xx_or_a_raise_records_nothing_and_undoes_the_handlers_writes",
+    ),
+    _one(
+        "inbox-acks-a-failed-handler",
+        "a handler that raised is answered with success, so the sender drops work that never "
+        "committed",
+        "outbox/inbox/asgi.py",
+        'problem(500, "handler failed"',
+        'problem(200, "handler failed"',
+        INBOX_TESTS + "::test_a_5xx_or_a_raise_records_nothing_and_undoes_the_handlers_writes",
+    ),
+    _one(
+        "inbox-in-progress-acks",
+        "a delivery still in its first transaction is answered as done",
+        "outbox/inbox/asgi.py",
+        '            409, "in progress",',
+        '            200, "in progress",',
+        INBOX_TESTS + "::test_a_duplicate_waits_at_most_wait_then_hears_in_progress",
+        WORKER_TESTS + "::test_dozens_of_duplicates_at_once_make_one_invoice_and_agree",
+    ),
+    _one(
+        "inbox-stores-cookies",
+        "a recorded response keeps a Set-Cookie, replayed to whoever delivers the key again",
+        "outbox/inbox/http.py",
+        '        "set-cookie",\n',
+        "",
+        INBOX_TESTS + "::test_a_replay_keeps_no_cookie_or_credential_even_when_asked_to",
+    ),
+    _one(
+        "inbox-answers-before-commit",
+        "the answer is decided before COMMIT succeeds: a commit that fails is answered as done, "
+        "and the sender drops work that was never recorded",
+        "outbox/inbox/core.py",
+        "            await asyncio.shield(_finish(conn, delivery))\n",
+        "            with suppress(psycopg.Error):\n"
+        "                await asyncio.shield(_finish(conn, delivery))\n",
+        INBOX_TESTS + "::test_a_commit_that_fails_is_never_answered_as_success",
     ),
 )

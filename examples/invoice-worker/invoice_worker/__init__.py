@@ -1,0 +1,1 @@
+"""invoice-worker: the receiving half of outbox, as users copy it (README, "The receiving half")."""

@@ -1,0 +1,108 @@
+"""The invoice worker: ``POST /invoices`` records one invoice per delivery identity.
+
+Run it with ``uvicorn invoice_worker.app:app`` and ``OUTBOX_DATABASE_URL`` set. At start it
+applies outbox's migrations (the inbox's tables) and creates its own ``invoices`` table if
+missing. The handler writes on the delivery's connection, inside the transaction that also
+records its answer: a repeat of the delivery gets that answer back and never a second invoice.
+``INVOICE_WORKER_DELAY_MS`` makes the handler sleep after its insert and before the commit, so
+that tests can catch a delivery in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any, Final
+
+import psycopg
+from outbox.db.migrations import migrate
+from outbox.inbox import Inbox, InboxMiddleware, delivery
+from psycopg_pool import AsyncConnectionPool
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+CREATE_INVOICES: Final = """
+CREATE TABLE IF NOT EXISTS invoices (
+    id         bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    tenant_id  text NOT NULL,
+    account_id text NOT NULL,
+    amount     bigint NOT NULL,
+    currency   text NOT NULL,
+    created_at timestamptz NOT NULL DEFAULT now()
+)"""
+INSERT_INVOICE: Final = (
+    "INSERT INTO invoices (tenant_id, account_id, amount, currency)"
+    " VALUES (%s, %s, %s, %s) RETURNING id"
+)
+# Several workers may start at once: one creates the table, the others wait for it.
+SETUP_LOCK: Final = 7_220_001
+
+DSN: Final = os.environ.get("OUTBOX_DATABASE_URL", "")
+pool: AsyncConnectionPool[Any] = AsyncConnectionPool(DSN, open=False, min_size=2, max_size=10)
+inbox = Inbox(pool)
+
+
+def _setup() -> None:
+    with psycopg.connect(DSN, autocommit=True) as conn:
+        migrate(conn)
+        with conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (SETUP_LOCK,))
+            conn.execute(CREATE_INVOICES)
+
+
+@asynccontextmanager
+async def lifespan(app: Starlette) -> AsyncIterator[None]:
+    if not DSN:
+        raise RuntimeError("set OUTBOX_DATABASE_URL to the worker's database")
+    await asyncio.to_thread(_setup)
+    await pool.open(wait=True)
+    try:
+        yield
+    finally:
+        await pool.close()
+
+
+def _problems(body: Any) -> list[str]:
+    """What is wrong with an invoice request, in words; nothing when it is right."""
+    if not isinstance(body, dict):
+        return ["the body is a JSON object"]
+    wanted = {"account_id": str, "amount": int, "currency": str}
+    found = [
+        f"{name} is a {kind.__name__}"
+        for name, kind in wanted.items()
+        if type(body.get(name)) is not kind
+    ]
+    if isinstance(body.get("amount"), int) and not 0 < body["amount"] < 2**63:
+        found.append("amount is positive and below 2**63")
+    return found
+
+
+async def create_invoice(request: Request) -> JSONResponse:
+    d = delivery(request)
+    try:
+        body = await request.json()
+    except ValueError:
+        body = None
+    problems = _problems(body)
+    if problems or d.conn is None:
+        # Recorded like a success: the same request is refused the same way every time.
+        return JSONResponse({"errors": problems}, status_code=422)
+    cur = await d.conn.execute(
+        INSERT_INVOICE, (d.identity.tenant_id, body["account_id"], body["amount"], body["currency"])
+    )
+    row = await cur.fetchone()
+    delay = int(os.environ.get("INVOICE_WORKER_DELAY_MS", "0"))
+    if delay > 0:
+        await asyncio.sleep(delay / 1000)
+    return JSONResponse({"invoice_id": row[0] if row else None}, status_code=201)
+
+
+app = InboxMiddleware(
+    Starlette(routes=[Route("/invoices", create_invoice, methods=["POST"])], lifespan=lifespan),
+    inbox=inbox,
+    routes={"POST /invoices": "invoice.create"},
+)

@@ -1,0 +1,44 @@
+"""The receiving half: a worker's deliveries converge on one recorded outcome.
+
+A worker that outbox (or any at-least-once sender) feeds wraps its routes in
+:class:`InboxMiddleware`. Each delivery's business writes and its recorded outcome commit in one
+transaction; a repeat gets the recorded outcome, byte for byte, marked
+``Idempotent-Replayed: true``; a delivery still in its first transaction is "in progress"
+(409, ``Retry-After``), never complete; the same key with another body is a conflict (422),
+never run (docs/design.md, "The inbox")::
+
+    inbox = Inbox(pool)
+    app = InboxMiddleware(starlette_app, inbox=inbox, routes={"POST /invoices": "invoice.create"})
+
+    async def create_invoice(request):
+        conn = delivery(request).conn  # the delivery's open transaction: write here
+        ...
+"""
+
+from __future__ import annotations
+
+from outbox.inbox.asgi import InboxMiddleware, delivery
+from outbox.inbox.core import (
+    Decision,
+    Delivery,
+    Identity,
+    Inbox,
+    InvalidDelivery,
+    NoOutcome,
+    Outcome,
+)
+from outbox.inbox.http import KeyFrom, TenantFrom
+
+__all__ = [
+    "Decision",
+    "Delivery",
+    "Identity",
+    "Inbox",
+    "InboxMiddleware",
+    "InvalidDelivery",
+    "KeyFrom",
+    "NoOutcome",
+    "Outcome",
+    "TenantFrom",
+    "delivery",
+]

@@ -1,0 +1,283 @@
+"""The inbox as pure ASGI middleware (Starlette, FastAPI, any ASGI app).
+
+For each declared route, the delivery is decided before the app sees it; only a new delivery
+reaches the app, with its transaction open (``delivery(request).conn``). The app's response is
+buffered, never streamed: nothing may reach the sender before COMMIT, because a worker
+acknowledges outcomes, not intentions. Pure ASGI rather than Starlette's BaseHTTPMiddleware,
+because a sender that hangs up must not cancel a commit under way (docs/design.md, "The inbox").
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import psycopg
+import structlog
+from psycopg_pool import PoolTimeout
+
+from outbox.inbox import meters
+from outbox.inbox.core import (
+    Decision,
+    Delivery,
+    Identity,
+    Inbox,
+    InvalidDelivery,
+    Outcome,
+    pairs_of,
+)
+from outbox.inbox.http import (
+    Headers,
+    KeyFrom,
+    MissingIdentity,
+    TenantFrom,
+    problem,
+    replay,
+    stored_headers,
+)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+DELIVERY: Final = "outbox.inbox.delivery"  # the key of scope["state"] that holds the Delivery
+# What the app may answer in all, recorded or not: a response is buffered before COMMIT.
+_RESPONSE_CAP: Final = 16 * 1024 * 1024
+# Database trouble that a redelivery may not meet: the sender should try again shortly.
+_UNAVAILABLE: Final = (
+    psycopg.errors.SerializationFailure,
+    psycopg.errors.DeadlockDetected,
+    psycopg.OperationalError,
+    PoolTimeout,
+)
+log = structlog.get_logger("outbox.inbox")
+
+
+def delivery(request: Any) -> Delivery:
+    """The delivery a handler runs for: ``delivery(request)`` (Starlette, FastAPI) or
+    ``delivery(scope)``."""
+    scope = getattr(request, "scope", request)
+    found = scope.get("state", {}).get(DELIVERY)
+    if not isinstance(found, Delivery):
+        raise LookupError(  # noqa: TRY004  (a missing entry, not a wrong type)
+            "this request did not come through InboxMiddleware's declared routes"
+        )
+    return found
+
+
+class HandlerFailed(Exception):
+    """The app raised while handling a new delivery: its transaction rolled back."""
+
+
+@dataclass
+class _Captured:
+    status: int = 500
+    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    body: bytearray = field(default_factory=bytearray)
+    started: bool = False
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.status = int(message["status"])
+            self.headers = [(bytes(k), bytes(v)) for k, v in message.get("headers", ())]
+            self.started = True
+        elif message["type"] == "http.response.body":
+            self.body += message.get("body", b"")
+            if len(self.body) > _RESPONSE_CAP:
+                raise RuntimeError("the response is larger than the inbox buffers")
+
+
+class InboxMiddleware:
+    """Wraps ``app``; ``routes`` maps ``"METHOD /path"`` to a handler name, the stable part of
+    each delivery's identity (renaming a path keeps it; renaming a handler forgets its records).
+
+    ``record_statuses`` are the 4xx a handler answers deterministically (recorded and replayed
+    like a 2xx or 3xx); any other status, a raise or a response over ``max_response_bytes``
+    rolls the handler's writes back and records nothing, so the sender delivers again."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        inbox: Inbox,
+        routes: Mapping[str, str],
+        key: KeyFrom | None = None,
+        tenant: TenantFrom | None = None,
+        record_statuses: frozenset[int] = frozenset({400, 404, 410, 422}),
+        max_body_bytes: int = 1024 * 1024,
+        max_response_bytes: int = 64 * 1024,
+        retry_after: int = 1,
+        keep_headers: frozenset[str] = frozenset(),
+    ) -> None:
+        self.app = app
+        self.inbox = inbox
+        self.routes = {_route_key(route): name for route, name in routes.items()}
+        self.key = key or KeyFrom.auto()
+        self.tenant = tenant or TenantFrom.header()
+        self.record_statuses = record_statuses
+        self.max_body_bytes = max_body_bytes
+        self.max_response_bytes = max_response_bytes
+        self.retry_after = retry_after
+        self.keep_headers = frozenset(name.lower() for name in keep_headers)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        handler = None
+        if scope["type"] == "http":
+            handler = self.routes.get((scope["method"], scope["path"]))
+        if handler is None:
+            await self.app(scope, receive, send)
+            return
+        started = time.monotonic()
+        answer, decision = await self._deliver(scope, receive, handler)
+        meters.DELIVERIES.labels(handler, decision).inc()
+        log.info(
+            "inbox delivery",
+            handler=handler,
+            decision=decision,
+            status=answer.status,
+            seconds=round(time.monotonic() - started, 4),
+        )
+        await _send(send, answer)
+
+    async def _deliver(self, scope: Scope, receive: Receive, handler: str) -> tuple[Outcome, str]:
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        body = await _read_body(receive, self.max_body_bytes)
+        if body is None:
+            detail = f"at most {self.max_body_bytes} bytes"
+            return problem(413, "body too large", detail, "invalid"), "invalid"
+        try:
+            identity = self._identity(headers, handler)
+        except (MissingIdentity, UnicodeDecodeError) as exc:
+            return problem(400, "no delivery identity", str(exc), "invalid"), "invalid"
+        return await self._decide(scope, receive, body, identity, _is_json(headers))
+
+    async def _decide(
+        self, scope: Scope, receive: Receive, body: bytes, identity: Identity, is_json: bool
+    ) -> tuple[Outcome, str]:
+        handler = identity.handler
+        try:
+            async with self.inbox.deliver(identity, body, is_json=is_json) as d:
+                if d.decision is not Decision.NEW:
+                    return self._answer(d), d.decision.value
+                return await self._handle(scope, receive, body, d), d.decision.value
+        except InvalidDelivery as exc:
+            return problem(400, "invalid delivery", str(exc), "invalid"), "invalid"
+        except HandlerFailed as exc:
+            # The exception's class only: its text may quote the payload.
+            error = type(exc.__cause__).__name__
+            log.error("inbox handler failed", handler=handler, error=error)  # noqa: TRY400
+            return problem(500, "handler failed", "nothing was recorded", "failed"), "failed"
+        except _UNAVAILABLE as exc:
+            log.warning("inbox database unavailable", handler=handler, error=type(exc).__name__)
+            detail = "nothing was recorded"
+            answer = problem(503, "try again", detail, "unavailable", self.retry_after)
+            return answer, "unavailable"
+        except psycopg.Error as exc:
+            # A statement or the COMMIT failed (a deferred constraint, OB006): rolled back.
+            log.error("inbox delivery failed", handler=handler, sqlstate=exc.sqlstate)  # noqa: TRY400
+            return problem(500, "not recorded", "the transaction failed", "failed"), "failed"
+
+    def _identity(self, headers: Headers, handler: str) -> Identity:
+        key = self.key.read(headers)
+        tenant = self.tenant.read(headers)
+        if key is None:
+            raise MissingIdentity("the delivery names no idempotency key")
+        if tenant is None:
+            raise MissingIdentity("the delivery names no tenant")
+        return Identity(tenant, handler, key)
+
+    async def _handle(self, scope: Scope, receive: Receive, body: bytes, d: Delivery) -> Outcome:
+        captured = _Captured()
+        inner = dict(scope)
+        inner["state"] = {**scope.get("state", {}), DELIVERY: d}
+        started = time.monotonic()
+        try:
+            await self.app(inner, _replaying(body, receive), captured.send)
+        except Exception as exc:
+            raise HandlerFailed() from exc
+        response = Outcome(captured.status, pairs_of(captured.headers), bytes(captured.body))
+        recordable = 200 <= response.status < 400 or response.status in self.record_statuses
+        if recordable and len(response.body) <= self.max_response_bytes:
+            kept = stored_headers(response.headers, self.keep_headers)
+            await d.complete(Outcome(response.status, kept, response.body))
+            outcome = "committed"
+        else:
+            d.roll_back()
+            outcome = "rolled_back"
+            if recordable:
+                response = problem(
+                    500,
+                    "response too large to record",
+                    f"at most {self.max_response_bytes} bytes",
+                    "failed",
+                )
+        meters.HANDLER_SECONDS.labels(d.identity.handler, outcome).observe(
+            time.monotonic() - started
+        )
+        marked = (*response.headers, ("Outbox-Inbox-Decision", "new"))
+        return Outcome(response.status, marked, response.body)
+
+    def _answer(self, d: Delivery) -> Outcome:
+        if d.decision is Decision.REPLAYED and d.recorded is not None:
+            return replay(d.recorded)
+        if d.decision is Decision.CONFLICT:
+            return problem(422, "conflict", "this key was delivered with another body", "conflict")
+        return problem(
+            409, "in progress", "this delivery is being handled", "in_progress", self.retry_after
+        )
+
+
+def _route_key(route: str) -> tuple[str, str]:
+    method, _, path = route.strip().partition(" ")
+    if not path.startswith("/"):
+        raise ValueError(f"a route is 'METHOD /path', not {route!r}")
+    return method.upper(), path
+
+
+def _is_json(headers: Headers) -> bool:
+    media = headers.get("content-type", "").split(";")[0].strip().lower()
+    return media == "application/json" or media.endswith("+json")
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | None:
+    """The whole request body, or None past ``limit`` bytes."""
+    body = bytearray()
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            break
+        body += message.get("body", b"")
+        if len(body) > limit:
+            return None
+        if not message.get("more_body", False):
+            break
+    return bytes(body)
+
+
+def _replaying(body: bytes, receive: Receive) -> Receive:
+    """A receive that gives the app the body once, then waits on the real one (a disconnect)."""
+    given = False
+
+    async def inner() -> Message:
+        nonlocal given
+        if not given:
+            given = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return inner
+
+
+async def _send(send: Send, answer: Outcome) -> None:
+    headers = [
+        (name.encode("latin-1"), value.encode("latin-1"))
+        for name, value in answer.headers
+        if name.lower() != "content-length"
+    ]
+    headers.append((b"content-length", str(len(answer.body)).encode()))
+    await send({"type": "http.response.start", "status": answer.status, "headers": headers})
+    await send({"type": "http.response.body", "body": answer.body})

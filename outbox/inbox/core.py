@@ -1,0 +1,229 @@
+"""The inbox's primitive: one delivery, decided and recorded in its handler's own transaction.
+
+``Inbox.deliver`` opens a transaction on a pooled connection, asks the database what this
+delivery is (``outbox.inbox_begin``, sql/0042) and hands the handler that connection while the
+record is in progress. The handler's business writes and ``Delivery.complete`` commit together
+or not at all (docs/design.md, "The inbox"): a crash, a raise or a failed COMMIT leaves neither,
+so the sender's redelivery runs the handler again, once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass, field
+from datetime import timedelta
+from enum import StrEnum
+from typing import Any, Final
+from uuid import UUID
+
+import psycopg
+from psycopg.types.json import Jsonb
+from psycopg_pool import AsyncConnectionPool
+
+from outbox.inbox import statements
+
+# Classes of SQLSTATE that mean "this delivery cannot be taken as it is" rather than "the
+# database failed": data exceptions (a body that is not JSON PostgreSQL can store: 22P02, 22P05),
+# program limits (a body nested too deep: 54001) and outbox's own refusals of an identity (OB002).
+_MALFORMED: Final = ("22", "54", "OB")
+
+
+class Decision(StrEnum):
+    """What the inbox made of a delivery; also the metric label and ``Outbox-Inbox-Decision``."""
+
+    NEW = "new"  # a record in progress, this transaction's: run the handler
+    REPLAYED = "replayed"  # completed before: answer the recorded outcome
+    CONFLICT = "conflict"  # the identity was recorded with another body: never run
+    IN_PROGRESS = "in_progress"  # another transaction holds the identity: try later
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who a delivery is: the same identity is the same delivery, however often it arrives."""
+
+    tenant_id: str
+    handler: str
+    key: str
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A response as recorded and replayed: headers as (name, value) pairs, in order."""
+
+    status: int
+    headers: tuple[tuple[str, str], ...]
+    body: bytes
+
+
+class InvalidDelivery(ValueError):
+    """The delivery cannot be taken (its identity or body is malformed); nothing was written.
+    Answered as a refusal of input (HTTP 400), never retried into success."""
+
+
+class NoOutcome(RuntimeError):
+    """A new delivery's handler returned without recording an outcome or asking for a rollback:
+    its writes were rolled back, since a record without an outcome would answer "in progress"
+    to every repeat."""
+
+
+@dataclass
+class Delivery:
+    """One delivery, as the handler sees it. ``conn`` is the open transaction while the decision
+    is new (do the business writes on it; never commit or roll back it yourself)."""
+
+    identity: Identity
+    decision: Decision
+    conn: psycopg.AsyncConnection[Any] | None
+    recorded: Outcome | None = None
+    _inbox_id: int | None = None
+    _token: UUID | None = None
+    _completed: bool = field(default=False, repr=False)
+    _rollback: bool = field(default=False, repr=False)
+
+    async def complete(self, outcome: Outcome) -> None:
+        """Record ``outcome`` in this transaction: it commits with the handler's writes."""
+        if self.decision is not Decision.NEW or self.conn is None:
+            raise RuntimeError(f"a {self.decision} delivery records nothing")
+        params = {
+            "inbox_id": self._inbox_id,
+            "token": self._token,
+            "status": outcome.status,
+            "headers": Jsonb([list(pair) for pair in outcome.headers]),
+            "body": outcome.body,
+        }
+        row = await (await self.conn.execute(statements.COMPLETE, params)).fetchone()
+        if row is None or row[0] is not True:
+            # Only this transaction knows the token: a false here is a bug, not a race.
+            raise RuntimeError("the inbox record of this delivery is no longer in progress")
+        self._completed = True
+
+    def roll_back(self) -> None:
+        """Record nothing and undo the handler's writes: the sender will deliver again."""
+        self._rollback = True
+
+
+class Inbox:
+    """Deliveries decided and recorded on ``pool``'s connections (transaction mode)."""
+
+    def __init__(
+        self,
+        pool: AsyncConnectionPool[Any],
+        *,
+        retention: timedelta = timedelta(days=7),
+        wait: timedelta = timedelta(seconds=2),
+    ) -> None:
+        self.pool = pool
+        self.retention = retention
+        self.wait = wait
+        # Deliveries under way in this process, by identity: a duplicate waits here on the first
+        # instead of holding a pooled connection while it waits in PostgreSQL.
+        self._flights: dict[Identity, asyncio.Event] = {}
+
+    @asynccontextmanager
+    async def deliver(
+        self, identity: Identity, body: bytes, *, is_json: bool
+    ) -> AsyncIterator[Delivery]:
+        """Decide the delivery of ``body`` under ``identity`` and, when it is new, keep its
+        transaction open for the handler until the block ends: then COMMIT if an outcome was
+        recorded, ROLLBACK if ``roll_back`` was asked or the block raised. Raises
+        ``InvalidDelivery`` for a malformed identity or body, ``NoOutcome`` for a new delivery
+        that ended with neither."""
+        async with self._flight(identity) as left, self.pool.connection() as conn:
+            delivery = await self._begin(conn, identity, body, is_json, left)
+            try:
+                yield delivery
+            except BaseException:
+                await asyncio.shield(_roll_back(conn))
+                raise
+            await asyncio.shield(_finish(conn, delivery))
+
+    @asynccontextmanager
+    async def _flight(self, identity: Identity) -> AsyncIterator[timedelta]:
+        """Wait (at most ``wait``) for a delivery of the same identity already under way in this
+        process; yields how much of ``wait`` is left for the database's own wait."""
+        started = time.monotonic()
+        first = self._flights.get(identity)
+        if first is not None:
+            with suppress(TimeoutError):
+                await asyncio.wait_for(first.wait(), self.wait.total_seconds())
+            yield max(timedelta(0), self.wait - timedelta(seconds=time.monotonic() - started))
+            return
+        done = self._flights[identity] = asyncio.Event()
+        try:
+            yield self.wait
+        finally:
+            del self._flights[identity]
+            done.set()
+
+    async def _begin(
+        self,
+        conn: psycopg.AsyncConnection[Any],
+        identity: Identity,
+        body: bytes,
+        is_json: bool,
+        wait: timedelta,
+    ) -> Delivery:
+        params = _begin_params(identity, body, is_json)
+        params.update(wait=wait, retention=self.retention)
+        try:
+            row = await (await conn.execute(statements.BEGIN, params)).fetchone()
+        except psycopg.Error as exc:
+            await conn.rollback()
+            if (exc.sqlstate or "")[:2] in _MALFORMED:
+                raise InvalidDelivery(exc.diag.message_primary or str(exc)) from exc
+            raise
+        if row is None:  # a function call returns one row
+            raise RuntimeError("outbox.inbox_begin returned no row")
+        decision, inbox_id, token, status, headers, stored_body = row
+        recorded = None
+        if status is not None:
+            pairs = tuple((str(name), str(value)) for name, value in headers or ())
+            recorded = Outcome(status, pairs, bytes(stored_body or b""))
+        new = decision == Decision.NEW
+        return Delivery(
+            identity, Decision(decision), conn if new else None, recorded, inbox_id, token
+        )
+
+
+def _begin_params(identity: Identity, body: bytes, is_json: bool) -> dict[str, Any]:
+    """The body as text for PostgreSQL to parse as jsonb (so its digest is the canonical text
+    enqueue fingerprints), or as raw bytes for any other body."""
+    body_json: str | None = None
+    if is_json:
+        try:
+            body_json = body.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidDelivery("a JSON body must be UTF-8") from exc
+        if "\x00" in body_json:
+            raise InvalidDelivery("a JSON body must not contain NUL characters")
+    return {
+        "tenant_id": identity.tenant_id,
+        "handler": identity.handler,
+        "key": identity.key,
+        "body_json": body_json,
+        "body_raw": None if is_json else body,
+    }
+
+
+async def _finish(conn: psycopg.AsyncConnection[Any], delivery: Delivery) -> None:
+    """COMMIT what may be kept; roll back a new delivery with no recorded outcome."""
+    if delivery.decision is Decision.NEW and (delivery._rollback or not delivery._completed):
+        await conn.rollback()
+        if not delivery._rollback:
+            raise NoOutcome(f"handler {delivery.identity.handler} recorded no outcome")
+        return
+    await conn.commit()
+
+
+async def _roll_back(conn: psycopg.AsyncConnection[Any]) -> None:
+    # A broken connection rolled back with it; the pool discards it.
+    with suppress(psycopg.Error):
+        await conn.rollback()
+
+
+def pairs_of(headers: Sequence[tuple[bytes, bytes]]) -> tuple[tuple[str, str], ...]:
+    """ASGI header pairs as text, latin-1 so that every byte round-trips."""
+    return tuple((name.decode("latin-1"), value.decode("latin-1")) for name, value in headers)

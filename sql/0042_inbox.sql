@@ -1,0 +1,232 @@
+-- 0042: the inbox, the receiving half (issue 40; docs/design.md, "The inbox").
+--
+-- A worker that outbox (or any at-least-once sender) feeds records each delivery it handled,
+-- in the same transaction as its business writes: one row per delivery identity (tenant,
+-- handler, key). A repeat finds the row and gets the recorded outcome instead of a second run;
+-- the same identity with another body is a conflict, counted in inbox_conflicts and never run;
+-- a duplicate that arrives while the first is still in its transaction waits for it a bounded
+-- time (lock_timeout on the unique index's entry) and is then told "in progress".
+--
+-- A worker's credential (outbox_consumer, roles.sql) reaches these tables only through the
+-- functions below, as the dispatcher's does since 0040: it cannot delete a record (which would
+-- let the next delivery run again: a second effect), record a 5xx, or complete another
+-- delivery's record. The functions run inside the caller's transaction and never commit.
+--
+-- Why these columns and indexes: a record is born in_progress and completed in the same
+-- transaction; the completion changes no indexed column, so it is a HOT update (fillfactor 80
+-- leaves the room), and each delivery adds one entry to each of the two indexes.
+
+CREATE TABLE outbox.inbox (
+    id               bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    tenant_id        text NOT NULL,
+    handler          text NOT NULL,
+    key              text NOT NULL,
+    state            text NOT NULL,
+    -- SHA-256 of the body as jsonb's canonical text (keys ordered, spacing and number spelling
+    -- normalised, as enqueue's fingerprint reads a payload), or of the raw bytes of a body that
+    -- is not JSON.
+    body_digest      bytea NOT NULL,
+    -- Fences inbox_complete: only the transaction that began the record knows it.
+    token            uuid NOT NULL,
+    response_status  smallint,
+    response_headers jsonb,
+    response_body    bytea,
+    created_at       timestamptz NOT NULL DEFAULT now(),
+    completed_at     timestamptz,
+    -- Set at the start, never changed (so the completion stays HOT): after it, inbox_prune may
+    -- delete a completed record and a delivery under the same identity runs again.
+    expires_at       timestamptz NOT NULL,
+    CONSTRAINT inbox_identity UNIQUE (tenant_id, handler, key),
+    CONSTRAINT inbox_state_valid CHECK (state IN ('in_progress', 'completed')),
+    CONSTRAINT inbox_never_5xx CHECK (response_status BETWEEN 200 AND 499),
+    CONSTRAINT inbox_response_bounded CHECK (octet_length(response_body) <= 1048576),
+    CONSTRAINT inbox_completed_has_outcome CHECK (
+        state <> 'completed' OR (completed_at IS NOT NULL AND response_status IS NOT NULL))
+) WITH (fillfactor = 80);
+COMMENT ON TABLE outbox.inbox IS 'One record per delivery identity a worker handled, committed with its business writes (sql/0042).';
+REVOKE ALL ON outbox.inbox FROM PUBLIC;
+CREATE INDEX inbox_expiry ON outbox.inbox (expires_at);
+
+-- A conflict belongs to the second delivery, not to the record: the record keeps its outcome,
+-- and operators see what else arrived under its identity, how often and when.
+CREATE TABLE outbox.inbox_conflicts (
+    inbox_id      bigint NOT NULL REFERENCES outbox.inbox ON DELETE CASCADE,
+    body_digest   bytea NOT NULL,
+    seen          integer NOT NULL DEFAULT 1,
+    first_seen_at timestamptz NOT NULL DEFAULT now(),
+    last_seen_at  timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (inbox_id, body_digest)
+);
+COMMENT ON TABLE outbox.inbox_conflicts IS 'Deliveries that came under a recorded identity with another body (sql/0042).';
+REVOKE ALL ON outbox.inbox_conflicts FROM PUBLIC;
+
+-- A transaction that began a record and commits without its outcome would leave a row that
+-- answers "in progress" to every repeat until it expires: refused at COMMIT instead, so the
+-- whole transaction (business writes too) rolls back and the sender delivers again. As the
+-- owner: it fires at the consumer's COMMIT, and the consumer may not read the table.
+CREATE FUNCTION outbox.inbox_outcome_before_commit() RETURNS trigger
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF EXISTS (SELECT FROM outbox.inbox i WHERE i.id = NEW.id AND i.state = 'in_progress') THEN
+        RAISE EXCEPTION 'inbox record % has no outcome at commit', NEW.id
+            USING ERRCODE = 'OB006',
+                  HINT = 'call outbox.inbox_complete before COMMIT, or roll back';
+    END IF;
+    RETURN NULL;
+END;
+$$;
+CREATE CONSTRAINT TRIGGER inbox_outcome_before_commit AFTER INSERT ON outbox.inbox
+    DEFERRABLE INITIALLY DEFERRED FOR EACH ROW
+    EXECUTE FUNCTION outbox.inbox_outcome_before_commit();
+
+-- The first statement of a delivery's transaction (READ COMMITTED). Binds the transaction to
+-- the delivery's tenant (so the handler's own tables see it under row-level security) and
+-- decides: 'new' (a record in progress, this transaction's: run the handler, then
+-- inbox_complete), 'replayed' (with the recorded response), 'conflict' (counted) or
+-- 'in_progress' (another transaction holds the identity past `wait`).
+CREATE FUNCTION outbox.inbox_begin(
+    tenant_id text, handler text, key text, body_json text, body_raw bytea,
+    wait interval, retention interval,
+    OUT decision text, OUT inbox_id bigint, OUT token uuid, OUT response_status integer,
+    OUT response_headers jsonb, OUT response_body bytea)
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_bound  text := outbox.bound_tenant();
+    v_digest bytea;
+    v_wait   text;
+    v_old    text := current_setting('lock_timeout');
+    r        outbox.inbox;
+BEGIN
+    PERFORM outbox.check_text('tenant_id', tenant_id, 128);
+    PERFORM outbox.check_text('key', key, 512);
+    IF handler IS NULL OR handler !~ '^[a-z0-9][a-z0-9._-]{0,127}$' THEN
+        RAISE EXCEPTION 'handler must be 1 to 128 of a-z, 0-9, ".", "_" and "-", starting with a '
+                        'letter or digit' USING ERRCODE = 'OB002', COLUMN = 'handler';
+    END IF;
+    IF (body_json IS NULL) = (body_raw IS NULL) THEN
+        RAISE EXCEPTION 'exactly one of body_json and body_raw is given' USING ERRCODE = '22023';
+    END IF;
+    IF coalesce(octet_length(body_json), octet_length(body_raw)) > 16777216 THEN
+        RAISE EXCEPTION 'a body may be at most 16 MiB' USING ERRCODE = '22023';
+    END IF;
+    PERFORM outbox.check_between('wait', wait, interval '0', interval '60 seconds');
+    PERFORM outbox.check_between('retention', retention, interval '1 hour', interval '400 days');
+    IF v_bound IS NOT NULL AND v_bound <> tenant_id THEN
+        RAISE EXCEPTION 'this transaction is bound to another tenant'
+            USING ERRCODE = 'insufficient_privilege';
+    END IF;
+    PERFORM outbox.bind_tenant(tenant_id);
+    v_digest := CASE WHEN body_json IS NOT NULL
+                     THEN sha256(convert_to(body_json::jsonb::text, 'UTF8'))
+                     ELSE sha256(body_raw) END;
+    -- lock_timeout 0 would mean "wait for ever": a wait of 0 is one millisecond.
+    v_wait := greatest(1, ceil(extract(epoch FROM wait) * 1000))::bigint || 'ms';
+
+    -- A record deleted between the INSERT and the SELECT (pruned or forgotten): try again.
+    FOR attempt IN 1..3 LOOP
+        BEGIN
+            PERFORM set_config('lock_timeout', v_wait, true);
+            INSERT INTO outbox.inbox AS i (tenant_id, handler, key, state, body_digest, token,
+                                           expires_at)
+            VALUES (tenant_id, handler, key, 'in_progress', v_digest, gen_random_uuid(),
+                    now() + retention)
+            ON CONFLICT ON CONSTRAINT inbox_identity DO NOTHING
+            RETURNING i.id, i.token INTO inbox_id, token;
+            PERFORM set_config('lock_timeout', v_old, true);
+        EXCEPTION WHEN lock_not_available THEN
+            -- The first delivery's transaction still holds the identity: rolled back to here,
+            -- lock_timeout included.
+            decision := 'in_progress';
+            RETURN;
+        END;
+        IF inbox_id IS NOT NULL THEN
+            decision := 'new';
+            RETURN;
+        END IF;
+        SELECT * INTO r FROM outbox.inbox i
+        WHERE i.tenant_id = inbox_begin.tenant_id AND i.handler = inbox_begin.handler
+          AND i.key = inbox_begin.key;
+        CONTINUE WHEN NOT FOUND;
+        inbox_id := r.id;
+        IF r.body_digest <> v_digest THEN
+            INSERT INTO outbox.inbox_conflicts AS c (inbox_id, body_digest)
+            VALUES (r.id, v_digest)
+            ON CONFLICT ON CONSTRAINT inbox_conflicts_pkey
+            DO UPDATE SET seen = c.seen + 1, last_seen_at = now();
+            decision := 'conflict';
+            RETURN;
+        END IF;
+        IF r.state = 'completed' THEN
+            decision := 'replayed';
+            response_status := r.response_status;
+            response_headers := r.response_headers;
+            response_body := r.response_body;
+            RETURN;
+        END IF;
+        decision := 'in_progress';
+        RETURN;
+    END LOOP;
+    decision := 'in_progress';
+END;
+$$;
+
+-- The outcome of a delivery begun in this transaction, fenced by its token and by the tenant
+-- inbox_begin bound: false for any other record or one already completed. Only what a sender may be answered again is recorded: a 5xx
+-- is refused, since recording it would answer every redelivery with the failure.
+CREATE FUNCTION outbox.inbox_complete(inbox_id bigint, token uuid, status integer,
+                                      headers jsonb, body bytea)
+RETURNS boolean
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF status IS NULL OR status NOT BETWEEN 200 AND 499 THEN
+        RAISE EXCEPTION 'only a 2xx, 3xx or 4xx outcome is recorded, not %', status
+            USING ERRCODE = '22023';
+    END IF;
+    IF jsonb_typeof(headers) IS DISTINCT FROM 'array' OR jsonb_array_length(headers) > 64
+       OR octet_length(headers::text) > 16384
+       OR EXISTS (SELECT FROM jsonb_array_elements(headers) h
+                  WHERE jsonb_typeof(h) <> 'array' OR jsonb_array_length(h) <> 2
+                     OR jsonb_typeof(h -> 0) <> 'string' OR jsonb_typeof(h -> 1) <> 'string') THEN
+        RAISE EXCEPTION 'headers are at most 64 [name, value] pairs of strings, 16 KiB in all'
+            USING ERRCODE = '22023';
+    END IF;
+    IF body IS NULL OR octet_length(body) > 1048576 THEN
+        RAISE EXCEPTION 'a recorded body is given and at most 1 MiB' USING ERRCODE = '22023';
+    END IF;
+    -- The tenant too, explicitly: an owner that is a superuser or BYPASSRLS skips the
+    -- policies of roles_tenant_rls.sql (as 0011 says of enqueue).
+    UPDATE outbox.inbox i
+    SET state = 'completed', completed_at = now(), response_status = status,
+        response_headers = headers, response_body = body
+    WHERE i.id = inbox_complete.inbox_id AND i.token = inbox_complete.token
+      AND i.state = 'in_progress' AND i.tenant_id = outbox.bound_tenant();
+    RETURN FOUND;
+END;
+$$;
+
+-- Deletes at most `batch` completed records past their retention, oldest first, skipping rows
+-- another transaction holds; returns how many. Never a record in progress: expiry must not turn
+-- work under way into new work.
+CREATE FUNCTION outbox.inbox_prune(batch integer) RETURNS integer
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_count integer;
+BEGIN
+    PERFORM outbox.check_count('batch', batch, 1, 10000);
+    DELETE FROM outbox.inbox
+    WHERE id IN (SELECT i.id FROM outbox.inbox i
+                 WHERE i.expires_at < now() AND i.state = 'completed'
+                 ORDER BY i.expires_at LIMIT batch FOR UPDATE SKIP LOCKED);
+    GET DIAGNOSTICS v_count = ROW_COUNT;
+    RETURN v_count;
+END;
+$$;
+
+REVOKE ALL ON FUNCTION outbox.inbox_outcome_before_commit(),
+    outbox.inbox_begin(text, text, text, text, bytea, interval, interval),
+    outbox.inbox_complete(bigint, uuid, integer, jsonb, bytea), outbox.inbox_prune(integer)
+    FROM PUBLIC;
