@@ -201,3 +201,21 @@ async def test_a_worker_stopped_with_work_under_way_answers_only_what_committed(
     for i, answer in enumerate(redelivered):
         if f"s-{i}" in acknowledged:
             assert answer.headers["Outbox-Inbox-Decision"] == "replayed"
+
+
+async def test_every_key_generation_of_one_operation_finds_its_one_record(
+    db_url: str, start_worker: StartWorker
+) -> None:
+    """An outbox delivery is identified by its operation, not by the key it travels under: a
+    `reconcile retry` sends generation :r2 of the key, and gets the recorded outcome."""
+    worker = start_worker()
+    body = json.dumps(invoice())
+    sent = {**headers("ob2_first"), "Outbox-Operation-Id": "42"}
+    retried = {**headers("ob2_first:r2"), "Outbox-Operation-Id": "42"}
+    async with httpx.AsyncClient(timeout=10) as client:
+        first = await client.post(f"{worker.url}/invoices", content=body, headers=sent)
+        again = await client.post(f"{worker.url}/invoices", content=body, headers=retried)
+    assert (first.status_code, again.status_code) == (201, 201)
+    assert again.headers["Outbox-Inbox-Decision"] == "replayed"
+    assert count(db_url, INVOICES) == 1
+    assert count(db_url, "SELECT count(*) FROM outbox.inbox WHERE key = 'op:42'") == 1

@@ -1240,4 +1240,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "                await asyncio.shield(_finish(conn, delivery))\n",
         INBOX_TESTS + "::test_a_commit_that_fails_is_never_answered_as_success",
     ),
+    _one(
+        "inbox-identity-by-wire-key",
+        "an outbox delivery is known by the key it travels under, so a reconcile retry (key "
+        "generation :r2) of an operation the worker recorded runs it a second time",
+        "outbox/inbox/http.py",
+        '            operation = headers.get("outbox-operation-id")\n',
+        '            operation = None if "idempotency-key" in headers else headers.get("x")\n',
+        WORKER_TESTS + "::test_every_key_generation_of_one_operation_finds_its_one_record",
+    ),
 )

@@ -27,12 +27,20 @@ JSON: Final = {"Content-Type": "application/json"}
 class InvoiceWorker:
     """One ``uvicorn invoice_worker.app:app`` with ``workers`` processes."""
 
-    def __init__(self, db_url: str, log_path: Path, *, workers: int = 1, delay_ms: int = 0) -> None:
+    def __init__(
+        self,
+        db_url: str,
+        log_path: Path,
+        *,
+        workers: int = 1,
+        delay_ms: int = 0,
+        port: int | None = None,
+    ) -> None:
         self.db_url = db_url
         self.log_path = log_path
         self.workers = workers
         self.delay_ms = delay_ms
-        self.port = free_port()
+        self.port = port or free_port()
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
