@@ -19,6 +19,9 @@ SQLSTATE_AUDIT_APPEND_ONLY: Final = "OB003"
 SQLSTATE_OPERATOR_REFUSED: Final = "OB004"
 # Trigger on outbox.operations, operations_keep_immutable (sql/0015): what it asks changed.
 SQLSTATE_OPERATION_IMMUTABLE: Final = "OB005"
+# Deferred trigger on outbox.inbox, inbox_outcome_before_commit (sql/0042): a COMMIT whose inbox
+# record has no outcome.
+SQLSTATE_INBOX_NO_OUTCOME: Final = "OB006"
 # no_data_found, from outbox.lock_for_action (sql/0005): an operator function names no operation.
 SQLSTATE_NO_DATA_FOUND: Final = "P0002"
 # insufficient_privilege, from outbox.require_tenant (sql/0011): unbound, or another tenant.
