@@ -134,7 +134,9 @@ class InboxMiddleware:
         started = time.monotonic()
         answer, decision = await self._deliver(scope, receive, handler)
         meters.DELIVERIES.labels(handler, decision).inc()
-        log.info(
+        # The usual decisions at debug (a busy worker's every request); the rest at info.
+        usual = decision in ("new", "replayed")
+        (log.debug if usual else log.info)(
             "inbox delivery",
             handler=handler,
             decision=decision,

@@ -1,0 +1,176 @@
+"""The inbox's cost: examples/invoice-worker's requests per second and latency with the inbox,
+against the same handler without it, and the rate of replayed duplicates.
+
+    python bench/inbox.py                  # 3 rounds of 8 s per variant, 16 clients
+    python bench/inbox.py --quick          # 1 round of 3 s
+    python bench/inbox.py --clients 32 --seconds 15 --repeat 5
+
+Each variant runs under a real uvicorn (one process) on a fresh database; the load comes from
+another process over loopback HTTP/1.1 keep-alive, ``--clients`` requests in flight, each a new
+invoice under a new key. Variants: ``with inbox`` (the example as users copy it), ``without``
+(the same insert in a transaction of its own: bench/_inbox_apps.py), and ``replays`` (with the
+inbox, every request a repeat of one of 100 recorded deliveries). The rounds take the variants
+in turn; each figure is the median of the rounds. Targets (issue 40): with/without >= 0.8x in
+requests per second and at most 2 ms more at p99. See bench/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psycopg
+from _support import fmt_ratio, fresh_database, median, print_machine, print_table, progress
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "invoice-worker"
+APPS = {"with inbox": "_inbox_apps:with_inbox", "without": "_inbox_apps:without_inbox"}
+BODY = {"account_id": "acct-1", "amount": 1250, "currency": "EUR"}
+
+
+def start_server(app: str, db_url: str, port: int) -> subprocess.Popen[bytes]:
+    env = {
+        **os.environ,
+        "OUTBOX_DATABASE_URL": db_url,
+        "PYTHONPATH": os.pathsep.join([str(EXAMPLE), str(ROOT / "bench")]),
+    }
+    args = [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        app,
+        "--port",
+        str(port),
+        "--no-access-log",
+        "--log-level",
+        "warning",
+    ]
+    proc = subprocess.Popen(  # noqa: S603 (our own interpreter and arguments)
+        args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 404:
+                return proc
+        except httpx.TransportError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"{app} did not start")
+
+
+async def load(url: str, clients: int, seconds: float, keys: list[str] | None) -> list[float]:
+    """Latencies (s) of every request answered 201 within ``seconds``; new keys unless ``keys``."""
+    latencies: list[float] = []
+    body = json.dumps(BODY).encode()
+    deadline = time.monotonic() + seconds
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+
+    async def client(c: httpx.AsyncClient, n: int) -> None:
+        i = 0
+        while time.monotonic() < deadline:
+            key = keys[(n + i) % len(keys)] if keys else f"{n}-{i}-{time.monotonic_ns()}"
+            headers = {
+                "Content-Type": "application/json",
+                "Idempotency-Key": key,
+                "Outbox-Tenant-Id": "acme",
+            }
+            started = time.perf_counter()
+            answer = await c.post(f"{url}/invoices", content=body, headers=headers)
+            if answer.status_code != 201:
+                raise RuntimeError(f"answered {answer.status_code}: {answer.text[:200]}")
+            latencies.append(time.perf_counter() - started)
+            i += 1
+
+    async with httpx.AsyncClient(limits=limits, timeout=30) as c:
+        await asyncio.gather(*(client(c, n) for n in range(clients)))
+    return latencies
+
+
+def percentile(values: list[float], share: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
+
+
+def one_round(variant: str, db_url: str, args: argparse.Namespace, port: int) -> dict[str, float]:
+    app = APPS["with inbox" if variant == "replays" else variant]
+    proc = start_server(app, db_url, port)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        keys = None
+        if variant == "replays":
+            keys = [f"replay-{i}" for i in range(100)]
+            for key in keys:  # record each once
+                headers = {
+                    "Content-Type": "application/json",
+                    "Idempotency-Key": key,
+                    "Outbox-Tenant-Id": "acme",
+                }
+                httpx.post(f"{url}/invoices", content=json.dumps(BODY), headers=headers)
+        asyncio.run(load(url, args.clients, 2.0, keys))  # warm-up: the pool grows to its size
+        latencies = asyncio.run(load(url, args.clients, args.seconds, keys))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    return {
+        "rps": len(latencies) / args.seconds,
+        "p50": percentile(latencies, 0.5) * 1000,
+        "p99": percentile(latencies, 0.99) * 1000,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--port", type=int, default=8791)
+    args = parser.parse_args()
+    if args.quick:
+        args.seconds, args.repeat = 3.0, 1
+    print_machine()
+    variants = ("with inbox", "without", "replays")
+    results: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
+    with fresh_database(prefix="bench_inbox_") as db_url:
+        with psycopg.connect(db_url, autocommit=True) as conn:
+            sys.path.insert(0, str(EXAMPLE))
+            from invoice_worker.app import CREATE_INVOICES  # noqa: PLC0415
+
+            conn.execute(CREATE_INVOICES)
+        for n in range(args.repeat):
+            for variant in variants:
+                progress(f"round {n + 1}/{args.repeat}: {variant}")
+                results[variant].append(one_round(variant, db_url, args, args.port))
+    rows: list[list[str]] = []
+    for variant in variants:
+        got = results[variant]
+        rows.append(
+            [
+                variant,
+                f"{median([r['rps'] for r in got]):,.0f}",
+                f"{median([r['p50'] for r in got]):.2f}",
+                f"{median([r['p99'] for r in got]):.2f}",
+            ]
+        )
+    print_table(["variant", "requests/s", "p50 ms", "p99 ms"], rows)
+    with_, without = results["with inbox"], results["without"]
+    ratio = median([r["rps"] for r in with_]) / median([r["rps"] for r in without])
+    added = median([r["p99"] for r in with_]) - median([r["p99"] for r in without])
+    print(
+        f"with/without: {fmt_ratio(ratio)} requests/s (target >= 0.8x), "
+        f"p99 {added:+.2f} ms (target <= +2 ms); {args.clients} clients, {args.seconds:g} s, "
+        f"{args.repeat} rounds"
+    )
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
