@@ -44,7 +44,13 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-DELIVERY: Final = "outbox.inbox.delivery"  # the key of scope["state"] that holds the Delivery
+DELIVERY: Final = "outbox.inbox.delivery"
+# How answers are given: as an HTTP API answers a client, or as a Cloud Tasks target must.
+TRANSPORTS: Final = ("http", "cloudtasks")
+# Decisions whose answer never changes, however often the delivery comes again.
+FINAL: Final = frozenset(
+    {"new", "replayed", "conflict", "invalid"}
+)  # the key of scope["state"] that holds the Delivery
 # What the app may answer in all, recorded or not: a response is buffered before COMMIT.
 _RESPONSE_CAP: Final = 16 * 1024 * 1024
 # Database trouble that a redelivery may not meet: the sender should try again shortly.
@@ -112,7 +118,11 @@ class InboxMiddleware:
         max_response_bytes: int = 64 * 1024,
         retry_after: int = 1,
         keep_headers: frozenset[str] = frozenset(),
+        transport: str = "http",
     ) -> None:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport is one of {', '.join(TRANSPORTS)}, not {transport!r}")
+        self.transport = transport
         self.app = app
         self.inbox = inbox
         self.routes = {_route_key(route): name for route, name in routes.items()}
@@ -133,6 +143,8 @@ class InboxMiddleware:
             return
         started = time.monotonic()
         answer, decision = await self._deliver(scope, receive, handler)
+        if self.transport == "cloudtasks":
+            answer = for_cloud_tasks(answer, decision)
         meters.DELIVERIES.labels(handler, decision).inc()
         # The usual decisions at debug (a busy worker's every request); the rest at info.
         usual = decision in ("new", "replayed")
@@ -165,7 +177,7 @@ class InboxMiddleware:
             async with self.inbox.deliver(identity, body, is_json=is_json) as d:
                 if d.decision is not Decision.NEW:
                     return self._answer(d), d.decision.value
-                return await self._handle(scope, receive, body, d), d.decision.value
+                return await self._handle(scope, receive, body, d)
         except InvalidDelivery as exc:
             return problem(400, "invalid delivery", str(exc), "invalid"), "invalid"
         except HandlerFailed as exc:
@@ -192,7 +204,11 @@ class InboxMiddleware:
             raise MissingIdentity("the delivery names no tenant")
         return Identity(tenant, handler, key)
 
-    async def _handle(self, scope: Scope, receive: Receive, body: bytes, d: Delivery) -> Outcome:
+    async def _handle(
+        self, scope: Scope, receive: Receive, body: bytes, d: Delivery
+    ) -> tuple[Outcome, str]:
+        """Run the app for a new delivery: its answer and "new" when recorded, "rolled_back"
+        when not."""
         captured = _Captured()
         inner = dict(scope)
         inner["state"] = {**scope.get("state", {}), DELIVERY: d}
@@ -220,8 +236,9 @@ class InboxMiddleware:
         meters.HANDLER_SECONDS.labels(d.identity.handler, outcome).observe(
             time.monotonic() - started
         )
-        marked = (*response.headers, ("Outbox-Inbox-Decision", "new"))
-        return Outcome(response.status, marked, response.body)
+        decision = "new" if outcome == "committed" else "rolled_back"
+        marked = (*response.headers, ("Outbox-Inbox-Decision", decision))
+        return Outcome(response.status, marked, response.body), decision
 
     def _answer(self, d: Delivery) -> Outcome:
         if d.decision is Decision.REPLAYED and d.recorded is not None:
@@ -231,6 +248,20 @@ class InboxMiddleware:
         return problem(
             409, "in progress", "this delivery is being handled", "in_progress", self.retry_after
         )
+
+
+def for_cloud_tasks(answer: Outcome, decision: str) -> Outcome:
+    """The answer as a Cloud Tasks HTTP target gives it. Cloud Tasks deletes a task on a 2xx
+    only, retries every other answer (429 and 503 with more backoff, honouring Retry-After) and
+    has no dead-letter queue. So a final answer that is not a success (a recorded refusal, a
+    conflict, a malformed delivery) is 200 with the real status in ``Outbox-Inbox-Status``, or
+    the task would be retried until its retry limit for nothing; "in progress" is 429."""
+    if decision == "in_progress":
+        return Outcome(429, answer.headers, answer.body)
+    if 400 <= answer.status < 500 and decision in FINAL:
+        real = ("Outbox-Inbox-Status", str(answer.status))
+        return Outcome(200, (*answer.headers, real), answer.body)
+    return answer
 
 
 def _route_key(route: str) -> tuple[str, str]:

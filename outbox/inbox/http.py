@@ -74,7 +74,8 @@ def stored_headers(
 class KeyFrom:
     """Where a delivery's key comes from. ``auto`` (the default) takes outbox's own identity,
     the operation (``Outbox-Operation-Id``), so that every key generation of one operation,
-    ``reconcile retry`` included, finds one record; else the ``Idempotency-Key`` header."""
+    ``reconcile retry`` included, finds one record; else the ``Idempotency-Key`` header; else
+    the task name Cloud Tasks sends (``X-CloudTasks-TaskName``), the same on every retry."""
 
     read: Callable[[Headers], str | None]
 
@@ -84,7 +85,10 @@ class KeyFrom:
             operation = headers.get("outbox-operation-id")
             if operation is not None and _DIGITS.fullmatch(operation):
                 return f"op:{int(operation)}"
-            return _header_key(headers, "idempotency-key")
+            found = _header_key(headers, "idempotency-key")
+            if found is None and (task := headers.get("x-cloudtasks-taskname")):
+                return f"task:{task}"
+            return found
 
         return KeyFrom(read)
 

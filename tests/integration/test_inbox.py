@@ -137,6 +137,60 @@ async def test_a_commit_that_fails_is_never_answered_as_success(
     assert count(db_url, "SELECT count(*) FROM outbox.inbox") == 0
 
 
+async def test_a_cloud_tasks_target_answers_every_final_decision_with_a_2xx(
+    db_url: str, pool: AsyncConnectionPool[Any]
+) -> None:
+    """Cloud Tasks retries every answer but a 2xx: a recorded refusal, a conflict and a
+    malformed delivery are 200 (the real status beside it), in progress 429, a failure 5xx."""
+    inbox = Inbox(pool, wait=timedelta(milliseconds=100))
+
+    def refused(request: Request) -> Response:
+        return Response(b"no", status_code=422)
+
+    def unavailable(request: Request) -> Response:
+        return Response(b"busy", status_code=503)
+
+    async with client(app_with(inbox, refused, transport="cloudtasks")) as c:
+        first = await send(c, "k", {"n": 1})
+        again = await send(c, "k", {"n": 1})
+        conflict = await send(c, "k", {"n": 2})
+        no_key = await c.post("/work", content=b"{}", headers={"Outbox-Tenant-Id": "acme"})
+        by_task = await c.post(
+            "/work",
+            content=b"{}",
+            headers={
+                "Outbox-Tenant-Id": "acme",
+                "X-CloudTasks-TaskName": "t-1",
+                "Content-Type": "application/json",
+            },
+        )
+    async with client(app_with(inbox, unavailable, transport="cloudtasks")) as c:
+        failed = await send(c, "other", {})
+    holder = await psycopg.AsyncConnection.connect(db_url)
+    await holder.execute(
+        "SELECT outbox.inbox_begin('acme', 'work', 'key:held', '{}', NULL, '1 s', '1 day')"
+    )
+    async with client(app_with(inbox, refused, transport="cloudtasks")) as c:
+        held = await send(c, "held", {})
+    await holder.rollback()
+    await holder.close()
+    answers = [
+        (a.status_code, a.headers.get("Outbox-Inbox-Status"))
+        for a in (first, again, conflict, no_key, by_task, failed, held)
+    ]
+    assert answers == [
+        (200, "422"),
+        (200, "422"),
+        (200, "422"),
+        (200, "400"),
+        (200, "422"),
+        (503, None),
+        (429, None),
+    ]
+    assert count(db_url, "SELECT count(*) FROM outbox.inbox WHERE key = 'task:t-1'") == 1
+    assert count(db_url, "SELECT count(*) FROM outbox.inbox_conflicts") == 1
+
+
 async def test_a_replay_keeps_no_cookie_or_credential_even_when_asked_to(
     db_url: str, pool: AsyncConnectionPool[Any]
 ) -> None:

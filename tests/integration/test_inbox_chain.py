@@ -16,7 +16,8 @@ import psycopg
 import pytest
 
 import outbox
-from tests.support.daemon import OutboxProcess, write_config
+from tests.support import tasks_emulator
+from tests.support.daemon import OutboxProcess, wait_until, write_config
 from tests.support.invoice_worker import InvoiceWorker, count
 from tests.support.queues import FAST_RUN, wait_settled
 
@@ -24,12 +25,12 @@ OPERATIONS = 200
 TENANTS = ("acme", "globex", "initech")
 
 
-def enqueue_with_orders(db_url: str, rng: random.Random) -> None:
+def enqueue_with_orders(db_url: str, rng: random.Random, operations: int = OPERATIONS) -> None:
     """Each operation in the transaction of its order, as an application records both."""
     with psycopg.connect(db_url, autocommit=True) as conn:
         conn.execute("CREATE TABLE orders (id int PRIMARY KEY, tenant_id text, amount bigint)")
     with psycopg.connect(db_url) as conn:
-        for i in range(OPERATIONS):
+        for i in range(operations):
             tenant, amount = rng.choice(TENANTS), rng.randrange(1, 10**9)
             conn.execute("INSERT INTO orders VALUES (%s, %s, %s)", (i, tenant, amount))
             outbox.enqueue(
@@ -95,3 +96,51 @@ def test_a_seeded_chain_with_kills_loses_and_doubles_no_invoice(
         " AND v.amount = o.amount",
     )
     assert matched == OPERATIONS, said
+
+
+@pytest.mark.slow
+def test_the_chain_through_cloud_tasks_makes_one_invoice_per_operation(
+    db_url: str, tmp_path: Path
+) -> None:
+    """outbox run → the Cloud Tasks emulator → the worker as an HTTP target (its Cloud Tasks
+    answers), the worker SIGKILLed once while the emulator dispatches: one invoice each."""
+    if not tasks_emulator.available():
+        pytest.skip("gcloud-tasks-emulator is not installed")
+    count_ops = 20
+    enqueue_with_orders(db_url, random.Random(7), count_ops)
+    worker = InvoiceWorker(
+        db_url, tmp_path / "worker.log", delay_ms=300, transport="cloudtasks"
+    ).start()
+    emulator = tasks_emulator.TasksEmulator(["invoices"], tmp_path / "emulator.log").start()
+    provider = {
+        "type": "cloudtasks",
+        "project": tasks_emulator.PROJECT,
+        "location": tasks_emulator.LOCATION,
+        "endpoint": emulator.endpoint,
+        "key_retention": "1h",
+        "retention_margin": "10m",
+        "timeout": "5s",
+        "actions": {"*": {"queue": "invoices", "url": f"{worker.url}/invoices"}},
+    }
+    config = write_config(tmp_path / "outbox.toml", providers={"invoices": provider}, **FAST_RUN)
+    run = OutboxProcess(db_url, config, tmp_path / "run.log")
+    try:
+        wait_settled(db_url, count_ops, timeout=60, process=run)
+        time.sleep(0.3)
+        worker.kill()
+        time.sleep(0.5)
+        worker = InvoiceWorker(
+            db_url, tmp_path / "worker.log", delay_ms=300, transport="cloudtasks", port=worker.port
+        ).start()
+
+        def invoiced() -> bool:
+            return count(db_url, "SELECT count(*) FROM invoices") >= count_ops
+
+        wait_until(invoiced, timeout=90, what=f"{count_ops} invoices")
+        time.sleep(1.0)  # a duplicate dispatch would have arrived by now
+    finally:
+        run.stop()
+        worker.kill()
+        emulator.kill()
+    assert count(db_url, "SELECT count(*) FROM invoices") == count_ops
+    assert count(db_url, "SELECT count(*) FROM outbox.inbox WHERE state = 'completed'") == count_ops

@@ -35,7 +35,9 @@ class InvoiceWorker:
         workers: int = 1,
         delay_ms: int = 0,
         port: int | None = None,
+        transport: str = "http",
     ) -> None:
+        self.transport = transport
         self.db_url = db_url
         self.log_path = log_path
         self.workers = workers
@@ -52,6 +54,7 @@ class InvoiceWorker:
             **os.environ,
             "OUTBOX_DATABASE_URL": self.db_url,
             "INVOICE_WORKER_DELAY_MS": str(self.delay_ms),
+            "INVOICE_WORKER_TRANSPORT": self.transport,
             "PYTHONPATH": os.pathsep.join(
                 filter(None, [str(EXAMPLE), os.environ.get("PYTHONPATH")])
             ),

@@ -4,6 +4,7 @@ Run it with ``uvicorn invoice_worker.app:app`` and ``OUTBOX_DATABASE_URL`` set. 
 applies outbox's migrations (the inbox's tables) and creates its own ``invoices`` table if
 missing. The handler writes on the delivery's connection, inside the transaction that also
 records its answer: a repeat of the delivery gets that answer back and never a second invoice.
+``INVOICE_WORKER_TRANSPORT=cloudtasks`` answers as a Cloud Tasks HTTP target must.
 ``INVOICE_WORKER_DELAY_MS`` makes the handler sleep after its insert and before the commit, so
 that tests can catch a delivery in flight.
 """
@@ -105,4 +106,6 @@ app = InboxMiddleware(
     Starlette(routes=[Route("/invoices", create_invoice, methods=["POST"])], lifespan=lifespan),
     inbox=inbox,
     routes={"POST /invoices": "invoice.create"},
+    # "cloudtasks" where the worker is a Cloud Tasks HTTP target: final answers are 2xx there.
+    transport=os.environ.get("INVOICE_WORKER_TRANSPORT", "http"),
 )
