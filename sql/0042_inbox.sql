@@ -226,7 +226,39 @@ BEGIN
 END;
 $$;
 
+-- An operator's `outbox inbox forget`: deletes one record, so that the next delivery under its
+-- identity runs the handler again (after a fix, for a refusal recorded by a bug). A record of a
+-- success stands for an effect that exists: forgetting it takes `force`. Audited, with the
+-- record's identity, since the row itself is gone.
+CREATE FUNCTION outbox.inbox_forget(inbox_id bigint, reason text, actor text, force boolean)
+RETURNS text
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    r outbox.inbox;
+BEGIN
+    PERFORM outbox.require_reason(actor, reason);
+    SELECT * INTO r FROM outbox.inbox i WHERE i.id = inbox_forget.inbox_id FOR UPDATE;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'inbox record % does not exist', inbox_id USING ERRCODE = 'no_data_found';
+    END IF;
+    IF r.response_status < 300 AND NOT coalesce(force, false) THEN
+        RAISE EXCEPTION 'inbox record % recorded a success (%): its effect exists, and the next '
+                        'delivery would make another', r.id, r.response_status
+            USING ERRCODE = 'OB004', HINT = 'forget it anyway with force (--force)';
+    END IF;
+    DELETE FROM outbox.inbox i WHERE i.id = r.id;
+    INSERT INTO outbox.audit (operation_id, actor, action, reason, details)
+    VALUES (NULL, actor, 'inbox_forget', reason,
+            jsonb_build_object('inbox_id', r.id, 'tenant_id', r.tenant_id, 'handler', r.handler,
+                               'key', r.key, 'state', r.state,
+                               'response_status', r.response_status, 'force', force));
+    RETURN 'forgotten';
+END;
+$$;
+
 REVOKE ALL ON FUNCTION outbox.inbox_outcome_before_commit(),
     outbox.inbox_begin(text, text, text, text, bytea, interval, interval),
-    outbox.inbox_complete(bigint, uuid, integer, jsonb, bytea), outbox.inbox_prune(integer)
+    outbox.inbox_complete(bigint, uuid, integer, jsonb, bytea), outbox.inbox_prune(integer),
+    outbox.inbox_forget(bigint, text, text, boolean)
     FROM PUBLIC;

@@ -213,8 +213,13 @@ GRANT EXECUTE ON FUNCTION
     outbox.schema_version()
 TO outbox_operator;
 
--- Operator: the inbox's records and the conflicts seen against them (`outbox inbox`, 0042).
+-- Operator: the inbox's records and the conflicts seen against them (`outbox inbox`, 0042);
+-- forgets a record through the audited function, and prunes.
 GRANT SELECT ON outbox.inbox, outbox.inbox_conflicts TO outbox_operator;
+GRANT EXECUTE ON FUNCTION
+    outbox.inbox_forget(bigint, text, text, boolean),
+    outbox.inbox_prune(integer)
+TO outbox_operator;
 
 -- Consumer: a worker records its deliveries in its own transactions through the functions of
 -- sql/0042, which fence every record by its token and refuse a 5xx; no table privilege, so its

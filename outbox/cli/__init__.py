@@ -30,7 +30,7 @@ from outbox import (
     prune,
 )
 from outbox import demo as demo_module
-from outbox.cli import operator, ordering, pending, providers, status
+from outbox.cli import inbox, operator, ordering, pending, providers, status
 from outbox.cli.common import (
     TEXT,
     BadInput,
@@ -348,6 +348,7 @@ main.add_command(operator.quarantine)
 main.add_command(pending.pending)
 main.add_command(ordering.ordering)
 main.add_command(providers.providers)
+main.add_command(inbox.inbox)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -20,3 +20,48 @@ COMPLETE: Final = (
 
 # At most `batch` completed records past their retention. Relies on: outbox.inbox_prune().
 PRUNE: Final = "SELECT outbox.inbox_prune(%(batch)s)"
+
+# --- operators (`outbox inbox`): read through outbox_operator's SELECT, act through functions ----
+
+# Records newest first, a page after an id; each filter applies when given. Relies on: the
+# inbox_identity index for a tenant and handler, the primary key for paging.
+LIST: Final = """
+SELECT i.id, i.tenant_id, i.handler, i.key, i.state, i.response_status, i.created_at,
+       i.completed_at, i.expires_at,
+       coalesce((SELECT sum(c.seen) FROM outbox.inbox_conflicts c WHERE c.inbox_id = i.id), 0)
+           AS conflicts
+FROM outbox.inbox i
+WHERE (%(handler)s::text IS NULL OR i.handler = %(handler)s)
+  AND (%(tenant)s::text IS NULL OR i.tenant_id = %(tenant)s)
+  AND (%(status)s::integer IS NULL OR i.response_status = %(status)s)
+  AND (%(since)s::timestamptz IS NULL OR i.created_at >= %(since)s)
+  AND (NOT %(conflicts)s OR EXISTS (SELECT FROM outbox.inbox_conflicts c WHERE c.inbox_id = i.id))
+  AND (%(after)s::bigint IS NULL OR i.id < %(after)s)
+ORDER BY i.id DESC
+LIMIT %(limit)s
+"""
+
+# One record, with its stored response.
+SHOW: Final = """
+SELECT i.id, i.tenant_id, i.handler, i.key, i.state, encode(i.body_digest, 'hex') AS body_digest,
+       i.response_status, i.response_headers, i.response_body, i.created_at, i.completed_at,
+       i.expires_at
+FROM outbox.inbox i WHERE i.id = %(id)s
+"""
+
+# What else came under a record's identity.
+CONFLICTS: Final = """
+SELECT encode(c.body_digest, 'hex') AS body_digest, c.seen, c.first_seen_at, c.last_seen_at
+FROM outbox.inbox_conflicts c WHERE c.inbox_id = %(id)s ORDER BY c.first_seen_at
+"""
+
+# `since` as a time: a duration back from the database's clock.
+SINCE: Final = "SELECT now() - %(back)s::interval"
+
+# Relies on: outbox.inbox_forget() (audited).
+FORGET: Final = "SELECT outbox.inbox_forget(%(id)s, %(reason)s, %(actor)s, %(force)s)"
+
+# What a prune would delete now.
+PRUNABLE: Final = (
+    "SELECT count(*) FROM outbox.inbox WHERE expires_at < now() AND state = 'completed'"
+)
