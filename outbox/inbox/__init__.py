@@ -13,6 +13,9 @@ never run (docs/design.md, "The inbox")::
     async def create_invoice(request):
         conn = delivery(request).conn  # the delivery's open transaction: write here
         ...
+
+Queue consumers: :class:`Consumer` settles each message (ack, retry later, drop) after its
+transaction ended; ``outbox.inbox.jetstream.consume`` runs one on a NATS JetStream consumer.
 """
 
 from __future__ import annotations
@@ -28,8 +31,10 @@ from outbox.inbox.core import (
     Outcome,
 )
 from outbox.inbox.http import KeyFrom, TenantFrom
+from outbox.inbox.queues import Consumer, Refuse, Verdict
 
 __all__ = [
+    "Consumer",
     "Decision",
     "Delivery",
     "Identity",
@@ -39,6 +44,8 @@ __all__ = [
     "KeyFrom",
     "NoOutcome",
     "Outcome",
+    "Refuse",
     "TenantFrom",
+    "Verdict",
     "delivery",
 ]

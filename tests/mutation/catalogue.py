@@ -59,6 +59,7 @@ ROLES_TESTS = "tests/integration/test_roles.py"
 INBOX_SQL = "sql/0042_inbox.sql"
 INBOX_TESTS = "tests/integration/test_inbox.py"
 WORKER_TESTS = "tests/integration/test_inbox_worker.py"
+JETSTREAM_TESTS = "tests/integration/test_inbox_jetstream.py"
 
 MUTANTS: tuple[Mutant, ...] = (
     # --- the lease fence, in every path that writes after a provider call ----------------------
@@ -1248,5 +1249,29 @@ MUTANTS: tuple[Mutant, ...] = (
         '            operation = headers.get("outbox-operation-id")\n',
         '            operation = None if "idempotency-key" in headers else headers.get("x")\n',
         WORKER_TESTS + "::test_every_key_generation_of_one_operation_finds_its_one_record",
+    ),
+    _one(
+        "inbox-queue-acks-a-failure",
+        "a queue message whose handler failed is acknowledged: the work is gone, never done",
+        "outbox/inbox/queues.py",
+        'settled = Settled(Verdict.RETRY, "failed", self.retry_after)',
+        'settled = Settled(Verdict.ACK, "failed", self.retry_after)',
+        JETSTREAM_TESTS + "::test_a_failing_handler_gets_its_message_again_and_converges",
+    ),
+    _one(
+        "inbox-queue-conflict-retried",
+        "a message that conflicts with a recorded one is given back, and comes again for ever",
+        "outbox/inbox/queues.py",
+        "return Settled(Verdict.DROP, Decision.CONFLICT.value)",
+        "return Settled(Verdict.RETRY, Decision.CONFLICT.value, 0.1)",
+        JETSTREAM_TESTS + "::test_copies_conflicts_and_refusals_settle_once_each",
+    ),
+    _one(
+        "inbox-refusal-keeps-writes",
+        "a refused message keeps what its handler wrote before refusing",
+        "outbox/inbox/queues.py",
+        "            async with d.conn.transaction():\n",
+        "            if d.conn:\n",
+        JETSTREAM_TESTS + "::test_copies_conflicts_and_refusals_settle_once_each",
     ),
 )

@@ -1,0 +1,92 @@
+"""The inbox for NATS JetStream consumers (the ``nats`` extra): ``consume`` pulls messages from
+a durable consumer and settles each as JetStream expects once its transaction ended.
+
+``ack`` what committed or was recorded before; ``nak(delay)`` what is in progress or failed, so
+it comes again no sooner than ``retry_after``; ``term`` what can never succeed (a conflict, a
+recorded refusal, a malformed message), so JetStream stops redelivering it. Never an ack before
+COMMIT: a consumer that dies between COMMIT and ack leaves a message JetStream redelivers after
+AckWait, and the redelivery is a replay (docs/design.md, "The inbox").
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+
+import structlog
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js import JetStreamContext
+from nats.js.api import ConsumerConfig
+
+from outbox.inbox.core import Inbox
+from outbox.inbox.http import KeyFrom, TenantFrom
+from outbox.inbox.queues import Consumer, Handle, Verdict, lower
+
+log = structlog.get_logger("outbox.inbox")
+
+
+def message_key() -> KeyFrom:
+    """outbox's identity when the message has it (``KeyFrom.auto``), else the publisher's
+    ``Nats-Msg-Id``, the id JetStream itself deduplicates by."""
+    auto = KeyFrom.auto()
+
+    def read(headers: Mapping[str, str]) -> str | None:
+        found = auto.read(headers)
+        if found is None and (msg_id := headers.get("nats-msg-id")):
+            return f"msg:{msg_id}"
+        return found
+
+    return KeyFrom(read)
+
+
+async def consume(
+    js: JetStreamContext,
+    consumer: Consumer,
+    *,
+    stream: str,
+    durable: str,
+    stop: asyncio.Event,
+    subject: str | None = None,
+    batch: int = 16,
+    ack_wait: float = 30.0,
+) -> None:
+    """Handle the messages of ``durable`` (created when missing) until ``stop`` is set; the
+    messages of one fetch run concurrently, each in its own transaction. ``consumer.key``
+    defaults to :func:`message_key` through :func:`consumer_of`."""
+    config = ConsumerConfig(durable_name=durable, ack_wait=ack_wait)
+    sub = await js.pull_subscribe(subject or "", durable=durable, stream=stream, config=config)
+    try:
+        while not stop.is_set():
+            try:
+                messages = await sub.fetch(batch, timeout=0.5)
+            except (TimeoutError, NatsTimeout):
+                continue
+            await asyncio.gather(*(_one(m, consumer) for m in messages))
+    finally:
+        await sub.unsubscribe()
+
+
+def consumer_of(
+    inbox: Inbox,
+    handler: str,
+    handle: Handle,
+    *,
+    retry_after: float = 1.0,
+    key: KeyFrom | None = None,
+    tenant: TenantFrom | None = None,
+) -> Consumer:
+    """A Consumer with JetStream's defaults: the key from :func:`message_key`."""
+    return Consumer(
+        inbox, handler, handle, key or message_key(), tenant or TenantFrom.header(), retry_after
+    )
+
+
+async def _one(msg: Msg, consumer: Consumer) -> None:
+    settled = await consumer.settle(lower(msg.headers), msg.data)
+    if settled.verdict is Verdict.ACK:
+        await msg.ack()
+    elif settled.verdict is Verdict.RETRY:
+        await msg.nak(delay=settled.delay)
+    else:
+        await msg.term()

@@ -1,0 +1,120 @@
+"""The inbox for queue consumers: one message, decided, handled and settled as a queue expects.
+
+A queue has no response to replay: what a consumer gives back is a verdict on the message.
+``settle`` turns the inbox's decision into one (docs/design.md, "The inbox"): acknowledge what
+committed or was recorded before; drop (terminate, dead-letter) what can never succeed, a
+conflict, a recorded refusal, a malformed message; retry later what is in progress or failed,
+never acknowledging work that did not commit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Final
+
+import psycopg
+import structlog
+from psycopg_pool import PoolTimeout
+
+from outbox.inbox import meters
+from outbox.inbox.core import Decision, Delivery, Identity, Inbox, InvalidDelivery, Outcome
+from outbox.inbox.http import KeyFrom, TenantFrom
+
+# What a queue handler's outcome is recorded as: a success, or a refusal (Refuse).
+ACCEPTED: Final = Outcome(200, (), b"")
+REFUSED_STATUS: Final = 422
+log = structlog.get_logger("outbox.inbox")
+
+Handle = Callable[[Delivery, bytes], Awaitable[None]]
+
+
+class Refuse(Exception):
+    """Raised by a handler for a message it will never accept (an unknown currency): what the
+    handler wrote is undone, the refusal is recorded like a success and the message dropped;
+    every copy of it is dropped the same way."""
+
+
+class Verdict(StrEnum):
+    ACK = "ack"  # done: committed now, or recorded before
+    RETRY = "retry"  # give it back, to come again after `delay`
+    DROP = "drop"  # never: terminate or dead-letter it
+
+
+@dataclass(frozen=True)
+class Settled:
+    verdict: Verdict
+    decision: str  # the metric label: a Decision, or invalid, failed, unavailable
+    delay: float = 0.0  # seconds, for RETRY
+
+
+@dataclass(frozen=True)
+class Consumer:
+    """One handler's way of taking messages: which inbox, what runs for a new message, where
+    the identity comes from, and how soon a message given back may come again."""
+
+    inbox: Inbox
+    handler: str
+    handle: Handle
+    key: KeyFrom
+    tenant: TenantFrom
+    retry_after: float = 1.0
+    is_json: bool = True
+
+    async def settle(self, headers: Mapping[str, str], body: bytes) -> Settled:
+        """Decide one message (``headers`` with lower-case names), run ``handle`` for a new one
+        in its transaction, and say what to do with the message once this returns, which is
+        after COMMIT."""
+        key_of, tenant_of = self.key.read(headers), self.tenant.read(headers)
+        if key_of is None or tenant_of is None:
+            return _counted(self.handler, Settled(Verdict.DROP, "invalid"))
+        identity = Identity(tenant_of, self.handler, key_of)
+        try:
+            settled = await self._decide(identity, body)
+        except InvalidDelivery:
+            settled = Settled(Verdict.DROP, "invalid")
+        except (psycopg.OperationalError, PoolTimeout, psycopg.errors.SerializationFailure) as exc:
+            error = type(exc).__name__
+            log.warning("inbox database unavailable", handler=self.handler, error=error)
+            settled = Settled(Verdict.RETRY, "unavailable", self.retry_after)
+        except Exception as exc:  # noqa: BLE001 (a handler's bug must not stop the consumer)
+            # The class only: an exception's text may quote the message.
+            error = type(exc).__name__
+            log.error("inbox handler failed", handler=self.handler, error=error)  # noqa: TRY400
+            settled = Settled(Verdict.RETRY, "failed", self.retry_after)
+        return _counted(self.handler, settled)
+
+    async def _decide(self, identity: Identity, body: bytes) -> Settled:
+        async with self.inbox.deliver(identity, body, is_json=self.is_json) as d:
+            if d.decision is Decision.NEW:
+                outcome = await self._run(d, body)
+                await d.complete(outcome)
+                final = Verdict.ACK if outcome is ACCEPTED else Verdict.DROP
+                return Settled(final, Decision.NEW.value)
+            if d.decision is Decision.REPLAYED and d.recorded is not None:
+                final = Verdict.ACK if d.recorded.status < 400 else Verdict.DROP
+                return Settled(final, Decision.REPLAYED.value)
+            if d.decision is Decision.CONFLICT:
+                return Settled(Verdict.DROP, Decision.CONFLICT.value)
+            return Settled(Verdict.RETRY, Decision.IN_PROGRESS.value, self.retry_after)
+
+    async def _run(self, d: Delivery, body: bytes) -> Outcome:
+        if d.conn is None:  # a new delivery always holds its transaction
+            raise RuntimeError("a new delivery without its connection")
+        try:
+            # A savepoint: a refusal undoes what the handler wrote before it.
+            async with d.conn.transaction():
+                await self.handle(d, body)
+        except Refuse as refusal:
+            return Outcome(REFUSED_STATUS, (), str(refusal).encode()[:65536])
+        return ACCEPTED
+
+
+def _counted(handler: str, settled: Settled) -> Settled:
+    meters.DELIVERIES.labels(handler, settled.decision).inc()
+    return settled
+
+
+def lower(headers: Mapping[str, str] | None) -> dict[str, str]:
+    return {name.lower(): value for name, value in (headers or {}).items()}
