@@ -21,6 +21,9 @@ CREATE TABLE outbox.inbox (
     tenant_id        text NOT NULL,
     handler          text NOT NULL,
     key              text NOT NULL,
+    -- 'transaction': recorded in the handler's own transaction (never committed in progress);
+    -- 'external': a claim committed on its own, with a lease, for handlers that call out.
+    mode             text NOT NULL DEFAULT 'transaction',
     state            text NOT NULL,
     -- SHA-256 of the body as jsonb's canonical text (keys ordered, spacing and number spelling
     -- normalised, as enqueue's fingerprint reads a payload), or of the raw bytes of a body that
@@ -31,13 +34,22 @@ CREATE TABLE outbox.inbox (
     response_status  smallint,
     response_headers jsonb,
     response_body    bytea,
+    -- External mode: the lease of the claim in progress (database clock), how many claims it
+    -- took, the last failure's class, and when it was given up on.
+    lease_expires_at timestamptz,
+    claims           integer NOT NULL DEFAULT 1,
+    last_error       text,
+    abandoned_at     timestamptz,
     created_at       timestamptz NOT NULL DEFAULT now(),
     completed_at     timestamptz,
     -- Set at the start, never changed (so the completion stays HOT): after it, inbox_prune may
     -- delete a completed record and a delivery under the same identity runs again.
     expires_at       timestamptz NOT NULL,
     CONSTRAINT inbox_identity UNIQUE (tenant_id, handler, key),
-    CONSTRAINT inbox_state_valid CHECK (state IN ('in_progress', 'completed')),
+    CONSTRAINT inbox_mode_valid CHECK (mode IN ('transaction', 'external')),
+    CONSTRAINT inbox_state_valid CHECK (state IN ('in_progress', 'completed', 'abandoned')),
+    CONSTRAINT inbox_lease_only_external CHECK (lease_expires_at IS NULL OR mode = 'external'),
+    CONSTRAINT inbox_last_error_bounded CHECK (char_length(last_error) <= 200),
     CONSTRAINT inbox_never_5xx CHECK (response_status BETWEEN 200 AND 499),
     CONSTRAINT inbox_response_bounded CHECK (octet_length(response_body) <= 1048576),
     CONSTRAINT inbox_completed_has_outcome CHECK (
@@ -46,6 +58,9 @@ CREATE TABLE outbox.inbox (
 COMMENT ON TABLE outbox.inbox IS 'One record per delivery identity a worker handled, committed with its business writes (sql/0042).';
 REVOKE ALL ON outbox.inbox FROM PUBLIC;
 CREATE INDEX inbox_expiry ON outbox.inbox (expires_at);
+-- Only external claims, only while leased or abandoned: what the gauges and operators look for.
+CREATE INDEX inbox_leases ON outbox.inbox (lease_expires_at) WHERE lease_expires_at IS NOT NULL;
+CREATE INDEX inbox_abandoned ON outbox.inbox (abandoned_at) WHERE abandoned_at IS NOT NULL;
 
 -- A conflict belongs to the second delivery, not to the record: the record keeps its outcome,
 -- and operators see what else arrived under its identity, how often and when.
@@ -77,7 +92,7 @@ BEGIN
 END;
 $$;
 CREATE CONSTRAINT TRIGGER inbox_outcome_before_commit AFTER INSERT ON outbox.inbox
-    DEFERRABLE INITIALLY DEFERRED FOR EACH ROW
+    DEFERRABLE INITIALLY DEFERRED FOR EACH ROW WHEN (NEW.mode = 'transaction')
     EXECUTE FUNCTION outbox.inbox_outcome_before_commit();
 
 -- The first statement of a delivery's transaction (READ COMMITTED). Binds the transaction to
@@ -165,7 +180,8 @@ BEGIN
             response_body := r.response_body;
             RETURN;
         END IF;
-        decision := 'in_progress';
+        -- An external claim: still leased, or abandoned for a person.
+        decision := CASE WHEN r.state = 'abandoned' THEN 'abandoned' ELSE 'in_progress' END;
         RETURN;
     END LOOP;
     decision := 'in_progress';
@@ -200,7 +216,7 @@ BEGIN
     -- policies of roles_tenant_rls.sql (as 0011 says of enqueue).
     UPDATE outbox.inbox i
     SET state = 'completed', completed_at = now(), response_status = status,
-        response_headers = headers, response_body = body
+        response_headers = headers, response_body = body, lease_expires_at = NULL
     WHERE i.id = inbox_complete.inbox_id AND i.token = inbox_complete.token
       AND i.state = 'in_progress' AND i.tenant_id = outbox.bound_tenant();
     RETURN FOUND;
@@ -223,6 +239,183 @@ BEGIN
                  ORDER BY i.expires_at LIMIT batch FOR UPDATE SKIP LOCKED);
     GET DIAGNOSTICS v_count = ROW_COUNT;
     RETURN v_count;
+END;
+$$;
+
+-- External mode (handlers that call out before they can answer): the claim commits on its own,
+-- with a lease on the database clock, so that it survives the handler's calls; every later write
+-- is fenced by the claim's token. 'new' and 'reclaimed' run the handler; a live lease is
+-- 'in_progress' (retry_after: the lease left); an expired lease is reclaimed (claims + 1, a new
+-- token) until max_claims claims were taken, then 'abandoned' for a person (outbox inbox
+-- release). The downstream key derives from the identity alone and this installation's secret
+-- (as 0041 derives ob2_ keys): every claim, and a record forgotten and made again, hands the
+-- handler the same key for its own outbound calls, and nobody without the secret can take it
+-- at the downstream provider first. Two reclaimers serialise on the row's lock.
+CREATE FUNCTION outbox.inbox_claim(
+    tenant_id text, handler text, key text, body_json text, body_raw bytea,
+    lease interval, max_claims integer, retention interval,
+    OUT decision text, OUT inbox_id bigint, OUT token uuid, OUT claims integer,
+    OUT downstream_key text, OUT retry_after interval, OUT response_status integer,
+    OUT response_headers jsonb, OUT response_body bytea)
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_bound  text := outbox.bound_tenant();
+    v_digest bytea;
+    r        outbox.inbox;
+BEGIN
+    PERFORM outbox.check_text('tenant_id', tenant_id, 128);
+    PERFORM outbox.check_text('key', key, 512);
+    IF handler IS NULL OR handler !~ '^[a-z0-9][a-z0-9._-]{0,127}$' THEN
+        RAISE EXCEPTION 'handler must be 1 to 128 of a-z, 0-9, ".", "_" and "-", starting with a '
+                        'letter or digit' USING ERRCODE = 'OB002', COLUMN = 'handler';
+    END IF;
+    IF (body_json IS NULL) = (body_raw IS NULL) THEN
+        RAISE EXCEPTION 'exactly one of body_json and body_raw is given' USING ERRCODE = '22023';
+    END IF;
+    IF coalesce(octet_length(body_json), octet_length(body_raw)) > 16777216 THEN
+        RAISE EXCEPTION 'a body may be at most 16 MiB' USING ERRCODE = '22023';
+    END IF;
+    PERFORM outbox.check_between('lease', lease, interval '1 second', interval '1 day');
+    PERFORM outbox.check_count('max_claims', max_claims, 1, 100);
+    PERFORM outbox.check_between('retention', retention, interval '1 hour', interval '400 days');
+    IF v_bound IS NOT NULL AND v_bound <> tenant_id THEN
+        RAISE EXCEPTION 'this transaction is bound to another tenant'
+            USING ERRCODE = 'insufficient_privilege';
+    END IF;
+    PERFORM outbox.bind_tenant(tenant_id);
+    v_digest := CASE WHEN body_json IS NOT NULL
+                     THEN sha256(convert_to(body_json::jsonb::text, 'UTF8'))
+                     ELSE sha256(body_raw) END;
+    SELECT 'ib1_' || encode(sha256(s.key_secret || sha256(s.key_secret || convert_to(
+               jsonb_build_array(inbox_claim.tenant_id, inbox_claim.handler,
+                                 inbox_claim.key)::text, 'UTF8'))), 'hex')
+    INTO downstream_key FROM outbox.installation s;
+
+    FOR attempt IN 1..3 LOOP
+        INSERT INTO outbox.inbox AS i (tenant_id, handler, key, mode, state, body_digest, token,
+                                       lease_expires_at, expires_at)
+        VALUES (tenant_id, handler, key, 'external', 'in_progress', v_digest, gen_random_uuid(),
+                now() + lease, now() + retention)
+        ON CONFLICT ON CONSTRAINT inbox_identity DO NOTHING
+        RETURNING i.id, i.token, i.claims INTO inbox_id, token, claims;
+        IF inbox_id IS NOT NULL THEN
+            decision := 'new';
+            RETURN;
+        END IF;
+        SELECT * INTO r FROM outbox.inbox i
+        WHERE i.tenant_id = inbox_claim.tenant_id AND i.handler = inbox_claim.handler
+          AND i.key = inbox_claim.key
+        FOR UPDATE;
+        CONTINUE WHEN NOT FOUND;
+        inbox_id := r.id;
+        claims := r.claims;
+        IF r.body_digest <> v_digest THEN
+            INSERT INTO outbox.inbox_conflicts AS c (inbox_id, body_digest)
+            VALUES (r.id, v_digest)
+            ON CONFLICT ON CONSTRAINT inbox_conflicts_pkey
+            DO UPDATE SET seen = c.seen + 1, last_seen_at = now();
+            decision := 'conflict';
+            RETURN;
+        END IF;
+        IF r.state = 'completed' THEN
+            decision := 'replayed';
+            response_status := r.response_status;
+            response_headers := r.response_headers;
+            response_body := r.response_body;
+            RETURN;
+        END IF;
+        IF r.state = 'abandoned' THEN
+            decision := 'abandoned';
+            RETURN;
+        END IF;
+        IF r.lease_expires_at > now() THEN
+            decision := 'in_progress';
+            retry_after := r.lease_expires_at - now();
+            RETURN;
+        END IF;
+        -- Only a lease that ran out counts toward abandoning (a worker that died or stalled,
+        -- as a message that crashes every worker would make it): a claim handed back by
+        -- inbox_fail (lease NULL) is taken again without counting; the sender's own retry
+        -- limits bound those.
+        IF r.lease_expires_at IS NOT NULL AND r.claims >= max_claims THEN
+            UPDATE outbox.inbox i SET state = 'abandoned', abandoned_at = now(),
+                   lease_expires_at = NULL
+            WHERE i.id = r.id;
+            decision := 'abandoned';
+            RETURN;
+        END IF;
+        UPDATE outbox.inbox i
+        SET claims = CASE WHEN r.lease_expires_at IS NULL THEN greatest(r.claims, 1)
+                          ELSE r.claims + 1 END,
+            token = gen_random_uuid(), lease_expires_at = now() + lease
+        WHERE i.id = r.id
+        RETURNING i.token, i.claims INTO token, claims;
+        decision := 'reclaimed';
+        RETURN;
+    END LOOP;
+    decision := 'in_progress';
+    retry_after := interval '1 second';
+END;
+$$;
+
+-- A claim's heartbeat: its lease renewed, only under its token and while in progress. False: the
+-- lease was lost (reclaimed by another delivery): the handler must stop and write nothing more.
+CREATE FUNCTION outbox.inbox_renew(inbox_id bigint, token uuid, lease interval)
+RETURNS boolean
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    PERFORM outbox.check_between('lease', lease, interval '1 second', interval '1 day');
+    UPDATE outbox.inbox i SET lease_expires_at = now() + lease
+    WHERE i.id = inbox_renew.inbox_id AND i.token = inbox_renew.token
+      AND i.state = 'in_progress' AND i.mode = 'external';
+    RETURN FOUND;
+END;
+$$;
+
+-- A claim that failed (the handler raised, a downstream call timed out) is handed back: its lease
+-- ends now, so the next delivery takes it at once, with the same downstream key, and without
+-- counting toward abandoning it. Fenced by the token.
+CREATE FUNCTION outbox.inbox_fail(inbox_id bigint, token uuid, error text)
+RETURNS boolean
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    UPDATE outbox.inbox i SET lease_expires_at = NULL, last_error = left(error, 200)
+    WHERE i.id = inbox_fail.inbox_id AND i.token = inbox_fail.token
+      AND i.state = 'in_progress' AND i.mode = 'external';
+    RETURN FOUND;
+END;
+$$;
+
+-- An operator's `outbox inbox release`: an abandoned claim (or one whose lease expired) gets its
+-- claims back, so that the next delivery reclaims it, under the same downstream key. Audited.
+CREATE FUNCTION outbox.inbox_release(inbox_id bigint, reason text, actor text)
+RETURNS text
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    r outbox.inbox;
+BEGIN
+    PERFORM outbox.require_reason(actor, reason);
+    SELECT * INTO r FROM outbox.inbox i WHERE i.id = inbox_release.inbox_id FOR UPDATE;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'inbox record % does not exist', inbox_id USING ERRCODE = 'no_data_found';
+    END IF;
+    IF NOT (r.state = 'abandoned' OR (r.state = 'in_progress' AND r.mode = 'external'
+                                      AND coalesce(r.lease_expires_at <= now(), true))) THEN
+        RAISE EXCEPTION 'inbox record % is %: only an abandoned claim, or one whose lease '
+                        'expired, is released', r.id, r.state USING ERRCODE = 'OB004';
+    END IF;
+    UPDATE outbox.inbox i SET state = 'in_progress', claims = 0, abandoned_at = NULL,
+           lease_expires_at = NULL, token = gen_random_uuid()
+    WHERE i.id = r.id;
+    INSERT INTO outbox.audit (operation_id, actor, action, reason, details)
+    VALUES (NULL, actor, 'inbox_release', reason,
+            jsonb_build_object('inbox_id', r.id, 'tenant_id', r.tenant_id, 'handler', r.handler,
+                               'key', r.key, 'state', r.state, 'claims', r.claims));
+    RETURN 'released';
 END;
 $$;
 
@@ -260,5 +453,8 @@ $$;
 REVOKE ALL ON FUNCTION outbox.inbox_outcome_before_commit(),
     outbox.inbox_begin(text, text, text, text, bytea, interval, interval),
     outbox.inbox_complete(bigint, uuid, integer, jsonb, bytea), outbox.inbox_prune(integer),
-    outbox.inbox_forget(bigint, text, text, boolean)
+    outbox.inbox_forget(bigint, text, text, boolean),
+    outbox.inbox_claim(text, text, text, text, bytea, interval, integer, interval),
+    outbox.inbox_renew(bigint, uuid, interval), outbox.inbox_fail(bigint, uuid, text),
+    outbox.inbox_release(bigint, text, text)
     FROM PUBLIC;

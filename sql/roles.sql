@@ -218,6 +218,7 @@ TO outbox_operator;
 GRANT SELECT ON outbox.inbox, outbox.inbox_conflicts TO outbox_operator;
 GRANT EXECUTE ON FUNCTION
     outbox.inbox_forget(bigint, text, text, boolean),
+    outbox.inbox_release(bigint, text, text),
     outbox.inbox_prune(integer)
 TO outbox_operator;
 
@@ -228,5 +229,9 @@ GRANT EXECUTE ON FUNCTION
     outbox.inbox_begin(text, text, text, text, bytea, interval, interval),
     outbox.inbox_complete(bigint, uuid, integer, jsonb, bytea),
     outbox.inbox_prune(integer),
+    -- External mode: the claim, its heartbeat and its failure.
+    outbox.inbox_claim(text, text, text, text, bytea, interval, integer, interval),
+    outbox.inbox_renew(bigint, uuid, interval),
+    outbox.inbox_fail(bigint, uuid, text),
     outbox.bind_tenant(text)
 TO outbox_consumer;

@@ -126,27 +126,37 @@ CREATE TABLE outbox.inbox (
     tenant_id        text NOT NULL,
     handler          text NOT NULL,
     key              text NOT NULL,
+    mode             text DEFAULT 'transaction'::text NOT NULL,
     state            text NOT NULL,
     body_digest      bytea NOT NULL,
     token            uuid NOT NULL,
     response_status  smallint,
     response_headers jsonb,
     response_body    bytea,
+    lease_expires_at timestamp with time zone,
+    claims           integer DEFAULT 1 NOT NULL,
+    last_error       text,
+    abandoned_at     timestamp with time zone,
     created_at       timestamp with time zone DEFAULT now() NOT NULL,
     completed_at     timestamp with time zone,
     expires_at       timestamp with time zone NOT NULL,
     CONSTRAINT inbox_pkey PRIMARY KEY (id),
     CONSTRAINT inbox_identity UNIQUE (tenant_id, handler, key),
     CONSTRAINT inbox_completed_has_outcome CHECK (((state <> 'completed'::text) OR ((completed_at IS NOT NULL) AND (response_status IS NOT NULL)))),
+    CONSTRAINT inbox_last_error_bounded CHECK ((char_length(last_error) <= 200)),
+    CONSTRAINT inbox_lease_only_external CHECK (((lease_expires_at IS NULL) OR (mode = 'external'::text))),
+    CONSTRAINT inbox_mode_valid CHECK ((mode = ANY (ARRAY['transaction'::text, 'external'::text]))),
     CONSTRAINT inbox_never_5xx CHECK (((response_status >= 200) AND (response_status <= 499))),
     CONSTRAINT inbox_response_bounded CHECK ((octet_length(response_body) <= 1048576)),
-    CONSTRAINT inbox_state_valid CHECK ((state = ANY (ARRAY['in_progress'::text, 'completed'::text])))
+    CONSTRAINT inbox_state_valid CHECK ((state = ANY (ARRAY['in_progress'::text, 'completed'::text, 'abandoned'::text])))
 ) WITH (fillfactor=80);
 
 COMMENT ON TABLE outbox.inbox IS 'One record per delivery identity a worker handled, committed with its business writes (sql/0042).';
 
+CREATE INDEX inbox_abandoned ON outbox.inbox USING btree (abandoned_at) WHERE (abandoned_at IS NOT NULL);
 CREATE INDEX inbox_expiry ON outbox.inbox USING btree (expires_at);
-CREATE CONSTRAINT TRIGGER inbox_outcome_before_commit AFTER INSERT ON outbox.inbox DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION outbox.inbox_outcome_before_commit();
+CREATE INDEX inbox_leases ON outbox.inbox USING btree (lease_expires_at) WHERE (lease_expires_at IS NOT NULL);
+CREATE CONSTRAINT TRIGGER inbox_outcome_before_commit AFTER INSERT ON outbox.inbox DEFERRABLE INITIALLY DEFERRED FOR EACH ROW WHEN ((new.mode = 'transaction'::text)) EXECUTE FUNCTION outbox.inbox_outcome_before_commit();
 
 -- privileges: the owner's only
 
@@ -1598,10 +1608,122 @@ BEGIN
             response_body := r.response_body;
             RETURN;
         END IF;
-        decision := 'in_progress';
+        -- An external claim: still leased, or abandoned for a person.
+        decision := CASE WHEN r.state = 'abandoned' THEN 'abandoned' ELSE 'in_progress' END;
         RETURN;
     END LOOP;
     decision := 'in_progress';
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.inbox_claim(text,text,text,text,bytea,interval,integer,interval)
+-- history: created by 0042_inbox
+
+CREATE OR REPLACE FUNCTION outbox.inbox_claim(tenant_id text, handler text, key text, body_json text, body_raw bytea, lease interval, max_claims integer, retention interval, OUT decision text, OUT inbox_id bigint, OUT token uuid, OUT claims integer, OUT downstream_key text, OUT retry_after interval, OUT response_status integer, OUT response_headers jsonb, OUT response_body bytea)
+ RETURNS record
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+DECLARE
+    v_bound  text := outbox.bound_tenant();
+    v_digest bytea;
+    r        outbox.inbox;
+BEGIN
+    PERFORM outbox.check_text('tenant_id', tenant_id, 128);
+    PERFORM outbox.check_text('key', key, 512);
+    IF handler IS NULL OR handler !~ '^[a-z0-9][a-z0-9._-]{0,127}$' THEN
+        RAISE EXCEPTION 'handler must be 1 to 128 of a-z, 0-9, ".", "_" and "-", starting with a '
+                        'letter or digit' USING ERRCODE = 'OB002', COLUMN = 'handler';
+    END IF;
+    IF (body_json IS NULL) = (body_raw IS NULL) THEN
+        RAISE EXCEPTION 'exactly one of body_json and body_raw is given' USING ERRCODE = '22023';
+    END IF;
+    IF coalesce(octet_length(body_json), octet_length(body_raw)) > 16777216 THEN
+        RAISE EXCEPTION 'a body may be at most 16 MiB' USING ERRCODE = '22023';
+    END IF;
+    PERFORM outbox.check_between('lease', lease, interval '1 second', interval '1 day');
+    PERFORM outbox.check_count('max_claims', max_claims, 1, 100);
+    PERFORM outbox.check_between('retention', retention, interval '1 hour', interval '400 days');
+    IF v_bound IS NOT NULL AND v_bound <> tenant_id THEN
+        RAISE EXCEPTION 'this transaction is bound to another tenant'
+            USING ERRCODE = 'insufficient_privilege';
+    END IF;
+    PERFORM outbox.bind_tenant(tenant_id);
+    v_digest := CASE WHEN body_json IS NOT NULL
+                     THEN sha256(convert_to(body_json::jsonb::text, 'UTF8'))
+                     ELSE sha256(body_raw) END;
+    SELECT 'ib1_' || encode(sha256(s.key_secret || sha256(s.key_secret || convert_to(
+               jsonb_build_array(inbox_claim.tenant_id, inbox_claim.handler,
+                                 inbox_claim.key)::text, 'UTF8'))), 'hex')
+    INTO downstream_key FROM outbox.installation s;
+
+    FOR attempt IN 1..3 LOOP
+        INSERT INTO outbox.inbox AS i (tenant_id, handler, key, mode, state, body_digest, token,
+                                       lease_expires_at, expires_at)
+        VALUES (tenant_id, handler, key, 'external', 'in_progress', v_digest, gen_random_uuid(),
+                now() + lease, now() + retention)
+        ON CONFLICT ON CONSTRAINT inbox_identity DO NOTHING
+        RETURNING i.id, i.token, i.claims INTO inbox_id, token, claims;
+        IF inbox_id IS NOT NULL THEN
+            decision := 'new';
+            RETURN;
+        END IF;
+        SELECT * INTO r FROM outbox.inbox i
+        WHERE i.tenant_id = inbox_claim.tenant_id AND i.handler = inbox_claim.handler
+          AND i.key = inbox_claim.key
+        FOR UPDATE;
+        CONTINUE WHEN NOT FOUND;
+        inbox_id := r.id;
+        claims := r.claims;
+        IF r.body_digest <> v_digest THEN
+            INSERT INTO outbox.inbox_conflicts AS c (inbox_id, body_digest)
+            VALUES (r.id, v_digest)
+            ON CONFLICT ON CONSTRAINT inbox_conflicts_pkey
+            DO UPDATE SET seen = c.seen + 1, last_seen_at = now();
+            decision := 'conflict';
+            RETURN;
+        END IF;
+        IF r.state = 'completed' THEN
+            decision := 'replayed';
+            response_status := r.response_status;
+            response_headers := r.response_headers;
+            response_body := r.response_body;
+            RETURN;
+        END IF;
+        IF r.state = 'abandoned' THEN
+            decision := 'abandoned';
+            RETURN;
+        END IF;
+        IF r.lease_expires_at > now() THEN
+            decision := 'in_progress';
+            retry_after := r.lease_expires_at - now();
+            RETURN;
+        END IF;
+        -- Only a lease that ran out counts toward abandoning (a worker that died or stalled,
+        -- as a message that crashes every worker would make it): a claim handed back by
+        -- inbox_fail (lease NULL) is taken again without counting; the sender's own retry
+        -- limits bound those.
+        IF r.lease_expires_at IS NOT NULL AND r.claims >= max_claims THEN
+            UPDATE outbox.inbox i SET state = 'abandoned', abandoned_at = now(),
+                   lease_expires_at = NULL
+            WHERE i.id = r.id;
+            decision := 'abandoned';
+            RETURN;
+        END IF;
+        UPDATE outbox.inbox i
+        SET claims = CASE WHEN r.lease_expires_at IS NULL THEN greatest(r.claims, 1)
+                          ELSE r.claims + 1 END,
+            token = gen_random_uuid(), lease_expires_at = now() + lease
+        WHERE i.id = r.id
+        RETURNING i.token, i.claims INTO token, claims;
+        decision := 'reclaimed';
+        RETURN;
+    END LOOP;
+    decision := 'in_progress';
+    retry_after := interval '1 second';
 END;
 $function$;
 -- privileges: the owner's only
@@ -1636,9 +1758,28 @@ BEGIN
     -- policies of roles_tenant_rls.sql (as 0011 says of enqueue).
     UPDATE outbox.inbox i
     SET state = 'completed', completed_at = now(), response_status = status,
-        response_headers = headers, response_body = body
+        response_headers = headers, response_body = body, lease_expires_at = NULL
     WHERE i.id = inbox_complete.inbox_id AND i.token = inbox_complete.token
       AND i.state = 'in_progress' AND i.tenant_id = outbox.bound_tenant();
+    RETURN FOUND;
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.inbox_fail(bigint,uuid,text)
+-- history: created by 0042_inbox
+
+CREATE OR REPLACE FUNCTION outbox.inbox_fail(inbox_id bigint, token uuid, error text)
+ RETURNS boolean
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+BEGIN
+    UPDATE outbox.inbox i SET lease_expires_at = NULL, last_error = left(error, 200)
+    WHERE i.id = inbox_fail.inbox_id AND i.token = inbox_fail.token
+      AND i.state = 'in_progress' AND i.mode = 'external';
     RETURN FOUND;
 END;
 $function$;
@@ -1720,6 +1861,61 @@ BEGIN
                  ORDER BY i.expires_at LIMIT batch FOR UPDATE SKIP LOCKED);
     GET DIAGNOSTICS v_count = ROW_COUNT;
     RETURN v_count;
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.inbox_release(bigint,text,text)
+-- history: created by 0042_inbox
+
+CREATE OR REPLACE FUNCTION outbox.inbox_release(inbox_id bigint, reason text, actor text)
+ RETURNS text
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+DECLARE
+    r outbox.inbox;
+BEGIN
+    PERFORM outbox.require_reason(actor, reason);
+    SELECT * INTO r FROM outbox.inbox i WHERE i.id = inbox_release.inbox_id FOR UPDATE;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'inbox record % does not exist', inbox_id USING ERRCODE = 'no_data_found';
+    END IF;
+    IF NOT (r.state = 'abandoned' OR (r.state = 'in_progress' AND r.mode = 'external'
+                                      AND coalesce(r.lease_expires_at <= now(), true))) THEN
+        RAISE EXCEPTION 'inbox record % is %: only an abandoned claim, or one whose lease '
+                        'expired, is released', r.id, r.state USING ERRCODE = 'OB004';
+    END IF;
+    UPDATE outbox.inbox i SET state = 'in_progress', claims = 0, abandoned_at = NULL,
+           lease_expires_at = NULL, token = gen_random_uuid()
+    WHERE i.id = r.id;
+    INSERT INTO outbox.audit (operation_id, actor, action, reason, details)
+    VALUES (NULL, actor, 'inbox_release', reason,
+            jsonb_build_object('inbox_id', r.id, 'tenant_id', r.tenant_id, 'handler', r.handler,
+                               'key', r.key, 'state', r.state, 'claims', r.claims));
+    RETURN 'released';
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.inbox_renew(bigint,uuid,interval)
+-- history: created by 0042_inbox
+
+CREATE OR REPLACE FUNCTION outbox.inbox_renew(inbox_id bigint, token uuid, lease interval)
+ RETURNS boolean
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+BEGIN
+    PERFORM outbox.check_between('lease', lease, interval '1 second', interval '1 day');
+    UPDATE outbox.inbox i SET lease_expires_at = now() + lease
+    WHERE i.id = inbox_renew.inbox_id AND i.token = inbox_renew.token
+      AND i.state = 'in_progress' AND i.mode = 'external';
+    RETURN FOUND;
 END;
 $function$;
 -- privileges: the owner's only

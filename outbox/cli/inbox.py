@@ -1,6 +1,7 @@
 """`outbox inbox`: the records of the receiving half (sql/0042), for operators.
 
-`list` and `show` read them; `forget` deletes records so that the next delivery under their
+`list` and `show` read them; `release` gives an abandoned external claim its claims back;
+`forget` deletes records so that the next delivery under their
 identity runs again (after fixing a handler that recorded a wrong refusal), one by ID or all
 that filters select, each audited; `prune` deletes completed records past their retention.
 """
@@ -195,6 +196,24 @@ def _forget_each(
                 raise
             refused.append(f"{inbox_id}: {exc.diag.message_primary}")
     return done, refused
+
+
+@inbox.command("release")
+@dsn_option
+@click.argument("inbox_id", type=click.IntRange(1))
+@click.option("--reason", type=TEXT, required=True, help="Why; recorded in the audit.")
+@actor_option
+def release(dsn: str, inbox_id: int, reason: str, actor: str) -> None:
+    """Give an abandoned external claim (or one whose lease expired) its claims back: the next
+    delivery runs the handler again, under the same downstream key. Audited."""
+    with connect(dsn) as conn:
+        try:
+            records.release(conn, inbox_id, reason=reason, actor=actor)
+        except psycopg.Error as exc:
+            if exc.sqlstate not in (SQLSTATE_OPERATOR_REFUSED, SQLSTATE_NO_DATA_FOUND):
+                raise
+            raise BadInput(str(exc.diag.message_primary or exc)) from None
+    click.echo(f"released: {inbox_id}")
 
 
 @inbox.command("prune")

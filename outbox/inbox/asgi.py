@@ -245,6 +245,9 @@ class InboxMiddleware:
             return replay(d.recorded)
         if d.decision is Decision.CONFLICT:
             return problem(422, "conflict", "this key was delivered with another body", "conflict")
+        if d.decision is Decision.ABANDONED:
+            detail = "given up after repeated claims: an operator releases it"
+            return problem(503, "abandoned", detail, "abandoned", 300)
         return problem(
             409, "in progress", "this delivery is being handled", "in_progress", self.retry_after
         )

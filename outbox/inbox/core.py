@@ -12,11 +12,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager, suppress
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import StrEnum
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 from uuid import UUID
 
 import psycopg
@@ -24,6 +24,9 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from outbox.inbox import statements
+
+if TYPE_CHECKING:
+    from outbox.inbox.external import Claim
 
 # Classes of SQLSTATE that mean "this delivery cannot be taken as it is" rather than "the
 # database failed": data exceptions (a body that is not JSON PostgreSQL can store: 22P02, 22P05),
@@ -38,6 +41,9 @@ class Decision(StrEnum):
     REPLAYED = "replayed"  # completed before: answer the recorded outcome
     CONFLICT = "conflict"  # the identity was recorded with another body: never run
     IN_PROGRESS = "in_progress"  # another transaction holds the identity: try later
+    # External mode only (Inbox.claim):
+    RECLAIMED = "reclaimed"  # an earlier claim's lease expired: run the handler again
+    ABANDONED = "abandoned"  # claimed max_claims times without an outcome: a person decides
 
 
 @dataclass(frozen=True)
@@ -140,6 +146,29 @@ class Inbox:
                 raise
             await asyncio.shield(_finish(conn, delivery))
 
+    def claim(
+        self,
+        identity: Identity,
+        body: bytes,
+        *,
+        is_json: bool,
+        lease: timedelta = timedelta(seconds=30),
+        max_claims: int = 5,
+    ) -> AbstractAsyncContextManager[Claim]:
+        """External-effect mode, for a handler that calls out before it can answer
+        (outbox.inbox.external): a claim committed at once, with a lease and a downstream key."""
+        from outbox.inbox import external  # noqa: PLC0415 (external imports this module)
+
+        return external.claim(
+            self.pool,
+            identity,
+            body,
+            is_json=is_json,
+            lease=lease,
+            max_claims=max_claims,
+            retention=self.retention,
+        )
+
     @asynccontextmanager
     async def _flight(self, identity: Identity) -> AsyncIterator[timedelta]:
         """Wait (at most ``wait``) for a delivery of the same identity already under way in this
@@ -166,13 +195,13 @@ class Inbox:
         is_json: bool,
         wait: timedelta,
     ) -> Delivery:
-        params = _begin_params(identity, body, is_json)
+        params = body_params(identity, body, is_json)
         params.update(wait=wait, retention=self.retention)
         try:
             row = await (await conn.execute(statements.BEGIN, params)).fetchone()
         except psycopg.Error as exc:
             await conn.rollback()
-            if (exc.sqlstate or "")[:2] in _MALFORMED:
+            if malformed(exc):
                 raise InvalidDelivery(exc.diag.message_primary or str(exc)) from exc
             raise
         if row is None:  # a function call returns one row
@@ -188,7 +217,7 @@ class Inbox:
         )
 
 
-def _begin_params(identity: Identity, body: bytes, is_json: bool) -> dict[str, Any]:
+def body_params(identity: Identity, body: bytes, is_json: bool) -> dict[str, Any]:
     """The body as text for PostgreSQL to parse as jsonb (so its digest is the canonical text
     enqueue fingerprints), or as raw bytes for any other body."""
     body_json: str | None = None
@@ -206,6 +235,11 @@ def _begin_params(identity: Identity, body: bytes, is_json: bool) -> dict[str, A
         "body_json": body_json,
         "body_raw": None if is_json else body,
     }
+
+
+def malformed(exc: psycopg.Error) -> bool:
+    """Whether the database refused the delivery itself rather than failed."""
+    return (exc.sqlstate or "")[:2] in _MALFORMED
 
 
 async def _finish(conn: psycopg.AsyncConnection[Any], delivery: Delivery) -> None:

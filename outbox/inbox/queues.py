@@ -25,6 +25,7 @@ from outbox.inbox.http import KeyFrom, TenantFrom
 # What a queue handler's outcome is recorded as: a success, or a refusal (Refuse).
 ACCEPTED: Final = Outcome(200, (), b"")
 REFUSED_STATUS: Final = 422
+ABANDONED_RETRY: Final = 300.0  # seconds: an abandoned record waits for a person
 log = structlog.get_logger("outbox.inbox")
 
 Handle = Callable[[Delivery, bytes], Awaitable[None]]
@@ -97,6 +98,8 @@ class Consumer:
                 return Settled(final, Decision.REPLAYED.value)
             if d.decision is Decision.CONFLICT:
                 return Settled(Verdict.DROP, Decision.CONFLICT.value)
+            if d.decision is Decision.ABANDONED:  # a person releases it; until then, rarely
+                return Settled(Verdict.RETRY, Decision.ABANDONED.value, ABANDONED_RETRY)
             return Settled(Verdict.RETRY, Decision.IN_PROGRESS.value, self.retry_after)
 
     async def _run(self, d: Delivery, body: bytes) -> Outcome:

@@ -68,6 +68,13 @@ def forget(
         conn.execute(statements.FORGET, params)
 
 
+def release(conn: psycopg.Connection[Any], inbox_id: int, *, reason: str, actor: str) -> None:
+    """Give an abandoned claim (or one whose lease expired) its claims back, audited: the next
+    delivery reclaims it, under the same downstream key."""
+    with conn.transaction():
+        conn.execute(statements.RELEASE, {"id": inbox_id, "reason": reason, "actor": actor})
+
+
 def prune(conn: psycopg.Connection[Any], batch: int) -> int:
     """Delete every completed record past its retention, ``batch`` at a time, each batch in its
     own transaction (short locks, a prune that stops midway keeps what it did); how many."""

@@ -65,3 +65,18 @@ FORGET: Final = "SELECT outbox.inbox_forget(%(id)s, %(reason)s, %(actor)s, %(for
 PRUNABLE: Final = (
     "SELECT count(*) FROM outbox.inbox WHERE expires_at < now() AND state = 'completed'"
 )
+
+# --- external mode: a claim committed on its own, with a lease (sql/0042) ------------------------
+
+# Relies on: outbox.inbox_claim() (autocommit: the claim must outlive the handler's calls).
+CLAIM: Final = (
+    "SELECT decision, inbox_id, token, claims, downstream_key, retry_after, response_status,"
+    " response_headers, response_body FROM outbox.inbox_claim(%(tenant_id)s, %(handler)s,"
+    " %(key)s, %(body_json)s, %(body_raw)s, %(lease)s, %(max_claims)s, %(retention)s)"
+)
+# Relies on: outbox.inbox_renew(), outbox.inbox_fail(), outbox.bind_tenant().
+RENEW: Final = "SELECT outbox.inbox_renew(%(inbox_id)s, %(token)s, %(lease)s)"
+FAIL: Final = "SELECT outbox.inbox_fail(%(inbox_id)s, %(token)s, %(error)s)"
+BIND_TENANT: Final = "SELECT outbox.bind_tenant(%(tenant_id)s)"
+# Relies on: outbox.inbox_release() (audited).
+RELEASE: Final = "SELECT outbox.inbox_release(%(id)s, %(reason)s, %(actor)s)"

@@ -252,6 +252,13 @@ def test_every_function_is_pinned_and_executable_only_by_its_roles(roles_db: str
         "outbox.inbox_complete(bigint,uuid,integer,jsonb,bytea)": (True, ["outbox_consumer"]),
         "outbox.inbox_prune(integer)": (True, ["outbox_consumer", "outbox_operator"]),
         "outbox.inbox_forget(bigint,text,text,boolean)": (True, ["outbox_operator"]),
+        "outbox.inbox_release(bigint,text,text)": (True, ["outbox_operator"]),
+        "outbox.inbox_claim(text,text,text,text,bytea,interval,integer,interval)": (
+            True,
+            ["outbox_consumer"],
+        ),
+        "outbox.inbox_renew(bigint,uuid,interval)": (True, ["outbox_consumer"]),
+        "outbox.inbox_fail(bigint,uuid,text)": (True, ["outbox_consumer"]),
         "outbox.resolve_operation(bigint,text,text,text)": (True, ["outbox_operator"]),
         "outbox.cancel_operation(bigint,text,text)": (True, ["outbox_operator"]),
         "outbox.request_cancel(bigint,text,text)": (True, ["outbox_operator"]),

@@ -60,6 +60,7 @@ INBOX_SQL = "sql/0042_inbox.sql"
 INBOX_TESTS = "tests/integration/test_inbox.py"
 WORKER_TESTS = "tests/integration/test_inbox_worker.py"
 JETSTREAM_TESTS = "tests/integration/test_inbox_jetstream.py"
+EXTERNAL_TESTS = "tests/integration/test_inbox_external.py"
 
 MUTANTS: tuple[Mutant, ...] = (
     # --- the lease fence, in every path that writes after a provider call ----------------------
@@ -1166,8 +1167,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "inbox-no-conflict-check",
         "the same identity with another body replays the first outcome instead of a conflict",
         INBOX_SQL,
-        "        IF r.body_digest <> v_digest THEN\n",
-        "        IF false THEN\n",
+        "        inbox_id := r.id;\n        IF r.body_digest <> v_digest THEN\n",
+        "        inbox_id := r.id;\n        IF false THEN\n",
         INBOX_TESTS + "::test_any_spelling_of_the_same_json_replays_and_any_change_conflicts",
         WORKER_TESTS
         + "::test_the_same_key_with_other_input_is_a_conflict_and_the_first_invoice_stays",
@@ -1185,8 +1186,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "a worker's transaction is not bound to its delivery's tenant, so it reaches the records "
         "of every tenant",
         INBOX_SQL,
-        "    PERFORM outbox.bind_tenant(tenant_id);\n",
-        "",
+        "    PERFORM outbox.bind_tenant(tenant_id);\n"
+        "    v_digest := CASE WHEN body_json IS NOT NULL\n"
+        "                     THEN sha256(convert_to(body_json::jsonb::text, 'UTF8'))\n"
+        "                     ELSE sha256(body_raw) END;\n"
+        "    -- lock_timeout 0",
+        "    v_digest := CASE WHEN body_json IS NOT NULL\n"
+        "                     THEN sha256(convert_to(body_json::jsonb::text, 'UTF8'))\n"
+        "                     ELSE sha256(body_raw) END;\n"
+        "    -- lock_timeout 0",
         INBOX_TESTS + "::test_the_workers_role_records_deliveries_and_can_do_nothing_else",
     ),
     _one(
@@ -1273,5 +1281,30 @@ MUTANTS: tuple[Mutant, ...] = (
         "            async with d.conn.transaction():\n",
         "            if d.conn:\n",
         JETSTREAM_TESTS + "::test_copies_conflicts_and_refusals_settle_once_each",
+    ),
+    _one(
+        "inbox-downstream-key-per-claim",
+        "each claim of one delivery hands the handler another downstream key, so a call retried "
+        "after an ambiguous timeout is a second effect",
+        INBOX_SQL,
+        "    SELECT 'ib1_' || encode(",
+        "    SELECT 'ib1_' || gen_random_uuid() || encode(",
+        EXTERNAL_TESTS + "::test_an_ambiguous_timeout_retried_under_the_same_key_is_one_effect",
+    ),
+    _one(
+        "inbox-reclaims-live-lease",
+        "a claim whose lease still runs is taken by a second delivery: the handler runs twice",
+        INBOX_SQL,
+        "        IF r.lease_expires_at > now() THEN\n",
+        "        IF false THEN\n",
+        EXTERNAL_TESTS + "::test_claims_at_once_run_the_handler_once",
+    ),
+    _one(
+        "inbox-no-abandon",
+        "a delivery whose workers keep dying is claimed for ever, never shown to a person",
+        INBOX_SQL,
+        "        IF r.lease_expires_at IS NOT NULL AND r.claims >= max_claims THEN\n",
+        "        IF false THEN\n",
+        EXTERNAL_TESTS + "::test_a_claim_taken_too_often_is_abandoned_until_released",
     ),
 )

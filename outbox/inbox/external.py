@@ -1,0 +1,189 @@
+"""External-effect mode: a delivery whose handler calls out (a charge, an email) before it can
+answer, so its record cannot wait for one transaction (docs/design.md, "The inbox").
+
+``claim`` commits a claim on its own, with a lease on the database clock that a heartbeat
+renews; the handler gets a downstream key derived from the delivery's identity, the same on
+every claim, for its own outbound calls; ``Claim.finish`` opens the final transaction, where the
+handler's last writes and ``Claim.complete`` commit together, fenced by the claim's token. A
+handler that raises ends the lease at once, so the redelivery reclaims with the same key; one
+that dies leaves the lease to expire; after ``max_claims`` claims the record is abandoned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Final
+
+import psycopg
+from psycopg.types.json import Jsonb
+from psycopg_pool import AsyncConnectionPool
+
+from outbox.inbox import statements
+from outbox.inbox.core import Decision, Identity, InvalidDelivery, Outcome, body_params, malformed
+
+RUNS: Final = frozenset({Decision.NEW, Decision.RECLAIMED})  # the decisions that run the handler
+
+
+class LeaseLost(RuntimeError):
+    """Another delivery reclaimed this claim (its lease had expired): this one must write
+    nothing more; its final transaction was rolled back."""
+
+
+@dataclass
+class Claim:
+    """One external-mode delivery. Run the handler only when ``decision`` is new or reclaimed."""
+
+    identity: Identity
+    decision: Decision
+    claims: int
+    recorded: Outcome | None
+    retry_after: timedelta | None
+    _pool: AsyncConnectionPool[Any]
+    _inbox_id: int
+    _token: Any
+    _downstream: str
+    lost: bool = False
+    _conn: psycopg.AsyncConnection[Any] | None = field(default=None, repr=False)
+    _completed: bool = field(default=False, repr=False)
+
+    def downstream_key(self, step: str = "") -> str:
+        """The idempotency key for this delivery's outbound call ``step``: the same on every
+        claim of the delivery, so a call retried after an ambiguous timeout is one effect."""
+        return f"{self._downstream}:{step}" if step else self._downstream
+
+    @asynccontextmanager
+    async def finish(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        """The final transaction, bound to the delivery's tenant: do the last writes on it and
+        call ``complete`` inside; it commits when the block ends."""
+        if self.lost:
+            raise LeaseLost(f"claim {self._inbox_id} was reclaimed by another delivery")
+        async with self._pool.connection() as conn, conn.transaction():
+            await conn.execute(statements.BIND_TENANT, {"tenant_id": self.identity.tenant_id})
+            self._conn = conn
+            try:
+                yield conn
+            finally:
+                self._conn = None
+
+    async def complete(self, outcome: Outcome) -> None:
+        """Record ``outcome`` in the final transaction (inside ``finish``), fenced by this
+        claim's token; raises LeaseLost (rolling the transaction back) when it was reclaimed."""
+        if self._conn is None:
+            raise RuntimeError("complete() belongs inside `async with claim.finish()`")
+        params = {
+            "inbox_id": self._inbox_id,
+            "token": self._token,
+            "status": outcome.status,
+            "headers": Jsonb([list(pair) for pair in outcome.headers]),
+            "body": outcome.body,
+        }
+        row = await (await self._conn.execute(statements.COMPLETE, params)).fetchone()
+        if row is None or row[0] is not True:
+            self.lost = True
+            raise LeaseLost(f"claim {self._inbox_id} was reclaimed by another delivery")
+        self._completed = True
+
+
+@asynccontextmanager
+async def claim(
+    pool: AsyncConnectionPool[Any],
+    identity: Identity,
+    body: bytes,
+    *,
+    is_json: bool,
+    lease: timedelta,
+    max_claims: int,
+    retention: timedelta,
+) -> AsyncIterator[Claim]:
+    """Claim the delivery (committed at once); while the block runs a heartbeat renews the
+    lease every third of it. A block that raises, or ends without completing, ends the lease
+    now: the next delivery reclaims at once, with the same downstream key."""
+    the_claim = await _claim(
+        pool,
+        identity,
+        body,
+        is_json=is_json,
+        lease=lease,
+        max_claims=max_claims,
+        retention=retention,
+    )
+    if the_claim.decision not in RUNS:
+        yield the_claim
+        return
+    beat = asyncio.create_task(_heartbeat(pool, the_claim, lease))
+    try:
+        yield the_claim
+    except BaseException as exc:
+        await asyncio.shield(_fail(pool, the_claim, type(exc).__name__))
+        raise
+    finally:
+        beat.cancel()
+        with suppress(asyncio.CancelledError):
+            await beat
+    if not the_claim._completed:
+        await asyncio.shield(_fail(pool, the_claim, "no outcome"))
+
+
+async def _claim(
+    pool: AsyncConnectionPool[Any],
+    identity: Identity,
+    body: bytes,
+    *,
+    is_json: bool,
+    lease: timedelta,
+    max_claims: int,
+    retention: timedelta,
+) -> Claim:
+    params = body_params(identity, body, is_json)
+    params.update(lease=lease, max_claims=max_claims, retention=retention)
+    async with pool.connection() as conn:
+        try:
+            async with conn.transaction():
+                row = await (await conn.execute(statements.CLAIM, params)).fetchone()
+        except psycopg.Error as exc:
+            if malformed(exc):
+                raise InvalidDelivery(exc.diag.message_primary or str(exc)) from exc
+            raise
+    if row is None:
+        raise RuntimeError("outbox.inbox_claim returned no row")
+    decision, inbox_id, token, claims, downstream, retry_after, status, headers, stored = row
+    recorded = None
+    if status is not None:
+        pairs = tuple((str(name), str(value)) for name, value in headers or ())
+        recorded = Outcome(status, pairs, bytes(stored or b""))
+    return Claim(
+        identity,
+        Decision(decision),
+        claims,
+        recorded,
+        retry_after,
+        pool,
+        inbox_id,
+        token,
+        downstream,
+    )
+
+
+async def _heartbeat(pool: AsyncConnectionPool[Any], the_claim: Claim, lease: timedelta) -> None:
+    params = {"inbox_id": the_claim._inbox_id, "token": the_claim._token, "lease": lease}
+    while True:
+        await asyncio.sleep(lease.total_seconds() / 3)
+        try:
+            async with pool.connection() as conn:
+                row = await (await conn.execute(statements.RENEW, params)).fetchone()
+        except psycopg.Error:
+            continue  # the database away: the lease may lapse, and complete() will say so
+        if row is None or row[0] is not True:
+            the_claim.lost = True
+            return
+
+
+async def _fail(pool: AsyncConnectionPool[Any], the_claim: Claim, error: str) -> None:
+    params = {"inbox_id": the_claim._inbox_id, "token": the_claim._token, "error": error}
+    with suppress(psycopg.Error):  # unrecorded, the lease expires instead
+        async with pool.connection() as conn:
+            await conn.execute(statements.FAIL, params)
