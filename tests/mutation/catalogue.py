@@ -61,6 +61,7 @@ INBOX_TESTS = "tests/integration/test_inbox.py"
 WORKER_TESTS = "tests/integration/test_inbox_worker.py"
 JETSTREAM_TESTS = "tests/integration/test_inbox_jetstream.py"
 EXTERNAL_TESTS = "tests/integration/test_inbox_external.py"
+RABBITMQ_TESTS = "tests/integration/test_inbox_rabbitmq.py"
 
 MUTANTS: tuple[Mutant, ...] = (
     # --- the lease fence, in every path that writes after a provider call ----------------------
@@ -1306,5 +1307,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "        IF r.lease_expires_at IS NOT NULL AND r.claims >= max_claims THEN\n",
         "        IF false THEN\n",
         EXTERNAL_TESTS + "::test_a_claim_taken_too_often_is_abandoned_until_released",
+    ),
+    _one(
+        "inbox-rabbitmq-requeues-the-final",
+        "a RabbitMQ message that can never succeed (a conflict, a refusal) is requeued instead of "
+        "dead-lettered, and comes back for ever",
+        "outbox/inbox/rabbitmq.py",
+        "        await message.reject(requeue=False)\n",
+        "        await message.nack(requeue=True)\n",
+        RABBITMQ_TESTS + "::test_copies_conflicts_and_refusals_settle_once_each",
     ),
 )

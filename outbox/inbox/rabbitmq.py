@@ -1,0 +1,89 @@
+"""The inbox for RabbitMQ consumers (the ``amqp`` extra): ``consume`` takes a queue's messages
+and settles each as RabbitMQ expects once its transaction ended.
+
+``ack`` what committed or was recorded before; ``reject`` without requeue what can never succeed
+(a conflict, a recorded refusal, a malformed message), so that it goes to the queue's
+dead-letter exchange where one is set, and never comes back on its own; and for what is in
+progress or failed, hold the message ``retry_after`` first, then ``nack`` with requeue, since
+RabbitMQ has no delayed requeue (a quorum queue counts each requeue toward its delivery limit,
+20 by default since 4.0: the hold keeps a slow first delivery from exhausting its copies). Never
+an ack before COMMIT: a consumer that dies between the two leaves the message unacknowledged,
+RabbitMQ delivers it again, and the redelivery replays (docs/design.md, "The inbox").
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+
+from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
+
+from outbox.inbox.core import Inbox
+from outbox.inbox.http import KeyFrom, TenantFrom
+from outbox.inbox.queues import Consumer, Handle, Verdict, lower
+
+
+def message_key() -> KeyFrom:
+    """outbox's identity when the message has it (``KeyFrom.auto``: outbox's amqp provider sends
+    ``Outbox-Operation-Id`` as a header), else the publisher's ``message_id`` property."""
+    auto = KeyFrom.auto()
+
+    def read(headers: Mapping[str, str]) -> str | None:
+        found = auto.read(headers)
+        if found is None and (message_id := headers.get(":message-id")):
+            return f"msg:{message_id}"
+        return found
+
+    return KeyFrom(read)
+
+
+def consumer_of(
+    inbox: Inbox,
+    handler: str,
+    handle: Handle,
+    *,
+    retry_after: float = 1.0,
+    key: KeyFrom | None = None,
+    tenant: TenantFrom | None = None,
+) -> Consumer:
+    """A Consumer with RabbitMQ's defaults: the key from :func:`message_key`."""
+    return Consumer(
+        inbox, handler, handle, key or message_key(), tenant or TenantFrom.header(), retry_after
+    )
+
+
+async def consume(queue: AbstractQueue, consumer: Consumer, *, stop: asyncio.Event) -> None:
+    """Handle ``queue``'s messages until ``stop`` is set; as many at once as the channel's
+    prefetch allows, each in its own transaction."""
+
+    async def on_message(message: AbstractIncomingMessage) -> None:
+        await _one(message, consumer)
+
+    tag = await queue.consume(on_message)
+    try:
+        await stop.wait()
+    finally:
+        await queue.cancel(tag)
+
+
+def headers_of(message: AbstractIncomingMessage) -> dict[str, str]:
+    """The message's headers as text, lower-case, with its message_id as ``:message-id``."""
+    found = {
+        name: value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+        for name, value in (message.headers or {}).items()
+        if isinstance(value, str | bytes | int)
+    }
+    if message.message_id:
+        found[":message-id"] = message.message_id
+    return lower(found)
+
+
+async def _one(message: AbstractIncomingMessage, consumer: Consumer) -> None:
+    settled = await consumer.settle(headers_of(message), message.body)
+    if settled.verdict is Verdict.ACK:
+        await message.ack()
+    elif settled.verdict is Verdict.RETRY:
+        await asyncio.sleep(settled.delay)
+        await message.nack(requeue=True)
+    else:
+        await message.reject(requeue=False)
