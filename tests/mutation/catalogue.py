@@ -1317,4 +1317,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "        await message.nack(requeue=True)\n",
         RABBITMQ_TESTS + "::test_copies_conflicts_and_refusals_settle_once_each",
     ),
+    _one(
+        "inbox-sqs-deletes-a-retry",
+        "an SQS message whose handler failed is deleted instead of made visible again later",
+        "outbox/inbox/sqs.py",
+        "    if settled.verdict is Verdict.RETRY:\n",
+        "    if False:\n",
+        "tests/integration/test_inbox_sqs.py"
+        "::test_a_failing_handler_gets_its_message_again_and_converges",
+    ),
 )
