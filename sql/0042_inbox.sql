@@ -419,6 +419,22 @@ BEGIN
 END;
 $$;
 
+-- The inbox's gauges (outbox/inbox/gauges.py), per handler, for a worker whose role reads no
+-- table: external claims in progress under a lease, the oldest of them, and abandoned records.
+-- Read from the partial indexes inbox_leases and inbox_abandoned: cheap on a table of millions.
+CREATE FUNCTION outbox.inbox_gauges()
+RETURNS TABLE (handler text, in_progress bigint, oldest_in_progress interval, abandoned bigint)
+LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT i.handler,
+           count(*) FILTER (WHERE i.lease_expires_at IS NOT NULL),
+           max(now() - i.created_at) FILTER (WHERE i.lease_expires_at IS NOT NULL),
+           count(*) FILTER (WHERE i.abandoned_at IS NOT NULL)
+    FROM outbox.inbox i
+    WHERE i.lease_expires_at IS NOT NULL OR i.abandoned_at IS NOT NULL
+    GROUP BY i.handler
+$$;
+
 -- An operator's `outbox inbox forget`: deletes one record, so that the next delivery under its
 -- identity runs the handler again (after a fix, for a refusal recorded by a bug). A record of a
 -- success stands for an effect that exists: forgetting it takes `force`. Audited, with the
@@ -456,5 +472,5 @@ REVOKE ALL ON FUNCTION outbox.inbox_outcome_before_commit(),
     outbox.inbox_forget(bigint, text, text, boolean),
     outbox.inbox_claim(text, text, text, text, bytea, interval, integer, interval),
     outbox.inbox_renew(bigint, uuid, interval), outbox.inbox_fail(bigint, uuid, text),
-    outbox.inbox_release(bigint, text, text)
+    outbox.inbox_release(bigint, text, text), outbox.inbox_gauges()
     FROM PUBLIC;

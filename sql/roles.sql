@@ -219,7 +219,8 @@ GRANT SELECT ON outbox.inbox, outbox.inbox_conflicts TO outbox_operator;
 GRANT EXECUTE ON FUNCTION
     outbox.inbox_forget(bigint, text, text, boolean),
     outbox.inbox_release(bigint, text, text),
-    outbox.inbox_prune(integer)
+    outbox.inbox_prune(integer),
+    outbox.inbox_gauges()
 TO outbox_operator;
 
 -- Consumer: a worker records its deliveries in its own transactions through the functions of
@@ -233,5 +234,7 @@ GRANT EXECUTE ON FUNCTION
     outbox.inbox_claim(text, text, text, text, bytea, interval, integer, interval),
     outbox.inbox_renew(bigint, uuid, interval),
     outbox.inbox_fail(bigint, uuid, text),
+    -- Its gauges (outbox/inbox/gauges.py).
+    outbox.inbox_gauges(),
     outbox.bind_tenant(text)
 TO outbox_consumer;

@@ -1820,6 +1820,26 @@ $function$;
 -- privileges: the owner's only
 
 -- =================================================================================================
+-- function outbox.inbox_gauges()
+-- history: created by 0042_inbox
+
+CREATE OR REPLACE FUNCTION outbox.inbox_gauges()
+ RETURNS TABLE(handler text, in_progress bigint, oldest_in_progress interval, abandoned bigint)
+ LANGUAGE sql
+ STABLE SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+    SELECT i.handler,
+           count(*) FILTER (WHERE i.lease_expires_at IS NOT NULL),
+           max(now() - i.created_at) FILTER (WHERE i.lease_expires_at IS NOT NULL),
+           count(*) FILTER (WHERE i.abandoned_at IS NOT NULL)
+    FROM outbox.inbox i
+    WHERE i.lease_expires_at IS NOT NULL OR i.abandoned_at IS NOT NULL
+    GROUP BY i.handler
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
 -- function outbox.inbox_outcome_before_commit()
 -- history: created by 0042_inbox
 -- fired by trigger inbox_outcome_before_commit ON outbox.inbox

@@ -23,7 +23,12 @@ from outbox.inbox import records
 from outbox.safe_text import printable
 from outbox.text_tables import render_table
 
-MAX_SELECTED = 10_000  # forget by filters acts on at most this many records per run
+MAX_SELECTED = 10_000
+SHOWN = (  # what `show` prints of a record, in this order
+    "id", "tenant_id", "handler", "key", "mode", "state", "response_status", "body_digest",
+    "claims", "last_error", "lease_expires_at", "abandoned_at", "created_at", "completed_at",
+    "expires_at",
+)  # fmt: skip  # forget by filters acts on at most this many records per run
 
 
 @click.group(help="The inbox's records: what each worker recorded for each delivery.")
@@ -97,18 +102,7 @@ def show(dsn: str, inbox_id: int, body: bool, as_json: bool) -> None:
             out["response_body"] = stored.decode("utf-8", "replace")
         click.echo(json.dumps(out))
         return
-    for name in (
-        "id",
-        "tenant_id",
-        "handler",
-        "key",
-        "state",
-        "response_status",
-        "body_digest",
-        "created_at",
-        "completed_at",
-        "expires_at",
-    ):
+    for name in SHOWN:
         click.echo(f"{name}: {printable(str(record[name]))}")
     for name, value in record["response_headers"] or ():
         click.echo(f"header: {printable(name)}: {printable(value)}")

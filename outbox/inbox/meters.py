@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 DELIVERIES: Final = Counter(
     "outbox_inbox_deliveries",
@@ -18,4 +18,23 @@ HANDLER_SECONDS: Final = Histogram(
     "A new delivery's handler, from its start to its outcome (committed or rolled_back).",
     ["handler", "outcome"],
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
+
+# Database-wide, refreshed by outbox.inbox.gauges.watch: the same on every process that reads
+# them (aggregate with max(), never sum()).
+IN_PROGRESS: Final = Gauge(
+    "outbox_inbox_in_progress",
+    "External claims in progress under a lease, by handler (database-wide).",
+    ["handler"],
+)
+OLDEST_IN_PROGRESS: Final = Gauge(
+    "outbox_inbox_oldest_in_progress_age_seconds",
+    "The age of the oldest external claim in progress, by handler; 0: none (database-wide).",
+    ["handler"],
+)
+ABANDONED: Final = Gauge(
+    "outbox_inbox_abandoned",
+    "Records abandoned after repeated lapsed claims, waiting for `outbox inbox release` "
+    "(database-wide).",
+    ["handler"],
 )

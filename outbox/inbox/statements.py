@@ -43,9 +43,10 @@ LIMIT %(limit)s
 
 # One record, with its stored response.
 SHOW: Final = """
-SELECT i.id, i.tenant_id, i.handler, i.key, i.state, encode(i.body_digest, 'hex') AS body_digest,
-       i.response_status, i.response_headers, i.response_body, i.created_at, i.completed_at,
-       i.expires_at
+SELECT i.id, i.tenant_id, i.handler, i.key, i.mode, i.state,
+       encode(i.body_digest, 'hex') AS body_digest, i.response_status, i.response_headers,
+       i.response_body, i.claims, i.last_error, i.lease_expires_at, i.abandoned_at, i.created_at,
+       i.completed_at, i.expires_at
 FROM outbox.inbox i WHERE i.id = %(id)s
 """
 
@@ -80,3 +81,10 @@ FAIL: Final = "SELECT outbox.inbox_fail(%(inbox_id)s, %(token)s, %(error)s)"
 BIND_TENANT: Final = "SELECT outbox.bind_tenant(%(tenant_id)s)"
 # Relies on: outbox.inbox_release() (audited).
 RELEASE: Final = "SELECT outbox.inbox_release(%(id)s, %(reason)s, %(actor)s)"
+
+# Per handler: external claims in progress, the oldest's age, abandoned records.
+# Relies on: outbox.inbox_gauges().
+GAUGES: Final = (
+    "SELECT handler, in_progress, extract(epoch FROM oldest_in_progress), abandoned"
+    " FROM outbox.inbox_gauges()"
+)

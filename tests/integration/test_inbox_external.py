@@ -13,9 +13,10 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
+from prometheus_client import REGISTRY
 from psycopg_pool import AsyncConnectionPool
 
-from outbox.inbox import Decision, Identity, Inbox, Outcome
+from outbox.inbox import Decision, Identity, Inbox, Outcome, gauges
 from outbox.inbox.external import LeaseLost
 from outbox.testing.webhook import FakeWebhookReceiver, WebhookFault
 from tests.support.cli import outbox_cli
@@ -148,8 +149,15 @@ async def test_a_claim_taken_too_often_is_abandoned_until_released(
     assert await charge(inbox, downstream.url, max_claims=3) == Decision.ABANDONED
     assert await charge(inbox, downstream.url, max_claims=3) == Decision.ABANDONED
     assert downstream.effect_count() == 0
+    known: set[str] = set()
+    await gauges.refresh(pool, known)
+    assert REGISTRY.get_sample_value("outbox_inbox_abandoned", {"handler": "charge"}) == 1
+    shown = outbox_cli(cli_env, "inbox", "show", str(inbox_id))
+    assert "state: abandoned" in shown.stdout and "claims: 3" in shown.stdout, shown.stdout
     released = outbox_cli(cli_env, "inbox", "release", str(inbox_id), "--reason", "looked")
     assert released.returncode == 0, released.stderr
+    await gauges.refresh(pool, known)
+    assert REGISTRY.get_sample_value("outbox_inbox_abandoned", {"handler": "charge"}) == 0
     assert await charge(inbox, downstream.url, max_claims=3) == Decision.RECLAIMED
     assert downstream.effect_count() == 1
     assert count(db_url, "SELECT count(*) FROM outbox.audit WHERE action = 'inbox_release'") == 1

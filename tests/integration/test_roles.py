@@ -259,6 +259,7 @@ def test_every_function_is_pinned_and_executable_only_by_its_roles(roles_db: str
         ),
         "outbox.inbox_renew(bigint,uuid,interval)": (True, ["outbox_consumer"]),
         "outbox.inbox_fail(bigint,uuid,text)": (True, ["outbox_consumer"]),
+        "outbox.inbox_gauges()": (True, ["outbox_consumer", "outbox_operator"]),
         "outbox.resolve_operation(bigint,text,text,text)": (True, ["outbox_operator"]),
         "outbox.cancel_operation(bigint,text,text)": (True, ["outbox_operator"]),
         "outbox.request_cancel(bigint,text,text)": (True, ["outbox_operator"]),

@@ -20,11 +20,13 @@ from typing import Any, Final
 import psycopg
 from outbox.db.migrations import migrate
 from outbox.inbox import Inbox, InboxMiddleware, delivery
+from outbox.inbox.gauges import watch
+from prometheus_client import make_asgi_app
 from psycopg_pool import AsyncConnectionPool
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
-from starlette.routing import Route
+from starlette.routing import Mount, Route
 
 CREATE_INVOICES: Final = """
 CREATE TABLE IF NOT EXISTS invoices (
@@ -61,9 +63,11 @@ async def lifespan(app: Starlette) -> AsyncIterator[None]:
         raise RuntimeError("set OUTBOX_DATABASE_URL to the worker's database")
     await asyncio.to_thread(_setup)
     await pool.open(wait=True)
+    gauges = asyncio.create_task(watch(pool))  # outbox_inbox_* gauges, for /metrics
     try:
         yield
     finally:
+        gauges.cancel()
         await pool.close()
 
 
@@ -103,7 +107,13 @@ async def create_invoice(request: Request) -> JSONResponse:
 
 
 app = InboxMiddleware(
-    Starlette(routes=[Route("/invoices", create_invoice, methods=["POST"])], lifespan=lifespan),
+    Starlette(
+        routes=[
+            Route("/invoices", create_invoice, methods=["POST"]),
+            Mount("/metrics", make_asgi_app()),  # Prometheus: the inbox's metrics among them
+        ],
+        lifespan=lifespan,
+    ),
     inbox=inbox,
     routes={"POST /invoices": "invoice.create"},
     # "cloudtasks" where the worker is a Cloud Tasks HTTP target: final answers are 2xx there.
