@@ -35,7 +35,7 @@ import psycopg
 from _support import fresh_database, median, print_machine, print_table, progress
 
 import outbox
-from outbox import payloads
+from outbox.core import payloads
 from outbox.dispatch.pipeline import TURN_BYTES, Turns
 from outbox.event_loop import run
 

@@ -43,7 +43,7 @@ from typing import Any, Final
 import structlog
 
 from outbox import redaction
-from outbox.durations import format_duration
+from outbox.core.durations import format_duration
 from outbox.event_loop import EVENT_LOOPS, uvloop_available
 from outbox.providers.amqp import options as amqp_options
 from outbox.providers.cloudtasks import options as cloudtasks_options

@@ -11,7 +11,7 @@ from typing import Any, Final, TextIO
 import structlog
 
 from outbox import redaction
-from outbox.safe_text import printable
+from outbox.core.safe_text import printable
 
 # Keys whose values are never logged, wherever they appear in an event.
 _SECRET_KEYS: Final = frozenset(

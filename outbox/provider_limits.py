@@ -42,8 +42,8 @@ from outbox.config import (
     DEFAULT_WINDOW,
     ProviderLimits,
 )
+from outbox.core.model import FailureClass
 from outbox.db.store import Claimed, Health, Store, Tokens, TokenTake
-from outbox.model import FailureClass
 from outbox.providers.base import SendResult, Succeeded
 
 # A claim capped by a provider's tokens comes back this soon (or when the next token is due, if

@@ -23,8 +23,9 @@ import structlog
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
-from outbox import loops, metrics, payloads
+from outbox import loops, metrics
 from outbox.config import ProviderLimits
+from outbox.core import payloads
 from outbox.db import statements
 from outbox.db.connect import connection_options, pin_search_path_async
 from outbox.db.store import Store

@@ -24,7 +24,7 @@ from datetime import timedelta
 from typing import Any, ClassVar, Final, Generic, TypeVar
 
 from outbox import redaction
-from outbox.durations import format_duration, parse_duration
+from outbox.core.durations import format_duration, parse_duration
 from outbox.errors import OutboxError
 
 T = TypeVar("T")

@@ -24,10 +24,10 @@ import psycopg
 
 from outbox import operators
 from outbox.cli.common import EXIT_CONFLICT, TEXT, BadInput, connect
+from outbox.core.durations import DurationTooLong, format_duration, parse_duration
+from outbox.core.model import Status
+from outbox.core.safe_text import printable
 from outbox.db import dsn as dsn_util
-from outbox.durations import DurationTooLong, format_duration, parse_duration
-from outbox.model import Status
-from outbox.safe_text import printable
 from outbox.text_tables import render_table
 
 F = TypeVar("F", bound=Callable[..., Any])

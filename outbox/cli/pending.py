@@ -17,7 +17,7 @@ import click
 from outbox import operators
 from outbox.cli import bulk
 from outbox.cli.common import TEXT, connect, dsn_option, json_option
-from outbox.durations import format_duration
+from outbox.core.durations import format_duration
 from outbox.text_tables import render_table
 
 

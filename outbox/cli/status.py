@@ -15,10 +15,10 @@ from psycopg.rows import dict_row
 from outbox import gauges, operators
 from outbox.cli.common import BadInput, config_option, connect, dsn_option, json_option
 from outbox.config import ConfigError, load_settings
+from outbox.core.durations import format_duration
+from outbox.core.model import Status
 from outbox.db import statements
 from outbox.dispatcher import UNKNOWN_PROVIDER_GRACE
-from outbox.durations import format_duration
-from outbox.model import Status
 from outbox.text_tables import render_table
 
 PROVIDER_LIMIT: Final = 200  # providers shown; more names than this is a producer's bug

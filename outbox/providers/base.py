@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Final, Protocol, runtime_checkable
 
-from outbox.model import FailureClass
+from outbox.core.model import FailureClass
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +24,7 @@ class SendRequest:
     ``decimal.Decimal``, so that no amount is rounded through a float on its way.
     ``payload_json`` is the payload exactly as stored (PostgreSQL's JSON text of it): a provider
     that sends JSON sends this, and the provider receives the numbers as they were enqueued. None
-    only where a request was built by hand; ``outbox.payloads.encode`` writes ``payload`` then.
+    only where a request was built by hand; ``outbox.core.payloads.encode`` writes ``payload`` then.
     """
 
     operation_id: int

@@ -18,7 +18,7 @@ from datetime import timedelta
 from typing import Any, Final, TypeVar
 
 from outbox.config import ConfigError, ProviderSettings
-from outbox.durations import format_duration
+from outbox.core.durations import format_duration
 from outbox.providers.base import SendRequest
 from outbox.providers.http.spec import ANY_ACTION
 from outbox.providers.http.wire import header_safe

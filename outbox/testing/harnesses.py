@@ -19,8 +19,8 @@ from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any, Final, TypeVar
 
-from outbox import payloads
 from outbox.config import PROVIDER_KEYS, ProviderSettings
+from outbox.core import payloads
 from outbox.providers.base import LookupRequest, Provider, SendRequest
 from outbox.providers.registry import build_providers
 from outbox.settings_schema import as_timedelta

@@ -21,7 +21,7 @@ import pytest
 
 from outbox import operators
 from outbox.cli import bulk
-from outbox.model import Status
+from outbox.core.model import Status
 from tests.support.cli import outbox_cli
 from tests.support.dispatch import rows
 

@@ -14,7 +14,7 @@ import pytest
 
 from outbox import operators
 from outbox.cli import bulk, operator
-from outbox.model import Status
+from outbox.core.model import Status
 from tests.integration.test_bulk_actions import (
     audit_of,
     away_from_cut,

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from outbox.config import ProviderSettings
-from outbox.model import FailureClass
+from outbox.core.model import FailureClass
 from outbox.providers.base import (
     Failed,
     Found,

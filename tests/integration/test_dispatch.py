@@ -293,8 +293,8 @@ async def test_a_dead_workers_lease_is_rescued_as_unknown_and_sent_once(
     ]
     assert receiver.effect_count() == 1
     # The dead worker's late record changes nothing.
+    from outbox.core.model import Status  # noqa: PLC0415
     from outbox.db.store import Record  # noqa: PLC0415
-    from outbox.model import Status  # noqa: PLC0415
 
     late = Record(
         id=op,

@@ -17,7 +17,7 @@ import psycopg
 import pytest
 
 from outbox.config import ProviderSettings
-from outbox.model import FailureClass
+from outbox.core.model import FailureClass
 from outbox.providers.answers import ResponseTooLarge
 from outbox.providers.base import (
     Failed,

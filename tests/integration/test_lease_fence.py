@@ -24,9 +24,9 @@ import pytest
 from psycopg_pool import AsyncConnectionPool
 
 from outbox import operators
+from outbox.core.model import Status
 from outbox.db.group_record import GroupRecorder
 from outbox.db.store import Claimed, Record, Store
-from outbox.model import Status
 from outbox.providers.base import Provider
 from outbox.reconciler import Reconciler
 from outbox.testing.stripe import FakeStripe

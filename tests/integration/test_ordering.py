@@ -18,8 +18,8 @@ from psycopg_pool import AsyncConnectionPool
 
 import outbox
 from outbox import gauges, metrics, operators
+from outbox.core.model import Status
 from outbox.db.store import Store
-from outbox.model import Status
 from outbox.providers.base import Provider
 from outbox.testing.webhook import FakeWebhookReceiver, WebhookFault, WebhookRequest
 from tests.support.cli import outbox_cli

@@ -15,8 +15,8 @@ from psycopg_pool import ConnectionPool
 
 import outbox
 from outbox import operators
+from outbox.core.model import Status
 from outbox.db import connect, migrations, statements
-from outbox.model import Status
 from outbox.providers.base import Provider
 from outbox.testing.webhook import FakeWebhookReceiver
 from tests.integration.test_query_plans import CLAIM_PARAMS, explain_nested

@@ -29,9 +29,9 @@ from psycopg_pool import AsyncConnectionPool
 
 import outbox
 from outbox import gauges, operators
+from outbox.core.model import Status
 from outbox.db import connect, migrations, statements
 from outbox.db.store import Store, TokenTake
-from outbox.model import Status
 from outbox.providers.base import Provider
 from outbox.reconciler import Reconciler
 from outbox.testing.webhook import FakeWebhookReceiver

@@ -41,7 +41,7 @@ DISPATCH_SQL = "sql/0040_the_dispatcher_writes_through_functions.sql"
 # The dispatcher's parts (outbox/dispatch/): one operation's way, and the recording of outcomes.
 PIPELINE = "outbox/dispatch/pipeline.py"
 RECORDER = "outbox/dispatch/recorder.py"
-POLICY = "outbox/policy.py"
+POLICY = "outbox/core/policy.py"
 ISOLATION_TESTS = "tests/integration/test_provider_isolation.py"
 # The newest definitions of outbox.enqueue and of outbox.check_text.
 ENQUEUE = "sql/0041_derived_keys_hold_a_secret.sql"
@@ -512,7 +512,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "carried-decodes",
         "a provider that sends the stored text has the payload object built all the same: a "
         "payload dense with brackets costs the webhook 0.1 s of the event loop and 6 to 19 MB",
-        "outbox/payloads.py",
+        "outbox/core/payloads.py",
         "        raise InvalidPayload(problem)\n    return Decoded(text)\n",
         "        raise InvalidPayload(problem)\n    return decode(text)\n",
         CARRIED + "test_the_webhook_sends_dense_payloads_at_the_limits_without_building_them",
@@ -522,7 +522,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "verdict-counts-digits-in-strings",
         "a payload with a long run of digits in a string (an account number, a token) is "
         "quarantined as holding a number of 1e100 or more",
-        "outbox/payloads.py",
+        "outbox/core/payloads.py",
         "_LONG_INTEGER.search(_STRING.sub('\"\"', text))",
         "_LONG_INTEGER.search(text)",
         CARRIED + "test_the_verdict_from_the_text_is_decodes_on_every_text_postgresql_writes",

@@ -15,8 +15,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from outbox.config import ConfigError, ProviderSettings
-from outbox.durations import parse_duration
-from outbox.model import FailureClass
+from outbox.core.durations import parse_duration
+from outbox.core.model import FailureClass
 from outbox.providers.base import Failed, InvalidRequest, Succeeded
 from outbox.providers.http.config import http_options
 from outbox.providers.http.provider import HttpProvider, _classify

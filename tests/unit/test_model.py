@@ -4,7 +4,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from outbox.model import EnqueueOutcome, EnqueueResult, FailureClass, Operation, Status
+from outbox.core.model import EnqueueOutcome, EnqueueResult, FailureClass, Operation, Status
 from outbox.text_tables import render_table
 
 

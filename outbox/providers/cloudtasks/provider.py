@@ -17,8 +17,8 @@ from typing import Any, Final
 
 import structlog
 
-from outbox import payloads
 from outbox.config import ProviderSettings
+from outbox.core import payloads
 from outbox.providers import queue_kit
 from outbox.providers.base import (
     Found,

@@ -21,9 +21,9 @@ from typing import Any, Final
 
 import httpx
 
-from outbox import payloads
 from outbox.config import DEFAULT_CONCURRENCY, DEFAULT_MAX_RESPONSE_BYTES
-from outbox.model import FailureClass
+from outbox.core import payloads
+from outbox.core.model import FailureClass
 from outbox.providers import building
 from outbox.providers.answers import AnswerLimits, AnswerRefused, Tally, reference
 from outbox.providers.base import (

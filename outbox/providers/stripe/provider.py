@@ -32,8 +32,8 @@ from typing import Any, Final
 import httpx
 import stripe
 
-from outbox import payloads
 from outbox.config import DEFAULT_CONCURRENCY, DEFAULT_MAX_RESPONSE_BYTES
+from outbox.core import payloads
 from outbox.providers import building
 from outbox.providers.answers import (
     MAX_BYTES_EXTENSION,
