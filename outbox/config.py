@@ -42,9 +42,9 @@ from typing import Any, Final
 
 import structlog
 
-from outbox import redaction
 from outbox.core.durations import format_duration
 from outbox.event_loop import EVENT_LOOPS, uvloop_available
+from outbox.observability import redaction
 from outbox.providers.amqp import options as amqp_options
 from outbox.providers.cloudtasks import options as cloudtasks_options
 from outbox.providers.nats import options as nats_options

@@ -20,13 +20,14 @@ import structlog
 from psycopg.conninfo import conninfo_to_dict
 
 import outbox
-from outbox import gauges, loops, metrics, sdnotify, startup, wakeup
+from outbox import gauges, loops, sdnotify, startup, wakeup
 from outbox.config import DEFAULT_LISTEN_URL_ENV, Settings
 from outbox.core.durations import format_duration
 from outbox.db.connect import dispatcher_pool, shares_server_sessions
 from outbox.db.probe import DatabaseProbe
 from outbox.db.store import Store
 from outbox.dispatcher import UNKNOWN_PROVIDER_GRACE, Dispatcher
+from outbox.observability import metrics
 from outbox.providers import lifecycle
 from outbox.providers.base import Provider
 from outbox.reconciler import Reconciler

@@ -23,11 +23,12 @@ import psycopg
 from psycopg_pool import AsyncConnectionPool
 
 import outbox
-from outbox import daemon, redaction
+from outbox import daemon
 from outbox.config import DispatcherSettings, ProviderSettings
 from outbox.db import statements
 from outbox.db.store import Store
 from outbox.dispatcher import Dispatcher
+from outbox.observability import redaction
 from outbox.providers.base import Provider, SendRequest, Succeeded
 from outbox.providers.lifecycle import start_all
 from outbox.providers.registry import build_providers

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from datetime import datetime, timedelta
 from typing import Final
 
-from outbox import loops, metrics
+from outbox import loops
 from outbox.config import DispatcherSettings, ProviderLimits
 from outbox.db import statements
 from outbox.db.store import Claimed, Store
@@ -32,7 +32,8 @@ from outbox.dispatch.pipeline import UNKNOWN_PROVIDER_GRACE, Pipeline
 from outbox.dispatch.recorder import Recorder
 from outbox.dispatch.rules import ProviderRules
 from outbox.dispatch.shared import Shared
-from outbox.metric_labels import Labels
+from outbox.observability import metrics
+from outbox.observability.metric_labels import Labels
 from outbox.provider_limits import ActionPauses, Limits
 from outbox.providers.base import Provider
 

@@ -20,7 +20,6 @@ import psycopg
 from psycopg.pq import TransactionStatus
 from psycopg.rows import kwargs_row, tuple_row
 
-from outbox import tracing
 from outbox.core import payloads
 from outbox.core.model import EnqueueOutcome, EnqueueResult, Operation
 from outbox.db import statements
@@ -30,6 +29,7 @@ from outbox.errors import (
     InvalidOperation,
     OperationConflict,
 )
+from outbox.observability import tracing
 
 Params = dict[str, Any]
 

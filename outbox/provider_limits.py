@@ -35,7 +35,6 @@ from typing import Any, Final
 import psycopg
 import structlog
 
-from outbox import metrics
 from outbox.config import (
     BREAKER_OPEN_MAX,
     DEFAULT_FAILURE_RATE,
@@ -44,6 +43,7 @@ from outbox.config import (
 )
 from outbox.core.model import FailureClass
 from outbox.db.store import Claimed, Health, Store, Tokens, TokenTake
+from outbox.observability import metrics
 from outbox.providers.base import SendResult, Succeeded
 
 # A claim capped by a provider's tokens comes back this soon (or when the next token is due, if

@@ -23,13 +23,14 @@ import structlog
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
-from outbox import loops, metrics
+from outbox import loops
 from outbox.config import ProviderLimits
 from outbox.core import payloads
 from outbox.db import statements
 from outbox.db.connect import connection_options, pin_search_path_async
 from outbox.db.store import Store
 from outbox.errors import SQLSTATE_OPERATOR_REFUSED
+from outbox.observability import metrics
 from outbox.provider_limits import LookupPacer
 from outbox.providers.base import Lookup, LookupRequest, NotFound, Provider, Verdict, asks
 

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, ClassVar, Final, Generic, TypeVar
 
-from outbox import redaction
 from outbox.core.durations import format_duration, parse_duration
 from outbox.errors import OutboxError
+from outbox.observability import redaction
 
 T = TypeVar("T")
 

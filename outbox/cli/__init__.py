@@ -20,7 +20,7 @@ from typing import IO, Any
 import click
 import psycopg
 
-from outbox import daemon, demo_queue, event_loop, logs, producer, prune
+from outbox import daemon, demo_queue, event_loop, producer, prune
 from outbox import demo as demo_module
 from outbox.cli import operator, ordering, pending, providers, status
 from outbox.cli.common import (
@@ -44,6 +44,7 @@ from outbox.db import migrations
 from outbox.db.connect import migration_blocker
 from outbox.dispatcher import UNKNOWN_PROVIDER_GRACE
 from outbox.errors import InvalidOperation, OperationConflict
+from outbox.observability import logs
 from outbox.providers.registry import build_providers
 
 # Loopback: metrics say how many operations of which tenants flow where; expose them on purpose.

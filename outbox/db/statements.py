@@ -685,8 +685,8 @@ SELECT
      WHERE c.oid = 'outbox.operations'::regclass) AS estimated_rows,
     -- The oldest due pending operation's age, overall and per provider (the alerts hold back a
     -- provider's age while its credentials are refused: one cause pages once). Providers not in
-    -- %(providers)s share one entry, '_unconfigured' (outbox/metric_labels.py): a producer that
-    -- names a thousand providers adds no entries.
+    -- %(providers)s share one entry, '_unconfigured' (outbox/observability/metric_labels.py): a
+    -- producer that names a thousand providers adds no entries.
     (SELECT max(e.age::float8) FROM jsonb_each_text(g.by_provider) AS e (provider, age))
       AS oldest_pending_age,
     g.by_provider AS oldest_pending_by_provider,

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, Final
 
-from outbox import failpoints, metrics, tracing
+from outbox import failpoints
 from outbox.core import payloads
 from outbox.core.durations import format_duration
 from outbox.core.model import Status
@@ -26,6 +26,7 @@ from outbox.dispatch.flight import Aside, InFlight, Phase, api_version, release
 from outbox.dispatch.leases import LeaseKeeper
 from outbox.dispatch.recorder import Recorder
 from outbox.dispatch.shared import Shared
+from outbox.observability import metrics, tracing
 from outbox.providers.base import (
     Failed,
     InvalidRequest,

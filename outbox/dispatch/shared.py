@@ -11,7 +11,7 @@ from outbox.db.store import Store
 from outbox.dispatch.flight import InFlight
 from outbox.dispatch.meters import Meters
 from outbox.dispatch.rules import ProviderRules
-from outbox.metric_labels import Labels
+from outbox.observability.metric_labels import Labels
 from outbox.provider_limits import ActionPauses, Limits
 from outbox.providers.base import Provider
 

@@ -221,8 +221,9 @@ class Provider(Protocol):
 # duplicate_window). It raises outbox.config.ConfigError to refuse to start (exit 2, its message
 # said); a system that is merely down is no reason: it logs, and sends fail transient meanwhile.
 # A provider may also declare ``actions``, a collection of the action names it knows: each keeps
-# its own label in the metrics. Other actions share at most outbox.metric_labels.MAX_OTHER_ACTIONS
-# labels per provider, then "other" (a row's action is the producer's choice).
+# its own label in the metrics. Other actions share at most
+# outbox.observability.metric_labels.MAX_OTHER_ACTIONS labels per provider, then "other"
+# (a row's action is the producer's choice).
 
 
 @runtime_checkable

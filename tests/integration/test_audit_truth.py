@@ -20,8 +20,9 @@ import structlog
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from outbox import logs, operators
+from outbox import operators
 from outbox.core.safe_text import printable
+from outbox.observability import logs
 from outbox.text_tables import render_table
 from tests.support.cli import outbox_cli
 from tests.support.dispatch import enqueue_many, rows

@@ -16,8 +16,8 @@ import structlog
 from psycopg_pool import AsyncConnectionPool
 
 import outbox
-from outbox import metrics
 from outbox.db.store import Store
+from outbox.observability import metrics
 from outbox.providers.base import Provider, SendRequest, SendResult, Succeeded
 from outbox.testing.webhook import FakeWebhookReceiver, WebhookFault
 from tests.support.dispatch import (

@@ -18,9 +18,9 @@ import structlog
 from psycopg_pool import AsyncConnectionPool
 
 import outbox
-from outbox import metrics
 from outbox.config import ProviderLimits, default_burst
 from outbox.db.store import Store
+from outbox.observability import metrics
 from outbox.providers.base import Provider
 from outbox.testing.stripe import FakeStripe, StripeFault
 from outbox.testing.webhook import FakeWebhookReceiver, WebhookFault

@@ -80,7 +80,7 @@ class Hide(importlib.abc.MetaPathFinder):
             raise ModuleNotFoundError(name)
 sys.meta_path.insert(0, Hide())
 import outbox, outbox.dispatcher, outbox.daemon
-from outbox import tracing
+from outbox.observability import tracing
 assert not tracing.AVAILABLE
 assert tracing.current_traceparent() is None
 with tracing.attempt_span("00-" + "1" * 32 + "-" + "2" * 16 + "-01", {}) as span:

@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
-from outbox import event_loop, logs, redaction
+from outbox import event_loop
 from outbox.config import (
     DEFAULT_KEY_RETENTION,
     DEFAULT_TIMEOUT,
@@ -37,6 +37,7 @@ from outbox.config import (
 )
 from outbox.config_reference import COMMAND, reference
 from outbox.errors import OutboxError
+from outbox.observability import logs, redaction
 from outbox.providers import registry
 from outbox.providers.http import webhook
 from outbox.providers.stripe import provider as stripe

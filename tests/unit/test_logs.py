@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 import structlog
 
-from outbox import logs
+from outbox.observability import logs
 
 
 @pytest.fixture

@@ -180,7 +180,8 @@ class StripeProvider:
 
     @property
     def actions(self) -> frozenset[str]:
-        """Every action it can do: each keeps its own metric label (outbox.metric_labels)."""
+        """Every action it can do: each keeps its own metric label
+        (outbox.observability.metric_labels)."""
         return frozenset(ACTIONS)
 
     @property
