@@ -37,7 +37,7 @@ from _support import fresh_database, median, print_machine, print_table, progres
 import outbox
 from outbox.core import payloads
 from outbox.dispatch.pipeline import TURN_BYTES, Turns
-from outbox.event_loop import run
+from outbox.runtime.event_loop import run
 
 # A claim's worth of work, and one row's.
 Work = Callable[[], Coroutine[Any, Any, None]]

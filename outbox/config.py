@@ -43,12 +43,12 @@ from typing import Any, Final
 import structlog
 
 from outbox.core.durations import format_duration
-from outbox.event_loop import EVENT_LOOPS, uvloop_available
 from outbox.observability import redaction
 from outbox.providers.amqp import options as amqp_options
 from outbox.providers.cloudtasks import options as cloudtasks_options
 from outbox.providers.nats import options as nats_options
 from outbox.providers.sqs import options as sqs_options
+from outbox.runtime.event_loop import EVENT_LOOPS, uvloop_available
 from outbox.settings_schema import (
     Boolean,
     Choice,

@@ -20,7 +20,7 @@ import structlog
 from psycopg.conninfo import conninfo_to_dict
 
 import outbox
-from outbox import gauges, loops, sdnotify, startup, wakeup
+from outbox import gauges, sdnotify, startup, wakeup
 from outbox.config import DEFAULT_LISTEN_URL_ENV, Settings
 from outbox.core.durations import format_duration
 from outbox.db.connect import dispatcher_pool, shares_server_sessions
@@ -31,6 +31,7 @@ from outbox.observability import metrics
 from outbox.providers import lifecycle
 from outbox.providers.base import Provider
 from outbox.reconciler import Reconciler
+from outbox.runtime import loops
 
 # Enough connections for claims, heartbeats, rescues and bursts of records; more would only
 # queue inside PostgreSQL. Each replica holds at most this many plus one for LISTEN.

@@ -18,7 +18,6 @@ from collections.abc import Mapping
 from datetime import datetime, timedelta
 from typing import Final
 
-from outbox import loops
 from outbox.config import DispatcherSettings, ProviderLimits
 from outbox.db import statements
 from outbox.db.store import Claimed, Store
@@ -36,6 +35,7 @@ from outbox.observability import metrics
 from outbox.observability.metric_labels import Labels
 from outbox.provider_limits import ActionPauses, Limits
 from outbox.providers.base import Provider
+from outbox.runtime import loops
 
 __all__ = ["UNKNOWN_PROVIDER_GRACE", "Dispatcher", "InFlight", "Phase", "next_cursor"]
 

@@ -23,7 +23,6 @@ import structlog
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
-from outbox import loops
 from outbox.config import ProviderLimits
 from outbox.core import payloads
 from outbox.db import statements
@@ -33,6 +32,7 @@ from outbox.errors import SQLSTATE_OPERATOR_REFUSED
 from outbox.observability import metrics
 from outbox.provider_limits import LookupPacer
 from outbox.providers.base import Lookup, LookupRequest, NotFound, Provider, Verdict, asks
+from outbox.runtime import loops
 
 ACTOR: Final = "outbox-reconciler"
 # A check rereads an operation at most this often: not-found is the usual answer, and each look

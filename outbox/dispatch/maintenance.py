@@ -11,12 +11,12 @@ from typing import Final
 
 import psycopg
 
-from outbox import loops
 from outbox.core.model import Status
 from outbox.core.policy import REASON_INDETERMINATE
 from outbox.dispatch.flight import log
 from outbox.dispatch.shared import Shared
 from outbox.observability import metrics
+from outbox.runtime import loops
 
 RESCUE_BATCH: Final = 500
 # A failover's stale leases are logged with this many of their ids at most.

@@ -11,7 +11,6 @@ from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, Final
 
-from outbox import failpoints
 from outbox.core import payloads
 from outbox.core.durations import format_duration
 from outbox.core.model import Status
@@ -37,6 +36,7 @@ from outbox.providers.base import (
     permanent,
     unknown,
 )
+from outbox.runtime import failpoints
 
 # A row naming a provider this process does not know is handed back for this long after its
 # enqueue (a deploy adding the provider may be rolling out), then quarantined as a bad row.

@@ -714,7 +714,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "wait-swallows-cancel",
         "a background loop cancelled at shutdown in the turn its wait ends goes on for ever: "
         "`outbox run` hangs at SIGTERM (asyncio.wait_for on Python 3.11)",
-        "outbox/loops.py",
+        "outbox/runtime/loops.py",
         "        async with asyncio.timeout(seconds):\n            await event.wait()",
         "        await asyncio.wait_for(event.wait(), seconds)",
         "tests/unit/test_loops.py",

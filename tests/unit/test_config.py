@@ -17,7 +17,6 @@ from hypothesis import given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
-from outbox import event_loop
 from outbox.config import (
     DEFAULT_KEY_RETENTION,
     DEFAULT_TIMEOUT,
@@ -41,6 +40,7 @@ from outbox.observability import logs, redaction
 from outbox.providers import registry
 from outbox.providers.http import webhook
 from outbox.providers.stripe import provider as stripe
+from outbox.runtime import event_loop
 from outbox.settings_schema import settings_of
 
 PROPERTY = hypothesis_settings(database=None, deadline=None)
