@@ -21,7 +21,7 @@ from psycopg.conninfo import conninfo_to_dict
 
 import outbox
 from outbox import gauges, sdnotify, startup, wakeup
-from outbox.config import DEFAULT_LISTEN_URL_ENV, Settings
+from outbox.config.settings import DEFAULT_LISTEN_URL_ENV, Settings
 from outbox.core.durations import format_duration
 from outbox.db.connect import dispatcher_pool, shares_server_sessions
 from outbox.db.probe import DatabaseProbe

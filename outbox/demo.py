@@ -25,7 +25,7 @@ from psycopg_pool import AsyncConnectionPool
 
 import outbox
 from outbox import daemon, demo_queue, operators
-from outbox.config import DispatcherSettings, ProviderSettings
+from outbox.config.settings import DispatcherSettings, ProviderSettings
 from outbox.db import migrations, statements
 from outbox.db.store import Store
 from outbox.dispatcher import Dispatcher

@@ -24,7 +24,7 @@ from psycopg_pool import AsyncConnectionPool
 
 import outbox
 from outbox import daemon
-from outbox.config import DispatcherSettings, ProviderSettings
+from outbox.config.settings import DispatcherSettings, ProviderSettings
 from outbox.db import statements
 from outbox.db.store import Store
 from outbox.dispatcher import Dispatcher

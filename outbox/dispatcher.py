@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from datetime import datetime, timedelta
 from typing import Final
 
-from outbox.config import DispatcherSettings, ProviderLimits
+from outbox.config.settings import DispatcherSettings, ProviderLimits
 from outbox.db import statements
 from outbox.db.store import Claimed, Store
 from outbox.dispatch.claims import ClaimScheduler, next_cursor

@@ -35,7 +35,7 @@ from typing import Any, Final
 import psycopg
 import structlog
 
-from outbox.config import (
+from outbox.config.settings import (
     BREAKER_OPEN_MAX,
     DEFAULT_FAILURE_RATE,
     DEFAULT_WINDOW,

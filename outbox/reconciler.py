@@ -23,7 +23,7 @@ import structlog
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
-from outbox.config import ProviderLimits
+from outbox.config.settings import ProviderLimits
 from outbox.core import payloads
 from outbox.db import statements
 from outbox.db.connect import connection_options, pin_search_path_async

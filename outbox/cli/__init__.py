@@ -35,7 +35,8 @@ from outbox.cli.common import (
     dsn_option,
     json_option,
 )
-from outbox.config import LOG_LEVELS, ConfigError, load_settings
+from outbox.config.loader import load_settings
+from outbox.config.settings import LOG_LEVELS, ConfigError
 from outbox.core import payloads
 from outbox.core.durations import format_duration
 from outbox.core.safe_text import printable

@@ -29,7 +29,8 @@ from outbox.cli.common import (
     dsn_option,
     json_option,
 )
-from outbox.config import ConfigError, ProviderSettings, load_settings
+from outbox.config.loader import load_settings
+from outbox.config.settings import ConfigError, ProviderSettings
 from outbox.core import payloads
 from outbox.core.durations import format_duration
 from outbox.core.model import Status

@@ -14,7 +14,8 @@ from psycopg.rows import dict_row
 
 from outbox import gauges, operators
 from outbox.cli.common import BadInput, config_option, connect, dsn_option, json_option
-from outbox.config import ConfigError, load_settings
+from outbox.config.loader import load_settings
+from outbox.config.settings import ConfigError
 from outbox.core.durations import format_duration
 from outbox.core.model import Status
 from outbox.db import statements

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Final
 
-from outbox.config import ConfigError
+from outbox.config.settings import ConfigError
 from outbox.core.durations import format_duration
 from outbox.core.policy import KeyWindow
 from outbox.providers.base import Provider

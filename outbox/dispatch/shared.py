@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from outbox.config import DispatcherSettings
+from outbox.config.settings import DispatcherSettings
 from outbox.db.store import Store
 from outbox.dispatch.flight import InFlight
 from outbox.dispatch.meters import Meters

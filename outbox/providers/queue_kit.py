@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from typing import Any, Final, TypeVar
 
-from outbox.config import ConfigError, ProviderSettings
+from outbox.config.settings import ConfigError, ProviderSettings
 from outbox.core.durations import format_duration
 from outbox.providers.base import SendRequest
 from outbox.providers.http.spec import ANY_ACTION

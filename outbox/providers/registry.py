@@ -11,13 +11,10 @@ from collections.abc import Callable, Mapping
 from importlib.metadata import entry_points
 from typing import Final
 
-from outbox.config import (
-    DEFAULT_CONCURRENCY,
-    PROVIDER_OPTIONS,
-    ConfigError,
-    ProviderSettings,
-    read_secret,
-)
+from outbox.config.options import PROVIDER_OPTIONS
+from outbox.config.schema import file_keys
+from outbox.config.secrets import read_secret
+from outbox.config.settings import DEFAULT_CONCURRENCY, ConfigError, ProviderSettings
 from outbox.providers.base import Provider
 from outbox.providers.http import config as http_config
 from outbox.providers.http.provider import HttpProvider
@@ -36,7 +33,6 @@ from outbox.providers.stripe.provider import (
     StripeOptions,
     StripeProvider,
 )
-from outbox.settings_schema import file_keys
 
 ENTRY_POINT_GROUP: Final = "outbox.providers"
 # The queue types (docs/providers.md, "Queues"): the module that builds each, which exposes

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from psycopg_pool import AsyncConnectionPool
 
-from outbox.config import ProviderSettings
+from outbox.config.settings import ProviderSettings
 from outbox.core import payloads
 from outbox.core.model import FailureClass
 from outbox.providers.base import Failed, Provider, SendRequest, Succeeded

@@ -16,7 +16,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from outbox.config import ProviderSettings
+from outbox.config.settings import ProviderSettings
 from outbox.core.model import FailureClass
 from outbox.providers.answers import ResponseTooLarge
 from outbox.providers.base import (

@@ -18,7 +18,7 @@ import pytest
 from prometheus_client import REGISTRY
 from psycopg_pool import AsyncConnectionPool
 
-from outbox.config import BREAKER_OPEN_MAX, ProviderLimits
+from outbox.config.settings import BREAKER_OPEN_MAX, ProviderLimits
 from outbox.db.store import Store
 from outbox.dispatch import health as health_module
 from outbox.dispatcher import Dispatcher

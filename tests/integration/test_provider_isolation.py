@@ -18,7 +18,7 @@ import structlog
 from psycopg_pool import AsyncConnectionPool
 
 import outbox
-from outbox.config import ProviderLimits, default_burst
+from outbox.config.settings import ProviderLimits, default_burst
 from outbox.db.store import Store
 from outbox.observability import metrics
 from outbox.providers.base import Provider

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from outbox.config import ProviderSettings
+from outbox.config.settings import ProviderSettings
 from outbox.providers.base import (
     Failed,
     Found,

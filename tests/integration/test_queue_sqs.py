@@ -28,7 +28,7 @@ import psycopg
 import pytest
 
 import outbox
-from outbox.config import ProviderSettings
+from outbox.config.settings import ProviderSettings
 from outbox.core.model import FailureClass
 from outbox.providers.base import SendRequest, Succeeded
 from outbox.providers.sqs.provider import SqsProvider, build

@@ -14,7 +14,7 @@ import pytest
 import structlog
 from psycopg_pool import AsyncConnectionPool
 
-from outbox.config import ProviderLimits
+from outbox.config.settings import ProviderLimits
 from outbox.providers.base import Found, NotFound, Provider
 from outbox.reconciler import Reconciler
 from outbox.testing.stripe import FakeStripe, StripeFault

@@ -19,7 +19,7 @@ from psycopg_pool import AsyncConnectionPool
 
 import outbox
 from outbox import operators
-from outbox.config import ProviderLimits
+from outbox.config.settings import ProviderLimits
 from outbox.db.store import Store
 from outbox.provider_limits import LookupPacer, LookupThrottled
 from outbox.providers.base import Found, Lookup, NotFound, Provider, SendRequest, Succeeded

@@ -26,7 +26,7 @@ from psycopg import sql
 import outbox
 from outbox import gauges
 from outbox.cli.common import connect as cli_connect
-from outbox.config import DispatcherSettings, ProviderLimits
+from outbox.config.settings import DispatcherSettings, ProviderLimits
 from outbox.db import connect, migrations, statements
 from outbox.db.store import Store
 from outbox.dispatcher import Dispatcher

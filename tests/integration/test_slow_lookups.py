@@ -22,7 +22,7 @@ import psycopg
 import pytest
 from psycopg_pool import AsyncConnectionPool
 
-from outbox.config import ProviderSettings
+from outbox.config.settings import ProviderSettings
 from outbox.providers.base import (
     Found,
     LookupRequest,

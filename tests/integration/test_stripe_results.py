@@ -11,7 +11,7 @@ import stripe
 from psycopg_pool import AsyncConnectionPool
 
 import outbox
-from outbox.config import ConfigError
+from outbox.config.settings import ConfigError
 from outbox.core.model import FailureClass
 from outbox.providers.stripe.provider import REDACTED, classify
 from outbox.testing.stripe import FakeStripe

@@ -18,7 +18,7 @@ import pytest
 from packaging.requirements import Requirement
 from psycopg_pool import AsyncConnectionPool
 
-from outbox.config import ConfigError
+from outbox.config.settings import ConfigError
 from outbox.providers.base import Lookup
 from outbox.providers.stripe.provider import DEFAULT_STRIPE_VERSION
 from outbox.reconciler import Reconciler

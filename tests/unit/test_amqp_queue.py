@@ -12,7 +12,7 @@ from typing import Any
 import aiormq.exceptions as amqp_errors
 import pytest
 
-from outbox.config import ConfigError, ProviderSettings
+from outbox.config.settings import ConfigError, ProviderSettings
 from outbox.core.model import FailureClass
 from outbox.providers.amqp import faults
 from outbox.providers.amqp.config import Route, amqp_options

@@ -20,7 +20,7 @@ import pytest
 
 from outbox import cli
 from outbox.cli.common import BadInput
-from outbox.config import DEFAULT_SHUTDOWN_GRACE, DatabaseSettings
+from outbox.config.settings import DEFAULT_SHUTDOWN_GRACE, DatabaseSettings
 from outbox.core.durations import parse_duration
 from outbox.daemon import EXIT_MISCONFIGURED
 

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from outbox.config import ConfigError, ProviderSettings
+from outbox.config.settings import ConfigError, ProviderSettings
 from outbox.core.durations import parse_duration
 from outbox.core.model import FailureClass
 from outbox.providers.base import Failed, InvalidRequest, Succeeded

@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 from botocore import exceptions as boto
 
-from outbox.config import ConfigError, ProviderSettings
+from outbox.config.settings import ConfigError, ProviderSettings
 from outbox.core.durations import parse_duration
 from outbox.core.model import FailureClass
 from outbox.providers import queue_kit

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Final
 
-from outbox.config import ConfigError, ProviderSettings
+from outbox.config.schema import file_keys
+from outbox.config.settings import ConfigError, ProviderSettings
 from outbox.providers import queue_kit
 from outbox.providers.cloudtasks.options import OPTIONS
 from outbox.providers.http import config as http_config
 from outbox.providers.http.spec import KeyForm, KeySpec
-from outbox.settings_schema import file_keys
 
 # Cloud Tasks keeps a task's name while the task exists and for about an hour after it ran or
 # was deleted (about 9 days for a queue.yaml queue): a repeat inside that answers ALREADY_EXISTS.

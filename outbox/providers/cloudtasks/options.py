@@ -1,6 +1,6 @@
 """The options of `type = "cloudtasks"` (docs/providers.md, "Queues").
 
-Declared as outbox.config declares every key (outbox.settings_schema): outbox.config puts
+Declared as outbox.config declares every key (outbox.config.schema): outbox.config puts
 ``OPTIONS`` into PROVIDER_OPTIONS, so this module stays pure, declarations only, no client
 library; config.py beside it reads a provider's table by them."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from outbox.settings_schema import Opaque, Setting
+from outbox.config.schema import Opaque, Setting
 
 OPTIONS: Final[tuple[Setting, ...]] = (
     Setting(

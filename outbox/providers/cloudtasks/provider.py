@@ -17,7 +17,7 @@ from typing import Any, Final
 
 import structlog
 
-from outbox.config import ProviderSettings
+from outbox.config.settings import ProviderSettings
 from outbox.core import payloads
 from outbox.providers import queue_kit
 from outbox.providers.base import (

@@ -14,13 +14,14 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any, Final
 
-from outbox.config import (
+from outbox.config.options import PROVIDER_OPTIONS
+from outbox.config.schema import Count, Duration, Where, file_keys
+from outbox.config.secrets import read_secret
+from outbox.config.settings import (
     DEFAULT_MAX_RESPONSE_BYTES,
     PROVIDER_KEYS,
-    PROVIDER_OPTIONS,
     ConfigError,
     ProviderSettings,
-    read_secret,
 )
 from outbox.providers.http.provider import HttpOptions
 from outbox.providers.http.spec import (
@@ -34,7 +35,6 @@ from outbox.providers.http.spec import (
 )
 from outbox.providers.json_pointer import Pointer, PointerError
 from outbox.providers.shards import connection_cap
-from outbox.settings_schema import Count, Duration, Where, file_keys
 
 _HTTP_KEYS: Final = tuple(file_keys(PROVIDER_OPTIONS["http"]))
 _METHODS: Final = ("GET", "POST", "PUT", "PATCH", "DELETE")

@@ -21,7 +21,7 @@ from typing import Any, Final
 
 import httpx
 
-from outbox.config import DEFAULT_CONCURRENCY, DEFAULT_MAX_RESPONSE_BYTES
+from outbox.config.settings import DEFAULT_CONCURRENCY, DEFAULT_MAX_RESPONSE_BYTES
 from outbox.core import payloads
 from outbox.core.model import FailureClass
 from outbox.providers import building

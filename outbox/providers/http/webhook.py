@@ -31,7 +31,7 @@ from typing import Final
 
 import httpx
 
-from outbox.config import DEFAULT_CONCURRENCY, DEFAULT_MAX_RESPONSE_BYTES
+from outbox.config.settings import DEFAULT_CONCURRENCY, DEFAULT_MAX_RESPONSE_BYTES
 from outbox.providers.http.provider import HttpOptions, HttpProvider
 from outbox.providers.http.spec import ANY_ACTION, ActionSpec, KeySpec, LookupSpec, Template
 from outbox.providers.json_pointer import Pointer

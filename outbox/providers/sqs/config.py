@@ -14,14 +14,15 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Final
 
-from outbox.config import PROVIDER_OPTIONS, ConfigError, ProviderSettings
+from outbox.config.options import PROVIDER_OPTIONS
+from outbox.config.schema import file_keys
+from outbox.config.settings import ConfigError, ProviderSettings
 from outbox.providers import queue_kit
 from outbox.providers.base import InvalidRequest, SendRequest
 from outbox.providers.http import config as http_config
 from outbox.providers.http.spec import KeyForm, KeySpec
 from outbox.providers.json_pointer import MISSING, Pointer, PointerError
 from outbox.providers.sqs.options import MAX_MESSAGE_BYTES
-from outbox.settings_schema import file_keys
 
 SQS_KEYS: Final = tuple(file_keys(PROVIDER_OPTIONS["sqs"]))
 ACTION_KEYS: Final = ("queue_url", "message_group", "delay_seconds")

@@ -24,7 +24,7 @@ from aiobotocore.config import AioConfig
 from aiobotocore.session import AioSession
 from botocore import exceptions as boto
 
-from outbox.config import ConfigError, ProviderSettings
+from outbox.config.settings import ConfigError, ProviderSettings
 from outbox.core import payloads
 from outbox.providers import building, queue_kit
 from outbox.providers.base import InvalidRequest, SendRequest, SendResult

@@ -32,7 +32,7 @@ from typing import Any, Final
 import httpx
 import stripe
 
-from outbox.config import DEFAULT_CONCURRENCY, DEFAULT_MAX_RESPONSE_BYTES
+from outbox.config.settings import DEFAULT_CONCURRENCY, DEFAULT_MAX_RESPONSE_BYTES
 from outbox.core import payloads
 from outbox.providers import building
 from outbox.providers.answers import (
