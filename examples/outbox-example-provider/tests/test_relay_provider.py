@@ -10,7 +10,7 @@ from datetime import UTC, datetime, timedelta
 from typing import TypeVar
 
 import pytest
-from outbox.core.model import FailureClass
+from outbox.model import FailureClass
 from outbox.providers.base import Failed, Found, InvalidRequest, NotFound, Succeeded
 
 from outbox_example_provider import RelayProvider
