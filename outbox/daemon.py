@@ -26,7 +26,7 @@ from outbox.core.durations import format_duration
 from outbox.db.connect import dispatcher_pool, shares_server_sessions
 from outbox.db.probe import DatabaseProbe
 from outbox.db.store import Store
-from outbox.dispatcher import UNKNOWN_PROVIDER_GRACE, Dispatcher
+from outbox.dispatch.dispatcher import UNKNOWN_PROVIDER_GRACE, Dispatcher
 from outbox.observability import metrics
 from outbox.providers import lifecycle
 from outbox.providers.base import Provider

@@ -28,7 +28,7 @@ from outbox import daemon, demo_queue, operators
 from outbox.config.settings import DispatcherSettings, ProviderSettings
 from outbox.db import migrations, statements
 from outbox.db.store import Store
-from outbox.dispatcher import Dispatcher
+from outbox.dispatch.dispatcher import Dispatcher
 from outbox.providers.registry import build_providers
 from outbox.reconciler import Reconciler
 from outbox.testing import FakeStripe, FakeWebhookReceiver, StripeFault, WebhookFault

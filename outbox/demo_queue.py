@@ -27,7 +27,7 @@ from outbox import daemon
 from outbox.config.settings import DispatcherSettings, ProviderSettings
 from outbox.db import statements
 from outbox.db.store import Store
-from outbox.dispatcher import Dispatcher
+from outbox.dispatch.dispatcher import Dispatcher
 from outbox.observability import redaction
 from outbox.providers.base import Provider, SendRequest, Succeeded
 from outbox.providers.lifecycle import start_all

@@ -43,7 +43,7 @@ from outbox.core.safe_text import printable
 from outbox.db import dsn as dsn_util
 from outbox.db import migrations
 from outbox.db.connect import migration_blocker
-from outbox.dispatcher import UNKNOWN_PROVIDER_GRACE
+from outbox.dispatch.dispatcher import UNKNOWN_PROVIDER_GRACE
 from outbox.errors import InvalidOperation, OperationConflict
 from outbox.observability import logs
 from outbox.providers.registry import build_providers

@@ -19,7 +19,7 @@ from outbox.config.settings import ConfigError
 from outbox.core.durations import format_duration
 from outbox.core.model import Status
 from outbox.db import statements
-from outbox.dispatcher import UNKNOWN_PROVIDER_GRACE
+from outbox.dispatch.dispatcher import UNKNOWN_PROVIDER_GRACE
 from outbox.text_tables import render_table
 
 PROVIDER_LIMIT: Final = 200  # providers shown; more names than this is a producer's bug

@@ -514,7 +514,7 @@ DEFAULT_WINDOW: Final[int] = default_of(ProviderSettings, "breaker_window")
 
 @dataclass(frozen=True, slots=True)
 class ProviderLimits:
-    """How much of the dispatcher one provider may have (see ``outbox.provider_limits``).
+    """How much of the dispatcher one provider may have (see ``outbox.dispatch.limits``).
 
     ``max_in_flight``: calls in flight per process (None: up to ``dispatcher.concurrency``).
     ``rate``: calls per second across every replica (None: no limit), with ``burst`` calls at

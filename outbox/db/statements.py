@@ -123,7 +123,7 @@ SELECT * FROM outbox.claim_one_group(%(worker)s::text, %(lease)s::interval, %(li
                                      %(cap_providers)s::text[], %(caps)s::integer[])
 """
 
-# A half-open breaker's probe (outbox.provider_limits.Breaker): one due row of the provider, from
+# A half-open breaker's probe (outbox.dispatch.limits.Breaker): one due row of the provider, from
 # the next five tenants after the last probe's (around to the first): of each, the ten newest due
 # rows that have not failed (among its 200 newest) and its ten oldest. Rows that have not failed
 # in this budget come first: the newest, then those handed back unsent, then the oldest never
@@ -747,8 +747,8 @@ GROUP BY 1 ORDER BY 1
 # `outbox status`: the due pending operations per provider (the claim's index, provider first,
 # read as a skip scan: one probe per provider), each count capped, and when the first of them
 # would be quarantined as unknown_provider should no dispatcher know the provider (enqueue time
-# plus the grace, outbox/dispatcher.py). The cap on providers bounds a table a hostile producer
-# filled with a million provider names.
+# plus the grace, outbox/dispatch/dispatcher.py). The cap on providers bounds a table a hostile
+# producer filled with a million provider names.
 PENDING_BY_PROVIDER: Final = """
 WITH RECURSIVE names (provider) AS (
     (SELECT provider FROM outbox.operations

@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 from outbox.config.settings import DispatcherSettings
 from outbox.db.store import Store
 from outbox.dispatch.flight import InFlight
+from outbox.dispatch.limits import ActionPauses, Limits
 from outbox.dispatch.meters import Meters
 from outbox.dispatch.rules import ProviderRules
 from outbox.observability.metric_labels import Labels
-from outbox.provider_limits import ActionPauses, Limits
 from outbox.providers.base import Provider
 
 

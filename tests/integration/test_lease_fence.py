@@ -4,10 +4,11 @@ while another worker holds the row in flight under a new lease changes nothing.
 The case the fence exists for is not a zombie that wakes after the row was finished (then
 ``status = 'in_flight'`` alone refuses it) but one that wakes while the row is in flight again,
 taken by another worker after the rescuer gave it back. Each test builds that case with real
-claims, a real rescue and the real statements (outbox/dispatcher.py says why the fence), then
-makes the zombie write through one path and compares the rows, the attempts and the audit, column
-by column, with what they were before; a positive control in each shows the same write going
-through for a row the zombie still holds, so no test passes because nothing could be written.
+claims, a real rescue and the real statements (outbox/dispatch/dispatcher.py says why the fence),
+then makes the zombie write through one path and compares the rows, the attempts and the audit,
+column by column, with what they were before; a positive control in each shows the same write
+going through for a row the zombie still holds, so no test passes because nothing could be
+written.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Per-provider isolation (outbox.provider_limits): circuit breakers, max_in_flight and the shared
+"""Per-provider isolation (outbox.dispatch.limits): circuit breakers, max_in_flight and the shared
 token bucket, against the real fakes on loopback. Every test counts requests at the fake and rows
 in the database afterwards."""
 

@@ -21,7 +21,7 @@ import outbox
 from outbox import operators
 from outbox.config.settings import ProviderLimits
 from outbox.db.store import Store
-from outbox.provider_limits import LookupPacer, LookupThrottled
+from outbox.dispatch.limits import LookupPacer, LookupThrottled
 from outbox.providers.base import Found, Lookup, NotFound, Provider, SendRequest, Succeeded
 from outbox.providers.stripe.lookup import LOOKUP_MAX_PAGES
 from outbox.reconciler import Reconciler

@@ -15,7 +15,7 @@ from psycopg_pool import AsyncConnectionPool
 import outbox
 from outbox.config.settings import DispatcherSettings, ProviderLimits
 from outbox.db.store import Store
-from outbox.dispatcher import Dispatcher
+from outbox.dispatch.dispatcher import Dispatcher
 from outbox.providers.base import Provider
 
 # Fast settings for tests: time moves in the data, these only bound the waits.

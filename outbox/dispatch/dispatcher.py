@@ -25,6 +25,7 @@ from outbox.dispatch.claims import ClaimScheduler, next_cursor
 from outbox.dispatch.flight import InFlight, Phase
 from outbox.dispatch.health import HealthKeeper
 from outbox.dispatch.leases import LeaseKeeper
+from outbox.dispatch.limits import ActionPauses, Limits
 from outbox.dispatch.maintenance import Maintenance
 from outbox.dispatch.meters import Meters
 from outbox.dispatch.pipeline import UNKNOWN_PROVIDER_GRACE, Pipeline
@@ -33,7 +34,6 @@ from outbox.dispatch.rules import ProviderRules
 from outbox.dispatch.shared import Shared
 from outbox.observability import metrics
 from outbox.observability.metric_labels import Labels
-from outbox.provider_limits import ActionPauses, Limits
 from outbox.providers.base import Provider
 from outbox.runtime import loops
 
