@@ -28,9 +28,9 @@ from outbox.db.probe import DatabaseProbe
 from outbox.db.store import Store
 from outbox.dispatch.dispatcher import UNKNOWN_PROVIDER_GRACE, Dispatcher
 from outbox.observability import metrics
+from outbox.oncall.reconciler import Reconciler
 from outbox.providers import lifecycle
 from outbox.providers.base import Provider
-from outbox.reconciler import Reconciler
 from outbox.runtime import loops
 
 # Enough connections for claims, heartbeats, rescues and bursts of records; more would only

@@ -24,15 +24,16 @@ import psycopg
 from psycopg_pool import AsyncConnectionPool
 
 import outbox
-from outbox import daemon, demo_queue, operators
+from outbox import daemon, demo_queue
 from outbox.config.settings import DispatcherSettings, ProviderSettings
 from outbox.db import migrations, statements
 from outbox.db.store import Store
 from outbox.dispatch.dispatcher import Dispatcher
+from outbox.oncall import operators
+from outbox.oncall.reconciler import Reconciler
+from outbox.oncall.text_tables import render_table
 from outbox.providers.registry import build_providers
-from outbox.reconciler import Reconciler
 from outbox.testing import FakeStripe, FakeWebhookReceiver, StripeFault, WebhookFault
-from outbox.text_tables import render_table
 
 DEMO_STRIPE_KEY: Final = "sk_test_outbox_demo"
 DEMO_PREFIX: Final = "outbox-demo-"  # the embedded database's directory; `--stop` wants it

@@ -29,10 +29,10 @@ from outbox.db import statements
 from outbox.db.store import Store
 from outbox.dispatch.dispatcher import Dispatcher
 from outbox.observability import redaction
+from outbox.oncall.text_tables import render_table
 from outbox.providers.base import Provider, SendRequest, Succeeded
 from outbox.providers.lifecycle import start_all
 from outbox.providers.registry import build_providers
-from outbox.text_tables import render_table
 
 Say = Callable[[str], None]
 

@@ -20,7 +20,7 @@ from typing import IO, Any
 import click
 import psycopg
 
-from outbox import daemon, demo_queue, producer, prune
+from outbox import daemon, demo_queue, producer
 from outbox import demo as demo_module
 from outbox.cli import operator, ordering, pending, providers, status
 from outbox.cli.common import (
@@ -46,6 +46,7 @@ from outbox.db.connect import migration_blocker
 from outbox.dispatch.dispatcher import UNKNOWN_PROVIDER_GRACE
 from outbox.errors import InvalidOperation, OperationConflict
 from outbox.observability import logs
+from outbox.oncall import prune
 from outbox.providers.registry import build_providers
 from outbox.runtime import event_loop
 

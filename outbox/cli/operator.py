@@ -18,7 +18,6 @@ from typing import IO, Any, Final, TypeVar
 
 import click
 
-from outbox import operators, reconciler
 from outbox.cli import bulk
 from outbox.cli.common import (
     TEXT,
@@ -35,9 +34,10 @@ from outbox.core import payloads
 from outbox.core.durations import format_duration
 from outbox.core.model import Status
 from outbox.core.safe_text import printable
+from outbox.oncall import operators, reconciler
+from outbox.oncall.text_tables import render_table
 from outbox.providers.base import Provider
 from outbox.providers.registry import build_providers, may_look_up
-from outbox.text_tables import render_table
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -12,7 +12,7 @@ import click
 import psycopg
 from psycopg.rows import dict_row
 
-from outbox import gauges, operators
+from outbox import gauges
 from outbox.cli.common import BadInput, config_option, connect, dsn_option, json_option
 from outbox.config.loader import load_settings
 from outbox.config.settings import ConfigError
@@ -20,7 +20,8 @@ from outbox.core.durations import format_duration
 from outbox.core.model import Status
 from outbox.db import statements
 from outbox.dispatch.dispatcher import UNKNOWN_PROVIDER_GRACE
-from outbox.text_tables import render_table
+from outbox.oncall import operators
+from outbox.oncall.text_tables import render_table
 
 PROVIDER_LIMIT: Final = 200  # providers shown; more names than this is a producer's bug
 COUNT_LIMIT: Final = 10_000  # each provider's count stops here ("10000+")

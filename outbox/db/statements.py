@@ -347,9 +347,9 @@ SELECT * FROM outbox.expire_stray_leases(%(worker)s::text, %(held)s::uuid[],
 # --- operators ----------------------------------------------------------------------------------
 
 # The operations in one status that need a person, oldest first; served by operations_attention.
-# The filters are those of `list` and of the bulk actions (outbox/operators.py, Filters); NULL
-# means "any". Paged by keyset on (status_changed_at, id): a page stays right while earlier rows
-# leave the status, as they do while someone replays them.
+# The filters are those of `list` and of the bulk actions (outbox/oncall/operators.py, Filters);
+# NULL means "any". Paged by keyset on (status_changed_at, id): a page stays right while earlier
+# rows leave the status, as they do while someone replays them.
 _FILTERS: Final = """
   AND (%(provider)s::text IS NULL OR provider = %(provider)s::text)
   AND (%(reason)s::text IS NULL OR status_reason = %(reason)s::text)

@@ -20,10 +20,10 @@ import structlog
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from outbox import operators
 from outbox.core.safe_text import printable
 from outbox.observability import logs
-from outbox.text_tables import render_table
+from outbox.oncall import operators
+from outbox.oncall.text_tables import render_table
 from tests.support.cli import outbox_cli
 from tests.support.dispatch import enqueue_many, rows
 

@@ -24,12 +24,12 @@ import psycopg
 import pytest
 from psycopg_pool import AsyncConnectionPool
 
-from outbox import operators
 from outbox.core.model import Status
 from outbox.db.group_record import GroupRecorder
 from outbox.db.store import Claimed, Record, Store
+from outbox.oncall import operators
+from outbox.oncall.reconciler import Reconciler
 from outbox.providers.base import Provider
-from outbox.reconciler import Reconciler
 from outbox.testing.stripe import FakeStripe
 from outbox.testing.webhook import FakeWebhookReceiver
 from tests.support.dispatch import (

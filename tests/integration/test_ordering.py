@@ -17,10 +17,11 @@ import pytest
 from psycopg_pool import AsyncConnectionPool
 
 import outbox
-from outbox import gauges, operators
+from outbox import gauges
 from outbox.core.model import Status
 from outbox.db.store import Store
 from outbox.observability import metrics
+from outbox.oncall import operators
 from outbox.providers.base import Provider
 from outbox.testing.webhook import FakeWebhookReceiver, WebhookFault, WebhookRequest
 from tests.support.cli import outbox_cli

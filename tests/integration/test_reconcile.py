@@ -15,8 +15,8 @@ import structlog
 from psycopg_pool import AsyncConnectionPool
 
 from outbox.config.settings import ProviderLimits
+from outbox.oncall.reconciler import Reconciler
 from outbox.providers.base import Found, NotFound, Provider
-from outbox.reconciler import Reconciler
 from outbox.testing.stripe import FakeStripe, StripeFault
 from tests.support.cli import outbox_cli
 from tests.support.dispatch import (

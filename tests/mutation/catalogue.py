@@ -216,7 +216,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "found-state-ignored",
         "every object the reconciler finds makes its operation succeeded, a declined charge too",
-        "outbox/reconciler.py",
+        "outbox/oncall/reconciler.py",
         "finding=FINDINGS[found.verdict]",
         'finding="found"',
         "tests/integration/test_reconcile_findings.py",
@@ -549,7 +549,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "table-cells-unescaped",
         "a reason or a provider's answer draws fake rows or drives the terminal in the CLI",
-        "outbox/text_tables.py",
+        "outbox/oncall/text_tables.py",
         'return "-" if value is None else printable(str(value))',
         'return "-" if value is None else str(value)',
         "tests/integration/test_audit_truth.py",
@@ -886,7 +886,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "retry-no-effect-forces",
         "`retry --no-effect` retries on no finding at all (as --force does): the person's finding "
         "is never recorded",
-        "outbox/operators.py",
+        "outbox/oncall/operators.py",
         "        record_no_effect(conn, operation_id, reason=reason, actor=actor)\n"
         "        return retry(conn, operation_id, reason=reason, actor=actor)\n",
         "        return retry(conn, operation_id, reason=reason, actor=actor, force=True)\n",
