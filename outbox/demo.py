@@ -24,8 +24,9 @@ import psycopg
 from psycopg_pool import AsyncConnectionPool
 
 import outbox
-from outbox import daemon, demo_queue
+from outbox import demo_queue
 from outbox.config.settings import DispatcherSettings, ProviderSettings
+from outbox.daemon import service as daemon
 from outbox.db import migrations, statements
 from outbox.db.store import Store
 from outbox.dispatch.dispatcher import Dispatcher

@@ -23,8 +23,8 @@ import psycopg
 from psycopg_pool import AsyncConnectionPool
 
 import outbox
-from outbox import daemon
 from outbox.config.settings import DispatcherSettings, ProviderSettings
+from outbox.daemon import service as daemon
 from outbox.db import statements
 from outbox.db.store import Store
 from outbox.dispatch.dispatcher import Dispatcher

@@ -20,8 +20,8 @@ from typing import IO, Any
 import click
 import psycopg
 
-from outbox import daemon, demo_queue, producer
 from outbox import demo as demo_module
+from outbox import demo_queue, producer
 from outbox.cli import operator, ordering, pending, providers, status
 from outbox.cli.common import (
     TEXT,
@@ -40,6 +40,7 @@ from outbox.config.settings import LOG_LEVELS, ConfigError
 from outbox.core import payloads
 from outbox.core.durations import format_duration
 from outbox.core.safe_text import printable
+from outbox.daemon import service as daemon
 from outbox.db import dsn as dsn_util
 from outbox.db import migrations
 from outbox.db.connect import migration_blocker

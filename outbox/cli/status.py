@@ -12,12 +12,12 @@ import click
 import psycopg
 from psycopg.rows import dict_row
 
-from outbox import gauges
 from outbox.cli.common import BadInput, config_option, connect, dsn_option, json_option
 from outbox.config.loader import load_settings
 from outbox.config.settings import ConfigError
 from outbox.core.durations import format_duration
 from outbox.core.model import Status
+from outbox.daemon import gauges
 from outbox.db import statements
 from outbox.dispatch.dispatcher import UNKNOWN_PROVIDER_GRACE
 from outbox.oncall import operators

@@ -662,7 +662,7 @@ WHERE status IN ('succeeded', 'cancelled') AND finished_at < now() - %(older_tha
 
 # The database-wide gauges, one cheap statement on a timer: every count but succeeded reads a
 # partial index; succeeded is exact while the table is small and estimated from the planner's
-# row count after that (EXACT_COUNT_LIMIT in outbox.gauges).
+# row count after that (EXACT_COUNT_LIMIT in outbox.daemon.gauges).
 GAUGES: Final = """
 SELECT
     -- Three partial indexes between them hold every pending row: the claimable, the waiting

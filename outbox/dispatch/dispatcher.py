@@ -118,7 +118,7 @@ class Dispatcher:
 
     @listening.setter
     def listening(self, value: bool) -> None:
-        """Set by the LISTEN connection while it listens (outbox.daemon)."""
+        """Set by the LISTEN connection while it listens (outbox.daemon.service)."""
         self.claims.listening = value
 
     @property

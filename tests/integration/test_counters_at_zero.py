@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import REGISTRY
 from psycopg_pool import AsyncConnectionPool
 
-from outbox import gauges
+from outbox.daemon import gauges
 from outbox.db.probe import DatabaseProbe
 from outbox.observability import metrics
 from outbox.providers.base import Provider

@@ -17,8 +17,8 @@ import pytest
 from psycopg_pool import AsyncConnectionPool
 
 import outbox
-from outbox import gauges
 from outbox.core.model import Status
+from outbox.daemon import gauges
 from outbox.db.store import Store
 from outbox.observability import metrics
 from outbox.oncall import operators

@@ -28,8 +28,8 @@ from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
 import outbox
-from outbox import gauges
 from outbox.core.model import Status
+from outbox.daemon import gauges
 from outbox.db import connect, migrations, statements
 from outbox.db.store import Store, TokenTake
 from outbox.oncall import operators

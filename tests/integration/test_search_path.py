@@ -24,9 +24,9 @@ import pytest
 from psycopg import sql
 
 import outbox
-from outbox import gauges
 from outbox.cli.common import connect as cli_connect
 from outbox.config.settings import DispatcherSettings, ProviderLimits
+from outbox.daemon import gauges
 from outbox.db import connect, migrations, statements
 from outbox.db.store import Store
 from outbox.dispatch.dispatcher import Dispatcher

@@ -79,7 +79,7 @@ class Hide(importlib.abc.MetaPathFinder):
         if name.split(".")[0] == "opentelemetry":
             raise ModuleNotFoundError(name)
 sys.meta_path.insert(0, Hide())
-import outbox, outbox.dispatch.dispatcher, outbox.daemon
+import outbox, outbox.dispatch.dispatcher, outbox.daemon.service
 from outbox.observability import tracing
 assert not tracing.AVAILABLE
 assert tracing.current_traceparent() is None

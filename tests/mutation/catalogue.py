@@ -1102,7 +1102,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "startup-reason-unsaid",
         "`outbox run` waits for a database that does not answer without saying why until "
         "database.startup_wait has passed (a closed port was silent for a minute)",
-        "outbox/startup.py",
+        "outbox/daemon/startup.py",
         "                    reason=why,\n",
         "",
         STARTUP_TESTS + "::test_a_closed_port_says_why_at_once_then_waits_and_starts_when_it_opens",
@@ -1111,7 +1111,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "startup-lasting-refusal-waited",
         "a refusal that waiting will not change (no such database or role) is waited out for "
         "database.startup_wait before `outbox run` exits",
-        "outbox/startup.py",
+        "outbox/daemon/startup.py",
         "            if will_not_change(exc):\n",
         "            if False:\n",
         STARTUP_TESTS + "::test_a_refusal_that_waiting_will_not_change_ends_the_run_at_once",
