@@ -20,8 +20,7 @@ from typing import IO, Any
 import click
 import psycopg
 
-from outbox import demo as demo_module
-from outbox import demo_queue, producer
+from outbox import producer
 from outbox.cli import operator, ordering, pending, providers, status
 from outbox.cli.common import (
     TEXT,
@@ -44,6 +43,8 @@ from outbox.daemon import service as daemon
 from outbox.db import dsn as dsn_util
 from outbox.db import migrations
 from outbox.db.connect import migration_blocker
+from outbox.demo import jetstream as demo_queue
+from outbox.demo import tour as demo_module
 from outbox.dispatch.dispatcher import UNKNOWN_PROVIDER_GRACE
 from outbox.errors import InvalidOperation, OperationConflict
 from outbox.observability import logs

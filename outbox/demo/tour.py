@@ -24,11 +24,11 @@ import psycopg
 from psycopg_pool import AsyncConnectionPool
 
 import outbox
-from outbox import demo_queue
 from outbox.config.settings import DispatcherSettings, ProviderSettings
 from outbox.daemon import service as daemon
 from outbox.db import migrations, statements
 from outbox.db.store import Store
+from outbox.demo import jetstream as demo_queue
 from outbox.dispatch.dispatcher import Dispatcher
 from outbox.oncall import operators
 from outbox.oncall.reconciler import Reconciler
@@ -126,7 +126,7 @@ def plan() -> list[Planned]:
 
 async def run(dsn: str | None, *, keep: bool, say: Say, queue: str | None = None) -> int:
     """The demo; returns the exit code. ``queue``: a NATS server's URL, to show the outbox in
-    front of a real JetStream too (outbox.demo_queue)."""
+    front of a real JetStream too (outbox.demo.jetstream)."""
     with contextlib.ExitStack() as stack:
         kept: str | None = None
         if dsn is None:
