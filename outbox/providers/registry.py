@@ -18,13 +18,13 @@ from outbox.config.settings import DEFAULT_CONCURRENCY, ConfigError, ProviderSet
 from outbox.providers.base import Provider
 from outbox.providers.http import config as http_config
 from outbox.providers.http.provider import HttpProvider
-from outbox.providers.http.spec import ANY_ACTION
 from outbox.providers.http.webhook import (
     DEFAULT_REFERENCE_FIELD,
     WebhookOptions,
     WebhookProvider,
     preset,
 )
+from outbox.providers.kit import ANY_ACTION, reject_unknown
 from outbox.providers.noop import NoopProvider
 from outbox.providers.shards import connection_cap
 from outbox.providers.stripe.provider import (
@@ -97,7 +97,7 @@ def _build(ps: ProviderSettings, environ: Mapping[str, str] | None, concurrency:
     if ps.type == "webhook":
         return WebhookProvider(ps.name, webhook_options(ps, environ, concurrency=concurrency))
     if ps.type == "noop":
-        http_config.reject_unknown(ps, ())
+        reject_unknown(ps, ())
         return NoopProvider(ps.name, ps.key_retention)
     if ps.type == "stripe":
         return StripeProvider(ps.name, stripe_options(ps, environ, concurrency=concurrency))
@@ -132,7 +132,7 @@ def webhook_options(
 ) -> WebhookOptions:
     """The webhook settings of ``ps``, checked, with secret headers read from their source; its
     connection pool sized for the calls the dispatcher (``concurrency``) may send it at once."""
-    http_config.reject_unknown(ps, _WEBHOOK_KEYS)
+    reject_unknown(ps, _WEBHOOK_KEYS)
     where = f"providers.{ps.name}"
     url = ps.options.get("url")
     if not isinstance(url, str) or not url.startswith(("http://", "https://")):
@@ -167,7 +167,7 @@ def stripe_options(
 ) -> StripeOptions:
     """The Stripe settings of ``ps``, the API key read from the environment or a file; its
     connections sized for the calls the dispatcher (``concurrency``) may send it at once."""
-    http_config.reject_unknown(ps, _STRIPE_KEYS)
+    reject_unknown(ps, _STRIPE_KEYS)
     where = f"providers.{ps.name}"
     env = os.environ if environ is None else environ
     if "api_key_env" in ps.options:

@@ -600,7 +600,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "webhook-identity-header-unencoded",
         'a webhook operation of tenant "acme " (a space h11 refuses) is never delivered',
-        "outbox/providers/http/wire.py",
+        "outbox/providers/kit.py",
         'and "%" not in value and value.strip(" ") == value:',
         ":",
         "tests/integration/test_unbuildable_requests.py",

@@ -47,7 +47,7 @@ from outbox.providers.cloudtasks.config import (
     Target,
     options,
 )
-from outbox.providers.http.spec import ANY_ACTION
+from outbox.providers.kit import ANY_ACTION
 
 log = structlog.get_logger("outbox.providers.cloudtasks")
 

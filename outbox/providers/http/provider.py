@@ -41,8 +41,9 @@ from outbox.providers.base import (
 )
 from outbox.providers.http import wire as http_wire
 from outbox.providers.http.lookup import Asker, look_up
-from outbox.providers.http.spec import ANY_ACTION, ActionSpec
+from outbox.providers.http.spec import ActionSpec
 from outbox.providers.json_pointer import MISSING
+from outbox.providers.kit import ANY_ACTION
 from outbox.providers.shards import Shards, shard_sizes
 
 _JSON_TYPE: Final = {"Content-Type": "application/json"}

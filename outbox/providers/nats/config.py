@@ -20,8 +20,7 @@ from outbox.config.schema import file_keys
 from outbox.config.secrets import read_secret
 from outbox.config.settings import ConfigError, ProviderSettings
 from outbox.providers import queue_kit
-from outbox.providers.http.config import reject_unknown
-from outbox.providers.http.spec import KeyForm, KeySpec
+from outbox.providers.kit import KeyForm, KeySpec, reject_unknown
 from outbox.providers.nats.options import DEFAULT_SERVERS, OPTIONS
 
 # The header JetStream deduplicates by (docs.nats.io, "Message Deduplication"). A NATS header

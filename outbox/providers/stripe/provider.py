@@ -56,7 +56,7 @@ from outbox.providers.base import (
     transient,
     unknown,
 )
-from outbox.providers.http import wire as http_wire
+from outbox.providers.kit import retry_after_value
 from outbox.providers.shards import Shards, shard_sizes
 from outbox.providers.stripe import states as stripe_states
 from outbox.providers.stripe.actions import ACTIONS, TARGET
@@ -562,7 +562,7 @@ def classify(exc: stripe.StripeError) -> Failed:  # noqa: PLR0911 (a decision ta
             message,
             request_only=True,
             spends_attempt=False,
-            retry_after=http_wire.retry_after_value(headers.get("retry-after")),
+            retry_after=retry_after_value(headers.get("retry-after")),
             **details,
         )
     if status == 500:
