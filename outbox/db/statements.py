@@ -123,7 +123,7 @@ SELECT * FROM outbox.claim_one_group(%(worker)s::text, %(lease)s::interval, %(li
                                      %(cap_providers)s::text[], %(caps)s::integer[])
 """
 
-# A half-open breaker's probe (outbox.dispatch.limits.Breaker): one due row of the provider, from
+# A half-open breaker's probe (outbox.dispatch.breaker.Breaker): one due row of the provider, from
 # the next five tenants after the last probe's (around to the first): of each, the ten newest due
 # rows that have not failed (among its 200 newest) and its ten oldest. Rows that have not failed
 # in this budget come first: the newest, then those handed back unsent, then the oldest never

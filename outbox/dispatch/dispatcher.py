@@ -25,9 +25,10 @@ from outbox.dispatch.claims import ClaimScheduler, next_cursor
 from outbox.dispatch.flight import InFlight, Phase
 from outbox.dispatch.health import HealthKeeper
 from outbox.dispatch.leases import LeaseKeeper
-from outbox.dispatch.limits import ActionPauses, Limits
+from outbox.dispatch.limits import Limits
 from outbox.dispatch.maintenance import Maintenance
 from outbox.dispatch.meters import Meters
+from outbox.dispatch.pauses import ActionPauses
 from outbox.dispatch.pipeline import UNKNOWN_PROVIDER_GRACE, Pipeline
 from outbox.dispatch.recorder import Recorder
 from outbox.dispatch.rules import ProviderRules

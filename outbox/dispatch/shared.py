@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 from outbox.config.settings import DispatcherSettings
 from outbox.db.store import Store
 from outbox.dispatch.flight import InFlight
-from outbox.dispatch.limits import ActionPauses, Limits
+from outbox.dispatch.limits import Limits
 from outbox.dispatch.meters import Meters
+from outbox.dispatch.pauses import ActionPauses
 from outbox.dispatch.rules import ProviderRules
 from outbox.observability.metric_labels import Labels
 from outbox.providers.base import Provider

@@ -28,7 +28,7 @@ from outbox.core import payloads
 from outbox.db import statements
 from outbox.db.connect import connection_options, pin_search_path_async
 from outbox.db.store import Store
-from outbox.dispatch.limits import LookupPacer
+from outbox.dispatch.pauses import LookupPacer
 from outbox.errors import SQLSTATE_OPERATOR_REFUSED
 from outbox.observability import metrics
 from outbox.providers.base import Lookup, LookupRequest, NotFound, Provider, Verdict, asks

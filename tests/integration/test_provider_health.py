@@ -21,8 +21,8 @@ from psycopg_pool import AsyncConnectionPool
 from outbox.config.settings import BREAKER_OPEN_MAX, ProviderLimits
 from outbox.db.store import Store
 from outbox.dispatch import health as health_module
+from outbox.dispatch.breaker import ALONE_FOR, Breaker, State, Verdict
 from outbox.dispatch.dispatcher import Dispatcher
-from outbox.dispatch.limits import ALONE_FOR, Breaker, State, Verdict
 from outbox.providers.base import Provider
 from outbox.testing.webhook import FakeWebhookReceiver, WebhookFault
 from tests.support.cli import outbox_cli

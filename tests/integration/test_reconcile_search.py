@@ -20,7 +20,7 @@ from psycopg_pool import AsyncConnectionPool
 import outbox
 from outbox.config.settings import ProviderLimits
 from outbox.db.store import Store
-from outbox.dispatch.limits import LookupPacer, LookupThrottled
+from outbox.dispatch.pauses import LookupPacer, LookupThrottled
 from outbox.oncall import operators
 from outbox.oncall.reconciler import Reconciler
 from outbox.providers.base import Found, Lookup, NotFound, Provider, SendRequest, Succeeded

@@ -724,7 +724,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "breaker-lone-failure-counts",
         "an operation that fails alone while its neighbours succeed weighs on its provider's "
         "breaker, and a few such operations close the provider to every other",
-        "outbox/dispatch/limits.py",
+        "outbox/dispatch/breaker.py",
         "        if earlier is None or earlier == self._successes:\n            return True",
         "        if True:\n            return True",
         "tests/unit/test_provider_limits.py",
@@ -753,7 +753,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "tenant-failures-shut-all",
         "one tenant's flood of failing operations opens its provider's breaker for every tenant",
-        "outbox/dispatch/limits.py",
+        "outbox/dispatch/breaker.py",
         "        if len(sick) == 1 and self._another_tenant_succeeded(next(iter(sick))):",
         "        if False:",
         ISOLATION_TESTS
