@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Final
 
-from outbox.config.schema import ConfigError
-from outbox.config.settings import PROVIDER_KEYS, ProviderSettings
+from outbox.config.schema import Boolean, ConfigError, Count, Setting
+from outbox.config.settings import DEFAULT_MAX_RESPONSE_BYTES, PROVIDER_KEYS, ProviderSettings
 from outbox.providers.json_pointer import Pointer
 
 # In a provider's per-action tables: every action not named.
@@ -127,6 +127,25 @@ def check_header(name: str, value: str, key: str) -> None:
             key=key,
         )
 
+
+# --- the options every HTTP-speaking type declares (http, webhook, stripe) ------------------------
+
+ALLOW_INSECURE: Final = Setting(
+    "allow_insecure",
+    Boolean(),
+    "Send secrets (secret headers, the API key) over http:// to a host other than loopback, "
+    "which is refused otherwise.",
+    default=False,
+)
+MAX_RESPONSE_BYTES: Final = Setting(
+    "max_response_bytes",
+    Count(unit="bytes"),
+    "The most of one answer read, counted as decoded, so a compressed answer cannot expand past "
+    "it: an answer is held in memory whole while its reference is read, and 1 MiB is hundreds "
+    "of times a webhook's or a Stripe object's answer, yet the 64 calls in flight of the "
+    "default concurrency hold at most 64 MiB of answers. A longer answer is *unknown*.",
+    default=DEFAULT_MAX_RESPONSE_BYTES,
+)
 
 # --- header values -------------------------------------------------------------------------------
 

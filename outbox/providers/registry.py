@@ -11,12 +11,12 @@ from collections.abc import Callable, Mapping
 from importlib.metadata import entry_points
 from typing import Final
 
-from outbox.config.options import PROVIDER_OPTIONS
 from outbox.config.schema import file_keys
 from outbox.config.secrets import read_secret
 from outbox.config.settings import DEFAULT_CONCURRENCY, ConfigError, ProviderSettings
 from outbox.providers.base import Provider
 from outbox.providers.http import config as http_config
+from outbox.providers.http import options as http_declared
 from outbox.providers.http.provider import HttpProvider
 from outbox.providers.http.webhook import (
     DEFAULT_REFERENCE_FIELD,
@@ -27,6 +27,7 @@ from outbox.providers.http.webhook import (
 from outbox.providers.kit import ANY_ACTION, reject_unknown
 from outbox.providers.noop import NoopProvider
 from outbox.providers.shards import connection_cap
+from outbox.providers.stripe import options as stripe_declared
 from outbox.providers.stripe.provider import (
     DEFAULT_REDACTED,
     DEFAULT_STRIPE_VERSION,
@@ -46,9 +47,9 @@ QUEUE_TYPES: Final[Mapping[str, tuple[str, str]]] = {
 }
 Factory = Callable[[ProviderSettings], Provider]
 
-# The options each built-in type takes: declared once, in outbox.config (PROVIDER_OPTIONS).
-_WEBHOOK_KEYS: Final = tuple(file_keys(PROVIDER_OPTIONS["webhook"]))
-_STRIPE_KEYS: Final = tuple(file_keys(PROVIDER_OPTIONS["stripe"]))
+# The options each built-in type takes: declared once, in its family's options.py.
+_WEBHOOK_KEYS: Final = tuple(file_keys(http_declared.WEBHOOK_OPTIONS))
+_STRIPE_KEYS: Final = tuple(file_keys(stripe_declared.OPTIONS))
 # Stripe's API versions: a date, and since 2024-09-30 a release name (2026-10-28.endive).
 _STRIPE_VERSION: Final = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}(\.[a-z]+)?")
 DEFAULT_STRIPE_API: Final = "https://api.stripe.com"

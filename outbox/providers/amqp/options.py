@@ -1,7 +1,7 @@
 """The options of `type = "amqp"` (docs/providers.md, "Queues": RabbitMQ).
 
-Declared as outbox.config declares every key (outbox.config.schema): outbox.config puts
-``OPTIONS`` into PROVIDER_OPTIONS, so this module stays pure, declarations only, no client
+Declared as outbox.config declares every key (outbox.config.schema): outbox.config.options
+puts ``OPTIONS`` into PROVIDER_OPTIONS, so this module stays pure, declarations only, no client
 library; config.py beside it reads a provider's table by them."""
 
 from __future__ import annotations

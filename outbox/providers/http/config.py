@@ -14,7 +14,6 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any, Final
 
-from outbox.config.options import PROVIDER_OPTIONS
 from outbox.config.schema import Count, Duration, Where, file_keys
 from outbox.config.secrets import read_secret
 from outbox.config.settings import (
@@ -22,6 +21,7 @@ from outbox.config.settings import (
     ConfigError,
     ProviderSettings,
 )
+from outbox.providers.http.options import OPTIONS
 from outbox.providers.http.provider import HttpOptions
 from outbox.providers.http.spec import CLASSES, ActionSpec, LookupSpec, StatusRule, Template
 from outbox.providers.json_pointer import Pointer, PointerError
@@ -36,7 +36,7 @@ from outbox.providers.kit import (
 )
 from outbox.providers.shards import connection_cap
 
-_HTTP_KEYS: Final = tuple(file_keys(PROVIDER_OPTIONS["http"]))
+_HTTP_KEYS: Final = tuple(file_keys(OPTIONS))
 _METHODS: Final = ("GET", "POST", "PUT", "PATCH", "DELETE")
 _KEY_KEYS: Final = ("header", "field", "quoting", "form", "max_length", "characters")
 _ACTION_KEYS: Final = ("method", "path", "body", "reference", "key_retention", "key", "status",
