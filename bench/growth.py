@@ -14,7 +14,8 @@ One database, grown in steps. At each size:
   of the pending rows; each run in a transaction rolled back, so every run sees the same rows;
   the median (and p90) of ``--claim-runs`` runs, client-side round trip; and the median of the
   fair CLAIM, which runs where several groups have rows, timed the same way;
-* the gauges: GAUGES and NEARING_KEY_EXPIRY (the statements outbox.gauges runs), median of 20;
+* the gauges: GAUGES and NEARING_KEY_EXPIRY (the statements outbox.daemon.gauges runs), median of
+  20;
 * both on a connection with `outbox run`'s session settings (generic plans, no JIT);
 * drain: one `outbox run` (noop provider, concurrency 64, batch 100) drains the pending rows;
   operations per second from the first claim to the last success, by the database's clock,
@@ -64,9 +65,9 @@ from _support import (
     wait_until,
 )
 
+from outbox.daemon.gauges import EXACT_COUNT_LIMIT
 from outbox.db import statements
 from outbox.db.store import claim_params
-from outbox.gauges import EXACT_COUNT_LIMIT
 
 SIZES = (0, 1_000_000, 10_000_000)
 LOAD_CHUNK = 1_000_000

@@ -35,9 +35,9 @@ import psycopg
 from _support import fresh_database, median, print_machine, print_table, progress
 
 import outbox
-from outbox import payloads
+from outbox.core import payloads
 from outbox.dispatch.pipeline import TURN_BYTES, Turns
-from outbox.event_loop import run
+from outbox.runtime.event_loop import run
 
 # A claim's worth of work, and one row's.
 Work = Callable[[], Coroutine[Any, Any, None]]

@@ -48,9 +48,9 @@ from _support import (
 )
 from psycopg_pool import AsyncConnectionPool
 
+from outbox.core.model import Status
 from outbox.db.connect import configure_session
 from outbox.db.store import Record, Store
-from outbox.model import Status
 
 DEFAULT_COUNT = 100_000
 QUICK_COUNT = 10_000

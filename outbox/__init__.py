@@ -14,8 +14,8 @@ With tenant isolation on, bind the transaction to its tenant first: ``outbox.bin
 
 from importlib.metadata import version as _version
 
+from outbox.core.model import EnqueueOutcome, EnqueueResult, FailureClass, Operation, Status
 from outbox.errors import InvalidOperation, OperationConflict, OutboxError
-from outbox.model import EnqueueOutcome, EnqueueResult, FailureClass, Operation, Status
 from outbox.producer import (
     bind_tenant,
     bind_tenant_async,

@@ -20,7 +20,8 @@ import psycopg
 from psycopg.pq import TransactionStatus
 from psycopg.rows import kwargs_row, tuple_row
 
-from outbox import payloads, tracing
+from outbox.core import payloads
+from outbox.core.model import EnqueueOutcome, EnqueueResult, Operation
 from outbox.db import statements
 from outbox.errors import (
     SQLSTATE_INVALID_OPERATION,
@@ -28,7 +29,7 @@ from outbox.errors import (
     InvalidOperation,
     OperationConflict,
 )
-from outbox.model import EnqueueOutcome, EnqueueResult, Operation
+from outbox.observability import tracing
 
 Params = dict[str, Any]
 
@@ -235,7 +236,7 @@ def _payload_json(payload: object) -> str:
 def _check_decimals(payload: Mapping[str, Any]) -> None:
     """InvalidOperation for a Decimal PostgreSQL would refuse as a raw driver error: its jsonb
     cannot hold more than 16,383 digits after the point, and enqueue refuses 1e100 and more
-    (outbox.payloads.MAX_NUMBER_DIGITS), but only once the cast has let it through. Iterative,
+    (outbox.core.payloads.MAX_NUMBER_DIGITS), but only once the cast has let it through. Iterative,
     as the payload has been written already (its depth is no risk to the stack here)."""
     stack: list[Any] = [payload]
     while stack:

@@ -20,16 +20,7 @@ from typing import IO, Any
 import click
 import psycopg
 
-from outbox import (
-    daemon,
-    demo_queue,
-    event_loop,
-    logs,
-    payloads,
-    producer,
-    prune,
-)
-from outbox import demo as demo_module
+from outbox import producer
 from outbox.cli import inbox, operator, ordering, pending, providers, status
 from outbox.cli.common import (
     TEXT,
@@ -43,15 +34,23 @@ from outbox.cli.common import (
     dsn_option,
     json_option,
 )
-from outbox.config import LOG_LEVELS, ConfigError, load_settings
+from outbox.config.loader import load_settings
+from outbox.config.settings import LOG_LEVELS, ConfigError
+from outbox.core import payloads
+from outbox.core.durations import format_duration
+from outbox.core.safe_text import printable
+from outbox.daemon import service as daemon
 from outbox.db import dsn as dsn_util
 from outbox.db import migrations
 from outbox.db.connect import migration_blocker
-from outbox.dispatcher import UNKNOWN_PROVIDER_GRACE
-from outbox.durations import format_duration
+from outbox.demo import jetstream as demo_queue
+from outbox.demo import tour as demo_module
+from outbox.dispatch.dispatcher import UNKNOWN_PROVIDER_GRACE
 from outbox.errors import InvalidOperation, OperationConflict
+from outbox.observability import logs
+from outbox.oncall import prune
 from outbox.providers.registry import build_providers
-from outbox.safe_text import printable
+from outbox.runtime import event_loop
 
 # Loopback: metrics say how many operations of which tenants flow where; expose them on purpose.
 DEFAULT_METRICS_ADDR = "127.0.0.1:9464"

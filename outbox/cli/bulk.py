@@ -22,13 +22,13 @@ from typing import IO, Any, Final, TypeVar
 import click
 import psycopg
 
-from outbox import operators
 from outbox.cli.common import EXIT_CONFLICT, TEXT, BadInput, connect
+from outbox.core.durations import DurationTooLong, format_duration, parse_duration
+from outbox.core.model import Status
+from outbox.core.safe_text import printable
 from outbox.db import dsn as dsn_util
-from outbox.durations import DurationTooLong, format_duration, parse_duration
-from outbox.model import Status
-from outbox.safe_text import printable
-from outbox.text_tables import render_table
+from outbox.oncall import operators
+from outbox.oncall.text_tables import render_table
 
 F = TypeVar("F", bound=Callable[..., Any])
 Action = Callable[[psycopg.Connection[Any], int], Status]

@@ -22,9 +22,9 @@ import psycopg
 from click.core import ParameterSource
 from psycopg.conninfo import conninfo_to_dict
 
+from outbox.core.durations import parse_duration
 from outbox.db import dsn as dsn_util
 from outbox.db.connect import pin_search_path
-from outbox.durations import parse_duration
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -18,10 +18,10 @@ import psycopg
 
 from outbox.cli import bulk
 from outbox.cli.common import TEXT, BadInput, actor_option, connect, dsn_option, json_option
+from outbox.core.safe_text import printable
 from outbox.errors import SQLSTATE_NO_DATA_FOUND, SQLSTATE_OPERATOR_REFUSED
 from outbox.inbox import records
-from outbox.safe_text import printable
-from outbox.text_tables import render_table
+from outbox.oncall.text_tables import render_table
 
 MAX_SELECTED = 10_000
 SHOWN = (  # what `show` prints of a record, in this order

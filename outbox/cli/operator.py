@@ -18,7 +18,6 @@ from typing import IO, Any, Final, TypeVar
 
 import click
 
-from outbox import operators, payloads, reconciler
 from outbox.cli import bulk
 from outbox.cli.common import (
     TEXT,
@@ -29,13 +28,16 @@ from outbox.cli.common import (
     dsn_option,
     json_option,
 )
-from outbox.config import ConfigError, ProviderSettings, load_settings
-from outbox.durations import format_duration
-from outbox.model import Status
+from outbox.config.loader import load_settings
+from outbox.config.settings import ConfigError, ProviderSettings
+from outbox.core import payloads
+from outbox.core.durations import format_duration
+from outbox.core.model import Status
+from outbox.core.safe_text import printable
+from outbox.oncall import operators, reconciler
+from outbox.oncall.text_tables import render_table
 from outbox.providers.base import Provider
 from outbox.providers.registry import build_providers, may_look_up
-from outbox.safe_text import printable
-from outbox.text_tables import render_table
 
 F = TypeVar("F", bound=Callable[..., Any])
 

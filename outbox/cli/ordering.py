@@ -15,7 +15,7 @@ import psycopg
 from outbox.cli.common import TEXT, BadInput, actor_option, connect, dsn_option, json_option
 from outbox.db import statements
 from outbox.errors import SQLSTATE_INVALID_OPERATION
-from outbox.text_tables import render_table
+from outbox.oncall.text_tables import render_table
 
 
 @click.group()

@@ -14,11 +14,11 @@ from typing import Any
 
 import click
 
-from outbox import operators
 from outbox.cli import bulk
 from outbox.cli.common import TEXT, connect, dsn_option, json_option
-from outbox.durations import format_duration
-from outbox.text_tables import render_table
+from outbox.core.durations import format_duration
+from outbox.oncall import operators
+from outbox.oncall.text_tables import render_table
 
 
 @click.group(help="Pending operations that are failing: by provider and last error.")

@@ -20,10 +20,10 @@ import click
 import psycopg
 
 from outbox.cli.common import TEXT, BadInput, actor_option, connect, dsn_option, json_option
+from outbox.core.durations import format_duration
 from outbox.db import statements
-from outbox.durations import format_duration
 from outbox.errors import SQLSTATE_INVALID_OPERATION, SQLSTATE_OPERATOR_REFUSED
-from outbox.text_tables import render_table
+from outbox.oncall.text_tables import render_table
 
 # A dispatcher writes its breakers every 2 s: one not heard from for this long is gone (or
 # cannot reach the database); `list` leaves it out unless asked.

@@ -12,14 +12,16 @@ import click
 import psycopg
 from psycopg.rows import dict_row
 
-from outbox import gauges, operators
 from outbox.cli.common import BadInput, config_option, connect, dsn_option, json_option
-from outbox.config import ConfigError, load_settings
+from outbox.config.loader import load_settings
+from outbox.config.settings import ConfigError
+from outbox.core.durations import format_duration
+from outbox.core.model import Status
+from outbox.daemon import gauges
 from outbox.db import statements
-from outbox.dispatcher import UNKNOWN_PROVIDER_GRACE
-from outbox.durations import format_duration
-from outbox.model import Status
-from outbox.text_tables import render_table
+from outbox.dispatch.dispatcher import UNKNOWN_PROVIDER_GRACE
+from outbox.oncall import operators
+from outbox.oncall.text_tables import render_table
 
 PROVIDER_LIMIT: Final = 200  # providers shown; more names than this is a producer's bug
 COUNT_LIMIT: Final = 10_000  # each provider's count stops here ("10000+")

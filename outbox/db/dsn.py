@@ -5,7 +5,7 @@ from __future__ import annotations
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from outbox import redaction
+from outbox.observability import redaction
 
 REDACTED = "********"
 
@@ -25,7 +25,7 @@ def redact(dsn: str) -> str:
 
 def scrub(text: str, dsn: str) -> str:
     """``text`` (an error message, say) with every occurrence of the DSN's password masked, and
-    any other secret :func:`outbox.redaction.scrub` finds in it."""
+    any other secret :func:`outbox.observability.redaction.scrub` finds in it."""
     password = _parse(dsn).get("password")
     return redaction.scrub(text, marker=REDACTED, known=[str(password) if password else None])
 

@@ -25,8 +25,8 @@ from typing import Any, Final
 import psycopg
 from psycopg.rows import tuple_row
 
+from outbox.core.durations import format_duration, to_postgres_interval
 from outbox.db import statements
-from outbox.durations import format_duration, to_postgres_interval
 from outbox.errors import OutboxError
 
 # Long enough to outlast another process applying the same migrations, short enough that a

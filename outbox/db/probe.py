@@ -22,9 +22,10 @@ from typing import Any, Final
 import psycopg
 import structlog
 
-from outbox import loops, metrics
 from outbox.db import statements
 from outbox.db.connect import connection_options
+from outbox.observability import metrics
+from outbox.runtime import loops
 
 PROBE_INTERVAL: Final = 1.0
 # Connect and ask within this: a primary that takes longer is not one to be ready on.

@@ -123,7 +123,7 @@ SELECT * FROM outbox.claim_one_group(%(worker)s::text, %(lease)s::interval, %(li
                                      %(cap_providers)s::text[], %(caps)s::integer[])
 """
 
-# A half-open breaker's probe (outbox.provider_limits.Breaker): one due row of the provider, from
+# A half-open breaker's probe (outbox.dispatch.breaker.Breaker): one due row of the provider, from
 # the next five tenants after the last probe's (around to the first): of each, the ten newest due
 # rows that have not failed (among its 200 newest) and its ten oldest. Rows that have not failed
 # in this budget come first: the newest, then those handed back unsent, then the oldest never
@@ -347,9 +347,9 @@ SELECT * FROM outbox.expire_stray_leases(%(worker)s::text, %(held)s::uuid[],
 # --- operators ----------------------------------------------------------------------------------
 
 # The operations in one status that need a person, oldest first; served by operations_attention.
-# The filters are those of `list` and of the bulk actions (outbox/operators.py, Filters); NULL
-# means "any". Paged by keyset on (status_changed_at, id): a page stays right while earlier rows
-# leave the status, as they do while someone replays them.
+# The filters are those of `list` and of the bulk actions (outbox/oncall/operators.py, Filters);
+# NULL means "any". Paged by keyset on (status_changed_at, id): a page stays right while earlier
+# rows leave the status, as they do while someone replays them.
 _FILTERS: Final = """
   AND (%(provider)s::text IS NULL OR provider = %(provider)s::text)
   AND (%(reason)s::text IS NULL OR status_reason = %(reason)s::text)
@@ -662,7 +662,7 @@ WHERE status IN ('succeeded', 'cancelled') AND finished_at < now() - %(older_tha
 
 # The database-wide gauges, one cheap statement on a timer: every count but succeeded reads a
 # partial index; succeeded is exact while the table is small and estimated from the planner's
-# row count after that (EXACT_COUNT_LIMIT in outbox.gauges).
+# row count after that (EXACT_COUNT_LIMIT in outbox.daemon.gauges).
 GAUGES: Final = """
 SELECT
     -- Three partial indexes between them hold every pending row: the claimable, the waiting
@@ -685,8 +685,8 @@ SELECT
      WHERE c.oid = 'outbox.operations'::regclass) AS estimated_rows,
     -- The oldest due pending operation's age, overall and per provider (the alerts hold back a
     -- provider's age while its credentials are refused: one cause pages once). Providers not in
-    -- %(providers)s share one entry, '_unconfigured' (outbox/metric_labels.py): a producer that
-    -- names a thousand providers adds no entries.
+    -- %(providers)s share one entry, '_unconfigured' (outbox/observability/metric_labels.py): a
+    -- producer that names a thousand providers adds no entries.
     (SELECT max(e.age::float8) FROM jsonb_each_text(g.by_provider) AS e (provider, age))
       AS oldest_pending_age,
     g.by_provider AS oldest_pending_by_provider,
@@ -747,8 +747,8 @@ GROUP BY 1 ORDER BY 1
 # `outbox status`: the due pending operations per provider (the claim's index, provider first,
 # read as a skip scan: one probe per provider), each count capped, and when the first of them
 # would be quarantined as unknown_provider should no dispatcher know the provider (enqueue time
-# plus the grace, outbox/dispatcher.py). The cap on providers bounds a table a hostile producer
-# filled with a million provider names.
+# plus the grace, outbox/dispatch/dispatcher.py). The cap on providers bounds a table a hostile
+# producer filled with a million provider names.
 PENDING_BY_PROVIDER: Final = """
 WITH RECURSIVE names (provider) AS (
     (SELECT provider FROM outbox.operations

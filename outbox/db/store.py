@@ -24,8 +24,8 @@ from psycopg.rows import args_row, dict_row, tuple_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
+from outbox.core.model import Status
 from outbox.db import statements
-from outbox.model import Status
 
 # The longest any statement of ours may go unanswered: the server's statement_timeout (30 s) plus
 # a margin. A peer that went silent while the kernel still acknowledges (a hung proxy, a frozen
@@ -78,7 +78,7 @@ class Claimed(NamedTuple):
     provider: str
     action: str
     # PostgreSQL's JSON text of the payload, decoded by the dispatcher row by row
-    # (outbox.payloads); None when its size in bytes (payload_bytes) is past payload_limit, the
+    # (outbox.core.payloads); None when its size in bytes (payload_bytes) is past payload_limit, the
     # limit of outbox.limits: such a payload is never handed over.
     payload: str | None
     payload_bytes: int

@@ -13,10 +13,11 @@ from typing import Final
 
 import psycopg
 
-from outbox import loops, metrics
 from outbox.db.store import Claimed
 from outbox.dispatch.flight import log
 from outbox.dispatch.shared import Shared
+from outbox.observability import metrics
+from outbox.runtime import loops
 
 # Claim loops per process at most: past two or three, claims only queue behind each other.
 MAX_CLAIMERS: Final = 3

@@ -11,8 +11,8 @@ from typing import Any, NamedTuple
 
 import structlog
 
+from outbox.core.model import Status
 from outbox.db.store import Claimed
-from outbox.model import Status
 from outbox.providers.base import Failed, Provider, SendResult
 
 log = structlog.get_logger("outbox.dispatcher")

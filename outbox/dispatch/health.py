@@ -21,9 +21,9 @@ from typing import Final
 import psycopg
 import structlog
 
-from outbox import metrics
 from outbox.db.store import Health
 from outbox.dispatch.shared import Shared
+from outbox.observability import metrics
 
 # How often operators' requests are read and changed breakers written (seconds); every breaker is
 # written every WHOLE_EVERY rounds all the same (30 s), so that a live process is never taken

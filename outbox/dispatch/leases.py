@@ -9,9 +9,10 @@ import time
 
 import psycopg
 
-from outbox import loops, metrics
 from outbox.dispatch.flight import Phase, log, release
 from outbox.dispatch.shared import Shared
+from outbox.observability import metrics
+from outbox.runtime import loops
 
 
 class LeaseKeeper:

@@ -11,11 +11,12 @@ from typing import Final
 
 import psycopg
 
-from outbox import loops, metrics
+from outbox.core.model import Status
+from outbox.core.policy import REASON_INDETERMINATE
 from outbox.dispatch.flight import log
 from outbox.dispatch.shared import Shared
-from outbox.model import Status
-from outbox.policy import REASON_INDETERMINATE
+from outbox.observability import metrics
+from outbox.runtime import loops
 
 RESCUE_BATCH: Final = 500
 # A failover's stale leases are logged with this many of their ids at most.

@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from outbox import metrics
 from outbox.db.store import Claimed
-from outbox.metric_labels import Labels
+from outbox.observability import metrics
+from outbox.observability.metric_labels import Labels
 
 
 @dataclass(slots=True)

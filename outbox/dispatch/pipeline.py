@@ -11,20 +11,21 @@ from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, Final
 
-from outbox import failpoints, metrics, payloads, tracing
-from outbox.db.store import Claimed, ConnectionHeldAcrossSend, assert_no_connection_held
-from outbox.dispatch.flight import Aside, InFlight, Phase, api_version, release
-from outbox.dispatch.leases import LeaseKeeper
-from outbox.dispatch.recorder import Recorder
-from outbox.dispatch.shared import Shared
-from outbox.durations import format_duration
-from outbox.model import Status
-from outbox.policy import (
+from outbox.core import payloads
+from outbox.core.durations import format_duration
+from outbox.core.model import Status
+from outbox.core.policy import (
     REASON_INDETERMINATE,
     REASON_INTERNAL_ERROR,
     REASON_INVALID_PAYLOAD,
     REASON_KEY_WINDOW,
 )
+from outbox.db.store import Claimed, ConnectionHeldAcrossSend, assert_no_connection_held
+from outbox.dispatch.flight import Aside, InFlight, Phase, api_version, release
+from outbox.dispatch.leases import LeaseKeeper
+from outbox.dispatch.recorder import Recorder
+from outbox.dispatch.shared import Shared
+from outbox.observability import metrics, tracing
 from outbox.providers.base import (
     Failed,
     InvalidRequest,
@@ -35,6 +36,7 @@ from outbox.providers.base import (
     permanent,
     unknown,
 )
+from outbox.runtime import failpoints
 
 # A row naming a provider this process does not know is handed back for this long after its
 # enqueue (a deploy adding the provider may be rolling out), then quarantined as a bad row.

@@ -14,13 +14,13 @@ from typing import Any
 import psycopg
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_random_exponential
 
-from outbox import metrics
+from outbox.core.model import Status
+from outbox.core.policy import UNSPENT_FOR, Backoff, after_failure
 from outbox.db.group_record import GroupRecorder
 from outbox.db.store import Record
 from outbox.dispatch.flight import InFlight, Phase, api_version, log
 from outbox.dispatch.shared import Shared
-from outbox.model import Status
-from outbox.policy import UNSPENT_FOR, Backoff, after_failure
+from outbox.observability import metrics
 from outbox.providers.base import SendResult, Succeeded
 
 

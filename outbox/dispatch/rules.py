@@ -8,9 +8,9 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Final
 
-from outbox.config import ConfigError
-from outbox.durations import format_duration
-from outbox.policy import KeyWindow
+from outbox.config.settings import ConfigError
+from outbox.core.durations import format_duration
+from outbox.core.policy import KeyWindow
 from outbox.providers.base import Provider
 
 # A provider call that outlives its own timeout by this much is cut off: a hung plug-in must

@@ -6,13 +6,14 @@ import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from outbox.config import DispatcherSettings
+from outbox.config.settings import DispatcherSettings
 from outbox.db.store import Store
 from outbox.dispatch.flight import InFlight
+from outbox.dispatch.limits import Limits
 from outbox.dispatch.meters import Meters
+from outbox.dispatch.pauses import ActionPauses
 from outbox.dispatch.rules import ProviderRules
-from outbox.metric_labels import Labels
-from outbox.provider_limits import ActionPauses, Limits
+from outbox.observability.metric_labels import Labels
 from outbox.providers.base import Provider
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Final, Protocol, runtime_checkable
 
-from outbox.model import FailureClass
+from outbox.core.model import FailureClass
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +24,7 @@ class SendRequest:
     ``decimal.Decimal``, so that no amount is rounded through a float on its way.
     ``payload_json`` is the payload exactly as stored (PostgreSQL's JSON text of it): a provider
     that sends JSON sends this, and the provider receives the numbers as they were enqueued. None
-    only where a request was built by hand; ``outbox.payloads.encode`` writes ``payload`` then.
+    only where a request was built by hand; ``outbox.core.payloads.encode`` writes ``payload`` then.
     """
 
     operation_id: int
@@ -221,8 +221,9 @@ class Provider(Protocol):
 # duplicate_window). It raises outbox.config.ConfigError to refuse to start (exit 2, its message
 # said); a system that is merely down is no reason: it logs, and sends fail transient meanwhile.
 # A provider may also declare ``actions``, a collection of the action names it knows: each keeps
-# its own label in the metrics. Other actions share at most outbox.metric_labels.MAX_OTHER_ACTIONS
-# labels per provider, then "other" (a row's action is the producer's choice).
+# its own label in the metrics. Other actions share at most
+# outbox.observability.metric_labels.MAX_OTHER_ACTIONS labels per provider, then "other"
+# (a row's action is the producer's choice).
 
 
 @runtime_checkable

@@ -28,8 +28,8 @@ from typing import Final
 
 import httpx
 
-from outbox.model import FailureClass
-from outbox.policy import REASON_UNENCODABLE_REQUEST
+from outbox.core.model import FailureClass
+from outbox.core.policy import REASON_UNENCODABLE_REQUEST
 from outbox.providers.base import Failed
 
 # What the transport refuses before it writes anything.

@@ -11,7 +11,7 @@ from typing import Final
 
 import structlog
 
-from outbox.config import ConfigError
+from outbox.config.settings import ConfigError
 from outbox.providers.base import Provider
 
 # The most one provider's start may take: a start bounds its own calls by its timeout; this only

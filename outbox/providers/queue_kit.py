@@ -4,8 +4,8 @@ the queue's own.
 
 A queue's idempotency key is its message id (JetStream's Nats-Msg-Id, AMQP's message_id, SQS's
 MessageDeduplicationId, a Cloud Tasks task name): the queue, or its consumers, recognise a repeat
-by it. outbox sends the stored key in the form the queue takes (outbox.providers.http.spec.KeySpec)
-and, in every message, the operation's identity as headers or attributes, so that a consumer can
+by it. outbox sends the stored key in the form the queue takes (outbox.providers.kit.KeySpec) and,
+in every message, the operation's identity as headers or attributes, so that a consumer can
 deduplicate by the operation id outside the queue's window and join the producer's trace.
 
 Pure of any client library: each queue's module brings its own.
@@ -17,11 +17,10 @@ from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from typing import Any, Final, TypeVar
 
-from outbox.config import ConfigError, ProviderSettings
-from outbox.durations import format_duration
+from outbox.config.settings import ConfigError, ProviderSettings
+from outbox.core.durations import format_duration
 from outbox.providers.base import SendRequest
-from outbox.providers.http.spec import ANY_ACTION
-from outbox.providers.http.wire import header_safe
+from outbox.providers.kit import ANY_ACTION, header_safe
 
 T = TypeVar("T")
 
@@ -40,7 +39,7 @@ def message_headers(request: SendRequest, *, wire_key: str | None = None) -> dic
     """The operation's identity for one message: its id, action, attempt, tenant, correlation id
     and traceparent where it has them, and ``wire_key`` (the key as the queue received it) where
     the queue's own id field is not readable by every consumer. Values are header-safe
-    (outbox.providers.http.wire.header_safe): any text a producer stored arrives
+    (outbox.providers.kit.header_safe): any text a producer stored arrives
     percent-encoded rather than breaking the header."""
     headers = {
         OPERATION_ID: str(request.operation_id),

@@ -11,32 +11,29 @@ from collections.abc import Callable, Mapping
 from importlib.metadata import entry_points
 from typing import Final
 
-from outbox.config import (
-    DEFAULT_CONCURRENCY,
-    PROVIDER_OPTIONS,
-    ConfigError,
-    ProviderSettings,
-    read_secret,
-)
+from outbox.config.schema import file_keys
+from outbox.config.secrets import read_secret
+from outbox.config.settings import DEFAULT_CONCURRENCY, ConfigError, ProviderSettings
 from outbox.providers.base import Provider
 from outbox.providers.http import config as http_config
+from outbox.providers.http import options as http_declared
 from outbox.providers.http.provider import HttpProvider
-from outbox.providers.http.spec import ANY_ACTION
 from outbox.providers.http.webhook import (
     DEFAULT_REFERENCE_FIELD,
     WebhookOptions,
     WebhookProvider,
     preset,
 )
+from outbox.providers.kit import ANY_ACTION, reject_unknown
 from outbox.providers.noop import NoopProvider
 from outbox.providers.shards import connection_cap
+from outbox.providers.stripe import options as stripe_declared
 from outbox.providers.stripe.provider import (
     DEFAULT_REDACTED,
     DEFAULT_STRIPE_VERSION,
     StripeOptions,
     StripeProvider,
 )
-from outbox.settings_schema import file_keys
 
 ENTRY_POINT_GROUP: Final = "outbox.providers"
 # The queue types (docs/providers.md, "Queues"): the module that builds each, which exposes
@@ -50,9 +47,9 @@ QUEUE_TYPES: Final[Mapping[str, tuple[str, str]]] = {
 }
 Factory = Callable[[ProviderSettings], Provider]
 
-# The options each built-in type takes: declared once, in outbox.config (PROVIDER_OPTIONS).
-_WEBHOOK_KEYS: Final = tuple(file_keys(PROVIDER_OPTIONS["webhook"]))
-_STRIPE_KEYS: Final = tuple(file_keys(PROVIDER_OPTIONS["stripe"]))
+# The options each built-in type takes: declared once, in its family's options.py.
+_WEBHOOK_KEYS: Final = tuple(file_keys(http_declared.WEBHOOK_OPTIONS))
+_STRIPE_KEYS: Final = tuple(file_keys(stripe_declared.OPTIONS))
 # Stripe's API versions: a date, and since 2024-09-30 a release name (2026-10-28.endive).
 _STRIPE_VERSION: Final = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}(\.[a-z]+)?")
 DEFAULT_STRIPE_API: Final = "https://api.stripe.com"
@@ -101,7 +98,7 @@ def _build(ps: ProviderSettings, environ: Mapping[str, str] | None, concurrency:
     if ps.type == "webhook":
         return WebhookProvider(ps.name, webhook_options(ps, environ, concurrency=concurrency))
     if ps.type == "noop":
-        http_config.reject_unknown(ps, ())
+        reject_unknown(ps, ())
         return NoopProvider(ps.name, ps.key_retention)
     if ps.type == "stripe":
         return StripeProvider(ps.name, stripe_options(ps, environ, concurrency=concurrency))
@@ -136,7 +133,7 @@ def webhook_options(
 ) -> WebhookOptions:
     """The webhook settings of ``ps``, checked, with secret headers read from their source; its
     connection pool sized for the calls the dispatcher (``concurrency``) may send it at once."""
-    http_config.reject_unknown(ps, _WEBHOOK_KEYS)
+    reject_unknown(ps, _WEBHOOK_KEYS)
     where = f"providers.{ps.name}"
     url = ps.options.get("url")
     if not isinstance(url, str) or not url.startswith(("http://", "https://")):
@@ -171,7 +168,7 @@ def stripe_options(
 ) -> StripeOptions:
     """The Stripe settings of ``ps``, the API key read from the environment or a file; its
     connections sized for the calls the dispatcher (``concurrency``) may send it at once."""
-    http_config.reject_unknown(ps, _STRIPE_KEYS)
+    reject_unknown(ps, _STRIPE_KEYS)
     where = f"providers.{ps.name}"
     env = os.environ if environ is None else environ
     if "api_key_env" in ps.options:

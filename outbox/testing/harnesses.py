@@ -19,11 +19,11 @@ from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any, Final, TypeVar
 
-from outbox import payloads
-from outbox.config import PROVIDER_KEYS, ProviderSettings
+from outbox.config.schema import as_timedelta
+from outbox.config.settings import PROVIDER_KEYS, ProviderSettings
+from outbox.core import payloads
 from outbox.providers.base import LookupRequest, Provider, SendRequest
 from outbox.providers.registry import build_providers
-from outbox.settings_schema import as_timedelta
 from outbox.testing.conformance.harness import (
     GZIP_BOMB_BYTES,
     HUGE_ANSWER_FACTOR,

@@ -20,9 +20,10 @@ import structlog
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from outbox import logs, operators
-from outbox.safe_text import printable
-from outbox.text_tables import render_table
+from outbox.core.safe_text import printable
+from outbox.observability import logs
+from outbox.oncall import operators
+from outbox.oncall.text_tables import render_table
 from tests.support.cli import outbox_cli
 from tests.support.dispatch import enqueue_many, rows
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from outbox import daemon
+from outbox.daemon import service as daemon
 from tests.support.cli import outbox_cli
 from tests.support.daemon import wait_until, write_config
 from tests.support.dispatch import enqueue_many, rows, statuses

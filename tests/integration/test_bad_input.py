@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import outbox
-from outbox import InvalidOperation, payloads
+from outbox import InvalidOperation
+from outbox.core import payloads
 from tests.support.dispatch import rows
 from tests.support.producers import charge, count, nested_payload
 

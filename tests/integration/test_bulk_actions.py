@@ -19,9 +19,9 @@ from typing import Any
 import psycopg
 import pytest
 
-from outbox import operators
 from outbox.cli import bulk
-from outbox.model import Status
+from outbox.core.model import Status
+from outbox.oncall import operators
 from tests.support.cli import outbox_cli
 from tests.support.dispatch import rows
 

@@ -12,9 +12,9 @@ from typing import Any
 import psycopg
 import pytest
 
-from outbox import operators
 from outbox.cli import bulk, operator
-from outbox.model import Status
+from outbox.core.model import Status
+from outbox.oncall import operators
 from tests.integration.test_bulk_actions import (
     audit_of,
     away_from_cut,

@@ -16,8 +16,8 @@ from typing import Any
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
+from outbox.core.model import Status
 from outbox.db.store import Store
-from outbox.model import Status
 from outbox.testing.webhook import FakeWebhookReceiver
 from tests.support.cli import outbox_cli
 from tests.support.dispatch import dispatcher, enqueue_many, key_of, rows, webhook

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from psycopg_pool import AsyncConnectionPool
 
 import outbox
-from outbox import payloads
+from outbox.core import payloads
 from outbox.providers.base import Provider, SendRequest, SendResult, Succeeded
 from outbox.testing.webhook import FakeWebhookReceiver
 from tests.support.dispatch import dispatcher, rows, statuses
@@ -186,9 +186,9 @@ def test_the_verdict_on_a_dense_text_builds_nothing() -> None:
 
 @pytest.fixture
 def decodes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The length of every text outbox.payloads decodes into objects, by either decoder."""
+    """The length of every text outbox.core.payloads decodes into objects, by either decoder."""
     seen: list[int] = []
-    # Both decoders of outbox.payloads: whatever builds a payload object goes through one.
+    # Both decoders of outbox.core.payloads: whatever builds a payload object goes through one.
     for decoder in (payloads._EXACT, payloads._CHECKING):
 
         def spy(text: str, *args: Any, _real: Any = decoder.decode) -> Any:

@@ -11,8 +11,9 @@ import pytest
 from prometheus_client import REGISTRY
 from psycopg_pool import AsyncConnectionPool
 
-from outbox import gauges, metrics
+from outbox.daemon import gauges
 from outbox.db.probe import DatabaseProbe
+from outbox.observability import metrics
 from outbox.providers.base import Provider
 from tests.support.cluster import free_port
 from tests.support.dispatch import dispatcher

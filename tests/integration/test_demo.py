@@ -148,7 +148,7 @@ def test_the_demo_in_front_of_a_real_jetstream_shows_the_repeat_recognised(db_ur
 NATS = "nats://127.0.0.1:4222"
 
 
-# A refusal before anything starts: the check connects once, within outbox.demo_queue's 5 s.
+# A refusal before anything starts: the check connects once, within outbox.demo.jetstream's 5 s.
 REFUSED_WITHIN = 15.0
 
 

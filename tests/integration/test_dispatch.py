@@ -16,8 +16,8 @@ import structlog
 from psycopg_pool import AsyncConnectionPool
 
 import outbox
-from outbox import metrics
 from outbox.db.store import Store
+from outbox.observability import metrics
 from outbox.providers.base import Provider, SendRequest, SendResult, Succeeded
 from outbox.testing.webhook import FakeWebhookReceiver, WebhookFault
 from tests.support.dispatch import (
@@ -293,8 +293,8 @@ async def test_a_dead_workers_lease_is_rescued_as_unknown_and_sent_once(
     ]
     assert receiver.effect_count() == 1
     # The dead worker's late record changes nothing.
+    from outbox.core.model import Status  # noqa: PLC0415
     from outbox.db.store import Record  # noqa: PLC0415
-    from outbox.model import Status  # noqa: PLC0415
 
     late = Record(
         id=op,

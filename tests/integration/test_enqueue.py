@@ -13,7 +13,8 @@ import pytest
 from psycopg import pq
 
 import outbox
-from outbox import EnqueueOutcome, InvalidOperation, OperationConflict, Status, payloads
+from outbox import EnqueueOutcome, InvalidOperation, OperationConflict, Status
+from outbox.core import payloads
 from outbox.db.statements import ENQUEUE_CHANNEL, MARK_WAITING
 from tests.support.producers import charge, count
 

@@ -4,7 +4,7 @@ Issue 17: ``19.999999999999999999`` reached the receiver as ``20.0``, because pa
 through Python floats. The webhook now sends PostgreSQL's own JSON text of the payload, byte for
 byte; Stripe gets every number as its exact decimal text in the SDK's form encoding. The numbers
 here are generated, stored in PostgreSQL, read back the way the dispatcher reads them
-(``payload::text``, decoded by outbox.payloads) and sent by the real providers to the fakes,
+(``payload::text``, decoded by outbox.core.payloads) and sent by the real providers to the fakes,
 which say what arrived.
 """
 
@@ -23,9 +23,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from psycopg_pool import AsyncConnectionPool
 
-from outbox import payloads
-from outbox.config import ProviderSettings
-from outbox.model import FailureClass
+from outbox.config.settings import ProviderSettings
+from outbox.core import payloads
+from outbox.core.model import FailureClass
 from outbox.providers.base import Failed, Provider, SendRequest, Succeeded
 from outbox.providers.registry import build_providers
 from outbox.testing.stripe import DEFAULT_API_KEY, FakeStripe

@@ -12,8 +12,8 @@ import psycopg
 import pytest
 from psycopg_pool import AsyncConnectionPool
 
-from outbox import metrics
 from outbox.db.connect import dispatcher_pool
+from outbox.observability import metrics
 from outbox.providers.base import Provider
 from outbox.testing.webhook import FakeWebhookReceiver
 from tests.support.dispatch import dispatcher, enqueue_many, statuses

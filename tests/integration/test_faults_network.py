@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from psycopg_pool import AsyncConnectionPool
 
-from outbox import wakeup
+from outbox.daemon import wakeup
 from outbox.db.connect import dispatcher_pool
 from outbox.providers.base import Provider
 from outbox.testing.webhook import FakeWebhookReceiver

@@ -8,7 +8,8 @@ from typing import Any
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
-from outbox import gauges, metrics
+from outbox.daemon import gauges
+from outbox.observability import metrics
 from outbox.providers.base import Provider
 from outbox.testing.webhook import FakeWebhookReceiver, WebhookFault
 from tests.support.cli import outbox_cli

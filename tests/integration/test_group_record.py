@@ -10,9 +10,9 @@ from typing import Any
 
 from psycopg_pool import AsyncConnectionPool
 
+from outbox.core.model import Status
 from outbox.db.group_record import GroupRecorder
 from outbox.db.store import Claimed, Record, Store
-from outbox.model import Status
 from tests.support.dispatch import enqueue_many, rows
 
 

@@ -16,8 +16,8 @@ from typing import Any
 import psycopg
 import pytest
 
-from outbox.config import ProviderSettings
-from outbox.model import FailureClass
+from outbox.config.settings import ProviderSettings
+from outbox.core.model import FailureClass
 from outbox.providers.answers import ResponseTooLarge
 from outbox.providers.base import (
     Failed,

@@ -13,7 +13,7 @@ import pytest
 from psycopg_pool import AsyncConnectionPool
 
 import outbox
-from outbox.config import ProviderSettings
+from outbox.config.settings import ProviderSettings
 from outbox.providers.base import Provider
 from outbox.providers.registry import build_providers
 from outbox.testing.apis import FakeEffectsService, FakeSquare

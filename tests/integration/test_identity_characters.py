@@ -4,7 +4,7 @@ characters (issue 21; sql/0028).
 tenant_id, operation_type, operation_key, provider, action, correlation_id and ordering_key end
 up in log lines, HTTP headers and operators' terminals. enqueue refused [[:cntrl:]] in them but
 took a U+202E RIGHT-TO-LEFT OVERRIDE (a key shown reversed), a U+200B ZERO WIDTH SPACE (two keys
-that look the same) or a U+2028 LINE SEPARATOR. It now refuses the class outbox/safe_text.py
+that look the same) or a U+2028 LINE SEPARATOR. It now refuses the class outbox/core/safe_text.py
 escapes when it prints: Unicode's general categories Cc, Cf, Zl and Zp. PostgreSQL's regular
 expressions know no categories, so the class is written out as code points; these tests derive
 the expected class from Python's unicodedata, code point by code point, never from a list.
@@ -24,8 +24,8 @@ from psycopg_pool import AsyncConnectionPool
 
 import outbox
 from outbox import InvalidOperation
+from outbox.core.safe_text import printable
 from outbox.providers.base import Provider
-from outbox.safe_text import printable
 from outbox.testing.webhook import FakeWebhookReceiver
 from tests.support.dispatch import dispatcher, rows
 from tests.support.producers import charge, count

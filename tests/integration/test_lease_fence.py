@@ -4,10 +4,11 @@ while another worker holds the row in flight under a new lease changes nothing.
 The case the fence exists for is not a zombie that wakes after the row was finished (then
 ``status = 'in_flight'`` alone refuses it) but one that wakes while the row is in flight again,
 taken by another worker after the rescuer gave it back. Each test builds that case with real
-claims, a real rescue and the real statements (outbox/dispatcher.py says why the fence), then
-makes the zombie write through one path and compares the rows, the attempts and the audit, column
-by column, with what they were before; a positive control in each shows the same write going
-through for a row the zombie still holds, so no test passes because nothing could be written.
+claims, a real rescue and the real statements (outbox/dispatch/dispatcher.py says why the fence),
+then makes the zombie write through one path and compares the rows, the attempts and the audit,
+column by column, with what they were before; a positive control in each shows the same write
+going through for a row the zombie still holds, so no test passes because nothing could be
+written.
 """
 
 from __future__ import annotations
@@ -23,12 +24,12 @@ import psycopg
 import pytest
 from psycopg_pool import AsyncConnectionPool
 
-from outbox import operators
+from outbox.core.model import Status
 from outbox.db.group_record import GroupRecorder
 from outbox.db.store import Claimed, Record, Store
-from outbox.model import Status
+from outbox.oncall import operators
+from outbox.oncall.reconciler import Reconciler
 from outbox.providers.base import Provider
-from outbox.reconciler import Reconciler
 from outbox.testing.stripe import FakeStripe
 from outbox.testing.webhook import FakeWebhookReceiver
 from tests.support.dispatch import (

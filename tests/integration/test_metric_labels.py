@@ -1,8 +1,8 @@
 """Cardinality the producer controls is bounded (issue 17, case 5).
 
 A row's action, and its provider when no provider of that name is configured, are the
-producer's choice. Before outbox.metric_labels, 3,000 distinct actions made 60,075 series and a
-12.5 MB /metrics.
+producer's choice. Before outbox.observability.metric_labels, 3,000 distinct actions made 60,075
+series and a 12.5 MB /metrics.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import psycopg
 from prometheus_client import REGISTRY
 from psycopg_pool import AsyncConnectionPool
 
-from outbox.metric_labels import MAX_OTHER_ACTIONS, OTHER, UNCONFIGURED, Labels
+from outbox.observability.metric_labels import MAX_OTHER_ACTIONS, OTHER, UNCONFIGURED, Labels
 from outbox.providers.noop import NoopProvider
 from tests.support.dispatch import dispatcher, statuses
 

@@ -14,8 +14,8 @@ import pytest
 from psycopg.rows import dict_row
 
 import outbox
+from outbox.core.model import Status
 from outbox.db import migrations, statements
-from outbox.model import Status
 from tests.support.schema import snapshot
 
 ALL = migrations.load_migrations()

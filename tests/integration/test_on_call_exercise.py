@@ -19,7 +19,7 @@ from typing import Any
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
-from outbox.config import ProviderLimits
+from outbox.config.settings import ProviderLimits
 from outbox.testing.webhook import FakeWebhookReceiver, WebhookFault
 from tests.support.cli import outbox_cli
 from tests.support.dispatch import dispatcher, enqueue_many, key_of, rows, webhook

@@ -14,8 +14,8 @@ import psycopg
 import pytest
 from psycopg_pool import AsyncConnectionPool
 
-from outbox import metrics
-from outbox.config import ProviderLimits
+from outbox.config.settings import ProviderLimits
+from outbox.observability import metrics
 from outbox.testing.webhook import FakeWebhookReceiver, WebhookFault
 from tests.support.dispatch import dispatcher, enqueue_many, make_due, rows, webhook
 

@@ -17,9 +17,11 @@ import pytest
 from psycopg_pool import AsyncConnectionPool
 
 import outbox
-from outbox import gauges, metrics, operators
+from outbox.core.model import Status
+from outbox.daemon import gauges
 from outbox.db.store import Store
-from outbox.model import Status
+from outbox.observability import metrics
+from outbox.oncall import operators
 from outbox.providers.base import Provider
 from outbox.testing.webhook import FakeWebhookReceiver, WebhookFault, WebhookRequest
 from tests.support.cli import outbox_cli

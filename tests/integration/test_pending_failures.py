@@ -13,7 +13,7 @@ import pytest
 from psycopg_pool import AsyncConnectionPool
 
 from outbox.cli import status
-from outbox.config import ProviderLimits
+from outbox.config.settings import ProviderLimits
 from outbox.providers.base import Provider
 from outbox.testing.webhook import FakeWebhookReceiver, WebhookFault
 from tests.support.cli import outbox_cli

@@ -16,7 +16,7 @@ from pathlib import Path
 import psycopg
 
 import outbox
-from outbox.loops import LOOPS
+from outbox.runtime.loops import LOOPS
 from outbox.testing.webhook import FakeWebhookReceiver
 from tests.support.daemon import OutboxProcess, outbox_processes, wait_until, write_config
 from tests.support.dispatch import rows, statuses

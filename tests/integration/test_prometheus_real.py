@@ -21,7 +21,7 @@ import pytest
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
-from outbox import metrics
+from outbox.observability import metrics
 from outbox.testing.webhook import FakeWebhookReceiver, WebhookFault
 from tests.support.cluster import free_port
 from tests.support.daemon import OutboxProcess, wait_until, write_config

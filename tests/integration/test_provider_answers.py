@@ -27,8 +27,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from psycopg_pool import AsyncConnectionPool
 
-from outbox.config import DEFAULT_MAX_RESPONSE_BYTES, ProviderSettings
-from outbox.model import FailureClass
+from outbox.config.settings import DEFAULT_MAX_RESPONSE_BYTES, ProviderSettings
+from outbox.core.model import FailureClass
 from outbox.providers.answers import MAX_REFERENCE_CHARS, READ_PIECE
 from outbox.providers.base import Failed, Found, SendRequest, SendResult, Succeeded
 from outbox.providers.http.webhook import WebhookProvider

@@ -18,11 +18,11 @@ import pytest
 from prometheus_client import REGISTRY
 from psycopg_pool import AsyncConnectionPool
 
-from outbox.config import BREAKER_OPEN_MAX, ProviderLimits
+from outbox.config.settings import BREAKER_OPEN_MAX, ProviderLimits
 from outbox.db.store import Store
 from outbox.dispatch import health as health_module
-from outbox.dispatcher import Dispatcher
-from outbox.provider_limits import ALONE_FOR, Breaker, State, Verdict
+from outbox.dispatch.breaker import ALONE_FOR, Breaker, State, Verdict
+from outbox.dispatch.dispatcher import Dispatcher
 from outbox.providers.base import Provider
 from outbox.testing.webhook import FakeWebhookReceiver, WebhookFault
 from tests.support.cli import outbox_cli

@@ -1,4 +1,4 @@
-"""Per-provider isolation (outbox.provider_limits): circuit breakers, max_in_flight and the shared
+"""Per-provider isolation (outbox.dispatch.limits): circuit breakers, max_in_flight and the shared
 token bucket, against the real fakes on loopback. Every test counts requests at the fake and rows
 in the database afterwards."""
 
@@ -18,9 +18,9 @@ import structlog
 from psycopg_pool import AsyncConnectionPool
 
 import outbox
-from outbox import metrics
-from outbox.config import ProviderLimits, default_burst
+from outbox.config.settings import ProviderLimits, default_burst
 from outbox.db.store import Store
+from outbox.observability import metrics
 from outbox.providers.base import Provider
 from outbox.testing.stripe import FakeStripe, StripeFault
 from outbox.testing.webhook import FakeWebhookReceiver, WebhookFault

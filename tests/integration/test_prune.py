@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import psycopg
 
-from outbox.prune import prune_finished
+from outbox.oncall.prune import prune_finished
 from tests.support.cli import outbox_cli
 from tests.support.dispatch import enqueue_many, rows
 

@@ -18,9 +18,9 @@ import pytest
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
-from outbox import operators
 from outbox.db import connect, statements
 from outbox.db.store import claim_params
+from outbox.oncall import operators
 from tests.support.dispatch import enqueue_many
 
 FINISHED_ROWS = 60_000

@@ -24,7 +24,7 @@ import psycopg
 import pytest
 
 import outbox
-from outbox.config import ProviderSettings
+from outbox.config.settings import ProviderSettings
 from outbox.providers.base import Failed, SendRequest, Succeeded
 from outbox.providers.registry import build_providers
 from tests.support.daemon import wait_until

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from outbox.config import ProviderSettings
+from outbox.config.settings import ProviderSettings
 from outbox.providers.base import (
     Failed,
     Found,
@@ -34,7 +34,7 @@ from outbox.providers.base import (
 )
 from outbox.providers.cloudtasks.config import TASK_ID
 from outbox.providers.cloudtasks.provider import NOT_FOUND_REASON, CloudTasksProvider, build
-from outbox.providers.http.spec import KeyForm, KeySpec
+from outbox.providers.kit import KeyForm, KeySpec
 from tests.support.daemon import wait_until
 from tests.support.dispatch import enqueue_many, rows, statuses
 from tests.support.queues import (

@@ -35,7 +35,7 @@ import pytest
 from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 
 import outbox
-from outbox.config import ProviderSettings
+from outbox.config.settings import ProviderSettings
 from outbox.providers.base import Failed, SendRequest, Succeeded
 from outbox.providers.nats.provider import NatsProvider, build
 from tests.support.daemon import OutboxProcess, wait_until, write_config

@@ -28,8 +28,8 @@ import psycopg
 import pytest
 
 import outbox
-from outbox.config import ProviderSettings
-from outbox.model import FailureClass
+from outbox.config.settings import ProviderSettings
+from outbox.core.model import FailureClass
 from outbox.providers.base import SendRequest, Succeeded
 from outbox.providers.sqs.provider import SqsProvider, build
 from tests.support.daemon import wait_until
@@ -395,7 +395,7 @@ def direct(endpoint: str, url: str, timeout: str = "5s") -> SqsProvider:
 
 
 def outbox_duration(text: str) -> Any:
-    from outbox.durations import parse_duration  # noqa: PLC0415
+    from outbox.core.durations import parse_duration  # noqa: PLC0415
 
     return parse_duration(text)
 

@@ -14,9 +14,9 @@ import pytest
 import structlog
 from psycopg_pool import AsyncConnectionPool
 
-from outbox.config import ProviderLimits
+from outbox.config.settings import ProviderLimits
+from outbox.oncall.reconciler import Reconciler
 from outbox.providers.base import Found, NotFound, Provider
-from outbox.reconciler import Reconciler
 from outbox.testing.stripe import FakeStripe, StripeFault
 from tests.support.cli import outbox_cli
 from tests.support.dispatch import (

@@ -15,9 +15,9 @@ import pytest
 from psycopg_pool import AsyncConnectionPool
 
 import outbox
-from outbox import operators
+from outbox.oncall import operators
+from outbox.oncall.reconciler import Reconciler
 from outbox.providers.stripe.actions import ACTIONS
-from outbox.reconciler import Reconciler
 from outbox.testing.stripe import FakeStripe, StripeFault
 from tests.support.cli import outbox_cli
 from tests.support.dispatch import dispatcher, make_due, rows, stripe_provider

@@ -18,13 +18,13 @@ import pytest
 from psycopg_pool import AsyncConnectionPool
 
 import outbox
-from outbox import operators
-from outbox.config import ProviderLimits
+from outbox.config.settings import ProviderLimits
 from outbox.db.store import Store
-from outbox.provider_limits import LookupPacer, LookupThrottled
+from outbox.dispatch.pauses import LookupPacer, LookupThrottled
+from outbox.oncall import operators
+from outbox.oncall.reconciler import Reconciler
 from outbox.providers.base import Found, Lookup, NotFound, Provider, SendRequest, Succeeded
 from outbox.providers.stripe.lookup import LOOKUP_MAX_PAGES
-from outbox.reconciler import Reconciler
 from outbox.testing.stripe import FakeStripe, StripeFault
 from tests.support.cli import outbox_cli
 from tests.support.dispatch import dispatcher, make_due, rows, stripe_provider

@@ -14,9 +14,9 @@ from psycopg import sql
 from psycopg_pool import ConnectionPool
 
 import outbox
-from outbox import operators
+from outbox.core.model import Status
 from outbox.db import connect, migrations, statements
-from outbox.model import Status
+from outbox.oncall import operators
 from outbox.providers.base import Provider
 from outbox.testing.webhook import FakeWebhookReceiver
 from tests.integration.test_query_plans import CLAIM_PARAMS, explain_nested

@@ -28,12 +28,13 @@ from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
 import outbox
-from outbox import gauges, operators
+from outbox.core.model import Status
+from outbox.daemon import gauges
 from outbox.db import connect, migrations, statements
 from outbox.db.store import Store, TokenTake
-from outbox.model import Status
+from outbox.oncall import operators
+from outbox.oncall.reconciler import Reconciler
 from outbox.providers.base import Provider
-from outbox.reconciler import Reconciler
 from outbox.testing.webhook import FakeWebhookReceiver
 from tests.support.cli import outbox_cli
 from tests.support.daemon import OutboxProcess, wait_until, write_config

@@ -23,8 +23,8 @@ import psycopg
 import pytest
 from psycopg.conninfo import make_conninfo
 
+from outbox.daemon.startup import expected_version
 from outbox.db import migrations
-from outbox.startup import expected_version
 from tests.support.cluster import free_port
 from tests.support.daemon import OutboxProcess, wait_until, write_config
 from tests.support.dispatch import enqueue_many, rows

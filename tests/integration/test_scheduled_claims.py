@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from psycopg_pool import AsyncConnectionPool
 
 from outbox.db.store import Claimed, Store
-from outbox.dispatcher import next_cursor
+from outbox.dispatch.dispatcher import next_cursor
 from outbox.providers.base import Provider
 from outbox.testing.webhook import FakeWebhookReceiver
 from tests.support.daemon import OutboxProcess, wait_until, write_config

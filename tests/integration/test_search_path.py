@@ -24,12 +24,12 @@ import pytest
 from psycopg import sql
 
 import outbox
-from outbox import gauges
 from outbox.cli.common import connect as cli_connect
-from outbox.config import DispatcherSettings, ProviderLimits
+from outbox.config.settings import DispatcherSettings, ProviderLimits
+from outbox.daemon import gauges
 from outbox.db import connect, migrations, statements
 from outbox.db.store import Store
-from outbox.dispatcher import Dispatcher
+from outbox.dispatch.dispatcher import Dispatcher
 from outbox.providers.base import SendRequest, SendResult, Succeeded
 from outbox.providers.noop import NoopProvider
 from tests.integration.test_roles import as_role, cluster_lock, roles_db

@@ -16,7 +16,7 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import outbox
-from outbox.config import load_settings
+from outbox.config.loader import load_settings
 from outbox.providers.registry import build_providers
 from outbox.testing.stripe import FakeStripe, StripeFault
 from outbox.testing.webhook import FakeWebhookReceiver, WebhookFault

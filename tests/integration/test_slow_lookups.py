@@ -22,7 +22,8 @@ import psycopg
 import pytest
 from psycopg_pool import AsyncConnectionPool
 
-from outbox.config import ProviderSettings
+from outbox.config.settings import ProviderSettings
+from outbox.oncall.reconciler import CheckResult, Reconciler
 from outbox.providers.base import (
     Found,
     LookupRequest,
@@ -34,7 +35,6 @@ from outbox.providers.base import (
 from outbox.providers.http.lookup import LookupFailed
 from outbox.providers.http.provider import HttpProvider
 from outbox.providers.registry import build_providers
-from outbox.reconciler import CheckResult, Reconciler
 from tests.support.dispatch import enqueue_many, rows
 from tests.support.lookups import lookup_request
 

@@ -13,8 +13,8 @@ import pytest
 import structlog
 from psycopg_pool import AsyncConnectionPool
 
-from outbox import metrics
-from outbox.config import ProviderLimits
+from outbox.config.settings import ProviderLimits
+from outbox.observability import metrics
 from outbox.providers.base import Provider
 from outbox.testing.stripe import FakeStripe, StripeFault
 from outbox.testing.webhook import FakeWebhookReceiver

@@ -16,8 +16,8 @@ import pytest
 from psycopg_pool import AsyncConnectionPool
 
 import outbox
+from outbox.oncall.reconciler import Reconciler
 from outbox.providers.base import Provider
-from outbox.reconciler import Reconciler
 from outbox.testing.stripe import FakeStripe, StripeFault
 from tests.support.dispatch import dispatcher, make_due, rows, stripe_provider
 

@@ -19,7 +19,7 @@ import pytest
 from prometheus_client import REGISTRY
 from psycopg_pool import AsyncConnectionPool
 
-from outbox.config import ProviderLimits
+from outbox.config.settings import ProviderLimits
 from outbox.providers.base import Provider
 from outbox.testing.stripe import FakeStripe, StripeFault
 from tests.support.dispatch import dispatcher, enqueue_charges, make_due, rows, stripe_provider

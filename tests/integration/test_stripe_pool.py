@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from datetime import timedelta
 
-from outbox.config import ProviderSettings
+from outbox.config.settings import ProviderSettings
 from outbox.providers.base import SendRequest, Succeeded
 from outbox.providers.registry import build_providers
 from outbox.testing.stripe import DEFAULT_API_KEY, FakeStripe, StripeFault

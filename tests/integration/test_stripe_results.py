@@ -11,8 +11,8 @@ import stripe
 from psycopg_pool import AsyncConnectionPool
 
 import outbox
-from outbox.config import ConfigError
-from outbox.model import FailureClass
+from outbox.config.settings import ConfigError
+from outbox.core.model import FailureClass
 from outbox.providers.stripe.provider import REDACTED, classify
 from outbox.testing.stripe import FakeStripe
 from tests.support.dispatch import dispatcher, rows, stripe_provider

@@ -18,10 +18,10 @@ import pytest
 from packaging.requirements import Requirement
 from psycopg_pool import AsyncConnectionPool
 
-from outbox.config import ConfigError
+from outbox.config.settings import ConfigError
+from outbox.oncall.reconciler import Reconciler
 from outbox.providers.base import Lookup
 from outbox.providers.stripe.provider import DEFAULT_STRIPE_VERSION
-from outbox.reconciler import Reconciler
 from outbox.testing.stripe import FakeStripe, StripeFault
 from tests.support.dispatch import dispatcher, enqueue_charges, make_due, rows, stripe_provider
 from tests.support.lookups import lookup_request

@@ -79,8 +79,8 @@ class Hide(importlib.abc.MetaPathFinder):
         if name.split(".")[0] == "opentelemetry":
             raise ModuleNotFoundError(name)
 sys.meta_path.insert(0, Hide())
-import outbox, outbox.dispatcher, outbox.daemon
-from outbox import tracing
+import outbox, outbox.dispatch.dispatcher, outbox.daemon.service
+from outbox.observability import tracing
 assert not tracing.AVAILABLE
 assert tracing.current_traceparent() is None
 with tracing.attempt_span("00-" + "1" * 32 + "-" + "2" * 16 + "-01", {}) as span:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from outbox.config import ProviderSettings
+from outbox.config.settings import ProviderSettings
 from outbox.providers.base import SendRequest, Succeeded
 from outbox.providers.registry import build_providers
 from outbox.providers.shards import connection_cap

@@ -41,7 +41,7 @@ DISPATCH_SQL = "sql/0040_the_dispatcher_writes_through_functions.sql"
 # The dispatcher's parts (outbox/dispatch/): one operation's way, and the recording of outcomes.
 PIPELINE = "outbox/dispatch/pipeline.py"
 RECORDER = "outbox/dispatch/recorder.py"
-POLICY = "outbox/policy.py"
+POLICY = "outbox/core/policy.py"
 ISOLATION_TESTS = "tests/integration/test_provider_isolation.py"
 # The newest definitions of outbox.enqueue and of outbox.check_text.
 ENQUEUE = "sql/0041_derived_keys_hold_a_secret.sql"
@@ -224,7 +224,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "found-state-ignored",
         "every object the reconciler finds makes its operation succeeded, a declined charge too",
-        "outbox/reconciler.py",
+        "outbox/oncall/reconciler.py",
         "finding=FINDINGS[found.verdict]",
         'finding="found"',
         "tests/integration/test_reconcile_findings.py",
@@ -520,7 +520,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "carried-decodes",
         "a provider that sends the stored text has the payload object built all the same: a "
         "payload dense with brackets costs the webhook 0.1 s of the event loop and 6 to 19 MB",
-        "outbox/payloads.py",
+        "outbox/core/payloads.py",
         "        raise InvalidPayload(problem)\n    return Decoded(text)\n",
         "        raise InvalidPayload(problem)\n    return decode(text)\n",
         CARRIED + "test_the_webhook_sends_dense_payloads_at_the_limits_without_building_them",
@@ -530,7 +530,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "verdict-counts-digits-in-strings",
         "a payload with a long run of digits in a string (an account number, a token) is "
         "quarantined as holding a number of 1e100 or more",
-        "outbox/payloads.py",
+        "outbox/core/payloads.py",
         "_LONG_INTEGER.search(_STRING.sub('\"\"', text))",
         "_LONG_INTEGER.search(text)",
         CARRIED + "test_the_verdict_from_the_text_is_decodes_on_every_text_postgresql_writes",
@@ -557,7 +557,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "table-cells-unescaped",
         "a reason or a provider's answer draws fake rows or drives the terminal in the CLI",
-        "outbox/text_tables.py",
+        "outbox/oncall/text_tables.py",
         'return "-" if value is None else printable(str(value))',
         'return "-" if value is None else str(value)',
         "tests/integration/test_audit_truth.py",
@@ -608,7 +608,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "webhook-identity-header-unencoded",
         'a webhook operation of tenant "acme " (a space h11 refuses) is never delivered',
-        "outbox/providers/http/wire.py",
+        "outbox/providers/kit.py",
         'and "%" not in value and value.strip(" ") == value:',
         ":",
         "tests/integration/test_unbuildable_requests.py",
@@ -724,7 +724,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "wait-swallows-cancel",
         "a background loop cancelled at shutdown in the turn its wait ends goes on for ever: "
         "`outbox run` hangs at SIGTERM (asyncio.wait_for on Python 3.11)",
-        "outbox/loops.py",
+        "outbox/runtime/loops.py",
         "        async with asyncio.timeout(seconds):\n            await event.wait()",
         "        await asyncio.wait_for(event.wait(), seconds)",
         "tests/unit/test_loops.py",
@@ -734,7 +734,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "breaker-lone-failure-counts",
         "an operation that fails alone while its neighbours succeed weighs on its provider's "
         "breaker, and a few such operations close the provider to every other",
-        "outbox/provider_limits.py",
+        "outbox/dispatch/breaker.py",
         "        if earlier is None or earlier == self._successes:\n            return True",
         "        if True:\n            return True",
         "tests/unit/test_provider_limits.py",
@@ -763,7 +763,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "tenant-failures-shut-all",
         "one tenant's flood of failing operations opens its provider's breaker for every tenant",
-        "outbox/provider_limits.py",
+        "outbox/dispatch/breaker.py",
         "        if len(sick) == 1 and self._another_tenant_succeeded(next(iter(sick))):",
         "        if False:",
         ISOLATION_TESTS
@@ -896,7 +896,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "retry-no-effect-forces",
         "`retry --no-effect` retries on no finding at all (as --force does): the person's finding "
         "is never recorded",
-        "outbox/operators.py",
+        "outbox/oncall/operators.py",
         "        record_no_effect(conn, operation_id, reason=reason, actor=actor)\n"
         "        return retry(conn, operation_id, reason=reason, actor=actor)\n",
         "        return retry(conn, operation_id, reason=reason, actor=actor, force=True)\n",
@@ -1112,7 +1112,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "startup-reason-unsaid",
         "`outbox run` waits for a database that does not answer without saying why until "
         "database.startup_wait has passed (a closed port was silent for a minute)",
-        "outbox/startup.py",
+        "outbox/daemon/startup.py",
         "                    reason=why,\n",
         "",
         STARTUP_TESTS + "::test_a_closed_port_says_why_at_once_then_waits_and_starts_when_it_opens",
@@ -1121,7 +1121,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "startup-lasting-refusal-waited",
         "a refusal that waiting will not change (no such database or role) is waited out for "
         "database.startup_wait before `outbox run` exits",
-        "outbox/startup.py",
+        "outbox/daemon/startup.py",
         "            if will_not_change(exc):\n",
         "            if False:\n",
         STARTUP_TESTS + "::test_a_refusal_that_waiting_will_not_change_ends_the_run_at_once",

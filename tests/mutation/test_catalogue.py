@@ -16,9 +16,11 @@ def test_every_mutant_still_matches_the_code_once() -> None:
 
 def test_a_stale_catalogue_is_reported_not_passed() -> None:
     stale = Mutant(
-        "stale", "nothing", (Edit("outbox/policy.py", "no such text", ""),), POLICY_TESTS
+        "stale", "nothing", (Edit("outbox/core/policy.py", "no such text", ""),), POLICY_TESTS
     )
-    assert check_catalogue([stale]) == ["stale: outbox/policy.py has its text 0 times, not once"]
+    assert check_catalogue([stale]) == [
+        "stale: outbox/core/policy.py has its text 0 times, not once"
+    ]
 
 
 def test_the_runner_tells_a_killed_mutant_from_a_survivor() -> None:
@@ -26,7 +28,11 @@ def test_the_runner_tells_a_killed_mutant_from_a_survivor() -> None:
     harmless = Mutant(
         "harmless",
         "nothing",
-        (Edit("outbox/policy.py", "# Reasons are stable words", "# Reasons are stable, words"),),
+        (
+            Edit(
+                "outbox/core/policy.py", "# Reasons are stable words", "# Reasons are stable, words"
+            ),
+        ),
         POLICY_TESTS,
     )
     harmful = Mutant(
@@ -34,7 +40,9 @@ def test_the_runner_tells_a_killed_mutant_from_a_survivor() -> None:
         "permanent failures retried",
         (
             Edit(
-                "outbox/policy.py", "    if failure is FailureClass.PERMANENT:\n", "    if False:\n"
+                "outbox/core/policy.py",
+                "    if failure is FailureClass.PERMANENT:\n",
+                "    if False:\n",
             ),
         ),
         POLICY_TESTS,

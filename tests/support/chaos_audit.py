@@ -35,7 +35,7 @@ from typing import Any, Final
 
 import psycopg
 
-from outbox import payloads
+from outbox.core import payloads
 from outbox.testing.stripe import FakeStripe
 from outbox.testing.webhook import Effect, FakeWebhookReceiver
 from tests.support.chaos_producers import Ledger

@@ -14,8 +14,8 @@ from typing import Any, Final
 import psycopg
 
 import outbox
+from outbox.core.model import EnqueueOutcome
 from outbox.errors import SQLSTATE_OPERATION_CONFLICT
-from outbox.model import EnqueueOutcome
 from tests.support.chaos_mayhem import FaultInjector
 from tests.support.chaos_settings import HOOK, STRIPE, Settings, pick, random_source
 from tests.support.chaos_workload import Intent, Workload, plant_poison

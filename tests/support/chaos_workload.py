@@ -38,10 +38,10 @@ from typing import Any, Final
 import psycopg
 
 import outbox
-from outbox import payloads
+from outbox.core import payloads
+from outbox.core.model import EnqueueOutcome, EnqueueResult
 from outbox.db import statements
 from outbox.errors import SQLSTATE_INVALID_OPERATION
-from outbox.model import EnqueueOutcome, EnqueueResult
 from tests.support.chaos_settings import HOOK, LATER, SOON, STRIPE, Settings, random_source
 from tests.support.producers import nested_payload, plant
 

@@ -13,9 +13,9 @@ import psycopg
 from psycopg_pool import AsyncConnectionPool
 
 import outbox
-from outbox.config import DispatcherSettings, ProviderLimits
+from outbox.config.settings import DispatcherSettings, ProviderLimits
 from outbox.db.store import Store
-from outbox.dispatcher import Dispatcher
+from outbox.dispatch.dispatcher import Dispatcher
 from outbox.providers.base import Provider
 
 # Fast settings for tests: time moves in the data, these only bound the waits.
@@ -88,7 +88,7 @@ def webhook(
     name: str, url: str, *, timeout: float = 5.0, key_retention: float = 86400.0, **options: Any
 ) -> Provider:
     """A real webhook provider pointed at a fake receiver."""
-    from outbox.config import ProviderSettings  # noqa: PLC0415 (keeps this helper's imports light)
+    from outbox.config.settings import ProviderSettings  # noqa: PLC0415 (keeps this helper's imports light)
     from outbox.providers.registry import build_providers  # noqa: PLC0415
 
     ps = ProviderSettings(
@@ -127,7 +127,7 @@ def stripe_provider(
     **options: Any,
 ) -> Provider:
     """The real Stripe provider pointed at a fake Stripe, its key read from a variable."""
-    from outbox.config import ProviderSettings  # noqa: PLC0415
+    from outbox.config.settings import ProviderSettings  # noqa: PLC0415
     from outbox.providers.registry import build_providers  # noqa: PLC0415
 
     ps = ProviderSettings(

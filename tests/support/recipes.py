@@ -13,7 +13,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-from outbox.config import settings_from_mapping
+from outbox.config.loader import settings_from_mapping
 from outbox.providers.http.provider import HttpProvider
 from outbox.providers.registry import build_providers
 from outbox.testing.apis import FakeAdyen, FakeCheckoutCom, FakeEffectsService

@@ -13,7 +13,7 @@ from typing import Any
 
 import prometheus_client
 
-from outbox import metrics
+from outbox.observability import metrics
 from tests.support.tools import require_tool
 
 REPO = Path(__file__).resolve().parents[2]
@@ -126,11 +126,12 @@ def test_a_scrape_passes_promtool_check_metrics() -> None:
 
 
 def test_the_exposition_has_no_created_series() -> None:
-    # A fresh interpreter: the switch is process-wide, so only importing outbox.metrics there
-    # shows that the import turns it off (not another test, nor the environment).
+    # A fresh interpreter: the switch is process-wide, so only importing
+    # outbox.observability.metrics there shows that the import turns it off (not another test,
+    # nor the environment).
     script = (
         "import prometheus_client\n"
-        "from outbox import metrics\n"
+        "from outbox.observability import metrics\n"
         "metrics.start_at_zero(['p'])\n"
         "metrics.DISPATCH.labels('p', 'a', 'succeeded').inc()\n"
         "metrics.DISPATCH_DURATION.labels('p', 'a').observe(0.1)\n"

@@ -12,8 +12,8 @@ from typing import Any
 import aiormq.exceptions as amqp_errors
 import pytest
 
-from outbox.config import ConfigError, ProviderSettings
-from outbox.model import FailureClass
+from outbox.config.settings import ConfigError, ProviderSettings
+from outbox.core.model import FailureClass
 from outbox.providers.amqp import faults
 from outbox.providers.amqp.config import Route, amqp_options
 from outbox.providers.amqp.provider import AmqpProvider, _message, build

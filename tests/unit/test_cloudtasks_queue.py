@@ -12,8 +12,8 @@ import pytest
 from google.protobuf import duration_pb2  # type: ignore[import-untyped]
 from google.rpc import error_details_pb2  # type: ignore[import-untyped]
 
-from outbox.config import ConfigError, ProviderSettings
-from outbox.model import FailureClass
+from outbox.config.settings import ConfigError, ProviderSettings
+from outbox.core.model import FailureClass
 from outbox.providers.base import Failed, InvalidRequest, SendRequest
 from outbox.providers.cloudtasks.answers import DEFAULT_THROTTLE, MESSAGE_CHARS, failure
 from outbox.providers.cloudtasks.client import gexc, tasks_v2

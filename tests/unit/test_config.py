@@ -17,12 +17,15 @@ from hypothesis import given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
-from outbox import event_loop, logs, redaction
-from outbox.config import (
+from outbox.config.loader import load_settings, settings_from_mapping
+from outbox.config.options import PROVIDER_OPTIONS
+from outbox.config.reference import COMMAND, reference
+from outbox.config.schema import settings_of
+from outbox.config.secrets import read_secret
+from outbox.config.settings import (
     DEFAULT_KEY_RETENTION,
     DEFAULT_TIMEOUT,
     MAX_CONCURRENCY,
-    PROVIDER_OPTIONS,
     TABLES,
     ConfigError,
     DatabaseSettings,
@@ -31,16 +34,13 @@ from outbox.config import (
     ProviderSettings,
     Settings,
     format_rate,
-    load_settings,
-    read_secret,
-    settings_from_mapping,
 )
-from outbox.config_reference import COMMAND, reference
 from outbox.errors import OutboxError
+from outbox.observability import logs, redaction
 from outbox.providers import registry
 from outbox.providers.http import webhook
 from outbox.providers.stripe import provider as stripe
-from outbox.settings_schema import settings_of
+from outbox.runtime import event_loop
 
 PROPERTY = hypothesis_settings(database=None, deadline=None)
 

@@ -20,9 +20,9 @@ import pytest
 
 from outbox import cli
 from outbox.cli.common import BadInput
-from outbox.config import DEFAULT_SHUTDOWN_GRACE, DatabaseSettings
-from outbox.daemon import EXIT_MISCONFIGURED
-from outbox.durations import parse_duration
+from outbox.config.settings import DEFAULT_SHUTDOWN_GRACE, DatabaseSettings
+from outbox.core.durations import parse_duration
+from outbox.daemon.service import EXIT_MISCONFIGURED
 
 REPO = Path(__file__).resolve().parents[2]
 UNITS = ("outbox.service", "outbox-migrate.service")

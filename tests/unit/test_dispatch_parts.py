@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from outbox.config import ConfigError
+from outbox.config.settings import ConfigError
 from outbox.db.store import Claimed
 from outbox.dispatch.claims import MAX_CLAIMERS, claimers, next_cursor
 from outbox.dispatch.rules import CALL_GUARD_MARGIN, NO_WINDOW, ProviderRules

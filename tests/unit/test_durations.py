@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from outbox.durations import format_duration, parse_duration, to_postgres_interval
+from outbox.core.durations import format_duration, parse_duration, to_postgres_interval
 
 
 @pytest.mark.parametrize(

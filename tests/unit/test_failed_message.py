@@ -8,7 +8,7 @@ from collections.abc import Callable
 from hypothesis import given
 from hypothesis import strategies as st
 
-from outbox.model import FailureClass
+from outbox.core.model import FailureClass
 from outbox.providers.base import MESSAGE_CHARS, Failed, permanent, transient, unknown
 
 MARKER_CHARS = len("… (1,000,000,000 characters cut)")

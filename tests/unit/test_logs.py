@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 import structlog
 
-from outbox import logs
+from outbox.observability import logs
 
 
 @pytest.fixture
@@ -61,7 +61,8 @@ def test_levels_filter() -> None:
 
 def test_a_traceback_keeps_no_row_a_database_error_quoted(lines: io.StringIO) -> None:
     """psycopg's message of a constraint violation ends with the row: every column, payload
-    and provider answer included. A loop that survives it logs the traceback (outbox.loops)."""
+    and provider answer included. A loop that survives it logs the traceback
+    (outbox.runtime.loops)."""
     log = structlog.get_logger("test")
     message = (
         'new row for relation "operations" violates check constraint "x"\n'

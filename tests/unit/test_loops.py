@@ -1,12 +1,12 @@
 """The background loops' own waits end when the loop is cancelled, whatever else happens in the
-same turn (outbox.loops.wait_event)."""
+same turn (outbox.runtime.loops.wait_event)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 
-from outbox import loops
+from outbox.runtime import loops
 
 
 async def _nudged_loop(event: asyncio.Event) -> None:

@@ -4,8 +4,8 @@ from datetime import UTC, datetime
 
 import pytest
 
-from outbox.model import EnqueueOutcome, EnqueueResult, FailureClass, Operation, Status
-from outbox.text_tables import render_table
+from outbox.core.model import EnqueueOutcome, EnqueueResult, FailureClass, Operation, Status
+from outbox.oncall.text_tables import render_table
 
 
 def test_status_parse_accepts_every_status_and_lists_them_on_error() -> None:

@@ -14,8 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from nats.js.api import PubAck
 
-from outbox.config import ConfigError, ProviderSettings
-from outbox.model import FailureClass
+from outbox.config.settings import ConfigError, ProviderSettings
+from outbox.core.model import FailureClass
 from outbox.providers.base import InvalidRequest, Succeeded
 from outbox.providers.nats import faults as nats_faults
 from outbox.providers.nats.config import nats_options, subject_problem

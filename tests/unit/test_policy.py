@@ -10,8 +10,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from outbox.model import FailureClass, Status
-from outbox.policy import (
+from outbox.core.model import FailureClass, Status
+from outbox.core.policy import (
     REASON_EXHAUSTED,
     REASON_INDETERMINATE,
     REASON_INVALID_PAYLOAD,

@@ -6,7 +6,7 @@ from datetime import timedelta
 
 import httpx
 
-from outbox.provider_limits import ALONE_RECENT, Breaker, State, Verdict, verdict
+from outbox.dispatch.breaker import ALONE_RECENT, Breaker, State, Verdict, verdict
 from outbox.providers.base import Failed, transient, unknown
 from outbox.providers.http.provider import _classify
 from outbox.providers.http.webhook import WebhookOptions, WebhookProvider

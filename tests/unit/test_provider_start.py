@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from outbox.config import ConfigError
+from outbox.config.settings import ConfigError
 from outbox.providers.base import Provider
 from outbox.providers.lifecycle import start_all
 from outbox.providers.noop import NoopProvider

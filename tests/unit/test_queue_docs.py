@@ -13,7 +13,7 @@ from typing import Any, Protocol, cast
 
 import pytest
 
-from outbox.config import settings_from_mapping
+from outbox.config.loader import settings_from_mapping
 from outbox.providers.registry import QUEUE_TYPES, build_providers
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "providers.md"

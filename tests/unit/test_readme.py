@@ -16,7 +16,8 @@ import click
 import pytest
 
 from outbox.cli import main
-from outbox.config import ProviderLimits, settings_from_mapping
+from outbox.config.loader import settings_from_mapping
+from outbox.config.settings import ProviderLimits
 from outbox.providers.registry import build_providers, stripe_options, webhook_options
 from tests.support.readme import LOADED, README, RUN, TEXT, Block, blocks, stray_markers
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import structlog
 
-from outbox.config import ConfigError, ProviderSettings
+from outbox.config.settings import ConfigError, ProviderSettings
 from outbox.providers.base import Lookup, Provider
 from outbox.providers.noop import NoopProvider
 from outbox.providers.registry import QUEUE_TYPES, build_providers, may_look_up, stripe_options

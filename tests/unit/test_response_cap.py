@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from outbox.config import DEFAULT_MAX_RESPONSE_BYTES, ConfigError, ProviderSettings
-from outbox.config import settings_from_mapping as load
+from outbox.config.loader import settings_from_mapping as load
+from outbox.config.settings import DEFAULT_MAX_RESPONSE_BYTES, ConfigError, ProviderSettings
 from outbox.providers.answers import MAX_REFERENCE_CHARS, reference
 from outbox.providers.registry import build_providers, stripe_options, webhook_options
 

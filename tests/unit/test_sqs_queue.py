@@ -15,9 +15,9 @@ import aiohttp
 import pytest
 from botocore import exceptions as boto
 
-from outbox.config import ConfigError, ProviderSettings
-from outbox.durations import parse_duration
-from outbox.model import FailureClass
+from outbox.config.settings import ConfigError, ProviderSettings
+from outbox.core.durations import parse_duration
+from outbox.core.model import FailureClass
 from outbox.providers import queue_kit
 from outbox.providers.base import InvalidRequest, SendRequest, Succeeded
 from outbox.providers.registry import build_providers

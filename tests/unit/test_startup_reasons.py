@@ -10,7 +10,7 @@ from __future__ import annotations
 import psycopg
 import pytest
 
-from outbox.startup import failure_reason, will_not_change
+from outbox.daemon.startup import failure_reason, will_not_change
 
 AT = 'connection failed: connection to server at "10.0.0.5", port 5432 failed: '
 

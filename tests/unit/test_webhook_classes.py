@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from outbox.providers.http.wire import MAX_RETRY_AFTER
 from outbox.providers.http.wire import retry_after as _retry_after
+from outbox.providers.kit import MAX_RETRY_AFTER
 
 
 def answer(value: str) -> httpx.Response:

@@ -9,8 +9,8 @@ from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Final
 
-from outbox import payloads
 from outbox.config import ProviderSettings
+from outbox.core import payloads
 from outbox.providers.base import LookupRequest, Provider, SendRequest
 from outbox.testing.conformance import (
     GZIP_BOMB_BYTES,

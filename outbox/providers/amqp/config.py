@@ -13,12 +13,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from outbox.config import ConfigError, ProviderSettings, read_secret
+from outbox.config.schema import file_keys
+from outbox.config.secrets import read_secret
+from outbox.config.settings import ConfigError, ProviderSettings
 from outbox.providers import queue_kit
 from outbox.providers.amqp import options as amqp_settings
-from outbox.providers.http.config import reject_unknown
-from outbox.providers.http.spec import KeyForm, KeySpec
-from outbox.settings_schema import file_keys
+from outbox.providers.kit import KeyForm, KeySpec, reject_unknown
 
 _KEYS: Final = tuple(file_keys(amqp_settings.OPTIONS))
 _ACTION_KEYS: Final = ("exchange", "routing_key", "mandatory", "persistent", "unroutable")

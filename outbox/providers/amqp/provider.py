@@ -28,8 +28,8 @@ import aiormq.exceptions as amqp_errors
 import structlog
 from aio_pika.abc import AbstractChannel, AbstractConnection, DeliveryMode
 
-from outbox import payloads
-from outbox.config import ProviderSettings
+from outbox.config.settings import ProviderSettings
+from outbox.core import payloads
 from outbox.providers import building, queue_kit
 from outbox.providers.amqp import faults
 from outbox.providers.amqp.config import SHORTSTR_BYTES, AmqpOptions, Route, amqp_options

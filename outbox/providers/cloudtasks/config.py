@@ -14,12 +14,11 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Final
 
-from outbox.config import ConfigError, ProviderSettings
+from outbox.config.schema import file_keys
+from outbox.config.settings import ConfigError, ProviderSettings
 from outbox.providers import queue_kit
 from outbox.providers.cloudtasks.options import OPTIONS
-from outbox.providers.http import config as http_config
-from outbox.providers.http.spec import KeyForm, KeySpec
-from outbox.settings_schema import file_keys
+from outbox.providers.kit import SECRET_HEADER, KeyForm, KeySpec, check_header, reject_unknown
 
 # Cloud Tasks keeps a task's name while the task exists and for about an hour after it ran or
 # was deleted (about 9 days for a queue.yaml queue): a repeat inside that answers ALREADY_EXISTS.
@@ -82,7 +81,7 @@ class CloudTasksOptions:
 
 def options(ps: ProviderSettings) -> CloudTasksOptions:
     """The settings of ``ps``, checked; ConfigError names the key of any mistake."""
-    http_config.reject_unknown(ps, tuple(file_keys(OPTIONS)))
+    reject_unknown(ps, tuple(file_keys(OPTIONS)))
     where = f"providers.{ps.name}"
     queue_kit.check_window(ps, TASK_NAME_WINDOW, "Cloud Tasks' task-name window")
     project = queue_kit.required_text(ps.options, "project", where, check=_matches(_PROJECT))
@@ -148,10 +147,10 @@ def _headers(value: object, where: str) -> Mapping[str, str] | None:
         raise ConfigError(f"{where} must be a table of strings", key=where)
     for name, text in value.items():
         at = f"{where}.{name}"
-        http_config.check_header(name, text, at)
+        check_header(name, text, at)
         lowered = name.lower()
-        # The `http` providers' own reading of a secret-looking name: one definition of it.
-        if http_config._SECRET_HEADER.search(name):
+        # The `http` providers' reading of a secret-looking name (the kit's): one definition.
+        if SECRET_HEADER.search(name):
             raise ConfigError(
                 f"{at} looks like a secret, and a task's headers are readable by whoever may "
                 "view the queue's tasks: authenticate the target with oidc_service_account",

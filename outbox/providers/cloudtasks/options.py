@@ -1,14 +1,14 @@
 """The options of `type = "cloudtasks"` (docs/providers.md, "Queues").
 
-Declared as outbox.config declares every key (outbox.settings_schema): outbox.config puts
-``OPTIONS`` into PROVIDER_OPTIONS, so this module stays pure, declarations only, no client
+Declared as outbox.config declares every key (outbox.config.schema): outbox.config.options
+puts ``OPTIONS`` into PROVIDER_OPTIONS, so this module stays pure, declarations only, no client
 library; config.py beside it reads a provider's table by them."""
 
 from __future__ import annotations
 
 from typing import Final
 
-from outbox.settings_schema import Opaque, Setting
+from outbox.config.schema import Opaque, Setting
 
 OPTIONS: Final[tuple[Setting, ...]] = (
     Setting(

@@ -17,8 +17,8 @@ from typing import Any, Final
 
 import structlog
 
-from outbox import payloads
-from outbox.config import ProviderSettings
+from outbox.config.settings import ProviderSettings
+from outbox.core import payloads
 from outbox.providers import queue_kit
 from outbox.providers.base import (
     Found,
@@ -47,7 +47,7 @@ from outbox.providers.cloudtasks.config import (
     Target,
     options,
 )
-from outbox.providers.http.spec import ANY_ACTION
+from outbox.providers.kit import ANY_ACTION
 
 log = structlog.get_logger("outbox.providers.cloudtasks")
 

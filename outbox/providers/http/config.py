@@ -14,29 +14,29 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any, Final
 
-from outbox.config import (
+from outbox.config.schema import Count, Duration, Where, file_keys
+from outbox.config.secrets import read_secret
+from outbox.config.settings import (
     DEFAULT_MAX_RESPONSE_BYTES,
-    PROVIDER_KEYS,
-    PROVIDER_OPTIONS,
     ConfigError,
     ProviderSettings,
-    read_secret,
 )
+from outbox.providers.http.options import OPTIONS
 from outbox.providers.http.provider import HttpOptions
-from outbox.providers.http.spec import (
-    CLASSES,
-    ActionSpec,
+from outbox.providers.http.spec import CLASSES, ActionSpec, LookupSpec, StatusRule, Template
+from outbox.providers.json_pointer import Pointer, PointerError
+from outbox.providers.kit import (
+    FRAMING,
+    HEADER_NAME,
+    SECRET_HEADER,
     KeyForm,
     KeySpec,
-    LookupSpec,
-    StatusRule,
-    Template,
+    check_header,
+    reject_unknown,
 )
-from outbox.providers.json_pointer import Pointer, PointerError
 from outbox.providers.shards import connection_cap
-from outbox.settings_schema import Count, Duration, Where, file_keys
 
-_HTTP_KEYS: Final = tuple(file_keys(PROVIDER_OPTIONS["http"]))
+_HTTP_KEYS: Final = tuple(file_keys(OPTIONS))
 _METHODS: Final = ("GET", "POST", "PUT", "PATCH", "DELETE")
 _KEY_KEYS: Final = ("header", "field", "quoting", "form", "max_length", "characters")
 _ACTION_KEYS: Final = ("method", "path", "body", "reference", "key_retention", "key", "status",
@@ -342,18 +342,6 @@ def _rule(value: object, where: str) -> StatusRule:
 
 # --- what the webhook preset shares ------------------------------------------------------------
 
-# A header field name (RFC 9110 token), and a value without CR, LF, NUL or other controls: a
-# CR/LF in a secret started the daemon fine, then every request failed to be built.
-_HEADER_NAME: Final = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
-_HEADER_VALUE_BAD: Final = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
-_SECRET_HEADER: Final = re.compile(
-    r"auth|cookie|api[-_]?key|access[-_]?key|token|secret|password|signature|credential",
-    re.IGNORECASE,
-)
-# Headers the HTTP client writes from the request itself: one configured would contradict it.
-_FRAMING: Final = frozenset(
-    {"host", "content-length", "transfer-encoding", "connection", "te", "trailer", "upgrade"}
-)
 _LOOPBACK: Final = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
 
 
@@ -368,7 +356,7 @@ def read_headers(
     headers = _string_map(ps.options.get("headers", {}), f"{where}.headers")
     for name, value in headers.items():
         check_header(name, value, f"{where}.headers.{name}")
-        if _SECRET_HEADER.search(name):  # secrets come from the environment or files only
+        if SECRET_HEADER.search(name):  # secrets come from the environment or files only
             raise ConfigError(
                 f"{where}.headers.{name} looks like a secret: move it to "
                 "secret_headers (read from the environment or a file)"
@@ -380,19 +368,6 @@ def read_headers(
     for name, value in values.items():
         check_header(name, value, f"{where}.secret_headers.{name}")
     return headers, values
-
-
-def check_header(name: str, value: str, key: str) -> None:
-    if not _HEADER_NAME.fullmatch(name):
-        raise ConfigError(f"{key}: {name!r} is not an HTTP header name", key=key)
-    if name.lower() in _FRAMING:
-        raise ConfigError(f"{key}: {name} frames the request: the HTTP client writes it", key=key)
-    if _HEADER_VALUE_BAD.search(value) or not value.isascii():  # never quoted: it may be secret
-        raise ConfigError(
-            f"{key}: the value holds a line break, a control character or "
-            "non-ASCII text, which no HTTP header may carry",
-            key=key,
-        )
 
 
 def check_endpoint(
@@ -429,15 +404,6 @@ def max_response_bytes(ps: ProviderSettings) -> int:
             key=f"providers.{ps.name}.max_response_bytes",
         )
     return value
-
-
-def reject_unknown(ps: ProviderSettings, valid: tuple[str, ...]) -> None:
-    for key in ps.options:
-        if key not in valid:
-            allowed = ", ".join((*PROVIDER_KEYS, *valid))
-            raise ConfigError(
-                f"providers.{ps.name}.{key} is not a {ps.type} provider setting; valid: {allowed}"
-            )
 
 
 # --- values ------------------------------------------------------------------------------------
@@ -507,9 +473,9 @@ def _pointer(value: object, where: str) -> Pointer:
 
 
 def _header_name(value: object, where: str) -> str:
-    if not isinstance(value, str) or not _HEADER_NAME.fullmatch(value):
+    if not isinstance(value, str) or not HEADER_NAME.fullmatch(value):
         raise ConfigError(f"{where} must be an HTTP header name", key=where)
-    if value.lower() in _FRAMING or _SECRET_HEADER.search(value):
+    if value.lower() in FRAMING or SECRET_HEADER.search(value):
         raise ConfigError(f"{where}: {value} cannot carry the idempotency key", key=where)
     return value
 

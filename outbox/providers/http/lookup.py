@@ -19,7 +19,7 @@ from typing import Any, Final
 
 import httpx
 
-from outbox.durations import format_duration
+from outbox.core.durations import format_duration
 from outbox.providers.answers import reference
 from outbox.providers.base import Found, LookupRequest, NotFound, Verdict
 from outbox.providers.http import wire as http_wire

@@ -21,9 +21,9 @@ from typing import Any, Final
 
 import httpx
 
-from outbox import payloads
-from outbox.config import DEFAULT_CONCURRENCY, DEFAULT_MAX_RESPONSE_BYTES
-from outbox.model import FailureClass
+from outbox.config.settings import DEFAULT_CONCURRENCY, DEFAULT_MAX_RESPONSE_BYTES
+from outbox.core import payloads
+from outbox.core.model import FailureClass
 from outbox.providers import building
 from outbox.providers.answers import AnswerLimits, AnswerRefused, Tally, reference
 from outbox.providers.base import (
@@ -41,8 +41,9 @@ from outbox.providers.base import (
 )
 from outbox.providers.http import wire as http_wire
 from outbox.providers.http.lookup import Asker, look_up
-from outbox.providers.http.spec import ANY_ACTION, ActionSpec
+from outbox.providers.http.spec import ActionSpec
 from outbox.providers.json_pointer import MISSING
+from outbox.providers.kit import ANY_ACTION
 from outbox.providers.shards import Shards, shard_sizes
 
 _JSON_TYPE: Final = {"Content-Type": "application/json"}

@@ -8,7 +8,6 @@ that starts can build every request its configuration describes.
 from __future__ import annotations
 
 import functools
-import hashlib
 import re
 import urllib.parse
 from collections.abc import Mapping
@@ -18,8 +17,8 @@ from typing import Any, Final
 
 from outbox.providers.base import InvalidRequest
 from outbox.providers.json_pointer import MISSING, Pointer
+from outbox.providers.kit import KeySpec
 
-ANY_ACTION: Final = "*"
 # The longest text a payload field may put into a URL: far past any identifier, far below what
 # a server takes in a request line.
 MAX_PLACEHOLDER_CHARS: Final = 1024
@@ -27,61 +26,6 @@ _PLACEHOLDER: Final = re.compile(r"\{([^{}]*)\}")
 # What a template's literal text may hold: RFC 3986 path and query characters (no "#", no
 # space, no "\\", which some servers read as "/").
 _LITERAL: Final = re.compile(r"[A-Za-z0-9\-._~!$&'()*+,;=:@/?%]*")
-
-
-class KeyForm:
-    """How the stored idempotency key is written on the wire."""
-
-    STORED: Final = "stored"  # as outbox holds it (derived keys are 68 characters)
-    UUID: Final = "uuid"  # an RFC 9562 version 8 UUID of its SHA-256: 36 characters
-    SHA256: Final = "sha256"  # its SHA-256 in hex: 64 characters
-    ALL: Final = (STORED, UUID, SHA256)
-
-
-@dataclass(frozen=True, slots=True)
-class KeySpec:
-    """Where the key travels and what the provider takes. ``header`` or ``field`` (a JSON
-    pointer into the body), never both; ``characters`` is a regular-expression class body."""
-
-    header: str | None = "Idempotency-Key"
-    field: Pointer | None = None
-    quoting: str = "none"  # "none" or "sf-string" (RFC 8941, as the IETF draft wants)
-    form: str = KeyForm.STORED
-    max_length: int = 255
-    characters: str = "!-~"
-
-    def wire(self, stored: str) -> str:
-        """The key as the provider receives it: a pure function of the stored key, so every
-        attempt of a generation carries the same one and each generation its own."""
-        if self.form == KeyForm.STORED:
-            return stored
-        digest = hashlib.sha256(stored.encode()).digest()
-        if self.form == KeyForm.SHA256:
-            return digest.hex()
-        raw = bytearray(digest[:16])
-        raw[6] = (raw[6] & 0x0F) | 0x80  # version 8: custom (RFC 9562 section 5.8)
-        raw[8] = (raw[8] & 0x3F) | 0x80  # the RFC's variant
-        text = raw.hex()
-        return f"{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:]}"
-
-    def problem(self, wire: str) -> str | None:
-        """Why the provider would refuse this key, or None."""
-        if len(wire) > self.max_length:
-            return (
-                f"the idempotency key is {len(wire)} characters; "
-                f"the provider takes at most {self.max_length}"
-            )
-        if not _characters(self.characters).fullmatch(wire):
-            return (
-                "the idempotency key holds characters the provider does not take "
-                f"(it takes [{self.characters}])"
-            )
-        return None
-
-    def header_value(self, wire: str) -> str:
-        if self.quoting == "sf-string":
-            return '"' + wire.replace("\\", "\\\\").replace('"', '\\"') + '"'
-        return wire
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,12 +108,6 @@ def _placeholder(name: str) -> tuple[str, str]:
         f"{{{name}}} is no placeholder: use {{key}}, {{operation_id}} or a JSON pointer into "
         "the payload such as {/order_id}"
     )
-
-
-@functools.lru_cache(maxsize=64)
-def _characters(allowed: str) -> re.Pattern[str]:
-    """The key's pattern, compiled once per configured class (it is checked on every send)."""
-    return re.compile(f"[{allowed}]+")
 
 
 @functools.lru_cache(maxsize=1024)

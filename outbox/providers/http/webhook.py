@@ -31,10 +31,11 @@ from typing import Final
 
 import httpx
 
-from outbox.config import DEFAULT_CONCURRENCY, DEFAULT_MAX_RESPONSE_BYTES
+from outbox.config.settings import DEFAULT_CONCURRENCY, DEFAULT_MAX_RESPONSE_BYTES
 from outbox.providers.http.provider import HttpOptions, HttpProvider
-from outbox.providers.http.spec import ANY_ACTION, ActionSpec, KeySpec, LookupSpec, Template
+from outbox.providers.http.spec import ActionSpec, LookupSpec, Template
 from outbox.providers.json_pointer import Pointer
+from outbox.providers.kit import ANY_ACTION, KeySpec
 
 DEFAULT_REFERENCE_FIELD = "id"
 # The key as the draft sends it, as outbox stores it: 1 to 255 visible ASCII characters.

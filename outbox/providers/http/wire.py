@@ -7,18 +7,16 @@ into a message, since a provider's error body may echo the payload back.
 
 from __future__ import annotations
 
-import email.utils
-import re
 import ssl
-import urllib.parse
 from collections.abc import Mapping
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from typing import Any, Final
 
 import httpx
 
 from outbox.providers.answers import AnswerLimits, BodyTimeout
 from outbox.providers.base import Failed, SendRequest, SendResult, permanent, transient, unknown
+from outbox.providers.kit import header_safe, retry_after_value
 
 # Statuses that say the provider did not act and may be asked again: a request with this key is
 # in progress (409), rate limited (429), timed out waiting for the request itself (408), too early
@@ -27,12 +25,6 @@ TRANSIENT_STATUSES: Final = frozenset({408, 409, 425, 429})
 # The provider refuses our credentials (the secret headers): the provider pauses, as Stripe's
 # does on a 401, and nothing is spent or quarantined (provider_limits, reason "credentials").
 REFUSED_CREDENTIALS: Final = frozenset({401, 403})
-# Longest Retry-After we honour: a misconfigured receiver must not park operations for days.
-MAX_RETRY_AFTER = timedelta(hours=1)
-# What header_safe leaves as it is when it percent-encodes: visible ASCII but "%".
-_HEADER_SAFE: Final = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "%")
-# Retry-After in seconds, in ASCII digits only (str.isdigit also takes "²", which int refuses).
-_SECONDS = re.compile(r"[0-9]+")
 # An idle keep-alive connection is closed after this many seconds (httpx's default, stated): after
 # a burst of a thousand slow calls the thousand sockets to the receiver do not linger, while a
 # steady stream reuses its connections instead of opening (and, over TLS, handshaking) anew.
@@ -77,20 +69,6 @@ def identity_headers(request: SendRequest) -> dict[str, str]:
     if request.correlation_id:
         headers["Outbox-Correlation-Id"] = header_safe(request.correlation_id)
     return headers
-
-
-def header_safe(value: str) -> str:
-    """An identity as a header value. A header carries visible ASCII with spaces only between
-    (RFC 9110), and a tenant id, an action or a correlation id may be any text but control
-    characters (sql/0028). One a header cannot carry as it is (a character past ASCII, a control
-    in a row older than that check, a space at either end), or one that holds a "%", travels
-    percent-encoded as UTF-8 (RFC 3986, the value-chars of RFC 8187 without their charset
-    prefix), spaces as %20: "café" as caf%C3%A9, " acme" as %20acme, "50%" as 50%25. A receiver
-    can always percent-decode a value and get the text back, and no two identities arrive the
-    same."""
-    if value.isascii() and value.isprintable() and "%" not in value and value.strip(" ") == value:
-        return value
-    return urllib.parse.quote(value, safe=_HEADER_SAFE)
 
 
 def default_class(status: int) -> str:
@@ -162,25 +140,3 @@ def request_id(response: httpx.Response) -> str | None:
 
 def retry_after(response: httpx.Response) -> timedelta | None:
     return retry_after_value(response.headers.get("retry-after"))
-
-
-def retry_after_value(value: str | None) -> timedelta | None:
-    """A Retry-After header's delay, at most MAX_RETRY_AFTER; None when absent or unreadable."""
-    if not value:
-        return None
-    if _SECONDS.fullmatch(value.strip()):
-        cap = int(MAX_RETRY_AFTER.total_seconds())
-        # Digits past the cap's own are past the cap: never int() thousands of them (it raises).
-        digits = value.strip().lstrip("0")
-        seconds = cap if len(digits) > len(str(cap)) else min(int(digits or "0"), cap)
-        delay = timedelta(seconds=seconds)
-    else:
-        try:
-            when = email.utils.parsedate_to_datetime(value)
-        except (TypeError, ValueError, OverflowError):
-            return None
-        if when.tzinfo is None:  # "-0000": UTC with no claim about the local zone
-            when = when.replace(tzinfo=UTC)
-        # An HTTP date is relative to our clock, not the database's: the best we have.
-        delay = when - datetime.now(UTC)
-    return max(timedelta(0), min(delay, MAX_RETRY_AFTER))

@@ -16,12 +16,12 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Final
 
-from outbox.config import ConfigError, ProviderSettings, read_secret
+from outbox.config.schema import file_keys
+from outbox.config.secrets import read_secret
+from outbox.config.settings import ConfigError, ProviderSettings
 from outbox.providers import queue_kit
-from outbox.providers.http.config import reject_unknown
-from outbox.providers.http.spec import KeyForm, KeySpec
+from outbox.providers.kit import KeyForm, KeySpec, reject_unknown
 from outbox.providers.nats.options import DEFAULT_SERVERS, OPTIONS
-from outbox.settings_schema import file_keys
 
 # The header JetStream deduplicates by (docs.nats.io, "Message Deduplication"). A NATS header
 # value is a MIME header's: visible ASCII is carried as it is (verified against nats-server

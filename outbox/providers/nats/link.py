@@ -24,7 +24,7 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import RetentionPolicy
 
-from outbox.config import ConfigError, ProviderSettings
+from outbox.config.settings import ConfigError, ProviderSettings
 from outbox.providers import queue_kit
 from outbox.providers.nats import faults as nats_faults
 from outbox.providers.nats.config import NatsOptions

@@ -1,14 +1,14 @@
 """The options of `type = "nats"` (docs/providers.md, "Queues": NATS JetStream).
 
-Declared as outbox.config declares every key (outbox.settings_schema): outbox.config puts
-``OPTIONS`` into PROVIDER_OPTIONS, so this module stays pure, declarations only, no client
+Declared as outbox.config declares every key (outbox.config.schema): outbox.config.options
+puts ``OPTIONS`` into PROVIDER_OPTIONS, so this module stays pure, declarations only, no client
 library; config.py beside it reads a provider's table by them."""
 
 from __future__ import annotations
 
 from typing import Final
 
-from outbox.settings_schema import Boolean, Choice, FileName, Opaque, Setting
+from outbox.config.schema import Boolean, Choice, FileName, Opaque, Setting
 
 # The NATS server's own default address: a broker on this host, as `nats-server -js` starts it.
 DEFAULT_SERVERS: Final = ("nats://127.0.0.1:4222",)

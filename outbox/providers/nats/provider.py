@@ -28,8 +28,8 @@ import nats.errors
 import nats.js.errors
 import structlog
 
-from outbox import payloads
-from outbox.config import ConfigError, ProviderSettings
+from outbox.config.settings import ConfigError, ProviderSettings
+from outbox.core import payloads
 from outbox.providers import building, queue_kit
 from outbox.providers.base import (
     Failed,

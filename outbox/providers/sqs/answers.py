@@ -18,7 +18,7 @@ from typing import Any, Final
 from botocore import exceptions as boto
 
 from outbox.providers.base import Failed, Succeeded, permanent, transient, unknown
-from outbox.providers.http.wire import retry_after_value
+from outbox.providers.kit import retry_after_value
 
 # The queue is not there (or not ours to see): every attempt would answer the same.
 NO_QUEUE: Final = frozenset({"AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist"})

@@ -14,16 +14,15 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Final
 
-from outbox.config import PROVIDER_OPTIONS, ConfigError, ProviderSettings
+from outbox.config.schema import file_keys
+from outbox.config.settings import ConfigError, ProviderSettings
 from outbox.providers import queue_kit
 from outbox.providers.base import InvalidRequest, SendRequest
-from outbox.providers.http import config as http_config
-from outbox.providers.http.spec import KeyForm, KeySpec
 from outbox.providers.json_pointer import MISSING, Pointer, PointerError
-from outbox.providers.sqs.options import MAX_MESSAGE_BYTES
-from outbox.settings_schema import file_keys
+from outbox.providers.kit import KeyForm, KeySpec, reject_unknown
+from outbox.providers.sqs.options import MAX_MESSAGE_BYTES, OPTIONS
 
-SQS_KEYS: Final = tuple(file_keys(PROVIDER_OPTIONS["sqs"]))
+SQS_KEYS: Final = tuple(file_keys(OPTIONS))
 ACTION_KEYS: Final = ("queue_url", "message_group", "delay_seconds")
 # A FIFO queue forgets a MessageDeduplicationId 5 minutes after the send that carried it (the SQS
 # Developer Guide, "Exactly-once processing"); nothing reads or changes that interval.
@@ -115,7 +114,7 @@ def read_options(
     """The checked options of ``ps``; ConfigError names the key of any mistake. ``environ`` is
     not read: the AWS chain reads the process's own environment when the client opens."""
     del environ
-    http_config.reject_unknown(ps, SQS_KEYS)
+    reject_unknown(ps, SQS_KEYS)
     where = f"providers.{ps.name}"
     options = ps.options
     region = queue_kit.required_text(options, "region", where, check=_region_problem)

@@ -1,7 +1,7 @@
 """The options of `type = "sqs"` (docs/providers.md, "Queues").
 
-Declared as outbox.config declares every key (outbox.settings_schema): outbox.config puts
-``OPTIONS`` into PROVIDER_OPTIONS, so this module stays pure, declarations only, no client
+Declared as outbox.config declares every key (outbox.config.schema): outbox.config.options
+puts ``OPTIONS`` into PROVIDER_OPTIONS, so this module stays pure, declarations only, no client
 library; config.py beside it reads a provider's table by them.
 
 No credential is an option: the provider takes them from the standard AWS chain (the
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from outbox.settings_schema import Boolean, Choice, Count, Opaque, Setting
+from outbox.config.schema import Boolean, Choice, Count, Opaque, Setting
 
 # SQS's largest message since January 2026 (body and every attribute's name, type and value):
 # a queue's own MaximumMessageSize may be lower, and the provider reads it at start.

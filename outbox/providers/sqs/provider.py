@@ -24,11 +24,11 @@ from aiobotocore.config import AioConfig
 from aiobotocore.session import AioSession
 from botocore import exceptions as boto
 
-from outbox import payloads
-from outbox.config import ConfigError, ProviderSettings
+from outbox.config.settings import ConfigError, ProviderSettings
+from outbox.core import payloads
 from outbox.providers import building, queue_kit
 from outbox.providers.base import InvalidRequest, SendRequest, SendResult
-from outbox.providers.http.spec import ANY_ACTION
+from outbox.providers.kit import ANY_ACTION
 from outbox.providers.sqs import answers as sqs_answers
 from outbox.providers.sqs.config import SqsOptions, Target, read_options
 

@@ -32,8 +32,8 @@ from typing import Any, Final
 import httpx
 import stripe
 
-from outbox import payloads
-from outbox.config import DEFAULT_CONCURRENCY, DEFAULT_MAX_RESPONSE_BYTES
+from outbox.config.settings import DEFAULT_CONCURRENCY, DEFAULT_MAX_RESPONSE_BYTES
+from outbox.core import payloads
 from outbox.providers import building
 from outbox.providers.answers import (
     MAX_BYTES_EXTENSION,
@@ -56,7 +56,7 @@ from outbox.providers.base import (
     transient,
     unknown,
 )
-from outbox.providers.http import wire as http_wire
+from outbox.providers.kit import retry_after_value
 from outbox.providers.shards import Shards, shard_sizes
 from outbox.providers.stripe import states as stripe_states
 from outbox.providers.stripe.actions import ACTIONS, TARGET
@@ -180,7 +180,8 @@ class StripeProvider:
 
     @property
     def actions(self) -> frozenset[str]:
-        """Every action it can do: each keeps its own metric label (outbox.metric_labels)."""
+        """Every action it can do: each keeps its own metric label
+        (outbox.observability.metric_labels)."""
         return frozenset(ACTIONS)
 
     @property
@@ -561,7 +562,7 @@ def classify(exc: stripe.StripeError) -> Failed:  # noqa: PLR0911 (a decision ta
             message,
             request_only=True,
             spends_attempt=False,
-            retry_after=http_wire.retry_after_value(headers.get("retry-after")),
+            retry_after=retry_after_value(headers.get("retry-after")),
             **details,
         )
     if status == 500:

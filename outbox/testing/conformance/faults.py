@@ -13,7 +13,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Final
 
-from outbox.model import FailureClass
+from outbox.core.model import FailureClass
 from outbox.providers.base import Failed, Succeeded
 from outbox.testing.conformance.calls import Called, Wire, describe, fresh_provider, new_key, send
 from outbox.testing.conformance.harness import RETRY_AFTER_SECONDS, Fault, Harness, Unsupported

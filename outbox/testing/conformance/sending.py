@@ -9,7 +9,7 @@ from collections.abc import Iterator, Mapping
 from decimal import Decimal
 from typing import Any, Final
 
-from outbox import payloads
+from outbox.core import payloads
 from outbox.providers.base import Failed, InvalidRequest, Provider, SendRequest, Succeeded
 from outbox.testing.conformance.calls import Wire, describe, fresh_provider, new_key, send
 from outbox.testing.conformance.harness import Fault, Harness

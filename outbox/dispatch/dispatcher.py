@@ -18,23 +18,25 @@ from collections.abc import Mapping
 from datetime import datetime, timedelta
 from typing import Final
 
-from outbox import loops, metrics
-from outbox.config import DispatcherSettings, ProviderLimits
+from outbox.config.settings import DispatcherSettings, ProviderLimits
 from outbox.db import statements
 from outbox.db.store import Claimed, Store
 from outbox.dispatch.claims import ClaimScheduler, next_cursor
 from outbox.dispatch.flight import InFlight, Phase
 from outbox.dispatch.health import HealthKeeper
 from outbox.dispatch.leases import LeaseKeeper
+from outbox.dispatch.limits import Limits
 from outbox.dispatch.maintenance import Maintenance
 from outbox.dispatch.meters import Meters
+from outbox.dispatch.pauses import ActionPauses
 from outbox.dispatch.pipeline import UNKNOWN_PROVIDER_GRACE, Pipeline
 from outbox.dispatch.recorder import Recorder
 from outbox.dispatch.rules import ProviderRules
 from outbox.dispatch.shared import Shared
-from outbox.metric_labels import Labels
-from outbox.provider_limits import ActionPauses, Limits
+from outbox.observability import metrics
+from outbox.observability.metric_labels import Labels
 from outbox.providers.base import Provider
+from outbox.runtime import loops
 
 __all__ = ["UNKNOWN_PROVIDER_GRACE", "Dispatcher", "InFlight", "Phase", "next_cursor"]
 
@@ -117,7 +119,7 @@ class Dispatcher:
 
     @listening.setter
     def listening(self, value: bool) -> None:
-        """Set by the LISTEN connection while it listens (outbox.daemon)."""
+        """Set by the LISTEN connection while it listens (outbox.daemon.service)."""
         self.claims.listening = value
 
     @property

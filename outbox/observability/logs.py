@@ -10,8 +10,8 @@ from typing import Any, Final, TextIO
 
 import structlog
 
-from outbox import redaction
-from outbox.safe_text import printable
+from outbox.core.safe_text import printable
+from outbox.observability import redaction
 
 # Keys whose values are never logged, wherever they appear in an event.
 _SECRET_KEYS: Final = frozenset(
@@ -38,7 +38,8 @@ def redact_secrets(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableM
 
 
 def scrub_text(text: str) -> str:
-    """``text`` with connection-string passwords and API keys masked (outbox.redaction)."""
+    """``text`` with connection-string passwords and API keys masked
+    (outbox.observability.redaction)."""
     return redaction.scrub(text, marker=REDACTED)
 
 

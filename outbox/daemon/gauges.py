@@ -11,10 +11,11 @@ import structlog
 from psycopg.rows import dict_row, tuple_row
 from psycopg_pool import AsyncConnectionPool
 
-from outbox import loops, metrics
+from outbox.core.model import Status
 from outbox.db import statements
-from outbox.metric_labels import UNCONFIGURED
-from outbox.model import Status
+from outbox.observability import metrics
+from outbox.observability.metric_labels import UNCONFIGURED
+from outbox.runtime import loops
 
 # Counting succeeded rows reads them all; beyond this many rows the planner's estimate serves.
 EXACT_COUNT_LIMIT: Final = 100_000

@@ -23,14 +23,16 @@ import structlog
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
-from outbox import loops, metrics, payloads
-from outbox.config import ProviderLimits
+from outbox.config.settings import ProviderLimits
+from outbox.core import payloads
 from outbox.db import statements
 from outbox.db.connect import connection_options, pin_search_path_async
 from outbox.db.store import Store
+from outbox.dispatch.pauses import LookupPacer
 from outbox.errors import SQLSTATE_OPERATOR_REFUSED
-from outbox.provider_limits import LookupPacer
+from outbox.observability import metrics
 from outbox.providers.base import Lookup, LookupRequest, NotFound, Provider, Verdict, asks
+from outbox.runtime import loops
 
 ACTOR: Final = "outbox-reconciler"
 # A check rereads an operation at most this often: not-found is the usual answer, and each look

@@ -6,7 +6,7 @@ setting has a :class:`Kind` (how a value is read from the file or the environmen
 in Python is checked, and what a wrong one is told), a default, one line of documentation (what
 it does and why the default), and whether the environment may set it. From those declarations
 come the valid keys of each table, the loader's parsing, the checks of settings built in Python,
-the error messages, the reprs and docs/config-reference.md (outbox.config_reference).
+the error messages, the reprs and docs/config-reference.md (outbox.config.reference).
 
 Pure: imports nothing from the database or provider layers.
 """
@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, ClassVar, Final, Generic, TypeVar
 
-from outbox import redaction
-from outbox.durations import format_duration, parse_duration
+from outbox.core.durations import format_duration, parse_duration
 from outbox.errors import OutboxError
+from outbox.observability import redaction
 
 T = TypeVar("T")
 

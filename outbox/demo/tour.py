@@ -24,15 +24,17 @@ import psycopg
 from psycopg_pool import AsyncConnectionPool
 
 import outbox
-from outbox import daemon, demo_queue, operators
-from outbox.config import DispatcherSettings, ProviderSettings
+from outbox.config.settings import DispatcherSettings, ProviderSettings
+from outbox.daemon import service as daemon
 from outbox.db import migrations, statements
 from outbox.db.store import Store
-from outbox.dispatcher import Dispatcher
+from outbox.demo import jetstream as demo_queue
+from outbox.dispatch.dispatcher import Dispatcher
+from outbox.oncall import operators
+from outbox.oncall.reconciler import Reconciler
+from outbox.oncall.text_tables import render_table
 from outbox.providers.registry import build_providers
-from outbox.reconciler import Reconciler
 from outbox.testing import FakeStripe, FakeWebhookReceiver, StripeFault, WebhookFault
-from outbox.text_tables import render_table
 
 DEMO_STRIPE_KEY: Final = "sk_test_outbox_demo"
 DEMO_PREFIX: Final = "outbox-demo-"  # the embedded database's directory; `--stop` wants it
@@ -124,7 +126,7 @@ def plan() -> list[Planned]:
 
 async def run(dsn: str | None, *, keep: bool, say: Say, queue: str | None = None) -> int:
     """The demo; returns the exit code. ``queue``: a NATS server's URL, to show the outbox in
-    front of a real JetStream too (outbox.demo_queue)."""
+    front of a real JetStream too (outbox.demo.jetstream)."""
     with contextlib.ExitStack() as stack:
         kept: str | None = None
         if dsn is None:

@@ -23,15 +23,16 @@ import psycopg
 from psycopg_pool import AsyncConnectionPool
 
 import outbox
-from outbox import daemon, redaction
-from outbox.config import DispatcherSettings, ProviderSettings
+from outbox.config.settings import DispatcherSettings, ProviderSettings
+from outbox.daemon import service as daemon
 from outbox.db import statements
 from outbox.db.store import Store
-from outbox.dispatcher import Dispatcher
+from outbox.dispatch.dispatcher import Dispatcher
+from outbox.observability import redaction
+from outbox.oncall.text_tables import render_table
 from outbox.providers.base import Provider, SendRequest, Succeeded
 from outbox.providers.lifecycle import start_all
 from outbox.providers.registry import build_providers
-from outbox.text_tables import render_table
 
 Say = Callable[[str], None]
 

@@ -15,7 +15,8 @@ from typing import Any, Final, NoReturn
 
 import structlog
 
-from outbox import failpoints, metrics
+from outbox.observability import metrics
+from outbox.runtime import failpoints
 
 # A round that raised is tried again after this long: soon enough that a passing fault costs
 # little, slow enough that a fault that repeats is not a busy loop filling the log.

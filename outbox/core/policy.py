@@ -10,7 +10,7 @@ import random
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from outbox.model import FailureClass, Status
+from outbox.core.model import FailureClass, Status
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +70,7 @@ REASON_KEY_WINDOW = "key_window_passed"
 # An unknown outcome outbox stops retrying: one the provider will only repeat for this key, or
 # the budget used up while an attempt that may have reached the provider stays unknown.
 REASON_INDETERMINATE = "indeterminate_provider_error"
-# The stored payload cannot be carried to the provider (outbox.payloads); nothing was sent.
+# The stored payload cannot be carried to the provider (outbox.core.payloads); nothing was sent.
 REASON_INVALID_PAYLOAD = "invalid_payload"
 # outbox itself failed before sending (a bug): quarantined rather than left to be rescued as an
 # attempt that may have reached the provider.

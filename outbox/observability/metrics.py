@@ -152,7 +152,7 @@ NEARING_KEY_EXPIRY: Final = Gauge(
 BUILD_INFO: Final = Info("outbox_build", "The running outbox version.")
 
 
-# The label values outbox itself writes (outbox.policy's reasons, the reconciler's findings,
+# The label values outbox itself writes (outbox.core.policy's reasons, the reconciler's findings,
 # the breaker's states, the loops that count database errors), for start_at_zero.
 QUARANTINE_REASONS: Final = (
     "permanent_failure",

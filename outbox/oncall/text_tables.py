@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from outbox.safe_text import printable
+from outbox.core.safe_text import printable
 
 
 def render_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -28,5 +28,5 @@ def render_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> st
 
 
 def _cell(value: object) -> str:
-    # A cell is one line of plain text, whatever it holds (outbox.safe_text).
+    # A cell is one line of plain text, whatever it holds (outbox.core.safe_text).
     return "-" if value is None else printable(str(value))

@@ -20,16 +20,18 @@ import structlog
 from psycopg.conninfo import conninfo_to_dict
 
 import outbox
-from outbox import gauges, loops, metrics, sdnotify, startup, wakeup
-from outbox.config import DEFAULT_LISTEN_URL_ENV, Settings
+from outbox.config.settings import DEFAULT_LISTEN_URL_ENV, Settings
+from outbox.core.durations import format_duration
+from outbox.daemon import gauges, sdnotify, startup, wakeup
 from outbox.db.connect import dispatcher_pool, shares_server_sessions
 from outbox.db.probe import DatabaseProbe
 from outbox.db.store import Store
-from outbox.dispatcher import UNKNOWN_PROVIDER_GRACE, Dispatcher
-from outbox.durations import format_duration
+from outbox.dispatch.dispatcher import UNKNOWN_PROVIDER_GRACE, Dispatcher
+from outbox.observability import metrics
+from outbox.oncall.reconciler import Reconciler
 from outbox.providers import lifecycle
 from outbox.providers.base import Provider
-from outbox.reconciler import Reconciler
+from outbox.runtime import loops
 
 # Enough connections for claims, heartbeats, rescues and bursts of records; more would only
 # queue inside PostgreSQL. Each replica holds at most this many plus one for LISTEN.
@@ -182,7 +184,7 @@ async def _preflight(
     of the pool-mode check (None: postponed)."""
     database = settings.database
     # First: a database that never answers, or a schema that is not this outbox's, ends the
-    # run now with the fix, not an error loop (outbox/startup.py). Then a provider whose live
+    # run now with the fix, not an error loop (outbox/daemon/startup.py). Then a provider whose live
     # system contradicts its settings (outbox/providers/lifecycle.py).
     problem = await startup.check_database(dsn, database.startup_wait)
     problem = problem or await lifecycle.start_all(providers)

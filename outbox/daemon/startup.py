@@ -22,11 +22,11 @@ from typing import Final
 import psycopg
 import structlog
 
+from outbox.core.durations import format_duration
 from outbox.db import dsn as dsn_util
 from outbox.db import statements
 from outbox.db.connect import connection_options
 from outbox.db.migrations import load_migrations
-from outbox.durations import format_duration
 
 # Between two tries while the database does not answer.
 RETRY_EVERY: Final = 1.0

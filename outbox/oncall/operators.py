@@ -11,11 +11,11 @@ from typing import Any, Final, LiteralString
 import psycopg
 from psycopg.rows import dict_row
 
+from outbox.core.durations import format_duration
+from outbox.core.model import Status
+from outbox.core.safe_text import printable
 from outbox.db import statements
-from outbox.durations import format_duration
 from outbox.errors import SQLSTATE_NO_DATA_FOUND, SQLSTATE_OPERATOR_REFUSED, OutboxError
-from outbox.model import Status
-from outbox.safe_text import printable
 
 # One bulk action takes at most this many: a bigger backlog is worked through in several runs of
 # the same command (each run takes the oldest), so no run holds an unbounded list.

@@ -1,6 +1,6 @@
 """docs/config-reference.md, written from the declarations in outbox.config.
 
-    python -m outbox.config_reference > docs/config-reference.md
+    python -m outbox.config.reference > docs/config-reference.md
 
 A unit test fails while the file differs from :func:`reference`.
 """
@@ -11,21 +11,17 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import Final
 
-from outbox.config import (
-    PROVIDER_OPTIONS,
-    TABLES,
-    ProviderSettings,
-    Settings,
-)
-from outbox.settings_schema import REQUIRED, Secret, Setting, settings_of
+from outbox.config.options import PROVIDER_OPTIONS
+from outbox.config.schema import REQUIRED, Secret, Setting, settings_of
+from outbox.config.settings import TABLES, ProviderSettings, Settings
 
-COMMAND: Final = "python -m outbox.config_reference > docs/config-reference.md"
+COMMAND: Final = "python -m outbox.config.reference > docs/config-reference.md"
 
 _HEADER: Final = f"""\
 # Configuration reference
 
-<!-- Generated from the declarations in outbox/config.py: do not edit by hand. After changing
-a key there, run `{COMMAND}`. -->
+<!-- Generated from the declarations in outbox/config/: do not edit by hand. After changing a
+key there, run `{COMMAND}`. -->
 
 `outbox run --config outbox.toml` reads a TOML file: an optional top-level `log_level`, a
 `[dispatcher]` table, an optional `[database]` table and one `[providers.<name>]` table per

@@ -20,7 +20,7 @@ are (``{env = ...}``, ``{file = ...}``, ``*_env``, ``*_file``); providers read t
 ProviderSettings or Settings whose metadata is ``setting(kind, doc)``, or an entry of
 PROVIDER_OPTIONS for the options a provider type reads. The valid keys, the parsing, the checks
 of settings built in Python, the error messages, the reprs and docs/config-reference.md all come
-from those declarations (outbox.settings_schema). Rules between keys (``backoff_base`` at most
+from those declarations (outbox.config.schema). Rules between keys (``backoff_base`` at most
 ``backoff_max``...) are the ``__post_init__`` code below them.
 
 Pure: imports nothing from the database or provider layers.
@@ -30,50 +30,36 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Final
 
-import structlog
-
-from outbox import redaction
-from outbox.durations import format_duration
-from outbox.event_loop import EVENT_LOOPS, uvloop_available
-from outbox.providers.amqp import options as amqp_options
-from outbox.providers.cloudtasks import options as cloudtasks_options
-from outbox.providers.nats import options as nats_options
-from outbox.providers.sqs import options as sqs_options
-from outbox.settings_schema import (
+from outbox.config.schema import (
     Boolean,
     Choice,
     ConfigError,
     Count,
     Duration,
-    Kind,
-    Opaque,
     ProviderType,
     Rate,
     Secret,
-    Setting,
     Share,
     Where,
     check_fields,
     default_of,
-    file_keys,
     format_rate,
     setting,
     settings_of,
-    show,
     shown_fields,
 )
+from outbox.core.durations import format_duration
+from outbox.observability import redaction
+from outbox.runtime.event_loop import EVENT_LOOPS, uvloop_available
 
-# What other modules import, ConfigError and format_rate among it (from outbox.settings_schema).
+# What other modules import, ConfigError and format_rate among it (from outbox.config.schema).
 __all__ = [
     "BREAKER_OPEN_MAX",
     "DEFAULT_CONCURRENCY",
@@ -89,7 +75,6 @@ __all__ = [
     "POOL_MODES",
     "PROVIDER_KEYS",
     "PROVIDER_NAME",
-    "PROVIDER_OPTIONS",
     "REDACTED",
     "TABLES",
     "ConfigError",
@@ -100,9 +85,6 @@ __all__ = [
     "Settings",
     "default_burst",
     "format_rate",
-    "load_settings",
-    "read_secret",
-    "settings_from_mapping",
 ]
 
 # --- Bounds and names that are no key's default ----------------------------------------------
@@ -124,9 +106,6 @@ PROVIDER_NAME: Final = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
 DEFAULT_LISTEN_URL_ENV: Final = "OUTBOX_LISTEN_DATABASE_URL"
 # What repr() shows instead of anything that might be a secret.
 REDACTED: Final = redaction.REDACTED
-
-_ENV: Final = "OUTBOX_"
-_ENV_PROVIDERS: Final = "OUTBOX_PROVIDERS__"
 
 
 def _uvloop_missing(loop: str) -> str | None:
@@ -527,176 +506,6 @@ class ProviderSettings:
         return f"ProviderSettings(name={self.name!r}, {shown_fields(self)}, options={options!r})"
 
 
-# The options of both HTTP providers.
-_ALLOW_INSECURE: Final = Setting(
-    "allow_insecure",
-    Boolean(),
-    "Send secrets (secret headers, the API key) over http:// to a host other than loopback, "
-    "which is refused otherwise.",
-    default=False,
-)
-_MAX_RESPONSE_BYTES: Final = Setting(
-    "max_response_bytes",
-    Count(unit="bytes"),
-    "The most of one answer read, counted as decoded, so a compressed answer cannot expand past "
-    "it: an answer is held in memory whole while its reference is read, and 1 MiB is hundreds "
-    "of times a webhook's or a Stripe object's answer, yet the 64 calls in flight of the "
-    "default concurrency hold at most 64 MiB of answers. A longer answer is *unknown*.",
-    default=1 << 20,
-)
-
-_HEADERS: Final = Setting(
-    "headers",
-    Opaque("table of strings"),
-    "Headers sent with every request, in plain sight: a secret-looking one "
-    "(Authorization, *token*, Cookie...) is refused here.",
-    default=None,
-    default_doc="none",
-    env=False,
-)
-_SECRET_HEADERS: Final = Setting(
-    "secret_headers",
-    Opaque('table of `{env = "VAR"}` or `{file = "/path"}`'),
-    "Headers whose values are secrets, read from the environment or a file (under "
-    "systemd, relative to $CREDENTIALS_DIRECTORY) and never logged.",
-    default=None,
-    default_doc="none",
-    env=False,
-)
-
-# The options each built-in provider type reads (besides the keys of ProviderSettings), which
-# its factory (outbox.providers.registry) checks and reads; a plug-in's type takes any options.
-# On loading, only the values that are not text are read (so that the environment's text reads
-# as the file would give it); the rest stay as written.
-PROVIDER_OPTIONS: Final[Mapping[str, tuple[Setting, ...]]] = MappingProxyType(
-    {
-        "webhook": (
-            Setting(
-                "url",
-                Opaque("`http://` or `https://` URL, no credentials"),
-                "Where each operation is POSTed.",
-            ),
-            _HEADERS,
-            _SECRET_HEADERS,
-            Setting(
-                "reference_field",
-                Opaque("text"),
-                "The JSON field of a 2xx answer that identifies the effect (the operation's "
-                "provider_ref); without it, the idempotency key.",
-                default="id",
-            ),
-            _ALLOW_INSECURE,
-            _MAX_RESPONSE_BYTES,
-            Setting(
-                "lookup",
-                Opaque('table (docs/providers.md, "Lookups")'),
-                "How reconciliation asks the receiver whether an in-doubt operation's effect "
-                "exists (a path below the URL's origin, such as `/effects?key={key}`): without "
-                "one, a person decides.",
-                default=None,
-                default_doc="none",
-                env=False,
-            ),
-        ),
-        "http": (
-            Setting(
-                "base_url",
-                Opaque("`http://` or `https://` URL, no credentials, no query"),
-                "The API's scheme, host and optional path prefix; each action's path is below "
-                "it, and no payload value can change the host.",
-            ),
-            _HEADERS,
-            _SECRET_HEADERS,
-            Setting(
-                "key",
-                Opaque('table (docs/providers.md, "Keys")'),
-                "Where the idempotency key travels (a header, quoted or not, or a body field), "
-                "in which form, and the length and characters the provider takes; each action "
-                "may change it.",
-                default=None,
-                default_doc="the `Idempotency-Key` header, unquoted, as stored",
-                env=False,
-            ),
-            Setting(
-                "actions",
-                Opaque('table of actions (docs/providers.md, "Actions")'),
-                "Per action: method, path template, body, reference, key_retention, key, "
-                'status overrides and lookup. `"*"` takes any other action.',
-                env=False,
-            ),
-            Setting(
-                "outbox_headers",
-                Boolean(),
-                "Send the Outbox-Operation-Id, -Action, -Attempt, -Tenant-Id and "
-                "-Correlation-Id headers, as the webhook type does (a third party learns the "
-                "tenant ids from them).",
-                default=False,
-            ),
-            _ALLOW_INSECURE,
-            _MAX_RESPONSE_BYTES,
-        ),
-        "stripe": (
-            Setting(
-                "api_key",
-                Secret(
-                    "the API key",
-                    carries="the key itself",
-                    kind_of_value="an API key",
-                    example_env="STRIPE_API_KEY",
-                ),
-                "The secret or restricted key; under systemd, LoadCredential=<provider name>:... "
-                "needs neither key.",
-                default_doc="the file `<provider name>` in `$CREDENTIALS_DIRECTORY`",
-            ),
-            Setting(
-                "api_base",
-                Opaque("`http://` or `https://` URL"),
-                "Stripe's API, or a test double of it.",
-                default="https://api.stripe.com",
-            ),
-            Setting(
-                "stripe_account",
-                Opaque("text (`acct_...`)"),
-                "The Connect account every operation of the provider acts for (Stripe-Account).",
-                default=None,
-                default_doc="none: the platform's own",
-            ),
-            _ALLOW_INSECURE,
-            _MAX_RESPONSE_BYTES,
-            Setting(
-                "redact_fields",
-                Opaque("array of field names"),
-                "Fields never kept in an operation's result, at any depth: client_secret "
-                "confirms a payment from any browser.",
-                default=("client_secret",),
-                env=False,
-            ),
-            Setting(
-                "stripe_version",
-                Opaque("Stripe API version, a date and a name"),
-                "The API version requests are sent in (Stripe-Version): the one stripe-python "
-                "16.1 was built for, never the SDK's default, which moves with each release. "
-                "An operation keeps the version of its first send.",
-                default="2026-10-28.endive",
-            ),
-            Setting(
-                "operation_accounts",
-                Boolean(),
-                "Whether an operation may name its own Connect account (the payload's top-level "
-                "stripe_account): any producer of the provider can then act for any account "
-                "the platform's key reaches.",
-                default=False,
-            ),
-        ),
-        "noop": (),
-        "nats": nats_options.OPTIONS,
-        "amqp": amqp_options.OPTIONS,
-        "sqs": sqs_options.OPTIONS,
-        "cloudtasks": cloudtasks_options.OPTIONS,
-    }
-)
-
-
 _BREAKER_FAILURES: Final[int] = default_of(ProviderSettings, "breaker_failures")
 _BREAKER_OPEN_FOR: Final[timedelta] = default_of(ProviderSettings, "breaker_open_for")
 DEFAULT_FAILURE_RATE: Final[float] = default_of(ProviderSettings, "breaker_failure_rate")
@@ -705,7 +514,7 @@ DEFAULT_WINDOW: Final[int] = default_of(ProviderSettings, "breaker_window")
 
 @dataclass(frozen=True, slots=True)
 class ProviderLimits:
-    """How much of the dispatcher one provider may have (see ``outbox.provider_limits``).
+    """How much of the dispatcher one provider may have (see ``outbox.dispatch.limits``).
 
     ``max_in_flight``: calls in flight per process (None: up to ``dispatcher.concurrency``).
     ``rate``: calls per second across every replica (None: no limit), with ``burst`` calls at
@@ -793,7 +602,12 @@ DEFAULT_CONCURRENCY: Final[int] = default_of(DispatcherSettings, "concurrency")
 DEFAULT_SHUTDOWN_GRACE: Final[timedelta] = default_of(DispatcherSettings, "shutdown_grace")
 DEFAULT_KEY_RETENTION: Final[timedelta] = default_of(ProviderSettings, "key_retention")
 DEFAULT_TIMEOUT: Final[timedelta] = default_of(ProviderSettings, "timeout")
-DEFAULT_MAX_RESPONSE_BYTES: Final[int] = _MAX_RESPONSE_BYTES.default
+DEFAULT_MAX_RESPONSE_BYTES: Final[int] = 1 << 20  # the max_response_bytes option's default
+
+
+def _dotted(*parts: str) -> str:
+    """A dotted key as TOML writes it, quoting the parts that are not bare keys."""
+    return ".".join(p if re.fullmatch(r"[A-Za-z0-9_-]+", p) else json.dumps(p) for p in parts)
 
 
 def _provider_name(value: object, where: Where) -> str:
@@ -803,313 +617,6 @@ def _provider_name(value: object, where: Where) -> str:
         f"is not a valid provider name: names must match ^{PROVIDER_NAME.pattern}$ (lower-case "
         'letters, digits, "_" and "-", at most 64 characters)'
     )
-
-
-# --- Loading ---------------------------------------------------------------------------------
-
-_Values = dict[str, tuple[Any, Where]]
-
-
-@dataclass(slots=True)
-class _RawProvider:
-    where: Where
-    values: _Values
-
-
-@dataclass(slots=True)
-class _Raw:
-    """The values read so far, each with where it came from: the file's, then the environment's."""
-
-    top: _Values
-    tables: dict[str, _Values]
-    providers: dict[str, _RawProvider]
-
-
-def load_settings(path: Path | None, environ: Mapping[str, str] | None = None) -> Settings:
-    """The settings in the TOML file at ``path`` (None: the defaults), with environment overrides.
-
-    ``environ`` defaults to ``os.environ``. Raises ConfigError naming the file when it cannot be
-    read or is not valid TOML, and naming the key or variable when a value is wrong.
-    """
-    if path is None:
-        return settings_from_mapping({}, environ, source="<defaults>")
-    path = Path(path)
-    try:
-        with path.open("rb") as file:
-            data = tomllib.load(file)
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist") from None
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"config file {path} is not UTF-8 text") from None
-    except tomllib.TOMLDecodeError as exc:  # its message ends "(at line L, column C)"
-        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
-    return settings_from_mapping(data, environ, source=str(path))
-
-
-def settings_from_mapping(
-    data: Mapping[str, Any], environ: Mapping[str, str] | None = None, *, source: str = "<config>"
-) -> Settings:
-    """The settings in ``data`` (a parsed TOML document), with environment overrides.
-
-    ``source`` names ``data`` in error messages; ``environ`` defaults to ``os.environ``.
-    """
-    env = os.environ if environ is None else environ
-    raw = _read_document(data, source)
-    _apply_environment(raw, env)
-    return Settings(
-        dispatcher=DispatcherSettings(**_read_table(DispatcherSettings, raw.tables["dispatcher"])),
-        providers={name: _provider_settings(name, table) for name, table in raw.providers.items()},
-        **_read_table(Settings, raw.top),
-        database=DatabaseSettings(**_read_table(DatabaseSettings, raw.tables["database"], env)),
-    )
-
-
-def _dotted(*parts: str) -> str:
-    """A dotted key as TOML writes it, quoting the parts that are not bare keys."""
-    return ".".join(p if re.fullmatch(r"[A-Za-z0-9_-]+", p) else json.dumps(p) for p in parts)
-
-
-def _table(value: object, where: Where, valid: tuple[str, ...] | None = None) -> _Values:
-    """The table ``value``, each value paired with where it is; its keys must be in ``valid``."""
-    if not isinstance(value, Mapping):
-        raise where.error(f"must be a table, not {show(value)}")
-    values: _Values = {}
-    for key, item in value.items():
-        at = Where(
-            f"{where.key}.{_dotted(str(key))}" if where.key else _dotted(str(key)), where.source
-        )
-        if valid is not None and key not in valid:
-            raise ConfigError(
-                f"unknown key {at}; the valid keys are {', '.join(valid)}", key=at.key
-            )
-        values[str(key)] = (item, at)
-    return values
-
-
-def _read_document(data: Mapping[str, Any], source: str) -> _Raw:
-    top_keys = (*TABLES, "providers", *file_keys(settings_of(Settings)))
-    top = _table(data, Where("", source), tuple(sorted(top_keys)))
-    tables = {name: top.pop(name, ({}, Where(name, source))) for name in TABLES}
-    for name, (table, where) in tables.items():
-        _refuse_written_secrets(TABLES[name], table, where)
-    raw = _Raw(top, {}, {})
-    for name, (table, where) in tables.items():
-        raw.tables[name] = _table(table, where, tuple(file_keys(settings_of(TABLES[name]))))
-    providers, at_providers = top.pop("providers", ({}, Where("providers", source)))
-    for name, (table, where) in _table(providers, at_providers).items():
-        raw.providers[name] = _RawProvider(where, _table(table, where))
-    return raw
-
-
-def _refuse_written_secrets(cls: type, table: object, where: Where) -> None:
-    """A secret written in the file itself is refused before anything else is said of it."""
-    if isinstance(table, Mapping):
-        for declared in settings_of(cls):
-            if isinstance(declared.kind, Secret) and declared.name in table:
-                declared.kind.read(
-                    table[declared.name], Where(f"{where.key}.{declared.name}", where.source)
-                )
-
-
-def _read_table(
-    cls: type, values: _Values, environ: Mapping[str, str] | None = None
-) -> dict[str, Any]:
-    """The values of one table read as their declarations say, as keyword arguments of ``cls``;
-    a secret read from where the table says it is."""
-    keys = file_keys(settings_of(cls))
-    read = {key: keys[key][1].read(value, where) for key, (value, where) in values.items()}
-    fields = {key: value for key, value in read.items() if keys[key][0].name == key}
-    for declared in settings_of(cls):
-        if isinstance(declared.kind, Secret):
-            fields[declared.name] = _secret(declared.name, declared.kind, values, environ or {})
-    return fields
-
-
-def _secret(name: str, secret: Secret, values: _Values, environ: Mapping[str, str]) -> str | None:
-    """The secret ``name`` from where the table says it is; None when it is nowhere."""
-    if f"{name}_env" in values and f"{name}_file" in values:
-        other, where = values[f"{name}_env"][1].key, values[f"{name}_file"][1]
-        raise where.error(f"and {other} both say where {secret.label} is; keep one")
-    for suffix, kind in (("_file", "file"), ("_env", "env")):
-        if name + suffix in values:
-            reference, where = values[name + suffix]
-            return read_secret({kind: reference}, key=where.key, environ=environ)
-    # Unset or empty (an env file's placeholder): none.
-    return (environ.get(secret.default_env) or None) if secret.default_env else None
-
-
-def _provider_settings(name: str, raw: _RawProvider) -> ProviderSettings:
-    _provider_name(name, raw.where)
-    values = dict(raw.values)
-    if "type" not in values:
-        if raw.where.env is not None:  # only the environment mentions this provider
-            env_name = raw.where.env.removeprefix(_ENV_PROVIDERS).split("__")[0]
-            raise raw.where.error(
-                f"is not in the config file; set {_ENV_PROVIDERS}{env_name}__TYPE to add it"
-            )
-        where = Where(f"{raw.where.key}.type", raw.where.source)
-        raise where.error(
-            'is required: the provider\'s type, such as "webhook", "stripe" or "noop"'
-        )
-    # Every provider has these keys; what each must be names the key (and its source).
-    common = {
-        key: kind.read(*values.pop(key))
-        for key, (_, kind) in file_keys(settings_of(ProviderSettings)).items()
-        if key in values
-    }
-    options = file_keys(PROVIDER_OPTIONS.get(common["type"], ()))
-    return ProviderSettings(
-        name=name,
-        options={k: _option(options.get(k), value, where) for k, (value, where) in values.items()},
-        **common,
-    )
-
-
-def _option(declared: tuple[Setting, Kind[Any]] | None, value: object, where: Where) -> object:
-    """An option of a built-in provider type as written, or read when it is not text."""
-    return declared[1].read(value, where) if declared and declared[1].not_text else value
-
-
-# --- Environment overrides -------------------------------------------------------------------
-
-
-def _apply_environment(raw: _Raw, environ: Mapping[str, str]) -> None:
-    """Lay the OUTBOX_* overrides over ``raw``, in a fixed order so errors are reproducible."""
-    top = {f"{_ENV}{s.name.upper()}": s.name for s in settings_of(Settings) if s.env}
-    for var in sorted(environ):
-        value = environ[var]
-        if var in top:
-            raw.top[top[var]] = (value, Where(top[var], env=var))
-        elif var.startswith(_ENV_PROVIDERS):
-            _override_provider(raw, var, value)
-        else:
-            for table in TABLES:
-                if var.startswith(f"{_ENV}{table.upper()}__"):
-                    _override_table(raw, table, var, value)
-
-
-def _override_table(raw: _Raw, table: str, var: str, value: str) -> None:
-    key = var.removeprefix(f"{_ENV}{table.upper()}__").lower()
-    where = Where(f"{table}.{key}", env=var)
-    for declared in settings_of(TABLES[table]):
-        if declared.name == key and isinstance(declared.kind, Secret) and declared.kind.default_env:
-            raise where.error(f"is read from {declared.kind.default_env}, not from {var}")
-    valid = file_keys(settings_of(TABLES[table]))
-    if key not in valid:
-        raise ConfigError(
-            f"{var}: the {table} has no setting {key!r}; the valid keys are {', '.join(valid)}",
-            key=var,
-        )
-    raw.tables[table][key] = (value, where)
-
-
-def _override_provider(raw: _Raw, var: str, value: str) -> None:
-    parts = var.removeprefix(_ENV_PROVIDERS).split("__")
-    if len(parts) != 2 or not all(parts):
-        raise ConfigError(
-            f"{var}: write provider overrides as {_ENV_PROVIDERS}<NAME>__<KEY> "
-            "(keys inside a provider's tables cannot be set from the environment)",
-            key=var,
-        )
-    name = _provider_named(raw.providers, parts[0], var)
-    provider = raw.providers.setdefault(
-        name, _RawProvider(Where(_dotted("providers", name), env=var), {})
-    )
-    # Match an existing option whatever its case, so REFERENCE_FIELD overrides reference_field.
-    key = next((k for k in provider.values if k.lower() == parts[1].lower()), parts[1].lower())
-    where = Where(_dotted("providers", name, key), env=var)
-    if isinstance(provider.values.get(key, (None,))[0], Mapping):
-        raise where.error("is a table; it cannot be replaced from the environment")
-    provider.values[key] = (value, where)
-
-
-def _provider_named(providers: Mapping[str, _RawProvider], env_name: str, var: str) -> str:
-    """The provider that NAME in ``var`` means: matched ignoring case, with "-" written "_"."""
-    matches = [n for n in providers if n.upper().replace("-", "_") == env_name.upper()]
-    if len(matches) > 1:
-        raise ConfigError(
-            f"{var} could mean provider {' or '.join(matches)}: rename one of them", key=var
-        )
-    return matches[0] if matches else env_name.lower()
-
-
-# --- Secrets ---------------------------------------------------------------------------------
-
-
-def read_secret(
-    spec: Mapping[str, str] | str, *, key: str, environ: Mapping[str, str] | None = None
-) -> str:
-    """The secret that ``spec`` points at: ``{"env": "NAME"}`` or ``{"file": "/path"}``.
-
-    A relative file name is looked up in ``$CREDENTIALS_DIRECTORY`` when that is set (systemd's
-    LoadCredential=); one trailing newline is dropped. ``key`` is the dotted key of ``spec``, for
-    messages. Raises ConfigError, whose message never contains the secret, when the secret is
-    missing or empty, or when ``spec`` is anything else, such as the secret itself.
-    """
-    env = os.environ if environ is None else environ
-    kind, name = _secret_reference(spec, key)
-    if kind == "env":
-        value = env.get(name)
-        if not value:
-            state = "is not set" if value is None else "is not set (it is empty)"
-            raise ConfigError(f"{key}: environment variable {name} {state}", key=key)
-        return value
-    return _read_secret_file(name, key, env.get("CREDENTIALS_DIRECTORY"))
-
-
-def _secret_reference(spec: object, key: str) -> tuple[str, str]:
-    if isinstance(spec, Mapping) and len(spec) == 1:
-        ((kind, name),) = spec.items()
-        if kind in ("env", "file") and isinstance(name, str) and name:
-            return kind, name
-    # Never quote spec: it may well be the secret itself.
-    raise ConfigError(
-        f'{key} must be {{env = "VARIABLE"}} or {{file = "/path"}}; '
-        "secrets are never written in the config file",
-        key=key,
-    )
-
-
-def _read_secret_file(name: str, key: str, credentials_directory: str | None) -> str:
-    path = Path(name)
-    if credentials_directory and not path.is_absolute():
-        path = Path(credentials_directory) / path
-    try:
-        # Bytes, then text: read_text's universal newlines would turn a "\r" inside the secret
-        # into "\n", and hand back something other than what the file holds.
-        text = path.read_bytes().decode("utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{key}: secret file {path} does not exist", key=key) from None
-    except OSError as exc:
-        raise ConfigError(
-            f"{key}: cannot read secret file {path}: {exc.strerror}", key=key
-        ) from None
-    except UnicodeDecodeError:  # from None: the exception holds the file's bytes
-        raise ConfigError(f"{key}: secret file {path} is not UTF-8 text", key=key) from None
-    # Editors and `echo` end files with a newline that is no part of the secret.
-    text = text.removesuffix("\n").removesuffix("\r") if text.endswith("\n") else text
-    if not text:
-        raise ConfigError(f"{key}: secret file {path} is empty", key=key)
-    _warn_if_readable(path, key)
-    return text
-
-
-def _warn_if_readable(path: Path, key: str) -> None:
-    """A secret file others on the host may read is worth a word (systemd's credentials are
-    0400 of their own accord)."""
-    try:
-        mode = path.stat().st_mode
-    except OSError:
-        return
-    if mode & 0o077:
-        structlog.get_logger("outbox.config").warning(
-            "a secret file is readable by its group or by everyone: chmod 600 it",
-            key=key,
-            file=str(path),
-            mode=oct(mode & 0o777),
-        )
 
 
 def _freeze(value: Any) -> Any:

@@ -18,9 +18,10 @@ from typing import Any, Final
 import psycopg
 import structlog
 
-from outbox import failpoints, loops, metrics
 from outbox.db import statements
 from outbox.db.connect import answered_by_pooler, connection_options
+from outbox.observability import metrics
+from outbox.runtime import failpoints, loops
 
 # How long the connection may stay quiet before a probe checks that it still works.
 PROBE_INTERVAL: Final = 5.0
