@@ -95,24 +95,17 @@ CREATE CONSTRAINT TRIGGER inbox_outcome_before_commit AFTER INSERT ON outbox.inb
     DEFERRABLE INITIALLY DEFERRED FOR EACH ROW WHEN (NEW.mode = 'transaction')
     EXECUTE FUNCTION outbox.inbox_outcome_before_commit();
 
--- The first statement of a delivery's transaction (READ COMMITTED). Binds the transaction to
--- the delivery's tenant (so the handler's own tables see it under row-level security) and
--- decides: 'new' (a record in progress, this transaction's: run the handler, then
--- inbox_complete), 'replayed' (with the recorded response), 'conflict' (counted) or
--- 'in_progress' (another transaction holds the identity past `wait`).
-CREATE FUNCTION outbox.inbox_begin(
-    tenant_id text, handler text, key text, body_json text, body_raw bytea,
-    wait interval, retention interval,
-    OUT decision text, OUT inbox_id bigint, OUT token uuid, OUT response_status integer,
-    OUT response_headers jsonb, OUT response_body bytea)
-LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+-- What inbox_begin and inbox_claim check first (the owner's only; they run as the owner): the
+-- identity and the body within bounds, the transaction bound to the delivery's tenant (42501 if
+-- bound to another), so the handler's own tables see it under row-level security. Returns the
+-- body's digest: the SHA-256 of jsonb's canonical text, or of the raw bytes.
+CREATE FUNCTION outbox.inbox_admit(tenant_id text, handler text, key text, body_json text,
+                                   body_raw bytea)
+RETURNS bytea
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-    v_bound  text := outbox.bound_tenant();
-    v_digest bytea;
-    v_wait   text;
-    v_old    text := current_setting('lock_timeout');
-    r        outbox.inbox;
+    v_bound text := outbox.bound_tenant();
 BEGIN
     PERFORM outbox.check_text('tenant_id', tenant_id, 128);
     PERFORM outbox.check_text('key', key, 512);
@@ -126,16 +119,48 @@ BEGIN
     IF coalesce(octet_length(body_json), octet_length(body_raw)) > 16777216 THEN
         RAISE EXCEPTION 'a body may be at most 16 MiB' USING ERRCODE = '22023';
     END IF;
-    PERFORM outbox.check_between('wait', wait, interval '0', interval '60 seconds');
-    PERFORM outbox.check_between('retention', retention, interval '1 hour', interval '400 days');
     IF v_bound IS NOT NULL AND v_bound <> tenant_id THEN
         RAISE EXCEPTION 'this transaction is bound to another tenant'
             USING ERRCODE = 'insufficient_privilege';
     END IF;
     PERFORM outbox.bind_tenant(tenant_id);
-    v_digest := CASE WHEN body_json IS NOT NULL
-                     THEN sha256(convert_to(body_json::jsonb::text, 'UTF8'))
-                     ELSE sha256(body_raw) END;
+    RETURN CASE WHEN body_json IS NOT NULL
+                THEN sha256(convert_to(body_json::jsonb::text, 'UTF8'))
+                ELSE sha256(body_raw) END;
+END;
+$$;
+
+-- A delivery that came under a recorded identity with another body: counted (the owner's only).
+CREATE FUNCTION outbox.inbox_count_conflict(inbox_id bigint, digest bytea) RETURNS void
+LANGUAGE sql SET search_path = pg_catalog, pg_temp
+AS $$
+    INSERT INTO outbox.inbox_conflicts AS c (inbox_id, body_digest)
+    VALUES (inbox_count_conflict.inbox_id, inbox_count_conflict.digest)
+    ON CONFLICT ON CONSTRAINT inbox_conflicts_pkey
+    DO UPDATE SET seen = c.seen + 1, last_seen_at = now()
+$$;
+
+-- The first statement of a delivery's transaction (READ COMMITTED). Binds the transaction to
+-- the delivery's tenant (so the handler's own tables see it under row-level security) and
+-- decides: 'new' (a record in progress, this transaction's: run the handler, then
+-- inbox_complete), 'replayed' (with the recorded response), 'conflict' (counted) or
+-- 'in_progress' (another transaction holds the identity past `wait`).
+CREATE FUNCTION outbox.inbox_begin(
+    tenant_id text, handler text, key text, body_json text, body_raw bytea,
+    wait interval, retention interval,
+    OUT decision text, OUT inbox_id bigint, OUT token uuid, OUT response_status integer,
+    OUT response_headers jsonb, OUT response_body bytea)
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_digest bytea;
+    v_wait   text;
+    v_old    text := current_setting('lock_timeout');
+    r        outbox.inbox;
+BEGIN
+    PERFORM outbox.check_between('wait', wait, interval '0', interval '60 seconds');
+    PERFORM outbox.check_between('retention', retention, interval '1 hour', interval '400 days');
+    v_digest := outbox.inbox_admit(tenant_id, handler, key, body_json, body_raw);
     -- lock_timeout 0 would mean "wait for ever": a wait of 0 is one millisecond.
     v_wait := greatest(1, ceil(extract(epoch FROM wait) * 1000))::bigint || 'ms';
 
@@ -166,10 +191,7 @@ BEGIN
         CONTINUE WHEN NOT FOUND;
         inbox_id := r.id;
         IF r.body_digest <> v_digest THEN
-            INSERT INTO outbox.inbox_conflicts AS c (inbox_id, body_digest)
-            VALUES (r.id, v_digest)
-            ON CONFLICT ON CONSTRAINT inbox_conflicts_pkey
-            DO UPDATE SET seen = c.seen + 1, last_seen_at = now();
+            PERFORM outbox.inbox_count_conflict(r.id, v_digest);
             decision := 'conflict';
             RETURN;
         END IF;
@@ -260,33 +282,13 @@ CREATE FUNCTION outbox.inbox_claim(
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-    v_bound  text := outbox.bound_tenant();
     v_digest bytea;
     r        outbox.inbox;
 BEGIN
-    PERFORM outbox.check_text('tenant_id', tenant_id, 128);
-    PERFORM outbox.check_text('key', key, 512);
-    IF handler IS NULL OR handler !~ '^[a-z0-9][a-z0-9._-]{0,127}$' THEN
-        RAISE EXCEPTION 'handler must be 1 to 128 of a-z, 0-9, ".", "_" and "-", starting with a '
-                        'letter or digit' USING ERRCODE = 'OB002', COLUMN = 'handler';
-    END IF;
-    IF (body_json IS NULL) = (body_raw IS NULL) THEN
-        RAISE EXCEPTION 'exactly one of body_json and body_raw is given' USING ERRCODE = '22023';
-    END IF;
-    IF coalesce(octet_length(body_json), octet_length(body_raw)) > 16777216 THEN
-        RAISE EXCEPTION 'a body may be at most 16 MiB' USING ERRCODE = '22023';
-    END IF;
     PERFORM outbox.check_between('lease', lease, interval '1 second', interval '1 day');
     PERFORM outbox.check_count('max_claims', max_claims, 1, 100);
     PERFORM outbox.check_between('retention', retention, interval '1 hour', interval '400 days');
-    IF v_bound IS NOT NULL AND v_bound <> tenant_id THEN
-        RAISE EXCEPTION 'this transaction is bound to another tenant'
-            USING ERRCODE = 'insufficient_privilege';
-    END IF;
-    PERFORM outbox.bind_tenant(tenant_id);
-    v_digest := CASE WHEN body_json IS NOT NULL
-                     THEN sha256(convert_to(body_json::jsonb::text, 'UTF8'))
-                     ELSE sha256(body_raw) END;
+    v_digest := outbox.inbox_admit(tenant_id, handler, key, body_json, body_raw);
     SELECT 'ib1_' || encode(sha256(s.key_secret || sha256(s.key_secret || convert_to(
                jsonb_build_array(inbox_claim.tenant_id, inbox_claim.handler,
                                  inbox_claim.key)::text, 'UTF8'))), 'hex')
@@ -311,10 +313,7 @@ BEGIN
         inbox_id := r.id;
         claims := r.claims;
         IF r.body_digest <> v_digest THEN
-            INSERT INTO outbox.inbox_conflicts AS c (inbox_id, body_digest)
-            VALUES (r.id, v_digest)
-            ON CONFLICT ON CONSTRAINT inbox_conflicts_pkey
-            DO UPDATE SET seen = c.seen + 1, last_seen_at = now();
+            PERFORM outbox.inbox_count_conflict(r.id, v_digest);
             decision := 'conflict';
             RETURN;
         END IF;
@@ -467,6 +466,7 @@ END;
 $$;
 
 REVOKE ALL ON FUNCTION outbox.inbox_outcome_before_commit(),
+    outbox.inbox_admit(text, text, text, text, bytea), outbox.inbox_count_conflict(bigint, bytea),
     outbox.inbox_begin(text, text, text, text, bytea, interval, interval),
     outbox.inbox_complete(bigint, uuid, integer, jsonb, bytea), outbox.inbox_prune(integer),
     outbox.inbox_forget(bigint, text, text, boolean),

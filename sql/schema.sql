@@ -1526,21 +1526,16 @@ $function$;
 -- privileges: the owner's only
 
 -- =================================================================================================
--- function outbox.inbox_begin(text,text,text,text,bytea,interval,interval)
+-- function outbox.inbox_admit(text,text,text,text,bytea)
 -- history: created by 0042_inbox
 
-CREATE OR REPLACE FUNCTION outbox.inbox_begin(tenant_id text, handler text, key text, body_json text, body_raw bytea, wait interval, retention interval, OUT decision text, OUT inbox_id bigint, OUT token uuid, OUT response_status integer, OUT response_headers jsonb, OUT response_body bytea)
- RETURNS record
+CREATE OR REPLACE FUNCTION outbox.inbox_admit(tenant_id text, handler text, key text, body_json text, body_raw bytea)
+ RETURNS bytea
  LANGUAGE plpgsql
- SECURITY DEFINER
  SET search_path TO 'pg_catalog', 'pg_temp'
 AS $function$
 DECLARE
-    v_bound  text := outbox.bound_tenant();
-    v_digest bytea;
-    v_wait   text;
-    v_old    text := current_setting('lock_timeout');
-    r        outbox.inbox;
+    v_bound text := outbox.bound_tenant();
 BEGIN
     PERFORM outbox.check_text('tenant_id', tenant_id, 128);
     PERFORM outbox.check_text('key', key, 512);
@@ -1554,16 +1549,37 @@ BEGIN
     IF coalesce(octet_length(body_json), octet_length(body_raw)) > 16777216 THEN
         RAISE EXCEPTION 'a body may be at most 16 MiB' USING ERRCODE = '22023';
     END IF;
-    PERFORM outbox.check_between('wait', wait, interval '0', interval '60 seconds');
-    PERFORM outbox.check_between('retention', retention, interval '1 hour', interval '400 days');
     IF v_bound IS NOT NULL AND v_bound <> tenant_id THEN
         RAISE EXCEPTION 'this transaction is bound to another tenant'
             USING ERRCODE = 'insufficient_privilege';
     END IF;
     PERFORM outbox.bind_tenant(tenant_id);
-    v_digest := CASE WHEN body_json IS NOT NULL
-                     THEN sha256(convert_to(body_json::jsonb::text, 'UTF8'))
-                     ELSE sha256(body_raw) END;
+    RETURN CASE WHEN body_json IS NOT NULL
+                THEN sha256(convert_to(body_json::jsonb::text, 'UTF8'))
+                ELSE sha256(body_raw) END;
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.inbox_begin(text,text,text,text,bytea,interval,interval)
+-- history: created by 0042_inbox
+
+CREATE OR REPLACE FUNCTION outbox.inbox_begin(tenant_id text, handler text, key text, body_json text, body_raw bytea, wait interval, retention interval, OUT decision text, OUT inbox_id bigint, OUT token uuid, OUT response_status integer, OUT response_headers jsonb, OUT response_body bytea)
+ RETURNS record
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+DECLARE
+    v_digest bytea;
+    v_wait   text;
+    v_old    text := current_setting('lock_timeout');
+    r        outbox.inbox;
+BEGIN
+    PERFORM outbox.check_between('wait', wait, interval '0', interval '60 seconds');
+    PERFORM outbox.check_between('retention', retention, interval '1 hour', interval '400 days');
+    v_digest := outbox.inbox_admit(tenant_id, handler, key, body_json, body_raw);
     -- lock_timeout 0 would mean "wait for ever": a wait of 0 is one millisecond.
     v_wait := greatest(1, ceil(extract(epoch FROM wait) * 1000))::bigint || 'ms';
 
@@ -1594,10 +1610,7 @@ BEGIN
         CONTINUE WHEN NOT FOUND;
         inbox_id := r.id;
         IF r.body_digest <> v_digest THEN
-            INSERT INTO outbox.inbox_conflicts AS c (inbox_id, body_digest)
-            VALUES (r.id, v_digest)
-            ON CONFLICT ON CONSTRAINT inbox_conflicts_pkey
-            DO UPDATE SET seen = c.seen + 1, last_seen_at = now();
+            PERFORM outbox.inbox_count_conflict(r.id, v_digest);
             decision := 'conflict';
             RETURN;
         END IF;
@@ -1628,33 +1641,13 @@ CREATE OR REPLACE FUNCTION outbox.inbox_claim(tenant_id text, handler text, key 
  SET search_path TO 'pg_catalog', 'pg_temp'
 AS $function$
 DECLARE
-    v_bound  text := outbox.bound_tenant();
     v_digest bytea;
     r        outbox.inbox;
 BEGIN
-    PERFORM outbox.check_text('tenant_id', tenant_id, 128);
-    PERFORM outbox.check_text('key', key, 512);
-    IF handler IS NULL OR handler !~ '^[a-z0-9][a-z0-9._-]{0,127}$' THEN
-        RAISE EXCEPTION 'handler must be 1 to 128 of a-z, 0-9, ".", "_" and "-", starting with a '
-                        'letter or digit' USING ERRCODE = 'OB002', COLUMN = 'handler';
-    END IF;
-    IF (body_json IS NULL) = (body_raw IS NULL) THEN
-        RAISE EXCEPTION 'exactly one of body_json and body_raw is given' USING ERRCODE = '22023';
-    END IF;
-    IF coalesce(octet_length(body_json), octet_length(body_raw)) > 16777216 THEN
-        RAISE EXCEPTION 'a body may be at most 16 MiB' USING ERRCODE = '22023';
-    END IF;
     PERFORM outbox.check_between('lease', lease, interval '1 second', interval '1 day');
     PERFORM outbox.check_count('max_claims', max_claims, 1, 100);
     PERFORM outbox.check_between('retention', retention, interval '1 hour', interval '400 days');
-    IF v_bound IS NOT NULL AND v_bound <> tenant_id THEN
-        RAISE EXCEPTION 'this transaction is bound to another tenant'
-            USING ERRCODE = 'insufficient_privilege';
-    END IF;
-    PERFORM outbox.bind_tenant(tenant_id);
-    v_digest := CASE WHEN body_json IS NOT NULL
-                     THEN sha256(convert_to(body_json::jsonb::text, 'UTF8'))
-                     ELSE sha256(body_raw) END;
+    v_digest := outbox.inbox_admit(tenant_id, handler, key, body_json, body_raw);
     SELECT 'ib1_' || encode(sha256(s.key_secret || sha256(s.key_secret || convert_to(
                jsonb_build_array(inbox_claim.tenant_id, inbox_claim.handler,
                                  inbox_claim.key)::text, 'UTF8'))), 'hex')
@@ -1679,10 +1672,7 @@ BEGIN
         inbox_id := r.id;
         claims := r.claims;
         IF r.body_digest <> v_digest THEN
-            INSERT INTO outbox.inbox_conflicts AS c (inbox_id, body_digest)
-            VALUES (r.id, v_digest)
-            ON CONFLICT ON CONSTRAINT inbox_conflicts_pkey
-            DO UPDATE SET seen = c.seen + 1, last_seen_at = now();
+            PERFORM outbox.inbox_count_conflict(r.id, v_digest);
             decision := 'conflict';
             RETURN;
         END IF;
@@ -1763,6 +1753,22 @@ BEGIN
       AND i.state = 'in_progress' AND i.tenant_id = outbox.bound_tenant();
     RETURN FOUND;
 END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.inbox_count_conflict(bigint,bytea)
+-- history: created by 0042_inbox
+
+CREATE OR REPLACE FUNCTION outbox.inbox_count_conflict(inbox_id bigint, digest bytea)
+ RETURNS void
+ LANGUAGE sql
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+    INSERT INTO outbox.inbox_conflicts AS c (inbox_id, body_digest)
+    VALUES (inbox_count_conflict.inbox_id, inbox_count_conflict.digest)
+    ON CONFLICT ON CONSTRAINT inbox_conflicts_pkey
+    DO UPDATE SET seen = c.seen + 1, last_seen_at = now()
 $function$;
 -- privileges: the owner's only
 

@@ -93,13 +93,7 @@ class Delivery:
         """Record ``outcome`` in this transaction: it commits with the handler's writes."""
         if self.decision is not Decision.NEW or self.conn is None:
             raise RuntimeError(f"a {self.decision} delivery records nothing")
-        params = {
-            "inbox_id": self._inbox_id,
-            "token": self._token,
-            "status": outcome.status,
-            "headers": Jsonb([list(pair) for pair in outcome.headers]),
-            "body": outcome.body,
-        }
+        params = outcome_params(self._inbox_id, self._token, outcome)
         row = await (await self.conn.execute(statements.COMPLETE, params)).fetchone()
         if row is None or row[0] is not True:
             # Only this transaction knows the token: a false here is a bug, not a race.
@@ -234,6 +228,17 @@ def body_params(identity: Identity, body: bytes, is_json: bool) -> dict[str, Any
         "key": identity.key,
         "body_json": body_json,
         "body_raw": None if is_json else body,
+    }
+
+
+def outcome_params(inbox_id: int | None, token: Any, outcome: Outcome) -> dict[str, Any]:
+    """The parameters of statements.COMPLETE: a record's outcome under its token."""
+    return {
+        "inbox_id": inbox_id,
+        "token": token,
+        "status": outcome.status,
+        "headers": Jsonb([list(pair) for pair in outcome.headers]),
+        "body": outcome.body,
     }
 
 

@@ -19,11 +19,18 @@ from datetime import timedelta
 from typing import Any, Final
 
 import psycopg
-from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from outbox.inbox import statements
-from outbox.inbox.core import Decision, Identity, InvalidDelivery, Outcome, body_params, malformed
+from outbox.inbox.core import (
+    Decision,
+    Identity,
+    InvalidDelivery,
+    Outcome,
+    body_params,
+    malformed,
+    outcome_params,
+)
 
 RUNS: Final = frozenset({Decision.NEW, Decision.RECLAIMED})  # the decisions that run the handler
 
@@ -74,13 +81,7 @@ class Claim:
         claim's token; raises LeaseLost (rolling the transaction back) when it was reclaimed."""
         if self._conn is None:
             raise RuntimeError("complete() belongs inside `async with claim.finish()`")
-        params = {
-            "inbox_id": self._inbox_id,
-            "token": self._token,
-            "status": outcome.status,
-            "headers": Jsonb([list(pair) for pair in outcome.headers]),
-            "body": outcome.body,
-        }
+        params = outcome_params(self._inbox_id, self._token, outcome)
         row = await (await self._conn.execute(statements.COMPLETE, params)).fetchone()
         if row is None or row[0] is not True:
             self.lost = True

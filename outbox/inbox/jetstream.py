@@ -11,7 +11,6 @@ AckWait, and the redelivery is a replay (docs/design.md, "The inbox").
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
 
 import structlog
 from nats.aio.msg import Msg
@@ -21,23 +20,9 @@ from nats.js.api import ConsumerConfig
 
 from outbox.inbox.core import Inbox
 from outbox.inbox.http import KeyFrom, TenantFrom
-from outbox.inbox.queues import Consumer, Handle, Verdict, lower
+from outbox.inbox.queues import Consumer, Handle, Verdict, consumer_with, lower
 
 log = structlog.get_logger("outbox.inbox")
-
-
-def message_key() -> KeyFrom:
-    """outbox's identity when the message has it (``KeyFrom.auto``), else the publisher's
-    ``Nats-Msg-Id``, the id JetStream itself deduplicates by."""
-    auto = KeyFrom.auto()
-
-    def read(headers: Mapping[str, str]) -> str | None:
-        found = auto.read(headers)
-        if found is None and (msg_id := headers.get("nats-msg-id")):
-            return f"msg:{msg_id}"
-        return found
-
-    return KeyFrom(read)
 
 
 async def consume(
@@ -52,8 +37,8 @@ async def consume(
     ack_wait: float = 30.0,
 ) -> None:
     """Handle the messages of ``durable`` (created when missing) until ``stop`` is set; the
-    messages of one fetch run concurrently, each in its own transaction. ``consumer.key``
-    defaults to :func:`message_key` through :func:`consumer_of`."""
+    messages of one fetch run concurrently, each in its own transaction. :func:`consumer_of` makes
+    a Consumer keyed as JetStream messages are."""
     config = ConsumerConfig(durable_name=durable, ack_wait=ack_wait)
     sub = await js.pull_subscribe(subject or "", durable=durable, stream=stream, config=config)
     try:
@@ -67,6 +52,16 @@ async def consume(
         await sub.unsubscribe()
 
 
+async def _one(msg: Msg, consumer: Consumer) -> None:
+    settled = await consumer.settle(lower(msg.headers), msg.data)
+    if settled.verdict is Verdict.ACK:
+        await msg.ack()
+    elif settled.verdict is Verdict.RETRY:
+        await msg.nak(delay=settled.delay)
+    else:
+        await msg.term()
+
+
 def consumer_of(
     inbox: Inbox,
     handler: str,
@@ -76,17 +71,8 @@ def consumer_of(
     key: KeyFrom | None = None,
     tenant: TenantFrom | None = None,
 ) -> Consumer:
-    """A Consumer with JetStream's defaults: the key from :func:`message_key`."""
-    return Consumer(
-        inbox, handler, handle, key or message_key(), tenant or TenantFrom.header(), retry_after
+    """A Consumer keyed by outbox's operation, else the publisher's ``Nats-Msg-Id`` (the id
+    JetStream itself deduplicates by)."""
+    return consumer_with(
+        "nats-msg-id", inbox, handler, handle, retry_after=retry_after, key=key, tenant=tenant
     )
-
-
-async def _one(msg: Msg, consumer: Consumer) -> None:
-    settled = await consumer.settle(lower(msg.headers), msg.data)
-    if settled.verdict is Verdict.ACK:
-        await msg.ack()
-    elif settled.verdict is Verdict.RETRY:
-        await msg.nak(delay=settled.delay)
-    else:
-        await msg.term()

@@ -121,3 +121,38 @@ def _counted(handler: str, settled: Settled) -> Settled:
 
 def lower(headers: Mapping[str, str] | None) -> dict[str, str]:
     return {name.lower(): value for name, value in (headers or {}).items()}
+
+
+def message_key(id_header: str) -> KeyFrom:
+    """outbox's identity when the message has it (``KeyFrom.auto``), else the broker's or the
+    publisher's message id, read from ``id_header`` (lower-case): ``msg:<id>``."""
+    auto = KeyFrom.auto()
+
+    def read(headers: Mapping[str, str]) -> str | None:
+        found = auto.read(headers)
+        if found is None and (message_id := headers.get(id_header)):
+            return f"msg:{message_id}"
+        return found
+
+    return KeyFrom(read)
+
+
+def consumer_with(
+    id_header: str,
+    inbox: Inbox,
+    handler: str,
+    handle: Handle,
+    *,
+    retry_after: float = 1.0,
+    key: KeyFrom | None = None,
+    tenant: TenantFrom | None = None,
+) -> Consumer:
+    """A Consumer whose key defaults to :func:`message_key` of ``id_header``."""
+    return Consumer(
+        inbox,
+        handler,
+        handle,
+        key or message_key(id_header),
+        tenant or TenantFrom.header(),
+        retry_after,
+    )

@@ -14,42 +14,12 @@ RabbitMQ delivers it again, and the redelivery replays (docs/design.md, "The inb
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
 
 from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
 
 from outbox.inbox.core import Inbox
 from outbox.inbox.http import KeyFrom, TenantFrom
-from outbox.inbox.queues import Consumer, Handle, Verdict, lower
-
-
-def message_key() -> KeyFrom:
-    """outbox's identity when the message has it (``KeyFrom.auto``: outbox's amqp provider sends
-    ``Outbox-Operation-Id`` as a header), else the publisher's ``message_id`` property."""
-    auto = KeyFrom.auto()
-
-    def read(headers: Mapping[str, str]) -> str | None:
-        found = auto.read(headers)
-        if found is None and (message_id := headers.get(":message-id")):
-            return f"msg:{message_id}"
-        return found
-
-    return KeyFrom(read)
-
-
-def consumer_of(
-    inbox: Inbox,
-    handler: str,
-    handle: Handle,
-    *,
-    retry_after: float = 1.0,
-    key: KeyFrom | None = None,
-    tenant: TenantFrom | None = None,
-) -> Consumer:
-    """A Consumer with RabbitMQ's defaults: the key from :func:`message_key`."""
-    return Consumer(
-        inbox, handler, handle, key or message_key(), tenant or TenantFrom.header(), retry_after
-    )
+from outbox.inbox.queues import Consumer, Handle, Verdict, consumer_with, lower
 
 
 async def consume(queue: AbstractQueue, consumer: Consumer, *, stop: asyncio.Event) -> None:
@@ -87,3 +57,18 @@ async def _one(message: AbstractIncomingMessage, consumer: Consumer) -> None:
         await message.nack(requeue=True)
     else:
         await message.reject(requeue=False)
+
+
+def consumer_of(
+    inbox: Inbox,
+    handler: str,
+    handle: Handle,
+    *,
+    retry_after: float = 1.0,
+    key: KeyFrom | None = None,
+    tenant: TenantFrom | None = None,
+) -> Consumer:
+    """A Consumer keyed by outbox's operation, else the publisher's ``message_id`` property."""
+    return consumer_with(
+        ":message-id", inbox, handler, handle, retry_after=retry_after, key=key, tenant=tenant
+    )

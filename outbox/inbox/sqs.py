@@ -20,35 +20,7 @@ from typing import Any
 
 from outbox.inbox.core import Inbox
 from outbox.inbox.http import KeyFrom, TenantFrom
-from outbox.inbox.queues import Consumer, Handle, Verdict, lower
-
-
-def message_key() -> KeyFrom:
-    """outbox's identity when the message has it, else SQS's ``MessageId``."""
-    auto = KeyFrom.auto()
-
-    def read(headers: Mapping[str, str]) -> str | None:
-        found = auto.read(headers)
-        if found is None and (message_id := headers.get(":message-id")):
-            return f"msg:{message_id}"
-        return found
-
-    return KeyFrom(read)
-
-
-def consumer_of(
-    inbox: Inbox,
-    handler: str,
-    handle: Handle,
-    *,
-    retry_after: float = 1.0,
-    key: KeyFrom | None = None,
-    tenant: TenantFrom | None = None,
-) -> Consumer:
-    """A Consumer with SQS's defaults: the key from :func:`message_key`."""
-    return Consumer(
-        inbox, handler, handle, key or message_key(), tenant or TenantFrom.header(), retry_after
-    )
+from outbox.inbox.queues import Consumer, Handle, Verdict, consumer_with, lower
 
 
 async def consume(
@@ -110,3 +82,19 @@ async def _one(
             MessageAttributes=message.get("MessageAttributes", {}),
         )
     await client.delete_message(QueueUrl=queue_url, ReceiptHandle=receipt)
+
+
+def consumer_of(
+    inbox: Inbox,
+    handler: str,
+    handle: Handle,
+    *,
+    retry_after: float = 1.0,
+    key: KeyFrom | None = None,
+    tenant: TenantFrom | None = None,
+) -> Consumer:
+    """A Consumer keyed by outbox's operation, else SQS's ``MessageId`` (new on every send: a
+    redelivery key only)."""
+    return consumer_with(
+        ":message-id", inbox, handler, handle, retry_after=retry_after, key=key, tenant=tenant
+    )
