@@ -231,6 +231,28 @@ async def test_a_response_too_large_to_record_is_a_500_and_undoes_the_handler(
     assert (count(db_url, EFFECTS), count(db_url, "SELECT count(*) FROM outbox.inbox")) == (0, 0)
 
 
+async def test_a_body_postgresql_cannot_store_is_refused_and_records_nothing(
+    db_url: str, pool: AsyncConnectionPool[Any]
+) -> None:
+    """A lone surrogate, a NUL escape: PostgreSQL refuses them as jsonb, so 400, not 500."""
+    bodies = [b'{"\\ud800": 1}', b'{"a": "\\u0000"}']
+    async with client(app_with(Inbox(pool), created)) as c:
+        answers = [
+            await c.post(
+                "/work",
+                content=body,
+                headers={
+                    "Content-Type": "application/json",
+                    "Idempotency-Key": f"k{i}",
+                    "Outbox-Tenant-Id": "acme",
+                },
+            )
+            for i, body in enumerate(bodies)
+        ]
+    assert [a.status_code for a in answers] == [400, 400]
+    assert (count(db_url, EFFECTS), count(db_url, "SELECT count(*) FROM outbox.inbox")) == (0, 0)
+
+
 async def test_a_new_delivery_that_records_no_outcome_is_rolled_back(
     db_url: str, pool: AsyncConnectionPool[Any]
 ) -> None:
@@ -333,7 +355,9 @@ async def test_a_seeded_storm_of_duplicates_and_conflicts_makes_one_effect_per_i
             assert json.loads(body) == winner, (said, key)
 
 
-NO_NUL = st.characters(exclude_characters="\x00")  # jsonb stores no U+0000
+# jsonb stores no U+0000 and no lone surrogate: such a body is refused (a test below), not a
+# spelling of anything.
+NO_NUL = st.characters(exclude_characters="\x00", exclude_categories=("Cs",))
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.text(NO_NUL, max_size=8),
     lambda inner: (
