@@ -33,7 +33,7 @@ import psycopg
 import pytest
 
 import outbox
-from outbox.testing.webhook import Effect, FakeWebhookReceiver, WebhookFault
+from outbox.testing.webhook import Effect, FakeWebhookReceiver, Hold, WebhookFault
 from tests.support.daemon import OutboxProcess, http_status, wait_until, write_config
 from tests.support.replication import ReplicatedPair, replicated_pair
 
@@ -46,7 +46,6 @@ LEASE = "60s"  # a stale lease left to expire would hold the drain far beyond DR
 RESUME_WITHIN = 10.0  # seconds from the promotion to the first delivery of a new enqueue
 DRAIN_WITHIN = 30.0  # seconds from the last enqueue to every row finished
 ASYNC_DELAY = 0.02  # the asynchronous standby's lag, each way
-SLOW_CALL = 4.0  # seconds the provider takes to answer the operation in flight at the crash
 
 
 class Producer(threading.Thread):
@@ -96,10 +95,10 @@ class Producer(threading.Thread):
 
 
 def enqueue_with_call(
-    url: str, receiver: FakeWebhookReceiver, name: str, answer_after: float
-) -> str:
-    """Enqueue ``name``, whose call the provider answers ``answer_after`` seconds after acting,
-    and wait until the call reached the provider; returns its idempotency key."""
+    url: str, receiver: FakeWebhookReceiver, name: str, answer_after: float | None
+) -> Hold | None:
+    """Enqueue ``name``, whose call the provider answers ``answer_after`` seconds after acting
+    (None: when the returned hold is released), and wait until the call reached the provider."""
     with psycopg.connect(url) as conn:
         op = outbox.enqueue(
             conn,
@@ -115,12 +114,16 @@ def enqueue_with_call(
         ).fetchone()
         assert row is not None
         key = str(row[0])
-        receiver.inject(WebhookFault.delay_after_apply(answer_after), key=key)
+        held = None
+        if answer_after is None:
+            held = receiver.hold(key)
+        else:
+            receiver.inject(WebhookFault.delay_after_apply(answer_after), key=key)
         conn.commit()
     wait_until(
         lambda: receiver.effect_count(key) == 1, timeout=10, what=f"{name}'s call", interval=0.002
     )
-    return key
+    return held
 
 
 def status_on(url: str, name: str) -> str | None:
@@ -131,11 +134,13 @@ def status_on(url: str, name: str) -> str | None:
     return None if row is None else str(row[0])
 
 
-def crash(pair: ReplicatedPair, receiver: FakeWebhookReceiver) -> None:
-    """Kill the primary with a call under way ("slow": its answer comes after the promotion,
-    so its record meets the new primary). Under asynchronous replication, first cut the standby
-    off and let a call end and be recorded ("stale") on the primary alone: the new primary then
-    has "stale" in flight under this process's own lease, and lacks "slow" altogether."""
+def crash(pair: ReplicatedPair, receiver: FakeWebhookReceiver) -> Hold:
+    """Kill the primary with a call under way ("slow": the provider holds its answer until
+    the caller releases it after the promotion, so its record meets the new primary; an answer
+    timed instead came before the kill on a loaded machine, and was recorded on the old one).
+    Under asynchronous replication, first cut the standby off and let a call end and be
+    recorded ("stale") on the primary alone: the new primary then has "stale" in flight under
+    this process's own lease, and lacks "slow" altogether."""
     if not pair.synchronous:
         enqueue_with_call(pair.url, receiver, "stale", answer_after=1.0)
         # The relay lags and the standby replays when it can: cut it off only once it holds the
@@ -147,7 +152,8 @@ def crash(pair: ReplicatedPair, receiver: FakeWebhookReceiver) -> None:
             interval=0.005,
         )
         pair.pause_replication()
-    enqueue_with_call(pair.url, receiver, "slow", answer_after=SLOW_CALL)
+    slow = enqueue_with_call(pair.url, receiver, "slow", answer_after=None)
+    assert slow is not None
     if not pair.synchronous:
         wait_until(
             lambda: status_on(pair.primary.url, "stale") == "succeeded",
@@ -155,6 +161,7 @@ def crash(pair: ReplicatedPair, receiver: FakeWebhookReceiver) -> None:
             what="the stale operation's record on the old primary",
         )
     pair.kill_primary()
+    return slow
 
 
 def rows(url: str) -> dict[str, tuple[str, str]]:
@@ -208,11 +215,12 @@ def fail_over(pair: ReplicatedPair, receiver: FakeWebhookReceiver, tmp_path: Pat
         wait_until(lambda: http_status(ready) == 200, timeout=30, what="ready")
         producer.start()
         time.sleep(BEFORE)
-        crash(pair, receiver)
+        slow = crash(pair, receiver)
         wait_until(lambda: http_status(ready) == 503, timeout=10, what="503", interval=0.1)
         time.sleep(DOWN)
         pair.promote()
         promoted = time.monotonic()
+        slow.release()
         wait_until(lambda: http_status(ready) == 200, timeout=10, what="200 again", interval=0.1)
         time.sleep(AFTER)
         producer.stop.set()
