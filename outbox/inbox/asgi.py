@@ -16,10 +16,10 @@ from typing import Any, Final
 
 import psycopg
 import structlog
-from psycopg_pool import PoolTimeout
 
 from outbox.inbox import meters
 from outbox.inbox.core import (
+    UNAVAILABLE,
     Decision,
     Delivery,
     Identity,
@@ -54,12 +54,6 @@ FINAL: Final = frozenset(
 # What the app may answer in all, recorded or not: a response is buffered before COMMIT.
 _RESPONSE_CAP: Final = 16 * 1024 * 1024
 # Database trouble that a redelivery may not meet: the sender should try again shortly.
-_UNAVAILABLE: Final = (
-    psycopg.errors.SerializationFailure,
-    psycopg.errors.DeadlockDetected,
-    psycopg.OperationalError,
-    PoolTimeout,
-)
 log = structlog.get_logger("outbox.inbox")
 
 
@@ -159,7 +153,11 @@ class InboxMiddleware:
 
     async def _deliver(self, scope: Scope, receive: Receive, handler: str) -> tuple[Outcome, str]:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        body = await _read_body(receive, self.max_body_bytes)
+        try:
+            body = await _read_body(receive, self.max_body_bytes)
+        except CutShort:
+            # Nobody hears this answer; nothing was decided, recorded or handled.
+            return problem(400, "delivery cut short", "the body never ended", "invalid"), "invalid"
         if body is None:
             detail = f"at most {self.max_body_bytes} bytes"
             return problem(413, "body too large", detail, "invalid"), "invalid"
@@ -185,7 +183,7 @@ class InboxMiddleware:
             error = type(exc.__cause__).__name__
             log.error("inbox handler failed", handler=handler, error=error)  # noqa: TRY400
             return problem(500, "handler failed", "nothing was recorded", "failed"), "failed"
-        except _UNAVAILABLE as exc:
+        except UNAVAILABLE as exc:
             log.warning("inbox database unavailable", handler=handler, error=type(exc).__name__)
             detail = "nothing was recorded"
             answer = problem(503, "try again", detail, "unavailable", self.retry_after)
@@ -279,13 +277,18 @@ def _is_json(headers: Headers) -> bool:
     return media == "application/json" or media.endswith("+json")
 
 
+class CutShort(Exception):
+    """The sender went away before the whole body arrived: a part is never a delivery."""
+
+
 async def _read_body(receive: Receive, limit: int) -> bytes | None:
-    """The whole request body, or None past ``limit`` bytes."""
+    """The whole request body, or None past ``limit`` bytes; raises CutShort when the sender
+    hangs up before its last part, so that a truncated body is never decided or handled."""
     body = bytearray()
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            break
+            raise CutShort
         body += message.get("body", b"")
         if len(body) > limit:
             return None

@@ -21,7 +21,7 @@ from uuid import UUID
 
 import psycopg
 from psycopg.types.json import Jsonb
-from psycopg_pool import AsyncConnectionPool
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from outbox.inbox import statements
 
@@ -32,6 +32,15 @@ if TYPE_CHECKING:
 # database failed": data exceptions (a body that is not JSON PostgreSQL can store: 22P02, 22P05),
 # program limits (a body nested too deep: 54001) and outbox's own refusals of an identity (OB002).
 _MALFORMED: Final = ("22", "54", "OB")
+
+
+# Database trouble a redelivery may not meet: answered "try again shortly", nothing recorded.
+UNAVAILABLE: Final = (
+    psycopg.errors.SerializationFailure,
+    psycopg.errors.DeadlockDetected,
+    psycopg.OperationalError,
+    PoolTimeout,
+)
 
 
 class Decision(StrEnum):

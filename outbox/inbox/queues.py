@@ -14,12 +14,18 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Final
 
-import psycopg
 import structlog
-from psycopg_pool import PoolTimeout
 
 from outbox.inbox import meters
-from outbox.inbox.core import Decision, Delivery, Identity, Inbox, InvalidDelivery, Outcome
+from outbox.inbox.core import (
+    UNAVAILABLE,
+    Decision,
+    Delivery,
+    Identity,
+    Inbox,
+    InvalidDelivery,
+    Outcome,
+)
 from outbox.inbox.http import KeyFrom, TenantFrom
 
 # What a queue handler's outcome is recorded as: a success, or a refusal (Refuse).
@@ -75,7 +81,7 @@ class Consumer:
             settled = await self._decide(identity, body)
         except InvalidDelivery:
             settled = Settled(Verdict.DROP, "invalid")
-        except (psycopg.OperationalError, PoolTimeout, psycopg.errors.SerializationFailure) as exc:
+        except UNAVAILABLE as exc:
             error = type(exc).__name__
             log.warning("inbox database unavailable", handler=self.handler, error=error)
             settled = Settled(Verdict.RETRY, "unavailable", self.retry_after)

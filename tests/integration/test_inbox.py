@@ -12,7 +12,7 @@ import json
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, MutableMapping
 from datetime import timedelta
 from typing import Any, Literal, LiteralString
 
@@ -251,6 +251,43 @@ async def test_a_body_postgresql_cannot_store_is_refused_and_records_nothing(
         ]
     assert [a.status_code for a in answers] == [400, 400]
     assert (count(db_url, EFFECTS), count(db_url, "SELECT count(*) FROM outbox.inbox")) == (0, 0)
+
+
+async def test_a_delivery_cut_short_is_never_decided_or_handled(
+    db_url: str, pool: AsyncConnectionPool[Any]
+) -> None:
+    """The sender hangs up after the first part of a body that is not JSON (nothing in the
+    bytes can tell a part from the whole): no record, no effect; the whole delivery, sent
+    again, is new and handled once."""
+    app = app_with(Inbox(pool), created)
+    scope = {
+        "type": "http", "method": "POST", "path": "/work", "query_string": b"",
+        "headers": [(b"content-type", b"application/octet-stream"),
+                    (b"idempotency-key", b"k"), (b"outbox-tenant-id", b"acme")],
+    }  # fmt: skip
+    parts: list[dict[str, Any]] = [
+        {"type": "http.request", "body": b"first half", "more_body": True},
+        {"type": "http.disconnect"},
+    ]
+    sent: list[MutableMapping[str, Any]] = []
+
+    async def receive() -> MutableMapping[str, Any]:
+        return parts.pop(0)
+
+    async def send(message: MutableMapping[str, Any]) -> None:
+        sent.append(message)
+
+    await app(scope, receive, send)
+    assert sent[0]["status"] == 400
+    assert (count(db_url, EFFECTS), count(db_url, "SELECT count(*) FROM outbox.inbox")) == (0, 0)
+    async with client(app) as c:
+        whole = await c.post(
+            "/work", content=b"first half, second half",
+            headers={"Content-Type": "application/octet-stream", "Idempotency-Key": "k",
+                     "Outbox-Tenant-Id": "acme"},
+        )  # fmt: skip
+    assert whole.headers["Outbox-Inbox-Decision"] == "new"
+    assert count(db_url, EFFECTS) == 1
 
 
 async def test_a_new_delivery_that_records_no_outcome_is_rolled_back(

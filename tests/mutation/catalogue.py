@@ -1319,4 +1319,12 @@ MUTANTS: tuple[Mutant, ...] = (
         "tests/integration/test_inbox_sqs.py"
         "::test_a_failing_handler_gets_its_message_again_and_converges",
     ),
+    _one(
+        "inbox-handles-a-part",
+        "a delivery whose sender hung up mid-body is decided and handled on the part that came",
+        "outbox/inbox/asgi.py",
+        "            raise CutShort\n",
+        "            break\n",
+        INBOX_TESTS + "::test_a_delivery_cut_short_is_never_decided_or_handled",
+    ),
 )
