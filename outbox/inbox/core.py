@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Final
 from uuid import UUID
 
 import psycopg
+from psycopg.pq import TransactionStatus
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
@@ -95,19 +96,15 @@ class Delivery:
     recorded: Outcome | None = None
     _inbox_id: int | None = None
     _token: UUID | None = None
-    _completed: bool = field(default=False, repr=False)
+    _outcome: dict[str, Any] | None = field(default=None, repr=False)
     _rollback: bool = field(default=False, repr=False)
 
     async def complete(self, outcome: Outcome) -> None:
-        """Record ``outcome`` in this transaction: it commits with the handler's writes."""
+        """Record ``outcome`` in this transaction: it commits with the handler's writes (sent
+        with the COMMIT, in one round trip; the last call's outcome is the one recorded)."""
         if self.decision is not Decision.NEW or self.conn is None:
             raise RuntimeError(f"a {self.decision} delivery records nothing")
-        params = outcome_params(self._inbox_id, self._token, outcome)
-        row = await (await self.conn.execute(statements.COMPLETE, params)).fetchone()
-        if row is None or row[0] is not True:
-            # Only this transaction knows the token: a false here is a bug, not a race.
-            raise RuntimeError("the inbox record of this delivery is no longer in progress")
-        self._completed = True
+        self._outcome = outcome_params(self._inbox_id, self._token, outcome)
 
     def roll_back(self) -> None:
         """Record nothing and undo the handler's writes: the sender will deliver again."""
@@ -140,7 +137,11 @@ class Inbox:
         recorded, ROLLBACK if ``roll_back`` was asked or the block raised. Raises
         ``InvalidDelivery`` for a malformed identity or body, ``NoOutcome`` for a new delivery
         that ended with neither."""
-        async with self._flight(identity) as left, self.pool.connection() as conn:
+        async with (
+            self._flight(identity) as left,
+            self.pool.connection() as conn,
+            _explicit_transactions(conn),
+        ):
             delivery = await self._begin(conn, identity, body, is_json, left)
             try:
                 yield delivery
@@ -200,8 +201,15 @@ class Inbox:
     ) -> Delivery:
         params = body_params(identity, body, is_json)
         params.update(wait=wait, retention=self.retention)
+        isolation = None
+        if conn.isolation_level is not None:
+            isolation = psycopg.IsolationLevel(conn.isolation_level).name.replace("_", " ")
+        query = statements.begin_and_decide(isolation, conn.read_only, conn.deferrable)
         try:
-            row = await (await conn.execute(statements.BEGIN, params)).fetchone()
+            cur = psycopg.AsyncClientCursor(conn)
+            await cur.execute(query, params)
+            cur.nextset()  # past BEGIN's result, to inbox_begin's row
+            row = await cur.fetchone()
         except psycopg.Error as exc:
             await conn.rollback()
             if malformed(exc):
@@ -257,13 +265,40 @@ def malformed(exc: psycopg.Error) -> bool:
 
 
 async def _finish(conn: psycopg.AsyncConnection[Any], delivery: Delivery) -> None:
-    """COMMIT what may be kept; roll back a new delivery with no recorded outcome."""
-    if delivery.decision is Decision.NEW and (delivery._rollback or not delivery._completed):
+    """COMMIT what may be kept, a new delivery's outcome with it; roll back a new delivery with
+    no recorded outcome."""
+    if delivery.decision is not Decision.NEW:
+        await conn.commit()  # a conflict's count; nothing else was written
+        return
+    if delivery._rollback or delivery._outcome is None:
         await conn.rollback()
         if not delivery._rollback:
             raise NoOutcome(f"handler {delivery.identity.handler} recorded no outcome")
         return
-    await conn.commit()
+    cur = psycopg.AsyncClientCursor(conn)
+    await cur.execute(statements.COMPLETE_AND_COMMIT, delivery._outcome)
+    row = await cur.fetchone()
+    if row is None or row[0] is not True:
+        # Unreachable while OB006 stands: the COMMIT of a record in progress is refused.
+        raise RuntimeError("the inbox record of this delivery was not in progress")
+
+
+@asynccontextmanager
+async def _explicit_transactions(conn: psycopg.AsyncConnection[Any]) -> AsyncIterator[None]:
+    """The connection in autocommit while the inbox has it, so that psycopg sends no BEGIN of its
+    own (statements.begin_and_decide sends it with the decision); as it was when it goes back to
+    the pool. A connection left in a transaction by a failure is rolled back first."""
+    before = conn.autocommit
+    if not before:
+        await conn.set_autocommit(True)
+    try:
+        yield
+    finally:
+        if not before:
+            with suppress(psycopg.Error):
+                if conn.info.transaction_status != TransactionStatus.IDLE:
+                    await conn.rollback()
+                await conn.set_autocommit(False)
 
 
 async def _roll_back(conn: psycopg.AsyncConnection[Any]) -> None:

@@ -18,6 +18,28 @@ COMPLETE: Final = (
     "SELECT outbox.inbox_complete(%(inbox_id)s, %(token)s, %(status)s, %(headers)s, %(body)s)"
 )
 
+# A delivery in transaction mode costs the sender's latency two round trips fewer than BEGIN,
+# BEGIN's statement, the handler's, COMPLETE and COMMIT one by one: the transaction's start goes
+# with the decision and the outcome with the COMMIT, each pair one simple query that psycopg's
+# client-side binding sends (docs/design.md, "The inbox", "Round trips"). Safe to pair: an error
+# in the first statement stops the second, and a COMMIT of a record still in progress is refused
+# by the deferred trigger inbox_outcome_before_commit (OB006).
+COMPLETE_AND_COMMIT: Final = COMPLETE + "; COMMIT"
+
+
+def begin_and_decide(isolation: str | None, read_only: bool | None, deferrable: bool | None) -> str:
+    """BEGIN, with the characteristics the connection asks of its transactions (as psycopg's
+    own BEGIN would), then BEGIN's statement: one query."""
+    parts = ["BEGIN"]
+    if isolation is not None:
+        parts.append(f"ISOLATION LEVEL {isolation}")
+    if read_only is not None:
+        parts.append("READ ONLY" if read_only else "READ WRITE")
+    if deferrable is not None:
+        parts.append("DEFERRABLE" if deferrable else "NOT DEFERRABLE")
+    return " ".join(parts) + "; " + BEGIN
+
+
 # At most `batch` completed records past their retention. Relies on: outbox.inbox_prune().
 PRUNE: Final = "SELECT outbox.inbox_prune(%(batch)s)"
 
