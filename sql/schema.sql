@@ -1,5 +1,5 @@
 -- sql/schema.sql: the outbox schema as the migrations of sql/ leave it
--- (every migration up to 0042_inbox).
+-- (every migration up to 0043_inbox_conflicts_bounded).
 --
 -- GENERATED FILE: DO NOT EDIT IT BY HAND. It is regenerated, after adding a migration, by
 --     python -m outbox.db.schema_dump --dsn postgresql://postgres@127.0.0.1:5432/postgres --output sql/schema.sql
@@ -1758,18 +1758,30 @@ $function$;
 
 -- =================================================================================================
 -- function outbox.inbox_count_conflict(bigint,bytea)
--- history: created by 0042_inbox
+-- history: created by 0042_inbox; changed by 0043_inbox_conflicts_bounded
 
 CREATE OR REPLACE FUNCTION outbox.inbox_count_conflict(inbox_id bigint, digest bytea)
  RETURNS void
- LANGUAGE sql
+ LANGUAGE plpgsql
  SET search_path TO 'pg_catalog', 'pg_temp'
 AS $function$
+DECLARE
+    v_digest bytea := digest;
+BEGIN
+    IF NOT EXISTS (SELECT FROM outbox.inbox_conflicts c
+                   WHERE c.inbox_id = inbox_count_conflict.inbox_id AND c.body_digest = digest)
+       AND (SELECT count(*) FROM (SELECT FROM outbox.inbox_conflicts c
+                                  WHERE c.inbox_id = inbox_count_conflict.inbox_id
+                                  LIMIT 32) AS kept) >= 32 THEN
+        v_digest := '\x'::bytea;  -- the overflow row: 'other bodies'
+    END IF;
     INSERT INTO outbox.inbox_conflicts AS c (inbox_id, body_digest)
-    VALUES (inbox_count_conflict.inbox_id, inbox_count_conflict.digest)
+    VALUES (inbox_count_conflict.inbox_id, v_digest)
     ON CONFLICT ON CONSTRAINT inbox_conflicts_pkey
-    DO UPDATE SET seen = c.seen + 1, last_seen_at = now()
+    DO UPDATE SET seen = c.seen + 1, last_seen_at = now();
+END;
 $function$;
+COMMENT ON FUNCTION outbox.inbox_count_conflict(bigint,bytea) IS 'Counts a conflicting delivery against its record: at most 32 distinct bodies, then one overflow row (sql/0043).';
 -- privileges: the owner's only
 
 -- =================================================================================================

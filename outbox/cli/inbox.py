@@ -110,9 +110,10 @@ def show(dsn: str, inbox_id: int, body: bool, as_json: bool) -> None:
     if body:
         click.echo(printable(stored.decode("utf-8", "replace")))
     for c in record["conflicts"]:
+        # An empty digest is the overflow row: bodies past the first 32 (sql/0043).
+        what = f"body {c['body_digest'][:16]}..." if c["body_digest"] else "other bodies"
         click.echo(
-            f"conflict: body {c['body_digest'][:16]}... seen {c['seen']} times, "
-            f"last {c['last_seen_at']:%Y-%m-%d %H:%M:%S%z}"
+            f"conflict: {what} seen {c['seen']} times, last {c['last_seen_at']:%Y-%m-%d %H:%M:%S%z}"
         )
 
 

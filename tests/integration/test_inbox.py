@@ -515,3 +515,32 @@ def test_the_workers_role_records_deliveries_and_can_do_nothing_else(
         conn.commit()
     assert count(db_url, "SELECT count(*) FROM outbox.inbox WHERE state = 'completed'") == 2
     assert count(db_url, EFFECTS) == 1
+
+
+@pytest.mark.parametrize("seed", [7, 1913])
+def test_a_flood_of_other_bodies_under_one_key_keeps_a_bounded_count(
+    db_url: str, seed: int
+) -> None:
+    """A sender that changes its body on every try (a timestamp in the payload, or one built to
+    hurt) adds at most 32 distinct rows and one overflow row per record, whatever it sends;
+    the total seen stays exact and the record keeps its first outcome (sql/0043)."""
+    rng = random.Random(seed)
+    bodies = [json.dumps({"n": rng.randrange(40), "at": i // 3}) for i in range(300)]
+    with psycopg.connect(db_url) as conn:
+        _, inbox_id, token = begin(conn, "key:flood", json.dumps({"first": True}))
+        conn.execute("SELECT outbox.inbox_complete(%s, %s, 201, '[]', 'one')", (inbox_id, token))
+        conn.commit()
+        decisions = [begin(conn, "key:flood", body)[0] for body in bodies]
+        conn.commit()
+        rows = conn.execute(
+            "SELECT count(*), sum(seen), count(*) FILTER (WHERE body_digest = '') "
+            "FROM outbox.inbox_conflicts WHERE inbox_id = %s",
+            (inbox_id,),
+        ).fetchone()
+        stored = conn.execute(
+            "SELECT response_status, response_body FROM outbox.inbox WHERE id = %s", (inbox_id,)
+        ).fetchone()
+    assert set(decisions) == {"conflict"}
+    distinct = len(set(bodies))
+    assert rows == (min(distinct, 32) + (distinct > 32), len(bodies), int(distinct > 32))
+    assert stored == (201, b"one")

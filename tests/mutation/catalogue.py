@@ -1175,6 +1175,14 @@ MUTANTS: tuple[Mutant, ...] = (
         + "::test_the_same_key_with_other_input_is_a_conflict_and_the_first_invoice_stays",
     ),
     _one(
+        "inbox-conflicts-unbounded",
+        "a sender that changes its body on every try grows a record's conflicts by a row each",
+        "sql/0043_inbox_conflicts_bounded.sql",
+        "        v_digest := '\\x'::bytea;  -- the overflow row: 'other bodies'\n",
+        "        NULL;\n",
+        INBOX_TESTS + "::test_a_flood_of_other_bodies_under_one_key_keeps_a_bounded_count",
+    ),
+    _one(
         "inbox-completion-unfenced",
         "a transaction completes a record it did not begin",
         INBOX_SQL,
