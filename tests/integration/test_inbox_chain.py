@@ -1,5 +1,5 @@
 """The whole chain, with kills (issue 40): an application enqueues ``invoice.generate`` with its
-business write, a real `outbox run` sends it with the webhook provider, and
+business write, a real `outbox run` sends it with the http provider (or its webhook preset), and
 examples/invoice-worker records it through the inbox. The dispatcher and the worker are
 SIGKILLed at seeded moments and started again. The end state is counted in rows: every
 operation succeeded, exactly one invoice and one inbox record per operation, none lost, none
@@ -55,12 +55,15 @@ def test_a_seeded_chain_with_kills_loses_and_doubles_no_invoice(
     enqueue_with_orders(db_url, rng)
     delay = rng.choice([20, 60, 150])
     worker = InvoiceWorker(db_url, tmp_path / "worker.log", workers=2, delay_ms=delay).start()
-    hook = {
-        "type": "webhook",
-        "url": f"{worker.url}/invoices",
-        "timeout": "2s",
-        "breaker_open_for": "500ms",
-    }
+    # The README's `http` provider with outbox's headers, or the webhook preset: both send the
+    # operation's identity, so either chain needs no configuration at the worker.
+    hook: dict[str, object] = {"timeout": "2s", "breaker_open_for": "500ms"}
+    if rng.random() < 0.5:
+        hook.update(type="webhook", url=f"{worker.url}/invoices")
+    else:
+        hook.update(type="http", base_url=worker.url, outbox_headers=True)
+        hook["actions"] = {"invoice.generate": {"path": "/invoices"}}
+    said += f", {hook['type']} provider"
     config = write_config(tmp_path / "outbox.toml", providers={"invoices": hook}, **FAST_RUN)
     run = OutboxProcess(db_url, config, tmp_path / "run.log")
     try:
