@@ -1,6 +1,8 @@
 """The inbox's database-wide gauges, read every ``every`` seconds by whichever process runs
 ``watch`` (a worker's lifespan, say), through ``outbox.inbox_gauges()`` so that a worker's role
-needs no table privilege. A handler that had figures and has none now reads 0, not its last."""
+needs no table privilege. A handler that had figures and has none now reads 0, not its last.
+``outbox_inbox_database_up`` says whether the last read succeeded: the alerts leave out a
+process whose gauges are stale."""
 
 from __future__ import annotations
 
@@ -39,5 +41,8 @@ async def watch(pool: AsyncConnectionPool[Any], *, every: float = 15.0) -> None:
         try:
             await refresh(pool, known)
         except (psycopg.Error, PoolTimeout) as exc:
+            meters.DATABASE_UP.set(0)
             log.warning("inbox gauges not read", error=type(exc).__name__)
+        else:
+            meters.DATABASE_UP.set(1)
         await asyncio.sleep(every)

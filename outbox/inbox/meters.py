@@ -38,3 +38,11 @@ ABANDONED: Final = Gauge(
     "(database-wide).",
     ["handler"],
 )
+# This process's own: whether its last read of the gauges above succeeded. While it is 0 they
+# keep their last values, so the alerts that read them leave this process out (as
+# outbox_database_up does for the dispatcher's gauges).
+DATABASE_UP: Final = Gauge(
+    "outbox_inbox_database_up",
+    "1 when this process's last read of the inbox's gauges succeeded, 0 when its database did "
+    "not answer (the gauges then keep their last values).",
+)

@@ -4,6 +4,8 @@ first increment, so ten quarantines on a new provider showed Prometheus a series
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from typing import Any
 
 import psycopg
@@ -13,6 +15,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from outbox.daemon import gauges
 from outbox.db.probe import DatabaseProbe
+from outbox.inbox import gauges as inbox_gauges
 from outbox.observability import metrics
 from outbox.providers.base import Provider
 from tests.support.cluster import free_port
@@ -69,3 +72,29 @@ async def test_the_database_being_unreachable_and_stale_gauges_are_visible(
     assert REGISTRY.get_sample_value("outbox_database_up") == 1
     await gauges.refresh(pool, {})
     assert (REGISTRY.get_sample_value("outbox_gauges_refreshed_timestamp_seconds") or 0.0) > before
+
+
+async def test_the_inbox_says_when_its_gauges_could_not_be_read(
+    pool: AsyncConnectionPool[Any],
+) -> None:
+    """A worker whose database is down keeps its inbox gauges' last values: it says so in
+    outbox_inbox_database_up, which the inbox's alerts read to leave it out."""
+    nowhere = f"host=127.0.0.1 port={free_port()} user=postgres connect_timeout=1"
+    up = "outbox_inbox_database_up"
+    # Up first, so that the 0 after it is a change, not the gauge's initial value.
+    for target, expected in ((pool, 1), (AsyncConnectionPool(nowhere, open=False, timeout=0.5), 0)):
+        if target is not pool:
+            await target.open(wait=False)
+        watching = asyncio.create_task(inbox_gauges.watch(target, every=0.05))
+        try:
+            for _ in range(100):
+                await asyncio.sleep(0.05)
+                if REGISTRY.get_sample_value(up) == expected:
+                    break
+            assert REGISTRY.get_sample_value(up) == expected
+        finally:
+            watching.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watching
+            if target is not pool:
+                await target.close()
