@@ -1,5 +1,5 @@
 -- sql/schema.sql: the outbox schema as the migrations of sql/ leave it
--- (every migration up to 0043_inbox_conflicts_bounded).
+-- (every migration up to 0044_inbox_begin_without_a_subtransaction).
 --
 -- GENERATED FILE: DO NOT EDIT IT BY HAND. It is regenerated, after adding a migration, by
 --     python -m outbox.db.schema_dump --dsn postgresql://postgres@127.0.0.1:5432/postgres --output sql/schema.sql
@@ -524,17 +524,20 @@ COMMENT ON FUNCTION outbox.bind_tenant(text) IS 'Binds this transaction, and onl
 
 -- =================================================================================================
 -- function outbox.bound_tenant()
--- history: created by 0011_security_definer; changed by 0038_bindings_end_with_their_transaction
+-- history: created by 0011_security_definer; changed by 0038_bindings_end_with_their_transaction,
+--     0044_inbox_begin_without_a_subtransaction
 
 CREATE OR REPLACE FUNCTION outbox.bound_tenant()
  RETURNS text
- LANGUAGE sql
+ LANGUAGE plpgsql
  STABLE
  SET search_path TO 'pg_catalog', 'pg_temp'
 AS $function$
-    SELECT CASE WHEN current_setting('outbox.tenant_bound_at', true)
+BEGIN
+    RETURN CASE WHEN current_setting('outbox.tenant_bound_at', true)
                      = to_char(transaction_timestamp() AT TIME ZONE 'UTC', 'YYYYMMDDHH24MISSUS')
-                THEN nullif(current_setting('outbox.tenant_id', true), '') END
+                THEN nullif(current_setting('outbox.tenant_id', true), '') END;
+END;
 $function$;
 -- privileges: the owner's only
 
@@ -1563,7 +1566,7 @@ $function$;
 
 -- =================================================================================================
 -- function outbox.inbox_begin(text,text,text,text,bytea,interval,interval)
--- history: created by 0042_inbox
+-- history: created by 0042_inbox; changed by 0044_inbox_begin_without_a_subtransaction
 
 CREATE OR REPLACE FUNCTION outbox.inbox_begin(tenant_id text, handler text, key text, body_json text, body_raw bytea, wait interval, retention interval, OUT decision text, OUT inbox_id bigint, OUT token uuid, OUT response_status integer, OUT response_headers jsonb, OUT response_body bytea)
  RETURNS record
@@ -1573,26 +1576,22 @@ CREATE OR REPLACE FUNCTION outbox.inbox_begin(tenant_id text, handler text, key 
 AS $function$
 DECLARE
     v_digest bytea;
-    v_wait   text;
-    v_old    text := current_setting('lock_timeout');
+    v_lock   integer;
+    v_old    text;
     r        outbox.inbox;
 BEGIN
     PERFORM outbox.check_between('wait', wait, interval '0', interval '60 seconds');
     PERFORM outbox.check_between('retention', retention, interval '1 hour', interval '400 days');
     v_digest := outbox.inbox_admit(tenant_id, handler, key, body_json, body_raw);
-    -- lock_timeout 0 would mean "wait for ever": a wait of 0 is one millisecond.
-    v_wait := greatest(1, ceil(extract(epoch FROM wait) * 1000))::bigint || 'ms';
-
-    -- A record deleted between the INSERT and the SELECT (pruned or forgotten): try again.
-    FOR attempt IN 1..3 LOOP
+    v_lock := hashtext(tenant_id || E'\n' || handler || E'\n' || key);
+    IF NOT pg_try_advisory_xact_lock(2828, v_lock) THEN  -- 2828 = 0x0B0C
+        v_old := current_setting('lock_timeout');
         BEGIN
-            PERFORM set_config('lock_timeout', v_wait, true);
-            INSERT INTO outbox.inbox AS i (tenant_id, handler, key, state, body_digest, token,
-                                           expires_at)
-            VALUES (tenant_id, handler, key, 'in_progress', v_digest, gen_random_uuid(),
-                    now() + retention)
-            ON CONFLICT ON CONSTRAINT inbox_identity DO NOTHING
-            RETURNING i.id, i.token INTO inbox_id, token;
+            -- lock_timeout 0 would mean "wait for ever": a wait of 0 is one millisecond.
+            PERFORM set_config('lock_timeout',
+                               greatest(1, ceil(extract(epoch FROM wait) * 1000))::bigint || 'ms',
+                               true);
+            PERFORM pg_advisory_xact_lock(2828, v_lock);
             PERFORM set_config('lock_timeout', v_old, true);
         EXCEPTION WHEN lock_not_available THEN
             -- The first delivery's transaction still holds the identity: rolled back to here,
@@ -1600,6 +1599,16 @@ BEGIN
             decision := 'in_progress';
             RETURN;
         END;
+    END IF;
+
+    -- A record deleted between the INSERT and the SELECT (pruned or forgotten): try again.
+    FOR attempt IN 1..3 LOOP
+        INSERT INTO outbox.inbox AS i (tenant_id, handler, key, state, body_digest, token,
+                                       expires_at)
+        VALUES (tenant_id, handler, key, 'in_progress', v_digest, gen_random_uuid(),
+                now() + retention)
+        ON CONFLICT ON CONSTRAINT inbox_identity DO NOTHING
+        RETURNING i.id, i.token INTO inbox_id, token;
         IF inbox_id IS NOT NULL THEN
             decision := 'new';
             RETURN;
