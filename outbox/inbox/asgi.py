@@ -162,8 +162,9 @@ class InboxMiddleware:
             detail = f"at most {self.max_body_bytes} bytes"
             return problem(413, "body too large", detail, "invalid"), "invalid"
         try:
-            identity = self._identity(headers, handler)
-        except (MissingIdentity, UnicodeDecodeError) as exc:
+            key = self.key.read(headers, body)
+            identity = Identity(self.tenant.read(headers), handler, key)
+        except MissingIdentity as exc:
             return problem(400, "no delivery identity", str(exc), "invalid"), "invalid"
         return await self._decide(scope, receive, body, identity, _is_json(headers))
 
@@ -192,15 +193,6 @@ class InboxMiddleware:
             # A statement or the COMMIT failed (a deferred constraint, OB006): rolled back.
             log.error("inbox delivery failed", handler=handler, sqlstate=exc.sqlstate)  # noqa: TRY400
             return problem(500, "not recorded", "the transaction failed", "failed"), "failed"
-
-    def _identity(self, headers: Headers, handler: str) -> Identity:
-        key = self.key.read(headers)
-        tenant = self.tenant.read(headers)
-        if key is None:
-            raise MissingIdentity("the delivery names no idempotency key")
-        if tenant is None:
-            raise MissingIdentity("the delivery names no tenant")
-        return Identity(tenant, handler, key)
 
     async def _handle(
         self, scope: Scope, receive: Receive, body: bytes, d: Delivery

@@ -26,7 +26,7 @@ from outbox.inbox.core import (
     InvalidDelivery,
     Outcome,
 )
-from outbox.inbox.http import KeyFrom, TenantFrom
+from outbox.inbox.http import KeyFrom, MissingIdentity, TenantFrom
 
 # What a queue handler's outcome is recorded as: a success, or a refusal (Refuse).
 ACCEPTED: Final = Outcome(200, (), b"")
@@ -54,6 +54,7 @@ class Settled:
     verdict: Verdict
     decision: str  # the metric label: a Decision, or invalid, failed, unavailable
     delay: float = 0.0  # seconds, for RETRY
+    reason: str | None = None  # why an invalid message was dropped; never its content
 
 
 @dataclass(frozen=True)
@@ -72,15 +73,10 @@ class Consumer:
     async def settle(self, headers: Mapping[str, str], body: bytes) -> Settled:
         """Decide one message (``headers`` with lower-case names), run ``handle`` for a new one
         in its transaction, and say what to do with the message once this returns, which is
-        after COMMIT."""
-        key_of, tenant_of = self.key.read(headers), self.tenant.read(headers)
-        if key_of is None or tenant_of is None:
-            return _counted(self.handler, Settled(Verdict.DROP, "invalid"))
-        identity = Identity(tenant_of, self.handler, key_of)
+        after COMMIT. Never raises: a message without an identity, or one the database refuses,
+        is dropped with the reason; a failure of anything else is a retry."""
         try:
-            settled = await self._decide(identity, body)
-        except InvalidDelivery:
-            settled = Settled(Verdict.DROP, "invalid")
+            settled = await self._identified(headers, body)
         except UNAVAILABLE as exc:
             error = type(exc).__name__
             log.warning("inbox database unavailable", handler=self.handler, error=error)
@@ -91,6 +87,17 @@ class Consumer:
             log.error("inbox handler failed", handler=self.handler, error=error)  # noqa: TRY400
             settled = Settled(Verdict.RETRY, "failed", self.retry_after)
         return _counted(self.handler, settled)
+
+    async def _identified(self, headers: Mapping[str, str], body: bytes) -> Settled:
+        try:
+            key = self.key.read(headers, body)
+            identity = Identity(self.tenant.read(headers), self.handler, key)
+            return await self._decide(identity, body)
+        except (MissingIdentity, InvalidDelivery) as exc:
+            # No copy of it can ever be taken: dropped, and said why (the reasons name fields
+            # and pointers, never the message's content).
+            log.warning("inbox message dropped", handler=self.handler, reason=str(exc))
+            return Settled(Verdict.DROP, "invalid", reason=str(exc))
 
     async def _decide(self, identity: Identity, body: bytes) -> Settled:
         async with self.inbox.deliver(identity, body, is_json=self.is_json) as d:
@@ -134,8 +141,8 @@ def message_key(id_header: str) -> KeyFrom:
     publisher's message id, read from ``id_header`` (lower-case): ``msg:<id>``."""
     auto = KeyFrom.auto()
 
-    def read(headers: Mapping[str, str]) -> str | None:
-        found = auto.read(headers)
+    def read(headers: Mapping[str, str], body: bytes) -> str | None:
+        found = auto.source(headers, body)
         if found is None and (message_id := headers.get(id_header)):
             return f"msg:{message_id}"
         return found

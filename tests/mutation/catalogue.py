@@ -1335,4 +1335,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "            break\n",
         INBOX_TESTS + "::test_a_delivery_cut_short_is_never_decided_or_handled",
     ),
+    _one(
+        "inbox-pointer-unescaped-in-the-wrong-order",
+        'a key pointer unescapes "~0" before "~1", so "/a~01b" reads the member "a/b" instead '
+        'of "a~1b": another event\'s id, or none',
+        "outbox/core/json_pointer.py",
+        'p.replace("~1", "/").replace("~0", "~")',
+        'p.replace("~0", "~").replace("~1", "/")',
+        "tests/unit/test_inbox_keys.py",
+    ),
 )
