@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from outbox.core.json_pointer import MISSING, Pointer
-from outbox.inbox.core import Outcome
+from outbox.inbox.core import Identity, Outcome
 
 Headers = Mapping[str, str]  # lower-case names
 # Where a key or a tenant is found: the value, or None where the delivery has none. A source
@@ -66,6 +66,8 @@ _DIGITS: Final = re.compile(r"[0-9]{1,19}")
 # that an over-long value is refused with its reason rather than by the database.
 MAX_KEY: Final = 512
 POINTER_PREFIX: Final = "ptr:"
+# The prefixes of the sources outbox knows, which say where a key came from.
+KEY_SOURCES: Final = frozenset({"op", "key", "task", "msg", "ptr"})
 # What the database refuses in a key (outbox.check_text: Cc, Cf, Zl, Zp), and lone surrogates,
 # which a JSON string may spell (\ud800) but no UTF-8 can carry to PostgreSQL.
 _UNSAFE: Final = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs"})
@@ -176,6 +178,22 @@ def _header_key(headers: Headers, name: str) -> str | None:
     quoted = _SF_STRING.fullmatch(value.strip())
     text = quoted.group(1).replace('\\"', '"').replace("\\\\", "\\") if quoted else value.strip()
     return f"key:{text}" if text else None
+
+
+def traced(identity: Identity) -> dict[str, str | int]:
+    """What a delivery's span shows of its identity: the tenant, where the key came from, and
+    the operation when the key is outbox's (its dispatch span carries the same id). Never
+    another key's value: an Idempotency-Key is the caller's, and whoever holds it with the
+    tenant is answered the recorded response; a pointer's value is the payload's."""
+    source, _, value = identity.key.partition(":")
+    shown: dict[str, str | int] = {
+        "outbox.tenant_id": identity.tenant_id,
+        # A source of the caller's own (KeyFrom(...)) may spell its keys any way: not shown.
+        "outbox.inbox.key_source": source if source in KEY_SOURCES else "other",
+    }
+    if source == "op" and _DIGITS.fullmatch(value):
+        shown["outbox.operation_id"] = int(value)
+    return shown
 
 
 def _pointed_key(pointer: Pointer, body: bytes) -> str:
