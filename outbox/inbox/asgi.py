@@ -36,7 +36,9 @@ from outbox.inbox.http import (
     problem,
     replay,
     stored_headers,
+    traced,
 )
+from outbox.observability import tracing
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -53,7 +55,9 @@ FINAL: Final = frozenset(
 )  # the key of scope["state"] that holds the Delivery
 # What the app may answer in all, recorded or not: a response is buffered before COMMIT.
 _RESPONSE_CAP: Final = 16 * 1024 * 1024
-# Database trouble that a redelivery may not meet: the sender should try again shortly.
+# Decisions whose 5xx no exception explains: their span's error.type is the status, as
+# OpenTelemetry's HTTP conventions have it; a failure that raised has its class there instead.
+_FAILED_BY_STATUS: Final = frozenset({"rolled_back", "abandoned"})
 log = structlog.get_logger("outbox.inbox")
 
 
@@ -127,6 +131,7 @@ class InboxMiddleware:
         self.max_response_bytes = max_response_bytes
         self.retry_after = retry_after
         self.keep_headers = frozenset(name.lower() for name in keep_headers)
+        self._spans = tracing.DeliverySpans()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         handler = None
@@ -135,24 +140,18 @@ class InboxMiddleware:
         if handler is None:
             await self.app(scope, receive, send)
             return
-        started = time.monotonic()
-        answer, decision = await self._deliver(scope, receive, handler)
-        if self.transport == "cloudtasks":
-            answer = for_cloud_tasks(answer, decision)
-        meters.DELIVERIES.labels(handler, decision).inc()
-        # The usual decisions at debug (a busy worker's every request); the rest at info.
-        usual = decision in ("new", "replayed")
-        (log.debug if usual else log.info)(
-            "inbox delivery",
-            handler=handler,
-            decision=decision,
-            status=answer.status,
-            seconds=round(time.monotonic() - started, 4),
-        )
-        await _send(send, answer)
-
-    async def _deliver(self, scope: Scope, receive: Receive, handler: str) -> tuple[Outcome, str]:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        with self._spans.delivery(handler, headers) as span:
+            started = time.monotonic()
+            answer, decision = await self._deliver(scope, receive, headers, handler, span)
+            if self.transport == "cloudtasks":
+                answer = for_cloud_tasks(answer, decision)
+            _show(handler, decision, answer, time.monotonic() - started, span)
+            await _send(send, answer)
+
+    async def _deliver(
+        self, scope: Scope, receive: Receive, headers: Headers, handler: str, span: Any
+    ) -> tuple[Outcome, str]:
         try:
             body = await _read_body(receive, self.max_body_bytes)
         except CutShort:
@@ -162,13 +161,24 @@ class InboxMiddleware:
             detail = f"at most {self.max_body_bytes} bytes"
             return problem(413, "body too large", detail, "invalid"), "invalid"
         try:
-            identity = self._identity(headers, handler)
-        except (MissingIdentity, UnicodeDecodeError) as exc:
+            key = self.key.read(headers, body)
+            identity = Identity(self.tenant.read(headers), handler, key)
+        except MissingIdentity as exc:
             return problem(400, "no delivery identity", str(exc), "invalid"), "invalid"
-        return await self._decide(scope, receive, body, identity, _is_json(headers))
+        tracing.annotate(span, traced(identity))
+        return await self._decide(
+            scope, receive, body, identity, is_json=_is_json(headers), span=span
+        )
 
     async def _decide(
-        self, scope: Scope, receive: Receive, body: bytes, identity: Identity, is_json: bool
+        self,
+        scope: Scope,
+        receive: Receive,
+        body: bytes,
+        identity: Identity,
+        *,
+        is_json: bool,
+        span: Any,
     ) -> tuple[Outcome, str]:
         handler = identity.handler
         try:
@@ -182,25 +192,19 @@ class InboxMiddleware:
             # The exception's class only: its text may quote the payload.
             error = type(exc.__cause__).__name__
             log.error("inbox handler failed", handler=handler, error=error)  # noqa: TRY400
+            tracing.failed(span, error)
             return problem(500, "handler failed", "nothing was recorded", "failed"), "failed"
         except UNAVAILABLE as exc:
             log.warning("inbox database unavailable", handler=handler, error=type(exc).__name__)
+            tracing.failed(span, type(exc).__name__)
             detail = "nothing was recorded"
             answer = problem(503, "try again", detail, "unavailable", self.retry_after)
             return answer, "unavailable"
         except psycopg.Error as exc:
             # A statement or the COMMIT failed (a deferred constraint, OB006): rolled back.
             log.error("inbox delivery failed", handler=handler, sqlstate=exc.sqlstate)  # noqa: TRY400
+            tracing.failed(span, type(exc).__name__)
             return problem(500, "not recorded", "the transaction failed", "failed"), "failed"
-
-    def _identity(self, headers: Headers, handler: str) -> Identity:
-        key = self.key.read(headers)
-        tenant = self.tenant.read(headers)
-        if key is None:
-            raise MissingIdentity("the delivery names no idempotency key")
-        if tenant is None:
-            raise MissingIdentity("the delivery names no tenant")
-        return Identity(tenant, handler, key)
 
     async def _handle(
         self, scope: Scope, receive: Receive, body: bytes, d: Delivery
@@ -249,6 +253,27 @@ class InboxMiddleware:
         return problem(
             409, "in progress", "this delivery is being handled", "in_progress", self.retry_after
         )
+
+
+def _show(handler: str, decision: str, answer: Outcome, seconds: float, span: Any) -> None:
+    """A delivery in the metrics, the log and its span."""
+    meters.DELIVERIES.labels(handler, decision).inc()
+    # The usual decisions at debug (a busy worker's every request); the rest at info.
+    usual = decision in ("new", "replayed")
+    (log.debug if usual else log.info)(
+        "inbox delivery",
+        handler=handler,
+        decision=decision,
+        status=answer.status,
+        seconds=round(seconds, 4),
+    )
+    shown: tracing.Attributes = {
+        "outbox.inbox.decision": decision,
+        "http.response.status_code": answer.status,
+    }
+    tracing.annotate(span, shown)
+    if answer.status >= 500 and decision in _FAILED_BY_STATUS:
+        tracing.failed(span, str(answer.status))
 
 
 def for_cloud_tasks(answer: Outcome, decision: str) -> Outcome:

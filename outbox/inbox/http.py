@@ -1,19 +1,26 @@
-"""What the inbox reads from an HTTP delivery and answers to it: the identity from its headers,
-the headers a recorded response may keep, and the answer for each decision (docs/design.md,
-"The inbox": in progress is 409 with Retry-After, a conflict 422, a malformed delivery 400)."""
+"""What the inbox reads from a delivery and answers to it: the identity from its headers (or a
+key from its body), the headers a recorded response may keep, and the answer for each decision
+(docs/design.md, "The inbox": in progress is 409 with Retry-After, a conflict 422, a malformed
+delivery 400)."""
 
 from __future__ import annotations
 
 import json
 import re
+import unicodedata
 import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Final
 
-from outbox.inbox.core import Outcome
+from outbox.core.json_pointer import MISSING, Pointer
+from outbox.inbox.core import Identity, Outcome
 
 Headers = Mapping[str, str]  # lower-case names
+# Where a key or a tenant is found: the value, or None where the delivery has none. A source
+# that can say more about why raises MissingIdentity with the reason.
+KeySource = Callable[[Headers, bytes], str | None]
+TenantSource = Callable[[Headers], str | None]
 
 # Headers a recorded response keeps: what describes the representation and where it lives.
 # Never a cookie, a credential, a hop-by-hop field or the date of the first answer.
@@ -55,6 +62,15 @@ NEVER_STORED: Final = frozenset(
 # A foreign sender's key: an RFC 8941 string (as outbox's webhook sends it) or a bare token.
 _SF_STRING: Final = re.compile(r'"((?:[^"\\]|\\["\\])*)"')
 _DIGITS: Final = re.compile(r"[0-9]{1,19}")
+# outbox.inbox_admit's bound on a key (sql/0042). A key read from a body is held to it here, so
+# that an over-long value is refused with its reason rather than by the database.
+MAX_KEY: Final = 512
+POINTER_PREFIX: Final = "ptr:"
+# The prefixes of the sources outbox knows, which say where a key came from.
+KEY_SOURCES: Final = frozenset({"op", "key", "task", "msg", "ptr"})
+# What the database refuses in a key (outbox.check_text: Cc, Cf, Zl, Zp), and lone surrogates,
+# which a JSON string may spell (\ud800) but no UTF-8 can carry to PostgreSQL.
+_UNSAFE: Final = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs"})
 
 
 class MissingIdentity(ValueError):
@@ -75,13 +91,23 @@ class KeyFrom:
     """Where a delivery's key comes from. ``auto`` (the default) takes outbox's own identity,
     the operation (``Outbox-Operation-Id``), so that every key generation of one operation,
     ``reconcile retry`` included, finds one record; else the ``Idempotency-Key`` header; else
-    the task name Cloud Tasks sends (``X-CloudTasks-TaskName``), the same on every retry."""
+    the task name Cloud Tasks sends (``X-CloudTasks-TaskName``), the same on every retry.
+    ``header`` reads another header, ``json_pointer`` a member of the JSON body. Each source's
+    prefix (``op:``, ``key:``, ``task:``, ``ptr:``, ``msg:``) keeps keys of different sources
+    apart."""
 
-    read: Callable[[Headers], str | None]
+    source: KeySource
+
+    def read(self, headers: Headers, body: bytes) -> str:
+        """The delivery's key; MissingIdentity, saying why, when it has none."""
+        key = self.source(headers, body)
+        if key is None:
+            raise MissingIdentity("the delivery names no idempotency key")
+        return key
 
     @staticmethod
     def auto() -> KeyFrom:
-        def read(headers: Headers) -> str | None:
+        def read(headers: Headers, body: bytes) -> str | None:
             operation = headers.get("outbox-operation-id")
             if operation is not None and _DIGITS.fullmatch(operation):
                 return f"op:{int(operation)}"
@@ -95,7 +121,19 @@ class KeyFrom:
     @staticmethod
     def header(name: str) -> KeyFrom:
         lower = name.lower()
-        return KeyFrom(lambda headers: _header_key(headers, lower))
+        return KeyFrom(lambda headers, body: _header_key(headers, lower))
+
+    @staticmethod
+    def json_pointer(pointer: str) -> KeyFrom:
+        """The string at ``pointer`` (RFC 6901, ``"/event/id"``) in the JSON body, as
+        ``ptr:<value>``, for senders whose messages carry their own id. Nothing there, a value
+        that is not a non-empty string, one too long for a key or holding a control character,
+        or a body that is not UTF-8 JSON: MissingIdentity, with the reason and never the value.
+        A number is refused rather than spelled: ``100``, ``1e2`` and ``100.0`` are one number
+        to the conflict digest but would be three keys. Raises PointerError (a ValueError) for
+        text that is no pointer, when the worker starts rather than at its first delivery."""
+        parsed = Pointer.parse(pointer)
+        return KeyFrom(lambda headers, body: _pointed_key(parsed, body))
 
 
 @dataclass(frozen=True)
@@ -103,7 +141,14 @@ class TenantFrom:
     """Where a delivery's tenant comes from: a header, percent-decoded as outbox's providers
     encode it (``Outbox-Tenant-Id``), or one tenant for every delivery."""
 
-    read: Callable[[Headers], str | None]
+    source: TenantSource
+
+    def read(self, headers: Headers) -> str:
+        """The delivery's tenant; MissingIdentity, saying why, when it has none."""
+        tenant = self.source(headers)
+        if tenant is None:
+            raise MissingIdentity("the delivery names no tenant")
+        return tenant
 
     @staticmethod
     def header(name: str = "Outbox-Tenant-Id") -> TenantFrom:
@@ -111,7 +156,13 @@ class TenantFrom:
 
         def read(headers: Headers) -> str | None:
             value = headers.get(lower)
-            return None if value is None else urllib.parse.unquote(value, errors="strict")
+            if value is None:
+                return None
+            try:
+                return urllib.parse.unquote(value, errors="strict")
+            except UnicodeDecodeError:
+                # "%ff": no tenant can be read, so the delivery has none; not a crash.
+                raise MissingIdentity(f"{name} is not percent-encoded UTF-8") from None
 
         return TenantFrom(read)
 
@@ -127,6 +178,59 @@ def _header_key(headers: Headers, name: str) -> str | None:
     quoted = _SF_STRING.fullmatch(value.strip())
     text = quoted.group(1).replace('\\"', '"').replace("\\\\", "\\") if quoted else value.strip()
     return f"key:{text}" if text else None
+
+
+def traced(identity: Identity) -> dict[str, str | int]:
+    """What a delivery's span shows of its identity: the tenant, where the key came from, and
+    the operation when the key is outbox's (its dispatch span carries the same id). Never
+    another key's value: an Idempotency-Key is the caller's, and whoever holds it with the
+    tenant is answered the recorded response; a pointer's value is the payload's."""
+    source, _, value = identity.key.partition(":")
+    shown: dict[str, str | int] = {
+        "outbox.tenant_id": identity.tenant_id,
+        # A source of the caller's own (KeyFrom(...)) may spell its keys any way: not shown.
+        "outbox.inbox.key_source": source if source in KEY_SOURCES else "other",
+    }
+    if source == "op" and _DIGITS.fullmatch(value):
+        shown["outbox.operation_id"] = int(value)
+    return shown
+
+
+def _pointed_key(pointer: Pointer, body: bytes) -> str:
+    """``ptr:`` and the string at ``pointer`` in ``body``. The reasons name the pointer and the
+    kind of value, never the value: it is the payload's."""
+    try:
+        # Strict UTF-8, as the inbox reads a JSON body; no NaN or Infinity, which are not JSON.
+        document = json.loads(body.decode("utf-8"), parse_constant=_not_json)
+    except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError among them
+        raise MissingIdentity(f"the body is not JSON, so it has nothing at {pointer}") from None
+    value = pointer.read(document)
+    if value is MISSING:
+        raise MissingIdentity(f"the body has nothing at {pointer}")
+    if not isinstance(value, str):
+        raise MissingIdentity(f"the body's {pointer} is {_json_kind(value)}, not a string")
+    if not value.strip():
+        raise MissingIdentity(f"the body's {pointer} is empty")
+    longest = MAX_KEY - len(POINTER_PREFIX)
+    if len(value) > longest:
+        raise MissingIdentity(f"the body's {pointer} is longer than {longest} characters")
+    if not value.isprintable() and any(unicodedata.category(c) in _UNSAFE for c in value):
+        raise MissingIdentity(f"the body's {pointer} holds a control or format character")
+    return POINTER_PREFIX + value
+
+
+def _not_json(constant: str) -> None:
+    raise ValueError(f"{constant} is not JSON")
+
+
+def _json_kind(value: object) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if value is None:
+        return "null"
+    if isinstance(value, int | float):
+        return "a number"
+    return "an array" if isinstance(value, list) else "an object"
 
 
 def replay(outcome: Outcome) -> Outcome:

@@ -10,9 +10,9 @@ never acknowledging work that did not commit.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Final
+from typing import Any, Final
 
 import structlog
 
@@ -26,7 +26,8 @@ from outbox.inbox.core import (
     InvalidDelivery,
     Outcome,
 )
-from outbox.inbox.http import KeyFrom, TenantFrom
+from outbox.inbox.http import KeyFrom, MissingIdentity, TenantFrom, traced
+from outbox.observability import tracing
 
 # What a queue handler's outcome is recorded as: a success, or a refusal (Refuse).
 ACCEPTED: Final = Outcome(200, (), b"")
@@ -54,6 +55,8 @@ class Settled:
     verdict: Verdict
     decision: str  # the metric label: a Decision, or invalid, failed, unavailable
     delay: float = 0.0  # seconds, for RETRY
+    reason: str | None = None  # why an invalid message was dropped; never its content
+    error: str | None = None  # what failed, for the span's error.type: a class, "abandoned"
 
 
 @dataclass(frozen=True)
@@ -68,29 +71,48 @@ class Consumer:
     tenant: TenantFrom
     retry_after: float = 1.0
     is_json: bool = True
+    # Its spans' tracer, fetched once for every message this consumer takes.
+    spans: tracing.DeliverySpans = field(
+        default_factory=tracing.DeliverySpans, compare=False, repr=False
+    )
 
     async def settle(self, headers: Mapping[str, str], body: bytes) -> Settled:
         """Decide one message (``headers`` with lower-case names), run ``handle`` for a new one
         in its transaction, and say what to do with the message once this returns, which is
-        after COMMIT."""
-        key_of, tenant_of = self.key.read(headers), self.tenant.read(headers)
-        if key_of is None or tenant_of is None:
-            return _counted(self.handler, Settled(Verdict.DROP, "invalid"))
-        identity = Identity(tenant_of, self.handler, key_of)
+        after COMMIT. Never raises: a message without an identity, or one the database refuses,
+        is dropped with the reason; a failure of anything else is a retry. One span, linked to
+        the ``traceparent`` the message carries, shows the decision and the verdict."""
+        with self.spans.delivery(self.handler, headers) as span:
+            settled = await self._settled(headers, body, span)
+            tracing.annotate(span, _shown(settled))
+            if settled.error is not None:
+                tracing.failed(span, settled.error)
+        return _counted(self.handler, settled)
+
+    async def _settled(self, headers: Mapping[str, str], body: bytes, span: Any) -> Settled:
         try:
-            settled = await self._decide(identity, body)
-        except InvalidDelivery:
-            settled = Settled(Verdict.DROP, "invalid")
+            return await self._identified(headers, body, span)
         except UNAVAILABLE as exc:
             error = type(exc).__name__
             log.warning("inbox database unavailable", handler=self.handler, error=error)
-            settled = Settled(Verdict.RETRY, "unavailable", self.retry_after)
+            return Settled(Verdict.RETRY, "unavailable", self.retry_after, error=error)
         except Exception as exc:  # noqa: BLE001 (a handler's bug must not stop the consumer)
             # The class only: an exception's text may quote the message.
             error = type(exc).__name__
             log.error("inbox handler failed", handler=self.handler, error=error)  # noqa: TRY400
-            settled = Settled(Verdict.RETRY, "failed", self.retry_after)
-        return _counted(self.handler, settled)
+            return Settled(Verdict.RETRY, "failed", self.retry_after, error=error)
+
+    async def _identified(self, headers: Mapping[str, str], body: bytes, span: Any) -> Settled:
+        try:
+            key = self.key.read(headers, body)
+            identity = Identity(self.tenant.read(headers), self.handler, key)
+            tracing.annotate(span, traced(identity))
+            return await self._decide(identity, body)
+        except (MissingIdentity, InvalidDelivery) as exc:
+            # No copy of it can ever be taken: dropped, and said why (the reasons name fields
+            # and pointers, never the message's content).
+            log.warning("inbox message dropped", handler=self.handler, reason=str(exc))
+            return Settled(Verdict.DROP, "invalid", reason=str(exc))
 
     async def _decide(self, identity: Identity, body: bytes) -> Settled:
         async with self.inbox.deliver(identity, body, is_json=self.is_json) as d:
@@ -105,7 +127,8 @@ class Consumer:
             if d.decision is Decision.CONFLICT:
                 return Settled(Verdict.DROP, Decision.CONFLICT.value)
             if d.decision is Decision.ABANDONED:  # a person releases it; until then, rarely
-                return Settled(Verdict.RETRY, Decision.ABANDONED.value, ABANDONED_RETRY)
+                abandoned = Decision.ABANDONED.value
+                return Settled(Verdict.RETRY, abandoned, ABANDONED_RETRY, error=abandoned)
             return Settled(Verdict.RETRY, Decision.IN_PROGRESS.value, self.retry_after)
 
     async def _run(self, d: Delivery, body: bytes) -> Outcome:
@@ -118,6 +141,17 @@ class Consumer:
         except Refuse as refusal:
             return Outcome(REFUSED_STATUS, (), str(refusal).encode()[:65536])
         return ACCEPTED
+
+
+def _shown(settled: Settled) -> tracing.Attributes:
+    """What a message's span shows of its settlement."""
+    shown: dict[str, str | int] = {
+        "outbox.inbox.decision": settled.decision,
+        "outbox.inbox.verdict": settled.verdict.value,
+    }
+    if settled.reason is not None:
+        shown["outbox.inbox.reason"] = settled.reason
+    return shown
 
 
 def _counted(handler: str, settled: Settled) -> Settled:
@@ -134,8 +168,8 @@ def message_key(id_header: str) -> KeyFrom:
     publisher's message id, read from ``id_header`` (lower-case): ``msg:<id>``."""
     auto = KeyFrom.auto()
 
-    def read(headers: Mapping[str, str]) -> str | None:
-        found = auto.read(headers)
+    def read(headers: Mapping[str, str], body: bytes) -> str | None:
+        found = auto.source(headers, body)
         if found is None and (message_id := headers.get(id_header)):
             return f"msg:{message_id}"
         return found

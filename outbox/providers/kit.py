@@ -21,7 +21,7 @@ from typing import Final
 
 from outbox.config.schema import Boolean, ConfigError, Count, Setting
 from outbox.config.settings import DEFAULT_MAX_RESPONSE_BYTES, PROVIDER_KEYS, ProviderSettings
-from outbox.providers.json_pointer import Pointer
+from outbox.core.json_pointer import Pointer
 
 # In a provider's per-action tables: every action not named.
 ANY_ACTION: Final = "*"

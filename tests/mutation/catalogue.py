@@ -1264,8 +1264,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "inbox-queue-acks-a-failure",
         "a queue message whose handler failed is acknowledged: the work is gone, never done",
         "outbox/inbox/queues.py",
-        'settled = Settled(Verdict.RETRY, "failed", self.retry_after)',
-        'settled = Settled(Verdict.ACK, "failed", self.retry_after)',
+        'Settled(Verdict.RETRY, "failed", self.retry_after, error=error)',
+        'Settled(Verdict.ACK, "failed", self.retry_after, error=error)',
         JETSTREAM_TESTS + "::test_a_failing_handler_gets_its_message_again_and_converges",
     ),
     _one(
@@ -1334,5 +1334,23 @@ MUTANTS: tuple[Mutant, ...] = (
         "            raise CutShort\n",
         "            break\n",
         INBOX_TESTS + "::test_a_delivery_cut_short_is_never_decided_or_handled",
+    ),
+    _one(
+        "inbox-pointer-unescaped-in-the-wrong-order",
+        'a key pointer unescapes "~0" before "~1", so "/a~01b" reads the member "a/b" instead '
+        'of "a~1b": another event\'s id, or none',
+        "outbox/core/json_pointer.py",
+        'p.replace("~1", "/").replace("~0", "~")',
+        'p.replace("~0", "~").replace("~1", "/")',
+        "tests/unit/test_inbox_keys.py",
+    ),
+    _one(
+        "inbox-span-unlinked",
+        "a delivery's span is not linked to the traceparent it carries: the worker's trace "
+        "never leads back to the sender's",
+        "outbox/observability/tracing.py",
+        "            links=sender_links(headers),\n",
+        "            links=[],\n",
+        "tests/integration/test_inbox_tracing.py",
     ),
 )

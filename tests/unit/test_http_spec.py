@@ -16,12 +16,12 @@ from hypothesis import strategies as st
 
 from outbox.config.settings import ConfigError, ProviderSettings
 from outbox.core.durations import parse_duration
+from outbox.core.json_pointer import MISSING, Pointer, PointerError
 from outbox.core.model import FailureClass
 from outbox.providers.base import Failed, InvalidRequest, Succeeded
 from outbox.providers.http.config import http_options
 from outbox.providers.http.provider import HttpProvider, _classify
 from outbox.providers.http.spec import Template
-from outbox.providers.json_pointer import MISSING, Pointer, PointerError
 from outbox.providers.kit import KeyForm, KeySpec
 from outbox.providers.registry import build_providers
 from tests.support.recipes import DOC, built, provider_table, recipes, secret_variables

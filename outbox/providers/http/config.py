@@ -21,10 +21,10 @@ from outbox.config.settings import (
     ConfigError,
     ProviderSettings,
 )
+from outbox.core.json_pointer import Pointer, PointerError
 from outbox.providers.http.options import OPTIONS
 from outbox.providers.http.provider import HttpOptions
 from outbox.providers.http.spec import CLASSES, ActionSpec, LookupSpec, StatusRule, Template
-from outbox.providers.json_pointer import Pointer, PointerError
 from outbox.providers.kit import (
     FRAMING,
     HEADER_NAME,

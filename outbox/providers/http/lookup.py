@@ -20,11 +20,11 @@ from typing import Any, Final
 import httpx
 
 from outbox.core.durations import format_duration
+from outbox.core.json_pointer import MISSING
 from outbox.providers.answers import reference
 from outbox.providers.base import Found, LookupRequest, NotFound, Verdict
 from outbox.providers.http import wire as http_wire
 from outbox.providers.http.spec import ActionSpec, LookupSpec
-from outbox.providers.json_pointer import MISSING
 
 # The most candidates one answer may hold that are read: a list endpoint answering thousands of
 # objects for one key is no answer about one operation.

@@ -23,6 +23,7 @@ import httpx
 
 from outbox.config.settings import DEFAULT_CONCURRENCY, DEFAULT_MAX_RESPONSE_BYTES
 from outbox.core import payloads
+from outbox.core.json_pointer import MISSING
 from outbox.core.model import FailureClass
 from outbox.providers import building
 from outbox.providers.answers import AnswerLimits, AnswerRefused, Tally, reference
@@ -42,7 +43,6 @@ from outbox.providers.base import (
 from outbox.providers.http import wire as http_wire
 from outbox.providers.http.lookup import Asker, look_up
 from outbox.providers.http.spec import ActionSpec
-from outbox.providers.json_pointer import MISSING
 from outbox.providers.kit import ANY_ACTION
 from outbox.providers.shards import Shards, shard_sizes
 

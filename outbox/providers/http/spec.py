@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Final
 
+from outbox.core.json_pointer import MISSING, Pointer
 from outbox.providers.base import InvalidRequest
-from outbox.providers.json_pointer import MISSING, Pointer
 from outbox.providers.kit import KeySpec
 
 # The longest text a payload field may put into a URL: far past any identifier, far below what

@@ -32,9 +32,9 @@ from typing import Final
 import httpx
 
 from outbox.config.settings import DEFAULT_CONCURRENCY, DEFAULT_MAX_RESPONSE_BYTES
+from outbox.core.json_pointer import Pointer
 from outbox.providers.http.provider import HttpOptions, HttpProvider
 from outbox.providers.http.spec import ActionSpec, LookupSpec, Template
-from outbox.providers.json_pointer import Pointer
 from outbox.providers.kit import ANY_ACTION, KeySpec
 
 DEFAULT_REFERENCE_FIELD = "id"

@@ -16,9 +16,9 @@ from typing import Any, Final
 
 from outbox.config.schema import file_keys
 from outbox.config.settings import ConfigError, ProviderSettings
+from outbox.core.json_pointer import MISSING, Pointer, PointerError
 from outbox.providers import queue_kit
 from outbox.providers.base import InvalidRequest, SendRequest
-from outbox.providers.json_pointer import MISSING, Pointer, PointerError
 from outbox.providers.kit import KeyForm, KeySpec, reject_unknown
 from outbox.providers.sqs.options import MAX_MESSAGE_BYTES, OPTIONS
 

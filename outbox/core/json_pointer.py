@@ -1,4 +1,6 @@
-"""JSON pointers (RFC 6901): where an `http` provider finds a reference, a state or a field.
+"""JSON pointers (RFC 6901): where an `http` provider finds a reference, a state or a field,
+and where the inbox finds a delivery's key in its body (``KeyFrom.json_pointer``). In core, not
+in providers, because the inbox must not depend on the sending half.
 
 A pointer is parsed once, when the configuration is read, so that a typo is a ConfigError at
 startup and never a surprise on the first answer. Reading never raises: an answer that does not
