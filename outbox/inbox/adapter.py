@@ -192,7 +192,9 @@ class HTTPAdapter(Generic[AppT, InboxT]):
             time.monotonic() - started
         )
         decision = "new" if outcome == "committed" else "rolled_back"
-        marked = (*response.headers, ("Outbox-Inbox-Decision", decision))
+        # One mark, the inbox's: not a second beside the problem's, nor the app's own.
+        own = tuple((n, v) for n, v in response.headers if n.lower() != "outbox-inbox-decision")
+        marked = (*own, ("Outbox-Inbox-Decision", decision))
         return Outcome(response.status, marked, response.body), decision
 
     def answer(self, d: BaseDelivery[Any]) -> Outcome:
