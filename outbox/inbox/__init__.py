@@ -32,6 +32,7 @@ from outbox.inbox.core import (
 )
 from outbox.inbox.http import KeyFrom, TenantFrom
 from outbox.inbox.queues import Consumer, Refuse, Verdict
+from outbox.inbox.sync import SyncDelivery, SyncInbox
 
 __all__ = [
     "Consumer",
@@ -45,6 +46,8 @@ __all__ = [
     "NoOutcome",
     "Outcome",
     "Refuse",
+    "SyncDelivery",
+    "SyncInbox",
     "TenantFrom",
     "Verdict",
     "delivery",
