@@ -64,6 +64,8 @@ EXTERNAL_TESTS = "tests/integration/test_inbox_external.py"
 RABBITMQ_TESTS = "tests/integration/test_inbox_rabbitmq.py"
 # What the ASGI and the WSGI middleware share: identity, answers, what is recorded.
 ADAPTER = "outbox/inbox/adapter.py"
+# The WSGI middleware and its inbox on threads, around Flask under werkzeug's server.
+WSGI_TESTS = "tests/integration/test_inbox_wsgi.py"
 
 MUTANTS: tuple[Mutant, ...] = (
     # --- the lease fence, in every path that writes after a provider call ----------------------
@@ -1208,6 +1210,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "    return 200 <= status < 400 or status in record_statuses\n",
         "    return 200 <= status < 600 or status in record_statuses\n",
         INBOX_TESTS + "::test_a_5xx_or_a_raise_records_nothing_and_undoes_the_handlers_writes",
+        WSGI_TESTS + "::test_a_raise_or_a_5xx_records_nothing_and_the_redelivery_creates_once",
     ),
     _one(
         "inbox-acks-a-failed-handler",
@@ -1217,6 +1220,7 @@ MUTANTS: tuple[Mutant, ...] = (
         'problem(500, "handler failed"',
         'problem(200, "handler failed"',
         INBOX_TESTS + "::test_a_5xx_or_a_raise_records_nothing_and_undoes_the_handlers_writes",
+        WSGI_TESTS + "::test_a_raise_or_a_5xx_records_nothing_and_the_redelivery_creates_once",
     ),
     _one(
         "inbox-in-progress-acks",
@@ -1226,6 +1230,7 @@ MUTANTS: tuple[Mutant, ...] = (
         '            200, "in progress",',
         INBOX_TESTS + "::test_a_duplicate_waits_at_most_wait_then_hears_in_progress",
         WORKER_TESTS + "::test_dozens_of_duplicates_at_once_make_one_invoice_and_agree",
+        WSGI_TESTS + "::test_a_duplicate_waits_at_most_wait_then_hears_in_progress",
     ),
     _one(
         "inbox-stores-cookies",
@@ -1328,5 +1333,44 @@ MUTANTS: tuple[Mutant, ...] = (
         "            raise CutShort\n",
         "            break\n",
         INBOX_TESTS + "::test_a_delivery_cut_short_is_never_decided_or_handled",
+    ),
+    # --- the inbox's WSGI twin: SyncInbox (sync.py) and InboxWSGIMiddleware (wsgi.py) ----------
+    _one(
+        "inbox-wsgi-answers-before-commit",
+        "a WSGI delivery's answer does not wait for COMMIT to succeed: a commit that fails is "
+        "answered as done, and the sender drops work that was never recorded",
+        "outbox/inbox/sync.py",
+        "            _finish(conn, delivery)\n",
+        "            with suppress(psycopg.Error):\n                _finish(conn, delivery)\n",
+        WSGI_TESTS + "::test_a_commit_that_fails_is_never_answered_as_success",
+    ),
+    _one(
+        "inbox-wsgi-duplicates-hold-connections",
+        "duplicates in one WSGI process take a pooled connection before they wait for the first "
+        "delivery, so a burst of them exhausts the pool and the deliveries hear 503",
+        "outbox/inbox/sync.py",
+        "            self._flight(identity) as left,\n"
+        "            self.pool.connection() as conn,\n",
+        "            self.pool.connection() as conn,\n"
+        "            self._flight(identity) as left,\n",
+        WSGI_TESTS + "::test_duplicates_wait_for_the_first_without_holding_a_pooled_connection",
+    ),
+    _one(
+        "inbox-wsgi-unbounded-wait",
+        "a duplicate in one WSGI process waits for the first delivery for as long as it runs, "
+        'instead of hearing "in progress" after `wait`',
+        "outbox/inbox/sync.py",
+        "            first.wait(self.wait.total_seconds())\n",
+        "            first.wait()\n",
+        WSGI_TESTS + "::test_a_duplicate_waits_at_most_wait_then_hears_in_progress",
+    ),
+    _one(
+        "inbox-wsgi-handles-a-part",
+        "a WSGI delivery whose input ended before its Content-Length is decided and handled on "
+        "the part that came",
+        "outbox/inbox/wsgi.py",
+        "    if length and len(body) < length:\n",
+        "    if False:\n",
+        WSGI_TESTS + "::test_a_body_cut_short_is_never_decided_or_handled",
     ),
 )
