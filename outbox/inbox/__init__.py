@@ -14,6 +14,9 @@ never run (docs/design.md, "The inbox")::
         conn = delivery(request).conn  # the delivery's open transaction: write here
         ...
 
+A WSGI app (Flask) wraps its routes in :class:`InboxWSGIMiddleware` over a :class:`SyncInbox`
+(a psycopg ``ConnectionPool``), and writes on ``wsgi_delivery(request).conn``.
+
 Queue consumers: :class:`Consumer` settles each message (ack, retry later, drop) after its
 transaction ended; ``outbox.inbox.jetstream.consume`` runs one on a NATS JetStream consumer.
 """
@@ -32,6 +35,8 @@ from outbox.inbox.core import (
 )
 from outbox.inbox.http import KeyFrom, TenantFrom
 from outbox.inbox.queues import Consumer, Refuse, Verdict
+from outbox.inbox.sync import SyncDelivery, SyncInbox
+from outbox.inbox.wsgi import InboxWSGIMiddleware, wsgi_delivery
 
 __all__ = [
     "Consumer",
@@ -40,12 +45,16 @@ __all__ = [
     "Identity",
     "Inbox",
     "InboxMiddleware",
+    "InboxWSGIMiddleware",
     "InvalidDelivery",
     "KeyFrom",
     "NoOutcome",
     "Outcome",
     "Refuse",
+    "SyncDelivery",
+    "SyncInbox",
     "TenantFrom",
     "Verdict",
     "delivery",
+    "wsgi_delivery",
 ]

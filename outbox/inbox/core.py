@@ -16,7 +16,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager, suppres
 from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
 from uuid import UUID
 
 import psycopg
@@ -85,23 +85,28 @@ class NoOutcome(RuntimeError):
     to every repeat."""
 
 
+# The connection a delivery's transaction runs on: asyncio's (Inbox) or a thread's (SyncInbox).
+ConnT = TypeVar("ConnT", psycopg.AsyncConnection[Any], psycopg.Connection[Any])
+
+
 @dataclass
-class Delivery:
-    """One delivery, as the handler sees it. ``conn`` is the open transaction while the decision
-    is new (do the business writes on it; never commit or roll back it yourself)."""
+class BaseDelivery(Generic[ConnT]):
+    """One delivery, as the handler sees it, whichever connection it runs on. ``conn`` is the
+    open transaction while the decision is new (do the business writes on it; never commit or
+    roll back it yourself)."""
 
     identity: Identity
     decision: Decision
-    conn: psycopg.AsyncConnection[Any] | None
+    conn: ConnT | None
     recorded: Outcome | None = None
     _inbox_id: int | None = None
     _token: UUID | None = None
     _outcome: dict[str, Any] | None = field(default=None, repr=False)
     _rollback: bool = field(default=False, repr=False)
 
-    async def complete(self, outcome: Outcome) -> None:
-        """Record ``outcome`` in this transaction: it commits with the handler's writes (sent
-        with the COMMIT, in one round trip; the last call's outcome is the one recorded)."""
+    def keep(self, outcome: Outcome) -> None:
+        """The outcome to record with the COMMIT; it needs no round trip of its own, so the
+        async and the sync delivery share it (``complete`` is each one's name for it)."""
         if self.decision is not Decision.NEW or self.conn is None:
             raise RuntimeError(f"a {self.decision} delivery records nothing")
         self._outcome = outcome_params(self._inbox_id, self._token, outcome)
@@ -109,6 +114,18 @@ class Delivery:
     def roll_back(self) -> None:
         """Record nothing and undo the handler's writes: the sender will deliver again."""
         self._rollback = True
+
+
+D = TypeVar("D", bound=BaseDelivery[Any])
+
+
+class Delivery(BaseDelivery[psycopg.AsyncConnection[Any]]):
+    """A delivery of ``Inbox.deliver``, on an ``AsyncConnection``."""
+
+    async def complete(self, outcome: Outcome) -> None:
+        """Record ``outcome`` in this transaction: it commits with the handler's writes (sent
+        with the COMMIT, in one round trip; the last call's outcome is the one recorded)."""
+        self.keep(outcome)
 
 
 class Inbox:
@@ -182,7 +199,7 @@ class Inbox:
         if first is not None:
             with suppress(TimeoutError):
                 await asyncio.wait_for(first.wait(), self.wait.total_seconds())
-            yield max(timedelta(0), self.wait - timedelta(seconds=time.monotonic() - started))
+            yield left_of(self.wait, started)
             return
         done = self._flights[identity] = asyncio.Event()
         try:
@@ -201,13 +218,9 @@ class Inbox:
     ) -> Delivery:
         params = body_params(identity, body, is_json)
         params.update(wait=wait, retention=self.retention)
-        isolation = None
-        if conn.isolation_level is not None:
-            isolation = psycopg.IsolationLevel(conn.isolation_level).name.replace("_", " ")
-        query = statements.begin_and_decide(isolation, conn.read_only, conn.deferrable)
         try:
             cur = psycopg.AsyncClientCursor(conn)
-            await cur.execute(query, params)
+            await cur.execute(begin_statement(conn), params)
             cur.nextset()  # past BEGIN's result, to inbox_begin's row
             row = await cur.fetchone()
         except psycopg.Error as exc:
@@ -215,17 +228,34 @@ class Inbox:
             if malformed(exc):
                 raise InvalidDelivery(exc.diag.message_primary or str(exc)) from exc
             raise
-        if row is None:  # a function call returns one row
-            raise RuntimeError("outbox.inbox_begin returned no row")
-        decision, inbox_id, token, status, headers, stored_body = row
-        recorded = None
-        if status is not None:
-            pairs = tuple((str(name), str(value)) for name, value in headers or ())
-            recorded = Outcome(status, pairs, bytes(stored_body or b""))
-        new = decision == Decision.NEW
-        return Delivery(
-            identity, Decision(decision), conn if new else None, recorded, inbox_id, token
-        )
+        return decided(Delivery, identity, conn, row)
+
+
+def left_of(wait: timedelta, started: float) -> timedelta:
+    """What is left of ``wait`` since ``started`` (monotonic) for the database's own wait."""
+    return max(timedelta(0), wait - timedelta(seconds=time.monotonic() - started))
+
+
+def begin_statement(conn: psycopg.AsyncConnection[Any] | psycopg.Connection[Any]) -> str:
+    """BEGIN as psycopg would send it for ``conn`` (its isolation level, read-only and
+    deferrable flags), then the decision: one query (statements.begin_and_decide)."""
+    isolation = None
+    if conn.isolation_level is not None:
+        isolation = psycopg.IsolationLevel(conn.isolation_level).name.replace("_", " ")
+    return statements.begin_and_decide(isolation, conn.read_only, conn.deferrable)
+
+
+def decided(kind: type[D], identity: Identity, conn: Any, row: Sequence[Any] | None) -> D:
+    """The delivery inbox_begin's row describes; it keeps ``conn`` only when it is new."""
+    if row is None:  # a function call returns one row
+        raise RuntimeError("outbox.inbox_begin returned no row")
+    decision, inbox_id, token, status, headers, stored_body = row
+    recorded = None
+    if status is not None:
+        pairs = tuple((str(name), str(value)) for name, value in headers or ())
+        recorded = Outcome(status, pairs, bytes(stored_body or b""))
+    new = decision == Decision.NEW
+    return kind(identity, Decision(decision), conn if new else None, recorded, inbox_id, token)
 
 
 def body_params(identity: Identity, body: bytes, is_json: bool) -> dict[str, Any]:

@@ -228,6 +228,7 @@ async def test_a_response_too_large_to_record_is_a_500_and_undoes_the_handler(
     async with client(app_with(Inbox(pool), big, max_response_bytes=1024)) as c:
         answer = await send(c, "k", {})
     assert answer.status_code == 500
+    assert answer.headers.get_list("Outbox-Inbox-Decision") == ["rolled_back"]
     assert (count(db_url, EFFECTS), count(db_url, "SELECT count(*) FROM outbox.inbox")) == (0, 0)
 
 

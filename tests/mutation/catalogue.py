@@ -57,11 +57,17 @@ ROLES_TESTS = "tests/integration/test_roles.py"
 # The inbox (issue 40): its SQL, its middleware, and the tests in process and against the
 # example worker under uvicorn.
 INBOX_SQL = "sql/0042_inbox.sql"
+# inbox_begin, defined again without a subtransaction (sql/0044).
+INBOX_BEGIN = "sql/0044_inbox_begin_without_a_subtransaction.sql"
 INBOX_TESTS = "tests/integration/test_inbox.py"
 WORKER_TESTS = "tests/integration/test_inbox_worker.py"
 JETSTREAM_TESTS = "tests/integration/test_inbox_jetstream.py"
 EXTERNAL_TESTS = "tests/integration/test_inbox_external.py"
 RABBITMQ_TESTS = "tests/integration/test_inbox_rabbitmq.py"
+# What the ASGI and the WSGI middleware share: identity, answers, what is recorded.
+ADAPTER = "outbox/inbox/adapter.py"
+# The WSGI middleware and its inbox on threads, around Flask under werkzeug's server.
+WSGI_TESTS = "tests/integration/test_inbox_wsgi.py"
 
 MUTANTS: tuple[Mutant, ...] = (
     # --- the lease fence, in every path that writes after a provider call ----------------------
@@ -704,11 +710,11 @@ MUTANTS: tuple[Mutant, ...] = (
         "rls-session-binding",
         "a tenant bound with SET for the session is taken as the binding of later transactions: "
         "a pooled connection carries one request's tenant into the next, unbound, request",
-        "sql/0038_bindings_end_with_their_transaction.sql",
-        "    SELECT CASE WHEN current_setting('outbox.tenant_bound_at', true)\n"
+        "sql/0044_inbox_begin_without_a_subtransaction.sql",
+        "    RETURN CASE WHEN current_setting('outbox.tenant_bound_at', true)\n"
         "                     = to_char(transaction_timestamp() AT TIME ZONE 'UTC', "
         "'YYYYMMDDHH24MISSUS')\n",
-        "    SELECT CASE WHEN true\n",
+        "    RETURN CASE WHEN true\n",
         "tests/integration/test_rls.py",
     ),
     _one(
@@ -1159,15 +1165,24 @@ MUTANTS: tuple[Mutant, ...] = (
         "inbox-unbounded-wait",
         "a duplicate waits for the first delivery's transaction for as long as it runs, holding "
         'a connection, instead of hearing "in progress" after `wait`',
-        INBOX_SQL,
-        "            PERFORM set_config('lock_timeout', v_wait, true);\n",
-        "            PERFORM set_config('lock_timeout', '0', true);\n",
+        INBOX_BEGIN,
+        "greatest(1, ceil(extract(epoch FROM wait) * 1000))::bigint || 'ms',\n",
+        "'0',\n",
+        INBOX_TESTS + "::test_a_duplicate_waits_at_most_wait_then_hears_in_progress",
+    ),
+    _one(
+        "inbox-fast-path-unlocked",
+        "a delivery skips the identity's advisory lock, so a duplicate's INSERT waits on the "
+        "first one's uncommitted record with no bound",
+        INBOX_BEGIN,
+        "    IF NOT pg_try_advisory_xact_lock(2828, v_lock) THEN",
+        "    IF false THEN",
         INBOX_TESTS + "::test_a_duplicate_waits_at_most_wait_then_hears_in_progress",
     ),
     _one(
         "inbox-no-conflict-check",
         "the same identity with another body replays the first outcome instead of a conflict",
-        INBOX_SQL,
+        INBOX_BEGIN,
         "        inbox_id := r.id;\n        IF r.body_digest <> v_digest THEN\n",
         "        inbox_id := r.id;\n        IF false THEN\n",
         INBOX_TESTS + "::test_any_spelling_of_the_same_json_replays_and_any_change_conflicts",
@@ -1210,28 +1225,31 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "inbox-records-5xx",
         "a failure is recorded, so every redelivery is answered with it and the work never runs",
-        "outbox/inbox/asgi.py",
-        "recordable = 200 <= response.status < 400 or",
-        "recordable = 200 <= response.status < 600 or",
+        ADAPTER,
+        "    return 200 <= status < 400 or status in record_statuses\n",
+        "    return 200 <= status < 600 or status in record_statuses\n",
         INBOX_TESTS + "::test_a_5xx_or_a_raise_records_nothing_and_undoes_the_handlers_writes",
+        WSGI_TESTS + "::test_a_raise_or_a_5xx_records_nothing_and_the_redelivery_creates_once",
     ),
     _one(
         "inbox-acks-a-failed-handler",
         "a handler that raised is answered with success, so the sender drops work that never "
         "committed",
-        "outbox/inbox/asgi.py",
+        ADAPTER,
         'problem(500, "handler failed"',
         'problem(200, "handler failed"',
         INBOX_TESTS + "::test_a_5xx_or_a_raise_records_nothing_and_undoes_the_handlers_writes",
+        WSGI_TESTS + "::test_a_raise_or_a_5xx_records_nothing_and_the_redelivery_creates_once",
     ),
     _one(
         "inbox-in-progress-acks",
         "a delivery still in its first transaction is answered as done",
-        "outbox/inbox/asgi.py",
+        ADAPTER,
         '            409, "in progress",',
         '            200, "in progress",',
         INBOX_TESTS + "::test_a_duplicate_waits_at_most_wait_then_hears_in_progress",
         WORKER_TESTS + "::test_dozens_of_duplicates_at_once_make_one_invoice_and_agree",
+        WSGI_TESTS + "::test_a_duplicate_waits_at_most_wait_then_hears_in_progress",
     ),
     _one(
         "inbox-stores-cookies",
@@ -1352,5 +1370,44 @@ MUTANTS: tuple[Mutant, ...] = (
         "            links=sender_links(headers),\n",
         "            links=[],\n",
         "tests/integration/test_inbox_tracing.py",
+    ),
+    # --- the inbox's WSGI twin: SyncInbox (sync.py) and InboxWSGIMiddleware (wsgi.py) ----------
+    _one(
+        "inbox-wsgi-answers-before-commit",
+        "a WSGI delivery's answer does not wait for COMMIT to succeed: a commit that fails is "
+        "answered as done, and the sender drops work that was never recorded",
+        "outbox/inbox/sync.py",
+        "            _finish(conn, delivery)\n",
+        "            with suppress(psycopg.Error):\n                _finish(conn, delivery)\n",
+        WSGI_TESTS + "::test_a_commit_that_fails_is_never_answered_as_success",
+    ),
+    _one(
+        "inbox-wsgi-duplicates-hold-connections",
+        "duplicates in one WSGI process take a pooled connection before they wait for the first "
+        "delivery, so a burst of them exhausts the pool and the deliveries hear 503",
+        "outbox/inbox/sync.py",
+        "            self._flight(identity) as left,\n"
+        "            self.pool.connection() as conn,\n",
+        "            self.pool.connection() as conn,\n"
+        "            self._flight(identity) as left,\n",
+        WSGI_TESTS + "::test_duplicates_wait_for_the_first_without_holding_a_pooled_connection",
+    ),
+    _one(
+        "inbox-wsgi-unbounded-wait",
+        "a duplicate in one WSGI process waits for the first delivery for as long as it runs, "
+        'instead of hearing "in progress" after `wait`',
+        "outbox/inbox/sync.py",
+        "            first.wait(self.wait.total_seconds())\n",
+        "            first.wait()\n",
+        WSGI_TESTS + "::test_a_duplicate_waits_at_most_wait_then_hears_in_progress",
+    ),
+    _one(
+        "inbox-wsgi-handles-a-part",
+        "a WSGI delivery whose input ended before its Content-Length is decided and handled on "
+        "the part that came",
+        "outbox/inbox/wsgi.py",
+        "    if length and len(body) < length:\n",
+        "    if False:\n",
+        WSGI_TESTS + "::test_a_body_cut_short_is_never_decided_or_handled",
     ),
 )

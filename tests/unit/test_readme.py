@@ -24,7 +24,8 @@ from tests.support.readme import LOADED, README, RUN, TEXT, Block, blocks, stray
 ROOT = README.parent
 # The blocks a test cannot run, each with its reason in the README. A new one is a decision:
 # make the example runnable instead where you can.
-NOT_RUN = 9  # three in "The receiving half": an excerpt, and two servers that run until stopped
+# Four in "The receiving half": two excerpts (Starlette, Flask), two servers that run until stopped.
+NOT_RUN = 10
 
 
 def test_the_readme_config_loads_with_its_secret_from_the_environment() -> None:
