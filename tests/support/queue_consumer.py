@@ -2,12 +2,15 @@
 (tests/integration/test_inbox_queue_stop.py): ``python -m tests.support.queue_consumer BROKER``.
 
 Its handler inserts one ``stop_rows`` row per message it runs (no unique key: a second run of
-one message would show as a second row), then, with ``--sleep``, sleeps the message's
-``sleep`` seconds in its transaction. It journals, one JSON line each, what it did: ``began``
-(the handler ran and wrote its row), ``settled`` (settle returned, after COMMIT: the verdict and
-the decision), ``cut_short`` (settle was cancelled by the stop's grace), ``exited``. The journal
-outlives a SIGKILL: each line is written with one ``write`` as it happens. SIGTERM drains it
-through :func:`outbox.inbox.draining.stop_on_signals`; it exits 0 once drained.
+one message would show as a second row), then, with ``--sleep``, waits in its transaction for
+the stop and sleeps the message's ``sleep`` seconds after it: past any fetch under way at the
+stop, so that only the grace can let it finish.
+
+It journals, one JSON line each, what it did: ``began`` (the handler ran and wrote its row),
+``settled`` (settle returned, after COMMIT: the verdict and the decision), ``cut_short`` (settle
+was cancelled by the stop's grace), ``exited``. The journal outlives a SIGKILL: each line is
+written with one ``write`` as it happens. SIGTERM drains the consumer through
+:func:`outbox.inbox.draining.stop_on_signals`; it exits 0 once drained.
 """
 
 from __future__ import annotations
@@ -119,7 +122,9 @@ class Journaled(Consumer):
         return settled
 
 
-def consumer(broker: str, inbox: Inbox, journal: Journal, *, sleep: bool) -> Journaled:
+def consumer(
+    broker: str, inbox: Inbox, journal: Journal, stop: asyncio.Event, *, sleep: bool
+) -> Journaled:
     async def handle(d: Delivery, body: bytes) -> None:
         message = json.loads(body)
         assert d.conn is not None
@@ -127,8 +132,9 @@ def consumer(broker: str, inbox: Inbox, journal: Journal, *, sleep: bool) -> Jou
             "INSERT INTO stop_rows (n, pid) VALUES (%s, %s)", (message["n"], os.getpid())
         )
         journal.write("began", n=message["n"])
-        if sleep:
-            await asyncio.sleep(message["sleep"])  # mid-transaction, where a stop finds it
+        if sleep:  # mid-transaction, where the stop finds it
+            await stop.wait()
+            await asyncio.sleep(message["sleep"])
 
     if broker == "jetstream":
         from outbox.inbox.jetstream import consumer_of  # noqa: PLC0415 (one broker's extra)
@@ -198,7 +204,7 @@ async def main(args: argparse.Namespace) -> int:
     journal = Journal(args.journal)
     stop = stop_on_signals()
     async with AsyncConnectionPool(args.db, min_size=1, max_size=BATCH + 2, open=False) as pool:
-        made = consumer(args.broker, Inbox(pool), journal, sleep=args.sleep)
+        made = consumer(args.broker, Inbox(pool), journal, stop, sleep=args.sleep)
         await CONSUME[args.broker](args, made, stop)  # until SIGTERM drains it
     journal.write("exited")
     return 0
@@ -213,7 +219,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--endpoint", help="SQS: moto's URL")
     parser.add_argument("--grace", type=float, required=True)
     parser.add_argument("--ack-wait", type=float, default=30.0, help="JetStream: the durable's")
-    parser.add_argument("--sleep", action="store_true", help="sleep as each message says")
+    parser.add_argument("--sleep", action="store_true", help="after the stop, as each message says")
     return parser.parse_args(argv)
 
 
