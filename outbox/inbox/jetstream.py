@@ -5,12 +5,14 @@ a durable consumer and settles each as JetStream expects once its transaction en
 it comes again no sooner than ``retry_after``; ``term`` what can never succeed (a conflict, a
 recorded refusal, a malformed message), so JetStream stops redelivering it. Never an ack before
 COMMIT: a consumer that dies between COMMIT and ack leaves a message JetStream redelivers after
-AckWait, and the redelivery is a replay (docs/design.md, "The inbox").
+AckWait, and the redelivery is a replay (docs/design.md, "The inbox"). On a stop, the messages
+cut short by the grace are ``nak``ed without delay (outbox.inbox.draining).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 
 import structlog
 from nats.aio.msg import Msg
@@ -19,8 +21,9 @@ from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig
 
 from outbox.inbox.core import Inbox
+from outbox.inbox.draining import DEFAULT_GRACE, draining
 from outbox.inbox.http import KeyFrom, TenantFrom
-from outbox.inbox.queues import Consumer, Handle, Verdict, consumer_with, lower
+from outbox.inbox.queues import Consumer, Handle, Settled, Verdict, consumer_with, lower
 
 log = structlog.get_logger("outbox.inbox")
 
@@ -35,25 +38,29 @@ async def consume(
     subject: str | None = None,
     batch: int = 16,
     ack_wait: float = 30.0,
+    grace: float = DEFAULT_GRACE,
 ) -> None:
-    """Handle the messages of ``durable`` (created when missing) until ``stop`` is set; the
-    messages of one fetch run concurrently, each in its own transaction. :func:`consumer_of` makes
-    a Consumer keyed as JetStream messages are."""
+    """Handle the messages of ``durable`` (created when missing) until ``stop`` is set or the
+    task is cancelled, then drain: no more fetches, ``grace`` seconds for the messages under way,
+    the rest given back. At most ``batch`` at once, each in its own task and transaction.
+    :func:`consumer_of` makes a Consumer keyed as JetStream messages are."""
     config = ConsumerConfig(durable_name=durable, ack_wait=ack_wait)
     sub = await js.pull_subscribe(subject or "", durable=durable, stream=stream, config=config)
     try:
-        while not stop.is_set():
-            try:
-                messages = await sub.fetch(batch, timeout=0.5)
-            except (TimeoutError, NatsTimeout):
-                continue
-            await asyncio.gather(*(_one(m, consumer) for m in messages))
+        async with draining(consumer, stop, grace) as in_flight:
+            while room := await in_flight.room(batch):
+                try:
+                    messages = await sub.fetch(room, timeout=0.5)
+                except (TimeoutError, NatsTimeout):
+                    continue
+                for msg in messages:
+                    answer = functools.partial(_answer, msg)
+                    in_flight.take(lower(msg.headers), msg.data, answer, msg.nak)
     finally:
         await sub.unsubscribe()
 
 
-async def _one(msg: Msg, consumer: Consumer) -> None:
-    settled = await consumer.settle(lower(msg.headers), msg.data)
+async def _answer(msg: Msg, settled: Settled) -> None:
     if settled.verdict is Verdict.ACK:
         await msg.ack()
     elif settled.verdict is Verdict.RETRY:

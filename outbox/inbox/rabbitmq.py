@@ -8,32 +8,43 @@ progress or failed, hold the message ``retry_after`` first, then ``nack`` with r
 RabbitMQ has no delayed requeue (a quorum queue counts each requeue toward its delivery limit,
 20 by default since 4.0: the hold keeps a slow first delivery from exhausting its copies). Never
 an ack before COMMIT: a consumer that dies between the two leaves the message unacknowledged,
-RabbitMQ delivers it again, and the redelivery replays (docs/design.md, "The inbox").
+RabbitMQ delivers it again, and the redelivery replays (docs/design.md, "The inbox"). On a
+stop, the messages cut short by the grace are ``nack``ed with requeue at once
+(outbox.inbox.draining).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 
 from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
 
 from outbox.inbox.core import Inbox
+from outbox.inbox.draining import DEFAULT_GRACE, draining
 from outbox.inbox.http import KeyFrom, TenantFrom
-from outbox.inbox.queues import Consumer, Handle, Verdict, consumer_with, lower
+from outbox.inbox.queues import Consumer, Handle, Settled, Verdict, consumer_with, lower
 
 
-async def consume(queue: AbstractQueue, consumer: Consumer, *, stop: asyncio.Event) -> None:
-    """Handle ``queue``'s messages until ``stop`` is set; as many at once as the channel's
-    prefetch allows, each in its own transaction."""
+async def consume(
+    queue: AbstractQueue, consumer: Consumer, *, stop: asyncio.Event, grace: float = DEFAULT_GRACE
+) -> None:
+    """Handle ``queue``'s messages until ``stop`` is set or the task is cancelled, then drain:
+    no more deliveries, ``grace`` seconds for the messages under way, the rest given back. As
+    many at once as the channel's prefetch allows, each in its own task and transaction."""
+    async with draining(consumer, stop, grace) as in_flight:
 
-    async def on_message(message: AbstractIncomingMessage) -> None:
-        await _one(message, consumer)
+        async def on_message(message: AbstractIncomingMessage) -> None:
+            answer = functools.partial(_answer, message)
+            give_back = functools.partial(message.nack, requeue=True)
+            in_flight.take(headers_of(message), message.body, answer, give_back)
 
-    tag = await queue.consume(on_message)
-    try:
-        await stop.wait()
-    finally:
-        await queue.cancel(tag)
+        tag = await queue.consume(on_message)
+        try:
+            await stop.wait()
+        finally:
+            in_flight.close()
+            await queue.cancel(tag)  # no more deliveries, before the drain
 
 
 def headers_of(message: AbstractIncomingMessage) -> dict[str, str]:
@@ -48,8 +59,7 @@ def headers_of(message: AbstractIncomingMessage) -> dict[str, str]:
     return lower(found)
 
 
-async def _one(message: AbstractIncomingMessage, consumer: Consumer) -> None:
-    settled = await consumer.settle(headers_of(message), message.body)
+async def _answer(message: AbstractIncomingMessage, settled: Settled) -> None:
     if settled.verdict is Verdict.ACK:
         await message.ack()
     elif settled.verdict is Verdict.RETRY:

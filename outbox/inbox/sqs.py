@@ -8,19 +8,23 @@ malformed message is logged). What is in progress or failed gets ``ChangeMessage
 ``retry_after``, so it comes back no sooner, and is never deleted. A consumer that dies between
 COMMIT and delete leaves the message to reappear after its visibility timeout; the redelivery
 replays (docs/design.md, "The inbox"). SQS's ``MessageId`` is new for every send, so it tells a
-redelivery apart and nothing more: outbox's own messages carry their operation.
+redelivery apart and nothing more: outbox's own messages carry their operation. On a stop, the
+messages cut short by the grace get ``ChangeMessageVisibility`` of 0, to be received again at
+once (outbox.inbox.draining).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any
 
 from outbox.inbox.core import Inbox
+from outbox.inbox.draining import DEFAULT_GRACE, draining
 from outbox.inbox.http import KeyFrom, TenantFrom
-from outbox.inbox.queues import Consumer, Handle, Verdict, consumer_with, lower
+from outbox.inbox.queues import Consumer, Handle, Settled, Verdict, consumer_with, lower
 
 
 async def consume(
@@ -32,20 +36,25 @@ async def consume(
     dead_letter_url: str | None = None,
     batch: int = 10,
     wait_seconds: int = 1,
+    grace: float = DEFAULT_GRACE,
 ) -> None:
     """Handle the messages of ``queue_url`` with an aiobotocore SQS ``client`` until ``stop``
-    is set; each received batch runs concurrently, each message in its own transaction."""
-    while not stop.is_set():
-        answer = await client.receive_message(
-            QueueUrl=queue_url,
-            MaxNumberOfMessages=batch,
-            WaitTimeSeconds=wait_seconds,
-            MessageAttributeNames=["All"],
-        )
-        messages = answer.get("Messages", [])
-        await asyncio.gather(
-            *(_one(client, queue_url, m, consumer, dead_letter_url) for m in messages)
-        )
+    is set or the task is cancelled, then drain: no more receives, ``grace`` seconds for the
+    messages under way, the rest given back. At most ``batch`` at once, each in its own task and
+    transaction."""
+    async with draining(consumer, stop, grace) as in_flight:
+        while room := await in_flight.room(batch):
+            received = await client.receive_message(
+                QueueUrl=queue_url,
+                MaxNumberOfMessages=min(room, 10),  # SQS's most per receive
+                WaitTimeSeconds=wait_seconds,
+                MessageAttributeNames=["All"],
+            )
+            for message in received.get("Messages", []):
+                body = str(message.get("Body", "")).encode()
+                answer = functools.partial(_answer, client, queue_url, message, dead_letter_url)
+                give_back = functools.partial(_give_back, client, queue_url, message)
+                in_flight.take(headers_of(message), body, answer, give_back)
 
 
 def headers_of(message: Mapping[str, Any]) -> dict[str, str]:
@@ -59,15 +68,13 @@ def headers_of(message: Mapping[str, Any]) -> dict[str, str]:
     return lower(found)
 
 
-async def _one(
+async def _answer(
     client: Any,
     queue_url: str,
     message: Mapping[str, Any],
-    consumer: Consumer,
     dead_letter_url: str | None,
+    settled: Settled,
 ) -> None:
-    body = str(message.get("Body", "")).encode()
-    settled = await consumer.settle(headers_of(message), body)
     receipt = message["ReceiptHandle"]
     if settled.verdict is Verdict.RETRY:
         seconds = min(43_200, max(0, math.ceil(settled.delay)))  # SQS's bounds: 0 to 12 h
@@ -82,6 +89,12 @@ async def _one(
             MessageAttributes=message.get("MessageAttributes", {}),
         )
     await client.delete_message(QueueUrl=queue_url, ReceiptHandle=receipt)
+
+
+async def _give_back(client: Any, queue_url: str, message: Mapping[str, Any]) -> None:
+    await client.change_message_visibility(
+        QueueUrl=queue_url, ReceiptHandle=message["ReceiptHandle"], VisibilityTimeout=0
+    )
 
 
 def consumer_of(

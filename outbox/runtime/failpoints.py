@@ -1,4 +1,5 @@
-"""Fault-injection points for the fault tests: a pause at a named point of the dispatch path.
+"""Fault-injection points for the fault tests: a pause at a named point of the dispatch path, or
+of an inbox queue consumer's.
 
 Set ``OUTBOX_FAILPOINTS="after_claim=30"`` to sleep 30 seconds right after a claim commits; a test
 then SIGKILLs the process inside that exact window. Unset (always, in production), a failpoint
@@ -13,6 +14,8 @@ from typing import Final
 
 AFTER_CLAIM: Final = "after_claim"  # leased, nothing sent yet
 BEFORE_RECORD: Final = "before_record"  # the provider answered; nothing recorded yet
+# A queue consumer's message committed and is to be acknowledged; not acknowledged yet.
+INBOX_BEFORE_ACK: Final = "inbox_before_ack"
 # A simulated bug, once per process: a transaction locking the row is left open before the send
 # (its value: the session's idle-in-transaction timeout in seconds, so a test need not wait 60).
 LEAK_TRANSACTION: Final = "leak_transaction"

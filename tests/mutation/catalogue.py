@@ -68,6 +68,10 @@ RABBITMQ_TESTS = "tests/integration/test_inbox_rabbitmq.py"
 ADAPTER = "outbox/inbox/adapter.py"
 # The WSGI middleware and its inbox on threads, around Flask under werkzeug's server.
 WSGI_TESTS = "tests/integration/test_inbox_wsgi.py"
+# A queue consumer stopped mid-work: the drain's logic alone, then real consumer processes on
+# JetStream, RabbitMQ and SQS.
+STOP_UNIT = "tests/unit/test_inbox_stop.py::"
+STOP_TESTS = "tests/integration/test_inbox_queue_stop.py::"
 
 MUTANTS: tuple[Mutant, ...] = (
     # --- the lease fence, in every path that writes after a provider call ----------------------
@@ -1409,5 +1413,25 @@ MUTANTS: tuple[Mutant, ...] = (
         "    if length and len(body) < length:\n",
         "    if False:\n",
         WSGI_TESTS + "::test_a_body_cut_short_is_never_decided_or_handled",
+    ),
+    _one(
+        "inbox-queue-stop-acks-the-cut-short",
+        "a message that a stop cut short, rolled back, is acknowledged instead of given back: "
+        "the work is gone, never done",
+        "outbox/inbox/draining.py",
+        "        await _given_back(consumer.handler, give_back)\n",
+        '        await answer(Settled(Verdict.ACK, "cut_short"))\n',
+        STOP_UNIT + "test_a_stop_lets_work_finish_within_the_grace_and_gives_back_the_rest",
+        STOP_TESTS + "test_a_sigterm_drains_acks_what_committed_and_gives_back_what_it_cut_short",
+    ),
+    _one(
+        "inbox-queue-stop-without-grace",
+        "a stop cuts short every message under way at once, instead of letting them finish "
+        "within the grace: work that was about to commit is rolled back and done again",
+        "outbox/inbox/draining.py",
+        "                await asyncio.wait(set(self._tasks), timeout=grace)\n",
+        "                await asyncio.wait(set(self._tasks), timeout=0)\n",
+        STOP_UNIT + "test_a_stop_lets_work_finish_within_the_grace_and_gives_back_the_rest",
+        STOP_TESTS + "test_a_sigterm_drains_acks_what_committed_and_gives_back_what_it_cut_short",
     ),
 )
