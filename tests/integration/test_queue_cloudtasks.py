@@ -134,12 +134,19 @@ def test_a_kill_between_publish_and_record_repeats_the_same_task_name(
     with TasksEmulator([QUEUE], tmp_path / "emulator.log", faithful=faithful) as emulator:
         ids = enqueue_many(db_url, count, provider="tasks")
         providers = {"tasks": provider_table(emulator, receiver.url)}
+
+        def repeated_twice() -> str | None:
+            # One repeat per name is the promise (asserted below); a second is already a fail.
+            twice = [name for name, n in emulator.repeats().items() if n > 1]
+            return f"names repeated more than once: {twice[:3]}" if twice else None
+
         second = crash_between_publish_and_record(
             db_url,
             tmp_path,
             providers,
             count=count,
             published=lambda: sum(emulator.created().values()),
+            broken=repeated_twice if faithful else None,
             concurrency=count,  # every publish holds its slot until the kill
         )
         try:

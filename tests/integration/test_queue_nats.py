@@ -316,6 +316,8 @@ def test_start_is_refused_when_key_retention_outlasts_the_duplicate_window(
         )
         process = OutboxProcess(db_url, config, tmp_path / "refused.log")
         try:
+            # Refused before it starts: one that says it started has taken the setting.
+            assert not process.wait_started(timeout=30), process.log_text()[-2000:]
             assert process.wait(timeout=30) == 2
         finally:
             process.stop()

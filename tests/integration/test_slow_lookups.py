@@ -206,7 +206,8 @@ async def test_each_provider_reconciles_in_a_loop_of_its_own(
     try:
         await until(lambda: set(first) <= set(fast.asked))
         later = reconciling(db_url, "fast", 1)
-        await until(lambda: set(later) <= set(fast.asked))
+        # Asked is not yet recorded: wait for the finding's record, which the check below reads.
+        await until(lambda: settled(db_url, "fast") == len(first) + len(later))
         assert stuck.asked  # still in its first lookup
     finally:
         loop.cancel()
@@ -214,6 +215,15 @@ async def test_each_provider_reconciles_in_a_loop_of_its_own(
     assert rows(
         db_url, "SELECT provider, status, count(*) FROM outbox.operations GROUP BY 1, 2 ORDER BY 1"
     ) == [("fast", "succeeded", 3), ("stuck", "reconciling", 1)]
+
+
+def settled(url: str, provider: str) -> int:
+    ((count,),) = rows(
+        url,
+        "SELECT count(*) FROM outbox.operations WHERE provider = %s AND status = 'succeeded'",
+        (provider,),
+    )
+    return int(count)
 
 
 async def until(condition: Any) -> None:

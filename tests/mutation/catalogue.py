@@ -14,6 +14,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 FENCE_TESTS = ("tests/integration/test_lease_fence.py",)
+# Node-id prefixes: each mutant runs the tests that catch it, not its whole file.
+LEASE_FENCE = "tests/integration/test_lease_fence.py::"
+DISPATCH_TESTS = "tests/integration/test_dispatch.py::"
+STRIPE_TESTS = "tests/integration/test_stripe.py::"
+FINDINGS_TESTS = "tests/integration/test_reconcile_findings.py::"
+RESULTS_TESTS = "tests/integration/test_stripe_results.py::"
+SEARCH_TESTS = "tests/integration/test_reconcile_search.py::"
+NOT_ACTED_TESTS = "tests/integration/test_stripe_not_acted.py::"
+EVERY_ACTION_TESTS = "tests/integration/test_reconcile_every_action.py::"
+SEARCH_PATH_TESTS = "tests/integration/test_search_path.py::"
+KEY_NAMESPACE_TESTS = "tests/integration/test_key_namespace.py::"
+IDENTITY_TESTS = "tests/integration/test_identity_characters.py::"
+AUDIT_TESTS = "tests/integration/test_audit_truth.py::"
+ALLOW_TESTS = "tests/integration/test_allow_lists.py::"
+UNBUILDABLE_TESTS = "tests/integration/test_unbuildable_requests.py::"
+SCHEDULED_TESTS = "tests/integration/test_scheduled_claims.py::"
+ORDERING_TESTS = "tests/integration/test_ordering.py::"
+RLS_TESTS = "tests/integration/test_rls.py::"
+HEALTH_TESTS = "tests/integration/test_provider_health.py::"
+WITHOUT_CONFIG_TESTS = "tests/integration/test_reconcile_without_config.py::"
+HTTP_LOOKUP_TESTS = "tests/integration/test_http_lookups.py::"
 
 
 @dataclass(frozen=True)
@@ -81,7 +102,8 @@ MUTANTS: tuple[Mutant, ...] = (
         DISPATCH_SQL,
         "          AND o.lease_token = i.lease_token\n          AND o.attempts = i.attempt\n",
         "",
-        *FENCE_TESTS,
+        LEASE_FENCE + "test_a_zombies_grouped_records_change_only_the_rows_it_still_holds",
+        LEASE_FENCE + "test_a_zombies_single_record_changes_nothing",
     ),
     _one(
         "release-fence",
@@ -89,7 +111,7 @@ MUTANTS: tuple[Mutant, ...] = (
         DISPATCH_SQL,
         "WHERE o.id = p_id AND o.lease_token = p_lease_token AND o.status = 'in_flight'",
         "WHERE o.id = p_id AND o.status = 'in_flight'",
-        *FENCE_TESTS,
+        LEASE_FENCE + "test_a_zombies_release_changes_nothing",
     ),
     _one(
         "heartbeat-fence",
@@ -97,7 +119,9 @@ MUTANTS: tuple[Mutant, ...] = (
         DISPATCH_SQL,
         "WHERE o.id = held.id AND o.lease_token = held.token AND o.status = 'in_flight'",
         "WHERE o.id = held.id AND o.status = 'in_flight'",
-        *FENCE_TESTS,
+        LEASE_FENCE + "test_a_zombies_heartbeat_renews_no_lease_it_lost",
+        LEASE_FENCE
+        + "test_a_zombie_whose_call_returns_while_another_worker_holds_the_row_changes_nothing",
     ),
     Mutant(
         "rescue-live-lease",
@@ -114,7 +138,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "o.status = 'in_flight'",
             ),
         ),
-        FENCE_TESTS,
+        (LEASE_FENCE + "test_the_rescuer_takes_no_lease_that_is_still_live",),
     ),
     _one(
         "recorded-before-counts-the-rescue",
@@ -122,7 +146,7 @@ MUTANTS: tuple[Mutant, ...] = (
         STATEMENTS,
         "  AND error_class IS DISTINCT FROM 'lease_expired'\n",
         "",
-        *FENCE_TESTS,
+        LEASE_FENCE + "test_the_attempt_the_rescuer_recorded_is_not_the_zombies_record",
     ),
     _one(
         "check-fence",
@@ -130,7 +154,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "sql/0023_lookups_say_what_they_searched.sql",
         "IF op.key_generation <> expected_generation OR op.attempts <> expected_attempts THEN",
         "IF false THEN",
-        *FENCE_TESTS,
+        LEASE_FENCE + "test_a_reconcilers_late_finding_and_deferral_change_nothing",
     ),
     _one(
         "defer-fence",
@@ -139,7 +163,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "          AND o.key_generation = defer_check.expected_generation\n"
         "          AND o.attempts = defer_check.expected_attempts\n",
         "",
-        *FENCE_TESTS,
+        LEASE_FENCE + "test_a_reconcilers_late_finding_and_deferral_change_nothing",
     ),
     _one(
         "send-after-lease",
@@ -177,7 +201,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "first_sent_at = CASE WHEN i.sent THEN coalesce(o.first_sent_at, o.last_attempt_at)\n"
         "                                 ELSE o.first_sent_at END,",
         "first_sent_at = o.first_sent_at,",
-        "tests/integration/test_dispatch.py",
+        DISPATCH_TESTS
+        + "test_a_timeout_after_the_provider_acted_is_retried_with_the_same_key_once",
+        DISPATCH_TESTS + "test_a_503_may_have_acted_so_it_starts_the_key_window_and_keeps_the_key",
     ),
     _one(
         "unknown-not-sent",
@@ -185,7 +211,9 @@ MUTANTS: tuple[Mutant, ...] = (
         RECORDER,
         "reached = result.may_have_reached_provider if sent is None else sent",
         "reached = False",
-        "tests/integration/test_dispatch.py",
+        DISPATCH_TESTS
+        + "test_a_timeout_after_the_provider_acted_is_retried_with_the_same_key_once",
+        DISPATCH_TESTS + "test_a_503_may_have_acted_so_it_starts_the_key_window_and_keeps_the_key",
     ),
     _one(
         "rescue-not-sent",
@@ -204,7 +232,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "outbox/providers/stripe/provider.py",
         '"idempotency_key": request.idempotency_key,',
         '"idempotency_key": None,',
-        "tests/integration/test_stripe.py",
+        STRIPE_TESTS + "test_each_operation_creates_one_object_carrying_its_id_and_key",
+        STRIPE_TESTS + "test_a_timeout_after_stripe_acted_is_retried_with_the_same_key_once",
     ),
     _one(
         "webhook-key",
@@ -212,7 +241,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "outbox/providers/http/provider.py",
         "headers[spec.key.header] = spec.key.header_value(wire)",
         'headers[spec.key.header] = spec.key.header_value(f"{wire}:{request.attempt}")',
-        "tests/integration/test_dispatch.py",
+        DISPATCH_TESTS + "test_each_operation_makes_one_effect_and_keeps_its_reference",
+        DISPATCH_TESTS
+        + "test_a_timeout_after_the_provider_acted_is_retried_with_the_same_key_once",
     ),
     _one(
         "fingerprint-payload",
@@ -220,7 +251,8 @@ MUTANTS: tuple[Mutant, ...] = (
         ENQUEUE,
         "action || E'\\n' || v_payload_text\n",
         "action || E'\\n'\n",
-        "tests/integration/test_enqueue.py",
+        "tests/integration/test_enqueue.py::"
+        "test_same_identity_other_content_is_a_conflict_and_changes_nothing",
     ),
     _one(
         "retry-key-generation",
@@ -228,7 +260,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "sql/0009_stricter_retry_checks_and_audit.sql",
         "idempotency_key = new_key,\n        key_generation = o.key_generation + 1,",
         "idempotency_key = o.idempotency_key,\n        key_generation = o.key_generation,",
-        "tests/integration/test_reconcile.py",
+        "tests/integration/test_reconcile.py::"
+        "test_an_effect_stripe_never_applied_is_recorded_missing_then_retried_once",
     ),
     # --- reconciliation: a found object is not a found effect ---------------------------------
     _one(
@@ -237,7 +270,11 @@ MUTANTS: tuple[Mutant, ...] = (
         "outbox/oncall/reconciler.py",
         "finding=FINDINGS[found.verdict]",
         'finding="found"',
-        "tests/integration/test_reconcile_findings.py",
+        FINDINGS_TESTS + "test_a_declined_charge_sent_to_reconciliation_is_quarantined_as_declined",
+        FINDINGS_TESTS
+        + "test_a_decline_whose_answer_was_lost_is_quarantined_by_the_periodic_check",
+        FINDINGS_TESTS
+        + "test_a_payment_awaiting_the_customer_stays_reconciling_until_its_state_decides",
     ),
     _one(
         "decline-is-done",
@@ -246,7 +283,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "        return Verdict.REFUSED  # a confirmation was declined: no payment happened",
         "        return Verdict.DONE",
         "tests/unit/test_stripe_states.py",
-        "tests/integration/test_reconcile_findings.py",
+        FINDINGS_TESTS + "test_a_declined_charge_sent_to_reconciliation_is_quarantined_as_declined",
     ),
     _one(
         "refused-to-reconciling",
@@ -254,7 +291,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "sql/0023_lookups_say_what_they_searched.sql",
         "SET status = 'quarantined', status_reason = 'provider_declined',",
         "SET status = 'reconciling', status_reason = 'provider_declined',",
-        "tests/integration/test_reconcile_findings.py",
+        FINDINGS_TESTS + "test_a_declined_charge_sent_to_reconciliation_is_quarantined_as_declined",
+        FINDINGS_TESTS
+        + "test_a_decline_whose_answer_was_lost_is_quarantined_by_the_periodic_check",
     ),
     _one(
         "stripe-5xx-permanent",
@@ -270,7 +309,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "outbox/providers/stripe/provider.py",
         "REDACTED if k in fields and v is not None else",
         "v if k in fields and v is not None else",
-        "tests/integration/test_stripe_results.py",
+        RESULTS_TESTS + "test_decimal_fields_are_kept_and_the_client_secret_is_not",
+        RESULTS_TESTS + "test_redact_fields_names_more_fields_at_any_depth",
     ),
     _one(
         "lookup-misses-hashed-generations",
@@ -278,7 +318,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "outbox/providers/stripe/lookup.py",
         'return frozenset({first, "ob1_" + hashlib.sha256(first.encode()).hexdigest()})',
         "return frozenset({first})",
-        "tests/integration/test_reconcile_findings.py",
+        FINDINGS_TESTS + "test_every_generation_of_a_long_key_finds_the_first_generations_object",
     ),
     _one(
         "check-window-from-current-generation",
@@ -288,7 +328,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "             (SELECT min(a.started_at) FROM outbox.attempts a\n"
         "              WHERE a.operation_id = o.id AND a.sent)) AS first_sent_at,",
         "       coalesce(first_sent_at, created_at) AS first_sent_at,",
-        "tests/integration/test_reconcile_findings.py",
+        FINDINGS_TESTS
+        + "test_after_reconcile_retry_the_check_still_finds_what_generation_1_made_hours_ago",
     ),
     _one(
         "claim-checks-window-from-current-generation",
@@ -298,7 +339,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "                    (SELECT min(a.started_at) FROM outbox.attempts a\n"
         "                     WHERE a.operation_id = o.id AND a.sent)),",
         "              coalesce(o.first_sent_at, o.created_at),",
-        "tests/integration/test_reconcile_findings.py",
+        FINDINGS_TESTS
+        + "test_after_reconcile_retry_the_check_still_finds_what_generation_1_made_hours_ago",
     ),
     _one(
         "lookup-without-events",
@@ -306,7 +348,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "outbox/providers/stripe/provider.py",
         "            if events.matches:\n",
         "            if False:\n",
-        "tests/integration/test_reconcile_search.py",
+        SEARCH_TESTS + "test_a_deleted_customer_is_found_by_the_event_of_its_creation",
+        SEARCH_TESTS + "test_a_deleted_draft_invoice_is_undecided_and_never_not_found",
     ),
     _one(
         "lookup-pages-unbounded",
@@ -314,7 +357,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "outbox/providers/stripe/lookup.py",
         "    for _ in range(LOOKUP_MAX_PAGES):\n",
         "    for _ in range(10**6):\n",
-        "tests/integration/test_reconcile_search.py",
+        SEARCH_TESTS + "test_a_search_stopped_by_its_page_cap_is_undecided_with_the_reason",
     ),
     _one(
         "capped-search-not-found",
@@ -322,7 +365,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "outbox/providers/stripe/lookup.py",
         "    if objects.complete or events_whole:\n",
         "    if True:\n",
-        "tests/integration/test_reconcile_search.py",
+        SEARCH_TESTS + "test_a_search_stopped_by_its_page_cap_is_undecided_with_the_reason",
+        SEARCH_TESTS + "test_a_list_that_never_ends_costs_a_bounded_number_of_requests",
     ),
     _one(
         "check-window-never-grows",
@@ -331,7 +375,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "                       CASE WHEN due.checked_before IS NOT NULL\n"
         "                            THEN least(due.checked_before, now()) END),",
         "                       NULL),",
-        "tests/integration/test_reconcile_search.py",
+        SEARCH_TESTS + "test_each_recheck_searches_up_to_the_check_before_it",
     ),
     _one(
         "lookup-without-filters",
@@ -339,7 +383,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "outbox/providers/stripe/lookup.py",
         "    params = {**dict(searchable.always), **narrowing}\n",
         "    params = dict(searchable.always)\n",
-        "tests/integration/test_reconcile_search.py",
+        SEARCH_TESTS + "test_the_payloads_list_filters_narrow_the_search_past_the_crowd",
     ),
     _one(
         "not-acted-spends-budget",
@@ -347,7 +391,7 @@ MUTANTS: tuple[Mutant, ...] = (
         DISPATCH_SQL,
         "            attempt_base = o.attempt_base + CASE WHEN i.unspent THEN 1 ELSE 0 END,\n",
         "",
-        "tests/integration/test_stripe_not_acted.py",
+        NOT_ACTED_TESTS + "test_a_long_episode_of_answers_that_did_not_act_never_quarantines",
     ),
     _one(
         "not-acted-free-for-ever",
@@ -355,7 +399,7 @@ MUTANTS: tuple[Mutant, ...] = (
         RECORDER,
         "and flight.db_now() - row.created_at < UNSPENT_FOR\n",
         "and True\n",
-        "tests/integration/test_stripe_not_acted.py",
+        NOT_ACTED_TESTS + "test_answers_that_did_not_act_spend_the_budget_once_the_ceiling_passed",
     ),
     _one(
         "paused-action-sent",
@@ -363,7 +407,7 @@ MUTANTS: tuple[Mutant, ...] = (
         PIPELINE,
         "        paused = self._action_pauses.wait(flight.row)\n",
         "        paused = None\n",
-        "tests/integration/test_stripe_not_acted.py",
+        NOT_ACTED_TESTS + "test_a_403_on_one_action_pauses_that_action_and_not_the_provider",
     ),
     _one(
         "403-pauses-provider",
@@ -371,7 +415,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "outbox/providers/stripe/provider.py",
         "message, pause_action=True, request_only=True,",
         "message, pause=True, request_only=True,",
-        "tests/integration/test_stripe_not_acted.py",
+        NOT_ACTED_TESTS + "test_a_403_on_one_action_pauses_that_action_and_not_the_provider",
     ),
     _one(
         "retry-in-the-new-version",
@@ -396,7 +440,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "outbox/providers/stripe/provider.py",
         "if isinstance(value, str) and _WORD.fullmatch(value)\n",
         "if isinstance(value, str)\n",
-        "tests/integration/test_stripe_results.py",
+        RESULTS_TESTS + "test_a_hostile_card_error_writes_nothing_of_its_own_into_last_error",
     ),
     _one(
         "lookup-ignores-where-it-was-sent",
@@ -404,7 +448,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "outbox/providers/stripe/provider.py",
         "        if request.sent_scope is None or request.sent_scope == here:\n",
         "        if True:\n",
-        "tests/integration/test_stripe_connect.py",
+        "tests/integration/test_stripe_connect.py::"
+        "test_a_check_after_the_account_or_the_keys_mode_changed_says_where_it_was_sent",
     ),
     _one(
         "operation-accounts-always-allowed",
@@ -412,7 +457,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "outbox/providers/stripe/provider.py",
         "        if not self._options.operation_accounts:\n",
         "        if False:\n",
-        "tests/integration/test_stripe_connect.py",
+        "tests/integration/test_stripe_connect.py::"
+        "test_an_account_per_operation_is_refused_unless_the_provider_allows_it",
     ),
     _one(
         "lookups-bypass-rate-limit",
@@ -421,7 +467,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "    async def list(self, service: str, params: dict[str, Any]) -> Any:\n"
         "        await self._paced()\n",
         "    async def list(self, service: str, params: dict[str, Any]) -> Any:\n",
-        "tests/integration/test_reconcile_search.py",
+        SEARCH_TESTS + "test_lookups_go_through_the_providers_rate_limit",
     ),
     _one(
         "change-found-whatever-its-state",
@@ -429,7 +475,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "outbox/providers/stripe/provider.py",
         "    if decided is None:\n        return NotFound(",
         "    if False:\n        return NotFound(",
-        "tests/integration/test_reconcile_every_action.py",
+        EVERY_ACTION_TESTS + "test_a_change_that_did_not_happen_is_not_found_and_may_be_retried",
     ),
     _one(
         "change-target-unchecked",
@@ -437,7 +483,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "outbox/providers/stripe/actions.py",
         "        if not isinstance(value, str) or not re.fullmatch(pattern, value):\n",
         "        if not isinstance(value, str):\n",
-        "tests/integration/test_reconcile_every_action.py",
+        EVERY_ACTION_TESTS
+        + "test_a_change_without_its_own_kind_of_target_is_refused_before_sending",
     ),
     _one(
         "dispatcher-search-path-unpinned",
@@ -445,7 +492,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "outbox/db/connect.py",
         '    "search_path": statements.SEARCH_PATH,\n',
         "",
-        "tests/integration/test_search_path.py",
+        SEARCH_PATH_TESTS
+        + "test_migrate_with_the_roles_dispatch_and_the_cli_never_run_a_planted_function",
     ),
     _one(
         "migrate-search-path-unpinned",
@@ -453,7 +501,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "outbox/db/migrations.py",
         "    cur.execute(statements.PIN_SEARCH_PATH)\n",
         "",
-        "tests/integration/test_search_path.py",
+        SEARCH_PATH_TESTS + "test_every_migration_runs_with_the_pinned_search_path",
     ),
     _one(
         "caller-takes-derived-key",
@@ -461,7 +509,8 @@ MUTANTS: tuple[Mutant, ...] = (
         ENQUEUE,
         "    IF idempotency_key ~* '^ob[0-9]+_' OR idempotency_key ~* ':r[0-9]+$' THEN\n",
         "    IF false THEN\n",
-        "tests/integration/test_key_namespace.py",
+        KEY_NAMESPACE_TESTS + "test_nobody_can_occupy_another_tenants_derived_key_in_advance",
+        KEY_NAMESPACE_TESTS + "test_the_forms_outbox_makes_are_refused_as_caller_keys",
     ),
     _one(
         "derived-key-without-secret",
@@ -470,7 +519,8 @@ MUTANTS: tuple[Mutant, ...] = (
         ENQUEUE,
         "        v_key := 'ob2_' || encode(sha256(v_secret || sha256(v_secret || convert_to(\n",
         "        v_key := 'ob2_' || encode(sha256(sha256(convert_to(\n",
-        "tests/integration/test_key_namespace.py",
+        KEY_NAMESPACE_TESTS + "test_nobody_can_occupy_another_tenants_derived_key_in_advance",
+        KEY_NAMESPACE_TESTS + "test_two_databases_derive_different_keys_and_old_rows_keep_theirs",
     ),
     _one(
         "caller-takes-new-derived-form",
@@ -486,7 +536,7 @@ MUTANTS: tuple[Mutant, ...] = (
         ENQUEUE,
         "                      DETAIL = CASE WHEN v_holder.tenant_id = tenant_id\n",
         "                      DETAIL = CASE WHEN true\n",
-        "tests/integration/test_key_namespace.py",
+        KEY_NAMESPACE_TESTS + "test_two_tenants_with_one_caller_key_are_told_at_enqueue",
     ),
     _one(
         "identity-format-characters-fast-path",
@@ -496,7 +546,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "            !~ '[",
         "            || coalesce(correlation_id, '') || coalesce(ordering_key, ''))\n"
         "            !~ '[[:cntrl:]]' AND '' !~ '[",
-        "tests/integration/test_identity_characters.py",
+        IDENTITY_TESTS + "test_sql_enqueue_refuses_every_such_character_in_each_field",
+        IDENTITY_TESTS + "test_python_enqueue_refuses_every_such_character_in_each_field",
     ),
     _one(
         "identity-format-characters-check-text",
@@ -504,7 +555,7 @@ MUTANTS: tuple[Mutant, ...] = (
         CHECK_TEXT,
         "    v_bad := substring(value from '[",
         "    v_bad := substring(value from '[[:cntrl:]]');\n    PERFORM substring(value from '[",
-        "tests/integration/test_identity_characters.py",
+        IDENTITY_TESTS + "test_check_text_refuses_each_one_naming_the_character",
     ),
     _one(
         "identity-edge-spaces",
@@ -513,7 +564,10 @@ MUTANTS: tuple[Mutant, ...] = (
         "sql/0036_identities_refuse_spaces_at_their_ends.sql",
         "    IF value IS NULL THEN\n",
         "    IF true THEN\n",
-        "tests/integration/test_identity_ends.py",
+        "tests/integration/test_identity_ends.py::"
+        "test_sql_enqueue_refuses_a_space_at_either_end_of_each_field",
+        "tests/integration/test_identity_ends.py::"
+        "test_python_enqueue_refuses_a_space_at_either_end_of_each_field",
     ),
     _one(
         "payload-values-unbounded",
@@ -570,7 +624,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "outbox/oncall/text_tables.py",
         'return "-" if value is None else printable(str(value))',
         'return "-" if value is None else str(value)',
-        "tests/integration/test_audit_truth.py",
+        AUDIT_TESTS
+        + "test_show_names_the_database_user_beside_the_claimed_actor_and_escapes_the_text",
+        AUDIT_TESTS + "test_a_table_has_one_line_per_row_whatever_its_cells",
     ),
     _one(
         "reason-unbounded",
@@ -578,7 +634,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "sql/0025_an_audit_that_tells_the_truth.sql",
         "    IF char_length(reason) > 2000 THEN\n",
         "    IF false THEN\n",
-        "tests/integration/test_audit_truth.py",
+        AUDIT_TESTS + "test_a_reason_is_bounded_and_a_refusal_changes_nothing",
     ),
     _one(
         "allow-list-ignored",
@@ -586,7 +642,7 @@ MUTANTS: tuple[Mutant, ...] = (
         ENQUEUE,
         "        PERFORM outbox.require_allowance(tenant_id, provider, action);\n",
         "",
-        "tests/integration/test_allow_lists.py",
+        ALLOW_TESTS + "test_once_filled_the_list_refuses_what_no_rule_allows",
     ),
     _one(
         "allow-list-like-wildcards",
@@ -597,7 +653,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "'_', '\\_'), "
         "'*', '%')\n",
         "    SELECT replace(pattern, '*', '%')\n",
-        "tests/integration/test_allow_lists.py",
+        ALLOW_TESTS + "test_a_pattern_is_the_tenant_id_itself_where_only_a_star_is_a_wildcard",
     ),
     _one(
         "webhook-credentials-quarantine",
@@ -605,7 +661,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "outbox/providers/http/wire.py",
         '    if status in REFUSED_CREDENTIALS:\n        return "credentials"',
         '    if False:\n        return "credentials"',
-        "tests/integration/test_webhook_credentials.py",
+        "tests/integration/test_webhook_credentials.py::"
+        "test_refused_credentials_pause_the_provider_and_quarantine_nothing",
     ),
     _one(
         "unbuilt-request-counted-sent",
@@ -613,7 +670,10 @@ MUTANTS: tuple[Mutant, ...] = (
         "outbox/providers/base.py",
         "return not self.not_sent and self.failure is not FailureClass.TRANSIENT",
         "return self.failure is not FailureClass.TRANSIENT",
-        "tests/integration/test_unbuildable_requests.py",
+        UNBUILDABLE_TESTS
+        + "test_a_webhook_row_whose_key_no_request_can_carry_is_quarantined_unsent",
+        UNBUILDABLE_TESTS
+        + "test_a_failure_of_the_sdk_before_it_hands_over_its_request_is_not_sent",
     ),
     _one(
         "webhook-identity-header-unencoded",
@@ -621,7 +681,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "outbox/providers/kit.py",
         'and "%" not in value and value.strip(" ") == value:',
         ":",
-        "tests/integration/test_unbuildable_requests.py",
+        UNBUILDABLE_TESTS
+        + "test_identities_a_header_cannot_carry_as_they_are_travel_percent_encoded",
     ),
     _one(
         "stripe-unwritable-head-unknown",
@@ -629,7 +690,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "outbox/providers/stripe/provider.py",
         "        except building.NOT_WRITTEN as exc:\n            raise building.Unbuilt",
         "        except ZeroDivisionError as exc:\n            raise building.Unbuilt",
-        "tests/integration/test_unbuildable_requests.py",
+        UNBUILDABLE_TESTS + "test_a_stripe_version_no_header_can_carry_is_quarantined_unsent",
     ),
     # --- what is claimed, and in what order ---------------------------------------------------
     _one(
@@ -638,7 +699,8 @@ MUTANTS: tuple[Mutant, ...] = (
         DISPATCH_SQL,
         "        WHERE o.scheduled AND o.available_at <= now()\n",
         "        WHERE o.scheduled\n",
-        "tests/integration/test_scheduled_claims.py",
+        SCHEDULED_TESTS
+        + "test_a_due_tenant_sorting_after_1000_tenants_of_tomorrows_is_claimed_at_once",
     ),
     _one(
         "claim-before-due",
@@ -650,7 +712,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "            ORDER BY o.available_at, o.id\n"
         "            LIMIT r.share\n",
         "            ORDER BY o.available_at, o.id\n            LIMIT r.share\n",
-        "tests/integration/test_scheduled_claims.py",
+        SCHEDULED_TESTS + "test_a_row_not_due_is_not_claimed_even_if_it_is_not_marked_scheduled",
     ),
     _one(
         "claim-one-group-before-due",
@@ -661,7 +723,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "            LIMIT greatest(least(p_limit, lone.cap), 0)",
         "            ORDER BY o.available_at, o.id\n"
         "            LIMIT greatest(least(p_limit, lone.cap), 0)",
-        "tests/integration/test_scheduled_claims.py",
+        SCHEDULED_TESTS + "test_a_row_not_due_is_not_claimed_even_if_it_is_not_marked_scheduled",
     ),
     _one(
         "claim-room-over-cap",
@@ -688,7 +750,10 @@ MUTANTS: tuple[Mutant, ...] = (
         "        IF outbox.ordering_has_head(tenant_id, ordering_key, 0) THEN\n"
         "            RETURN NULL;\n        END IF;\n        SELECT o.id INTO v_next",
         "        SELECT o.id INTO v_next",
-        "tests/integration/test_ordering.py",
+        ORDERING_TESTS
+        + "test_a_quarantined_operation_blocks_its_key_until_replayed_then_the_rest_follow",
+        ORDERING_TESTS
+        + "test_a_producer_enqueuing_several_of_one_key_in_one_transaction_makes_one_head",
     ),
     _one(
         "ordering-blocked-at-enqueue",
@@ -697,7 +762,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "NEW.ordering_blocked := outbox.ordering_has_head(NEW.tenant_id, NEW.ordering_key, "
         "NEW.id);",
         "NEW.ordering_blocked := false;",
-        "tests/integration/test_ordering.py",
+        ORDERING_TESTS + "test_in_mode_skip_the_key_goes_on_and_a_replay_rejoins_the_line",
     ),
     # --- tenants, failures and their destinations ---------------------------------------------
     _one(
@@ -708,7 +773,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "                t.name || '_bound_tenant', t.name, bound, bound);\n",
         "                'USING (true) WITH CHECK (tenant_id = %s)',\n"
         "                t.name || '_bound_tenant', t.name, bound);\n",
-        "tests/integration/test_rls.py",
+        RLS_TESTS + "test_force_binds_a_non_superuser_owner_and_its_definer_functions",
+        RLS_TESTS + "test_a_role_reading_the_table_sees_no_tenant_through_a_session_binding",
     ),
     _one(
         "rls-session-binding",
@@ -719,7 +785,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "                     = to_char(transaction_timestamp() AT TIME ZONE 'UTC', "
         "'YYYYMMDDHH24MISSUS')\n",
         "    RETURN CASE WHEN true\n",
-        "tests/integration/test_rls.py",
+        RLS_TESTS + "test_a_session_level_binding_binds_no_later_transaction",
+        RLS_TESTS + "test_a_binding_copied_into_the_session_binds_only_its_own_transaction",
     ),
     _one(
         "permanent-retried",
@@ -786,7 +853,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "outbox/dispatch/health.py",
         "        for breaker in left:",
         "        for breaker in left[:0]:",
-        "tests/integration/test_provider_health.py",
+        HEALTH_TESTS + "test_a_breaker_another_process_left_open_stays_open_and_a_reset_since_wins",
+        HEALTH_TESTS + "test_a_crash_loop_does_not_send_a_burst_at_a_provider_that_is_down",
     ),
     # --- wake-ups (sql/0029) --------------------------------------------------------------
     _one(
@@ -815,7 +883,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "outbox/dispatch/maintenance.py",
         "stray = await self._store.expire_stray_leases(self._shared.worker, held, since)\n",
         "stray: list[int] = []\n",
-        "tests/integration/test_failover.py",
+        "tests/integration/test_failover.py::"
+        "test_a_failover_keeps_the_promise_in_both_replication_modes[asynchronous]",
     ),
     _one(
         "attempts-unbounded",
@@ -833,7 +902,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "outbox/cli/operator.py",
         "    chosen = {name: ps for name, ps in configured.items() if name in wanted}\n",
         "    chosen = dict(configured)\n",
-        "tests/integration/test_reconcile_without_config.py",
+        WITHOUT_CONFIG_TESTS + "test_a_check_builds_only_the_providers_of_what_it_checks",
     ),
     _one(
         "check-builds-a-webhook-without-lookup",
@@ -842,7 +911,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "outbox/providers/registry.py",
         '    if ps.type == "webhook":\n        return "lookup" in ps.options\n',
         '    if ps.type == "webhook":\n        return True\n',
-        "tests/integration/test_reconcile_without_config.py",
+        WITHOUT_CONFIG_TESTS + "test_a_check_builds_only_the_providers_of_what_it_checks",
         "tests/unit/test_registry.py",
     ),
     # --- bulk everywhere (issue 37): reconcile resolve and retry in bulk ----------------------
@@ -940,7 +1009,8 @@ MUTANTS: tuple[Mutant, ...] = (
         STATEMENTS,
         "    ORDER BY o.status_changed_at, o.id\n    LIMIT %(count_limit)s::integer",
         "    ORDER BY o.status_changed_at DESC, o.id DESC\n    LIMIT %(count_limit)s::integer",
-        "tests/integration/test_pending_failures.py",
+        "tests/integration/test_pending_failures.py::"
+        "test_the_count_of_a_provider_stops_at_its_limit",
     ),
     # --- one cause, one status (issue 37): in doubt goes to reconciliation ----------------------
     _one(
@@ -951,7 +1021,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "    if first_sent_at is not None:\n        return Next(Status.RECONCILING, REASON_INDET",
         "    if False:\n        return Next(Status.RECONCILING, REASON_INDET",
         "tests/unit/test_policy.py",
-        "tests/integration/test_one_cause.py",
+        "tests/integration/test_one_cause.py::"
+        "test_operations_that_time_out_all_end_reconciling_whichever_ran_out_first",
     ),
     _one(
         "rescue-exhausted-quarantined",
@@ -972,7 +1043,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "    if retention is not None and request.checked_now - request.first_sent_at "
         "> _trusted(retention):\n",
         "    if False:\n",
-        "tests/integration/test_http_lookups.py",
+        HTTP_LOOKUP_TESTS + "test_a_forgotten_key_proves_nothing_once_past_the_lookups_retention",
     ),
     _one(
         "http-lookup-takes-anothers-effect",
@@ -981,7 +1052,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "outbox/providers/http/lookup.py",
         "    if lookup.match_at is None or lookup.match is None:\n",
         "    if True:\n",
-        "tests/integration/test_http_lookups.py",
+        HTTP_LOOKUP_TESTS
+        + "test_a_list_that_ignores_its_filter_hands_over_no_other_operations_effect",
     ),
     _one(
         "http-path-value-unescaped",
@@ -998,7 +1070,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "outbox/providers/http/provider.py",
         "if not spec.retry_unknown and isinstance(result, Failed) and _unknown(result):",
         "if False:",
-        "tests/integration/test_http_lookups.py",
+        HTTP_LOOKUP_TESTS + "test_retry_unknown_false_sends_what_may_have_acted_to_reconciliation",
     ),
     _one(
         "http-resend-after-crash-anyway",
@@ -1007,7 +1079,7 @@ MUTANTS: tuple[Mutant, ...] = (
         PIPELINE,
         "if row.first_sent_at is not None and not _resends(provider, row.action):",
         "if False:",
-        "tests/integration/test_recipes.py",
+        "tests/integration/test_recipes.py::test_the_recipe_keeps_the_promise[checkout]",
     ),
     _one(
         "action-window-ignored",
@@ -1025,7 +1097,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "outbox/providers/http/lookup.py",
         "    if answers.doubts:\n",
         "    if False:\n",
-        "tests/integration/test_http_lookups.py",
+        HTTP_LOOKUP_TESTS
+        + "test_a_list_that_ignores_its_filter_hands_over_no_other_operations_effect",
+        HTTP_LOOKUP_TESTS + "test_a_page_of_a_longer_list_proves_nothing",
     ),
     # --- the queue providers (issue 25): the key travels, the repeat is recognised ----------
     _one(

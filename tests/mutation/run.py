@@ -67,9 +67,20 @@ def check_catalogue(mutants: Sequence[Mutant]) -> list[str]:
                     "defines again: the mutant would change nothing that runs"
                 )
         for test in mutant.tests:
-            if not (ROOT / test.split("::")[0]).is_file():
+            path, _, node = test.partition("::")
+            if not (ROOT / path).is_file():
                 problems.append(f"{mutant.name}: no test file {test}")
+            elif node and not defines(node.split("::")[-1].split("[")[0], ROOT / path):
+                problems.append(f"{mutant.name}: {path} defines no {node}")
     return problems
+
+
+def defines(function: str, path: Path) -> bool:
+    """Whether the test file at ``path`` defines the test function ``function``."""
+    return (
+        re.search(rf"^\s*(?:async )?def {re.escape(function)}\(", path.read_text(), re.M)
+        is not None
+    )
 
 
 _MIGRATION = re.compile(r"sql/(\d{4})_[^/]+\.sql")

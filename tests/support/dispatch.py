@@ -7,9 +7,10 @@ import random
 import time
 from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import Any
+from typing import Any, Final
 
 import psycopg
+from psycopg import sql
 from psycopg_pool import AsyncConnectionPool
 
 import outbox
@@ -52,25 +53,43 @@ def dispatcher(
     )
 
 
+# The optional arguments of outbox.enqueue() that enqueue_many passes on, with their SQL types.
+_ENQUEUE_FIELDS: Final = {
+    "correlation_id": "text",
+    "idempotency_key": "text",
+    "available_at": "timestamptz",
+    "max_attempts": "integer",
+    "traceparent": "text",
+    "ordering_key": "text",
+}
+
+
 def enqueue_many(
     url: str, count: int, *, provider: str = "hook", prefix: str = "op", **fields: Any
 ) -> list[int]:
-    """Enqueue ``count`` operations in one committed transaction; returns their ids."""
-    ids = []
+    """Enqueue ``count`` operations (``{prefix}-{i}``, payload ``{"n": i}``) in one committed
+    transaction; returns their ids, in that order. One statement calls outbox.enqueue() per
+    operation, as outbox.enqueue in Python does (tests/integration/test_enqueue.py tests that
+    path), without a round trip each: 20,000 of them in a fraction of the time."""
+    unknown = set(fields) - set(_ENQUEUE_FIELDS)
+    if unknown:
+        raise TypeError(f"enqueue_many got unexpected arguments {sorted(unknown)}")
+    extra = sql.SQL("").join(
+        sql.SQL(", {} => {}::{}").format(
+            sql.Identifier(name), sql.Placeholder(name), sql.SQL(_ENQUEUE_FIELDS[name])
+        )
+        for name in fields
+    )
+    query = sql.SQL(
+        "SELECT e.operation_id FROM generate_series(0, %(count)s - 1) AS i "
+        "CROSS JOIN LATERAL outbox.enqueue(tenant_id => 'acme', "
+        "operation_type => 'invoice.charge', operation_key => %(prefix)s || '-' || i, "
+        "provider => %(provider)s, action => 'invoice.paid', "
+        "payload => jsonb_build_object('n', i){}) AS e ORDER BY i"
+    ).format(extra)
+    params = {"count": count, "prefix": prefix, "provider": provider, **fields}
     with psycopg.connect(url) as conn:
-        for i in range(count):
-            result = outbox.enqueue(
-                conn,
-                tenant_id="acme",
-                operation_type="invoice.charge",
-                operation_key=f"{prefix}-{i}",
-                provider=provider,
-                action="invoice.paid",
-                payload={"n": i},
-                **fields,
-            )
-            ids.append(result.operation_id)
-    return ids
+        return [int(i) for (i,) in conn.execute(query, params).fetchall()]
 
 
 def statuses(url: str) -> dict[str, int]:

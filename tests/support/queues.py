@@ -82,12 +82,22 @@ def outbox_run(
 
 
 def wait_settled(
-    db_url: str, count: int, *, timeout: float, process: OutboxProcess | None = None
+    db_url: str,
+    count: int,
+    *,
+    timeout: float,
+    process: OutboxProcess | None = None,
+    broken: Callable[[], str | None] | None = None,
 ) -> dict[str, int]:
     """Wait until ``count`` operations are succeeded, or none is pending or running any more;
-    the statuses then. The assertion message carries the statuses and the process's log."""
+    the statuses then. The assertion message carries the statuses and the process's log.
+    ``broken``: what the test would fail on in the end, said as soon as it is seen (a message),
+    so that a run that cannot pass stops waiting out the timeout."""
     deadline = time.monotonic() + timeout
     while True:
+        if broken is not None and (why := broken()) is not None:
+            log = process.log_text()[-4000:] if process is not None else ""
+            raise AssertionError(f"{why}\n{log}")
         now = statuses(db_url)
         if now.get("succeeded", 0) >= count:
             return now
@@ -115,12 +125,14 @@ def crash_between_publish_and_record(
     count: int,
     published: Callable[[], int],
     timeout: float = 60,
+    broken: Callable[[], str | None] | None = None,
     **dispatcher: Any,
 ) -> OutboxProcess:
     """Run `outbox run` until the queue holds ``count`` messages (``published`` counts them)
     while every answer waits before its record, SIGKILL it there, then run a second process
     that takes the operations back after their leases and settles them. Returns the second,
-    still running; the caller asserts what the queue received."""
+    still running; the caller asserts what the queue received. ``broken``: as for
+    :func:`wait_settled`, while the second settles."""
     env = {"OUTBOX_FAILPOINTS": f"before_record={HOLD_BEFORE_RECORD}"}
     with outbox_run(db_url, tmp_path, providers, name="killed", env=env, **dispatcher) as first:
         wait_until(
@@ -131,7 +143,7 @@ def crash_between_publish_and_record(
         first.stop()
     second = _start(db_url, tmp_path, providers, dispatcher)
     try:
-        wait_settled(db_url, count, timeout=timeout, process=second)
+        wait_settled(db_url, count, timeout=timeout, process=second, broken=broken)
     except BaseException:
         second.stop()  # the caller never gets it to stop
         raise

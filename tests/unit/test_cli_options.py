@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import click
 from click.testing import CliRunner
@@ -40,23 +41,33 @@ def test_every_json_command_reports_its_failures_as_json() -> None:
     json_commands = [p for p, c in commands(main) if any(x.name == "as_json" for x in c.params)]
     assert len(json_commands) >= 6
     env = {**os.environ, "OUTBOX_DATABASE_URL": "host=127.0.0.1 port=1 user=nobody"}
-    for path in json_commands:
-        args = path.split()[1:]
-        for extra, code in ((["--no-such-option"], 2), ([], None)):
-            done = subprocess.run(
-                [sys.executable, "-m", "outbox", *args, "--json", *extra],
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=60,
-                check=False,
-            )
-            if code is None and done.returncode == 0:
-                continue  # needs no database, and had nothing to fail on
-            error = json.loads(done.stderr)  # one JSON object, nothing else
-            assert error["exit_code"] == done.returncode != 0, (path, done.stderr)
-            assert code is None or done.returncode == code, (path, done.stderr)
-            assert done.stdout == "", path
+    cases = [
+        (path, extra, code)
+        for path in json_commands
+        for extra, code in ((["--no-such-option"], 2), ([], None))
+    ]
+
+    def run(case: tuple[str, list[str], int | None]) -> subprocess.CompletedProcess[str]:
+        path, extra, _ = case
+        return subprocess.run(
+            [sys.executable, "-m", "outbox", *path.split()[1:], "--json", *extra],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+
+    # Each process spends its time importing outbox: four at once, the checks in order after.
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        answers = list(pool.map(run, cases))
+    for (path, _, code), done in zip(cases, answers, strict=True):
+        if code is None and done.returncode == 0:
+            continue  # needs no database, and had nothing to fail on
+        error = json.loads(done.stderr)  # one JSON object, nothing else
+        assert error["exit_code"] == done.returncode != 0, (path, done.stderr)
+        assert code is None or done.returncode == code, (path, done.stderr)
+        assert done.stdout == "", path
 
 
 def test_every_text_parameter_refuses_what_no_database_text_holds() -> None:
