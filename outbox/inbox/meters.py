@@ -44,5 +44,9 @@ ABANDONED: Final = Gauge(
 DATABASE_UP: Final = Gauge(
     "outbox_inbox_database_up",
     "1 when this process's last read of the inbox's gauges succeeded, 0 when its database did "
-    "not answer (the gauges then keep their last values).",
+    "not answer (the gauges then keep their last values); NaN in a process that never reads "
+    "them (outbox run, or a worker without gauges.watch).",
 )
+# NaN, not 0, until the first read: every process that imports the inbox exports this gauge,
+# and `outbox run` never reads the inbox's gauges; a 0 there would page as a database down.
+DATABASE_UP.set(float("nan"))

@@ -13,6 +13,7 @@ from typing import Any, cast
 import pytest
 import structlog
 
+import outbox.inbox.draining as draining_module
 from outbox.inbox import Inbox
 from outbox.inbox.draining import InFlight, draining
 from outbox.inbox.http import KeyFrom, TenantFrom
@@ -152,7 +153,12 @@ async def test_a_cut_during_a_shielded_commit_is_given_back_never_acknowledged()
     assert consumer.committed == [b"0.3"]
 
 
-async def test_a_broker_that_cannot_take_a_message_back_is_logged_by_class_only() -> None:
+async def test_a_broker_that_cannot_take_a_message_back_is_logged_by_class_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A fresh logger: an earlier test in this process may have configured logging at warning
+    # with cache_logger_on_first_use, and capture_logs cannot see through a cached logger.
+    monkeypatch.setattr(draining_module, "log", structlog.get_logger("outbox.inbox"))
     stop, broker = asyncio.Event(), Broker(give_back_fails=True)
     in_flight = InFlight(timed(), stop)
     broker.send(in_flight, "a", 30)
