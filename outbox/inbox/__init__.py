@@ -17,13 +17,19 @@ never run (docs/design.md, "The inbox")::
 A WSGI app (Flask) wraps its routes in :class:`InboxWSGIMiddleware` over a :class:`SyncInbox`
 (a psycopg ``ConnectionPool``), and writes on ``wsgi_delivery(request).conn``.
 
+A handler that calls out before it can answer (a charge, an email) runs in external-effect
+mode: its route is ``External("payment.collect")``; it reads ``claimed(request)``, sends
+``claim.downstream_key(step)`` with its outbound calls and writes on ``await
+claim.transaction()``, which commits with its recorded answer.
+
 Queue consumers: :class:`Consumer` settles each message (ack, retry later, drop) after its
 transaction ended; ``outbox.inbox.jetstream.consume`` runs one on a NATS JetStream consumer.
 """
 
 from __future__ import annotations
 
-from outbox.inbox.asgi import InboxMiddleware, delivery
+from outbox.inbox.adapter import External
+from outbox.inbox.asgi import InboxMiddleware, claimed, delivery
 from outbox.inbox.core import (
     Decision,
     Delivery,
@@ -33,21 +39,26 @@ from outbox.inbox.core import (
     NoOutcome,
     Outcome,
 )
+from outbox.inbox.external import Claim, LeaseLost
 from outbox.inbox.http import KeyFrom, TenantFrom
-from outbox.inbox.queues import Consumer, Refuse, Verdict
+from outbox.inbox.queues import Claiming, Consumer, Refuse, Verdict
 from outbox.inbox.sync import SyncDelivery, SyncInbox
 from outbox.inbox.wsgi import InboxWSGIMiddleware, wsgi_delivery
 
 __all__ = [
+    "Claim",
+    "Claiming",
     "Consumer",
     "Decision",
     "Delivery",
+    "External",
     "Identity",
     "Inbox",
     "InboxMiddleware",
     "InboxWSGIMiddleware",
     "InvalidDelivery",
     "KeyFrom",
+    "LeaseLost",
     "NoOutcome",
     "Outcome",
     "Refuse",
@@ -55,6 +66,7 @@ __all__ = [
     "SyncInbox",
     "TenantFrom",
     "Verdict",
+    "claimed",
     "delivery",
     "wsgi_delivery",
 ]

@@ -7,10 +7,12 @@ so the two cannot answer one delivery differently.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final, Generic, TypeVar
+from datetime import timedelta
+from typing import Any, ClassVar, Final, Generic, TypeVar
 
 import psycopg
 import structlog
@@ -24,6 +26,7 @@ from outbox.inbox.core import (
     InvalidDelivery,
     Outcome,
 )
+from outbox.inbox.external import Claim
 from outbox.inbox.http import (
     Headers,
     KeyFrom,
@@ -41,7 +44,7 @@ DELIVERY: Final = "outbox.inbox.delivery"
 # How answers are given: as an HTTP API answers a client, or as a Cloud Tasks target must.
 TRANSPORTS: Final = ("http", "cloudtasks")
 # Decisions whose answer never changes, however often the delivery comes again.
-FINAL: Final = frozenset({"new", "replayed", "conflict", "invalid"})
+FINAL: Final = frozenset({"new", "reclaimed", "replayed", "conflict", "invalid"})
 # What the app may answer in all when the inbox will not record it (a 5xx, an unlisted 4xx,
 # passed on as the app gave it): a response is buffered before COMMIT.
 RESPONSE_CAP: Final = 16 * 1024 * 1024
@@ -70,6 +73,25 @@ class BodyTooLarge(Exception):
 REFUSED: Final = (CutShort, BodyTooLarge, MissingIdentity, UnicodeDecodeError)
 # What ends a delivery without the app's answer: each is answered by ``HTTPAdapter.failed``.
 FAILED: Final = (InvalidDelivery, HandlerFailed, *UNAVAILABLE, psycopg.Error)
+
+
+@dataclass(frozen=True)
+class External:
+    """A route in external-effect mode (outbox.inbox.external), for a handler that calls out
+    before it can answer: its claim commits at once with a ``lease`` a heartbeat renews, and
+    after ``max_claims`` claims without an outcome the record is abandoned. The handler reads
+    its claim with ``claimed(request)``: ``downstream_key(step)`` for its own outbound calls,
+    ``await transaction()`` for the writes that commit with its answer."""
+
+    handler: str
+    lease: timedelta = timedelta(seconds=30)
+    max_claims: int = 5
+
+    def __post_init__(self) -> None:
+        if self.lease < timedelta(seconds=1):
+            raise ValueError("an external route's lease is at least 1 second")
+        if self.max_claims < 1:
+            raise ValueError("an external route's max_claims is at least 1")
 
 
 @dataclass
@@ -112,18 +134,21 @@ def recordable(status: int, record_statuses: frozenset[int]) -> bool:
 
 class HTTPAdapter(Generic[AppT, InboxT]):
     """Wraps ``app``; ``routes`` maps ``"METHOD /path"`` to a handler name, the stable part of
-    each delivery's identity (renaming a path keeps it; renaming a handler forgets its records).
+    each delivery's identity (renaming a path keeps it; renaming a handler forgets its records),
+    or to ``External(name, ...)`` for a handler that calls out before it can answer.
 
     ``record_statuses`` are the 4xx a handler answers deterministically (recorded and replayed
     like a 2xx or 3xx); any other status, a raise or a response over ``max_response_bytes``
     rolls the handler's writes back and records nothing, so the sender delivers again."""
+
+    runs_external: ClassVar[bool] = True  # whether External routes may be declared
 
     def __init__(
         self,
         app: AppT,
         *,
         inbox: InboxT,
-        routes: Mapping[str, str],
+        routes: Mapping[str, str | External],
         key: KeyFrom | None = None,
         tenant: TenantFrom | None = None,
         record_statuses: frozenset[int] = frozenset({400, 404, 410, 422}),
@@ -138,7 +163,12 @@ class HTTPAdapter(Generic[AppT, InboxT]):
         self.transport = transport
         self.app = app
         self.inbox = inbox
-        self.routes = {_route_key(route): name for route, name in routes.items()}
+        self.routes = {_route_key(route): _name(mode) for route, mode in routes.items()}
+        # The handlers in external-effect mode, by name.
+        self.external = {m.handler: m for m in routes.values() if isinstance(m, External)}
+        if self.external and not self.runs_external:
+            names = ", ".join(sorted(self.external))
+            raise ValueError(f"external-effect routes need InboxMiddleware (ASGI): {names}")
         self.key = key or KeyFrom.auto()
         self.tenant = tenant or TenantFrom.header()
         self.record_statuses = record_statuses
@@ -172,10 +202,11 @@ class HTTPAdapter(Generic[AppT, InboxT]):
         return Buffered(self.max_response_bytes, self.record_statuses)
 
     def conclude(
-        self, d: BaseDelivery[Any], response: Outcome, started: float
+        self, d: BaseDelivery[Any] | Claim, response: Outcome, started: float
     ) -> tuple[Outcome, str]:
         """Record the app's answer to a new delivery, or roll its writes back: its answer and
-        "new" when recorded, "rolled_back" when not."""
+        its decision ("new", or "reclaimed" for an external claim) when recorded, "rolled_back"
+        when not."""
         is_outcome = recordable(response.status, self.record_statuses)
         if is_outcome and len(response.body) <= self.max_response_bytes:
             kept = stored_headers(response.headers, self.keep_headers)
@@ -194,13 +225,13 @@ class HTTPAdapter(Generic[AppT, InboxT]):
         meters.HANDLER_SECONDS.labels(d.identity.handler, outcome).observe(
             time.monotonic() - started
         )
-        decision = "new" if outcome == "committed" else "rolled_back"
+        decision = d.decision.value if outcome == "committed" else "rolled_back"
         # One mark, the inbox's: not a second beside the problem's, nor the app's own.
         own = tuple((n, v) for n, v in response.headers if n.lower() != "outbox-inbox-decision")
         marked = (*own, ("Outbox-Inbox-Decision", decision))
         return Outcome(response.status, marked, response.body), decision
 
-    def answer(self, d: BaseDelivery[Any]) -> Outcome:
+    def answer(self, d: BaseDelivery[Any] | Claim) -> Outcome:
         """The answer to a delivery that is not new: nothing of the app runs."""
         if d.decision is Decision.REPLAYED and d.recorded is not None:
             return replay(d.recorded)
@@ -209,9 +240,19 @@ class HTTPAdapter(Generic[AppT, InboxT]):
         if d.decision is Decision.ABANDONED:
             detail = "given up after repeated claims: an operator releases it"
             return problem(503, "abandoned", detail, "abandoned", 300)
+        retry_after = self.retry_after
+        if isinstance(d, Claim) and d.retry_after is not None:  # what is left of its lease
+            retry_after = max(1, math.ceil(d.retry_after.total_seconds()))
         return problem(
-            409, "in progress", "this delivery is being handled", "in_progress", self.retry_after
+            409, "in progress", "this delivery is being handled", "in_progress", retry_after
         )
+
+    def lease_lost(self, claim: Claim) -> tuple[Outcome, str]:
+        """The answer when another delivery reclaimed this one's claim before it could record:
+        its writes were rolled back, and the lease's owner records (docs/design.md)."""
+        log.warning("inbox lease lost", handler=claim.identity.handler)
+        detail = "another delivery holds this claim now"
+        return problem(409, "in progress", detail, "in_progress", self.retry_after), "in_progress"
 
     def failed(self, exc: Exception, handler: str, span: Any) -> tuple[Outcome, str]:
         """The answer to a delivery that ended in one of FAILED: nothing was recorded."""
@@ -279,6 +320,10 @@ def is_json(headers: Headers) -> bool:
     """Whether the body is digested as JSON (its canonical text) rather than as bytes."""
     media = headers.get("content-type", "").split(";")[0].strip().lower()
     return media == "application/json" or media.endswith("+json")
+
+
+def _name(mode: str | External) -> str:
+    return mode.handler if isinstance(mode, External) else mode
 
 
 def _route_key(route: str) -> tuple[str, str]:

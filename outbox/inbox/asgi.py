@@ -21,11 +21,13 @@ from outbox.inbox.adapter import (
     BodyTooLarge,
     Buffered,
     CutShort,
+    External,
     HandlerFailed,
     HTTPAdapter,
     is_json,
 )
 from outbox.inbox.core import Decision, Delivery, Identity, Inbox, Outcome, pairs_of
+from outbox.inbox.external import RUNS, Claim, LeaseLost
 from outbox.inbox.http import Headers
 
 Scope = MutableMapping[str, Any]
@@ -43,6 +45,17 @@ def delivery(request: Any) -> Delivery:
     if not isinstance(found, Delivery):
         raise LookupError(  # noqa: TRY004  (a missing entry, not a wrong type)
             "this request did not come through InboxMiddleware's declared routes"
+        )
+    return found
+
+
+def claimed(request: Any) -> Claim:
+    """The claim a handler of an ``External`` route runs for: ``claimed(request)``."""
+    scope = getattr(request, "scope", request)
+    found = scope.get("state", {}).get(DELIVERY)
+    if not isinstance(found, Claim):
+        raise LookupError(  # noqa: TRY004  (a missing entry, not a wrong type)
+            "this request did not come through an External route of InboxMiddleware"
         )
     return found
 
@@ -98,6 +111,11 @@ class InboxMiddleware(HTTPAdapter[ASGIApp, Inbox]):
         is_json: bool,
         span: Any,
     ) -> tuple[Outcome, str]:
+        mode = self.external.get(identity.handler)
+        if mode is not None:
+            return await self._claim(
+                scope, receive, body, identity, mode, is_json=is_json, span=span
+            )
         try:
             async with self.inbox.deliver(identity, body, is_json=is_json) as d:
                 if d.decision is not Decision.NEW:
@@ -106,8 +124,37 @@ class InboxMiddleware(HTTPAdapter[ASGIApp, Inbox]):
         except FAILED as exc:
             return self.failed(exc, identity.handler, span)
 
+    async def _claim(
+        self,
+        scope: Scope,
+        receive: Receive,
+        body: bytes,
+        identity: Identity,
+        mode: External,
+        *,
+        is_json: bool,
+        span: Any,
+    ) -> tuple[Outcome, str]:
+        """External-effect mode: the claim commits first; the app's answer and its writes on
+        ``claim.transaction()`` commit together, fenced by the claim's token."""
+        claim = self.inbox.claim(
+            identity, body, is_json=is_json, lease=mode.lease, max_claims=mode.max_claims
+        )
+        try:
+            async with claim as c:
+                if c.decision not in RUNS:
+                    return self.answer(c), c.decision.value
+                answer, decision = await self._handle(scope, receive, body, c)
+                try:
+                    await c.settle()
+                except LeaseLost:
+                    return self.lease_lost(c)
+                return answer, decision
+        except FAILED as exc:
+            return self.failed(exc, identity.handler, span)
+
     async def _handle(
-        self, scope: Scope, receive: Receive, body: bytes, d: Delivery
+        self, scope: Scope, receive: Receive, body: bytes, d: Delivery | Claim
     ) -> tuple[Outcome, str]:
         """Run the app for a new delivery, its answer buffered until the inbox decides."""
         captured = _Captured(self.buffer())

@@ -7,13 +7,18 @@ every claim, for its own outbound calls; ``Claim.finish`` opens the final transa
 handler's last writes and ``Claim.complete`` commit together, fenced by the claim's token. A
 handler that raises ends the lease at once, so the redelivery reclaims with the same key; one
 that dies leaves the lease to expire; after ``max_claims`` claims the record is abandoned.
+
+The adapters (InboxMiddleware, Consumer) run a route declared ``External`` this way: the handler
+makes its calls under ``downstream_key``, writes what must commit with its answer on
+``await claim.transaction()``, and returns; the adapter records the answer in that transaction
+(``keep``, then ``settle``), so the writes and the outcome commit together, fenced.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager, suppress
+from contextlib import AsyncExitStack, asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Final
@@ -56,6 +61,8 @@ class Claim:
     lost: bool = False
     _conn: psycopg.AsyncConnection[Any] | None = field(default=None, repr=False)
     _completed: bool = field(default=False, repr=False)
+    _final: AsyncExitStack | None = field(default=None, repr=False)  # transaction()'s
+    _kept: Outcome | None = field(default=None, repr=False)
 
     def downstream_key(self, step: str = "") -> str:
         """The idempotency key for this delivery's outbound call ``step``: the same on every
@@ -88,6 +95,57 @@ class Claim:
             raise LeaseLost(f"claim {self._inbox_id} was reclaimed by another delivery")
         self._completed = True
 
+    async def transaction(self) -> psycopg.AsyncConnection[Any]:
+        """For a handler an adapter runs: the final transaction, opened on the first call and
+        left open. The adapter records the handler's answer in it, fenced, and commits
+        (``settle``): what is written here commits with the outcome or not at all."""
+        if self._final is None:
+            stack = AsyncExitStack()
+            await stack.enter_async_context(self.finish())
+            self._final = stack
+        if self._conn is None:
+            raise RuntimeError("the final transaction has no connection")
+        return self._conn
+
+    def keep(self, outcome: Outcome) -> None:
+        """The outcome ``settle`` records (an adapter's; as ``Delivery.keep`` is)."""
+        if self.decision not in RUNS:
+            raise RuntimeError(f"a {self.decision} claim records nothing")
+        self._kept = outcome
+
+    def roll_back(self) -> None:
+        """Record nothing: ``settle`` rolls the final transaction back and the lease ends."""
+        self._kept = None
+
+    async def discard(self) -> None:
+        """Roll back what the handler wrote in ``transaction`` (a refusal must not keep it)."""
+        await self._close(psycopg.Rollback())
+
+    async def settle(self) -> None:
+        """Record the kept outcome in the final transaction and commit; LeaseLost (the writes
+        rolled back) when another delivery reclaimed meanwhile. Without an outcome, roll the
+        final transaction back: the claim's block then ends the lease."""
+        if self._kept is None:
+            await self.discard()
+            return
+        await self.transaction()
+        try:
+            await self.complete(self._kept)
+        except BaseException as exc:
+            await self._close(exc)
+            raise
+        await self._close(None)
+
+    async def _close(self, exc: BaseException | None) -> None:
+        """End the final transaction: COMMIT without ``exc``, ROLLBACK with it."""
+        stack, self._final = self._final, None
+        if stack is None:
+            return
+        if exc is None:
+            await stack.aclose()
+        else:
+            await stack.__aexit__(type(exc), exc, exc.__traceback__)
+
 
 @asynccontextmanager
 async def claim(
@@ -119,12 +177,13 @@ async def claim(
     try:
         yield the_claim
     except BaseException as exc:
-        await asyncio.shield(_fail(pool, the_claim, type(exc).__name__))
+        await asyncio.shield(_abort(pool, the_claim, exc))
         raise
     finally:
         beat.cancel()
         with suppress(asyncio.CancelledError):
             await beat
+    await asyncio.shield(the_claim.discard())  # a final transaction the adapter never settled
     if not the_claim._completed:
         await asyncio.shield(_fail(pool, the_claim, "no outcome"))
 
@@ -181,6 +240,13 @@ async def _heartbeat(pool: AsyncConnectionPool[Any], the_claim: Claim, lease: ti
         if row is None or row[0] is not True:
             the_claim.lost = True
             return
+
+
+async def _abort(pool: AsyncConnectionPool[Any], the_claim: Claim, exc: BaseException) -> None:
+    """The block raised: its final transaction rolled back, the lease ended now."""
+    with suppress(Exception):  # a broken connection: the pool discards it, nothing commits
+        await the_claim._close(exc)
+    await _fail(pool, the_claim, type(exc).__name__)
 
 
 async def _fail(pool: AsyncConnectionPool[Any], the_claim: Claim, error: str) -> None:

@@ -23,7 +23,16 @@ from nats.js.api import ConsumerConfig
 from outbox.inbox.core import Inbox
 from outbox.inbox.draining import DEFAULT_GRACE, draining
 from outbox.inbox.http import KeyFrom, TenantFrom
-from outbox.inbox.queues import Consumer, Handle, Settled, Verdict, consumer_with, lower
+from outbox.inbox.queues import (
+    ClaimHandle,
+    Claiming,
+    Consumer,
+    Handle,
+    Settled,
+    Verdict,
+    consumer_with,
+    lower,
+)
 
 log = structlog.get_logger("outbox.inbox")
 
@@ -72,14 +81,22 @@ async def _answer(msg: Msg, settled: Settled) -> None:
 def consumer_of(
     inbox: Inbox,
     handler: str,
-    handle: Handle,
+    handle: Handle | ClaimHandle,
     *,
     retry_after: float = 1.0,
     key: KeyFrom | None = None,
     tenant: TenantFrom | None = None,
+    claiming: Claiming | None = None,
 ) -> Consumer:
     """A Consumer keyed by outbox's operation, else the publisher's ``Nats-Msg-Id`` (the id
     JetStream itself deduplicates by)."""
     return consumer_with(
-        "nats-msg-id", inbox, handler, handle, retry_after=retry_after, key=key, tenant=tenant
+        "nats-msg-id",
+        inbox,
+        handler,
+        handle,
+        retry_after=retry_after,
+        key=key,
+        tenant=tenant,
+        claiming=claiming,
     )

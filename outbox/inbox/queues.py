@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 from enum import StrEnum
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import structlog
 
@@ -26,6 +27,7 @@ from outbox.inbox.core import (
     InvalidDelivery,
     Outcome,
 )
+from outbox.inbox.external import RUNS, Claim, LeaseLost
 from outbox.inbox.http import KeyFrom, MissingIdentity, TenantFrom, traced
 from outbox.observability import tracing
 
@@ -36,6 +38,19 @@ ABANDONED_RETRY: Final = 300.0  # seconds: an abandoned record waits for a perso
 log = structlog.get_logger("outbox.inbox")
 
 Handle = Callable[[Delivery, bytes], Awaitable[None]]
+# An external-effect handler's: it calls out under claim.downstream_key(step) and writes what
+# must commit with its outcome on ``await claim.transaction()``.
+ClaimHandle = Callable[[Claim, bytes], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class Claiming:
+    """A consumer in external-effect mode (outbox.inbox.external): each message's claim
+    commits at once with ``lease``, renewed while its handler runs; after ``max_claims``
+    claims without an outcome the record is abandoned."""
+
+    lease: timedelta = timedelta(seconds=30)
+    max_claims: int = 5
 
 
 class Refuse(Exception):
@@ -66,11 +81,12 @@ class Consumer:
 
     inbox: Inbox
     handler: str
-    handle: Handle
+    handle: Handle | ClaimHandle  # a ClaimHandle exactly when ``claiming`` is set
     key: KeyFrom
     tenant: TenantFrom
     retry_after: float = 1.0
     is_json: bool = True
+    claiming: Claiming | None = None  # external-effect mode
     # Its spans' tracer, fetched once for every message this consumer takes.
     spans: tracing.DeliverySpans = field(
         default_factory=tracing.DeliverySpans, compare=False, repr=False
@@ -115,21 +131,57 @@ class Consumer:
             return Settled(Verdict.DROP, "invalid", reason=str(exc))
 
     async def _decide(self, identity: Identity, body: bytes) -> Settled:
+        if self.claiming is not None:
+            return await self._claim(identity, body, self.claiming)
         async with self.inbox.deliver(identity, body, is_json=self.is_json) as d:
             if d.decision is Decision.NEW:
                 outcome = await self._run(d, body)
                 await d.complete(outcome)
-                final = Verdict.ACK if outcome is ACCEPTED else Verdict.DROP
-                return Settled(final, Decision.NEW.value)
-            if d.decision is Decision.REPLAYED and d.recorded is not None:
-                final = Verdict.ACK if d.recorded.status < 400 else Verdict.DROP
-                return Settled(final, Decision.REPLAYED.value)
-            if d.decision is Decision.CONFLICT:
-                return Settled(Verdict.DROP, Decision.CONFLICT.value)
-            if d.decision is Decision.ABANDONED:  # a person releases it; until then, rarely
-                abandoned = Decision.ABANDONED.value
-                return Settled(Verdict.RETRY, abandoned, ABANDONED_RETRY, error=abandoned)
-            return Settled(Verdict.RETRY, Decision.IN_PROGRESS.value, self.retry_after)
+                return _ran(outcome, Decision.NEW)
+            return self._not_run(d.decision, d.recorded, None)
+
+    async def _claim(self, identity: Identity, body: bytes, claiming: Claiming) -> Settled:
+        """External-effect mode: the claim commits first; the outcome commits with the
+        handler's writes on ``claim.transaction()``, fenced by the claim's token."""
+        async with self.inbox.claim(
+            identity,
+            body,
+            is_json=self.is_json,
+            lease=claiming.lease,
+            max_claims=claiming.max_claims,
+        ) as c:
+            if c.decision not in RUNS:
+                return self._not_run(c.decision, c.recorded, c.retry_after)
+            try:
+                await cast(ClaimHandle, self.handle)(c, body)
+                outcome = ACCEPTED
+            except Refuse as refusal:
+                await c.discard()  # a refusal keeps none of the handler's writes
+                outcome = refused(refusal)
+            c.keep(outcome)
+            try:
+                await c.settle()
+            except LeaseLost:  # reclaimed meanwhile: its owner records; this copy comes again
+                log.warning("inbox lease lost", handler=self.handler)
+                return Settled(Verdict.RETRY, Decision.IN_PROGRESS.value, self.retry_after)
+            return _ran(outcome, c.decision)
+
+    def _not_run(
+        self, decision: Decision, recorded: Outcome | None, retry_after: timedelta | None
+    ) -> Settled:
+        """The verdict on a message whose handler does not run."""
+        if decision is Decision.REPLAYED and recorded is not None:
+            final = Verdict.ACK if recorded.status < 400 else Verdict.DROP
+            return Settled(final, Decision.REPLAYED.value)
+        if decision is Decision.CONFLICT:
+            return Settled(Verdict.DROP, Decision.CONFLICT.value)
+        if decision is Decision.ABANDONED:  # a person releases it; until then, rarely
+            abandoned = Decision.ABANDONED.value
+            return Settled(Verdict.RETRY, abandoned, ABANDONED_RETRY, error=abandoned)
+        delay = self.retry_after  # in progress: in external mode, what is left of the lease
+        if retry_after is not None:
+            delay = max(self.retry_after, retry_after.total_seconds())
+        return Settled(Verdict.RETRY, Decision.IN_PROGRESS.value, delay)
 
     async def _run(self, d: Delivery, body: bytes) -> Outcome:
         if d.conn is None:  # a new delivery always holds its transaction
@@ -137,10 +189,20 @@ class Consumer:
         try:
             # A savepoint: a refusal undoes what the handler wrote before it.
             async with d.conn.transaction():
-                await self.handle(d, body)
+                await cast(Handle, self.handle)(d, body)
         except Refuse as refusal:
-            return Outcome(REFUSED_STATUS, (), str(refusal).encode()[:65536])
+            return refused(refusal)
         return ACCEPTED
+
+
+def refused(refusal: Refuse) -> Outcome:
+    """A refusal as recorded: its words, bounded."""
+    return Outcome(REFUSED_STATUS, (), str(refusal).encode()[:65536])
+
+
+def _ran(outcome: Outcome, decision: Decision) -> Settled:
+    """The verdict on a message whose handler ran and whose outcome committed."""
+    return Settled(Verdict.ACK if outcome is ACCEPTED else Verdict.DROP, decision.value)
 
 
 def _shown(settled: Settled) -> tracing.Attributes:
@@ -181,11 +243,12 @@ def consumer_with(
     id_header: str,
     inbox: Inbox,
     handler: str,
-    handle: Handle,
+    handle: Handle | ClaimHandle,
     *,
     retry_after: float = 1.0,
     key: KeyFrom | None = None,
     tenant: TenantFrom | None = None,
+    claiming: Claiming | None = None,
 ) -> Consumer:
     """A Consumer whose key defaults to :func:`message_key` of ``id_header``."""
     return Consumer(
@@ -195,4 +258,5 @@ def consumer_with(
         key or message_key(id_header),
         tenant or TenantFrom.header(),
         retry_after,
+        claiming=claiming,
     )

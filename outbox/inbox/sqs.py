@@ -24,7 +24,16 @@ from typing import Any
 from outbox.inbox.core import Inbox
 from outbox.inbox.draining import DEFAULT_GRACE, draining
 from outbox.inbox.http import KeyFrom, TenantFrom
-from outbox.inbox.queues import Consumer, Handle, Settled, Verdict, consumer_with, lower
+from outbox.inbox.queues import (
+    ClaimHandle,
+    Claiming,
+    Consumer,
+    Handle,
+    Settled,
+    Verdict,
+    consumer_with,
+    lower,
+)
 
 
 async def consume(
@@ -100,14 +109,22 @@ async def _give_back(client: Any, queue_url: str, message: Mapping[str, Any]) ->
 def consumer_of(
     inbox: Inbox,
     handler: str,
-    handle: Handle,
+    handle: Handle | ClaimHandle,
     *,
     retry_after: float = 1.0,
     key: KeyFrom | None = None,
     tenant: TenantFrom | None = None,
+    claiming: Claiming | None = None,
 ) -> Consumer:
     """A Consumer keyed by outbox's operation, else SQS's ``MessageId`` (new on every send: a
     redelivery key only)."""
     return consumer_with(
-        ":message-id", inbox, handler, handle, retry_after=retry_after, key=key, tenant=tenant
+        ":message-id",
+        inbox,
+        handler,
+        handle,
+        retry_after=retry_after,
+        key=key,
+        tenant=tenant,
+        claiming=claiming,
     )

@@ -48,7 +48,10 @@ def wsgi_delivery(request: Any) -> SyncDelivery:
 
 class InboxWSGIMiddleware(HTTPAdapter[WSGIApplication, SyncInbox]):
     """Wraps a WSGI ``app`` (docs/design.md, "The inbox", "WSGI apps"; the options are
-    HTTPAdapter's, shared with the ASGI middleware)."""
+    HTTPAdapter's, shared with the ASGI middleware). External-effect routes need the ASGI
+    middleware: their heartbeat runs beside the handler, on the event loop."""
+
+    runs_external = False
 
     def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
         handler = self.handler_for(environ["REQUEST_METHOD"], _path(environ))

@@ -93,6 +93,9 @@ WSGI_TESTS = "tests/integration/test_inbox_wsgi.py"
 # JetStream, RabbitMQ and SQS.
 STOP_UNIT = "tests/unit/test_inbox_stop.py::"
 STOP_TESTS = "tests/integration/test_inbox_queue_stop.py::"
+# External-effect mode through the adapters: the example worker's POST /payments, and a queue
+# Consumer in Claiming mode.
+CLAIMING_TESTS = "tests/integration/test_inbox_worker_external.py::"
 
 MUTANTS: tuple[Mutant, ...] = (
     # --- the lease fence, in every path that writes after a provider call ----------------------
@@ -1507,5 +1510,44 @@ MUTANTS: tuple[Mutant, ...] = (
         "                await asyncio.wait(set(self._tasks), timeout=0)\n",
         STOP_UNIT + "test_a_stop_lets_work_finish_within_the_grace_and_gives_back_the_rest",
         STOP_TESTS + "test_a_sigterm_drains_acks_what_committed_and_gives_back_what_it_cut_short",
+    ),
+    _one(
+        "inbox-external-answer-unrecorded",
+        "an External route answers its handler's response without recording it: the writes on "
+        "the claim's transaction roll back, and every redelivery runs the handler again",
+        "outbox/inbox/asgi.py",
+        "                    await c.settle()\n",
+        "                    await c.discard()\n",
+        CLAIMING_TESTS + "test_a_call_that_timed_out_after_the_provider_acted_is_one_payment",
+    ),
+    _one(
+        "inbox-external-commits-after-the-lease-was-lost",
+        "a claim taken over by another delivery still commits its handler's final writes "
+        "(its fenced completion refused): the business effect is written twice",
+        "outbox/inbox/external.py",
+        "        except BaseException as exc:\n            await self._close(exc)\n",
+        "        except BaseException:\n            await self._close(None)\n",
+        CLAIMING_TESTS
+        + "test_a_claiming_consumer_whose_claim_was_taken_over_keeps_nothing_and_retries",
+    ),
+    _one(
+        "inbox-claiming-consumer-acks-a-lost-lease",
+        "a queue consumer whose claim was taken over acknowledges its message, though nothing "
+        "of its work committed",
+        "outbox/inbox/queues.py",
+        "                return Settled(Verdict.RETRY, Decision.IN_PROGRESS.value, self.retry_",
+        "                return Settled(Verdict.ACK, Decision.IN_PROGRESS.value, self.retry_",
+        CLAIMING_TESTS
+        + "test_a_claiming_consumer_whose_claim_was_taken_over_keeps_nothing_and_retries",
+    ),
+    _one(
+        "inbox-claiming-refusal-keeps-its-writes",
+        "a queue handler in external-effect mode that refuses its message keeps what it wrote "
+        "before the refusal",
+        "outbox/inbox/queues.py",
+        "                await c.discard()  # a refusal keeps none of the handler's writes\n",
+        "                pass\n",
+        CLAIMING_TESTS
+        + "test_a_claiming_consumers_refusal_keeps_none_of_its_writes_and_drops_every_copy",
     ),
 )

@@ -36,8 +36,10 @@ class InvoiceWorker:
         delay_ms: int = 0,
         port: int | None = None,
         transport: str = "http",
+        env: dict[str, str] | None = None,
     ) -> None:
         self.transport = transport
+        self.env = env or {}
         self.db_url = db_url
         self.log_path = log_path
         self.workers = workers
@@ -55,6 +57,7 @@ class InvoiceWorker:
             "OUTBOX_DATABASE_URL": self.db_url,
             "INVOICE_WORKER_DELAY_MS": str(self.delay_ms),
             "INVOICE_WORKER_TRANSPORT": self.transport,
+            **self.env,
             "PYTHONPATH": os.pathsep.join(
                 filter(None, [str(EXAMPLE), os.environ.get("PYTHONPATH")])
             ),
