@@ -10,6 +10,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from outbox.observability import logs
 from tests.support import postgres
 
 
@@ -17,6 +18,15 @@ def pytest_configure(config: pytest.Config) -> None:
     """The run's first process owns its throwaway server, if it needs one (support/postgres)."""
     if not hasattr(config, "workerinput"):  # not an xdist worker
         postgres.start_owned_throwaway()
+
+
+@pytest.fixture(autouse=True)
+def _logging_as_structlog_left_it() -> Iterator[None]:
+    """No test inherits another's logging: a CLI run in process (click's CliRunner) configures
+    structlog at its level and leaves it so, which filtered a later test's info lines out of
+    ``capture_logs`` on the same xdist worker."""
+    yield
+    logs.unconfigure()
 
 
 @pytest.fixture(scope="session")
