@@ -31,6 +31,7 @@ import psycopg
 from outbox.db.migrations import migrate
 from outbox.inbox import External, Inbox, InboxMiddleware, claimed, delivery
 from outbox.inbox.gauges import watch
+from outbox.observability import logs
 from prometheus_client import make_asgi_app
 from psycopg_pool import AsyncConnectionPool
 from starlette.applications import Starlette
@@ -90,6 +91,9 @@ def _setup() -> None:
 async def lifespan(app: Starlette) -> AsyncIterator[None]:
     if not DSN:
         raise RuntimeError("set OUTBOX_DATABASE_URL to the worker's database")
+    # JSON lines at info (INVOICE_WORKER_LOG_LEVEL): structlog unconfigured prints every
+    # delivery's debug line, a twentieth of the worker's CPU under load.
+    logs.configure(os.environ.get("INVOICE_WORKER_LOG_LEVEL", "info"), json=True)
     await asyncio.to_thread(_setup)
     await pool.open(wait=True)
     gauges = asyncio.create_task(watch(pool))  # outbox_inbox_* gauges, for /metrics
