@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from outbox.inbox.adapter import (
     DELIVERY,
@@ -35,28 +35,25 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+T = TypeVar("T", Delivery, Claim)
 
 
 def delivery(request: Any) -> Delivery:
     """The delivery a handler runs for: ``delivery(request)`` (Starlette, FastAPI) or
     ``delivery(scope)``."""
-    scope = getattr(request, "scope", request)
-    found = scope.get("state", {}).get(DELIVERY)
-    if not isinstance(found, Delivery):
-        raise LookupError(  # noqa: TRY004  (a missing entry, not a wrong type)
-            "this request did not come through InboxMiddleware's declared routes"
-        )
-    return found
+    return _found(request, Delivery, "InboxMiddleware's declared routes")
 
 
 def claimed(request: Any) -> Claim:
     """The claim a handler of an ``External`` route runs for: ``claimed(request)``."""
+    return _found(request, Claim, "an External route of InboxMiddleware")
+
+
+def _found(request: Any, kind: type[T], where: str) -> T:
     scope = getattr(request, "scope", request)
     found = scope.get("state", {}).get(DELIVERY)
-    if not isinstance(found, Claim):
-        raise LookupError(  # noqa: TRY004  (a missing entry, not a wrong type)
-            "this request did not come through an External route of InboxMiddleware"
-        )
+    if not isinstance(found, kind):
+        raise LookupError(f"this request did not come through {where}")  # noqa: TRY004
     return found
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from typing import Unpack
 
 import structlog
 from nats.aio.msg import Msg
@@ -22,12 +23,11 @@ from nats.js.api import ConsumerConfig
 
 from outbox.inbox.core import Inbox
 from outbox.inbox.draining import DEFAULT_GRACE, draining
-from outbox.inbox.http import KeyFrom, TenantFrom
 from outbox.inbox.queues import (
     ClaimHandle,
-    Claiming,
     Consumer,
     Handle,
+    Options,
     Settled,
     Verdict,
     consumer_with,
@@ -79,24 +79,8 @@ async def _answer(msg: Msg, settled: Settled) -> None:
 
 
 def consumer_of(
-    inbox: Inbox,
-    handler: str,
-    handle: Handle | ClaimHandle,
-    *,
-    retry_after: float = 1.0,
-    key: KeyFrom | None = None,
-    tenant: TenantFrom | None = None,
-    claiming: Claiming | None = None,
+    inbox: Inbox, handler: str, handle: Handle | ClaimHandle, **options: Unpack[Options]
 ) -> Consumer:
     """A Consumer keyed by outbox's operation, else the publisher's ``Nats-Msg-Id`` (the id
     JetStream itself deduplicates by)."""
-    return consumer_with(
-        "nats-msg-id",
-        inbox,
-        handler,
-        handle,
-        retry_after=retry_after,
-        key=key,
-        tenant=tenant,
-        claiming=claiming,
-    )
+    return consumer_with("nats-msg-id", inbox, handler, handle, **options)

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import StrEnum
-from typing import Any, Final, cast
+from typing import Any, Final, TypedDict, Unpack, cast
 
 import structlog
 
@@ -239,24 +239,31 @@ def message_key(id_header: str) -> KeyFrom:
     return KeyFrom(read)
 
 
+class Options(TypedDict, total=False):
+    """What a broker's ``consumer_of`` takes besides the inbox, the handler's name and the
+    handler: how soon a message given back may come again, where its identity comes from, and
+    external-effect mode."""
+
+    retry_after: float
+    key: KeyFrom | None
+    tenant: TenantFrom | None
+    claiming: Claiming | None
+
+
 def consumer_with(
     id_header: str,
     inbox: Inbox,
     handler: str,
     handle: Handle | ClaimHandle,
-    *,
-    retry_after: float = 1.0,
-    key: KeyFrom | None = None,
-    tenant: TenantFrom | None = None,
-    claiming: Claiming | None = None,
+    **options: Unpack[Options],
 ) -> Consumer:
     """A Consumer whose key defaults to :func:`message_key` of ``id_header``."""
     return Consumer(
         inbox,
         handler,
         handle,
-        key or message_key(id_header),
-        tenant or TenantFrom.header(),
-        retry_after,
-        claiming=claiming,
+        options.get("key") or message_key(id_header),
+        options.get("tenant") or TenantFrom.header(),
+        options.get("retry_after", 1.0),
+        claiming=options.get("claiming"),
     )

@@ -17,17 +17,17 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from typing import Unpack
 
 from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
 
 from outbox.inbox.core import Inbox
 from outbox.inbox.draining import DEFAULT_GRACE, draining
-from outbox.inbox.http import KeyFrom, TenantFrom
 from outbox.inbox.queues import (
     ClaimHandle,
-    Claiming,
     Consumer,
     Handle,
+    Options,
     Settled,
     Verdict,
     consumer_with,
@@ -79,23 +79,7 @@ async def _answer(message: AbstractIncomingMessage, settled: Settled) -> None:
 
 
 def consumer_of(
-    inbox: Inbox,
-    handler: str,
-    handle: Handle | ClaimHandle,
-    *,
-    retry_after: float = 1.0,
-    key: KeyFrom | None = None,
-    tenant: TenantFrom | None = None,
-    claiming: Claiming | None = None,
+    inbox: Inbox, handler: str, handle: Handle | ClaimHandle, **options: Unpack[Options]
 ) -> Consumer:
     """A Consumer keyed by outbox's operation, else the publisher's ``message_id`` property."""
-    return consumer_with(
-        ":message-id",
-        inbox,
-        handler,
-        handle,
-        retry_after=retry_after,
-        key=key,
-        tenant=tenant,
-        claiming=claiming,
-    )
+    return consumer_with(":message-id", inbox, handler, handle, **options)

@@ -19,16 +19,15 @@ import asyncio
 import functools
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Unpack
 
 from outbox.inbox.core import Inbox
 from outbox.inbox.draining import DEFAULT_GRACE, draining
-from outbox.inbox.http import KeyFrom, TenantFrom
 from outbox.inbox.queues import (
     ClaimHandle,
-    Claiming,
     Consumer,
     Handle,
+    Options,
     Settled,
     Verdict,
     consumer_with,
@@ -107,24 +106,8 @@ async def _give_back(client: Any, queue_url: str, message: Mapping[str, Any]) ->
 
 
 def consumer_of(
-    inbox: Inbox,
-    handler: str,
-    handle: Handle | ClaimHandle,
-    *,
-    retry_after: float = 1.0,
-    key: KeyFrom | None = None,
-    tenant: TenantFrom | None = None,
-    claiming: Claiming | None = None,
+    inbox: Inbox, handler: str, handle: Handle | ClaimHandle, **options: Unpack[Options]
 ) -> Consumer:
     """A Consumer keyed by outbox's operation, else SQS's ``MessageId`` (new on every send: a
     redelivery key only)."""
-    return consumer_with(
-        ":message-id",
-        inbox,
-        handler,
-        handle,
-        retry_after=retry_after,
-        key=key,
-        tenant=tenant,
-        claiming=claiming,
-    )
+    return consumer_with(":message-id", inbox, handler, handle, **options)

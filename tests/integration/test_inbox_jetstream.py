@@ -7,13 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-import nats
 import pytest
-from nats.js.api import StorageType, StreamConfig
 from psycopg_pool import AsyncConnectionPool
 
 from outbox.inbox import Inbox
@@ -21,6 +18,7 @@ from outbox.inbox.jetstream import consume, consumer_of
 from outbox.inbox.queues import Consumer
 from tests.support.inbox_queues import COPIES, assert_copies_settled, create_invoice, failing, pool
 from tests.support.invoice_worker import count
+from tests.support.queue_beds import memory_stream
 from tests.support.queues import require_service
 
 __all__ = ["pool"]  # the fixture, used by name
@@ -34,16 +32,8 @@ def _nats() -> None:
 
 @pytest.fixture
 async def stream() -> AsyncIterator[tuple[Any, str, str]]:
-    suffix = uuid.uuid4().hex[:10]
-    name, subject = f"INBOX_TEST_{suffix}", f"inbox.test.{suffix}"
-    nc = await nats.connect(URL)
-    js = nc.jetstream()
-    await js.add_stream(StreamConfig(name=name, subjects=[subject], storage=StorageType.MEMORY))
-    try:
-        yield js, name, subject
-    finally:
-        await js.delete_stream(name)
-        await nc.close()
+    async with memory_stream("inbox.test") as made:
+        yield made
 
 
 async def drain(js: Any, name: str, consumer: Consumer, within: float = 30) -> Any:

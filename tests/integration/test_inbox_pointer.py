@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Final
 
 import httpx
-import nats
 import pytest
 import structlog
-from nats.js.api import StorageType, StreamConfig
 from psycopg_pool import AsyncConnectionPool
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -27,7 +24,7 @@ from outbox.inbox import Inbox, InboxMiddleware, KeyFrom, delivery
 from outbox.inbox.jetstream import consume, consumer_of
 from tests.support.inbox_queues import INSERT, create_invoice, pool
 from tests.support.invoice_worker import count
-from tests.support.queues import require_service
+from tests.support.queue_beds import memory_stream
 
 __all__ = ["pool"]  # the fixture, used by name
 NATS: Final = "nats://127.0.0.1:4222"
@@ -105,17 +102,8 @@ async def test_a_body_that_gives_no_key_is_a_400_with_the_reason_and_no_record(
 
 @pytest.fixture
 async def stream() -> AsyncIterator[tuple[Any, str, str]]:
-    require_service("NATS", 4222, "see .ci/run")
-    suffix = uuid.uuid4().hex[:10]
-    name, subject = f"INBOX_POINTER_{suffix}", f"inbox.pointer.{suffix}"
-    nc = await nats.connect(NATS)
-    js = nc.jetstream()
-    await js.add_stream(StreamConfig(name=name, subjects=[subject], storage=StorageType.MEMORY))
-    try:
-        yield js, name, subject
-    finally:
-        await js.delete_stream(name)
-        await nc.close()
+    async with memory_stream("inbox.pointer") as made:
+        yield made
 
 
 async def test_a_consumer_keys_by_the_pointer_and_drops_what_gives_no_identity_with_a_reason(

@@ -11,17 +11,14 @@ import asyncio
 import json
 import subprocess
 import sys
-import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from typing import Any, Final
 
 import httpx
-import nats
 import psycopg
 import pytest
-from nats.js.api import StorageType, StreamConfig
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -41,7 +38,7 @@ from outbox.providers.nats.provider import build
 from tests.support.dispatch import dispatcher
 from tests.support.inbox_queues import INSERT, create_invoice, failing, pool
 from tests.support.invoice_worker import count
-from tests.support.queues import require_service
+from tests.support.queue_beds import memory_stream
 from tests.support.spans import attributes, named, spans
 
 __all__ = ["pool", "spans"]  # the fixtures, used by name
@@ -150,20 +147,8 @@ async def test_every_http_delivery_has_its_own_span_linked_to_the_senders(
 
 @pytest.fixture
 async def stream() -> AsyncIterator[tuple[Any, str, str]]:
-    require_service("NATS", 4222, "see .ci/run")
-    suffix = uuid.uuid4().hex[:10]
-    name, subject = f"INBOX_TRACE_{suffix}", f"inbox.trace.{suffix}"
-    nc = await nats.connect(NATS)
-    js = nc.jetstream()
-    config = StreamConfig(
-        name=name, subjects=[subject], storage=StorageType.MEMORY, duplicate_window=120
-    )
-    await js.add_stream(config)
-    try:
-        yield js, name, subject
-    finally:
-        await js.delete_stream(name)
-        await nc.close()
+    async with memory_stream("inbox.trace", duplicate_window=120) as made:
+        yield made
 
 
 async def drained(js: Any, name: str, consumer: Any, within: float = 15) -> Any:

@@ -12,6 +12,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -64,14 +65,35 @@ async def bed(request: pytest.FixtureRequest, redeliver_after: int) -> AsyncIter
         yield made
 
 
-async def _jetstream(request: pytest.FixtureRequest, redeliver_after: int) -> AsyncIterator[Bed]:
+@asynccontextmanager
+async def memory_stream(prefix: str, **config: Any) -> AsyncIterator[tuple[Any, str, str]]:
+    """A JetStream stream in memory of one test's own, ``(jetstream, name, subject)``, named
+    after ``prefix`` (``inbox.stop``: INBOX_STOP_<random>, inbox.stop.<random>) and deleted
+    after; ``config``: more of its StreamConfig."""
     require_service("NATS", 4222, "see .ci/run")
     suffix = uuid.uuid4().hex[:10]
-    name, subject = f"INBOX_STOP_{suffix}", f"inbox.stop.{suffix}"
+    name = f"{prefix.replace('.', '_').upper()}_{suffix}"
+    subject = f"{prefix}.{suffix}"
     nc = await nats.connect(NATS_URL)
     js = nc.jetstream()
-    await js.add_stream(StreamConfig(name=name, subjects=[subject], storage=StorageType.MEMORY))
+    stream = StreamConfig(name=name, subjects=[subject], storage=StorageType.MEMORY, **config)
+    await js.add_stream(stream)
+    try:
+        yield js, name, subject
+    finally:
+        await js.delete_stream(name)
+        await nc.close()
 
+
+async def _jetstream(request: pytest.FixtureRequest, redeliver_after: int) -> AsyncIterator[Bed]:
+    async with memory_stream("inbox.stop") as (js, name, subject):
+        async for made in _jetstream_bed(js, name, subject, redeliver_after):
+            yield made
+
+
+async def _jetstream_bed(
+    js: Any, name: str, subject: str, redeliver_after: int
+) -> AsyncIterator[Bed]:
     async def publish(messages: list[dict[str, Any]]) -> None:
         for m in messages:
             await js.publish(subject, json.dumps(m).encode(), headers=headers(m["n"]))
@@ -89,11 +111,7 @@ async def _jetstream(request: pytest.FixtureRequest, redeliver_after: int) -> As
         **PROVIDER,
         "actions": {"*": {"subject": subject, "stream": name}},
     }
-    try:
-        yield Bed("jetstream", args, publish, held, provider)
-    finally:
-        await js.delete_stream(name)
-        await nc.close()
+    yield Bed("jetstream", args, publish, held, provider)
 
 
 async def _rabbitmq(request: pytest.FixtureRequest, _: int) -> AsyncIterator[Bed]:

@@ -120,13 +120,18 @@ def _problems(body: Any) -> list[str]:
     return found
 
 
-async def create_invoice(request: Request) -> JSONResponse:
-    d = delivery(request)
+async def _invoice(request: Request) -> tuple[Any, list[str]]:
+    """The request's body, and what is wrong with it as an invoice (nothing when right)."""
     try:
         body = await request.json()
     except ValueError:
         body = None
-    problems = _problems(body)
+    return body, _problems(body)
+
+
+async def create_invoice(request: Request) -> JSONResponse:
+    d = delivery(request)
+    body, problems = await _invoice(request)
     if problems or d.conn is None:
         # Recorded like a success: the same request is refused the same way every time.
         return JSONResponse({"errors": problems}, status_code=422)
@@ -147,11 +152,7 @@ class PaymentFailed(Exception):
 
 async def collect_payment(request: Request) -> JSONResponse:
     claim = claimed(request)
-    try:
-        body = await request.json()
-    except ValueError:
-        body = None
-    problems = _problems(body)
+    body, problems = await _invoice(request)
     if problems or not PAYMENTS_URL:
         return JSONResponse({"errors": problems or ["no payment provider is set"]}, 422)
     answer = await payments.post(
