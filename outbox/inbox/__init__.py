@@ -20,7 +20,7 @@ A WSGI app (Flask) wraps its routes in :class:`InboxWSGIMiddleware` over a :clas
 A handler that calls out before it can answer (a charge, an email) runs in external-effect
 mode: its route is ``External("payment.collect")``; it reads ``claimed(request)``, sends
 ``claim.downstream_key(step)`` with its outbound calls and writes on ``await
-claim.transaction()``, which commits with its recorded answer.
+claim.transaction()``, which commits with its recorded answer (on WSGI, ``wsgi_claimed``).
 
 Queue consumers: :class:`Consumer` settles each message (ack, retry later, drop) after its
 transaction ended; ``outbox.inbox.jetstream.consume`` runs one on a NATS JetStream consumer.
@@ -42,8 +42,8 @@ from outbox.inbox.core import (
 from outbox.inbox.external import Claim, LeaseLost
 from outbox.inbox.http import KeyFrom, TenantFrom
 from outbox.inbox.queues import Claiming, Consumer, Refuse, Verdict
-from outbox.inbox.sync import SyncDelivery, SyncInbox
-from outbox.inbox.wsgi import InboxWSGIMiddleware, wsgi_delivery
+from outbox.inbox.sync import SyncClaim, SyncDelivery, SyncInbox
+from outbox.inbox.wsgi import InboxWSGIMiddleware, wsgi_claimed, wsgi_delivery
 
 __all__ = [
     "Claim",
@@ -62,11 +62,13 @@ __all__ = [
     "NoOutcome",
     "Outcome",
     "Refuse",
+    "SyncClaim",
     "SyncDelivery",
     "SyncInbox",
     "TenantFrom",
     "Verdict",
     "claimed",
     "delivery",
+    "wsgi_claimed",
     "wsgi_delivery",
 ]

@@ -12,7 +12,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, ClassVar, Final, Generic, TypeVar
+from typing import Any, Final, Generic, TypeVar
 
 import psycopg
 import structlog
@@ -26,7 +26,7 @@ from outbox.inbox.core import (
     InvalidDelivery,
     Outcome,
 )
-from outbox.inbox.external import Claim
+from outbox.inbox.external import BaseClaim
 from outbox.inbox.http import (
     Headers,
     KeyFrom,
@@ -141,8 +141,6 @@ class HTTPAdapter(Generic[AppT, InboxT]):
     like a 2xx or 3xx); any other status, a raise or a response over ``max_response_bytes``
     rolls the handler's writes back and records nothing, so the sender delivers again."""
 
-    runs_external: ClassVar[bool] = True  # whether External routes may be declared
-
     def __init__(
         self,
         app: AppT,
@@ -166,9 +164,6 @@ class HTTPAdapter(Generic[AppT, InboxT]):
         self.routes = {_route_key(route): _name(mode) for route, mode in routes.items()}
         # The handlers in external-effect mode, by name.
         self.external = {m.handler: m for m in routes.values() if isinstance(m, External)}
-        if self.external and not self.runs_external:
-            names = ", ".join(sorted(self.external))
-            raise ValueError(f"external-effect routes need InboxMiddleware (ASGI): {names}")
         self.key = key or KeyFrom.auto()
         self.tenant = tenant or TenantFrom.header()
         self.record_statuses = record_statuses
@@ -202,7 +197,7 @@ class HTTPAdapter(Generic[AppT, InboxT]):
         return Buffered(self.max_response_bytes, self.record_statuses)
 
     def conclude(
-        self, d: BaseDelivery[Any] | Claim, response: Outcome, started: float
+        self, d: BaseDelivery[Any] | BaseClaim, response: Outcome, started: float
     ) -> tuple[Outcome, str]:
         """Record the app's answer to a new delivery, or roll its writes back: its answer and
         its decision ("new", or "reclaimed" for an external claim) when recorded, "rolled_back"
@@ -231,7 +226,7 @@ class HTTPAdapter(Generic[AppT, InboxT]):
         marked = (*own, ("Outbox-Inbox-Decision", decision))
         return Outcome(response.status, marked, response.body), decision
 
-    def answer(self, d: BaseDelivery[Any] | Claim) -> Outcome:
+    def answer(self, d: BaseDelivery[Any] | BaseClaim) -> Outcome:
         """The answer to a delivery that is not new: nothing of the app runs."""
         if d.decision is Decision.REPLAYED and d.recorded is not None:
             return replay(d.recorded)
@@ -241,13 +236,13 @@ class HTTPAdapter(Generic[AppT, InboxT]):
             detail = "given up after repeated claims: an operator releases it"
             return problem(503, "abandoned", detail, "abandoned", 300)
         retry_after = self.retry_after
-        if isinstance(d, Claim) and d.retry_after is not None:  # what is left of its lease
+        if isinstance(d, BaseClaim) and d.retry_after is not None:  # what is left of its lease
             retry_after = max(1, math.ceil(d.retry_after.total_seconds()))
         return problem(
             409, "in progress", "this delivery is being handled", "in_progress", retry_after
         )
 
-    def lease_lost(self, claim: Claim) -> tuple[Outcome, str]:
+    def lease_lost(self, claim: BaseClaim) -> tuple[Outcome, str]:
         """The answer when another delivery reclaimed this one's claim before it could record:
         its writes were rolled back, and the lease's owner records (docs/design.md)."""
         log.warning("inbox lease lost", handler=claim.identity.handler)

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import psycopg
 from psycopg_pool import AsyncConnectionPool
@@ -46,28 +46,82 @@ class LeaseLost(RuntimeError):
 
 
 @dataclass
-class Claim:
-    """One external-mode delivery. Run the handler only when ``decision`` is new or reclaimed."""
+class BaseClaim:
+    """One external-mode delivery, whichever connection it runs on (``Claim`` on asyncio,
+    ``SyncClaim`` on threads). Run the handler only when ``decision`` is new or reclaimed."""
 
     identity: Identity
     decision: Decision
     claims: int
     recorded: Outcome | None
     retry_after: timedelta | None
-    _pool: AsyncConnectionPool[Any]
     _inbox_id: int
     _token: Any
     _downstream: str
     lost: bool = False
-    _conn: psycopg.AsyncConnection[Any] | None = field(default=None, repr=False)
     _completed: bool = field(default=False, repr=False)
-    _final: AsyncExitStack | None = field(default=None, repr=False)  # transaction()'s
     _kept: Outcome | None = field(default=None, repr=False)
 
     def downstream_key(self, step: str = "") -> str:
         """The idempotency key for this delivery's outbound call ``step``: the same on every
         claim of the delivery, so a call retried after an ambiguous timeout is one effect."""
         return f"{self._downstream}:{step}" if step else self._downstream
+
+    def keep(self, outcome: Outcome) -> None:
+        """The outcome ``settle`` records (an adapter's; as ``Delivery.keep`` is)."""
+        if self.decision not in RUNS:
+            raise RuntimeError(f"a {self.decision} claim records nothing")
+        self._kept = outcome
+
+    def roll_back(self) -> None:
+        """Record nothing: ``settle`` rolls the final transaction back and the lease ends."""
+        self._kept = None
+
+    def fence(self, **more: Any) -> dict[str, Any]:
+        """The parameters that name this claim to RENEW, FAIL and COMPLETE: id and token."""
+        return {"inbox_id": self._inbox_id, "token": self._token, **more}
+
+
+C = TypeVar("C", bound=BaseClaim)
+
+
+def claim_params(
+    identity: Identity,
+    body: bytes,
+    *,
+    is_json: bool,
+    lease: timedelta,
+    max_claims: int,
+    retention: timedelta,
+) -> dict[str, Any]:
+    """The parameters of statements.CLAIM."""
+    params = body_params(identity, body, is_json)
+    params.update(lease=lease, max_claims=max_claims, retention=retention)
+    return params
+
+
+def claimed(kind: type[C], identity: Identity, row: Any, **more: Any) -> C:
+    """The claim that inbox_claim's row describes."""
+    if row is None:
+        raise RuntimeError("outbox.inbox_claim returned no row")
+    decision, inbox_id, token, claims, downstream, retry_after, status, headers, stored = row
+    recorded = None
+    if status is not None:
+        pairs = tuple((str(name), str(value)) for name, value in headers or ())
+        recorded = Outcome(status, pairs, bytes(stored or b""))
+    decided = Decision(decision)
+    return kind(
+        identity, decided, claims, recorded, retry_after, inbox_id, token, downstream, **more
+    )
+
+
+@dataclass
+class Claim(BaseClaim):
+    """An external-mode delivery of ``Inbox.claim``, on asyncio."""
+
+    _pool: AsyncConnectionPool[Any] = field(kw_only=True, repr=False)
+    _conn: psycopg.AsyncConnection[Any] | None = field(default=None, repr=False)
+    _final: AsyncExitStack | None = field(default=None, repr=False)  # transaction()'s
 
     @asynccontextmanager
     async def finish(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
@@ -106,16 +160,6 @@ class Claim:
         if self._conn is None:
             raise RuntimeError("the final transaction has no connection")
         return self._conn
-
-    def keep(self, outcome: Outcome) -> None:
-        """The outcome ``settle`` records (an adapter's; as ``Delivery.keep`` is)."""
-        if self.decision not in RUNS:
-            raise RuntimeError(f"a {self.decision} claim records nothing")
-        self._kept = outcome
-
-    def roll_back(self) -> None:
-        """Record nothing: ``settle`` rolls the final transaction back and the lease ends."""
-        self._kept = None
 
     async def discard(self) -> None:
         """Roll back what the handler wrote in ``transaction`` (a refusal must not keep it)."""
@@ -198,8 +242,9 @@ async def _claim(
     max_claims: int,
     retention: timedelta,
 ) -> Claim:
-    params = body_params(identity, body, is_json)
-    params.update(lease=lease, max_claims=max_claims, retention=retention)
+    params = claim_params(
+        identity, body, is_json=is_json, lease=lease, max_claims=max_claims, retention=retention
+    )
     async with pool.connection() as conn:
         try:
             async with conn.transaction():
@@ -208,28 +253,11 @@ async def _claim(
             if malformed(exc):
                 raise InvalidDelivery(exc.diag.message_primary or str(exc)) from exc
             raise
-    if row is None:
-        raise RuntimeError("outbox.inbox_claim returned no row")
-    decision, inbox_id, token, claims, downstream, retry_after, status, headers, stored = row
-    recorded = None
-    if status is not None:
-        pairs = tuple((str(name), str(value)) for name, value in headers or ())
-        recorded = Outcome(status, pairs, bytes(stored or b""))
-    return Claim(
-        identity,
-        Decision(decision),
-        claims,
-        recorded,
-        retry_after,
-        pool,
-        inbox_id,
-        token,
-        downstream,
-    )
+    return claimed(Claim, identity, row, _pool=pool)
 
 
 async def _heartbeat(pool: AsyncConnectionPool[Any], the_claim: Claim, lease: timedelta) -> None:
-    params = {"inbox_id": the_claim._inbox_id, "token": the_claim._token, "lease": lease}
+    params = the_claim.fence(lease=lease)
     while True:
         await asyncio.sleep(lease.total_seconds() / 3)
         try:
@@ -250,7 +278,7 @@ async def _abort(pool: AsyncConnectionPool[Any], the_claim: Claim, exc: BaseExce
 
 
 async def _fail(pool: AsyncConnectionPool[Any], the_claim: Claim, error: str) -> None:
-    params = {"inbox_id": the_claim._inbox_id, "token": the_claim._token, "error": error}
+    params = the_claim.fence(error=error)
     with suppress(psycopg.Error):  # unrecorded, the lease expires instead
         async with pool.connection() as conn:
             await conn.execute(statements.FAIL, params)

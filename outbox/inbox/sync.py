@@ -6,6 +6,9 @@ The same SQL (statements.py) and the same three round trips (docs/design.md, "Th
 simple query through psycopg's ``ClientCursor``; while the inbox holds a pooled connection it
 runs it in autocommit, and gives it back as it found it. Duplicates within the process wait on
 the first's ``threading.Event``, holding no pooled connection, at most ``wait``.
+
+``SyncInbox.claim`` is ``Inbox.claim`` on threads (external-effect mode, outbox.inbox.external):
+the same claim, lease, fence and downstream key, its heartbeat a thread of its own.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import ExitStack, contextmanager, suppress
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -34,7 +38,9 @@ from outbox.inbox.core import (
     decided,
     left_of,
     malformed,
+    outcome_params,
 )
+from outbox.inbox.external import RUNS, BaseClaim, LeaseLost, claim_params, claimed
 
 
 class SyncDelivery(BaseDelivery[psycopg.Connection[Any]]):
@@ -84,6 +90,48 @@ class SyncInbox:
                 _roll_back(conn)
                 raise
             _finish(conn, delivery)
+
+    @contextmanager
+    def claim(
+        self,
+        identity: Identity,
+        body: bytes,
+        *,
+        is_json: bool,
+        lease: timedelta = timedelta(seconds=30),
+        max_claims: int = 5,
+    ) -> Iterator[SyncClaim]:
+        """External-effect mode on threads, as ``Inbox.claim``: a claim committed at once, a
+        heartbeat thread renewing its lease every third of it while the block runs; a block
+        that raises, or ends without an outcome, ends the lease now."""
+        params = claim_params(
+            identity,
+            body,
+            is_json=is_json,
+            lease=lease,
+            max_claims=max_claims,
+            retention=self.retention,
+        )
+        the_claim = _claim(self.pool, identity, params)
+        if the_claim.decision not in RUNS:
+            yield the_claim
+            return
+        stop = threading.Event()
+        beat = threading.Thread(
+            target=_heartbeat, args=(self.pool, the_claim, lease, stop), daemon=True
+        )
+        beat.start()
+        try:
+            yield the_claim
+        except BaseException as exc:
+            _abort(self.pool, the_claim, exc)
+            raise
+        finally:
+            stop.set()
+            beat.join()
+        the_claim.discard()  # a final transaction the adapter never settled
+        if not the_claim._completed:
+            _fail(self.pool, the_claim, "no outcome")
 
     @contextmanager
     def _flight(self, identity: Identity) -> Iterator[timedelta]:
@@ -168,3 +216,116 @@ def _roll_back(conn: psycopg.Connection[Any]) -> None:
     # A broken connection rolled back with it; the pool discards it.
     with suppress(psycopg.Error):
         conn.rollback()
+
+
+@dataclass
+class SyncClaim(BaseClaim):
+    """An external-mode delivery of ``SyncInbox.claim``: ``Claim``'s twin on a ``Connection``."""
+
+    _pool: ConnectionPool[Any] = field(kw_only=True, repr=False)
+    _conn: psycopg.Connection[Any] | None = field(default=None, repr=False)
+    _final: ExitStack | None = field(default=None, repr=False)  # transaction()'s
+
+    @contextmanager
+    def finish(self) -> Iterator[psycopg.Connection[Any]]:
+        """The final transaction, bound to the delivery's tenant: do the last writes on it and
+        call ``complete`` inside; it commits when the block ends."""
+        if self.lost:
+            raise LeaseLost(f"claim {self._inbox_id} was reclaimed by another delivery")
+        with self._pool.connection() as conn, conn.transaction():
+            conn.execute(statements.BIND_TENANT, {"tenant_id": self.identity.tenant_id})
+            self._conn = conn
+            try:
+                yield conn
+            finally:
+                self._conn = None
+
+    def complete(self, outcome: Outcome) -> None:
+        """Record ``outcome`` inside ``finish``, fenced by this claim's token; LeaseLost (the
+        transaction rolled back) when another delivery reclaimed it."""
+        if self._conn is None:
+            raise RuntimeError("complete() belongs inside `with claim.finish()`")
+        params = outcome_params(self._inbox_id, self._token, outcome)
+        row = self._conn.execute(statements.COMPLETE, params).fetchone()
+        if row is None or row[0] is not True:
+            self.lost = True
+            raise LeaseLost(f"claim {self._inbox_id} was reclaimed by another delivery")
+        self._completed = True
+
+    def transaction(self) -> psycopg.Connection[Any]:
+        """For a handler an adapter runs: the final transaction, opened on the first call and
+        left open until the adapter records the handler's answer in it (``settle``)."""
+        if self._final is None:
+            stack = ExitStack()
+            stack.enter_context(self.finish())
+            self._final = stack
+        if self._conn is None:
+            raise RuntimeError("the final transaction has no connection")
+        return self._conn
+
+    def discard(self) -> None:
+        """Roll back what the handler wrote in ``transaction``."""
+        self._close(psycopg.Rollback())
+
+    def settle(self) -> None:
+        """Record the kept outcome in the final transaction and commit (LeaseLost, rolled
+        back, when reclaimed meanwhile); without one, roll the final transaction back."""
+        if self._kept is None:
+            self.discard()
+            return
+        self.transaction()
+        try:
+            self.complete(self._kept)
+        except BaseException as exc:
+            self._close(exc)
+            raise
+        self._close(None)
+
+    def _close(self, exc: BaseException | None) -> None:
+        stack, self._final = self._final, None
+        if stack is None:
+            return
+        if exc is None:
+            stack.close()
+        else:
+            stack.__exit__(type(exc), exc, exc.__traceback__)
+
+
+def _claim(pool: ConnectionPool[Any], identity: Identity, params: dict[str, Any]) -> SyncClaim:
+    with pool.connection() as conn:
+        try:
+            with conn.transaction():
+                row = conn.execute(statements.CLAIM, params).fetchone()
+        except psycopg.Error as exc:
+            if malformed(exc):
+                raise InvalidDelivery(exc.diag.message_primary or str(exc)) from exc
+            raise
+    return claimed(SyncClaim, identity, row, _pool=pool)
+
+
+def _heartbeat(
+    pool: ConnectionPool[Any], the_claim: SyncClaim, lease: timedelta, stop: threading.Event
+) -> None:
+    params = the_claim.fence(lease=lease)
+    while not stop.wait(lease.total_seconds() / 3):
+        try:
+            with pool.connection() as conn:
+                row = conn.execute(statements.RENEW, params).fetchone()
+        except psycopg.Error:
+            continue  # the database away: the lease may lapse, and complete() will say so
+        if row is None or row[0] is not True:
+            the_claim.lost = True
+            return
+
+
+def _abort(pool: ConnectionPool[Any], the_claim: SyncClaim, exc: BaseException) -> None:
+    """The block raised: its final transaction rolled back, the lease ended now."""
+    with suppress(Exception):  # a broken connection: the pool discards it, nothing commits
+        the_claim._close(exc)
+    _fail(pool, the_claim, type(exc).__name__)
+
+
+def _fail(pool: ConnectionPool[Any], the_claim: SyncClaim, error: str) -> None:
+    # Unrecorded, the lease expires instead.
+    with suppress(psycopg.Error), pool.connection() as conn:
+        conn.execute(statements.FAIL, the_claim.fence(error=error))

@@ -15,7 +15,7 @@ import io
 import time
 from collections.abc import Callable, Iterable
 from http import HTTPStatus
-from typing import Any
+from typing import Any, TypeVar
 from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 
 from outbox.inbox.adapter import (
@@ -25,33 +25,41 @@ from outbox.inbox.adapter import (
     BodyTooLarge,
     Buffered,
     CutShort,
+    External,
     HandlerFailed,
     HTTPAdapter,
     is_json,
 )
 from outbox.inbox.core import Decision, Identity, Outcome
+from outbox.inbox.external import RUNS, LeaseLost
 from outbox.inbox.http import Headers
-from outbox.inbox.sync import SyncDelivery, SyncInbox
+from outbox.inbox.sync import SyncClaim, SyncDelivery, SyncInbox
+
+T = TypeVar("T", SyncDelivery, SyncClaim)
 
 
 def wsgi_delivery(request: Any) -> SyncDelivery:
     """The delivery a handler runs for: ``wsgi_delivery(flask.request)`` (any object with an
     ``environ``, as werkzeug's and Django's requests have) or ``wsgi_delivery(environ)``."""
+    return _found(request, SyncDelivery, "InboxWSGIMiddleware's declared routes")
+
+
+def wsgi_claimed(request: Any) -> SyncClaim:
+    """The claim a handler of an ``External`` route runs for: ``wsgi_claimed(flask.request)``."""
+    return _found(request, SyncClaim, "an External route of InboxWSGIMiddleware")
+
+
+def _found(request: Any, kind: type[T], where: str) -> T:
     environ = getattr(request, "environ", request)
     found = environ.get(DELIVERY)
-    if not isinstance(found, SyncDelivery):
-        raise LookupError(  # noqa: TRY004  (a missing entry, not a wrong type)
-            "this request did not come through InboxWSGIMiddleware's declared routes"
-        )
+    if not isinstance(found, kind):
+        raise LookupError(f"this request did not come through {where}")  # noqa: TRY004
     return found
 
 
 class InboxWSGIMiddleware(HTTPAdapter[WSGIApplication, SyncInbox]):
     """Wraps a WSGI ``app`` (docs/design.md, "The inbox", "WSGI apps"; the options are
-    HTTPAdapter's, shared with the ASGI middleware). External-effect routes need the ASGI
-    middleware: their heartbeat runs beside the handler, on the event loop."""
-
-    runs_external = False
+    HTTPAdapter's, shared with the ASGI middleware)."""
 
     def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
         handler = self.handler_for(environ["REQUEST_METHOD"], _path(environ))
@@ -78,6 +86,9 @@ class InboxWSGIMiddleware(HTTPAdapter[WSGIApplication, SyncInbox]):
     def _decide(
         self, environ: WSGIEnvironment, body: bytes, identity: Identity, *, is_json: bool, span: Any
     ) -> tuple[Outcome, str]:
+        mode = self.external.get(identity.handler)
+        if mode is not None:
+            return self._claim(environ, body, identity, mode, is_json=is_json, span=span)
         try:
             with self.inbox.deliver(identity, body, is_json=is_json) as d:
                 if d.decision is not Decision.NEW:
@@ -86,8 +97,36 @@ class InboxWSGIMiddleware(HTTPAdapter[WSGIApplication, SyncInbox]):
         except FAILED as exc:
             return self.failed(exc, identity.handler, span)
 
+    def _claim(
+        self,
+        environ: WSGIEnvironment,
+        body: bytes,
+        identity: Identity,
+        mode: External,
+        *,
+        is_json: bool,
+        span: Any,
+    ) -> tuple[Outcome, str]:
+        """External-effect mode, as InboxMiddleware._claim: the claim commits first; the app's
+        answer and its writes on ``claim.transaction()`` commit together, fenced."""
+        claim = self.inbox.claim(
+            identity, body, is_json=is_json, lease=mode.lease, max_claims=mode.max_claims
+        )
+        try:
+            with claim as c:
+                if c.decision not in RUNS:
+                    return self.answer(c), c.decision.value
+                answer, decision = self._handle(environ, body, c)
+                try:
+                    c.settle()
+                except LeaseLost:
+                    return self.lease_lost(c)
+                return answer, decision
+        except FAILED as exc:
+            return self.failed(exc, identity.handler, span)
+
     def _handle(
-        self, environ: WSGIEnvironment, body: bytes, d: SyncDelivery
+        self, environ: WSGIEnvironment, body: bytes, d: SyncDelivery | SyncClaim
     ) -> tuple[Outcome, str]:
         """Run the app for a new delivery, its answer buffered until the inbox decides."""
         buffered = self.buffer()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -16,9 +17,22 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
-from psycopg_pool import AsyncConnectionPool
+from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
-from outbox.inbox import Claim, Claiming, Consumer, Inbox, KeyFrom, Refuse, TenantFrom, Verdict
+from outbox.inbox import (
+    Claim,
+    Claiming,
+    Consumer,
+    External,
+    Inbox,
+    InboxWSGIMiddleware,
+    KeyFrom,
+    Refuse,
+    SyncInbox,
+    TenantFrom,
+    Verdict,
+    wsgi_claimed,
+)
 from outbox.testing.webhook import FakeWebhookReceiver, WebhookFault
 from tests.support.invoice_worker import InvoiceWorker, count, headers, invoice, wait_for
 
@@ -252,3 +266,67 @@ async def test_a_claiming_consumer_whose_claim_was_taken_over_keeps_nothing_and_
     assert (settled.verdict, settled.decision) == (Verdict.RETRY, "in_progress")
     assert count(db_url, "SELECT count(*) FROM sent") == 0
     assert count(db_url, COMPLETED) == 0
+
+
+# --- a WSGI app (Flask) in external-effect mode ------------------------------------------------
+
+
+def flask_payments(sync_pool: ConnectionPool[Any], provider_url: str, timeout: float) -> Any:
+    """A Flask route in external-effect mode: it charges the provider under the claim's key,
+    then writes ``sent`` on the final transaction."""
+    from flask import Flask, request  # noqa: PLC0415 (the dev extra's)
+
+    app = Flask(__name__)
+
+    @app.post("/pay")
+    def pay() -> tuple[dict[str, Any], int]:
+        claim = wsgi_claimed(request)
+        answer = httpx.post(
+            provider_url,
+            content=request.get_data(),
+            headers={"Idempotency-Key": claim.downstream_key("pay")},
+            timeout=timeout,
+        )
+        answer.raise_for_status()
+        conn = claim.transaction()
+        conn.execute("INSERT INTO sent VALUES (%s, 1)", (claim.identity.key,))
+        return {"reference": answer.json()["id"]}, 201
+
+    app.wsgi_app = InboxWSGIMiddleware(  # type: ignore[method-assign]
+        app.wsgi_app,
+        inbox=SyncInbox(sync_pool),
+        routes={"POST /pay": External("pay", lease=timedelta(seconds=2))},
+    )
+    return app
+
+
+async def test_a_wsgi_route_in_external_mode_retries_a_timeout_as_one_payment(
+    db_url: str, pool: AsyncConnectionPool[Any], provider: FakeWebhookReceiver
+) -> None:
+    from tests.integration.test_inbox_wsgi import serving  # noqa: PLC0415 (Flask's, lazily)
+
+    provider.inject(WebhookFault.delay_after_apply(1.0))
+    body = json.dumps(invoice())
+    sent = {"Content-Type": "application/json", "Idempotency-Key": "w-1", "Outbox-Tenant-Id": "t"}
+    with (
+        ConnectionPool(db_url, min_size=1, max_size=8, open=True) as sync_pool,
+        serving(flask_payments(sync_pool, provider.url, timeout=0.3)) as url,
+    ):
+
+        def deliver_until_settled() -> list[httpx.Response]:
+            answers = [httpx.post(f"{url}/pay", content=body, headers=sent, timeout=10)]
+            while answers[-1].status_code in (409, 500) and len(answers) < 60:
+                time.sleep(0.1)
+                answers.append(httpx.post(f"{url}/pay", content=body, headers=sent, timeout=10))
+            answers.append(httpx.post(f"{url}/pay", content=body, headers=sent, timeout=10))
+            return answers
+
+        answers = await asyncio.to_thread(deliver_until_settled)
+    decisions = [a.headers["Outbox-Inbox-Decision"] for a in answers]
+    # Flask answers its handler's raise with a 500 of its own: rolled back, nothing recorded.
+    assert answers[0].status_code == 500 and decisions[0] == "rolled_back", decisions
+    assert decisions[-2:] == ["reclaimed", "replayed"], decisions
+    assert answers[-1].content == answers[-2].content
+    assert provider.effect_count() == 1
+    assert count(db_url, "SELECT count(*) FROM sent") == 1
+    one_key(provider)

@@ -1550,4 +1550,13 @@ MUTANTS: tuple[Mutant, ...] = (
         CLAIMING_TESTS
         + "test_a_claiming_consumers_refusal_keeps_none_of_its_writes_and_drops_every_copy",
     ),
+    _one(
+        "inbox-wsgi-external-answer-unrecorded",
+        "a WSGI External route answers its handler's response without recording it: the writes "
+        "on the claim's transaction roll back, and the redelivery runs the handler again",
+        "outbox/inbox/wsgi.py",
+        "                    c.settle()\n",
+        "                    c.discard()\n",
+        CLAIMING_TESTS + "test_a_wsgi_route_in_external_mode_retries_a_timeout_as_one_payment",
+    ),
 )
