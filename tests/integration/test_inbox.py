@@ -27,7 +27,16 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from outbox.inbox import Decision, Identity, Inbox, InboxMiddleware, NoOutcome, delivery
+from outbox.inbox import (
+    Decision,
+    External,
+    Identity,
+    Inbox,
+    InboxMiddleware,
+    NoOutcome,
+    claimed,
+    delivery,
+)
 from tests.integration.test_roles import WORKER, apply_roles, as_role
 from tests.support.invoice_worker import count
 
@@ -50,23 +59,41 @@ async def pool(db_url: str) -> AsyncIterator[AsyncConnectionPool[Any]]:
         yield opened
 
 
-def app_with(inbox: Inbox, answer: Answer, delay: float = 0.0, **options: Any) -> InboxMiddleware:
-    """A route that writes one effect on the delivery's connection, then answers ``answer``."""
+def app_with(
+    inbox: Inbox,
+    answer: Answer,
+    delay: float = 0.0,
+    *,
+    external: bool = False,
+    fails: Callable[[], bool] = lambda: False,
+    **options: Any,
+) -> InboxMiddleware:
+    """A route that writes one effect on the delivery's connection (``external``: on its
+    claim's final transaction, as an External route), then answers ``answer``, or raises when
+    ``fails()`` says so."""
 
     async def handle(request: Request) -> Response:
-        d = delivery(request)
-        assert d.conn is not None
+        if external:
+            conn = await claimed(request).transaction()
+            identity = claimed(request).identity
+        else:
+            d = delivery(request)
+            assert d.conn is not None
+            conn, identity = d.conn, d.identity
         body = (await request.body()).decode()
-        await d.conn.execute(
+        await conn.execute(
             "INSERT INTO effects (tenant_id, key, body) VALUES (%s, %s, %s)",
-            (d.identity.tenant_id, d.identity.key, body),
+            (identity.tenant_id, identity.key, body),
         )
         if delay:
             await asyncio.sleep(delay)
+        if fails():
+            raise RuntimeError("the handler failed after its write")
         return answer(request)
 
     starlette = Starlette(routes=[Route("/work", handle, methods=["POST"])])
-    return InboxMiddleware(starlette, inbox=inbox, routes={"POST /work": "work"}, **options)
+    route = External("work") if external else "work"
+    return InboxMiddleware(starlette, inbox=inbox, routes={"POST /work": route}, **options)
 
 
 def client(app: InboxMiddleware) -> httpx.AsyncClient:
@@ -340,16 +367,27 @@ async def test_a_duplicate_waits_at_most_wait_then_hears_in_progress(
     assert count(db_url, EFFECTS) == 1
 
 
+@pytest.mark.parametrize("external", [False, True], ids=["transaction", "external"])
 async def test_a_seeded_storm_of_duplicates_and_conflicts_makes_one_effect_per_identity(
-    db_url: str, pool: AsyncConnectionPool[Any]
+    db_url: str, pool: AsyncConnectionPool[Any], external: bool
 ) -> None:
     """40 identities, each delivered 1 to 6 times at once, some copies with another body, by
-    two inboxes (two processes' worth of single flight); then each original again until it is
-    no longer in progress. Every identity ends with exactly one effect, whose body is the body
-    of the one delivery answered "new"."""
+    two inboxes (two processes' worth of single flight), a tenth of the handlers' runs failing
+    after their write; then each original again until it is answered. Every identity ends with
+    exactly one effect, whose body is the body of the one delivery that recorded it; in both
+    modes."""
     seed = random.randrange(2**32)
     rng = random.Random(seed)
-    apps = [app_with(Inbox(pool), created, delay=rng.random() * 0.05) for _ in range(2)]
+    apps = [
+        app_with(
+            Inbox(pool),
+            created,
+            delay=rng.random() * 0.05,
+            external=external,
+            fails=lambda: rng.random() < 0.1,
+        )
+        for _ in range(2)
+    ]
     deliveries = []
     for i in range(40):
         original = {"id": i, "amount": rng.randrange(10**6)}
@@ -361,27 +399,32 @@ async def test_a_seeded_storm_of_duplicates_and_conflicts_makes_one_effect_per_i
     answers = await asyncio.gather(
         *(send(clients[id(app)], key, body) for key, body, app in deliveries)
     )
-    said = f"seed {seed}"
+    said = f"seed {seed}, {'external' if external else 'transaction'} mode"
+    statuses = {
+        "new": 201,
+        "reclaimed": 201,
+        "replayed": 201,
+        "conflict": 422,
+        "in_progress": 409,
+        "failed": 500,
+    }
     for answer in answers:
         decision = answer.headers["Outbox-Inbox-Decision"]
-        assert decision in {"new", "replayed", "conflict", "in_progress"}, (said, decision)
-        assert (
-            answer.status_code
-            == {"new": 201, "replayed": 201, "conflict": 422, "in_progress": 409}[decision]
-        ), said
+        assert answer.status_code == statuses.get(decision), (said, decision)
     winners = {
         key: body
         for (key, body, _), a in zip(deliveries, answers, strict=True)
-        if a.headers["Outbox-Inbox-Decision"] == "new"
+        if a.headers["Outbox-Inbox-Decision"] in ("new", "reclaimed")
     }
     for i in range(40):
         key = f"id-{i}"
         body = winners.get(key, next(b for k, b, _ in deliveries if k == key))
         for _ in range(50):
             answer = await send(clients[id(apps[0])], key, body)
-            if answer.headers["Outbox-Inbox-Decision"] != "in_progress":
+            if answer.headers["Outbox-Inbox-Decision"] not in ("in_progress", "failed"):
                 break
         assert answer.status_code == 201, (said, key)
+        winners.setdefault(key, body)
     for c in clients.values():
         await c.aclose()
     with psycopg.connect(db_url) as conn:
