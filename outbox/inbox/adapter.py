@@ -164,6 +164,10 @@ class HTTPAdapter(Generic[AppT, InboxT]):
         self.routes = {_route_key(route): _name(mode) for route, mode in routes.items()}
         # The handlers in external-effect mode, by name.
         self.external = {m.handler: m for m in routes.values() if isinstance(m, External)}
+        plain = {m for m in routes.values() if isinstance(m, str)}
+        if both := sorted(plain & set(self.external)):
+            # One identity, one mode: a record's claim and transaction protocols do not mix.
+            raise ValueError(f"a handler is External on every route or on none: {both}")
         self.key = key or KeyFrom.auto()
         self.tenant = tenant or TenantFrom.header()
         self.record_statuses = record_statuses
@@ -242,10 +246,10 @@ class HTTPAdapter(Generic[AppT, InboxT]):
             409, "in progress", "this delivery is being handled", "in_progress", retry_after
         )
 
-    def lease_lost(self, claim: BaseClaim) -> tuple[Outcome, str]:
+    def lease_lost(self, handler: str) -> tuple[Outcome, str]:
         """The answer when another delivery reclaimed this one's claim before it could record:
         its writes were rolled back, and the lease's owner records (docs/design.md)."""
-        log.warning("inbox lease lost", handler=claim.identity.handler)
+        log.warning("inbox lease lost", handler=handler)
         detail = "another delivery holds this claim now"
         return problem(409, "in progress", detail, "in_progress", self.retry_after), "in_progress"
 

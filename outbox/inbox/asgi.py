@@ -142,11 +142,10 @@ class InboxMiddleware(HTTPAdapter[ASGIApp, Inbox]):
                 if c.decision not in RUNS:
                     return self.answer(c), c.decision.value
                 answer, decision = await self._handle(scope, receive, body, c)
-                try:
-                    await c.settle()
-                except LeaseLost:
-                    return self.lease_lost(c)
+                await c.settle()
                 return answer, decision
+        except LeaseLost:  # from settle, or the handler's own transaction(): rolled back
+            return self.lease_lost(identity.handler)
         except FAILED as exc:
             return self.failed(exc, identity.handler, span)
 
@@ -160,6 +159,8 @@ class InboxMiddleware(HTTPAdapter[ASGIApp, Inbox]):
         started = time.monotonic()
         try:
             await self.app(inner, _replaying(body, receive), captured.send)
+        except LeaseLost:
+            raise  # its claim was taken over: "in progress", not the handler's failure
         except Exception as exc:
             raise HandlerFailed() from exc
         return self.conclude(d, captured.buffered.outcome(), started)

@@ -59,7 +59,8 @@ class BaseClaim:
     _token: Any
     _downstream: str
     lost: bool = False
-    _completed: bool = field(default=False, repr=False)
+    _recorded: bool = field(default=False, repr=False)  # complete() went through
+    _completed: bool = field(default=False, repr=False)  # and its transaction committed
     _kept: Outcome | None = field(default=None, repr=False)
 
     def downstream_key(self, step: str = "") -> str:
@@ -122,6 +123,8 @@ class Claim(BaseClaim):
     _pool: AsyncConnectionPool[Any] = field(kw_only=True, repr=False)
     _conn: psycopg.AsyncConnection[Any] | None = field(default=None, repr=False)
     _final: AsyncExitStack | None = field(default=None, repr=False)  # transaction()'s
+    # One final transaction, however many of the handler's tasks ask for it at once.
+    _opening: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
 
     @asynccontextmanager
     async def finish(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
@@ -136,6 +139,7 @@ class Claim(BaseClaim):
                 yield conn
             finally:
                 self._conn = None
+        self._completed = self._recorded  # only once COMMIT went through
 
     async def complete(self, outcome: Outcome) -> None:
         """Record ``outcome`` in the final transaction (inside ``finish``), fenced by this
@@ -147,16 +151,17 @@ class Claim(BaseClaim):
         if row is None or row[0] is not True:
             self.lost = True
             raise LeaseLost(f"claim {self._inbox_id} was reclaimed by another delivery")
-        self._completed = True
+        self._recorded = True
 
     async def transaction(self) -> psycopg.AsyncConnection[Any]:
         """For a handler an adapter runs: the final transaction, opened on the first call and
         left open. The adapter records the handler's answer in it, fenced, and commits
         (``settle``): what is written here commits with the outcome or not at all."""
-        if self._final is None:
-            stack = AsyncExitStack()
-            await stack.enter_async_context(self.finish())
-            self._final = stack
+        async with self._opening:
+            if self._final is None:
+                stack = AsyncExitStack()
+                await stack.enter_async_context(self.finish())
+                self._final = stack
         if self._conn is None:
             raise RuntimeError("the final transaction has no connection")
         return self._conn
@@ -221,12 +226,12 @@ async def claim(
     try:
         yield the_claim
     except BaseException as exc:
+        # The heartbeat first: a RENEW after the FAIL would give the lease back.
+        await _stop(beat)
         await asyncio.shield(_abort(pool, the_claim, exc))
         raise
     finally:
-        beat.cancel()
-        with suppress(asyncio.CancelledError):
-            await beat
+        await _stop(beat)
     await asyncio.shield(the_claim.discard())  # a final transaction the adapter never settled
     if not the_claim._completed:
         await asyncio.shield(_fail(pool, the_claim, "no outcome"))
@@ -256,25 +261,52 @@ async def _claim(
     return claimed(Claim, identity, row, _pool=pool)
 
 
+async def _stop(beat: asyncio.Task[None]) -> None:
+    """Cancel the heartbeat and wait until it ended, without swallowing a cancellation of the
+    task that waits (asyncio.wait raises only for that one)."""
+    beat.cancel()
+    await asyncio.wait({beat})
+
+
+def beats(lease: timedelta) -> tuple[float, float, float]:
+    """A heartbeat's timing, in seconds: the wait between renewals (a third of the lease), the
+    wait after a failed one (a tenth: the lease must not lapse on one miss) and how long a
+    renewal waits for a pooled connection (a sixth: never behind the whole pool's queue)."""
+    seconds = lease.total_seconds()
+    return seconds / 3, seconds / 10, seconds / 6
+
+
 async def _heartbeat(pool: AsyncConnectionPool[Any], the_claim: Claim, lease: timedelta) -> None:
     params = the_claim.fence(lease=lease)
+    every, again, patience = beats(lease)
+    wait = every
     while True:
-        await asyncio.sleep(lease.total_seconds() / 3)
+        await asyncio.sleep(wait)
         try:
-            async with pool.connection() as conn:
+            async with pool.connection(timeout=patience) as conn:
                 row = await (await conn.execute(statements.RENEW, params)).fetchone()
         except psycopg.Error:
-            continue  # the database away: the lease may lapse, and complete() will say so
+            # The database away or the pool exhausted: soon again; the lease may lapse, and
+            # complete() will say so.
+            wait = again
+            continue
         if row is None or row[0] is not True:
             the_claim.lost = True
             return
+        wait = every
 
 
 async def _abort(pool: AsyncConnectionPool[Any], the_claim: Claim, exc: BaseException) -> None:
     """The block raised: its final transaction rolled back, the lease ended now."""
     with suppress(Exception):  # a broken connection: the pool discards it, nothing commits
         await the_claim._close(exc)
-    await _fail(pool, the_claim, type(exc).__name__)
+    await _fail(pool, the_claim, cause(exc))
+
+
+def cause(exc: BaseException) -> str:
+    """What failed, for the record's last_error: the class of the handler's own exception, not
+    of an adapter's wrapper around it (never the text: it may quote the payload)."""
+    return type(exc.__cause__ or exc).__name__
 
 
 async def _fail(pool: AsyncConnectionPool[Any], the_claim: Claim, error: str) -> None:

@@ -143,28 +143,29 @@ class Consumer:
     async def _claim(self, identity: Identity, body: bytes, claiming: Claiming) -> Settled:
         """External-effect mode: the claim commits first; the outcome commits with the
         handler's writes on ``claim.transaction()``, fenced by the claim's token."""
-        async with self.inbox.claim(
+        claim = self.inbox.claim(
             identity,
             body,
             is_json=self.is_json,
             lease=claiming.lease,
             max_claims=claiming.max_claims,
-        ) as c:
-            if c.decision not in RUNS:
-                return self._not_run(c.decision, c.recorded, c.retry_after)
-            try:
-                await cast(ClaimHandle, self.handle)(c, body)
-                outcome = ACCEPTED
-            except Refuse as refusal:
-                await c.discard()  # a refusal keeps none of the handler's writes
-                outcome = refused(refusal)
-            c.keep(outcome)
-            try:
+        )
+        try:
+            async with claim as c:
+                if c.decision not in RUNS:
+                    return self._not_run(c.decision, c.recorded, c.retry_after)
+                try:
+                    await cast(ClaimHandle, self.handle)(c, body)
+                    outcome = ACCEPTED
+                except Refuse as refusal:
+                    await c.discard()  # a refusal keeps none of the handler's writes
+                    outcome = refused(refusal)
+                c.keep(outcome)
                 await c.settle()
-            except LeaseLost:  # reclaimed meanwhile: its owner records; this copy comes again
-                log.warning("inbox lease lost", handler=self.handler)
-                return Settled(Verdict.RETRY, Decision.IN_PROGRESS.value, self.retry_after)
-            return _ran(outcome, c.decision)
+                return _ran(outcome, c.decision)
+        except LeaseLost:  # reclaimed meanwhile: its owner records; this copy comes again
+            log.warning("inbox lease lost", handler=self.handler)
+            return Settled(Verdict.RETRY, Decision.IN_PROGRESS.value, self.retry_after)
 
     def _not_run(
         self, decision: Decision, recorded: Outcome | None, retry_after: timedelta | None

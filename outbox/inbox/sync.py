@@ -40,7 +40,7 @@ from outbox.inbox.core import (
     malformed,
     outcome_params,
 )
-from outbox.inbox.external import RUNS, BaseClaim, LeaseLost, claim_params, claimed
+from outbox.inbox.external import RUNS, BaseClaim, LeaseLost, beats, cause, claim_params, claimed
 
 
 class SyncDelivery(BaseDelivery[psycopg.Connection[Any]]):
@@ -124,11 +124,12 @@ class SyncInbox:
         try:
             yield the_claim
         except BaseException as exc:
+            # The heartbeat first: a RENEW after the FAIL would give the lease back.
+            _stop(beat, stop, lease)
             _abort(self.pool, the_claim, exc)
             raise
         finally:
-            stop.set()
-            beat.join()
+            _stop(beat, stop, lease)
         the_claim.discard()  # a final transaction the adapter never settled
         if not the_claim._completed:
             _fail(self.pool, the_claim, "no outcome")
@@ -225,6 +226,8 @@ class SyncClaim(BaseClaim):
     _pool: ConnectionPool[Any] = field(kw_only=True, repr=False)
     _conn: psycopg.Connection[Any] | None = field(default=None, repr=False)
     _final: ExitStack | None = field(default=None, repr=False)  # transaction()'s
+    # One final transaction, however many of the handler's threads ask for it at once.
+    _opening: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @contextmanager
     def finish(self) -> Iterator[psycopg.Connection[Any]]:
@@ -239,6 +242,7 @@ class SyncClaim(BaseClaim):
                 yield conn
             finally:
                 self._conn = None
+        self._completed = self._recorded  # only once COMMIT went through
 
     def complete(self, outcome: Outcome) -> None:
         """Record ``outcome`` inside ``finish``, fenced by this claim's token; LeaseLost (the
@@ -250,15 +254,16 @@ class SyncClaim(BaseClaim):
         if row is None or row[0] is not True:
             self.lost = True
             raise LeaseLost(f"claim {self._inbox_id} was reclaimed by another delivery")
-        self._completed = True
+        self._recorded = True
 
     def transaction(self) -> psycopg.Connection[Any]:
         """For a handler an adapter runs: the final transaction, opened on the first call and
         left open until the adapter records the handler's answer in it (``settle``)."""
-        if self._final is None:
-            stack = ExitStack()
-            stack.enter_context(self.finish())
-            self._final = stack
+        with self._opening:
+            if self._final is None:
+                stack = ExitStack()
+                stack.enter_context(self.finish())
+                self._final = stack
         if self._conn is None:
             raise RuntimeError("the final transaction has no connection")
         return self._conn
@@ -307,22 +312,34 @@ def _heartbeat(
     pool: ConnectionPool[Any], the_claim: SyncClaim, lease: timedelta, stop: threading.Event
 ) -> None:
     params = the_claim.fence(lease=lease)
-    while not stop.wait(lease.total_seconds() / 3):
+    every, again, patience = beats(lease)
+    wait = every
+    while not stop.wait(wait):
         try:
-            with pool.connection() as conn:
+            with pool.connection(timeout=patience) as conn:
                 row = conn.execute(statements.RENEW, params).fetchone()
         except psycopg.Error:
-            continue  # the database away: the lease may lapse, and complete() will say so
+            wait = again  # the database away or the pool exhausted: soon again
+            continue
         if row is None or row[0] is not True:
             the_claim.lost = True
             return
+        wait = every
+
+
+def _stop(beat: threading.Thread, stop: threading.Event, lease: timedelta) -> None:
+    """Stop the heartbeat: it ends after the renewal under way, if any, which waits at most a
+    sixth of the lease for its connection. A renewal stuck past that (a database gone quiet)
+    is left to its daemon thread rather than holding up the answer."""
+    stop.set()
+    beat.join(timeout=beats(lease)[2] + 1)
 
 
 def _abort(pool: ConnectionPool[Any], the_claim: SyncClaim, exc: BaseException) -> None:
     """The block raised: its final transaction rolled back, the lease ended now."""
     with suppress(Exception):  # a broken connection: the pool discards it, nothing commits
         the_claim._close(exc)
-    _fail(pool, the_claim, type(exc).__name__)
+    _fail(pool, the_claim, cause(exc))
 
 
 def _fail(pool: ConnectionPool[Any], the_claim: SyncClaim, error: str) -> None:

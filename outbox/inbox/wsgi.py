@@ -117,11 +117,10 @@ class InboxWSGIMiddleware(HTTPAdapter[WSGIApplication, SyncInbox]):
                 if c.decision not in RUNS:
                     return self.answer(c), c.decision.value
                 answer, decision = self._handle(environ, body, c)
-                try:
-                    c.settle()
-                except LeaseLost:
-                    return self.lease_lost(c)
+                c.settle()
                 return answer, decision
+        except LeaseLost:  # from settle, or the handler's own transaction(): rolled back
+            return self.lease_lost(identity.handler)
         except FAILED as exc:
             return self.failed(exc, identity.handler, span)
 
@@ -136,6 +135,8 @@ class InboxWSGIMiddleware(HTTPAdapter[WSGIApplication, SyncInbox]):
         started = time.monotonic()
         try:
             _run(self.app, inner, buffered)
+        except LeaseLost:
+            raise  # its claim was taken over: "in progress", not the handler's failure
         except Exception as exc:
             raise HandlerFailed() from exc
         return self.conclude(d, buffered.outcome(), started)

@@ -34,7 +34,14 @@ from outbox.inbox import (
     wsgi_claimed,
 )
 from outbox.testing.webhook import FakeWebhookReceiver, WebhookFault
-from tests.support.invoice_worker import InvoiceWorker, count, headers, invoice, wait_for
+from tests.support.invoice_worker import (
+    InvoiceWorker,
+    count,
+    headers,
+    invoice,
+    open_transactions,
+    wait_for,
+)
 
 PAYMENTS = "SELECT count(*) FROM payments"
 COMPLETED = "SELECT count(*) FROM outbox.inbox WHERE state = 'completed'"
@@ -330,3 +337,88 @@ async def test_a_wsgi_route_in_external_mode_retries_a_timeout_as_one_payment(
     assert provider.effect_count() == 1
     assert count(db_url, "SELECT count(*) FROM sent") == 1
     one_key(provider)
+
+
+async def test_a_handlers_tasks_asking_at_once_share_one_final_transaction(
+    db_url: str, pool: AsyncConnectionPool[Any]
+) -> None:
+    """Two tasks of one handler open claim.transaction() at once: one transaction, both writes
+    committed with the outcome, no connection left checked out."""
+
+    async def both(claim: Claim, body: bytes) -> None:
+        async def write(note: str) -> None:
+            conn = await claim.transaction()
+            await conn.execute("INSERT INTO sent VALUES (%s, 1)", (note,))
+
+        await asyncio.gather(write("a"), write("b"))
+
+    consumer = Consumer(
+        Inbox(pool),
+        "order.send",
+        both,
+        KeyFrom.header("idempotency-key"),
+        TenantFrom.header(),
+        claiming=Claiming(),
+    )
+    settled = await consumer.settle(MESSAGE, json.dumps({"amount": 5}).encode())
+    assert (settled.verdict, settled.decision) == (Verdict.ACK, "new")
+    assert count(db_url, "SELECT count(*) FROM sent") == 2
+    assert count(db_url, COMPLETED) == 1
+    assert open_transactions(db_url) == 0  # the other transaction would idle here, open
+
+
+async def test_a_handler_that_finds_its_claim_taken_over_hears_in_progress_not_a_failure(
+    db_url: str, pool: AsyncConnectionPool[Any]
+) -> None:
+    """The lease runs out under a stalled handler and another delivery reclaims; the handler's
+    heartbeat learns it, and the handler's transaction() then raises LeaseLost: answered 409
+    "in progress" (the owner records), its writes never made."""
+    from starlette.applications import Starlette  # noqa: PLC0415
+    from starlette.requests import Request  # noqa: PLC0415
+    from starlette.responses import Response  # noqa: PLC0415
+    from starlette.routing import Route  # noqa: PLC0415
+
+    from outbox.inbox import InboxMiddleware, claimed  # noqa: PLC0415
+
+    async def stalled(request: Request) -> Response:
+        claim = claimed(request)
+        async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as other:
+            await other.execute("UPDATE outbox.inbox SET lease_expires_at = now()")
+            await other.execute(
+                "SELECT outbox.inbox_claim('acme', 'stall', %s, %s, NULL, '1 min', 5, '1 day')",
+                (claim.identity.key, (await request.body()).decode()),
+            )
+        await asyncio.sleep(0.6)  # the heartbeat (every 0.33 s) hears the claim is gone
+        conn = await claim.transaction()
+        await conn.execute("INSERT INTO sent VALUES ('stale', 1)")
+        return Response(b"done", status_code=201)
+
+    app = InboxMiddleware(
+        Starlette(routes=[Route("/stall", stalled, methods=["POST"])]),
+        inbox=Inbox(pool),
+        routes={"POST /stall": External("stall", lease=timedelta(seconds=1))},
+    )
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://worker") as client:
+        sent = {
+            "Content-Type": "application/json",
+            "Idempotency-Key": "s-1",
+            "Outbox-Tenant-Id": "acme",
+        }
+        answer = await client.post("/stall", content=b'{"a": 1}', headers=sent)
+    assert answer.status_code == 409, answer.text
+    assert answer.headers["Outbox-Inbox-Decision"] == "in_progress"
+    assert count(db_url, "SELECT count(*) FROM sent") == 0
+    assert count(db_url, "SELECT claims FROM outbox.inbox") == 2  # the other delivery's claim
+
+
+def test_a_handler_is_external_on_every_route_or_on_none(db_url: str) -> None:
+    with (
+        ConnectionPool(db_url, min_size=1, max_size=1, open=True) as sync_pool,
+        pytest.raises(ValueError, match="External on every route or on none"),
+    ):
+        InboxWSGIMiddleware(
+            lambda environ, start: [],
+            inbox=SyncInbox(sync_pool),
+            routes={"POST /a": "pay", "POST /b": External("pay")},
+        )

@@ -1516,8 +1516,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "an External route answers its handler's response without recording it: the writes on "
         "the claim's transaction roll back, and every redelivery runs the handler again",
         "outbox/inbox/asgi.py",
-        "                    await c.settle()\n",
-        "                    await c.discard()\n",
+        "                await c.settle()\n",
+        "                await c.discard()\n",
         CLAIMING_TESTS + "test_a_call_that_timed_out_after_the_provider_acted_is_one_payment",
     ),
     _one(
@@ -1535,8 +1535,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "a queue consumer whose claim was taken over acknowledges its message, though nothing "
         "of its work committed",
         "outbox/inbox/queues.py",
-        "                return Settled(Verdict.RETRY, Decision.IN_PROGRESS.value, self.retry_",
-        "                return Settled(Verdict.ACK, Decision.IN_PROGRESS.value, self.retry_",
+        "            return Settled(Verdict.RETRY, Decision.IN_PROGRESS.value, self.retry_",
+        "            return Settled(Verdict.ACK, Decision.IN_PROGRESS.value, self.retry_",
         CLAIMING_TESTS
         + "test_a_claiming_consumer_whose_claim_was_taken_over_keeps_nothing_and_retries",
     ),
@@ -1545,8 +1545,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "a queue handler in external-effect mode that refuses its message keeps what it wrote "
         "before the refusal",
         "outbox/inbox/queues.py",
-        "                await c.discard()  # a refusal keeps none of the handler's writes\n",
-        "                pass\n",
+        "                    await c.discard()  # a refusal keeps none of the handler's writes\n",
+        "                    pass\n",
         CLAIMING_TESTS
         + "test_a_claiming_consumers_refusal_keeps_none_of_its_writes_and_drops_every_copy",
     ),
@@ -1555,8 +1555,17 @@ MUTANTS: tuple[Mutant, ...] = (
         "a WSGI External route answers its handler's response without recording it: the writes "
         "on the claim's transaction roll back, and the redelivery runs the handler again",
         "outbox/inbox/wsgi.py",
-        "                    c.settle()\n",
-        "                    c.discard()\n",
+        "                c.settle()\n",
+        "                c.discard()\n",
         CLAIMING_TESTS + "test_a_wsgi_route_in_external_mode_retries_a_timeout_as_one_payment",
+    ),
+    _one(
+        "inbox-claim-two-final-transactions",
+        "two of a handler's tasks asking for the claim's final transaction at once each open "
+        "one: the outcome commits with one, and the other's writes are lost with its connection",
+        "outbox/inbox/external.py",
+        "        async with self._opening:\n",
+        "        if True:\n",
+        CLAIMING_TESTS + "test_a_handlers_tasks_asking_at_once_share_one_final_transaction",
     ),
 )

@@ -153,8 +153,10 @@ class PaymentFailed(Exception):
 async def collect_payment(request: Request) -> JSONResponse:
     claim = claimed(request)
     body, problems = await _invoice(request)
-    if problems or not PAYMENTS_URL:
-        return JSONResponse({"errors": problems or ["no payment provider is set"]}, 422)
+    if not PAYMENTS_URL:  # the worker's configuration, not the request: never recorded
+        return JSONResponse({"errors": ["no payment provider is set"]}, 503)
+    if problems:
+        return JSONResponse({"errors": problems}, 422)
     answer = await payments.post(
         PAYMENTS_URL,
         json=body,
