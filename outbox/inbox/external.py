@@ -210,15 +210,10 @@ async def claim(
     """Claim the delivery (committed at once); while the block runs a heartbeat renews the
     lease every third of it. A block that raises, or ends without completing, ends the lease
     now: the next delivery reclaims at once, with the same downstream key."""
-    the_claim = await _claim(
-        pool,
-        identity,
-        body,
-        is_json=is_json,
-        lease=lease,
-        max_claims=max_claims,
-        retention=retention,
+    params = claim_params(
+        identity, body, is_json=is_json, lease=lease, max_claims=max_claims, retention=retention
     )
+    the_claim = await _claim(pool, identity, params)
     if the_claim.decision not in RUNS:
         yield the_claim
         return
@@ -238,18 +233,8 @@ async def claim(
 
 
 async def _claim(
-    pool: AsyncConnectionPool[Any],
-    identity: Identity,
-    body: bytes,
-    *,
-    is_json: bool,
-    lease: timedelta,
-    max_claims: int,
-    retention: timedelta,
+    pool: AsyncConnectionPool[Any], identity: Identity, params: dict[str, Any]
 ) -> Claim:
-    params = claim_params(
-        identity, body, is_json=is_json, lease=lease, max_claims=max_claims, retention=retention
-    )
     async with pool.connection() as conn:
         try:
             async with conn.transaction():
