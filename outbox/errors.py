@@ -22,6 +22,9 @@ SQLSTATE_OPERATION_IMMUTABLE: Final = "OB005"
 # Deferred trigger on outbox.inbox, inbox_outcome_before_commit (sql/0042): a COMMIT whose inbox
 # record has no outcome.
 SQLSTATE_INBOX_NO_OUTCOME: Final = "OB006"
+# outbox.inbox_begin and inbox_claim (sql/0046): the body does not match the fingerprint its
+# sender sent. The inbox answers it as a malformed delivery (400; a queue drops it).
+SQLSTATE_INBOX_BODY_ALTERED: Final = "OB007"
 # no_data_found, from outbox.lock_for_action (sql/0005): an operator function names no operation.
 SQLSTATE_NO_DATA_FOUND: Final = "P0002"
 # insufficient_privilege, from outbox.require_tenant (sql/0011): unbound, or another tenant.

@@ -143,6 +143,9 @@ GRANT EXECUTE ON FUNCTION
     outbox.claim_fair(text, interval, integer, text[], integer[], text, text, integer),
     outbox.claim_one_group(text, interval, integer, text[], integer[]),
     outbox.claim_probe(text, text, interval, text),
+    outbox.claim_fair_v2(text, interval, integer, text[], integer[], text, text, integer),
+    outbox.claim_one_group_v2(text, interval, integer, text[], integer[]),
+    outbox.claim_probe_v2(text, text, interval, text),
     outbox.record_attempts(text, jsonb),
     outbox.unclaim(bigint, uuid, text, text, interval),
     outbox.renew_leases(bigint[], uuid[], interval),
@@ -210,7 +213,9 @@ GRANT EXECUTE ON FUNCTION
     outbox.set_ordering_mode(text, text, text, text),
     -- `outbox providers reset|probe` (0031).
     outbox.request_provider_action(text, text, text, text),
-    outbox.schema_version()
+    outbox.schema_version(),
+    -- The origin every delivery of this database carries (0045), for `outbox inbox show`.
+    outbox.origin()
 TO outbox_operator;
 
 -- Operator: the inbox's records and the conflicts seen against them (`outbox inbox`, 0042);
@@ -227,11 +232,13 @@ TO outbox_operator;
 -- sql/0042, which fence every record by its token and refuse a 5xx; no table privilege, so its
 -- credential cannot delete a record (the next delivery would run again) nor write another's.
 GRANT EXECUTE ON FUNCTION
-    outbox.inbox_begin(text, text, text, text, bytea, interval, interval),
+    outbox.inbox_begin(text, text, text, text, bytea, interval, interval, text, bytea, text, text,
+                       text),
     outbox.inbox_complete(bigint, uuid, integer, jsonb, bytea),
     outbox.inbox_prune(integer),
     -- External mode: the claim, its heartbeat and its failure.
-    outbox.inbox_claim(text, text, text, text, bytea, interval, integer, interval),
+    outbox.inbox_claim(text, text, text, text, bytea, interval, integer, interval, text, bytea,
+                       text, text, text),
     outbox.inbox_renew(bigint, uuid, interval),
     outbox.inbox_fail(bigint, uuid, text),
     -- Its gauges (outbox/inbox/gauges.py).

@@ -1,5 +1,5 @@
 -- sql/schema.sql: the outbox schema as the migrations of sql/ leave it
--- (every migration up to 0044_inbox_begin_without_a_subtransaction).
+-- (every migration up to 0046_the_inbox_checks_the_senders_fingerprint).
 --
 -- GENERATED FILE: DO NOT EDIT IT BY HAND. It is regenerated, after adding a migration, by
 --     python -m outbox.db.schema_dump --dsn postgresql://postgres@127.0.0.1:5432/postgres --output sql/schema.sql
@@ -27,6 +27,34 @@
 
 CREATE SCHEMA outbox;
 -- privileges: the owner's only
+
+-- =================================================================================================
+-- type outbox.claimed_row
+-- history: created by 0045_deliveries_carry_their_origin_and_fingerprint
+
+CREATE TYPE outbox.claimed_row AS (
+    id bigint,
+    tenant_id text,
+    operation_type text,
+    operation_key text,
+    provider text,
+    action text,
+    payload text,
+    payload_bytes integer,
+    payload_limit integer,
+    idempotency_key text,
+    correlation_id text,
+    traceparent text,
+    attempts integer,
+    attempt_base integer,
+    max_attempts integer,
+    lease_token uuid,
+    first_sent_at timestamp with time zone,
+    created_at timestamp with time zone,
+    claimed_at timestamp with time zone,
+    api_version text
+);
+-- privileges: the owner's, and PUBLIC USAGE
 
 -- =================================================================================================
 -- sequence outbox.unnotified_commits
@@ -119,7 +147,7 @@ COMMENT ON TABLE outbox.enqueue_allowances IS 'What each tenant may enqueue: ten
 
 -- =================================================================================================
 -- table outbox.inbox
--- history: created by 0042_inbox
+-- history: created by 0042_inbox; changed by 0046_the_inbox_checks_the_senders_fingerprint
 
 CREATE TABLE outbox.inbox (
     id               bigint NOT NULL GENERATED ALWAYS AS IDENTITY,
@@ -140,6 +168,7 @@ CREATE TABLE outbox.inbox (
     created_at       timestamp with time zone DEFAULT now() NOT NULL,
     completed_at     timestamp with time zone,
     expires_at       timestamp with time zone NOT NULL,
+    fingerprint      bytea,
     CONSTRAINT inbox_pkey PRIMARY KEY (id),
     CONSTRAINT inbox_identity UNIQUE (tenant_id, handler, key),
     CONSTRAINT inbox_completed_has_outcome CHECK (((state <> 'completed'::text) OR ((completed_at IS NOT NULL) AND (response_status IS NOT NULL)))),
@@ -180,18 +209,20 @@ COMMENT ON TABLE outbox.inbox_conflicts IS 'Deliveries that came under a recorde
 
 -- =================================================================================================
 -- table outbox.installation
--- history: created by 0041_derived_keys_hold_a_secret
+-- history: created by 0041_derived_keys_hold_a_secret; changed by
+--     0045_deliveries_carry_their_origin_and_fingerprint
 
 CREATE TABLE outbox.installation (
     singleton  boolean DEFAULT true NOT NULL,
     key_secret bytea NOT NULL,
     created_at timestamp with time zone DEFAULT now() NOT NULL,
+    origin     uuid DEFAULT gen_random_uuid() NOT NULL,
     CONSTRAINT installation_pkey PRIMARY KEY (singleton),
     CONSTRAINT installation_key_secret_length CHECK ((octet_length(key_secret) >= 16)),
     CONSTRAINT installation_one_row CHECK (singleton)
 );
 
-COMMENT ON TABLE outbox.installation IS 'This database''s secret, mixed into derived idempotency keys (sql/0041). The schema owner''s alone; never granted.';
+COMMENT ON TABLE outbox.installation IS 'This database''s secret, mixed into derived idempotency keys (sql/0041), and its public id, origin, which every delivery carries (sql/0045). The schema owner''s alone; never granted.';
 
 -- privileges: the owner's only
 
@@ -1008,6 +1039,35 @@ $function$;
 -- privileges: the owner's only
 
 -- =================================================================================================
+-- function outbox.claim_fair_v2(text,interval,integer,text[],integer[],text,text,integer)
+-- history: created by 0045_deliveries_carry_their_origin_and_fingerprint
+
+CREATE OR REPLACE FUNCTION outbox.claim_fair_v2(p_worker text, p_lease interval, p_limit integer, p_cap_providers text[], p_caps integer[], p_after_provider text, p_after_tenant text, p_max_groups integer)
+ RETURNS TABLE(id bigint, tenant_id text, operation_type text, operation_key text, provider text, action text, payload text, payload_bytes integer, payload_limit integer, idempotency_key text, correlation_id text, traceparent text, attempts integer, attempt_base integer, max_attempts integer, lease_token uuid, first_sent_at timestamp with time zone, created_at timestamp with time zone, claimed_at timestamp with time zone, api_version text, ordering_key text, fingerprint bytea, origin uuid)
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+#variable_conflict use_column
+DECLARE
+    v_rows outbox.claimed_row[];
+BEGIN
+    SELECT array_agg((c.id, c.tenant_id, c.operation_type, c.operation_key, c.provider, c.action,
+                      c.payload, c.payload_bytes, c.payload_limit, c.idempotency_key,
+                      c.correlation_id, c.traceparent, c.attempts, c.attempt_base,
+                      c.max_attempts, c.lease_token, c.first_sent_at, c.created_at, c.claimed_at,
+                      c.api_version)::outbox.claimed_row ORDER BY c.n) INTO v_rows
+    FROM outbox.claim_fair(p_worker, p_lease, p_limit, p_cap_providers, p_caps,
+                           p_after_provider, p_after_tenant, p_max_groups) WITH ORDINALITY AS c (
+        id, tenant_id, operation_type, operation_key, provider, action, payload, payload_bytes,
+        payload_limit, idempotency_key, correlation_id, traceparent, attempts, attempt_base,
+        max_attempts, lease_token, first_sent_at, created_at, claimed_at, api_version, n);
+    RETURN QUERY SELECT * FROM outbox.with_intent(v_rows);
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
 -- function outbox.claim_one_group(text,interval,integer,text[],integer[])
 -- history: created by 0040_the_dispatcher_writes_through_functions
 
@@ -1053,6 +1113,34 @@ BEGIN
     )
     SELECT array_agg(id) INTO v_ids FROM due;
     RETURN QUERY SELECT * FROM outbox.lease_claimed(v_ids, p_worker, p_lease);
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.claim_one_group_v2(text,interval,integer,text[],integer[])
+-- history: created by 0045_deliveries_carry_their_origin_and_fingerprint
+
+CREATE OR REPLACE FUNCTION outbox.claim_one_group_v2(p_worker text, p_lease interval, p_limit integer, p_cap_providers text[], p_caps integer[])
+ RETURNS TABLE(id bigint, tenant_id text, operation_type text, operation_key text, provider text, action text, payload text, payload_bytes integer, payload_limit integer, idempotency_key text, correlation_id text, traceparent text, attempts integer, attempt_base integer, max_attempts integer, lease_token uuid, first_sent_at timestamp with time zone, created_at timestamp with time zone, claimed_at timestamp with time zone, api_version text, ordering_key text, fingerprint bytea, origin uuid)
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+#variable_conflict use_column
+DECLARE
+    v_rows outbox.claimed_row[];
+BEGIN
+    SELECT array_agg((c.id, c.tenant_id, c.operation_type, c.operation_key, c.provider, c.action,
+                      c.payload, c.payload_bytes, c.payload_limit, c.idempotency_key,
+                      c.correlation_id, c.traceparent, c.attempts, c.attempt_base,
+                      c.max_attempts, c.lease_token, c.first_sent_at, c.created_at, c.claimed_at,
+                      c.api_version)::outbox.claimed_row ORDER BY c.n) INTO v_rows
+    FROM outbox.claim_one_group(p_worker, p_lease, p_limit, p_cap_providers, p_caps) WITH ORDINALITY AS c (
+        id, tenant_id, operation_type, operation_key, provider, action, payload, payload_bytes,
+        payload_limit, idempotency_key, correlation_id, traceparent, attempts, attempt_base,
+        max_attempts, lease_token, first_sent_at, created_at, claimed_at, api_version, n);
+    RETURN QUERY SELECT * FROM outbox.with_intent(v_rows);
 END;
 $function$;
 -- privileges: the owner's only
@@ -1145,6 +1233,34 @@ BEGIN
     )
     SELECT array_agg(id) INTO v_ids FROM due;
     RETURN QUERY SELECT * FROM outbox.lease_claimed(v_ids, p_worker, p_lease);
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.claim_probe_v2(text,text,interval,text)
+-- history: created by 0045_deliveries_carry_their_origin_and_fingerprint
+
+CREATE OR REPLACE FUNCTION outbox.claim_probe_v2(p_worker text, p_provider text, p_lease interval, p_after_tenant text)
+ RETURNS TABLE(id bigint, tenant_id text, operation_type text, operation_key text, provider text, action text, payload text, payload_bytes integer, payload_limit integer, idempotency_key text, correlation_id text, traceparent text, attempts integer, attempt_base integer, max_attempts integer, lease_token uuid, first_sent_at timestamp with time zone, created_at timestamp with time zone, claimed_at timestamp with time zone, api_version text, ordering_key text, fingerprint bytea, origin uuid)
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+#variable_conflict use_column
+DECLARE
+    v_rows outbox.claimed_row[];
+BEGIN
+    SELECT array_agg((c.id, c.tenant_id, c.operation_type, c.operation_key, c.provider, c.action,
+                      c.payload, c.payload_bytes, c.payload_limit, c.idempotency_key,
+                      c.correlation_id, c.traceparent, c.attempts, c.attempt_base,
+                      c.max_attempts, c.lease_token, c.first_sent_at, c.created_at, c.claimed_at,
+                      c.api_version)::outbox.claimed_row ORDER BY c.n) INTO v_rows
+    FROM outbox.claim_probe(p_worker, p_provider, p_lease, p_after_tenant) WITH ORDINALITY AS c (
+        id, tenant_id, operation_type, operation_key, provider, action, payload, payload_bytes,
+        payload_limit, idempotency_key, correlation_id, traceparent, attempts, attempt_base,
+        max_attempts, lease_token, first_sent_at, created_at, claimed_at, api_version, n);
+    RETURN QUERY SELECT * FROM outbox.with_intent(v_rows);
 END;
 $function$;
 -- privileges: the owner's only
@@ -1565,60 +1681,65 @@ $function$;
 -- privileges: the owner's only
 
 -- =================================================================================================
--- function outbox.inbox_begin(text,text,text,text,bytea,interval,interval)
--- history: created by 0042_inbox; changed by 0044_inbox_begin_without_a_subtransaction
+-- function outbox.inbox_begin(text,text,text,text,bytea,interval,interval,text,bytea,text,text,text)
+-- history: created by 0046_the_inbox_checks_the_senders_fingerprint
 
-CREATE OR REPLACE FUNCTION outbox.inbox_begin(tenant_id text, handler text, key text, body_json text, body_raw bytea, wait interval, retention interval, OUT decision text, OUT inbox_id bigint, OUT token uuid, OUT response_status integer, OUT response_headers jsonb, OUT response_body bytea)
+CREATE OR REPLACE FUNCTION outbox.inbox_begin(tenant_id text, handler text, key text, body_json text, body_raw bytea, wait interval, retention interval, alias text DEFAULT NULL::text, fingerprint bytea DEFAULT NULL::bytea, provider text DEFAULT NULL::text, action text DEFAULT NULL::text, ordering_key text DEFAULT NULL::text, OUT decision text, OUT inbox_id bigint, OUT token uuid, OUT response_status integer, OUT response_headers jsonb, OUT response_body bytea)
  RETURNS record
  LANGUAGE plpgsql
  SECURITY DEFINER
  SET search_path TO 'pg_catalog', 'pg_temp'
 AS $function$
 DECLARE
-    v_digest bytea;
-    v_lock   integer;
-    v_old    text;
-    r        outbox.inbox;
+    v_digest      bytea;
+    v_fingerprint bytea;
+    v_lock        integer;
+    r             outbox.inbox;
 BEGIN
     PERFORM outbox.check_between('wait', wait, interval '0', interval '60 seconds');
     PERFORM outbox.check_between('retention', retention, interval '1 hour', interval '400 days');
     v_digest := outbox.inbox_admit(tenant_id, handler, key, body_json, body_raw);
-    v_lock := hashtext(tenant_id || E'\n' || handler || E'\n' || key);
+    IF fingerprint IS NOT NULL THEN  -- no call at all for a delivery that brings none
+        v_fingerprint := outbox.inbox_fingerprint(body_json, fingerprint, provider, action,
+                                                  ordering_key);
+    END IF;
+    IF alias IS NOT NULL THEN
+        PERFORM outbox.check_text('alias', alias, 512);
+    END IF;
+    -- The lock of the alias where there is one: both keys of one operation take the same.
+    v_lock := hashtext(tenant_id || E'\n' || handler || E'\n' || coalesce(alias, key));
+    -- Nested, not AND: SQL does not promise to evaluate the cheap test first.
     IF NOT pg_try_advisory_xact_lock(2828, v_lock) THEN  -- 2828 = 0x0B0C
-        v_old := current_setting('lock_timeout');
-        BEGIN
-            -- lock_timeout 0 would mean "wait for ever": a wait of 0 is one millisecond.
-            PERFORM set_config('lock_timeout',
-                               greatest(1, ceil(extract(epoch FROM wait) * 1000))::bigint || 'ms',
-                               true);
-            PERFORM pg_advisory_xact_lock(2828, v_lock);
-            PERFORM set_config('lock_timeout', v_old, true);
-        EXCEPTION WHEN lock_not_available THEN
-            -- The first delivery's transaction still holds the identity: rolled back to here,
-            -- lock_timeout included.
+        IF NOT outbox.inbox_wait_lock(v_lock, wait) THEN
+            -- The first delivery's transaction still holds the identity.
             decision := 'in_progress';
             RETURN;
-        END;
+        END IF;
     END IF;
 
     -- A record deleted between the INSERT and the SELECT (pruned or forgotten): try again.
     FOR attempt IN 1..3 LOOP
-        INSERT INTO outbox.inbox AS i (tenant_id, handler, key, state, body_digest, token,
-                                       expires_at)
-        VALUES (tenant_id, handler, key, 'in_progress', v_digest, gen_random_uuid(),
-                now() + retention)
-        ON CONFLICT ON CONSTRAINT inbox_identity DO NOTHING
-        RETURNING i.id, i.token INTO inbox_id, token;
-        IF inbox_id IS NOT NULL THEN
-            decision := 'new';
-            RETURN;
+        IF alias IS NOT NULL THEN
+            r := outbox.inbox_of_alias(tenant_id, handler, alias, false);
         END IF;
-        SELECT * INTO r FROM outbox.inbox i
-        WHERE i.tenant_id = inbox_begin.tenant_id AND i.handler = inbox_begin.handler
-          AND i.key = inbox_begin.key;
-        CONTINUE WHEN NOT FOUND;
+        IF r.id IS NULL THEN
+            INSERT INTO outbox.inbox AS i (tenant_id, handler, key, state, body_digest,
+                                           fingerprint, token, expires_at)
+            VALUES (tenant_id, handler, key, 'in_progress', v_digest, v_fingerprint,
+                    gen_random_uuid(), now() + retention)
+            ON CONFLICT ON CONSTRAINT inbox_identity DO NOTHING
+            RETURNING i.id, i.token INTO inbox_id, token;
+            IF inbox_id IS NOT NULL THEN
+                decision := 'new';
+                RETURN;
+            END IF;
+            SELECT * INTO r FROM outbox.inbox i
+            WHERE i.tenant_id = inbox_begin.tenant_id AND i.handler = inbox_begin.handler
+              AND i.key = inbox_begin.key;
+            CONTINUE WHEN NOT FOUND;
+        END IF;
         inbox_id := r.id;
-        IF r.body_digest <> v_digest THEN
+        IF r.body_digest <> v_digest OR r.fingerprint <> v_fingerprint THEN
             PERFORM outbox.inbox_count_conflict(r.id, v_digest);
             decision := 'conflict';
             RETURN;
@@ -1640,47 +1761,68 @@ $function$;
 -- privileges: the owner's only
 
 -- =================================================================================================
--- function outbox.inbox_claim(text,text,text,text,bytea,interval,integer,interval)
--- history: created by 0042_inbox
+-- function outbox.inbox_claim(text,text,text,text,bytea,interval,integer,interval,text,bytea,text,text,text)
+-- history: created by 0046_the_inbox_checks_the_senders_fingerprint
 
-CREATE OR REPLACE FUNCTION outbox.inbox_claim(tenant_id text, handler text, key text, body_json text, body_raw bytea, lease interval, max_claims integer, retention interval, OUT decision text, OUT inbox_id bigint, OUT token uuid, OUT claims integer, OUT downstream_key text, OUT retry_after interval, OUT response_status integer, OUT response_headers jsonb, OUT response_body bytea)
+CREATE OR REPLACE FUNCTION outbox.inbox_claim(tenant_id text, handler text, key text, body_json text, body_raw bytea, lease interval, max_claims integer, retention interval, alias text DEFAULT NULL::text, fingerprint bytea DEFAULT NULL::bytea, provider text DEFAULT NULL::text, action text DEFAULT NULL::text, ordering_key text DEFAULT NULL::text, OUT decision text, OUT inbox_id bigint, OUT token uuid, OUT claims integer, OUT downstream_key text, OUT retry_after interval, OUT response_status integer, OUT response_headers jsonb, OUT response_body bytea)
  RETURNS record
  LANGUAGE plpgsql
  SECURITY DEFINER
  SET search_path TO 'pg_catalog', 'pg_temp'
 AS $function$
 DECLARE
-    v_digest bytea;
-    r        outbox.inbox;
+    v_digest      bytea;
+    v_fingerprint bytea;
+    v_lock        integer;
+    r             outbox.inbox;
 BEGIN
     PERFORM outbox.check_between('lease', lease, interval '1 second', interval '1 day');
     PERFORM outbox.check_count('max_claims', max_claims, 1, 100);
     PERFORM outbox.check_between('retention', retention, interval '1 hour', interval '400 days');
     v_digest := outbox.inbox_admit(tenant_id, handler, key, body_json, body_raw);
-    SELECT 'ib1_' || encode(sha256(s.key_secret || sha256(s.key_secret || convert_to(
-               jsonb_build_array(inbox_claim.tenant_id, inbox_claim.handler,
-                                 inbox_claim.key)::text, 'UTF8'))), 'hex')
-    INTO downstream_key FROM outbox.installation s;
-
-    FOR attempt IN 1..3 LOOP
-        INSERT INTO outbox.inbox AS i (tenant_id, handler, key, mode, state, body_digest, token,
-                                       lease_expires_at, expires_at)
-        VALUES (tenant_id, handler, key, 'external', 'in_progress', v_digest, gen_random_uuid(),
-                now() + lease, now() + retention)
-        ON CONFLICT ON CONSTRAINT inbox_identity DO NOTHING
-        RETURNING i.id, i.token, i.claims INTO inbox_id, token, claims;
-        IF inbox_id IS NOT NULL THEN
-            decision := 'new';
+    IF fingerprint IS NOT NULL THEN  -- no call at all for a delivery that brings none
+        v_fingerprint := outbox.inbox_fingerprint(body_json, fingerprint, provider, action,
+                                                  ordering_key);
+    END IF;
+    IF alias IS NOT NULL THEN
+        PERFORM outbox.check_text('alias', alias, 512);
+    END IF;
+    -- Claims hold it for their one statement: a minute is far past any of them.
+    v_lock := hashtext(tenant_id || E'\n' || handler || E'\n' || coalesce(alias, key));
+    IF NOT pg_try_advisory_xact_lock(2828, v_lock) THEN
+        IF NOT outbox.inbox_wait_lock(v_lock, interval '1 minute') THEN
+            decision := 'in_progress';
+            retry_after := interval '1 second';
             RETURN;
         END IF;
-        SELECT * INTO r FROM outbox.inbox i
-        WHERE i.tenant_id = inbox_claim.tenant_id AND i.handler = inbox_claim.handler
-          AND i.key = inbox_claim.key
-        FOR UPDATE;
-        CONTINUE WHEN NOT FOUND;
+    END IF;
+
+    FOR attempt IN 1..3 LOOP
+        IF alias IS NOT NULL THEN
+            r := outbox.inbox_of_alias(tenant_id, handler, alias, true);
+        END IF;
+        IF r.id IS NULL THEN
+            INSERT INTO outbox.inbox AS i (tenant_id, handler, key, mode, state, body_digest,
+                                           fingerprint, token, lease_expires_at, expires_at)
+            VALUES (tenant_id, handler, key, 'external', 'in_progress', v_digest, v_fingerprint,
+                    gen_random_uuid(), now() + lease, now() + retention)
+            ON CONFLICT ON CONSTRAINT inbox_identity DO NOTHING
+            RETURNING i.id, i.token, i.claims INTO inbox_id, token, claims;
+            IF inbox_id IS NOT NULL THEN
+                decision := 'new';
+                downstream_key := outbox.inbox_downstream_key(tenant_id, handler, key);
+                RETURN;
+            END IF;
+            SELECT * INTO r FROM outbox.inbox i
+            WHERE i.tenant_id = inbox_claim.tenant_id AND i.handler = inbox_claim.handler
+              AND i.key = inbox_claim.key
+            FOR UPDATE;
+            CONTINUE WHEN NOT FOUND;
+        END IF;
         inbox_id := r.id;
         claims := r.claims;
-        IF r.body_digest <> v_digest THEN
+        downstream_key := outbox.inbox_downstream_key(r.tenant_id, r.handler, r.key);
+        IF r.body_digest <> v_digest OR r.fingerprint <> v_fingerprint THEN
             PERFORM outbox.inbox_count_conflict(r.id, v_digest);
             decision := 'conflict';
             RETURN;
@@ -1701,10 +1843,7 @@ BEGIN
             retry_after := r.lease_expires_at - now();
             RETURN;
         END IF;
-        -- Only a lease that ran out counts toward abandoning (a worker that died or stalled,
-        -- as a message that crashes every worker would make it): a claim handed back by
-        -- inbox_fail (lease NULL) is taken again without counting; the sender's own retry
-        -- limits bound those.
+        -- Only a lease that ran out counts toward abandoning (0042).
         IF r.lease_expires_at IS NOT NULL AND r.claims >= max_claims THEN
             UPDATE outbox.inbox i SET state = 'abandoned', abandoned_at = now(),
                    lease_expires_at = NULL
@@ -1794,6 +1933,22 @@ COMMENT ON FUNCTION outbox.inbox_count_conflict(bigint,bytea) IS 'Counts a confl
 -- privileges: the owner's only
 
 -- =================================================================================================
+-- function outbox.inbox_downstream_key(text,text,text)
+-- history: created by 0046_the_inbox_checks_the_senders_fingerprint
+
+CREATE OR REPLACE FUNCTION outbox.inbox_downstream_key(tenant_id text, handler text, key text)
+ RETURNS text
+ LANGUAGE sql
+ STABLE
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+    SELECT 'ib1_' || encode(sha256(s.key_secret || sha256(s.key_secret || convert_to(
+               jsonb_build_array(tenant_id, handler, key)::text, 'UTF8'))), 'hex')
+    FROM outbox.installation s
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
 -- function outbox.inbox_fail(bigint,uuid,text)
 -- history: created by 0042_inbox
 
@@ -1808,6 +1963,37 @@ BEGIN
     WHERE i.id = inbox_fail.inbox_id AND i.token = inbox_fail.token
       AND i.state = 'in_progress' AND i.mode = 'external';
     RETURN FOUND;
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.inbox_fingerprint(text,bytea,text,text,text)
+-- history: created by 0046_the_inbox_checks_the_senders_fingerprint
+
+CREATE OR REPLACE FUNCTION outbox.inbox_fingerprint(body_json text, fingerprint bytea, provider text, action text, ordering_key text)
+ RETURNS bytea
+ LANGUAGE plpgsql
+ IMMUTABLE
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+DECLARE
+    v_computed bytea;
+BEGIN
+    IF fingerprint IS NULL THEN
+        RETURN NULL;
+    END IF;
+    IF body_json IS NOT NULL AND provider IS NOT NULL AND action IS NOT NULL THEN
+        v_computed := sha256(convert_to(provider || E'\n' || action || E'\n'
+                                        || body_json::jsonb::text
+                                        || coalesce(E'\n' || ordering_key, ''), 'UTF8'));
+    END IF;
+    IF v_computed IS DISTINCT FROM fingerprint THEN
+        RAISE EXCEPTION 'the body is not the one its sender enqueued: its fingerprint differs'
+            USING ERRCODE = 'OB007',
+                  HINT = 'A proxy may have re-encoded the JSON body; outbox sends it as stored.';
+    END IF;
+    RETURN fingerprint;
 END;
 $function$;
 -- privileges: the owner's only
@@ -1863,6 +2049,33 @@ AS $function$
     FROM outbox.inbox i
     WHERE i.lease_expires_at IS NOT NULL OR i.abandoned_at IS NOT NULL
     GROUP BY i.handler
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.inbox_of_alias(text,text,text,boolean)
+-- history: created by 0046_the_inbox_checks_the_senders_fingerprint
+
+CREATE OR REPLACE FUNCTION outbox.inbox_of_alias(tenant_id text, handler text, alias text, for_update boolean)
+ RETURNS outbox.inbox
+ LANGUAGE plpgsql
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+DECLARE
+    r outbox.inbox;
+BEGIN
+    IF for_update THEN
+        SELECT * INTO r FROM outbox.inbox i
+        WHERE i.tenant_id = inbox_of_alias.tenant_id AND i.handler = inbox_of_alias.handler
+          AND i.key = alias
+        FOR UPDATE;
+    ELSE
+        SELECT * INTO r FROM outbox.inbox i
+        WHERE i.tenant_id = inbox_of_alias.tenant_id AND i.handler = inbox_of_alias.handler
+          AND i.key = alias;
+    END IF;
+    RETURN r;
+END;
 $function$;
 -- privileges: the owner's only
 
@@ -1963,6 +2176,36 @@ BEGIN
     WHERE i.id = inbox_renew.inbox_id AND i.token = inbox_renew.token
       AND i.state = 'in_progress' AND i.mode = 'external';
     RETURN FOUND;
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.inbox_wait_lock(integer,interval)
+-- history: created by 0046_the_inbox_checks_the_senders_fingerprint
+
+CREATE OR REPLACE FUNCTION outbox.inbox_wait_lock(lock integer, wait interval)
+ RETURNS boolean
+ LANGUAGE plpgsql
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+DECLARE
+    v_old text;
+BEGIN
+    v_old := current_setting('lock_timeout');
+    BEGIN
+        -- lock_timeout 0 would mean "wait for ever": a wait of 0 is one millisecond.
+        PERFORM set_config('lock_timeout',
+                           greatest(1, ceil(extract(epoch FROM wait) * 1000))::bigint || 'ms',
+                           true);
+        PERFORM pg_advisory_xact_lock(2828, lock);
+        PERFORM set_config('lock_timeout', v_old, true);
+    EXCEPTION WHEN lock_not_available THEN
+        -- Another transaction still holds the identity: rolled back to here, lock_timeout
+        -- included.
+        RETURN false;
+    END;
+    RETURN true;
 END;
 $function$;
 -- privileges: the owner's only
@@ -2178,6 +2421,19 @@ AS $function$
     SELECT coalesce((SELECT m.on_failure FROM outbox.ordering_modes m
                      WHERE m.operation_type = ordering_mode.operation_type), 'block')
 $function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.origin()
+-- history: created by 0045_deliveries_carry_their_origin_and_fingerprint
+
+CREATE OR REPLACE FUNCTION outbox.origin()
+ RETURNS uuid
+ LANGUAGE sql
+ STABLE SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$ SELECT i.origin FROM outbox.installation i $function$;
+COMMENT ON FUNCTION outbox.origin() IS 'The public id of this database, which every delivery of its operations carries as Outbox-Origin (sql/0045).';
 -- privileges: the owner's only
 
 -- =================================================================================================
@@ -3407,6 +3663,27 @@ BEGIN
 END;
 $function$;
 COMMENT ON FUNCTION outbox.wake_lock_space() IS 'For dispatchers of versions before sql/0039 only: tries the wake-up gate (try_wake_gate) and gives the key of 0029''s advisory lock only when it holds it, NULL otherwise.';
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.with_intent(outbox.claimed_row[])
+-- history: created by 0045_deliveries_carry_their_origin_and_fingerprint
+
+CREATE OR REPLACE FUNCTION outbox.with_intent(p_rows outbox.claimed_row[])
+ RETURNS TABLE(id bigint, tenant_id text, operation_type text, operation_key text, provider text, action text, payload text, payload_bytes integer, payload_limit integer, idempotency_key text, correlation_id text, traceparent text, attempts integer, attempt_base integer, max_attempts integer, lease_token uuid, first_sent_at timestamp with time zone, created_at timestamp with time zone, claimed_at timestamp with time zone, api_version text, ordering_key text, fingerprint bytea, origin uuid)
+ LANGUAGE sql
+ STABLE
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+    SELECT r.id, r.tenant_id, r.operation_type, r.operation_key, r.provider, r.action, r.payload,
+           r.payload_bytes, r.payload_limit, r.idempotency_key, r.correlation_id, r.traceparent,
+           r.attempts, r.attempt_base, r.max_attempts, r.lease_token, r.first_sent_at,
+           r.created_at, r.claimed_at, r.api_version,
+           o.ordering_key, o.fingerprint, (SELECT i.origin FROM outbox.installation i)
+    FROM unnest(p_rows) WITH ORDINALITY AS r
+    JOIN outbox.operations o ON o.id = r.id
+    ORDER BY r.ordinality
+$function$;
 -- privileges: the owner's only
 
 -- =================================================================================================

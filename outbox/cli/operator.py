@@ -587,6 +587,8 @@ def _describe(op: dict[str, Any]) -> str:
         f"status       {op['status']}{reason} for {age}",
         f"provider     {op['provider']}  {op['action']}",
         f"key          {op['idempotency_key']} (generation {op['key_generation']})",
+        # What a receiving inbox records of it too (`outbox inbox show`): the same intent.
+        f"fingerprint  {op['fingerprint']}",
         f"attempts     {op['attempts']}"
         + (
             f" ({op['attempt_base']} not counted: before the "

@@ -111,7 +111,8 @@ RECORD_MIGRATION: Final = (
 # Every write of the dispatcher's to operations and attempts is a SECURITY DEFINER function of
 # sql/0040, which enforces the lifecycle's transitions, the lease fence and bounded arguments
 # (outbox_dispatcher holds no INSERT, UPDATE or DELETE on either table): the statements below
-# call them, and the comments say what each does.
+# call them, and the comments say what each does. The claims are 0045's _v2, which add to each
+# row what a delivery carries for its receiver (ordering key, fingerprint, origin).
 
 # While a single (provider, tenant) group has claimable rows, a fair claim has nothing to share
 # out: lease its oldest due rows, up to the limit and its provider's cap, without CLAIM's steps
@@ -119,8 +120,8 @@ RECORD_MIGRATION: Final = (
 # 2.8 ms). Takes nothing when the first and the last entry of operations_claim_group belong to
 # different groups: then CLAIM must run (outbox.db.store.Store.claim).
 CLAIM_ONE_GROUP: Final = """
-SELECT * FROM outbox.claim_one_group(%(worker)s::text, %(lease)s::interval, %(limit)s::integer,
-                                     %(cap_providers)s::text[], %(caps)s::integer[])
+SELECT * FROM outbox.claim_one_group_v2(%(worker)s::text, %(lease)s::interval, %(limit)s::integer,
+                                        %(cap_providers)s::text[], %(caps)s::integer[])
 """
 
 # A half-open breaker's probe (outbox.dispatch.breaker.Breaker): one due row of the provider, from
@@ -133,8 +134,8 @@ SELECT * FROM outbox.claim_one_group(%(worker)s::text, %(lease)s::interval, %(li
 # payloads queued ahead of good ones is not every probe (issue 37). Every scan reads the claim
 # index, forwards or backwards; SKIP LOCKED as in CLAIM.
 CLAIM_PROBE: Final = """
-SELECT * FROM outbox.claim_probe(%(worker)s::text, %(provider)s::text, %(lease)s::interval,
-                                 %(after_tenant)s::text)
+SELECT * FROM outbox.claim_probe_v2(%(worker)s::text, %(provider)s::text, %(lease)s::interval,
+                                    %(after_tenant)s::text)
 """
 
 # Each provider's breaker in this dispatcher (outbox/dispatch/health.py; sql/0031), one row per
@@ -212,10 +213,10 @@ LAST_PROVIDER_ACTION: Final = "SELECT coalesce(max(id), 0) FROM outbox.provider_
 # open, no rate tokens) cost nothing. SKIP LOCKED: concurrent dispatchers take other
 # rows instead of queueing behind these.
 CLAIM: Final = """
-SELECT * FROM outbox.claim_fair(%(worker)s::text, %(lease)s::interval, %(limit)s::integer,
-                                %(cap_providers)s::text[], %(caps)s::integer[],
-                                %(after_provider)s::text, %(after_tenant)s::text,
-                                %(max_groups)s::integer)
+SELECT * FROM outbox.claim_fair_v2(%(worker)s::text, %(lease)s::interval, %(limit)s::integer,
+                                   %(cap_providers)s::text[], %(caps)s::integer[],
+                                   %(after_provider)s::text, %(after_tenant)s::text,
+                                   %(max_groups)s::integer)
 """
 
 # Record attempts' outcomes and their operations' next statuses, one or many in a statement (the
@@ -425,7 +426,7 @@ SELECT id, tenant_id, operation_type, operation_key, provider, action, status, s
        attempts, attempt_base, max_attempts, idempotency_key, key_generation, correlation_id,
        available_at, first_sent_at, last_attempt_at, provider_ref, result, last_error,
        last_error_class, checked_at, check_finding, check_state, check_details, created_at,
-       updated_at, finished_at,
+       updated_at, finished_at, encode(fingerprint, 'hex') AS fingerprint,
        extract(epoch FROM now() - status_changed_at)::float8 AS age_seconds,
        CASE WHEN %(with_payload)s::boolean THEN payload::text END AS payload
 FROM outbox.operations

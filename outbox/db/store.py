@@ -97,6 +97,10 @@ class Claimed(NamedTuple):
     claimed_at: datetime  # the database clock at the claim
     # The provider API version of its first send (sql/0023); None until one may have reached it.
     api_version: str | None = None
+    # What a delivery carries for its receiver to check (sql/0045, providers.base.Intent).
+    ordering_key: str | None = None
+    fingerprint: bytes | None = None
+    origin: uuid.UUID | None = None
 
 
 _CLAIMED_ROW: Final = args_row(Claimed)

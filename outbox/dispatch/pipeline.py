@@ -28,6 +28,7 @@ from outbox.dispatch.shared import Shared
 from outbox.observability import metrics, tracing
 from outbox.providers.base import (
     Failed,
+    Intent,
     InvalidRequest,
     Provider,
     SendRequest,
@@ -258,6 +259,7 @@ class Pipeline:
             payload_json=row.payload,
             api_version=api_version(row, provider),
             traceparent=row.traceparent,
+            intent=_intent(row),
         )
         flight.scope = _scope(provider, row.action, payload)
         flight.phase = Phase.SENDING
@@ -350,3 +352,11 @@ def _span_attributes(row: Claimed) -> dict[str, Any]:
 
 def _outcome(result: SendResult) -> str:
     return "succeeded" if isinstance(result, Succeeded) else result.failure.value
+
+
+def _intent(row: Claimed) -> Intent | None:
+    """What the delivery carries for its receiver to check (sql/0045); None from a claim of an
+    older schema's shape, which has neither."""
+    if row.fingerprint is None or row.origin is None:
+        return None
+    return Intent(str(row.origin), row.fingerprint, row.provider, row.ordering_key)

@@ -32,6 +32,7 @@ from outbox.inbox.http import (
     KeyFrom,
     MissingIdentity,
     TenantFrom,
+    fingerprint_of,
     problem,
     replay,
     stored_headers,
@@ -183,7 +184,8 @@ class HTTPAdapter(Generic[AppT, InboxT]):
 
     def identity(self, headers: Headers, body: bytes, handler: str, span: Any) -> Identity:
         """The delivery's identity (MissingIdentity when it has none), shown on its span."""
-        identity = Identity(self.tenant.read(headers), handler, self.key.read(headers, body))
+        key = self.key.read(headers, body)
+        identity = Identity(self.tenant.read(headers), handler, key, fingerprint_of(headers))
         tracing.annotate(span, traced(identity))
         return identity
 

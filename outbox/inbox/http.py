@@ -5,6 +5,8 @@ delivery 400)."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import re
 import unicodedata
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from outbox.core.json_pointer import MISSING, Pointer
-from outbox.inbox.core import Identity, Outcome
+from outbox.inbox.core import Fingerprint, Identity, Outcome
 
 Headers = Mapping[str, str]  # lower-case names
 # Where a key or a tenant is found: the value, or None where the delivery has none. A source
@@ -62,6 +64,13 @@ NEVER_STORED: Final = frozenset(
 # A foreign sender's key: an RFC 8941 string (as outbox's webhook sends it) or a bare token.
 _SF_STRING: Final = re.compile(r'"((?:[^"\\]|\\["\\])*)"')
 _DIGITS: Final = re.compile(r"[0-9]{1,19}")
+_UUID: Final = re.compile(r"[0-9a-f]{8}(?:-[0-9a-f]{4}){3}-[0-9a-f]{12}")
+# Outbox-Fingerprint (outbox.providers.kit.intent_headers): ":<base64>:" then parameters.
+_PARAM_TEXT: Final = r';([a-z*][a-z0-9_.*-]*)="((?:[^"\\]|\\["\\])*)"'
+_PARAM: Final = re.compile(_PARAM_TEXT)
+_FINGERPRINT: Final = re.compile(r":([A-Za-z0-9+/=]{1,88}):((?:" + _PARAM_TEXT + ")*)")
+_SF_ESCAPE: Final = re.compile(r"\\([\\\"])")
+_SHA256_BYTES: Final = 32
 # outbox.inbox_admit's bound on a key (sql/0042). A key read from a body is held to it here, so
 # that an over-long value is refused with its reason rather than by the database.
 MAX_KEY: Final = 512
@@ -89,12 +98,13 @@ def stored_headers(
 @dataclass(frozen=True)
 class KeyFrom:
     """Where a delivery's key comes from. ``auto`` (the default) takes outbox's own identity,
-    the operation (``Outbox-Operation-Id``), so that every key generation of one operation,
-    ``reconcile retry`` included, finds one record; else the ``Idempotency-Key`` header; else
-    the task name Cloud Tasks sends (``X-CloudTasks-TaskName``), the same on every retry.
-    ``header`` reads another header, ``json_pointer`` a member of the JSON body. Each source's
-    prefix (``op:``, ``key:``, ``task:``, ``ptr:``, ``msg:``) keeps keys of different sources
-    apart."""
+    the operation (``Outbox-Operation-Id``) of the database that sent it (``Outbox-Origin``,
+    where the sender names it: operation ids are per database), so that every key generation of
+    one operation, ``reconcile retry`` included, finds one record; else the ``Idempotency-Key``
+    header; else the task name Cloud Tasks sends (``X-CloudTasks-TaskName``), the same on every
+    retry. ``header`` reads another header, ``json_pointer`` a member of the JSON body. Each
+    source's prefix (``op:``, ``key:``, ``task:``, ``ptr:``, ``msg:``) keeps keys of different
+    sources apart."""
 
     source: KeySource
 
@@ -110,7 +120,7 @@ class KeyFrom:
         def read(headers: Headers, body: bytes) -> str | None:
             operation = headers.get("outbox-operation-id")
             if operation is not None and _DIGITS.fullmatch(operation):
-                return f"op:{int(operation)}"
+                return f"op:{origin_of(headers)}{int(operation)}"
             found = _header_key(headers, "idempotency-key")
             if found is None and (task := headers.get("x-cloudtasks-taskname")):
                 return f"task:{task}"
@@ -171,6 +181,57 @@ class TenantFrom:
         return TenantFrom(lambda headers: tenant_id)
 
 
+def origin_of(headers: Headers) -> str:
+    """``<origin>:`` for a delivery whose sender names its database (``Outbox-Origin``, a UUID),
+    else nothing. MissingIdentity for one that names it unreadably: its key would be a guess."""
+    origin = headers.get("outbox-origin")
+    if origin is None:
+        return ""
+    if not _UUID.fullmatch(origin.strip().lower()):
+        raise MissingIdentity("Outbox-Origin is not a UUID")
+    return f"{origin.strip().lower()}:"
+
+
+def fingerprint_of(headers: Headers) -> Fingerprint | None:
+    """What the sender says the body is (``Outbox-Fingerprint``: an RFC 8941 byte sequence of
+    SHA-256 with the provider and the ordering key as string parameters, and the action from
+    ``Outbox-Action``), or None when it says nothing. MissingIdentity for one that cannot be
+    read: a body that cannot be checked is not taken on trust when its sender meant it to be."""
+    value = headers.get("outbox-fingerprint")
+    if value is None:
+        return None
+    item = _FINGERPRINT.fullmatch(value.strip())
+    digest = _base64(item.group(1)) if item else None
+    if item is None or digest is None or len(digest) != _SHA256_BYTES:
+        raise MissingIdentity("Outbox-Fingerprint is not a SHA-256 byte sequence")
+    params = dict(_PARAM.findall(item.group(2)))
+    action = headers.get("outbox-action")
+    if "provider" not in params or action is None:
+        raise MissingIdentity("Outbox-Fingerprint comes without its provider or Outbox-Action")
+    try:
+        ordering = params.get("ordering-key")
+        return Fingerprint(
+            digest,
+            _unescaped(params["provider"]),
+            urllib.parse.unquote(action, errors="strict"),
+            None if ordering is None else _unescaped(ordering),
+        )
+    except UnicodeDecodeError:
+        raise MissingIdentity("Outbox-Fingerprint is not percent-encoded UTF-8") from None
+
+
+def _base64(text: str) -> bytes | None:
+    try:
+        return base64.b64decode(text, validate=True)
+    except binascii.Error:
+        return None
+
+
+def _unescaped(sf_string: str) -> str:
+    """An RFC 8941 string's content, unescaped, then percent-decoded (strict UTF-8)."""
+    return urllib.parse.unquote(_SF_ESCAPE.sub(r"\1", sf_string), errors="strict")
+
+
 def _header_key(headers: Headers, name: str) -> str | None:
     value = headers.get(name)
     if value is None:
@@ -191,8 +252,9 @@ def traced(identity: Identity) -> dict[str, str | int]:
         # A source of the caller's own (KeyFrom(...)) may spell its keys any way: not shown.
         "outbox.inbox.key_source": source if source in KEY_SOURCES else "other",
     }
-    if source == "op" and _DIGITS.fullmatch(value):
-        shown["outbox.operation_id"] = int(value)
+    operation = value.rpartition(":")[2]
+    if source == "op" and _DIGITS.fullmatch(operation):
+        shown["outbox.operation_id"] = int(operation)
     return shown
 
 

@@ -6,11 +6,13 @@ from __future__ import annotations
 from typing import Final
 
 # The first statement of a delivery: decides new, replayed, conflict or in progress, binding
-# the transaction to the delivery's tenant. Relies on: outbox.inbox_begin().
+# the transaction to the delivery's tenant; checks the body against the sender's fingerprint
+# and finds a record under the key's alias (sql/0046). Relies on: outbox.inbox_begin().
 BEGIN: Final = (
     "SELECT decision, inbox_id, token, response_status, response_headers, response_body"
     " FROM outbox.inbox_begin(%(tenant_id)s, %(handler)s, %(key)s, %(body_json)s,"
-    " %(body_raw)s, %(wait)s, %(retention)s)"
+    " %(body_raw)s, %(wait)s, %(retention)s, %(alias)s, %(fingerprint)s, %(provider)s,"
+    " %(action)s, %(ordering_key)s)"
 )
 
 # The outcome, fenced by the record's token. Relies on: outbox.inbox_complete().
@@ -66,7 +68,8 @@ LIMIT %(limit)s
 # One record, with its stored response.
 SHOW: Final = """
 SELECT i.id, i.tenant_id, i.handler, i.key, i.mode, i.state,
-       encode(i.body_digest, 'hex') AS body_digest, i.response_status, i.response_headers,
+       encode(i.body_digest, 'hex') AS body_digest, encode(i.fingerprint, 'hex') AS fingerprint,
+       i.response_status, i.response_headers,
        i.response_body, i.claims, i.last_error, i.lease_expires_at, i.abandoned_at, i.created_at,
        i.completed_at, i.expires_at
 FROM outbox.inbox i WHERE i.id = %(id)s
@@ -95,7 +98,8 @@ PRUNABLE: Final = (
 CLAIM: Final = (
     "SELECT decision, inbox_id, token, claims, downstream_key, retry_after, response_status,"
     " response_headers, response_body FROM outbox.inbox_claim(%(tenant_id)s, %(handler)s,"
-    " %(key)s, %(body_json)s, %(body_raw)s, %(lease)s, %(max_claims)s, %(retention)s)"
+    " %(key)s, %(body_json)s, %(body_raw)s, %(lease)s, %(max_claims)s, %(retention)s,"
+    " %(alias)s, %(fingerprint)s, %(provider)s, %(action)s, %(ordering_key)s)"
 )
 # Relies on: outbox.inbox_renew(), outbox.inbox_fail(), outbox.bind_tenant().
 RENEW: Final = "SELECT outbox.inbox_renew(%(inbox_id)s, %(token)s, %(lease)s)"

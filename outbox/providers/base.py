@@ -43,6 +43,24 @@ class SendRequest:
     # The W3C traceparent the producer's enqueue stored, if any: a queue provider passes it on
     # in the message's headers, so that a consumer's span joins the producer's trace.
     traceparent: str | None = None
+    # What the sender's database holds of this operation, sent with it so that a receiver can
+    # tell operations of different databases apart and check the body against enqueue's
+    # fingerprint (outbox.providers.kit.intent_headers). None where a request was built by hand.
+    intent: Intent | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Intent:
+    """Which database's operation this is and enqueue's fingerprint of it (sql/0045).
+
+    ``fingerprint`` is SHA-256 of ``provider``, action, the payload's JSON text and
+    ``ordering_key`` (docs/design.md, "The inbox"): given the same four, a receiver computes the
+    same bytes from the body it got."""
+
+    origin: str  # outbox.origin(): the public id of the sender's database
+    fingerprint: bytes
+    provider: str
+    ordering_key: str | None
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,7 @@ Pure: no I/O.
 
 from __future__ import annotations
 
+import base64
 import email.utils
 import functools
 import hashlib
@@ -22,6 +23,7 @@ from typing import Final
 from outbox.config.schema import Boolean, ConfigError, Count, Setting
 from outbox.config.settings import DEFAULT_MAX_RESPONSE_BYTES, PROVIDER_KEYS, ProviderSettings
 from outbox.core.json_pointer import Pointer
+from outbox.providers.base import Intent
 
 # In a provider's per-action tables: every action not named.
 ANY_ACTION: Final = "*"
@@ -169,6 +171,33 @@ def header_safe(value: str) -> str:
     if value.isascii() and value.isprintable() and "%" not in value and value.strip(" ") == value:
         return value
     return urllib.parse.quote(value, safe=_HEADER_SAFE)
+
+
+# What a delivery carries for its receiver to check (providers.base.Intent; sql/0045).
+ORIGIN: Final = "Outbox-Origin"
+FINGERPRINT: Final = "Outbox-Fingerprint"
+
+
+def intent_headers(intent: Intent | None, *, body_is_payload: bool) -> dict[str, str]:
+    """The origin of a delivery, and enqueue's fingerprint where the body is the payload as
+    stored (a receiver recomputes it from the body; a body built from a part of the payload
+    would never match). The fingerprint is an RFC 8941 item, a byte sequence with the provider
+    and the ordering key as string parameters, header-safe and escaped:
+    ``:<base64>:;provider="billing";ordering-key="acct%201"``."""
+    if intent is None:
+        return {}
+    headers = {ORIGIN: intent.origin}
+    if body_is_payload:
+        item = f":{base64.b64encode(intent.fingerprint).decode()}:;provider={_sf(intent.provider)}"
+        if intent.ordering_key is not None:
+            item += f";ordering-key={_sf(intent.ordering_key)}"
+        headers[FINGERPRINT] = item
+    return headers
+
+
+def _sf(value: str) -> str:
+    """An RFC 8941 string of any text: header-safe first (printable ASCII), then escaped."""
+    return '"' + header_safe(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def retry_after_value(value: str | None) -> timedelta | None:

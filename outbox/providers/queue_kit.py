@@ -20,7 +20,7 @@ from typing import Any, Final, TypeVar
 from outbox.config.settings import ConfigError, ProviderSettings
 from outbox.core.durations import format_duration
 from outbox.providers.base import SendRequest
-from outbox.providers.kit import ANY_ACTION, header_safe
+from outbox.providers.kit import ANY_ACTION, header_safe, intent_headers
 
 T = TypeVar("T")
 
@@ -37,10 +37,10 @@ TRACEPARENT: Final = "traceparent"  # W3C Trace Context, as consumers' tracers r
 
 def message_headers(request: SendRequest, *, wire_key: str | None = None) -> dict[str, str]:
     """The operation's identity for one message: its id, action, attempt, tenant, correlation id
-    and traceparent where it has them, and ``wire_key`` (the key as the queue received it) where
-    the queue's own id field is not readable by every consumer. Values are header-safe
-    (outbox.providers.kit.header_safe): any text a producer stored arrives
-    percent-encoded rather than breaking the header."""
+    and traceparent where it has them, its origin and fingerprint (kit.intent_headers), and
+    ``wire_key`` (the key as the queue received it) where the queue's own id field is not
+    readable by every consumer. Values are header-safe (outbox.providers.kit.header_safe): any
+    text a producer stored arrives percent-encoded rather than breaking the header."""
     headers = {
         OPERATION_ID: str(request.operation_id),
         ACTION: header_safe(request.action),
@@ -53,6 +53,8 @@ def message_headers(request: SendRequest, *, wire_key: str | None = None) -> dic
         headers[TRACEPARENT] = header_safe(request.traceparent)
     if wire_key is not None:
         headers[IDEMPOTENCY_KEY] = wire_key
+    # A message's body is always the payload as stored: the fingerprint can be checked.
+    headers.update(intent_headers(request.intent, body_is_payload=True))
     return headers
 
 

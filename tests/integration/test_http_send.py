@@ -17,7 +17,9 @@ from outbox.config.settings import ProviderSettings
 from outbox.providers.base import Provider
 from outbox.providers.registry import build_providers
 from outbox.testing.apis import FakeEffectsService, FakeSquare
-from tests.support.dispatch import dispatcher, rows
+from outbox.testing.webhook import FakeWebhookReceiver
+from tests.support.dispatch import dispatcher, rows, webhook
+from tests.support.intent import assert_carries_intent, expected_intent
 
 
 def http(name: str, base_url: str, **options: Any) -> Provider:
@@ -118,3 +120,59 @@ async def test_a_payload_cannot_choose_the_key_that_travels_in_the_body(
         assert len(set(keys)) == 2 and "shared-by-both" not in keys
         assert len(square.effects) == 2
         assert {outcome(db_url, op)[0] for op in ids.values()} == {"succeeded"}
+
+
+async def test_each_delivery_carries_its_origin_and_enqueues_fingerprint(
+    db_url: str, pool: AsyncConnectionPool[Any]
+) -> None:
+    """The webhook sends the payload as stored: its deliveries carry the database's origin and
+    enqueue's fingerprint with the provider and the ordering key, which a receiver reads back
+    exactly, whatever text the ordering key holds (sql/0045). An `http` action whose body is a
+    part of the payload carries the origin only: its body could never match the fingerprint."""
+    ordering = ['acct "7" \\ 50% café', "semi;colon=:,x", None]
+    with psycopg.connect(db_url) as conn:
+        ids = [
+            outbox.enqueue(
+                conn,
+                tenant_id="acme",
+                operation_type="t",
+                operation_key=f"k{n}",
+                provider="hooks",
+                action="invoice.paid",
+                payload={"n": n, "amount": 1.50, "nested": {"b": 1, "a": [1e2]}},
+                ordering_key=key,
+            ).operation_id
+            for n, key in enumerate(ordering)
+        ]
+        part = outbox.enqueue(
+            conn,
+            tenant_id="acme",
+            operation_type="t",
+            operation_key="part",
+            provider="svc",
+            action="post",
+            payload={"inner": {"n": 1}},
+        ).operation_id
+    with FakeWebhookReceiver() as receiver, FakeWebhookReceiver() as other:
+        hooks = webhook("hooks", receiver.url)
+        base = other.url.removesuffix(other.path)
+        svc = http(
+            "svc",
+            base,
+            outbox_headers=True,
+            key={"header": "Idempotency-Key"},
+            actions={"post": {"path": other.path, "body": "/inner"}},
+        )
+        d = dispatcher(pool, {"hooks": hooks, "svc": svc})
+        for _ in range(3):
+            await d.run_once()
+        await hooks.aclose()
+        await svc.aclose()
+        assert receiver.effect_count() == len(ids) and other.effect_count() == 1
+        by_id = {int(e.headers["outbox-operation-id"]): e.headers for e in receiver.effects}
+        for op in ids:
+            assert_carries_intent(db_url, op, by_id[op])
+        [effect] = other.effects
+        origin, _, _ = expected_intent(db_url, part)
+        assert effect.headers["outbox-origin"] == origin
+        assert "outbox-fingerprint" not in effect.headers

@@ -85,10 +85,13 @@ def test_a_seeded_chain_with_kills_loses_and_doubles_no_invoice(
         worker.kill()
     assert settled.get("succeeded") == OPERATIONS, (said, settled)
     assert count(db_url, "SELECT count(*) FROM invoices") == OPERATIONS, said
+    # Known by the sending database and the operation, each record keeps the fingerprint that
+    # enqueue stored: the worker checked the body it got against it.
     per_operation = count(
         db_url,
         "SELECT count(*) FROM outbox.operations o JOIN outbox.inbox i"
-        " ON i.key = 'op:' || o.id AND i.tenant_id = o.tenant_id AND i.state = 'completed'",
+        " ON i.key = 'op:' || outbox.origin() || ':' || o.id AND i.tenant_id = o.tenant_id"
+        " AND i.state = 'completed' AND i.fingerprint = o.fingerprint",
     )
     assert per_operation == OPERATIONS, said
     # Each invoice is its order's: same tenant, same amount, one each.

@@ -109,3 +109,33 @@ def test_prune_deletes_expired_completed_records_in_batches(
     pruned = outbox_cli(operator_env, "inbox", "prune", "--batch", "4")
     assert pruned.stdout.strip() == "pruned: 6", pruned.stderr
     assert count(db_url, "SELECT count(*) FROM outbox.inbox") == 1
+
+
+def test_show_prints_the_fingerprint_the_senders_enqueue_stored(
+    db_url: str, operator_env: dict[str, str]
+) -> None:
+    """A record of a delivery from outbox keeps the sender's fingerprint, checked against the
+    body: `outbox inbox show` prints the hex that `outbox reconcile show` prints of the
+    operation, the proof that both databases hold the same intent (sql/0046)."""
+    with psycopg.connect(db_url) as conn:
+        ((op,),) = conn.execute(
+            "SELECT operation_id FROM outbox.enqueue('acme', 'invoice', 'k', 'billing',"
+            " 'invoice.generate', '{\"amount\": 1.50}')"
+        ).fetchall()
+        ((text, fingerprint),) = conn.execute(
+            "SELECT payload::text, fingerprint FROM outbox.operations WHERE id = %s", (op,)
+        ).fetchall()
+        row = conn.execute(
+            "SELECT inbox_id, token FROM outbox.inbox_begin('acme', 'invoice.create', %s, %s,"
+            " NULL, '1 s', '1 day', NULL, %s, 'billing', 'invoice.generate', NULL)",
+            (f"op:{op}", text, fingerprint),
+        ).fetchone()
+        assert row is not None
+        conn.execute("SELECT outbox.inbox_complete(%s, %s, 201, '[]', '')", (row[0], row[1]))
+        conn.commit()
+    shown = outbox_cli(operator_env, "inbox", "show", str(row[0]))
+    assert shown.returncode == 0, shown.stderr
+    assert f"fingerprint: {bytes(fingerprint).hex()}" in shown.stdout.splitlines()
+    sender = outbox_cli(operator_env, "reconcile", "show", str(op))
+    assert sender.returncode == 0, sender.stderr
+    assert f"fingerprint  {bytes(fingerprint).hex()}" in sender.stdout.splitlines()

@@ -34,6 +34,7 @@ from outbox.providers.base import SendRequest, Succeeded
 from outbox.providers.sqs.provider import SqsProvider, build
 from tests.support.daemon import wait_until
 from tests.support.dispatch import enqueue_many, rows, statuses
+from tests.support.intent import assert_carries_intent
 from tests.support.moto_server import REGION, MotoServer, aws_env, free_port, moto
 from tests.support.queues import (
     crash_between_publish_and_record,
@@ -188,13 +189,20 @@ def test_three_hundred_operations_arrive_once_each_with_their_message_id(
     assert sample["Attributes"]["MessageDeduplicationId"] == keys[ids[7]]
     assert sample["Attributes"]["MessageGroupId"] == "op-7"
     attributes = {k: v["StringValue"] for k, v in sample["MessageAttributes"].items()}
-    assert attributes == {
-        "Outbox-Operation-Id": str(ids[7]),
-        "Outbox-Action": "invoice.paid",
-        "Outbox-Attempt": "1",
-        "Outbox-Tenant-Id": "acme",
-        "Outbox-Idempotency-Key": keys[ids[7]],
+    assert_carries_intent(db_url, ids[7], attributes)
+    assert attributes.keys() - {"Outbox-Origin", "Outbox-Fingerprint"} == {
+        "Outbox-Operation-Id",
+        "Outbox-Action",
+        "Outbox-Attempt",
+        "Outbox-Tenant-Id",
+        "Outbox-Idempotency-Key",
     }
+    assert (attributes["Outbox-Operation-Id"], attributes["Outbox-Idempotency-Key"]) == (
+        str(ids[7]),
+        keys[ids[7]],
+    )
+    assert attributes["Outbox-Action"] == "invoice.paid"
+    assert (attributes["Outbox-Attempt"], attributes["Outbox-Tenant-Id"]) == ("1", "acme")
     ((result,),) = rows(db_url, "SELECT result FROM outbox.operations WHERE id = %s", (ids[7],))
     assert result["message_id"] == got.message_ids[ids[7]]
     assert result["sequence_number"].isdigit()

@@ -246,7 +246,8 @@ def test_every_function_is_pinned_and_executable_only_by_its_roles(roles_db: str
         "outbox.get_operation(text,text,text)": (True, ["outbox_producer"]),
         "outbox.bind_tenant(text)": (False, ["outbox_consumer", "outbox_producer"]),
         # A worker's deliveries, recorded in its own transactions (sql/0042).
-        "outbox.inbox_begin(text,text,text,text,bytea,interval,interval)": (
+        "outbox.inbox_begin(text,text,text,text,bytea,interval,interval,"
+        "text,bytea,text,text,text)": (
             True,
             ["outbox_consumer"],
         ),
@@ -254,7 +255,8 @@ def test_every_function_is_pinned_and_executable_only_by_its_roles(roles_db: str
         "outbox.inbox_prune(integer)": (True, ["outbox_consumer", "outbox_operator"]),
         "outbox.inbox_forget(bigint,text,text,boolean)": (True, ["outbox_operator"]),
         "outbox.inbox_release(bigint,text,text)": (True, ["outbox_operator"]),
-        "outbox.inbox_claim(text,text,text,text,bytea,interval,integer,interval)": (
+        "outbox.inbox_claim(text,text,text,text,bytea,interval,integer,interval,"
+        "text,bytea,text,text,text)": (
             True,
             ["outbox_consumer"],
         ),
@@ -309,6 +311,17 @@ def test_every_function_is_pinned_and_executable_only_by_its_roles(roles_db: str
             ["outbox_dispatcher"],
         ),
         "outbox.claim_probe(text,text,interval,text)": (True, ["outbox_dispatcher"]),
+        # The claims that carry each delivery's intent (sql/0045).
+        "outbox.claim_fair_v2(text,interval,integer,text[],integer[],text,text,integer)": (
+            True,
+            ["outbox_dispatcher"],
+        ),
+        "outbox.claim_one_group_v2(text,interval,integer,text[],integer[])": (
+            True,
+            ["outbox_dispatcher"],
+        ),
+        "outbox.claim_probe_v2(text,text,interval,text)": (True, ["outbox_dispatcher"]),
+        "outbox.origin()": (True, ["outbox_operator"]),
         "outbox.record_attempts(text,jsonb)": (True, ["outbox_dispatcher"]),
         "outbox.unclaim(bigint,uuid,text,text,interval)": (True, ["outbox_dispatcher"]),
         "outbox.renew_leases(bigint[],uuid[],interval)": (True, ["outbox_dispatcher"]),

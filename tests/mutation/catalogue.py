@@ -80,6 +80,9 @@ ROLES_TESTS = "tests/integration/test_roles.py"
 INBOX_SQL = "sql/0042_inbox.sql"
 # inbox_begin, defined again without a subtransaction (sql/0044).
 INBOX_BEGIN = "sql/0044_inbox_begin_without_a_subtransaction.sql"
+# 0046 creates inbox_begin and inbox_claim again: their mutants live there.
+INBOX_ORIGIN = "sql/0046_the_inbox_checks_the_senders_fingerprint.sql"
+ORIGIN_TESTS = "tests/integration/test_inbox_origin.py::"
 INBOX_TESTS = "tests/integration/test_inbox.py"
 WORKER_TESTS = "tests/integration/test_inbox_worker.py"
 JETSTREAM_TESTS = "tests/integration/test_inbox_jetstream.py"
@@ -1246,7 +1249,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "inbox-unbounded-wait",
         "a duplicate waits for the first delivery's transaction for as long as it runs, holding "
         'a connection, instead of hearing "in progress" after `wait`',
-        INBOX_BEGIN,
+        INBOX_ORIGIN,
         "greatest(1, ceil(extract(epoch FROM wait) * 1000))::bigint || 'ms',\n",
         "'0',\n",
         INBOX_TESTS + "::test_a_duplicate_waits_at_most_wait_then_hears_in_progress",
@@ -1255,17 +1258,17 @@ MUTANTS: tuple[Mutant, ...] = (
         "inbox-fast-path-unlocked",
         "a delivery skips the identity's advisory lock, so a duplicate's INSERT waits on the "
         "first one's uncommitted record with no bound",
-        INBOX_BEGIN,
-        "    IF NOT pg_try_advisory_xact_lock(2828, v_lock) THEN",
-        "    IF false THEN",
+        INBOX_ORIGIN,
+        "    IF NOT pg_try_advisory_xact_lock(2828, v_lock) THEN  -- 2828 = 0x0B0C\n",
+        "    IF false THEN\n",
         INBOX_TESTS + "::test_a_duplicate_waits_at_most_wait_then_hears_in_progress",
     ),
     _one(
         "inbox-no-conflict-check",
         "the same identity with another body replays the first outcome instead of a conflict",
-        INBOX_BEGIN,
-        "        inbox_id := r.id;\n        IF r.body_digest <> v_digest THEN\n",
-        "        inbox_id := r.id;\n        IF false THEN\n",
+        INBOX_ORIGIN,
+        "        inbox_id := r.id;\n        IF r.body_digest <> v_digest OR r.fingerprint <> v_",
+        "        inbox_id := r.id;\n        IF false AND r.fingerprint <> v_",
         INBOX_TESTS + "::test_any_spelling_of_the_same_json_replays_and_any_change_conflicts",
         WORKER_TESTS
         + "::test_the_same_key_with_other_input_is_a_conflict_and_the_first_invoice_stays",
@@ -1387,7 +1390,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "inbox-downstream-key-per-claim",
         "each claim of one delivery hands the handler another downstream key, so a call retried "
         "after an ambiguous timeout is a second effect",
-        INBOX_SQL,
+        INBOX_ORIGIN,
         "    SELECT 'ib1_' || encode(",
         "    SELECT 'ib1_' || gen_random_uuid() || encode(",
         EXTERNAL_TESTS + "::test_an_ambiguous_timeout_retried_under_the_same_key_is_one_effect",
@@ -1395,7 +1398,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "inbox-reclaims-live-lease",
         "a claim whose lease still runs is taken by a second delivery: the handler runs twice",
-        INBOX_SQL,
+        INBOX_ORIGIN,
         "        IF r.lease_expires_at > now() THEN\n",
         "        IF false THEN\n",
         EXTERNAL_TESTS + "::test_claims_at_once_run_the_handler_once",
@@ -1403,7 +1406,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "inbox-no-abandon",
         "a delivery whose workers keep dying is claimed for ever, never shown to a person",
-        INBOX_SQL,
+        INBOX_ORIGIN,
         "        IF r.lease_expires_at IS NOT NULL AND r.claims >= max_claims THEN\n",
         "        IF false THEN\n",
         EXTERNAL_TESTS + "::test_a_claim_taken_too_often_is_abandoned_until_released",
@@ -1567,5 +1570,72 @@ MUTANTS: tuple[Mutant, ...] = (
         "        async with self._opening:\n",
         "        if True:\n",
         CLAIMING_TESTS + "test_a_handlers_tasks_asking_at_once_share_one_final_transaction",
+    ),
+    _one(
+        "delivery-fingerprint-without-its-ordering-key",
+        "a delivery's fingerprint travels without the ordering key it was computed over: no "
+        "receiver could check the body against it",
+        "outbox/providers/kit.py",
+        "        if intent.ordering_key is not None:\n",
+        "        if intent.ordering_key is None:\n",
+        "tests/integration/test_http_send.py::"
+        "test_each_delivery_carries_its_origin_and_enqueues_fingerprint",
+    ),
+    _one(
+        "delivery-fingerprint-on-a-body-built-from-the-payload",
+        "an http action whose body is a part of the payload sends the fingerprint of the whole: "
+        "a receiver that checks it refuses every such delivery",
+        "outbox/providers/kit.py",
+        "    if body_is_payload:\n",
+        "    if True:\n",
+        "tests/integration/test_http_send.py::"
+        "test_each_delivery_carries_its_origin_and_enqueues_fingerprint",
+    ),
+    _one(
+        "inbox-ignores-the-origin",
+        "operations of two databases with one id are one delivery to the inbox: the second is "
+        "replayed the first's answer and its effect is lost",
+        "outbox/inbox/http.py",
+        '        return ""\n    if not _UUID.fullmatch',
+        '        return ""\n    return ""\n    if not _UUID.fullmatch',
+        ORIGIN_TESTS + "test_operations_of_two_databases_with_one_id_are_two_deliveries",
+    ),
+    _one(
+        "inbox-forgets-the-alias",
+        "a redelivery from an upgraded sender misses the record written before it named its "
+        "origin, and runs the handler again",
+        "outbox/inbox/core.py",
+        '    return None if match is None else f"op:{match.group(1)}"\n',
+        "    return None\n",
+        ORIGIN_TESTS
+        + "test_a_record_from_before_the_sender_named_its_origin_answers_its_redelivery",
+    ),
+    _one(
+        "inbox-alias-unlocked",
+        "a delivery that names its origin locks its own key, not the bare operation key: it "
+        "misses an older sender's delivery still in its transaction and runs a second time",
+        INBOX_ORIGIN,
+        "    v_lock := hashtext(tenant_id || E'\\n' || handler || E'\\n' || "
+        "coalesce(alias, key));\n    -- Nested",
+        "    v_lock := hashtext(tenant_id || E'\\n' || handler || E'\\n' || key);\n    -- Nested",
+        ORIGIN_TESTS + "test_a_delivery_with_its_origin_waits_for_one_without_it_in_flight",
+    ),
+    _one(
+        "inbox-takes-a-body-unlike-its-fingerprint",
+        "a body that is not the one the sender enqueued (re-encoded on its way) is run and "
+        "recorded as if it were",
+        INBOX_ORIGIN,
+        "    IF v_computed IS DISTINCT FROM fingerprint THEN\n",
+        "    IF false THEN\n",
+        ORIGIN_TESTS + "test_the_body_enqueued_is_taken_and_another_is_refused_unrecorded",
+    ),
+    _one(
+        "inbox-alias-claim-hands-a-new-downstream-key",
+        "a claim found under its alias hands the handler a downstream key of the new key: the "
+        "call retried downstream is a second effect",
+        INBOX_ORIGIN,
+        "        downstream_key := outbox.inbox_downstream_key(r.tenant_id, r.handler, r.key);\n",
+        "        downstream_key := outbox.inbox_downstream_key(tenant_id, handler, key);\n",
+        ORIGIN_TESTS + "test_a_claim_found_under_its_alias_keeps_its_downstream_key",
     ),
 )

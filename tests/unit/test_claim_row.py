@@ -20,29 +20,55 @@ def top_level_items(text: str) -> list[str]:
     return [*items, text[start:]]
 
 
-def _functions() -> str:
-    return (Path(__file__).parents[2] / "sql" / DISPATCH_SQL_NAME).read_text()
+def _functions(name: str = "0040_the_dispatcher_writes_through_functions.sql") -> str:
+    return (Path(__file__).parents[2] / "sql" / name).read_text()
 
 
-DISPATCH_SQL_NAME = "0040_the_dispatcher_writes_through_functions.sql"
-CLAIMS = ("lease_claimed", "claim_fair", "claim_one_group", "claim_probe")
+INTENT_SQL_NAME = "0045_deliveries_carry_their_origin_and_fingerprint.sql"
+# sql/0040's claims, which dispatchers of the previous version call: Claimed's fields before
+# the intent's three.
+OLD_CLAIMS = ("lease_claimed", "claim_fair", "claim_one_group", "claim_probe")
+CLAIMS = ("with_intent", "claim_fair_v2", "claim_one_group_v2", "claim_probe_v2")
+OLD_FIELDS = list(Claimed._fields)[: -len(("ordering_key", "fingerprint", "origin"))]
+
+
+def _declared(text: str, name: str) -> list[str]:
+    declared = text.split(f"CREATE FUNCTION outbox.{name}(", 1)[1]
+    table = declared.split("RETURNS TABLE (", 1)[1].split(")\nLANGUAGE", 1)[0]
+    return [item.split()[0] for item in top_level_items(table)]
 
 
 def test_every_claim_returns_claimed_fields_in_order() -> None:
-    """The claim functions of sql/0040 declare Claimed's fields as their columns, in order."""
-    text = _functions()
+    """The claim functions that this version calls (sql/0045) declare Claimed's fields as their
+    columns, in order; those of sql/0040 declare the fields before the intent's, and the row
+    type that carries them between the two statements of a _v2 claim has those too."""
     for name in CLAIMS:
-        declared = text.split(f"CREATE FUNCTION outbox.{name}(", 1)[1]
-        table = declared.split("RETURNS TABLE (", 1)[1].split(")\nLANGUAGE", 1)[0]
-        columns = [item.split()[0] for item in top_level_items(table)]
-        assert columns == list(Claimed._fields), name
+        assert _declared(_functions(INTENT_SQL_NAME), name) == list(Claimed._fields), name
+    for name in OLD_CLAIMS:
+        assert _declared(_functions(), name) == OLD_FIELDS, name
+    row_type = _functions(INTENT_SQL_NAME).split("CREATE TYPE outbox.claimed_row AS (", 1)[1]
+    columns = [item.split()[0] for item in top_level_items(row_type.split(");", 1)[0])]
+    assert columns == OLD_FIELDS
+
+
+def _selected(code: str) -> list[str]:
+    code = "\n".join(line.split("--")[0] for line in code.splitlines())
+    return [re.split(r"\s+AS\s+|\.", item.strip())[-1] for item in top_level_items(code)]
 
 
 def test_the_lease_returns_claimed_fields_in_order() -> None:
     """RETURN QUERY matches its rows to the declared columns by position and type only: two
-    text columns swapped would go unnoticed by the server."""
+    text columns swapped would go unnoticed by the server. So with the _v2 claims' two
+    statements: the row they keep and the row with_intent returns."""
     body = _functions().split("CREATE FUNCTION outbox.lease_claimed(", 1)[1].split("$$;", 1)[0]
     returning = body.rsplit("RETURNING", 1)[1].split(";", 1)[0]
-    code = "\n".join(line.split("--")[0] for line in returning.splitlines())
-    columns = [re.split(r"\s+AS\s+|\.", item.strip())[-1] for item in top_level_items(code)]
-    assert columns == list(Claimed._fields)
+    assert _selected(returning) == OLD_FIELDS
+    intent = _functions(INTENT_SQL_NAME)
+    body = intent.split("CREATE FUNCTION outbox.with_intent(", 1)[1].split("$$;", 1)[0]
+    select = body.split("SELECT ", 1)[1].split("\n    FROM unnest", 1)[0]
+    # The origin is a subquery: its name is the declared column's.
+    assert _selected(select)[:-1] == list(Claimed._fields)[:-1]
+    for name in CLAIMS[1:]:
+        body = intent.split(f"CREATE FUNCTION outbox.{name}(", 1)[1].split("$$;", 1)[0]
+        kept = body.split("array_agg((", 1)[1].split(")::outbox.claimed_row", 1)[0]
+        assert _selected(kept) == OLD_FIELDS, name

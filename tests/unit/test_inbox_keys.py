@@ -15,7 +15,10 @@ from hypothesis import strategies as st
 
 from outbox.core.json_pointer import PointerError
 from outbox.inbox import KeyFrom, TenantFrom
-from outbox.inbox.http import MAX_KEY, MissingIdentity
+from outbox.inbox.core import Fingerprint, alias_of
+from outbox.inbox.http import MAX_KEY, MissingIdentity, fingerprint_of
+from outbox.providers.base import Intent
+from outbox.providers.kit import header_safe, intent_headers
 
 PROPERTY = settings(database=None, deadline=None, max_examples=300)
 # Tokens made mostly of the characters a pointer escapes ("~" as "~0", "/" as "~1") and of
@@ -175,3 +178,60 @@ def test_the_headers_sources_name_what_is_missing() -> None:
     with pytest.raises(MissingIdentity, match="Outbox-Tenant-Id is not percent-encoded UTF-8"):
         tenant.read({"outbox-tenant-id": "caf%E9"})
     assert TenantFrom.constant("acme").read({}) == "acme"
+
+
+def test_an_operation_of_a_named_database_is_keyed_by_both() -> None:
+    """Outbox-Origin makes the key op:<origin>:<id>, whatever case the UUID arrives in; its
+    alias is the key of a record written before the sender named it. An origin that is not a
+    UUID names no identity (400), rather than falling back to a key another database shares."""
+    auto = KeyFrom.auto()
+    origin = "4CEBE4FC-21B6-4C07-B313-C7510C7A24F8"
+    key = auto.read({"outbox-operation-id": "0042", "outbox-origin": origin}, b"")
+    assert key == f"op:{origin.lower()}:42"
+    assert (alias_of(key), alias_of("op:42"), alias_of("key:op:x:1")) == ("op:42", None, None)
+    for bad in ("", "4cebe4fc", "4cebe4fc-21b6-4c07-b313-c7510c7a24f8:1", "x" * 36):
+        with pytest.raises(MissingIdentity, match="Outbox-Origin is not a UUID"):
+            auto.read({"outbox-operation-id": "1", "outbox-origin": bad}, b"")
+
+
+@PROPERTY
+@given(
+    digest=st.binary(min_size=32, max_size=32),
+    provider=st.text(min_size=1, max_size=40),
+    action=st.text(min_size=1, max_size=40),
+    ordering_key=st.none() | st.text(max_size=60),
+)
+def test_a_fingerprint_reads_back_as_the_sender_wrote_it(
+    digest: bytes, provider: str, action: str, ordering_key: str | None
+) -> None:
+    """Whatever text the provider, action and ordering key hold (quotes, backslashes, "%",
+    semicolons, text past ASCII), the receiver reads back what the sender's headers carry."""
+    intent = Intent("4cebe4fc-21b6-4c07-b313-c7510c7a24f8", digest, provider, ordering_key)
+    headers = {
+        name.lower(): value for name, value in intent_headers(intent, body_is_payload=True).items()
+    }
+    headers["outbox-action"] = header_safe(action)
+    assert all(value.isascii() and value.isprintable() for value in headers.values())
+    assert fingerprint_of(headers) == Fingerprint(digest, provider, action, ordering_key)
+
+
+@pytest.mark.parametrize(
+    ("value", "action", "reason"),
+    [
+        (':AAAA:;provider="p"', "a", "not a SHA-256"),
+        (f":{'A' * 43}=:", "a", "without its provider"),
+        (f':{"A" * 43}=:;provider="p"', None, "without its provider or Outbox-Action"),
+        (f':{"A" * 43}=:;provider="%ff"', "a", "not percent-encoded UTF-8"),
+        (f'{"A" * 43}=;provider="p"', "a", "not a SHA-256"),
+        (f":{'A' * 43}=:;provider=p", "a", "not a SHA-256"),
+    ],
+)
+def test_a_fingerprint_that_cannot_be_read_names_no_identity(
+    value: str, action: str | None, reason: str
+) -> None:
+    headers = {"outbox-fingerprint": value}
+    if action is not None:
+        headers["outbox-action"] = action
+    with pytest.raises(MissingIdentity, match=reason):
+        fingerprint_of(headers)
+    assert fingerprint_of({"outbox-action": "a"}) is None

@@ -43,7 +43,7 @@ from outbox.providers.base import (
 from outbox.providers.http import wire as http_wire
 from outbox.providers.http.lookup import Asker, look_up
 from outbox.providers.http.spec import ActionSpec
-from outbox.providers.kit import ANY_ACTION
+from outbox.providers.kit import ANY_ACTION, intent_headers
 from outbox.providers.shards import Shards, shard_sizes
 
 _JSON_TYPE: Final = {"Content-Type": "application/json"}
@@ -252,6 +252,8 @@ class HttpProvider:
             headers[spec.key.header] = spec.key.header_value(wire)
         if self._options.outbox_headers:
             headers.update(http_wire.identity_headers(request))
+            verbatim = spec.body is not None and not spec.body.tokens and spec.key.field is None
+            headers.update(intent_headers(request.intent, body_is_payload=verbatim))
         return headers
 
     async def lookup(self, request: LookupRequest) -> Found | NotFound:
