@@ -20,6 +20,14 @@ def pytest_configure(config: pytest.Config) -> None:
         postgres.start_owned_throwaway()
 
 
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: one worker more than the CPUs this process may use. Much of a test's time is
+    spent waiting (on a subprocess it started, a broker, a socket, the clock in the data), not
+    computing; measured on 2 cores, the suite took 11:37 with three workers against 14:34 with
+    two, every test passing."""
+    return len(os.sched_getaffinity(0)) + 1
+
+
 @pytest.fixture(autouse=True)
 def _logging_as_structlog_left_it() -> Iterator[None]:
     """No test inherits another's logging: a CLI run in process (click's CliRunner) configures
