@@ -1,5 +1,5 @@
 -- sql/schema.sql: the outbox schema as the migrations of sql/ leave it
--- (every migration up to 0046_the_inbox_checks_the_senders_fingerprint).
+-- (every migration up to 0047_a_failed_claim_stays_handed_back).
 --
 -- GENERATED FILE: DO NOT EDIT IT BY HAND. It is regenerated, after adding a migration, by
 --     python -m outbox.db.schema_dump --dsn postgresql://postgres@127.0.0.1:5432/postgres --output sql/schema.sql
@@ -2162,7 +2162,7 @@ $function$;
 
 -- =================================================================================================
 -- function outbox.inbox_renew(bigint,uuid,interval)
--- history: created by 0042_inbox
+-- history: created by 0042_inbox; changed by 0047_a_failed_claim_stays_handed_back
 
 CREATE OR REPLACE FUNCTION outbox.inbox_renew(inbox_id bigint, token uuid, lease interval)
  RETURNS boolean
@@ -2174,7 +2174,8 @@ BEGIN
     PERFORM outbox.check_between('lease', lease, interval '1 second', interval '1 day');
     UPDATE outbox.inbox i SET lease_expires_at = now() + lease
     WHERE i.id = inbox_renew.inbox_id AND i.token = inbox_renew.token
-      AND i.state = 'in_progress' AND i.mode = 'external';
+      AND i.state = 'in_progress' AND i.mode = 'external'
+      AND i.lease_expires_at IS NOT NULL;  -- handed back by inbox_fail: not this caller's now
     RETURN FOUND;
 END;
 $function$;

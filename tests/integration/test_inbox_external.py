@@ -191,3 +191,25 @@ async def test_a_lost_lease_refuses_the_final_transaction(
         await stalled()
     assert count(db_url, "SELECT count(*) FROM ledger") == 0
     assert count(db_url, "SELECT count(*) FROM outbox.inbox WHERE state = 'completed'") == 0
+
+
+def test_a_claim_handed_back_is_not_taken_back_by_a_late_renewal(db_url: str) -> None:
+    """inbox_fail hands a claim back at once; a renewal under its token that comes after (a
+    heartbeat still running, any caller) renews nothing, and the next delivery reclaims it at
+    once instead of hearing "in progress" for a lease that nobody holds (sql/0047)."""
+    claim = (
+        "SELECT decision, inbox_id, token FROM outbox.inbox_claim('acme', 'charge', 'key:k',"
+        " '{}', NULL, '1 min', 5, '1 day')"
+    )
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        first = conn.execute(claim).fetchone()
+        assert first is not None and first[0] == "new"
+        renew = "SELECT outbox.inbox_renew(%s, %s, '1 min')"
+        assert conn.execute(renew, first[1:]).fetchone() == (True,)
+        assert conn.execute("SELECT outbox.inbox_fail(%s, %s, 'timeout')", first[1:]).fetchone()
+        assert conn.execute(renew, first[1:]).fetchone() == (False,)
+        lease = "SELECT lease_expires_at FROM outbox.inbox WHERE id = %s"
+        assert conn.execute(lease, (first[1],)).fetchone() == (None,)
+        again = conn.execute(claim).fetchone()
+    assert again is not None and (again[0], again[1]) == ("reclaimed", first[1])
+    assert again[2] != first[2]  # a new token fences the first claim's late writes

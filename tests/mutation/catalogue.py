@@ -1611,6 +1611,15 @@ MUTANTS: tuple[Mutant, ...] = (
         + "test_a_record_from_before_the_sender_named_its_origin_answers_its_redelivery",
     ),
     _one(
+        "inbox-renewal-takes-back-a-failed-claim",
+        'a renewal after inbox_fail sets a lease again: the next delivery hears "in progress" '
+        "until it runs out, though no worker holds the claim",
+        "sql/0047_a_failed_claim_stays_handed_back.sql",
+        "      AND i.lease_expires_at IS NOT NULL;",
+        "      AND true;",
+        EXTERNAL_TESTS + "::test_a_claim_handed_back_is_not_taken_back_by_a_late_renewal",
+    ),
+    _one(
         "inbox-alias-unlocked",
         "a delivery that names its origin locks its own key, not the bare operation key: it "
         "misses an older sender's delivery still in its transaction and runs a second time",
