@@ -232,12 +232,12 @@ TO outbox_operator;
 -- sql/0042, which fence every record by its token and refuse a 5xx; no table privilege, so its
 -- credential cannot delete a record (the next delivery would run again) nor write another's.
 GRANT EXECUTE ON FUNCTION
-    outbox.inbox_begin(text, text, text, text, bytea, interval, interval, text, bytea, text, text,
+    outbox.inbox_begin(text, text, text, text, bytea, interval, interval, uuid, bytea, text, text,
                        text),
     outbox.inbox_complete(bigint, uuid, integer, jsonb, bytea),
     outbox.inbox_prune(integer),
     -- External mode: the claim, its heartbeat and its failure.
-    outbox.inbox_claim(text, text, text, text, bytea, interval, integer, interval, text, bytea,
+    outbox.inbox_claim(text, text, text, text, bytea, interval, integer, interval, uuid, bytea,
                        text, text, text),
     outbox.inbox_renew(bigint, uuid, interval),
     outbox.inbox_fail(bigint, uuid, text),

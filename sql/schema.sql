@@ -1,5 +1,5 @@
 -- sql/schema.sql: the outbox schema as the migrations of sql/ leave it
--- (every migration up to 0047_a_failed_claim_stays_handed_back).
+-- (every migration up to 0048_the_origin_is_part_of_the_identity).
 --
 -- GENERATED FILE: DO NOT EDIT IT BY HAND. It is regenerated, after adding a migration, by
 --     python -m outbox.db.schema_dump --dsn postgresql://postgres@127.0.0.1:5432/postgres --output sql/schema.sql
@@ -147,7 +147,8 @@ COMMENT ON TABLE outbox.enqueue_allowances IS 'What each tenant may enqueue: ten
 
 -- =================================================================================================
 -- table outbox.inbox
--- history: created by 0042_inbox; changed by 0046_the_inbox_checks_the_senders_fingerprint
+-- history: created by 0042_inbox; changed by 0046_the_inbox_checks_the_senders_fingerprint,
+--     0048_the_origin_is_part_of_the_identity
 
 CREATE TABLE outbox.inbox (
     id               bigint NOT NULL GENERATED ALWAYS AS IDENTITY,
@@ -169,8 +170,9 @@ CREATE TABLE outbox.inbox (
     completed_at     timestamp with time zone,
     expires_at       timestamp with time zone NOT NULL,
     fingerprint      bytea,
+    origin           uuid DEFAULT '00000000-0000-0000-0000-000000000000'::uuid NOT NULL,
     CONSTRAINT inbox_pkey PRIMARY KEY (id),
-    CONSTRAINT inbox_identity UNIQUE (tenant_id, handler, key),
+    CONSTRAINT inbox_identity UNIQUE (tenant_id, handler, key, origin),
     CONSTRAINT inbox_completed_has_outcome CHECK (((state <> 'completed'::text) OR ((completed_at IS NOT NULL) AND (response_status IS NOT NULL)))),
     CONSTRAINT inbox_last_error_bounded CHECK ((char_length(last_error) <= 200)),
     CONSTRAINT inbox_lease_only_external CHECK (((lease_expires_at IS NULL) OR (mode = 'external'::text))),
@@ -1681,10 +1683,10 @@ $function$;
 -- privileges: the owner's only
 
 -- =================================================================================================
--- function outbox.inbox_begin(text,text,text,text,bytea,interval,interval,text,bytea,text,text,text)
--- history: created by 0046_the_inbox_checks_the_senders_fingerprint
+-- function outbox.inbox_begin(text,text,text,text,bytea,interval,interval,uuid,bytea,text,text,text)
+-- history: created by 0048_the_origin_is_part_of_the_identity
 
-CREATE OR REPLACE FUNCTION outbox.inbox_begin(tenant_id text, handler text, key text, body_json text, body_raw bytea, wait interval, retention interval, alias text DEFAULT NULL::text, fingerprint bytea DEFAULT NULL::bytea, provider text DEFAULT NULL::text, action text DEFAULT NULL::text, ordering_key text DEFAULT NULL::text, OUT decision text, OUT inbox_id bigint, OUT token uuid, OUT response_status integer, OUT response_headers jsonb, OUT response_body bytea)
+CREATE OR REPLACE FUNCTION outbox.inbox_begin(tenant_id text, handler text, key text, body_json text, body_raw bytea, wait interval, retention interval, origin uuid DEFAULT NULL::uuid, fingerprint bytea DEFAULT NULL::bytea, provider text DEFAULT NULL::text, action text DEFAULT NULL::text, ordering_key text DEFAULT NULL::text, OUT decision text, OUT inbox_id bigint, OUT token uuid, OUT response_status integer, OUT response_headers jsonb, OUT response_body bytea)
  RETURNS record
  LANGUAGE plpgsql
  SECURITY DEFINER
@@ -1693,6 +1695,7 @@ AS $function$
 DECLARE
     v_digest      bytea;
     v_fingerprint bytea;
+    v_origin      uuid := coalesce(origin, outbox.unnamed_origin());
     v_lock        integer;
     r             outbox.inbox;
 BEGIN
@@ -1701,13 +1704,11 @@ BEGIN
     v_digest := outbox.inbox_admit(tenant_id, handler, key, body_json, body_raw);
     IF fingerprint IS NOT NULL THEN  -- no call at all for a delivery that brings none
         v_fingerprint := outbox.inbox_fingerprint(body_json, fingerprint, provider, action,
-                                                  ordering_key);
+                                                  ordering_key, body_raw);
     END IF;
-    IF alias IS NOT NULL THEN
-        PERFORM outbox.check_text('alias', alias, 512);
-    END IF;
-    -- The lock of the alias where there is one: both keys of one operation take the same.
-    v_lock := hashtext(tenant_id || E'\n' || handler || E'\n' || coalesce(alias, key));
+    -- The lock of the key, whatever the origin: a delivery from a sender that names it and one
+    -- from a sender that does not must not both miss the other's uncommitted record.
+    v_lock := hashtext(tenant_id || E'\n' || handler || E'\n' || key);
     -- Nested, not AND: SQL does not promise to evaluate the cheap test first.
     IF NOT pg_try_advisory_xact_lock(2828, v_lock) THEN  -- 2828 = 0x0B0C
         IF NOT outbox.inbox_wait_lock(v_lock, wait) THEN
@@ -1719,13 +1720,11 @@ BEGIN
 
     -- A record deleted between the INSERT and the SELECT (pruned or forgotten): try again.
     FOR attempt IN 1..3 LOOP
-        IF alias IS NOT NULL THEN
-            r := outbox.inbox_of_alias(tenant_id, handler, alias, false);
-        END IF;
+        r := outbox.inbox_of_operation(tenant_id, handler, key, v_origin, v_digest, false);
         IF r.id IS NULL THEN
-            INSERT INTO outbox.inbox AS i (tenant_id, handler, key, state, body_digest,
+            INSERT INTO outbox.inbox AS i (tenant_id, handler, key, origin, state, body_digest,
                                            fingerprint, token, expires_at)
-            VALUES (tenant_id, handler, key, 'in_progress', v_digest, v_fingerprint,
+            VALUES (tenant_id, handler, key, v_origin, 'in_progress', v_digest, v_fingerprint,
                     gen_random_uuid(), now() + retention)
             ON CONFLICT ON CONSTRAINT inbox_identity DO NOTHING
             RETURNING i.id, i.token INTO inbox_id, token;
@@ -1735,7 +1734,7 @@ BEGIN
             END IF;
             SELECT * INTO r FROM outbox.inbox i
             WHERE i.tenant_id = inbox_begin.tenant_id AND i.handler = inbox_begin.handler
-              AND i.key = inbox_begin.key;
+              AND i.key = inbox_begin.key AND i.origin = v_origin;
             CONTINUE WHEN NOT FOUND;
         END IF;
         inbox_id := r.id;
@@ -1761,10 +1760,10 @@ $function$;
 -- privileges: the owner's only
 
 -- =================================================================================================
--- function outbox.inbox_claim(text,text,text,text,bytea,interval,integer,interval,text,bytea,text,text,text)
--- history: created by 0046_the_inbox_checks_the_senders_fingerprint
+-- function outbox.inbox_claim(text,text,text,text,bytea,interval,integer,interval,uuid,bytea,text,text,text)
+-- history: created by 0048_the_origin_is_part_of_the_identity
 
-CREATE OR REPLACE FUNCTION outbox.inbox_claim(tenant_id text, handler text, key text, body_json text, body_raw bytea, lease interval, max_claims integer, retention interval, alias text DEFAULT NULL::text, fingerprint bytea DEFAULT NULL::bytea, provider text DEFAULT NULL::text, action text DEFAULT NULL::text, ordering_key text DEFAULT NULL::text, OUT decision text, OUT inbox_id bigint, OUT token uuid, OUT claims integer, OUT downstream_key text, OUT retry_after interval, OUT response_status integer, OUT response_headers jsonb, OUT response_body bytea)
+CREATE OR REPLACE FUNCTION outbox.inbox_claim(tenant_id text, handler text, key text, body_json text, body_raw bytea, lease interval, max_claims integer, retention interval, origin uuid DEFAULT NULL::uuid, fingerprint bytea DEFAULT NULL::bytea, provider text DEFAULT NULL::text, action text DEFAULT NULL::text, ordering_key text DEFAULT NULL::text, OUT decision text, OUT inbox_id bigint, OUT token uuid, OUT claims integer, OUT downstream_key text, OUT retry_after interval, OUT response_status integer, OUT response_headers jsonb, OUT response_body bytea)
  RETURNS record
  LANGUAGE plpgsql
  SECURITY DEFINER
@@ -1773,6 +1772,7 @@ AS $function$
 DECLARE
     v_digest      bytea;
     v_fingerprint bytea;
+    v_origin      uuid := coalesce(origin, outbox.unnamed_origin());
     v_lock        integer;
     r             outbox.inbox;
 BEGIN
@@ -1782,13 +1782,10 @@ BEGIN
     v_digest := outbox.inbox_admit(tenant_id, handler, key, body_json, body_raw);
     IF fingerprint IS NOT NULL THEN  -- no call at all for a delivery that brings none
         v_fingerprint := outbox.inbox_fingerprint(body_json, fingerprint, provider, action,
-                                                  ordering_key);
-    END IF;
-    IF alias IS NOT NULL THEN
-        PERFORM outbox.check_text('alias', alias, 512);
+                                                  ordering_key, body_raw);
     END IF;
     -- Claims hold it for their one statement: a minute is far past any of them.
-    v_lock := hashtext(tenant_id || E'\n' || handler || E'\n' || coalesce(alias, key));
+    v_lock := hashtext(tenant_id || E'\n' || handler || E'\n' || key);
     IF NOT pg_try_advisory_xact_lock(2828, v_lock) THEN
         IF NOT outbox.inbox_wait_lock(v_lock, interval '1 minute') THEN
             decision := 'in_progress';
@@ -1798,30 +1795,29 @@ BEGIN
     END IF;
 
     FOR attempt IN 1..3 LOOP
-        IF alias IS NOT NULL THEN
-            r := outbox.inbox_of_alias(tenant_id, handler, alias, true);
-        END IF;
+        r := outbox.inbox_of_operation(tenant_id, handler, key, v_origin, v_digest, true);
         IF r.id IS NULL THEN
-            INSERT INTO outbox.inbox AS i (tenant_id, handler, key, mode, state, body_digest,
-                                           fingerprint, token, lease_expires_at, expires_at)
-            VALUES (tenant_id, handler, key, 'external', 'in_progress', v_digest, v_fingerprint,
-                    gen_random_uuid(), now() + lease, now() + retention)
+            INSERT INTO outbox.inbox AS i (tenant_id, handler, key, origin, mode, state,
+                                           body_digest, fingerprint, token, lease_expires_at,
+                                           expires_at)
+            VALUES (tenant_id, handler, key, v_origin, 'external', 'in_progress', v_digest,
+                    v_fingerprint, gen_random_uuid(), now() + lease, now() + retention)
             ON CONFLICT ON CONSTRAINT inbox_identity DO NOTHING
             RETURNING i.id, i.token, i.claims INTO inbox_id, token, claims;
             IF inbox_id IS NOT NULL THEN
                 decision := 'new';
-                downstream_key := outbox.inbox_downstream_key(tenant_id, handler, key);
+                downstream_key := outbox.inbox_downstream_key(tenant_id, handler, key, v_origin);
                 RETURN;
             END IF;
             SELECT * INTO r FROM outbox.inbox i
             WHERE i.tenant_id = inbox_claim.tenant_id AND i.handler = inbox_claim.handler
-              AND i.key = inbox_claim.key
+              AND i.key = inbox_claim.key AND i.origin = v_origin
             FOR UPDATE;
             CONTINUE WHEN NOT FOUND;
         END IF;
         inbox_id := r.id;
         claims := r.claims;
-        downstream_key := outbox.inbox_downstream_key(r.tenant_id, r.handler, r.key);
+        downstream_key := outbox.inbox_downstream_key(r.tenant_id, r.handler, r.key, r.origin);
         IF r.body_digest <> v_digest OR r.fingerprint <> v_fingerprint THEN
             PERFORM outbox.inbox_count_conflict(r.id, v_digest);
             decision := 'conflict';
@@ -1933,17 +1929,22 @@ COMMENT ON FUNCTION outbox.inbox_count_conflict(bigint,bytea) IS 'Counts a confl
 -- privileges: the owner's only
 
 -- =================================================================================================
--- function outbox.inbox_downstream_key(text,text,text)
--- history: created by 0046_the_inbox_checks_the_senders_fingerprint
+-- function outbox.inbox_downstream_key(text,text,text,uuid)
+-- history: created by 0048_the_origin_is_part_of_the_identity
 
-CREATE OR REPLACE FUNCTION outbox.inbox_downstream_key(tenant_id text, handler text, key text)
+CREATE OR REPLACE FUNCTION outbox.inbox_downstream_key(tenant_id text, handler text, key text, origin uuid)
  RETURNS text
  LANGUAGE sql
  STABLE
  SET search_path TO 'pg_catalog', 'pg_temp'
 AS $function$
     SELECT 'ib1_' || encode(sha256(s.key_secret || sha256(s.key_secret || convert_to(
-               jsonb_build_array(tenant_id, handler, key)::text, 'UTF8'))), 'hex')
+               -- Qualified: outbox.installation has an origin of its own (0045).
+               CASE WHEN inbox_downstream_key.origin = outbox.unnamed_origin()
+                    THEN jsonb_build_array(tenant_id, handler, key)
+                    ELSE jsonb_build_array(tenant_id, handler, key,
+                                           inbox_downstream_key.origin::text) END::text,
+               'UTF8'))), 'hex')
     FROM outbox.installation s
 $function$;
 -- privileges: the owner's only
@@ -1968,10 +1969,10 @@ $function$;
 -- privileges: the owner's only
 
 -- =================================================================================================
--- function outbox.inbox_fingerprint(text,bytea,text,text,text)
--- history: created by 0046_the_inbox_checks_the_senders_fingerprint
+-- function outbox.inbox_fingerprint(text,bytea,text,text,text,bytea)
+-- history: created by 0048_the_origin_is_part_of_the_identity
 
-CREATE OR REPLACE FUNCTION outbox.inbox_fingerprint(body_json text, fingerprint bytea, provider text, action text, ordering_key text)
+CREATE OR REPLACE FUNCTION outbox.inbox_fingerprint(body_json text, fingerprint bytea, provider text, action text, ordering_key text, body_raw bytea)
  RETURNS bytea
  LANGUAGE plpgsql
  IMMUTABLE
@@ -1983,15 +1984,19 @@ BEGIN
     IF fingerprint IS NULL THEN
         RETURN NULL;
     END IF;
-    IF body_json IS NOT NULL AND provider IS NOT NULL AND action IS NOT NULL THEN
+    IF provider IS NOT NULL AND action IS NOT NULL AND body_json IS NOT NULL THEN
         v_computed := sha256(convert_to(provider || E'\n' || action || E'\n'
                                         || body_json::jsonb::text
                                         || coalesce(E'\n' || ordering_key, ''), 'UTF8'));
+    ELSIF provider IS NOT NULL AND action IS NOT NULL AND body_raw IS NOT NULL THEN
+        v_computed := sha256(convert_to(provider || E'\n' || action || E'\n', 'UTF8')
+                             || body_raw
+                             || convert_to(coalesce(E'\n' || ordering_key, ''), 'UTF8'));
     END IF;
     IF v_computed IS DISTINCT FROM fingerprint THEN
         RAISE EXCEPTION 'the body is not the one its sender enqueued: its fingerprint differs'
             USING ERRCODE = 'OB007',
-                  HINT = 'A proxy may have re-encoded the JSON body; outbox sends it as stored.';
+                  HINT = 'A proxy may have re-encoded the body; outbox sends it as stored.';
     END IF;
     RETURN fingerprint;
 END;
@@ -2053,28 +2058,38 @@ $function$;
 -- privileges: the owner's only
 
 -- =================================================================================================
--- function outbox.inbox_of_alias(text,text,text,boolean)
--- history: created by 0046_the_inbox_checks_the_senders_fingerprint
+-- function outbox.inbox_of_operation(text,text,text,uuid,bytea,boolean)
+-- history: created by 0048_the_origin_is_part_of_the_identity
 
-CREATE OR REPLACE FUNCTION outbox.inbox_of_alias(tenant_id text, handler text, alias text, for_update boolean)
+CREATE OR REPLACE FUNCTION outbox.inbox_of_operation(tenant_id text, handler text, key text, origin uuid, digest bytea, for_update boolean)
  RETURNS outbox.inbox
  LANGUAGE plpgsql
  SET search_path TO 'pg_catalog', 'pg_temp'
 AS $function$
 DECLARE
-    r outbox.inbox;
+    v_unnamed uuid := outbox.unnamed_origin();
+    r         outbox.inbox;
 BEGIN
-    IF for_update THEN
-        SELECT * INTO r FROM outbox.inbox i
-        WHERE i.tenant_id = inbox_of_alias.tenant_id AND i.handler = inbox_of_alias.handler
-          AND i.key = alias
-        FOR UPDATE;
-    ELSE
-        SELECT * INTO r FROM outbox.inbox i
-        WHERE i.tenant_id = inbox_of_alias.tenant_id AND i.handler = inbox_of_alias.handler
-          AND i.key = alias;
+    IF left(key, 3) <> 'op:' THEN
+        RETURN NULL;  -- the INSERT finds this origin's record; only operations cross over
     END IF;
-    RETURN r;
+    FOR r IN
+        SELECT * FROM outbox.inbox i
+        WHERE i.tenant_id = inbox_of_operation.tenant_id
+          AND i.handler = inbox_of_operation.handler AND i.key = inbox_of_operation.key
+          AND (i.origin = inbox_of_operation.origin
+               OR (i.body_digest = digest
+                   AND (i.origin = v_unnamed) <> (inbox_of_operation.origin = v_unnamed)))
+        ORDER BY i.origin <> inbox_of_operation.origin, i.id
+        LIMIT 1
+    LOOP
+        IF for_update THEN
+            PERFORM FROM outbox.inbox i WHERE i.id = r.id FOR UPDATE;
+            SELECT * INTO r FROM outbox.inbox i WHERE i.id = r.id;
+        END IF;
+        RETURN r;
+    END LOOP;
+    RETURN NULL;
 END;
 $function$;
 -- privileges: the owner's only
@@ -3595,6 +3610,18 @@ BEGIN
     RETURNING o.id;
 END;
 $function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.unnamed_origin()
+-- history: created by 0048_the_origin_is_part_of_the_identity
+
+CREATE OR REPLACE FUNCTION outbox.unnamed_origin()
+ RETURNS uuid
+ LANGUAGE sql
+ IMMUTABLE
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$ SELECT '00000000-0000-0000-0000-000000000000'::uuid $function$;
 -- privileges: the owner's only
 
 -- =================================================================================================

@@ -25,9 +25,9 @@ from outbox.oncall.text_tables import render_table
 
 MAX_SELECTED = 10_000
 SHOWN = (  # what `show` prints of a record, in this order
-    "id", "tenant_id", "handler", "key", "mode", "state", "response_status", "body_digest",
-    "fingerprint", "claims", "last_error", "lease_expires_at", "abandoned_at", "created_at",
-    "completed_at", "expires_at",
+    "id", "tenant_id", "handler", "key", "origin", "mode", "state", "response_status",
+    "body_digest", "fingerprint", "claims", "last_error", "lease_expires_at", "abandoned_at",
+    "created_at", "completed_at", "expires_at",
 )  # fmt: skip  # forget by filters acts on at most this many records per run
 
 

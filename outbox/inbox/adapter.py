@@ -32,7 +32,7 @@ from outbox.inbox.http import (
     KeyFrom,
     MissingIdentity,
     TenantFrom,
-    fingerprint_of,
+    identity_of,
     problem,
     replay,
     stored_headers,
@@ -185,7 +185,7 @@ class HTTPAdapter(Generic[AppT, InboxT]):
     def identity(self, headers: Headers, body: bytes, handler: str, span: Any) -> Identity:
         """The delivery's identity (MissingIdentity when it has none), shown on its span."""
         key = self.key.read(headers, body)
-        identity = Identity(self.tenant.read(headers), handler, key, fingerprint_of(headers))
+        identity = identity_of(self.tenant.read(headers), handler, key, headers)
         tracing.annotate(span, traced(identity))
         return identity
 

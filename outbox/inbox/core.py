@@ -10,7 +10,6 @@ so the sender's redelivery runs the handler again, once.
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, suppress
@@ -34,8 +33,6 @@ if TYPE_CHECKING:
 # database failed": data exceptions (a body that is not JSON PostgreSQL can store: 22P02, 22P05),
 # program limits (a body nested too deep: 54001) and outbox's own refusals of an identity (OB002).
 _MALFORMED: Final = ("22", "54", "OB")
-# outbox's key of an operation that names its sender's database: op:<origin>:<operation id>.
-_ORIGIN_KEY: Final = re.compile(r"op:[0-9a-f]{8}(?:-[0-9a-f]{4}){3}-[0-9a-f]{12}:([0-9]{1,19})")
 
 
 # Database trouble a redelivery may not meet: answered "try again shortly", nothing recorded.
@@ -66,6 +63,10 @@ class Identity:
     tenant_id: str
     handler: str
     key: str
+    # The database that sent an operation (Outbox-Origin, sql/0045): operation ids are per
+    # database, so two databases' operation 7 are two deliveries. None: not named (an older
+    # sender, or a key that is not an operation's).
+    origin: str | None = None
     # What the sender says the body is (outbox's Outbox-Fingerprint), checked by the database:
     # not part of who the delivery is, so two copies of it are one identity whatever they say.
     sent: Fingerprint | None = field(default=None, compare=False)
@@ -293,19 +294,12 @@ def body_params(identity: Identity, body: bytes, is_json: bool) -> dict[str, Any
         "key": identity.key,
         "body_json": body_json,
         "body_raw": None if is_json else body,
-        "alias": alias_of(identity.key),
+        "origin": identity.origin,
         "fingerprint": None if sent is None else sent.digest,
         "provider": None if sent is None else sent.provider,
         "action": None if sent is None else sent.action,
         "ordering_key": None if sent is None else sent.ordering_key,
     }
-
-
-def alias_of(key: str) -> str | None:
-    """The key a record of this delivery had before its sender named its origin (sql/0046):
-    ``op:<id>`` for ``op:<origin>:<id>``."""
-    match = _ORIGIN_KEY.fullmatch(key)
-    return None if match is None else f"op:{match.group(1)}"
 
 
 def outcome_params(inbox_id: int | None, token: Any, outcome: Outcome) -> dict[str, Any]:

@@ -65,6 +65,9 @@ NEVER_STORED: Final = frozenset(
 _SF_STRING: Final = re.compile(r'"((?:[^"\\]|\\["\\])*)"')
 _DIGITS: Final = re.compile(r"[0-9]{1,19}")
 _UUID: Final = re.compile(r"[0-9a-f]{8}(?:-[0-9a-f]{4}){3}-[0-9a-f]{12}")
+# What the inbox stores for a sender that names no origin (outbox.unnamed_origin(), sql/0048):
+# never a sender's own.
+_UNNAMED: Final = "00000000-0000-0000-0000-000000000000"
 # Outbox-Fingerprint (outbox.providers.kit.intent_headers): ":<base64>:" then parameters.
 _PARAM_TEXT: Final = r';([a-z*][a-z0-9_.*-]*)="((?:[^"\\]|\\["\\])*)"'
 _PARAM: Final = re.compile(_PARAM_TEXT)
@@ -98,13 +101,13 @@ def stored_headers(
 @dataclass(frozen=True)
 class KeyFrom:
     """Where a delivery's key comes from. ``auto`` (the default) takes outbox's own identity,
-    the operation (``Outbox-Operation-Id``) of the database that sent it (``Outbox-Origin``,
-    where the sender names it: operation ids are per database), so that every key generation of
-    one operation, ``reconcile retry`` included, finds one record; else the ``Idempotency-Key``
-    header; else the task name Cloud Tasks sends (``X-CloudTasks-TaskName``), the same on every
-    retry. ``header`` reads another header, ``json_pointer`` a member of the JSON body. Each
-    source's prefix (``op:``, ``key:``, ``task:``, ``ptr:``, ``msg:``) keeps keys of different
-    sources apart."""
+    the operation (``Outbox-Operation-Id``; the database that sent it, ``Outbox-Origin``, is a
+    part of the identity too: identity_of), so that every key generation of one operation,
+    ``reconcile retry`` included, finds one record; else the ``Idempotency-Key`` header; else
+    the task name Cloud Tasks sends (``X-CloudTasks-TaskName``), the same on every retry.
+    ``header`` reads another header, ``json_pointer`` a member of the JSON body. Each source's
+    prefix (``op:``, ``key:``, ``task:``, ``ptr:``, ``msg:``) keeps keys of different sources
+    apart."""
 
     source: KeySource
 
@@ -120,7 +123,7 @@ class KeyFrom:
         def read(headers: Headers, body: bytes) -> str | None:
             operation = headers.get("outbox-operation-id")
             if operation is not None and _DIGITS.fullmatch(operation):
-                return f"op:{origin_of(headers)}{int(operation)}"
+                return f"op:{int(operation)}"
             found = _header_key(headers, "idempotency-key")
             if found is None and (task := headers.get("x-cloudtasks-taskname")):
                 return f"task:{task}"
@@ -181,15 +184,23 @@ class TenantFrom:
         return TenantFrom(lambda headers: tenant_id)
 
 
-def origin_of(headers: Headers) -> str:
-    """``<origin>:`` for a delivery whose sender names its database (``Outbox-Origin``, a UUID),
-    else nothing. MissingIdentity for one that names it unreadably: its key would be a guess."""
+def identity_of(tenant_id: str, handler: str, key: str, headers: Headers) -> Identity:
+    """The identity of a delivery: for an operation's key (``op:``), the database that sent it
+    (``Outbox-Origin``), and what its sender says the body is (``Outbox-Fingerprint``)."""
+    origin = origin_of(headers) if key.startswith("op:") else None
+    return Identity(tenant_id, handler, key, origin, fingerprint_of(headers))
+
+
+def origin_of(headers: Headers) -> str | None:
+    """The database a delivery's sender names (``Outbox-Origin``, a UUID), lower-case, or None.
+    MissingIdentity for one it names unreadably: which operation it is would be a guess."""
     origin = headers.get("outbox-origin")
     if origin is None:
-        return ""
-    if not _UUID.fullmatch(origin.strip().lower()):
+        return None
+    normal = origin.strip().lower()
+    if not _UUID.fullmatch(normal) or normal == _UNNAMED:
         raise MissingIdentity("Outbox-Origin is not a UUID")
-    return f"{origin.strip().lower()}:"
+    return normal
 
 
 def fingerprint_of(headers: Headers) -> Fingerprint | None:

@@ -28,7 +28,7 @@ from outbox.inbox.core import (
     Outcome,
 )
 from outbox.inbox.external import RUNS, Claim, LeaseLost
-from outbox.inbox.http import KeyFrom, MissingIdentity, TenantFrom, fingerprint_of, traced
+from outbox.inbox.http import KeyFrom, MissingIdentity, TenantFrom, identity_of, traced
 from outbox.observability import tracing
 
 # What a queue handler's outcome is recorded as: a success, or a refusal (Refuse).
@@ -121,9 +121,7 @@ class Consumer:
     async def _identified(self, headers: Mapping[str, str], body: bytes, span: Any) -> Settled:
         try:
             key = self.key.read(headers, body)
-            identity = Identity(
-                self.tenant.read(headers), self.handler, key, fingerprint_of(headers)
-            )
+            identity = identity_of(self.tenant.read(headers), self.handler, key, headers)
             tracing.annotate(span, traced(identity))
             return await self._decide(identity, body)
         except (MissingIdentity, InvalidDelivery) as exc:

@@ -7,11 +7,11 @@ from typing import Final
 
 # The first statement of a delivery: decides new, replayed, conflict or in progress, binding
 # the transaction to the delivery's tenant; checks the body against the sender's fingerprint
-# and finds a record under the key's alias (sql/0046). Relies on: outbox.inbox_begin().
+# and finds the record of the sender's database (sql/0046, 0048). Relies on: outbox.inbox_begin().
 BEGIN: Final = (
     "SELECT decision, inbox_id, token, response_status, response_headers, response_body"
     " FROM outbox.inbox_begin(%(tenant_id)s, %(handler)s, %(key)s, %(body_json)s,"
-    " %(body_raw)s, %(wait)s, %(retention)s, %(alias)s, %(fingerprint)s, %(provider)s,"
+    " %(body_raw)s, %(wait)s, %(retention)s, %(origin)s, %(fingerprint)s, %(provider)s,"
     " %(action)s, %(ordering_key)s)"
 )
 
@@ -67,7 +67,8 @@ LIMIT %(limit)s
 
 # One record, with its stored response.
 SHOW: Final = """
-SELECT i.id, i.tenant_id, i.handler, i.key, i.mode, i.state,
+SELECT i.id, i.tenant_id, i.handler, i.key,
+       nullif(i.origin, '00000000-0000-0000-0000-000000000000')::text AS origin, i.mode, i.state,
        encode(i.body_digest, 'hex') AS body_digest, encode(i.fingerprint, 'hex') AS fingerprint,
        i.response_status, i.response_headers,
        i.response_body, i.claims, i.last_error, i.lease_expires_at, i.abandoned_at, i.created_at,
@@ -99,7 +100,7 @@ CLAIM: Final = (
     "SELECT decision, inbox_id, token, claims, downstream_key, retry_after, response_status,"
     " response_headers, response_body FROM outbox.inbox_claim(%(tenant_id)s, %(handler)s,"
     " %(key)s, %(body_json)s, %(body_raw)s, %(lease)s, %(max_claims)s, %(retention)s,"
-    " %(alias)s, %(fingerprint)s, %(provider)s, %(action)s, %(ordering_key)s)"
+    " %(origin)s, %(fingerprint)s, %(provider)s, %(action)s, %(ordering_key)s)"
 )
 # Relies on: outbox.inbox_renew(), outbox.inbox_fail(), outbox.bind_tenant().
 RENEW: Final = "SELECT outbox.inbox_renew(%(inbox_id)s, %(token)s, %(lease)s)"

@@ -90,7 +90,7 @@ def test_a_seeded_chain_with_kills_loses_and_doubles_no_invoice(
     per_operation = count(
         db_url,
         "SELECT count(*) FROM outbox.operations o JOIN outbox.inbox i"
-        " ON i.key = 'op:' || outbox.origin() || ':' || o.id AND i.tenant_id = o.tenant_id"
+        " ON i.key = 'op:' || o.id AND i.origin = outbox.origin() AND i.tenant_id = o.tenant_id"
         " AND i.state = 'completed' AND i.fingerprint = o.fingerprint",
     )
     assert per_operation == OPERATIONS, said

@@ -87,7 +87,7 @@ async def test_a_seeded_chain_through_each_broker_with_kills_loses_and_doubles_n
     # fingerprint enqueue stored: the consumer checked each body against it.
     completed = (
         "SELECT count(*) FROM outbox.operations o JOIN outbox.inbox i"
-        " ON i.key = 'op:' || outbox.origin() || ':' || o.id AND i.tenant_id = o.tenant_id"
+        " ON i.key = 'op:' || o.id AND i.origin = outbox.origin() AND i.tenant_id = o.tenant_id"
         " AND i.state = 'completed' AND i.fingerprint = o.fingerprint"
     )
     assert count(db_url, completed) == OPERATIONS, said

@@ -206,7 +206,8 @@ def test_a_claim_handed_back_is_not_taken_back_by_a_late_renewal(db_url: str) ->
         assert first is not None and first[0] == "new"
         renew = "SELECT outbox.inbox_renew(%s, %s, '1 min')"
         assert conn.execute(renew, first[1:]).fetchone() == (True,)
-        assert conn.execute("SELECT outbox.inbox_fail(%s, %s, 'timeout')", first[1:]).fetchone()
+        fail = "SELECT outbox.inbox_fail(%s, %s, 'timeout')"
+        assert conn.execute(fail, first[1:]).fetchone() == (True,)
         assert conn.execute(renew, first[1:]).fetchone() == (False,)
         lease = "SELECT lease_expires_at FROM outbox.inbox WHERE id = %s"
         assert conn.execute(lease, (first[1],)).fetchone() == (None,)

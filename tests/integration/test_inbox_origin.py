@@ -97,48 +97,79 @@ async def test_operations_of_two_databases_with_one_id_are_two_deliveries(
     assert [a.status_code for a in answers] == [201] * 4
     assert decisions == ["new", "new", "replayed", "replayed"]
     assert (count(db_url, EFFECTS), count(db_url, RECORDS)) == (2, 2)
-    keys = {k for (k,) in rows(db_url, "SELECT key FROM outbox.inbox")}
-    assert keys == {f"op:{first}:7", f"op:{second}:7"}
+    identities = set(rows(db_url, "SELECT key, origin::text FROM outbox.inbox"))
+    assert identities == {("op:7", first), ("op:7", second)}
 
 
 @MODES
-async def test_a_record_from_before_the_sender_named_its_origin_answers_its_redelivery(
+async def test_a_record_from_either_side_of_an_upgrade_answers_the_other_sides_redelivery(
     db_url: str, pool: AsyncConnectionPool[Any], external: bool
 ) -> None:
-    """A rolling upgrade: an older dispatcher delivered operation 7 (no origin) and the worker
-    recorded it; its retry comes from an upgraded one, with the origin. The retry finds the
-    record under its alias and replays it: one effect, one record."""
+    """A rolling upgrade, both ways round. An older dispatcher delivered operation 7 (no
+    origin) and its retry comes from an upgraded one (with it); an upgraded one delivered
+    operation 8 and its retry comes from an older one, or a message published before the
+    upgrade. Each retry finds the other side's record of the same operation (same body) and
+    replays it: one effect and one record per operation."""
     origin = str(uuid.uuid4())
     body = json.dumps({"n": 1})
     async with client(app_with(Inbox(pool), created, external=external)) as c:
-        old = await c.post("/work", content=body, headers=operation_headers(7, origin=None))
-        new = await c.post("/work", content=body, headers=operation_headers(7, origin=origin))
-        changed = await c.post(
-            "/work", content=json.dumps({"n": 2}), headers=operation_headers(7, origin=origin)
-        )
-    assert (old.status_code, new.status_code) == (201, 201)
-    assert new.headers["Outbox-Inbox-Decision"] == "replayed"
-    assert changed.status_code == 422  # the alias's record is the one compared against
-    assert (count(db_url, EFFECTS), count(db_url, RECORDS)) == (1, 1)
+        answers = [
+            await c.post("/work", content=body, headers=operation_headers(n, origin=o))
+            for n, o in ((7, None), (7, origin), (8, origin), (8, None))
+        ]
+    decisions = [a.headers["Outbox-Inbox-Decision"] for a in answers]
+    assert [a.status_code for a in answers] == [201] * 4
+    assert decisions == ["new", "replayed", "new", "replayed"]
+    assert (count(db_url, EFFECTS), count(db_url, RECORDS)) == (2, 2)
 
 
-async def test_a_claim_found_under_its_alias_keeps_its_downstream_key(
-    db_url: str, pool: AsyncConnectionPool[Any]
+@MODES
+async def test_another_databases_operation_from_before_the_upgrade_is_not_this_one(
+    db_url: str, pool: AsyncConnectionPool[Any], external: bool
+) -> None:
+    """Database A's operation 7 was recorded before A named its origin; database B's operation
+    7, with another body, arrives with B's origin. One operation never changes its body, so
+    A's record is not B's operation: B's runs (it was a conflict, never run, when the key was
+    the id alone). Unnamed deliveries keep their own record: A's retry still replays."""
+    body_a, body_b = json.dumps({"for": "a"}), json.dumps({"for": "b"})
+    b = str(uuid.uuid4())
+    async with client(app_with(Inbox(pool), created, external=external)) as c:
+        first = await c.post("/work", content=body_a, headers=operation_headers(7, origin=None))
+        other = await c.post("/work", content=body_b, headers=operation_headers(7, origin=b))
+        again = await c.post("/work", content=body_a, headers=operation_headers(7, origin=None))
+    assert (first.status_code, other.status_code, again.status_code) == (201, 201, 201)
+    assert other.headers["Outbox-Inbox-Decision"] == "new"
+    assert again.headers["Outbox-Inbox-Decision"] == "replayed"
+    assert (count(db_url, EFFECTS), count(db_url, RECORDS)) == (2, 2)
+
+
+def test_a_claim_keeps_its_downstream_key_across_an_upgrade_and_two_databases_have_two(
+    db_url: str,
 ) -> None:
     """External mode: the first claim (no origin) failed and was handed back; the upgraded
     sender's retry reclaims the same record and is handed the same downstream key, so the
-    provider downstream still recognises the call."""
-    origin = str(uuid.uuid4())
+    provider downstream still recognises the call. Another database's operation 7 is handed
+    another key: the provider must not take it for a repeat."""
+    origin, other = uuid.uuid4(), uuid.uuid4()
+    claim = "SELECT decision, inbox_id, token, downstream_key FROM outbox.inbox_claim("
+    claim += "'acme', 'work', 'op:7', %s, NULL, '1 min', 5, '1 day', %s)"
     with psycopg.connect(db_url, autocommit=True) as conn:
-        claim = "SELECT decision, inbox_id, token, downstream_key FROM outbox.inbox_claim("
-        claim += "'acme', 'work', %s, '{}', NULL, '1 min', 5, '1 day', %s)"
-        first = conn.execute(claim, ("op:7", None)).fetchone()
+        first = conn.execute(claim, ('{"n": 1}', None)).fetchone()
         assert first is not None and first[0] == "new"
         conn.execute("SELECT outbox.inbox_fail(%s, %s, 'timeout')", (first[1], first[2]))
-        again = conn.execute(claim, (f"op:{origin}:7", "op:7")).fetchone()
-    assert again is not None
+        again = conn.execute(claim, ('{"n": 1}', origin)).fetchone()
+        elsewhere = conn.execute(claim, ('{"n": 2}', other)).fetchone()
+        # A claim with no origin is handed 0042's key: claims made before 0048 keep theirs.
+        ((before,),) = conn.execute(
+            "SELECT 'ib1_' || encode(sha256(key_secret || sha256(key_secret || convert_to("
+            "jsonb_build_array('acme', 'work', 'op:7')::text, 'UTF8'))), 'hex')"
+            " FROM outbox.installation"
+        ).fetchall()
+    assert again is not None and elsewhere is not None
     assert (again[0], again[1], again[3]) == ("reclaimed", first[1], first[3])
-    assert count(db_url, RECORDS) == 1
+    assert first[3] == before
+    assert elsewhere[0] == "new" and elsewhere[3] != first[3]
+    assert count(db_url, RECORDS) == 2
 
 
 @MODES
@@ -169,8 +200,10 @@ async def test_the_body_enqueued_is_taken_and_another_is_refused_unrecorded(
     assert [a.status_code for a in refused] == [400] * 4, [a.text for a in refused]
     assert "fingerprint" in refused[0].json()["detail"]
     assert (taken.status_code, again.headers["Outbox-Inbox-Decision"]) == (201, "replayed")
-    ((stored, key),) = rows(db_url, "SELECT fingerprint, key FROM outbox.inbox")
-    assert (bytes(stored), key) == (fingerprint, f"op:{headers['Outbox-Origin']}:{op}")
+    ((stored, key, origin),) = rows(
+        db_url, "SELECT fingerprint, key, origin::text FROM outbox.inbox"
+    )
+    assert (bytes(stored), key, origin) == (fingerprint, f"op:{op}", headers["Outbox-Origin"])
     assert count(db_url, EFFECTS) == 1
 
 
@@ -214,6 +247,14 @@ def test_the_database_refuses_a_body_unlike_its_fingerprint_with_its_own_sqlstat
         " '1 day', NULL, %s, %s, %s, %s)",
     }
     right = (text, fingerprint, "billing", "invoice.generate", "k")
+    # A receiver that reads the body as bytes checks the exact bytes (sql/0048).
+    raw = call["begin"].replace("%s, %s, NULL, '1 s'", "%s, NULL, %s, '1 s'")
+    with psycopg.connect(db_url) as conn:
+        ((decision,),) = conn.execute(raw, ("key:raw", text.encode(), *right[1:])).fetchall()
+        conn.rollback()
+        with pytest.raises(psycopg.Error) as refused:
+            conn.execute(raw, ("key:raw", text.encode() + b" ", *right[1:]))
+    assert decision == "new" and refused.value.sqlstate == SQLSTATE_INBOX_BODY_ALTERED
     wrong = [
         ('{"n": 1}', *right[1:]),
         (text, fingerprint, "billing2", "invoice.generate", "k"),

@@ -208,3 +208,34 @@ def test_0019_mends_rows_written_before_enqueue_refused_them(empty_db_url: str) 
             .fetchone()
         )
         assert row is not None and row["pending"] == 3
+
+
+def test_0048_moves_the_origin_out_of_0046s_keys(empty_db_url: str) -> None:
+    """Records 0046 keyed op:<origin>:<id> become key op:<id> with that origin; every other
+    record keeps its key, with no origin named. Each is found again by its next delivery."""
+    origin = "4cebe4fc-21b6-4c07-b313-c7510c7a24f8"
+    with psycopg.connect(empty_db_url, autocommit=True) as conn:
+        migrations.migrate(conn, target=47)
+        for key in (f"op:{origin}:7", "op:7", "key:op:x:1", f"op:{origin}:x"):
+            conn.execute(
+                "INSERT INTO outbox.inbox (tenant_id, handler, key, mode, state, body_digest,"
+                " token, lease_expires_at, expires_at) VALUES ('acme', 'work', %s, 'external',"
+                " 'in_progress', sha256('{}'), gen_random_uuid(), now() - interval '1 s',"
+                " now() + interval '1 day')",
+                (key,),
+            )
+        migrations.migrate(conn)
+        got = set(conn.execute("SELECT key, origin::text FROM outbox.inbox").fetchall())
+        unnamed = "00000000-0000-0000-0000-000000000000"
+        assert got == {
+            ("op:7", origin),
+            ("op:7", unnamed),
+            ("key:op:x:1", unnamed),
+            (f"op:{origin}:x", unnamed),
+        }
+        claim = (
+            "SELECT decision FROM outbox.inbox_claim('acme', 'work', 'op:7', '{}', NULL,"
+            " '1 min', 5, '1 day', %s)"
+        )
+        decisions = [conn.execute(claim, (o,)).fetchone() for o in (origin, None)]
+    assert decisions == [("reclaimed",), ("reclaimed",)]

@@ -82,6 +82,8 @@ INBOX_SQL = "sql/0042_inbox.sql"
 INBOX_BEGIN = "sql/0044_inbox_begin_without_a_subtransaction.sql"
 # 0046 creates inbox_begin and inbox_claim again: their mutants live there.
 INBOX_ORIGIN = "sql/0046_the_inbox_checks_the_senders_fingerprint.sql"
+# 0048 creates them again, with the origin a part of the identity.
+INBOX_IDENTITY = "sql/0048_the_origin_is_part_of_the_identity.sql"
 ORIGIN_TESTS = "tests/integration/test_inbox_origin.py::"
 INBOX_TESTS = "tests/integration/test_inbox.py"
 WORKER_TESTS = "tests/integration/test_inbox_worker.py"
@@ -1258,7 +1260,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "inbox-fast-path-unlocked",
         "a delivery skips the identity's advisory lock, so a duplicate's INSERT waits on the "
         "first one's uncommitted record with no bound",
-        INBOX_ORIGIN,
+        INBOX_IDENTITY,
         "    IF NOT pg_try_advisory_xact_lock(2828, v_lock) THEN  -- 2828 = 0x0B0C\n",
         "    IF false THEN\n",
         INBOX_TESTS + "::test_a_duplicate_waits_at_most_wait_then_hears_in_progress",
@@ -1266,7 +1268,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "inbox-no-conflict-check",
         "the same identity with another body replays the first outcome instead of a conflict",
-        INBOX_ORIGIN,
+        INBOX_IDENTITY,
         "        inbox_id := r.id;\n        IF r.body_digest <> v_digest OR r.fingerprint <> v_",
         "        inbox_id := r.id;\n        IF false AND r.fingerprint <> v_",
         INBOX_TESTS + "::test_any_spelling_of_the_same_json_replays_and_any_change_conflicts",
@@ -1390,7 +1392,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "inbox-downstream-key-per-claim",
         "each claim of one delivery hands the handler another downstream key, so a call retried "
         "after an ambiguous timeout is a second effect",
-        INBOX_ORIGIN,
+        INBOX_IDENTITY,
         "    SELECT 'ib1_' || encode(",
         "    SELECT 'ib1_' || gen_random_uuid() || encode(",
         EXTERNAL_TESTS + "::test_an_ambiguous_timeout_retried_under_the_same_key_is_one_effect",
@@ -1398,7 +1400,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "inbox-reclaims-live-lease",
         "a claim whose lease still runs is taken by a second delivery: the handler runs twice",
-        INBOX_ORIGIN,
+        INBOX_IDENTITY,
         "        IF r.lease_expires_at > now() THEN\n",
         "        IF false THEN\n",
         EXTERNAL_TESTS + "::test_claims_at_once_run_the_handler_once",
@@ -1406,7 +1408,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "inbox-no-abandon",
         "a delivery whose workers keep dying is claimed for ever, never shown to a person",
-        INBOX_ORIGIN,
+        INBOX_IDENTITY,
         "        IF r.lease_expires_at IS NOT NULL AND r.claims >= max_claims THEN\n",
         "        IF false THEN\n",
         EXTERNAL_TESTS + "::test_a_claim_taken_too_often_is_abandoned_until_released",
@@ -1596,19 +1598,28 @@ MUTANTS: tuple[Mutant, ...] = (
         "operations of two databases with one id are one delivery to the inbox: the second is "
         "replayed the first's answer and its effect is lost",
         "outbox/inbox/http.py",
-        '        return ""\n    if not _UUID.fullmatch',
-        '        return ""\n    return ""\n    if not _UUID.fullmatch',
+        '    origin = origin_of(headers) if key.startswith("op:") else None\n',
+        "    origin = None\n",
         ORIGIN_TESTS + "test_operations_of_two_databases_with_one_id_are_two_deliveries",
     ),
     _one(
-        "inbox-forgets-the-alias",
-        "a redelivery from an upgraded sender misses the record written before it named its "
-        "origin, and runs the handler again",
-        "outbox/inbox/core.py",
-        '    return None if match is None else f"op:{match.group(1)}"\n',
-        "    return None\n",
+        "inbox-no-crossing-an-upgrade",
+        "a redelivery from the other side of a sender's upgrade (with its origin where the "
+        "record has none, or the other way round) misses the record and runs again",
+        INBOX_IDENTITY,
+        "AND (i.origin = v_unnamed) <> (inbox_of_operation.origin = v_unnamed)))",
+        "AND false))",
         ORIGIN_TESTS
-        + "test_a_record_from_before_the_sender_named_its_origin_answers_its_redelivery",
+        + "test_a_record_from_either_side_of_an_upgrade_answers_the_other_sides_redelivery",
+    ),
+    _one(
+        "inbox-crosses-to-another-body",
+        "a record of another database's operation with the same id, from before the upgrade, "
+        "answers for this one whatever its body: the operation is refused or its effect lost",
+        INBOX_IDENTITY,
+        "               OR (i.body_digest = digest\n",
+        "               OR (true\n",
+        ORIGIN_TESTS + "test_another_databases_operation_from_before_the_upgrade_is_not_this_one",
     ),
     _one(
         "inbox-renewal-takes-back-a-failed-claim",
@@ -1620,31 +1631,44 @@ MUTANTS: tuple[Mutant, ...] = (
         EXTERNAL_TESTS + "::test_a_claim_handed_back_is_not_taken_back_by_a_late_renewal",
     ),
     _one(
-        "inbox-alias-unlocked",
-        "a delivery that names its origin locks its own key, not the bare operation key: it "
+        "inbox-lock-per-origin",
+        "a delivery that names its origin locks its own origin's identity, not the key's: it "
         "misses an older sender's delivery still in its transaction and runs a second time",
-        INBOX_ORIGIN,
-        "    v_lock := hashtext(tenant_id || E'\\n' || handler || E'\\n' || "
-        "coalesce(alias, key));\n    -- Nested",
+        INBOX_IDENTITY,
         "    v_lock := hashtext(tenant_id || E'\\n' || handler || E'\\n' || key);\n    -- Nested",
+        "    v_lock := hashtext(tenant_id || E'\\n' || handler || E'\\n' || key || v_origin);\n"
+        "    -- Nested",
         ORIGIN_TESTS + "test_a_delivery_with_its_origin_waits_for_one_without_it_in_flight",
     ),
     _one(
         "inbox-takes-a-body-unlike-its-fingerprint",
         "a body that is not the one the sender enqueued (re-encoded on its way) is run and "
         "recorded as if it were",
-        INBOX_ORIGIN,
+        INBOX_IDENTITY,
         "    IF v_computed IS DISTINCT FROM fingerprint THEN\n",
         "    IF false THEN\n",
         ORIGIN_TESTS + "test_the_body_enqueued_is_taken_and_another_is_refused_unrecorded",
     ),
     _one(
-        "inbox-alias-claim-hands-a-new-downstream-key",
-        "a claim found under its alias hands the handler a downstream key of the new key: the "
-        "call retried downstream is a second effect",
-        INBOX_ORIGIN,
-        "        downstream_key := outbox.inbox_downstream_key(r.tenant_id, r.handler, r.key);\n",
-        "        downstream_key := outbox.inbox_downstream_key(tenant_id, handler, key);\n",
-        ORIGIN_TESTS + "test_a_claim_found_under_its_alias_keeps_its_downstream_key",
+        "inbox-downstream-key-ignores-the-origin",
+        "two databases' operation 7 call downstream under one key: the provider takes the "
+        "second for a repeat of the first, and its effect is lost",
+        INBOX_IDENTITY,
+        "               CASE WHEN inbox_downstream_key.origin = outbox.unnamed_origin()\n",
+        "               CASE WHEN true\n",
+        ORIGIN_TESTS
+        + "test_a_claim_keeps_its_downstream_key_across_an_upgrade_and_two_databases_have_two",
+    ),
+    _one(
+        "inbox-reclaim-hands-the-deliverys-downstream-key",
+        "a claim of a record from before the upgrade hands the key of the delivery's origin, "
+        "not the record's: the call retried downstream is a second effect",
+        INBOX_IDENTITY,
+        "        downstream_key := outbox.inbox_downstream_key(r.tenant_id, r.handler, r.key, "
+        "r.origin);\n",
+        "        downstream_key := outbox.inbox_downstream_key(r.tenant_id, r.handler, r.key, "
+        "v_origin);\n",
+        ORIGIN_TESTS
+        + "test_a_claim_keeps_its_downstream_key_across_an_upgrade_and_two_databases_have_two",
     ),
 )

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from outbox.core.json_pointer import PointerError
 from outbox.inbox import KeyFrom, TenantFrom
-from outbox.inbox.core import Fingerprint, alias_of
-from outbox.inbox.http import MAX_KEY, MissingIdentity, fingerprint_of
+from outbox.inbox.core import Fingerprint
+from outbox.inbox.http import MAX_KEY, MissingIdentity, fingerprint_of, identity_of
 from outbox.providers.base import Intent
 from outbox.providers.kit import header_safe, intent_headers
 
@@ -180,18 +180,22 @@ def test_the_headers_sources_name_what_is_missing() -> None:
     assert TenantFrom.constant("acme").read({}) == "acme"
 
 
-def test_an_operation_of_a_named_database_is_keyed_by_both() -> None:
-    """Outbox-Origin makes the key op:<origin>:<id>, whatever case the UUID arrives in; its
-    alias is the key of a record written before the sender named it. An origin that is not a
-    UUID names no identity (400), rather than falling back to a key another database shares."""
+def test_an_operation_is_known_by_its_id_and_the_database_that_sent_it() -> None:
+    """Outbox-Origin is the identity's origin, lower-case whatever case the UUID arrives in, for
+    an operation's key only; the key stays op:<id>. An origin that is not a UUID (or is the nil
+    UUID, which the inbox stores for "not named") names no identity: 400, rather than a guess."""
     auto = KeyFrom.auto()
     origin = "4CEBE4FC-21B6-4C07-B313-C7510C7A24F8"
-    key = auto.read({"outbox-operation-id": "0042", "outbox-origin": origin}, b"")
-    assert key == f"op:{origin.lower()}:42"
-    assert (alias_of(key), alias_of("op:42"), alias_of("key:op:x:1")) == ("op:42", None, None)
-    for bad in ("", "4cebe4fc", "4cebe4fc-21b6-4c07-b313-c7510c7a24f8:1", "x" * 36):
+    headers = {"outbox-operation-id": "0042", "outbox-origin": origin}
+    identity = identity_of("acme", "work", auto.read(headers, b""), headers)
+    assert (identity.key, identity.origin) == ("op:42", origin.lower())
+    assert identity_of("acme", "work", "op:42", {}).origin is None
+    assert identity_of("acme", "work", "key:k", headers).origin is None
+    assert identity != identity_of("acme", "work", "op:42", {})  # two databases' operation 42
+    nil = "00000000-0000-0000-0000-000000000000"
+    for bad in ("", "4cebe4fc", "4cebe4fc-21b6-4c07-b313-c7510c7a24f8:1", "x" * 36, nil):
         with pytest.raises(MissingIdentity, match="Outbox-Origin is not a UUID"):
-            auto.read({"outbox-operation-id": "1", "outbox-origin": bad}, b"")
+            identity_of("acme", "work", "op:1", {"outbox-origin": bad})
 
 
 @PROPERTY
