@@ -65,6 +65,16 @@ def test_throughput_runs_the_raw_loop_the_protocol_floor_and_a_drain(pg_server: 
     assert "### outbox run, noop provider" in out
 
 
+def test_lifecycle_builds_and_drains_every_variant(pg_server: str) -> None:
+    """bench/lifecycle.py copies outbox.operations and its indexes: it must follow the schema."""
+    out = run_bench(
+        pg_server, "lifecycle.py", "--sizes", "0,300", "--pending", "300", "--claim-runs", "3"
+    )
+    cells = [[c.strip() for c in line.split("|")[1:3]] for line in out.splitlines()]
+    variants = ("today", "keys apart", "keys apart, success inline", "live table")
+    assert [c for c in cells if c[1:] == ["300"]] == [[v, "300"] for v in variants]
+
+
 @pytest.mark.parametrize("queue", ["nats", "amqp", "cloudtasks"])
 def test_a_queue_bench_runs_its_three_phases(pg_server: str, queue: str) -> None:
     """bench/queue_<queue>.py at 200 messages, one run (the SQS one is left out: moto alone
