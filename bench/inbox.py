@@ -10,8 +10,9 @@ another process over loopback HTTP/1.1 keep-alive, ``--clients`` requests in fli
 invoice under a new key. Variants: ``with inbox`` (the example as users copy it), ``without``
 (the same insert in a transaction of its own: bench/_inbox_apps.py), and ``replays`` (with the
 inbox, every request a repeat of one of 100 recorded deliveries). The rounds take the variants
-in turn; each figure is the median of the rounds. Targets (issue 40): with/without >= 0.8x in
-requests per second and at most 2 ms more at p99. See bench/README.md.
+in turn; each figure is the median of the rounds, and each round's own with/without ratio is
+printed too. Targets (issue 40): with/without >= 0.8x in requests per second and at most 2 ms
+more at p99. See bench/README.md.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -94,6 +96,36 @@ async def load(url: str, clients: int, seconds: float, keys: list[str] | None) -
     return latencies
 
 
+def cpu_seconds(pids: list[int]) -> float:
+    """User and system CPU the processes ``pids`` have used so far (Linux /proc); a process
+    gone meanwhile counts nothing."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def postgres_pids() -> list[int]:
+    """Every PostgreSQL process on this machine: the worker's backends and what serves them."""
+    pids = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if (entry / "comm").read_text().strip() == "postgres":
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
+def own_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def percentile(values: list[float], share: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
@@ -115,11 +147,22 @@ def one_round(variant: str, db_url: str, args: argparse.Namespace, port: int) ->
                 }
                 httpx.post(f"{url}/invoices", content=json.dumps(BODY), headers=headers)
         asyncio.run(load(url, args.clients, 2.0, keys))  # warm-up: the pool grows to its size
+        # CPU per request does not depend on how the two cores happen to be shared out, which
+        # moves requests/s by a tenth from one round to the next.
+        pg = postgres_pids()
+        before = (cpu_seconds([proc.pid]), cpu_seconds(pg), own_cpu())
         latencies = asyncio.run(load(url, args.clients, args.seconds, keys))
+        after = (cpu_seconds([proc.pid]), cpu_seconds(pg), own_cpu())
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+    per_request = [
+        1000 * (b - a) / max(1, len(latencies)) for a, b in zip(before, after, strict=True)
+    ]
     return {
+        "app_ms": per_request[0],
+        "pg_ms": per_request[1],
+        "load_ms": per_request[2],
         "rps": len(latencies) / args.seconds,
         "p50": percentile(latencies, 0.5) * 1000,
         "p99": percentile(latencies, 0.99) * 1000,
@@ -158,9 +201,15 @@ def main() -> None:
                 f"{median([r['rps'] for r in got]):,.0f}",
                 f"{median([r['p50'] for r in got]):.2f}",
                 f"{median([r['p99'] for r in got]):.2f}",
+                f"{median([r['app_ms'] for r in got]):.2f}",
+                f"{median([r['pg_ms'] for r in got]):.2f}",
+                f"{median([r['load_ms'] for r in got]):.2f}",
             ]
         )
-    print_table(["variant", "requests/s", "p50 ms", "p99 ms"], rows)
+    print_table(
+        ["variant", "requests/s", "p50 ms", "p99 ms", "CPU app ms", "CPU PG ms", "CPU load ms"],
+        rows,
+    )
     with_, without = results["with inbox"], results["without"]
     ratio = median([r["rps"] for r in with_]) / median([r["rps"] for r in without])
     added = median([r["p99"] for r in with_]) - median([r["p99"] for r in without])
@@ -168,6 +217,18 @@ def main() -> None:
         f"with/without: {fmt_ratio(ratio)} requests/s (target >= 0.8x), "
         f"p99 {added:+.2f} ms (target <= +2 ms); {args.clients} clients, {args.seconds:g} s, "
         f"{args.repeat} rounds"
+    )
+    # Each round runs the variants back to back, so its own ratio cancels what drifts between
+    # rounds (the machine, the tables' growth); their spread says how far to trust the figure.
+    paired = sorted(w["rps"] / o["rps"] for w, o in zip(with_, without, strict=True))
+    print(
+        f"per round: {', '.join(f'{r:.2f}' for r in paired)} (median {fmt_ratio(median(paired))})"
+    )
+    served = [median([r["app_ms"] + r["pg_ms"] for r in results[v]]) for v in variants[:2]]
+    print(
+        f"CPU per request of the worker and PostgreSQL: {served[0]:.2f} ms with the inbox, "
+        f"{served[1]:.2f} ms without ({fmt_ratio(served[1] / served[0])}x); per request, "
+        "read from /proc over each round"
     )
     sys.stdout.flush()
 

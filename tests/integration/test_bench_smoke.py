@@ -5,6 +5,7 @@ run. No figure is checked here; bench/ measures, tests do not time."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -97,3 +98,15 @@ def test_the_payload_bench_enqueues_its_payloads_through_the_door_and_works_them
     out = run_bench(pg_server, "payload_decode.py", "--quick")
     assert "### One payload: CPU time, median of 3; peak memory allocated" in out
     assert "| verdict + read (Stripe), in turns" in out
+
+
+def test_inbox_bench_serves_each_variant_and_prints_its_figures(pg_server: str) -> None:
+    with socket.socket() as probe:  # a free port for the worker under uvicorn
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    args = ("--seconds", "1", "--repeat", "1", "--clients", "4", "--port", str(port))
+    out = run_bench(pg_server, "inbox.py", *args)
+    for variant in ("with inbox", "without", "replays"):
+        assert f"| {variant} " in out
+    assert "with/without:" in out
+    assert "CPU per request of the worker and PostgreSQL:" in out

@@ -557,6 +557,14 @@ def test_the_workers_role_records_deliveries_and_can_do_nothing_else(
         conn.execute("INSERT INTO effects (key) VALUES ('a')")
         conn.execute("SELECT outbox.inbox_complete(%s, %s, 201, '[]', 'ok')", (inbox_id, token))
         conn.commit()
+    with psycopg.connect(worker) as conn:  # an external claim binds its transaction as well
+        conn.execute(
+            "SELECT decision FROM outbox.inbox_claim('acme', 'work', 'key:c', '{}', NULL,"
+            " '30 s', 5, '1 day')"
+        )
+        bound = conn.execute("SELECT current_setting('outbox.tenant_id', true)").fetchone()
+        assert bound == ("acme",)
+        conn.rollback()
     assert count(db_url, "SELECT count(*) FROM outbox.inbox WHERE state = 'completed'") == 2
     assert count(db_url, EFFECTS) == 1
 

@@ -84,6 +84,9 @@ INBOX_BEGIN = "sql/0044_inbox_begin_without_a_subtransaction.sql"
 INBOX_ORIGIN = "sql/0046_the_inbox_checks_the_senders_fingerprint.sql"
 # 0048 creates them again, with the origin a part of the identity.
 INBOX_IDENTITY = "sql/0048_the_origin_is_part_of_the_identity.sql"
+# 0049 creates inbox_begin (its admission one test) and inbox_of_operation again.
+INBOX_ADMISSION = "sql/0049_a_delivery_costs_less.sql"
+ADMISSION_TESTS = "tests/integration/test_inbox_admission.py::"
 ORIGIN_TESTS = "tests/integration/test_inbox_origin.py::"
 INBOX_TESTS = "tests/integration/test_inbox.py"
 WORKER_TESTS = "tests/integration/test_inbox_worker.py"
@@ -1260,7 +1263,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "inbox-fast-path-unlocked",
         "a delivery skips the identity's advisory lock, so a duplicate's INSERT waits on the "
         "first one's uncommitted record with no bound",
-        INBOX_IDENTITY,
+        INBOX_ADMISSION,
         "    IF NOT pg_try_advisory_xact_lock(2828, v_lock) THEN  -- 2828 = 0x0B0C\n",
         "    IF false THEN\n",
         INBOX_TESTS + "::test_a_duplicate_waits_at_most_wait_then_hears_in_progress",
@@ -1268,7 +1271,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "inbox-no-conflict-check",
         "the same identity with another body replays the first outcome instead of a conflict",
-        INBOX_IDENTITY,
+        INBOX_ADMISSION,
         "        inbox_id := r.id;\n        IF r.body_digest <> v_digest OR r.fingerprint <> v_",
         "        inbox_id := r.id;\n        IF false AND r.fingerprint <> v_",
         INBOX_TESTS + "::test_any_spelling_of_the_same_json_replays_and_any_change_conflicts",
@@ -1293,12 +1296,50 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _one(
         "inbox-skips-tenant",
-        "a worker's transaction is not bound to its delivery's tenant, so it reaches the records "
-        "of every tenant",
+        "an external claim's transaction is not bound to its delivery's tenant (inbox_begin binds "
+        "its own since 0049: inbox-fast-path-skips-tenant)",
         INBOX_SQL,
         "    PERFORM outbox.bind_tenant(tenant_id);\n",
         "",
         INBOX_TESTS + "::test_the_workers_role_records_deliveries_and_can_do_nothing_else",
+    ),
+    _one(
+        "inbox-fast-path-skips-tenant",
+        "a delivery admitted by inbox_begin's one test leaves its transaction unbound, so under "
+        "row-level security its record cannot be completed and its handler sees no tenant",
+        INBOX_ADMISSION,
+        "        PERFORM set_config('outbox.tenant_id', tenant_id, true),\n"
+        "                set_config('outbox.tenant_bound_at', v_stamp, true);\n",
+        "        NULL;\n",
+        INBOX_TESTS + "::test_the_workers_role_records_deliveries_and_can_do_nothing_else",
+    ),
+    _one(
+        "inbox-fast-path-admits-a-bad-handler",
+        "inbox_begin's one test admits a handler name the helpers refuse (one that starts with "
+        "a dot or a dash), which then names metrics, logs and records",
+        INBOX_ADMISSION,
+        "AND handler ~ '^[a-z0-9][a-z0-9._-]*$'",
+        "AND handler ~ '^[a-z0-9._-]*$'",
+        ADMISSION_TESTS
+        + "test_the_fast_admission_refuses_what_the_helpers_refuse_and_binds_as_they_do",
+    ),
+    _one(
+        "inbox-fast-path-admits-a-control-character",
+        "inbox_begin's one test looks for control and format characters in the key only: a "
+        "tenant with a bidi override reaches operators' terminals",
+        INBOX_ADMISSION,
+        "AND (tenant_id || key) !~ ",
+        "AND key !~ ",
+        ADMISSION_TESTS
+        + "test_the_fast_admission_refuses_what_the_helpers_refuse_and_binds_as_they_do",
+    ),
+    _one(
+        "inbox-fast-path-unbounded-body",
+        "inbox_begin's one test admits a body past 16 MiB that the helpers refuse",
+        INBOX_ADMISSION,
+        "coalesce(octet_length(body_json), octet_length(body_raw)) <= 16777216",
+        "true",
+        ADMISSION_TESTS + "test_the_fast_admission_bounds_the_body_as_the_helpers_do",
     ),
     _one(
         "inbox-prune-unexpired",
@@ -1606,9 +1647,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "inbox-no-crossing-an-upgrade",
         "a redelivery from the other side of a sender's upgrade (with its origin where the "
         "record has none, or the other way round) misses the record and runs again",
-        INBOX_IDENTITY,
-        "AND (i.origin = v_unnamed) <> (inbox_of_operation.origin = v_unnamed)))",
-        "AND false))",
+        INBOX_ADMISSION,
+        "               AND (i.origin = outbox.unnamed_origin())\n",
+        "               AND false AND (i.origin = outbox.unnamed_origin())\n",
         ORIGIN_TESTS
         + "test_a_record_from_either_side_of_an_upgrade_answers_the_other_sides_redelivery",
     ),
@@ -1616,9 +1657,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "inbox-crosses-to-another-body",
         "a record of another database's operation with the same id, from before the upgrade, "
         "answers for this one whatever its body: the operation is refused or its effect lost",
-        INBOX_IDENTITY,
-        "               OR (i.body_digest = digest\n",
-        "               OR (true\n",
+        INBOX_ADMISSION,
+        "           OR (i.body_digest = digest\n",
+        "           OR (true\n",
         ORIGIN_TESTS + "test_another_databases_operation_from_before_the_upgrade_is_not_this_one",
     ),
     _one(
@@ -1634,7 +1675,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "inbox-lock-per-origin",
         "a delivery that names its origin locks its own origin's identity, not the key's: it "
         "misses an older sender's delivery still in its transaction and runs a second time",
-        INBOX_IDENTITY,
+        INBOX_ADMISSION,
         "    v_lock := hashtext(tenant_id || E'\\n' || handler || E'\\n' || key);\n    -- Nested",
         "    v_lock := hashtext(tenant_id || E'\\n' || handler || E'\\n' || key || v_origin);\n"
         "    -- Nested",
