@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import resource
@@ -29,6 +30,7 @@ from pathlib import Path
 
 import httpx
 import psycopg
+from _http_receiver import cpu_seconds
 from _support import fmt_ratio, fresh_database, median, print_machine, print_table, progress
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,17 +98,14 @@ async def load(url: str, clients: int, seconds: float, keys: list[str] | None) -
     return latencies
 
 
-def cpu_seconds(pids: list[int]) -> float:
-    """User and system CPU the processes ``pids`` have used so far (Linux /proc); a process
-    gone meanwhile counts nothing."""
-    total = 0
+def cpu_of(pids: list[int]) -> float:
+    """CPU seconds the processes ``pids`` have used so far; a process gone meanwhile counts
+    nothing."""
+    total = 0.0
     for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
+        with contextlib.suppress(OSError):
+            total += cpu_seconds(pid)
+    return total
 
 
 def postgres_pids() -> list[int]:
@@ -150,9 +149,9 @@ def one_round(variant: str, db_url: str, args: argparse.Namespace, port: int) ->
         # CPU per request does not depend on how the two cores happen to be shared out, which
         # moves requests/s by a tenth from one round to the next.
         pg = postgres_pids()
-        before = (cpu_seconds([proc.pid]), cpu_seconds(pg), own_cpu())
+        before = (cpu_of([proc.pid]), cpu_of(pg), own_cpu())
         latencies = asyncio.run(load(url, args.clients, args.seconds, keys))
-        after = (cpu_seconds([proc.pid]), cpu_seconds(pg), own_cpu())
+        after = (cpu_of([proc.pid]), cpu_of(pg), own_cpu())
     finally:
         proc.terminate()
         proc.wait(timeout=30)
