@@ -109,4 +109,5 @@ def test_inbox_bench_serves_each_variant_and_prints_its_figures(pg_server: str) 
     for variant in ("with inbox", "without", "replays"):
         assert f"| {variant} " in out
     assert "with/without:" in out
+    assert "p99 at 100/s" in out  # the paced phase ran and was read
     assert "CPU per request of the worker and PostgreSQL:" in out
