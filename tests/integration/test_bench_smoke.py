@@ -76,6 +76,15 @@ def test_lifecycle_builds_and_drains_every_variant(pg_server: str) -> None:
     assert [c for c in cells if c[1:] == ["300"]] == [[v, "300"] for v in variants]
 
 
+def test_lifecycle_enqueue_writes_every_shape(pg_server: str) -> None:
+    """bench/lifecycle_enqueue.py builds on bench/lifecycle.py's copies; it raises unless every
+    new key was inserted and the keys table holds one key per operation."""
+    out = run_bench(pg_server, "lifecycle_enqueue.py", "--rows", "80", "--repeat", "1")
+    shapes = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ")]
+    for shape in ("plain INSERT", "today", "keys apart", "live table"):
+        assert shapes.count(shape) == 2, shape  # at 1 and at 8 producers
+
+
 @pytest.mark.parametrize("queue", ["nats", "amqp", "cloudtasks"])
 def test_a_queue_bench_runs_its_three_phases(pg_server: str, queue: str) -> None:
     """bench/queue_<queue>.py at 200 messages, one run (the SQS one is left out: moto alone
