@@ -5,8 +5,9 @@ million and 10 million finished rows in outbox.operations, and after a day of ch
 
 One database, grown in steps. At each size:
 
-* finished rows are bulk-loaded (INSERT ... SELECT generate_series): ``succeeded``, one attempt
-  row each in outbox.attempts, a small payload and a small result; then VACUUM (ANALYZE), the
+* finished rows are bulk-loaded (INSERT ... SELECT generate_series): ``succeeded`` at their first
+  attempt, kept on the row as `outbox run` keeps it (sql/0050: no row of outbox.attempt_log), a
+  small payload and a small result; then VACUUM (ANALYZE), the
   state autovacuum leaves an insert-only table in;
 * ``--pending`` pending rows are enqueued (noop provider);
 * claim time: the claim `outbox run` makes here, CLAIM_ONE_GROUP (outbox/db/statements.py: the
@@ -78,33 +79,25 @@ THROUGHPUT_LOSS_TARGET = 0.10
 LEASE = timedelta(seconds=30)
 KEY_WINDOW = timedelta(hours=23)  # key_retention 24 h less the default 1 h margin
 
-# Finished operations as `outbox run` leaves them: succeeded with a provider reference, one
-# attempt, timestamps spread over the two days before the load.
+# Finished operations as `outbox run` leaves them: succeeded with a provider reference at the
+# first attempt, kept on the row (sql/0050), timestamps spread over the two days before the load.
 LOAD_OPERATIONS: LiteralString = """
 INSERT INTO outbox.operations (
     tenant_id, operation_type, operation_key, fingerprint, provider, action, payload,
     idempotency_key, status, attempts, available_at, first_sent_at, last_attempt_at,
-    provider_ref, result, created_at, updated_at, status_changed_at, finished_at)
+    provider_ref, result, created_at, updated_at, status_changed_at, finished_at,
+    success_worker, success_http_status, success_request_id)
 SELECT 'bench', 'bench.done', k.key,
        sha256(convert_to('noop' || E'\\n' || 'bench' || E'\\n' || p.payload::text, 'UTF8')),
        'noop', 'bench', p.payload,
        outbox.derive_idempotency_key('bench', 'bench.done', k.key),
        'succeeded', 1, t.at, t.at, t.at, 'noop_' || i, jsonb_build_object('id', 'noop_' || i),
-       t.at, t.at, t.at, t.at
+       t.at, t.at, t.at, t.at, 'bench-loader', 200, 'req_' || i
 FROM generate_series(%(first)s::bigint, %(last)s::bigint) AS i,
      LATERAL (SELECT 'done-' || lpad(i::text, 10, '0') AS key) AS k,
      LATERAL (SELECT jsonb_build_object('n', i, 'amount', 1000, 'currency', 'usd',
                                         'customer', 'cus_bench') AS payload) AS p,
      LATERAL (SELECT now() - interval '2 days' + i * interval '10 ms' AS at) AS t
-"""
-
-LOAD_ATTEMPTS: LiteralString = """
-INSERT INTO outbox.attempts (operation_id, attempt, idempotency_key, worker, started_at,
-                             finished_at, outcome, sent, http_status, provider_request_id)
-SELECT id, 1, idempotency_key, 'bench-loader', last_attempt_at, finished_at, 'succeeded', true,
-       200, 'req_' || id
-FROM outbox.operations
-WHERE operation_type = 'bench.done' AND id > %(after)s
 """
 
 MAX_ID: LiteralString = "SELECT coalesce(max(id), 0) FROM outbox.operations"
@@ -133,13 +126,12 @@ WITH recorded AS (
     SET status = 'succeeded', lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL,
         first_sent_at = last_attempt_at, provider_ref = 'noop_' || id,
         result = jsonb_build_object('id', 'noop_' || id), updated_at = now(),
-        status_changed_at = now(), finished_at = now()
+        status_changed_at = now(), finished_at = now(), success_worker = 'churn',
+        success_http_status = 200
     WHERE id = ANY (%(ids)s::bigint[]) AND status = 'in_flight'
-    RETURNING id, idempotency_key, last_attempt_at
+    RETURNING id
 )
-INSERT INTO outbox.attempts (operation_id, attempt, idempotency_key, worker, started_at, outcome,
-                             sent, http_status)
-SELECT id, 1, idempotency_key, 'churn', last_attempt_at, 'succeeded', true, 200 FROM recorded
+SELECT count(*) FROM recorded
 """
 VACUUM_STATS: LiteralString = """
 SELECT coalesce(autovacuum_count, 0), n_dead_tup, n_live_tup
@@ -161,7 +153,7 @@ FROM pg_stat_wal w
 """
 SIZES_ON_DISK: LiteralString = """
 SELECT pg_size_pretty(pg_total_relation_size('outbox.operations')),
-       pg_size_pretty(pg_total_relation_size('outbox.attempts')),
+       pg_size_pretty(pg_total_relation_size('outbox.attempt_log')),
        pg_size_pretty(pg_relation_size('outbox.operations_claim_group'))
 """
 
@@ -354,23 +346,22 @@ def measure(
 
 
 def load_finished(db_url: str, have: int, want: int) -> None:
-    """Bulk-load finished rows (numbered ``have`` .. ``want - 1``) and their attempts."""
+    """Bulk-load finished rows (numbered ``have`` .. ``want - 1``), each succeeded at its first
+    attempt."""
     with psycopg.connect(db_url, autocommit=True) as conn:
         conn.execute("SET synchronous_commit = off")
         for first in range(have, want, LOAD_CHUNK):
             last = min(first + LOAD_CHUNK, want) - 1
-            after = int(conn.execute(MAX_ID).fetchone()[0])  # type: ignore[index]
             conn.execute(LOAD_OPERATIONS, {"first": first, "last": last})
-            conn.execute(LOAD_ATTEMPTS, {"after": after})
             progress(f"loaded {last + 1:,} finished rows")
         progress("VACUUM (ANALYZE)")
         conn.execute("VACUUM (ANALYZE) outbox.operations")
-        conn.execute("VACUUM (ANALYZE) outbox.attempts")
+        conn.execute("VACUUM (ANALYZE) outbox.attempt_log")
 
 
 def set_autovacuum(db_url: str, *, enabled: bool) -> None:
     with psycopg.connect(db_url, autocommit=True) as conn:
-        for table in ("outbox.operations", "outbox.attempts"):
+        for table in ("outbox.operations", "outbox.attempt_log"):
             if enabled:
                 conn.execute(f"ALTER TABLE {table} RESET (autovacuum_enabled)")
             else:
@@ -411,7 +402,7 @@ def vacuum_after_churn(db_url: str, timeout: float) -> str:
             conn.execute("SET vacuum_cost_delay = '2ms'")
             conn.execute("SET vacuum_cost_limit = 200")
             conn.execute("VACUUM (ANALYZE) outbox.operations")
-            conn.execute("VACUUM (ANALYZE) outbox.attempts")
+            conn.execute("VACUUM (ANALYZE) outbox.attempt_log")
             return f"VACUUM throttled as autovacuum ({time.monotonic() - started:.0f} s)"
     progress("waiting for autovacuum")
     before = int(scalar(db_url, VACUUM_STATS))

@@ -4,13 +4,15 @@
     python bench/lifecycle.py --sizes 0,1000000     # quicker
     python bench/lifecycle.py --quick               # 0 and 100,000, a smoke run
 
-Each variant is a copy of ``outbox.operations`` (and ``outbox.attempts``) in a schema of its
+Each variant is a copy of ``outbox.operations`` (and ``outbox.attempt_log``) in a schema of its
 own, with the indexes the variant keeps, driven by plain SQL in the shape of the dispatcher's
 claim and record (no provider, no Python per operation): what each design writes, measured
 apart from everything else ``outbox run`` does. The variants (docs/drafts/lifecycle-research.md):
 
 * ``today``: every index of today's table; the claim and the record each UPDATE the row (never
   HOT: both change indexed columns), the record INSERTs an attempts row (foreign key checked);
+* ``today, no foreign key``: today's without the attempts row's foreign key (and the KEY SHARE
+  lock it takes on the operation's new version at every record);
 * ``keys apart`` (design C): the same without ``operations_identity`` and
   ``operations_provider_key``, whose uniqueness would move to a table written once at enqueue;
 * ``keys apart, success inline`` (C+S): also no attempts row for a success at its first attempt;
@@ -59,10 +61,19 @@ class Variant:
     indexes: Callable[[str], bool]  # which of today's operations indexes it keeps
     attempt_rows: bool  # an attempts row for a success at its first attempt
     live: bool  # a narrow live table carries the state indexes
+    foreign_key: bool = True  # attempts.operation_id references operations (ON DELETE CASCADE)
 
 
 VARIANTS = (
     Variant("today", "lc_today", lambda name: True, attempt_rows=True, live=False),
+    Variant(
+        "today, no foreign key",
+        "lc_nofk",
+        lambda name: True,
+        attempt_rows=True,
+        live=False,
+        foreign_key=False,
+    ),
     Variant(
         "keys apart", "lc_keys", lambda name: name not in UNIQUE_KEYS, attempt_rows=True, live=False
     ),
@@ -120,7 +131,7 @@ def build(conn: psycopg.Connection[Any], v: Variant, finished: int) -> None:
     )
     conn.execute(
         sql.SQL(
-            "CREATE TABLE {}.attempts (LIKE outbox.attempts INCLUDING DEFAULTS"
+            "CREATE TABLE {}.attempts (LIKE outbox.attempt_log INCLUDING DEFAULTS"
             " INCLUDING CONSTRAINTS) WITH ({})"
         ).format(s, NO_AUTOVACUUM)
     )
@@ -148,11 +159,15 @@ def build(conn: psycopg.Connection[Any], v: Variant, finished: int) -> None:
                 )
             )
     conn.execute(
-        sql.SQL(
-            "ALTER TABLE {}.attempts ADD PRIMARY KEY (operation_id, attempt),"
-            " ADD FOREIGN KEY (operation_id) REFERENCES {}.operations (id) ON DELETE CASCADE"
-        ).format(s, s)
+        sql.SQL("ALTER TABLE {}.attempts ADD PRIMARY KEY (operation_id, attempt)").format(s)
     )
+    if v.foreign_key:
+        conn.execute(
+            sql.SQL(
+                "ALTER TABLE {}.attempts ADD FOREIGN KEY (operation_id)"
+                " REFERENCES {}.operations (id) ON DELETE CASCADE"
+            ).format(s, s)
+        )
     if v.live:
         conn.execute(
             sql.SQL(

@@ -155,7 +155,9 @@ GRANT EXECUTE ON FUNCTION
 TO outbox_dispatcher;
 -- The payload limit the claim applies (0019); only the schema owner changes it.
 GRANT SELECT ON outbox.limits TO outbox_dispatcher;
-GRANT SELECT ON outbox.attempts TO outbox_dispatcher;
+-- outbox.attempts is a view of attempt_log and operations read with the reader's privileges
+-- (sql/0050): both are granted.
+GRANT SELECT ON outbox.attempts, outbox.attempt_log TO outbox_dispatcher;
 -- Its own mark while it waits idle for wake-ups (MARK_WAITING, UNMARK_WAITING; see 0012), and
 -- the count of commits that woke no one, which MARK_WAITING reads (0029).
 GRANT SELECT, INSERT, UPDATE, DELETE ON outbox.waiting_dispatchers TO outbox_dispatcher;
@@ -192,8 +194,9 @@ GRANT SELECT ON outbox.provider_actions TO outbox_dispatcher;
 
 -- Operator: read everything (`outbox reconcile/quarantine list|show`, `outbox status`); change
 -- only through the functions that write the audit, including `outbox reconcile check`'s.
-GRANT SELECT ON outbox.operations, outbox.attempts, outbox.audit, outbox.ordering_modes,
-    outbox.ordering_repairs, outbox.limits, outbox.provider_health, outbox.provider_actions
+GRANT SELECT ON outbox.operations, outbox.attempts, outbox.attempt_log, outbox.audit,
+    outbox.ordering_modes, outbox.ordering_repairs, outbox.limits, outbox.provider_health,
+    outbox.provider_actions
     TO outbox_operator;
 GRANT EXECUTE ON FUNCTION
     outbox.resolve_operation(bigint, text, text, text),

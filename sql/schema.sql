@@ -1,5 +1,5 @@
 -- sql/schema.sql: the outbox schema as the migrations of sql/ leave it
--- (every migration up to 0049_a_delivery_costs_less).
+-- (every migration up to 0050_a_success_writes_one_row).
 --
 -- GENERATED FILE: DO NOT EDIT IT BY HAND. It is regenerated, after adding a migration, by
 --     python -m outbox.db.schema_dump --dsn postgresql://postgres@127.0.0.1:5432/postgres --output sql/schema.sql
@@ -72,10 +72,10 @@ COMMENT ON SEQUENCE outbox.unnotified_commits IS 'Commits that woke no dispatche
 -- privileges: the owner's only
 
 -- =================================================================================================
--- table outbox.attempts
--- history: created by 0002_attempts
+-- table outbox.attempt_log
+-- history: created by 0050_a_success_writes_one_row
 
-CREATE TABLE outbox.attempts (
+CREATE TABLE outbox.attempt_log (
     operation_id        bigint NOT NULL,
     attempt             integer NOT NULL,
     idempotency_key     text NOT NULL,
@@ -94,7 +94,7 @@ CREATE TABLE outbox.attempts (
     CONSTRAINT attempts_outcome_valid CHECK ((outcome = ANY (ARRAY['succeeded'::text, 'transient'::text, 'permanent'::text, 'unknown'::text])))
 );
 
-COMMENT ON TABLE outbox.attempts IS 'The delivery history of every operation, one row per attempt.';
+COMMENT ON TABLE outbox.attempt_log IS 'Every attempt but a success at the first, which stays on its operation; outbox.attempts shows both (sql/0050).';
 
 -- privileges: the owner's only
 
@@ -247,7 +247,7 @@ COMMENT ON TABLE outbox.limits IS 'Limits only the schema owner may change: max_
 --     0010_immutable_operations, 0012_wake_only_idle_dispatchers, 0014_fair_claims,
 --     0015_ordering_keys, 0018_operations_fillfactor, 0019_limits_schedule_and_key_locks,
 --     0021_findings_carry_the_state, 0023_lookups_say_what_they_searched,
---     0024_keys_name_one_operation, 0033_pending_failures
+--     0024_keys_name_one_operation, 0033_pending_failures, 0050_a_success_writes_one_row
 
 CREATE TABLE outbox.operations (
     id                  bigint NOT NULL GENERATED ALWAYS AS IDENTITY,
@@ -293,6 +293,9 @@ CREATE TABLE outbox.operations (
     api_version         text,
     sent_scope          text,
     key_shared          boolean DEFAULT false NOT NULL,
+    success_worker      text,
+    success_http_status integer,
+    success_request_id  text,
     CONSTRAINT operations_pkey PRIMARY KEY (id),
     CONSTRAINT operations_identity UNIQUE (tenant_id, operation_type, operation_key),
     CONSTRAINT operations_attempt_base_valid CHECK (((attempt_base >= 0) AND (attempt_base <= attempts))),
@@ -309,6 +312,7 @@ CREATE TABLE outbox.operations (
 ) WITH (fillfactor=80);
 
 COMMENT ON TABLE outbox.operations IS 'Operations recorded by producers through outbox.enqueue and delivered by outbox run.';
+COMMENT ON COLUMN outbox.operations.success_worker IS 'The worker of a success at the first attempt, kept here instead of a row of attempt_log; set exactly for such a success (sql/0050).';
 
 CREATE INDEX operations_attention ON outbox.operations USING btree (status, status_changed_at) WHERE (status = ANY (ARRAY['reconciling'::text, 'quarantined'::text]));
 CREATE INDEX operations_cancelled ON outbox.operations USING btree (status_changed_at) WHERE (status = 'cancelled'::text);
@@ -490,6 +494,42 @@ CREATE TABLE outbox.wake_gate (
 
 COMMENT ON TABLE outbox.wake_gate IS 'No rows: its lock is the wake-up lock. Producers hold ROW EXCLUSIVE from the wake-up check at COMMIT until their rows are visible; a dispatcher marking itself waiting tries SHARE (outbox.try_wake_gate). Only outbox''s functions lock it (sql/0039).';
 
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- view outbox.attempts
+-- history: created by 0050_a_success_writes_one_row
+
+CREATE VIEW outbox.attempts WITH (security_invoker=true) AS
+ SELECT l.operation_id,
+    l.attempt,
+    l.idempotency_key,
+    l.worker,
+    l.started_at,
+    l.finished_at,
+    l.outcome,
+    l.sent,
+    l.error_class,
+    l.error_message,
+    l.http_status,
+    l.provider_request_id
+   FROM outbox.attempt_log l
+UNION ALL
+ SELECT o.id AS operation_id,
+    1 AS attempt,
+    o.idempotency_key,
+    o.success_worker AS worker,
+    o.last_attempt_at AS started_at,
+    o.finished_at,
+    'succeeded'::text AS outcome,
+    true AS sent,
+    NULL::text AS error_class,
+    NULL::text AS error_message,
+    o.success_http_status AS http_status,
+    o.success_request_id AS provider_request_id
+   FROM outbox.operations o
+  WHERE o.success_worker IS NOT NULL;
+COMMENT ON VIEW outbox.attempts IS 'The delivery history of every operation, one row per attempt: attempt_log, and the success at the first attempt kept on its operation (sql/0050).';
 -- privileges: the owner's only
 
 -- =================================================================================================
@@ -2544,7 +2584,8 @@ $function$;
 
 -- =================================================================================================
 -- function outbox.record_attempts(text,jsonb)
--- history: created by 0040_the_dispatcher_writes_through_functions
+-- history: created by 0040_the_dispatcher_writes_through_functions; changed by
+--     0050_a_success_writes_one_row
 
 CREATE OR REPLACE FUNCTION outbox.record_attempts(p_worker text, p_batch jsonb)
  RETURNS TABLE(operation_id bigint, attempt integer)
@@ -2626,6 +2667,14 @@ BEGIN
                           ELSE coalesce(i.result, o.result) END,
             last_error = i.error,
             last_error_class = i.failure,
+            -- A success at the first attempt is kept here, not as a row of attempt_log: the
+            -- view outbox.attempts shows it as that row (the header says why).
+            success_worker = CASE WHEN i.outcome = 'succeeded' AND i.attempt = 1 AND i.sent
+                                  THEN p_worker END,
+            success_http_status = CASE WHEN i.outcome = 'succeeded' AND i.attempt = 1 AND i.sent
+                                       THEN i.http_status END,
+            success_request_id = CASE WHEN i.outcome = 'succeeded' AND i.attempt = 1 AND i.sent
+                                      THEN i.request_id END,
             updated_at = now(),
             status_changed_at = now(),
             finished_at = CASE WHEN i.status IN ('succeeded', 'cancelled') THEN now() END
@@ -2635,14 +2684,19 @@ BEGIN
           AND o.attempts = i.attempt
           AND o.status = 'in_flight'
         RETURNING o.id, o.idempotency_key, o.last_attempt_at, i.attempt, i.outcome, i.sent,
-                  i.error_class, i.error, i.http_status, i.request_id
+                  i.error_class, i.error, i.http_status, i.request_id,
+                  o.success_worker IS NOT NULL AS kept_inline
+    ),
+    logged AS (
+        INSERT INTO outbox.attempt_log (operation_id, attempt, idempotency_key, worker, started_at,
+                                        outcome, sent, error_class, error_message, http_status,
+                                        provider_request_id)
+        SELECT id, attempt, idempotency_key, p_worker, last_attempt_at, outcome, sent, error_class,
+               error, http_status, request_id
+        FROM recorded
+        WHERE NOT kept_inline
     )
-    INSERT INTO outbox.attempts (operation_id, attempt, idempotency_key, worker, started_at, outcome,
-                                 sent, error_class, error_message, http_status, provider_request_id)
-    SELECT id, attempt, idempotency_key, p_worker, last_attempt_at, outcome, sent, error_class,
-           error, http_status, request_id
-    FROM recorded
-    RETURNING operation_id, attempt;
+    SELECT id, attempt FROM recorded;
 END;
 $function$;
 -- privileges: the owner's only
@@ -3124,7 +3178,8 @@ $function$;
 
 -- =================================================================================================
 -- function outbox.rescue_leases(integer,integer)
--- history: created by 0040_the_dispatcher_writes_through_functions
+-- history: created by 0040_the_dispatcher_writes_through_functions; changed by
+--     0050_a_success_writes_one_row
 
 CREATE OR REPLACE FUNCTION outbox.rescue_leases(p_limit integer, p_max_attempts integer)
  RETURNS TABLE(id bigint, status text, status_reason text, provider text, tenant_id text, operation_type text, operation_key text, action text, attempts integer, correlation_id text)
@@ -3172,8 +3227,9 @@ BEGIN
                   o.operation_key, o.action, o.attempts, o.correlation_id
     ),
     history AS (
-        INSERT INTO outbox.attempts (operation_id, attempt, idempotency_key, worker, started_at,
-                                     outcome, sent, error_class, error_message)
+        INSERT INTO outbox.attempt_log (operation_id, attempt, idempotency_key, worker,
+                                        started_at, outcome, sent, error_class,
+                                        error_message)
         SELECT e.id, e.attempts, e.idempotency_key, coalesce(e.lease_owner, 'unknown'),
                e.last_attempt_at, 'unknown', true,
                'lease_expired',

@@ -72,7 +72,13 @@ def test_lifecycle_builds_and_drains_every_variant(pg_server: str) -> None:
         pg_server, "lifecycle.py", "--sizes", "0,300", "--pending", "300", "--claim-runs", "3"
     )
     cells = [[c.strip() for c in line.split("|")[1:3]] for line in out.splitlines()]
-    variants = ("today", "keys apart", "keys apart, success inline", "live table")
+    variants = (
+        "today",
+        "today, no foreign key",
+        "keys apart",
+        "keys apart, success inline",
+        "live table",
+    )
     assert [c for c in cells if c[1:] == ["300"]] == [[v, "300"] for v in variants]
 
 

@@ -60,7 +60,7 @@ def quarantine_population(
                 (status, one["reason"], one["hours_ago"] * 3600, op),
             )
             conn.execute(  # the attempt `--error` reads: its error class
-                "INSERT INTO outbox.attempts (operation_id, attempt, idempotency_key, worker, "
+                "INSERT INTO outbox.attempt_log (operation_id, attempt, idempotency_key, worker, "
                 "started_at, outcome, sent, error_class) "
                 "SELECT id, 1, idempotency_key, 'w', now(), 'permanent', false, %s "
                 "FROM outbox.operations WHERE id = %s",

@@ -12,6 +12,7 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
 
 import outbox
 from outbox.core.model import Status
@@ -239,3 +240,77 @@ def test_0048_moves_the_origin_out_of_0046s_keys(empty_db_url: str) -> None:
         )
         decisions = [conn.execute(claim, (o,)).fetchone() for o in (origin, None)]
     assert decisions == [("reclaimed",), ("reclaimed",)]
+
+
+def _record(conn: psycopg.Connection[Any], claimed: tuple[Any, ...], outcome: str) -> None:
+    """record_attempts as a dispatcher calls it: ``claimed`` is (id, lease_token, attempts)."""
+    op, token, attempt = claimed
+    done = outcome == "succeeded"
+    batch = [
+        {
+            "id": op, "lease_token": str(token), "attempt": attempt,
+            "status": "succeeded" if done else "pending", "reason": None,
+            "retry_in_s": 0, "sent": True, "provider_ref": "ref" if done else None,
+            "result": None, "error": None if done else "HTTP 500",
+            "failure": None if done else outcome, "outcome": outcome,
+            "error_class": None if done else "http_500", "http_status": 201 if done else 500,
+            "request_id": "req", "unspent": False, "api_version": None, "scope": None,
+        }
+    ]  # fmt: skip
+    got = conn.execute("SELECT * FROM outbox.record_attempts('w', %s)", (Jsonb(batch),)).fetchall()
+    assert got == [(op, attempt)]
+
+
+def _claim(conn: psycopg.Connection[Any]) -> list[tuple[Any, ...]]:
+    return conn.execute(
+        "SELECT id, lease_token, attempts FROM outbox.claim_one_group_v2('w', '1 min', 100,"
+        " '{}', '{}') ORDER BY id"
+    ).fetchall()
+
+
+def test_0050_keeps_every_attempt_and_records_a_first_success_on_its_row(
+    empty_db_url: str,
+) -> None:
+    """Attempts recorded before the upgrade read the same through the view; an operation in
+    flight across it records its success on its row, one that failed before it in the log."""
+    with psycopg.connect(empty_db_url, autocommit=True) as conn:
+        migrations.migrate(conn, target=49)
+        for key in ("done-before", "failed-before", "in-flight-a", "in-flight-b"):
+            conn.execute(
+                "SELECT outbox.enqueue('acme', 'charge', %s, 'hook', 'paid', '{}'::jsonb)", (key,)
+            )
+        done, failed, flying_a, flying_b = _claim(conn)
+        _record(conn, done, "succeeded")
+        _record(conn, failed, "unknown")
+        conn.execute(
+            "UPDATE outbox.operations SET available_at = now() WHERE id = %s", (failed[0],)
+        )
+        (failed,) = _claim(conn)  # its second attempt is in flight across the upgrade
+        history = "SELECT * FROM outbox.attempts ORDER BY operation_id, attempt"
+        before = conn.execute(history).fetchall()
+        assert len(before) == 2
+        migrations.migrate(conn)
+        assert conn.execute(history).fetchall() == before
+        for claimed in (failed, flying_a):
+            _record(conn, claimed, "succeeded")
+        _record(conn, flying_b, "unknown")
+        after = conn.execute(
+            "SELECT operation_id, attempt, outcome, worker FROM outbox.attempts"
+            " ORDER BY operation_id, attempt"
+        ).fetchall()
+        logged = conn.execute(
+            "SELECT operation_id, attempt FROM outbox.attempt_log ORDER BY 1, 2"
+        ).fetchall()
+        inline = conn.execute(
+            "SELECT id FROM outbox.operations WHERE success_worker IS NOT NULL"
+        ).fetchall()
+    assert after == [
+        (done[0], 1, "succeeded", "w"),
+        (failed[0], 1, "unknown", "w"),
+        (failed[0], 2, "succeeded", "w"),
+        (flying_a[0], 1, "succeeded", "w"),
+        (flying_b[0], 1, "unknown", "w"),
+    ]
+    # Only the success at a first attempt recorded after the upgrade stays on its row.
+    assert inline == [(flying_a[0],)]
+    assert logged == [(done[0], 1), (failed[0], 1), (failed[0], 2), (flying_b[0], 1)]

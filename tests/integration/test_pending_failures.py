@@ -120,7 +120,7 @@ def test_the_count_of_a_provider_stops_at_its_limit(
         )
         for i, op in enumerate(ops):
             conn.execute(
-                "INSERT INTO outbox.attempts (operation_id, attempt, idempotency_key, worker, "
+                "INSERT INTO outbox.attempt_log (operation_id, attempt, idempotency_key, worker, "
                 "started_at, outcome, sent, error_class) SELECT id, 1, idempotency_key, 'w', "
                 "now(), 'unknown', true, %s FROM outbox.operations WHERE id = %s",
                 ("timeout" if i % 4 else "http_503", op),

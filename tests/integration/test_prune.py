@@ -20,7 +20,7 @@ def finish(url: str, ids: list[int], status: str, ago: str) -> None:
             (status, ago, ids),
         )
         conn.execute(
-            "INSERT INTO outbox.attempts (operation_id, attempt, idempotency_key, worker, "
+            "INSERT INTO outbox.attempt_log (operation_id, attempt, idempotency_key, worker, "
             "started_at, outcome, sent) SELECT id, 1, idempotency_key, 'w', now(), "
             "'succeeded', true FROM outbox.operations WHERE id = ANY(%s)",
             (ids,),

@@ -277,7 +277,7 @@ async def test_after_reconcile_retry_the_check_still_finds_what_generation_1_mad
     (pi,) = fake.objects("payment_intents")
     fake.update_object(pi["id"], created=pi["created"] - 3 * 3600)  # three hours ago, then
     with psycopg.connect(db_url, autocommit=True) as conn:
-        conn.execute("UPDATE outbox.attempts SET started_at = started_at - interval '3 hours'")
+        conn.execute("UPDATE outbox.attempt_log SET started_at = started_at - interval '3 hours'")
         conn.execute(
             "UPDATE outbox.operations SET first_sent_at = first_sent_at - "
             "interval '3 hours', last_attempt_at = last_attempt_at - interval '3 hours'"

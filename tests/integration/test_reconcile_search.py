@@ -74,7 +74,7 @@ async def lost_then_reconciling(
     if hours_ago:
         shift = timedelta(hours=hours_ago)
         with psycopg.connect(url, autocommit=True) as conn:
-            conn.execute("UPDATE outbox.attempts SET started_at = started_at - %s", (shift,))
+            conn.execute("UPDATE outbox.attempt_log SET started_at = started_at - %s", (shift,))
             conn.execute(
                 "UPDATE outbox.operations SET first_sent_at = first_sent_at - %s, "
                 "last_attempt_at = last_attempt_at - %s",
@@ -235,7 +235,7 @@ async def test_a_not_found_says_what_it_searched(
     with psycopg.connect(db_url, autocommit=True) as conn:
         operators.request_cancel(conn, op, reason="stuck", actor="alice")
         # Sent 40 days ago: older than the events Stripe keeps.
-        conn.execute("UPDATE outbox.attempts SET started_at = now() - interval '40 days'")
+        conn.execute("UPDATE outbox.attempt_log SET started_at = now() - interval '40 days'")
     checked = outbox_cli(check_env, "reconcile", "check", str(op))
     assert checked.returncode == 0, checked.stderr
     assert "not_found" in checked.stdout

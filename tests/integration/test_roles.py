@@ -143,9 +143,10 @@ _TABLE_WRITES: dict[str, LiteralString] = {
     "VALUES ('t', 't', 'k', '\\x00', 'hook', 'a', '{}', 'k')",
     "delete operations": "DELETE FROM outbox.operations",
     "truncate operations": "TRUNCATE outbox.operations CASCADE",
-    "update attempts": "UPDATE outbox.attempts SET outcome = 'succeeded'",
-    "delete attempts": "DELETE FROM outbox.attempts",
-    "truncate attempts": "TRUNCATE outbox.attempts",
+    # attempt_log holds the attempts; outbox.attempts is a view of it nobody writes (sql/0050).
+    "update attempts": "UPDATE outbox.attempt_log SET outcome = 'succeeded'",
+    "delete attempts": "DELETE FROM outbox.attempt_log",
+    "truncate attempts": "TRUNCATE outbox.attempt_log",
     "insert audit": "INSERT INTO outbox.audit (operation_id, actor, action, reason) "
     "VALUES (1, 'me', 'resolve', 'because')",
     "update audit": "UPDATE outbox.audit SET reason = 'other'",
@@ -352,7 +353,7 @@ def test_the_dispatcher_holds_no_write_on_operations_or_attempts(roles_db: str) 
         roles_db,
         """
         SELECT t.relname, p.privilege
-        FROM (VALUES ('operations'), ('attempts')) AS t (relname),
+        FROM (VALUES ('operations'), ('attempts'), ('attempt_log')) AS t (relname),
              unnest(ARRAY['INSERT', 'UPDATE', 'DELETE', 'TRUNCATE']) AS p (privilege)
         WHERE has_table_privilege('outbox_dispatcher', 'outbox.' || t.relname, p.privilege)
            OR (p.privilege IN ('INSERT', 'UPDATE')
@@ -415,7 +416,7 @@ def test_the_dispatchers_credential_cannot_rewrite_history(roles_db: str) -> Non
             "WHERE id = {}"
         ).format(quarantined),
         "invent an attempt": sql.SQL(
-            "INSERT INTO outbox.attempts (operation_id, attempt, idempotency_key, worker, "
+            "INSERT INTO outbox.attempt_log (operation_id, attempt, idempotency_key, worker, "
             "started_at, outcome, sent) VALUES ({}, 9, 'k', 'w', now(), 'succeeded', true)"
         ).format(quarantined),
     }
@@ -504,6 +505,7 @@ def test_the_producer_enqueues_and_reads_through_the_api_and_nothing_else(roles_
         "select operations": "SELECT * FROM outbox.operations",
         "update operations": "UPDATE outbox.operations SET status = 'cancelled'",
         "select attempts": "SELECT * FROM outbox.attempts",
+        "select attempt_log": "SELECT * FROM outbox.attempt_log",
         "select audit": "SELECT * FROM outbox.audit",
         "record_check": "SELECT outbox.record_check(1, NULL, 'me', '{}', 1, 0)",
         "touch_check": "SELECT outbox.touch_check(1)",

@@ -177,7 +177,7 @@ caps_strategy = st.fixed_dictionaries(
 def populate(url: str, groups: list[Group]) -> None:
     with psycopg.connect(url) as conn:
         conn.execute(
-            "TRUNCATE outbox.operations, outbox.attempts, outbox.ordering_keys, "
+            "TRUNCATE outbox.operations, outbox.attempt_log, outbox.ordering_keys, "
             "outbox.ordering_repairs"
         )
         for g in groups:

@@ -249,7 +249,7 @@ def server(request: pytest.FixtureRequest) -> str:
         return str(request.getfixturevalue("db_url"))
     url = str(request.getfixturevalue("sync_url"))
     with psycopg.connect(url, autocommit=True) as conn:  # what the module's other tests left
-        conn.execute("TRUNCATE outbox.operations, outbox.attempts CASCADE")
+        conn.execute("TRUNCATE outbox.operations, outbox.attempt_log CASCADE")
         conn.execute("DELETE FROM outbox.waiting_dispatchers")
     return url
 

@@ -59,6 +59,9 @@ def _one(name: str, breaks: str, path: str, find: str, replace: str, *tests: str
 STATEMENTS = "outbox/db/statements.py"
 # The dispatcher's writes to operations and attempts (sql/0040).
 DISPATCH_SQL = "sql/0040_the_dispatcher_writes_through_functions.sql"
+# record_attempts and rescue_leases since a success at the first attempt stays on its row (0050).
+LEDGER_SQL = "sql/0050_a_success_writes_one_row.sql"
+LEDGER_TESTS = "tests/integration/test_success_ledger.py::"
 # The dispatcher's parts (outbox/dispatch/): one operation's way, and the recording of outcomes.
 PIPELINE = "outbox/dispatch/pipeline.py"
 RECORDER = "outbox/dispatch/recorder.py"
@@ -110,7 +113,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "record-fence",
         "a worker whose lease expired records over another worker's attempt",
-        DISPATCH_SQL,
+        LEDGER_SQL,
         "          AND o.lease_token = i.lease_token\n          AND o.attempts = i.attempt\n",
         "",
         LEASE_FENCE + "test_a_zombies_grouped_records_change_only_the_rows_it_still_holds",
@@ -139,12 +142,12 @@ MUTANTS: tuple[Mutant, ...] = (
         "the rescuer takes back a row whose lease is still live",
         (
             Edit(
-                DISPATCH_SQL,
+                LEDGER_SQL,
                 "        WHERE status = 'in_flight' AND lease_expires_at < now()\n",
                 "        WHERE status = 'in_flight'\n",
             ),
             Edit(
-                DISPATCH_SQL,
+                LEDGER_SQL,
                 "o.status = 'in_flight' AND o.lease_expires_at < now()",
                 "o.status = 'in_flight'",
             ),
@@ -208,7 +211,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "record-window-start",
         "an attempt that may have reached the provider starts no window",
-        DISPATCH_SQL,
+        LEDGER_SQL,
         "first_sent_at = CASE WHEN i.sent THEN coalesce(o.first_sent_at, o.last_attempt_at)\n"
         "                                 ELSE o.first_sent_at END,",
         "first_sent_at = o.first_sent_at,",
@@ -229,7 +232,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "rescue-not-sent",
         "the rescuer forgets that the dead worker's call may have been sent",
-        DISPATCH_SQL,
+        LEDGER_SQL,
         "            first_sent_at = coalesce(o.first_sent_at, o.last_attempt_at),\n"
         "            last_error = 'lease expired",
         "            last_error = 'lease expired",
@@ -399,7 +402,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "not-acted-spends-budget",
         "a long rate-limit episode quarantines operations that never reached Stripe",
-        DISPATCH_SQL,
+        LEDGER_SQL,
         "            attempt_base = o.attempt_base + CASE WHEN i.unspent THEN 1 ELSE 0 END,\n",
         "",
         NOT_ACTED_TESTS + "test_a_long_episode_of_answers_that_did_not_act_never_quarantines",
@@ -439,7 +442,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "first-version-forgotten",
         "the API version of an operation's first send is not kept for its retries",
-        DISPATCH_SQL,
+        LEDGER_SQL,
         "            api_version = coalesce(o.api_version, CASE WHEN i.sent THEN i.api_version "
         "END),\n",
         "",
@@ -1039,7 +1042,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "rescue-exhausted-quarantined",
         "the rescuer quarantines an operation whose last attempt's lease expired: in doubt, it "
         "belongs in reconciliation",
-        DISPATCH_SQL,
+        LEDGER_SQL,
         "                          THEN 'reconciling' ELSE 'pending' END,",
         "                          THEN 'quarantined' ELSE 'pending' END,",
         "tests/integration/test_one_cause.py::"
@@ -1226,14 +1229,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "dispatcher-inserts-attempts",
         "the dispatcher's credential invents attempts outside a record under its lease",
         "sql/roles.sql",
-        "GRANT SELECT ON outbox.attempts TO outbox_dispatcher;",
-        "GRANT SELECT, INSERT ON outbox.attempts TO outbox_dispatcher;",
+        "GRANT SELECT ON outbox.attempts, outbox.attempt_log TO outbox_dispatcher;",
+        "GRANT SELECT ON outbox.attempts TO outbox_dispatcher;\n"
+        "GRANT SELECT, INSERT ON outbox.attempt_log TO outbox_dispatcher;",
         ROLES_TESTS + "::test_the_dispatchers_credential_cannot_rewrite_history",
     ),
     _one(
         "dispatcher-records-any-status",
         "a record gives a status that is not the dispatcher's to give (cancelled, in_flight)",
-        DISPATCH_SQL,
+        LEDGER_SQL,
         "                     WHEN i.status IS NULL\n"
         "                          OR i.status NOT IN ('pending', 'succeeded', 'quarantined', "
         "'reconciling')\n",
@@ -1711,5 +1715,34 @@ MUTANTS: tuple[Mutant, ...] = (
         "v_origin);\n",
         ORIGIN_TESTS
         + "test_a_claim_keeps_its_downstream_key_across_an_upgrade_and_two_databases_have_two",
+    ),
+    # --- a success at the first attempt writes one row (issue 41; sql/0050) ---------------------
+    _one(
+        "ledger-hides-inline-success",
+        "a success kept on its operation is missing from outbox.attempts: show, the question "
+        "'was my record committed?' and the history lose the attempt that acted",
+        LEDGER_SQL,
+        "WHERE o.success_worker IS NOT NULL;\n",
+        "WHERE false;\n",
+        LEDGER_TESTS + "test_a_first_attempt_success_is_one_row_of_the_view_and_none_of_the_log",
+    ),
+    _one(
+        "ledger-inlines-any-success",
+        "a success after failed attempts is kept on the row as attempt 1, beside the log's own "
+        "attempt 1: the history shows one attempt twice and the success under the wrong number",
+        LEDGER_SQL,
+        "            success_worker = CASE WHEN i.outcome = 'succeeded' AND i.attempt = 1 "
+        "AND i.sent\n",
+        "            success_worker = CASE WHEN i.outcome = 'succeeded' AND i.sent\n",
+        LEDGER_TESTS + "test_a_success_after_a_failure_keeps_every_attempt_in_the_log",
+    ),
+    _one(
+        "ledger-logs-nothing",
+        "a failed attempt writes no row of attempt_log: its key, its class and that it may have "
+        "been sent are lost to reconciliation and to show",
+        LEDGER_SQL,
+        "        FROM recorded\n        WHERE NOT kept_inline\n",
+        "        FROM recorded\n        WHERE false\n",
+        LEDGER_TESTS + "test_a_success_after_a_failure_keeps_every_attempt_in_the_log",
     ),
 )
