@@ -72,6 +72,11 @@ def start_server(app: str, db_url: str, port: int) -> subprocess.Popen[bytes]:
     raise RuntimeError(f"{app} did not start")
 
 
+def delivery_headers(key: str) -> dict[str, str]:
+    """One delivery of an invoice to tenant acme under ``key``."""
+    return {"Content-Type": "application/json", "Idempotency-Key": key, "Outbox-Tenant-Id": "acme"}
+
+
 async def load(url: str, clients: int, seconds: float, keys: list[str] | None) -> list[float]:
     """Latencies (s) of every request answered 201 within ``seconds``; new keys unless ``keys``."""
     latencies: list[float] = []
@@ -83,11 +88,7 @@ async def load(url: str, clients: int, seconds: float, keys: list[str] | None) -
         i = 0
         while time.monotonic() < deadline:
             key = keys[(n + i) % len(keys)] if keys else f"{n}-{i}-{time.monotonic_ns()}"
-            headers = {
-                "Content-Type": "application/json",
-                "Idempotency-Key": key,
-                "Outbox-Tenant-Id": "acme",
-            }
+            headers = delivery_headers(key)
             started = time.perf_counter()
             answer = await c.post(f"{url}/invoices", content=body, headers=headers)
             if answer.status_code != 201:
@@ -109,11 +110,7 @@ async def paced(url: str, rate: float, seconds: float) -> list[float]:
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
 
     async def one(c: httpx.AsyncClient, n: int, due: float) -> None:
-        headers = {
-            "Content-Type": "application/json",
-            "Idempotency-Key": f"paced-{n}-{time.monotonic_ns()}",
-            "Outbox-Tenant-Id": "acme",
-        }
+        headers = delivery_headers(f"paced-{n}-{time.monotonic_ns()}")
         answer = await c.post(f"{url}/invoices", content=body, headers=headers)
         if answer.status_code != 201:
             raise RuntimeError(f"answered {answer.status_code}: {answer.text[:200]}")
@@ -169,11 +166,7 @@ def one_round(variant: str, db_url: str, args: argparse.Namespace, port: int) ->
         if variant == "replays":
             keys = [f"replay-{i}" for i in range(100)]
             for key in keys:  # record each once
-                headers = {
-                    "Content-Type": "application/json",
-                    "Idempotency-Key": key,
-                    "Outbox-Tenant-Id": "acme",
-                }
+                headers = delivery_headers(key)
                 httpx.post(f"{url}/invoices", content=json.dumps(BODY), headers=headers)
         asyncio.run(load(url, args.clients, 2.0, keys))  # warm-up: the pool grows to its size
         # CPU per request does not depend on how the two cores happen to be shared out, which

@@ -296,27 +296,18 @@ def time_claims(db_url: str, v: Variant, runs: int) -> float:
     return statistics.median(times)
 
 
-def drain(db_url: str, v: Variant, workers: int) -> tuple[float, int]:
-    """Bare workers claim and record until nothing is left: seconds taken, operations done."""
-    claim, record = claim_statement(v), record_statement(v)
-    done = [0] * workers
+def in_threads(work: Callable[[int], None], count: int) -> float:
+    """``work(0)`` to ``work(count - 1)`` at once, one thread each: the seconds until the last
+    ends. The first failure is raised here, once every thread has ended."""
     failures: list[Exception] = []
 
-    def work(n: int) -> None:
+    def guarded(n: int) -> None:
         try:
-            with psycopg.connect(db_url) as conn:
-                while True:
-                    ids = [row[0] for row in conn.execute(claim, prepare=True).fetchall()]
-                    conn.commit()
-                    if not ids:
-                        return
-                    conn.execute(record, {"ids": ids}, prepare=True)
-                    conn.commit()
-                    done[n] += len(ids)
+            work(n)
         except Exception as exc:  # noqa: BLE001 (reported by the main thread)
             failures.append(exc)
 
-    threads = [threading.Thread(target=work, args=(n,)) for n in range(workers)]
+    threads = [threading.Thread(target=guarded, args=(n,)) for n in range(count)]
     started = time.perf_counter()
     for t in threads:
         t.start()
@@ -324,7 +315,26 @@ def drain(db_url: str, v: Variant, workers: int) -> tuple[float, int]:
         t.join()
     if failures:
         raise failures[0]
-    return time.perf_counter() - started, sum(done)
+    return time.perf_counter() - started
+
+
+def drain(db_url: str, v: Variant, workers: int) -> tuple[float, int]:
+    """Bare workers claim and record until nothing is left: seconds taken, operations done."""
+    claim, record = claim_statement(v), record_statement(v)
+    done = [0] * workers
+
+    def work(n: int) -> None:
+        with psycopg.connect(db_url) as conn:
+            while True:
+                ids = [row[0] for row in conn.execute(claim, prepare=True).fetchall()]
+                conn.commit()
+                if not ids:
+                    return
+                conn.execute(record, {"ids": ids}, prepare=True)
+                conn.commit()
+                done[n] += len(ids)
+
+    return in_threads(work, workers), sum(done)
 
 
 @dataclass(frozen=True)

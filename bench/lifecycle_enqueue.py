@@ -25,13 +25,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import threading
-import time
 from typing import Any, LiteralString
 
 import psycopg
 from _support import fmt_rate, fmt_ratio, fresh_database, print_machine, print_table, progress
-from lifecycle import VARIANTS, build
+from lifecycle import VARIANTS, build, in_threads
 from psycopg import sql
 
 # The row as enqueue writes it (bench/lifecycle.py's pending rows): its columns and values.
@@ -102,28 +100,18 @@ def produce(db_url: str, shape: str, rows: int, producers: int, tag: str) -> flo
         s=sql.Identifier(schema), cols=sql.SQL(COLUMNS), vals=sql.SQL(VALUES)
     )
     conns = [psycopg.connect(db_url, autocommit=True) for _ in range(producers)]
-    failures: list[Exception] = []
 
     def work(n: int) -> None:
-        try:
-            for i in range(rows // producers):
-                cur = conns[n].execute(statement, {"key": f"{tag}-{n}-{i}"}, prepare=True)
-                if shape != "plain INSERT":
-                    _inserted(shape, cur.fetchone())
-        except Exception as exc:  # noqa: BLE001 (reported by the main thread)
-            failures.append(exc)
+        for i in range(rows // producers):
+            cur = conns[n].execute(statement, {"key": f"{tag}-{n}-{i}"}, prepare=True)
+            if shape != "plain INSERT":
+                _inserted(shape, cur.fetchone())
 
-    threads = [threading.Thread(target=work, args=(n,)) for n in range(producers)]
-    started = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    seconds = time.perf_counter() - started
-    for conn in conns:
-        conn.close()
-    if failures:
-        raise failures[0]
+    try:
+        seconds = in_threads(work, producers)
+    finally:
+        for conn in conns:
+            conn.close()
     return (rows // producers * producers) / seconds
 
 

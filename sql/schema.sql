@@ -2631,7 +2631,9 @@ BEGIN
                i.provider_ref, i.result, left(i.error, 8192) AS error, i.failure, i.outcome,
                left(i.error_class, 200) AS error_class, i.http_status,
                left(i.request_id, 1024) AS request_id, i.unspent, left(i.api_version, 200) AS api_version,
-               left(i.scope, 1024) AS scope
+               left(i.scope, 1024) AS scope,
+               -- Kept on the operation, not as a row of attempt_log (the header says why).
+               coalesce(i.outcome = 'succeeded' AND i.attempt = 1 AND i.sent, false) AS inline
         FROM jsonb_to_recordset(p_batch)
              AS i(id bigint, lease_token uuid, attempt integer, status text, reason text,
                   retry_in_s double precision, sent boolean, provider_ref text, result jsonb,
@@ -2667,14 +2669,10 @@ BEGIN
                           ELSE coalesce(i.result, o.result) END,
             last_error = i.error,
             last_error_class = i.failure,
-            -- A success at the first attempt is kept here, not as a row of attempt_log: the
-            -- view outbox.attempts shows it as that row (the header says why).
-            success_worker = CASE WHEN i.outcome = 'succeeded' AND i.attempt = 1 AND i.sent
-                                  THEN p_worker END,
-            success_http_status = CASE WHEN i.outcome = 'succeeded' AND i.attempt = 1 AND i.sent
-                                       THEN i.http_status END,
-            success_request_id = CASE WHEN i.outcome = 'succeeded' AND i.attempt = 1 AND i.sent
-                                      THEN i.request_id END,
+            -- The view outbox.attempts shows these as the row attempt_log would have held.
+            success_worker = CASE WHEN i.inline THEN p_worker END,
+            success_http_status = CASE WHEN i.inline THEN i.http_status END,
+            success_request_id = CASE WHEN i.inline THEN i.request_id END,
             updated_at = now(),
             status_changed_at = now(),
             finished_at = CASE WHEN i.status IN ('succeeded', 'cancelled') THEN now() END
@@ -2684,8 +2682,7 @@ BEGIN
           AND o.attempts = i.attempt
           AND o.status = 'in_flight'
         RETURNING o.id, o.idempotency_key, o.last_attempt_at, i.attempt, i.outcome, i.sent,
-                  i.error_class, i.error, i.http_status, i.request_id,
-                  o.success_worker IS NOT NULL AS kept_inline
+                  i.error_class, i.error, i.http_status, i.request_id, i.inline
     ),
     logged AS (
         INSERT INTO outbox.attempt_log (operation_id, attempt, idempotency_key, worker, started_at,
@@ -2694,7 +2691,7 @@ BEGIN
         SELECT id, attempt, idempotency_key, p_worker, last_attempt_at, outcome, sent, error_class,
                error, http_status, request_id
         FROM recorded
-        WHERE NOT kept_inline
+        WHERE NOT inline
     )
     SELECT id, attempt FROM recorded;
 END;

@@ -1731,9 +1731,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "a success after failed attempts is kept on the row as attempt 1, beside the log's own "
         "attempt 1: the history shows one attempt twice and the success under the wrong number",
         LEDGER_SQL,
-        "            success_worker = CASE WHEN i.outcome = 'succeeded' AND i.attempt = 1 "
-        "AND i.sent\n",
-        "            success_worker = CASE WHEN i.outcome = 'succeeded' AND i.sent\n",
+        "coalesce(i.outcome = 'succeeded' AND i.attempt = 1 AND i.sent, false) AS inline",
+        "coalesce(i.outcome = 'succeeded' AND i.sent, false) AS inline",
         LEDGER_TESTS + "test_a_success_after_a_failure_keeps_every_attempt_in_the_log",
     ),
     _one(
@@ -1741,7 +1740,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a failed attempt writes no row of attempt_log: its key, its class and that it may have "
         "been sent are lost to reconciliation and to show",
         LEDGER_SQL,
-        "        FROM recorded\n        WHERE NOT kept_inline\n",
+        "        FROM recorded\n        WHERE NOT inline\n",
         "        FROM recorded\n        WHERE false\n",
         LEDGER_TESTS + "test_a_success_after_a_failure_keeps_every_attempt_in_the_log",
     ),
