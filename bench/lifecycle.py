@@ -1,4 +1,5 @@
-"""Issue 41's first measurement: candidate lifecycles in bare workers, before any is built.
+"""Issue 41's first measurement: candidate lifecycles in bare workers, measured before any was
+built (C+S, the keys apart and a success inline, is outbox's since sql/0050 and sql/0051).
 
     python bench/lifecycle.py                       # 0, 1 and 5 million finished rows
     python bench/lifecycle.py --sizes 0,1000000     # quicker
@@ -9,13 +10,17 @@ own, with the indexes the variant keeps, driven by plain SQL in the shape of the
 claim and record (no provider, no Python per operation): what each design writes, measured
 apart from everything else ``outbox run`` does. The variants (docs/drafts/lifecycle-research.md):
 
-* ``today``: every index of today's table; the claim and the record each UPDATE the row (never
-  HOT: both change indexed columns), the record INSERTs an attempts row (foreign key checked);
-* ``today, no foreign key``: today's without the attempts row's foreign key (and the KEY SHARE
-  lock it takes on the operation's new version at every record);
-* ``keys apart`` (design C): the same without ``operations_identity`` and
-  ``operations_provider_key``, whose uniqueness would move to a table written once at enqueue;
-* ``keys apart, success inline`` (C+S): also no attempts row for a success at its first attempt;
+* ``sql/0049``: the lifecycle before issue 41 (earlier tables of bench/README.md call it
+  ``today``): every index of today's table and the two unique ones sql/0051 moved out
+  (``operations_identity``, ``operations_provider_key``); the claim and the record each UPDATE the
+  row (never HOT: both change indexed columns), the record INSERTs an attempts row (foreign key
+  checked);
+* ``sql/0049, no foreign key``: the same without the attempts row's foreign key (and the KEY
+  SHARE lock it takes on the operation's new version at every record);
+* ``keys apart`` (design C): the same without the two unique indexes, whose uniqueness moved to
+  a table written once at enqueue (sql/0051's ``operation_keys``, not written here);
+* ``keys apart, success inline`` (C+S, outbox's lifecycle since sql/0051): also no attempts row
+  for a success at its first attempt;
 * ``live table`` (A+S): the row keeps only the indexes of what never changes (pkey, identity,
   provider key), and a narrow ``live`` row per unfinished operation carries the claim's and the
   lease's indexes; the claim updates ``live`` and HOT-updates the row, a success DELETEs the
@@ -47,7 +52,14 @@ from _support import fmt_rate, fmt_ratio, fresh_database, print_machine, print_t
 from psycopg import sql
 
 CLAIM_LIMIT = 100
-UNIQUE_KEYS = ("operations_identity", "operations_provider_key")
+# The unique indexes sql/0051 moved out of outbox.operations, as they were: the variants that
+# keep them measure the lifecycle before it.
+UNIQUE_KEYS: dict[str, str] = {
+    "operations_identity": "CREATE UNIQUE INDEX operations_identity ON outbox.operations"
+    " USING btree (tenant_id, operation_type, operation_key)",
+    "operations_provider_key": "CREATE UNIQUE INDEX operations_provider_key ON outbox.operations"
+    " USING btree (provider, idempotency_key) WHERE (NOT key_shared)",
+}
 LIVE_INDEXES = ("operations_pkey", *UNIQUE_KEYS)
 # The benchmark vacuums when it means to: an autovacuum of the freshly loaded rows during a drain
 # would add its WAL (the counter is the cluster's) and its CPU to the drain's.
@@ -65,9 +77,9 @@ class Variant:
 
 
 VARIANTS = (
-    Variant("today", "lc_today", lambda name: True, attempt_rows=True, live=False),
+    Variant("sql/0049", "lc_today", lambda name: True, attempt_rows=True, live=False),
     Variant(
-        "today, no foreign key",
+        "sql/0049, no foreign key",
         "lc_nofk",
         lambda name: True,
         attempt_rows=True,
@@ -151,7 +163,7 @@ def build(conn: psycopg.Connection[Any], v: Variant, finished: int) -> None:
                     " 'succeeded', true, 200, 'req_' || id FROM {}.operations"
                 ).format(s, s)
             )
-    for name, definition in conn.execute(TODAYS_INDEXES).fetchall():
+    for name, definition in [*conn.execute(TODAYS_INDEXES).fetchall(), *UNIQUE_KEYS.items()]:
         if v.indexes(name):
             conn.execute(
                 definition.replace(" ON outbox.operations ", f" ON {v.schema}.operations ").replace(
@@ -428,7 +440,7 @@ def main(argv: list[str]) -> int:
             "claim ms",
             f"x at {sizes[0]:,}",
             "drain ops/s",
-            "x today",
+            "x sql/0049",
             "WAL B/op",
             "HOT share of updates",
             "pages of the pending rows",

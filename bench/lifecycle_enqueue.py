@@ -1,5 +1,5 @@
-"""Issue 41: what each candidate lifecycle makes enqueue write, in bare producers, before any
-is built (the part bench/lifecycle.py leaves out).
+"""Issue 41: what each candidate lifecycle makes enqueue write, in bare producers, measured
+before any was built (the part bench/lifecycle.py leaves out).
 
     python bench/lifecycle_enqueue.py              # 10,000 rows per run, 3 rounds
     python bench/lifecycle_enqueue.py --quick      # 2,000 rows, 1 round
@@ -8,10 +8,12 @@ Each producer commits one row per statement (autocommit, prepared), in the shape
 would give ``outbox.enqueue``'s INSERT, beside a plain INSERT of the same row into a copy of
 today's table with every index (issue 41's baseline: enqueue at >= 0.8x of it):
 
-* ``today``: INSERT ... ON CONFLICT (identity) DO NOTHING into today's table;
-* ``keys apart`` (designs C and C+S): the row's identity and provider key first into a table of
-  keys written once (both unique there, ON CONFLICT DO NOTHING, the operation's id drawn from
-  the operations' sequence), then the row into operations without either unique index;
+* ``sql/0049``: INSERT ... ON CONFLICT (identity) DO NOTHING into the table as it was before
+  sql/0051 (earlier tables of bench/README.md call it ``today``);
+* ``keys apart`` (designs C and C+S, outbox's enqueue since sql/0051): the row's identity and
+  provider key first into a table of keys written once (both unique there, ON CONFLICT DO
+  NOTHING, the operation's id drawn from the operations' sequence), then the row into operations
+  without either unique index;
 * ``live table`` (A+S): the row into operations keeping pkey, identity and provider key (ON
   CONFLICT as today), then a narrow ``live`` row carrying the claim's index.
 
@@ -53,7 +55,7 @@ CREATE TABLE {s}.keys (
 SHAPES: dict[str, tuple[str, LiteralString]] = {
     # name: (schema of the variant, statement)
     "plain INSERT": ("lc_today", "INSERT INTO {s}.operations ({cols}) VALUES ({vals})"),
-    "today": (
+    "sql/0049": (
         "lc_today",
         "INSERT INTO {s}.operations ({cols}) VALUES ({vals})"
         " ON CONFLICT (tenant_id, operation_type, operation_key) DO NOTHING RETURNING id",

@@ -198,6 +198,9 @@ GRANT SELECT ON outbox.operations, outbox.attempts, outbox.attempt_log, outbox.a
     outbox.ordering_modes, outbox.ordering_repairs, outbox.limits, outbox.provider_health,
     outbox.provider_actions
     TO outbox_operator;
+-- `outbox show` finds an operation by its identity through the keys (sql/0051). Every tenant's:
+-- the operator reads every tenant's operations anyway; no other role reads this table.
+GRANT SELECT ON outbox.operation_keys TO outbox_operator;
 GRANT EXECUTE ON FUNCTION
     outbox.resolve_operation(bigint, text, text, text),
     outbox.cancel_operation(bigint, text, text),

@@ -30,7 +30,10 @@
 -- outbox.inbox_begin binds the delivery's tenant, so a worker's functions, running as the
 -- owner, see that tenant's records only.
 -- outbox.attempts and outbox.audit carry no tenant and are readable by the dispatcher and
--- operator roles only; outbox.inbox_conflicts by the operator only.
+-- operator roles only; outbox.inbox_conflicts by the operator only. outbox.operation_keys
+-- (sql/0051) has no policy on purpose: an identity and a provider key are unique across
+-- tenants, and enqueue, bound to one tenant, must see another's key to refuse it. Only the
+-- operator reads it.
 --
 -- To switch isolation off again:
 --     ALTER TABLE outbox.operations NO FORCE ROW LEVEL SECURITY;

@@ -1,5 +1,5 @@
 -- sql/schema.sql: the outbox schema as the migrations of sql/ leave it
--- (every migration up to 0050_a_success_writes_one_row).
+-- (every migration up to 0051_keys_apart_from_the_operation).
 --
 -- GENERATED FILE: DO NOT EDIT IT BY HAND. It is regenerated, after adding a migration, by
 --     python -m outbox.db.schema_dump --dsn postgresql://postgres@127.0.0.1:5432/postgres --output sql/schema.sql
@@ -242,12 +242,33 @@ COMMENT ON TABLE outbox.limits IS 'Limits only the schema owner may change: max_
 -- privileges: the owner's only
 
 -- =================================================================================================
+-- table outbox.operation_keys
+-- history: created by 0051_keys_apart_from_the_operation
+
+CREATE TABLE outbox.operation_keys (
+    tenant_id       text NOT NULL,
+    operation_type  text NOT NULL,
+    operation_key   text NOT NULL,
+    operation_id    bigint NOT NULL,
+    provider        text NOT NULL,
+    idempotency_key text,
+    CONSTRAINT operation_keys_identity PRIMARY KEY (tenant_id, operation_type, operation_key),
+    CONSTRAINT operation_keys_provider_key UNIQUE (provider, idempotency_key)
+);
+
+COMMENT ON TABLE outbox.operation_keys IS 'Each operation''s identity and provider key, written once by enqueue; unique across tenants (sql/0051).';
+COMMENT ON COLUMN outbox.operation_keys.idempotency_key IS 'The key the operation sends now (reconcile retry moves it); NULL for an operation that shares its key with older ones (operations.key_shared).';
+
+-- privileges: the owner's only
+
+-- =================================================================================================
 -- table outbox.operations
 -- history: created by 0001_operations; changed by 0005_operator, 0008_gauges,
 --     0010_immutable_operations, 0012_wake_only_idle_dispatchers, 0014_fair_claims,
 --     0015_ordering_keys, 0018_operations_fillfactor, 0019_limits_schedule_and_key_locks,
 --     0021_findings_carry_the_state, 0023_lookups_say_what_they_searched,
---     0024_keys_name_one_operation, 0033_pending_failures, 0050_a_success_writes_one_row
+--     0024_keys_name_one_operation, 0033_pending_failures, 0050_a_success_writes_one_row,
+--     0051_keys_apart_from_the_operation
 
 CREATE TABLE outbox.operations (
     id                  bigint NOT NULL GENERATED ALWAYS AS IDENTITY,
@@ -297,7 +318,6 @@ CREATE TABLE outbox.operations (
     success_http_status integer,
     success_request_id  text,
     CONSTRAINT operations_pkey PRIMARY KEY (id),
-    CONSTRAINT operations_identity UNIQUE (tenant_id, operation_type, operation_key),
     CONSTRAINT operations_attempt_base_valid CHECK (((attempt_base >= 0) AND (attempt_base <= attempts))),
     CONSTRAINT operations_attempts_valid CHECK ((attempts >= 0)),
     CONSTRAINT operations_blocked_only_pending CHECK (((NOT ordering_blocked) OR (status = 'pending'::text))),
@@ -321,13 +341,15 @@ CREATE INDEX operations_lease ON outbox.operations USING btree (lease_expires_at
 CREATE INDEX operations_ordering_blocked ON outbox.operations USING btree (tenant_id, ordering_key, id) WHERE ordering_blocked;
 CREATE INDEX operations_ordering_heads ON outbox.operations USING btree (tenant_id, ordering_key) WHERE ((ordering_key IS NOT NULL) AND (NOT ordering_blocked) AND (status = ANY (ARRAY['pending'::text, 'in_flight'::text, 'quarantined'::text, 'reconciling'::text])));
 CREATE INDEX operations_pending_failed ON outbox.operations USING btree (provider, status_changed_at, id) WHERE ((status = 'pending'::text) AND (last_error_class IS NOT NULL));
-CREATE UNIQUE INDEX operations_provider_key ON outbox.operations USING btree (provider, idempotency_key) WHERE (NOT key_shared);
 CREATE INDEX operations_scheduled ON outbox.operations USING btree (available_at, id) INCLUDE (provider, first_sent_at, ordering_blocked) WHERE scheduled;
 CREATE TRIGGER operations_cancel_when_attempt_ends BEFORE UPDATE OF status ON outbox.operations FOR EACH ROW WHEN (((old.status = 'in_flight'::text) AND (old.cancel_requested_at IS NOT NULL) AND (new.status <> 'in_flight'::text))) EXECUTE FUNCTION outbox.cancel_when_attempt_ends();
+CREATE TRIGGER operations_forget_keys AFTER DELETE ON outbox.operations REFERENCING OLD TABLE AS gone FOR EACH STATEMENT EXECUTE FUNCTION outbox.operation_keys_follow_deletes();
 CREATE TRIGGER operations_immutable BEFORE UPDATE OF tenant_id, operation_type, operation_key, provider, action, payload, fingerprint, idempotency_key, key_generation, ordering_key ON outbox.operations FOR EACH ROW EXECUTE FUNCTION outbox.operations_keep_immutable();
+CREATE TRIGGER operations_move_key AFTER UPDATE OF idempotency_key, key_shared ON outbox.operations FOR EACH ROW WHEN (((old.idempotency_key IS DISTINCT FROM new.idempotency_key) OR (old.key_shared IS DISTINCT FROM new.key_shared))) EXECUTE FUNCTION outbox.operation_keys_follow_key();
 CREATE TRIGGER operations_pass_turn AFTER UPDATE OF status ON outbox.operations FOR EACH ROW WHEN (((new.ordering_key IS NOT NULL) AND (old.status IS DISTINCT FROM new.status) AND (new.status = ANY (ARRAY['succeeded'::text, 'cancelled'::text, 'quarantined'::text, 'reconciling'::text])))) EXECUTE FUNCTION outbox.pass_turn();
 CREATE TRIGGER operations_rejoin_line BEFORE UPDATE OF status ON outbox.operations FOR EACH ROW WHEN (((new.ordering_key IS NOT NULL) AND (new.status = 'pending'::text) AND (old.status = ANY (ARRAY['quarantined'::text, 'reconciling'::text])))) EXECUTE FUNCTION outbox.rejoin_line();
 CREATE CONSTRAINT TRIGGER operations_take_turn AFTER INSERT ON outbox.operations DEFERRABLE INITIALLY DEFERRED FOR EACH ROW WHEN ((new.ordering_key IS NOT NULL)) EXECUTE FUNCTION outbox.take_turn();
+CREATE TRIGGER operations_truncate_keys AFTER TRUNCATE ON outbox.operations FOR EACH STATEMENT EXECUTE FUNCTION outbox.operation_keys_follow_deletes();
 CREATE CONSTRAINT TRIGGER operations_wake_dispatchers AFTER INSERT ON outbox.operations DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION outbox.wake_dispatchers();
 
 -- privileges: the owner's only
@@ -1374,7 +1396,7 @@ $function$;
 --     0019_limits_schedule_and_key_locks, 0024_keys_name_one_operation, 0026_enqueue_allow_lists,
 --     0028_identities_refuse_format_characters, 0036_identities_refuse_spaces_at_their_ends,
 --     0037_payloads_bounded_in_values, 0038_bindings_end_with_their_transaction,
---     0041_derived_keys_hold_a_secret
+--     0041_derived_keys_hold_a_secret, 0051_keys_apart_from_the_operation
 
 CREATE OR REPLACE FUNCTION outbox.enqueue(tenant_id text, operation_type text, operation_key text, provider text, action text, payload jsonb, correlation_id text DEFAULT NULL::text, idempotency_key text DEFAULT NULL::text, available_at timestamp with time zone DEFAULT NULL::timestamp with time zone, max_attempts integer DEFAULT NULL::integer, traceparent text DEFAULT NULL::text, ordering_key text DEFAULT NULL::text)
  RETURNS TABLE(operation_id bigint, outcome text)
@@ -1396,7 +1418,8 @@ DECLARE
     v_isolated     boolean;
     v_key          text;
     v_secret       bytea;
-    v_holder       outbox.operations;
+    v_new          bigint;
+    v_holder_tenant text;
 BEGIN
     -- The tenant check (require_tenant, 0011), as in 0017: skipped for the tenant this
     -- transaction bound (bound_tenant(), 0038: a value from an earlier transaction is none).
@@ -1567,24 +1590,31 @@ BEGIN
     v_fingerprint := sha256(convert_to(provider || E'\n' || action || E'\n' || v_payload_text
                                        || coalesce(E'\n' || ordering_key, ''), 'UTF8'));
 
-    LOOP
-        INSERT INTO outbox.operations AS o (
-            tenant_id, operation_type, operation_key, fingerprint, provider, action, payload,
-            idempotency_key, correlation_id, traceparent, max_attempts, available_at,
-            scheduled, payload_bytes, ordering_key, ordering_blocked
-        ) VALUES (
-            tenant_id, operation_type, operation_key, v_fingerprint, provider, action, payload,
-            v_key,
-            correlation_id, traceparent, max_attempts, v_available_at,
-            -- Not due yet: out of the claim index until a dispatcher stages it.
-            v_available_at > now(), v_bytes,
-            ordering_key, ordering_key IS NOT NULL
-        )
-        -- The identity, or the provider's key (operations_provider_key): either conflict.
+
+    -- The keys row first (sql/0051): its ON CONFLICT answers both rules, the identity and the
+    -- provider's key (operation_keys_provider_key), before the operation exists. Bounded: a
+    -- holder that vanishes between the insert and the look-up (deleted) is looked for again
+    -- twice, then the caller retries (40001), rather than spinning here.
+    FOR v_round IN 1..3 LOOP
+        v_new := nextval('outbox.operations_id_seq');
+        INSERT INTO outbox.operation_keys AS k (
+            tenant_id, operation_type, operation_key, operation_id, provider, idempotency_key
+        ) VALUES (tenant_id, operation_type, operation_key, v_new, provider, v_key)
         ON CONFLICT DO NOTHING
-        RETURNING o.id INTO v_id;
+        RETURNING k.operation_id INTO v_id;
 
         IF v_id IS NOT NULL THEN
+            INSERT INTO outbox.operations AS o (
+                id, tenant_id, operation_type, operation_key, fingerprint, provider, action,
+                payload, idempotency_key, correlation_id, traceparent, max_attempts,
+                available_at, scheduled, payload_bytes, ordering_key, ordering_blocked
+            ) OVERRIDING SYSTEM VALUE VALUES (
+                v_id, tenant_id, operation_type, operation_key, v_fingerprint, provider, action,
+                payload, v_key, correlation_id, traceparent, max_attempts, v_available_at,
+                -- Not due yet: out of the claim index until a dispatcher stages it.
+                v_available_at > now(), v_bytes,
+                ordering_key, ordering_key IS NOT NULL
+            );
             IF ordering_key IS NOT NULL THEN
                 -- Its turn is taken at COMMIT, with this transaction's other keys (take_turn).
                 INSERT INTO outbox.ordering_turns AS t (xid, tenant_id, ordering_key)
@@ -1596,11 +1626,13 @@ BEGIN
             RETURN;
         END IF;
 
-        SELECT o.id, o.fingerprint INTO v_id, v_existing
-        FROM outbox.operations o
-        WHERE o.tenant_id = tenant_id
-          AND o.operation_type = operation_type
-          AND o.operation_key = operation_key;
+        -- This identity's operation: the same tenant's, so visible under row-level security.
+        SELECT k.operation_id, o.fingerprint INTO v_id, v_existing
+        FROM outbox.operation_keys k
+        JOIN outbox.operations o ON o.id = k.operation_id
+        WHERE k.tenant_id = tenant_id
+          AND k.operation_type = operation_type
+          AND k.operation_key = operation_key;
 
         IF v_id IS NOT NULL THEN
             IF v_existing <> v_fingerprint THEN
@@ -1617,19 +1649,25 @@ BEGIN
         END IF;
 
         -- Not this identity: its key names another operation at the provider, whose answers
-        -- this one would be given (or refused with). Its id only to the same tenant.
-        SELECT * INTO v_holder FROM outbox.operations o
-        WHERE o.provider = provider AND o.idempotency_key = v_key AND NOT o.key_shared;
-        IF v_holder.id IS NOT NULL THEN
+        -- this one would be given (or refused with). Read from the keys, which row-level
+        -- security does not hide: the holder may be another tenant's. Its id only to the same
+        -- tenant.
+        SELECT k.operation_id, k.tenant_id INTO v_id, v_holder_tenant
+        FROM outbox.operation_keys k
+        WHERE k.provider = provider AND k.idempotency_key = v_key;
+        IF v_id IS NOT NULL THEN
             RAISE EXCEPTION 'idempotency_key % already names another operation of provider %',
                 v_key, provider
                 USING ERRCODE = 'OB001', COLUMN = 'idempotency_key',
-                      DETAIL = CASE WHEN v_holder.tenant_id = tenant_id
-                                    THEN format('existing operation id: %s', v_holder.id)
+                      DETAIL = CASE WHEN v_holder_tenant = tenant_id
+                                    THEN format('existing operation id: %s', v_id)
                                     ELSE 'it belongs to another tenant' END,
                       HINT = 'a key is sent to the provider as it is: each operation needs its own';
         END IF;
     END LOOP;
+    RAISE EXCEPTION 'operation %/%/% conflicted with an operation that was deleted meanwhile, '
+                    'three times', tenant_id, operation_type, operation_key
+        USING ERRCODE = '40001', HINT = 'retry the transaction';
 END;
 $function$;
 COMMENT ON FUNCTION outbox.enqueue(text,text,text,text,text,jsonb,text,text,timestamp with time zone,integer,text,text) IS 'Records an operation in the caller''s transaction: accepted (new) or duplicate; SQLSTATE OB001 on conflict, OB002 on invalid input, 42501 for another tenant than the bound one. Operations with the same ordering_key (per tenant) are sent one at a time, in enqueue order.';
@@ -1660,7 +1698,8 @@ $function$;
 
 -- =================================================================================================
 -- function outbox.get_operation(text,text,text)
--- history: created by 0004_enqueue; changed by 0011_security_definer
+-- history: created by 0004_enqueue; changed by 0011_security_definer,
+--     0051_keys_apart_from_the_operation
 
 CREATE OR REPLACE FUNCTION outbox.get_operation(tenant_id text, operation_type text, operation_key text)
  RETURNS TABLE(operation_id bigint, tenant_id text, operation_type text, operation_key text, provider text, action text, status text, status_reason text, attempts integer, provider_ref text, result jsonb, last_error text, last_error_class text, idempotency_key text, correlation_id text, created_at timestamp with time zone, updated_at timestamp with time zone, available_at timestamp with time zone, finished_at timestamp with time zone)
@@ -1673,10 +1712,11 @@ AS $function$
            o.status_reason, o.attempts, o.provider_ref, o.result, o.last_error, o.last_error_class,
            o.idempotency_key, o.correlation_id, o.created_at, o.updated_at, o.available_at,
            o.finished_at
-    FROM outbox.operations o
-    WHERE o.tenant_id = get_operation.tenant_id
-      AND o.operation_type = get_operation.operation_type
-      AND o.operation_key = get_operation.operation_key
+    FROM outbox.operation_keys k
+    JOIN outbox.operations o ON o.id = k.operation_id
+    WHERE k.tenant_id = get_operation.tenant_id
+      AND k.operation_type = get_operation.operation_type
+      AND k.operation_key = get_operation.operation_key
 $function$;
 -- privileges: the owner's only
 
@@ -2417,6 +2457,52 @@ AS $function$
         CASE WHEN generation = 1 THEN current_key
              ELSE left(current_key, length(current_key) - length(':r' || generation)) END,
         generation + 1)
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.operation_keys_follow_deletes()
+-- history: created by 0051_keys_apart_from_the_operation
+-- fired by trigger operations_forget_keys ON outbox.operations
+-- fired by trigger operations_truncate_keys ON outbox.operations
+
+CREATE OR REPLACE FUNCTION outbox.operation_keys_follow_deletes()
+ RETURNS trigger
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+BEGIN
+    IF TG_OP = 'TRUNCATE' THEN
+        TRUNCATE outbox.operation_keys;
+    ELSE
+        DELETE FROM outbox.operation_keys k USING gone g
+        WHERE k.tenant_id = g.tenant_id AND k.operation_type = g.operation_type
+          AND k.operation_key = g.operation_key AND k.operation_id = g.id;
+    END IF;
+    RETURN NULL;
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.operation_keys_follow_key()
+-- history: created by 0051_keys_apart_from_the_operation
+-- fired by trigger operations_move_key ON outbox.operations
+
+CREATE OR REPLACE FUNCTION outbox.operation_keys_follow_key()
+ RETURNS trigger
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+BEGIN
+    UPDATE outbox.operation_keys k
+    SET idempotency_key = CASE WHEN NOT NEW.key_shared THEN NEW.idempotency_key END
+    WHERE k.tenant_id = NEW.tenant_id AND k.operation_type = NEW.operation_type
+      AND k.operation_key = NEW.operation_key AND k.operation_id = NEW.id;
+    RETURN NULL;
+END;
 $function$;
 -- privileges: the owner's only
 

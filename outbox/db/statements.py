@@ -433,10 +433,12 @@ FROM outbox.operations
 WHERE id = %(id)s
 """
 
+# Through the keys (sql/0051): the operation's row has no index on its identity. Joined to the
+# operation, so that the row-level security of outbox.operations decides what is found.
 FIND_BY_IDENTITY: Final = """
-SELECT id FROM outbox.operations
-WHERE tenant_id = %(tenant_id)s AND operation_type = %(operation_type)s
-  AND operation_key = %(operation_key)s
+SELECT o.id FROM outbox.operation_keys k JOIN outbox.operations o ON o.id = k.operation_id
+WHERE k.tenant_id = %(tenant_id)s AND k.operation_type = %(operation_type)s
+  AND k.operation_key = %(operation_key)s
 """
 
 ATTEMPT_HISTORY: Final = """
@@ -609,7 +611,8 @@ SELECT * FROM outbox.claim_checks(%(providers)s::text[], %(recheck_after)s::inte
 
 # One batch of finished operations, oldest ids first, from just after the last batch. The scan
 # walks the primary key, so it needs no index of its own; SKIP LOCKED leaves alone a row an
-# operator is acting on. Attempts follow by ON DELETE CASCADE.
+# operator is acting on. Attempts follow by ON DELETE CASCADE, the keys rows by a statement
+# trigger (sql/0051), freeing each identity and key.
 PRUNE_BATCH: Final = """
 WITH doomed AS (
     SELECT id FROM outbox.operations

@@ -4,7 +4,8 @@ Each batch is its own short transaction, so pruning never holds many row locks, 
 dispatcher for long, and can be stopped at any point. It walks the primary key from the oldest
 id, so a batch costs the same at the start of a ten-million-row table as at its end, without an
 index that every record would have to maintain. Attempts go with their operation (ON DELETE
-CASCADE); the audit stays, since a decision's record outlives its operation.
+CASCADE), and so do its identity and key (operation_keys, by a trigger: sql/0051); the audit
+stays, since a decision's record outlives its operation.
 """
 
 from __future__ import annotations

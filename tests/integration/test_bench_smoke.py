@@ -73,8 +73,8 @@ def test_lifecycle_builds_and_drains_every_variant(pg_server: str) -> None:
     )
     cells = [[c.strip() for c in line.split("|")[1:3]] for line in out.splitlines()]
     variants = (
-        "today",
-        "today, no foreign key",
+        "sql/0049",
+        "sql/0049, no foreign key",
         "keys apart",
         "keys apart, success inline",
         "live table",
@@ -87,7 +87,7 @@ def test_lifecycle_enqueue_writes_every_shape(pg_server: str) -> None:
     new key was inserted and the keys table holds one key per operation."""
     out = run_bench(pg_server, "lifecycle_enqueue.py", "--rows", "80", "--repeat", "1")
     shapes = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ")]
-    for shape in ("plain INSERT", "today", "keys apart", "live table"):
+    for shape in ("plain INSERT", "sql/0049", "keys apart", "live table"):
         assert shapes.count(shape) == 2, shape  # at 1 and at 8 producers
 
 

@@ -17,6 +17,7 @@ from psycopg.types.json import Jsonb
 import outbox
 from outbox.core.model import Status
 from outbox.db import migrations, statements
+from tests.integration.test_operation_keys import KEYS, KEYS_FROM_OPERATIONS
 from tests.support.schema import snapshot
 
 ALL = migrations.load_migrations()
@@ -314,3 +315,66 @@ def test_0050_keeps_every_attempt_and_records_a_first_success_on_its_row(
     # Only the success at a first attempt recorded after the upgrade stays on its row.
     assert inline == [(flying_a[0],)]
     assert logged == [(done[0], 1), (failed[0], 1), (failed[0], 2), (flying_b[0], 1)]
+
+
+def test_0051_moves_every_operations_keys_and_keeps_them_unique(empty_db_url: str) -> None:
+    """Migrating a populated database: every operation, in flight and retried ones included,
+    gets its keys row; identities and keys are still refused twice, across tenants; the operation
+    in flight across the upgrade records its success."""
+    with psycopg.connect(empty_db_url, autocommit=True) as conn:
+        migrations.migrate(conn, target=50)
+        for tenant, key, caller in (
+            ("acme", "flying", None),
+            ("acme", "waiting", "caller-1"),
+            ("acme", "retried", "caller-2"),
+            ("beta", "shared", "caller-3"),
+        ):
+            conn.execute(
+                "SELECT outbox.enqueue(%s, 'charge', %s, 'hook', 'paid', '{}'::jsonb,"
+                " idempotency_key => %s)",
+                (tenant, key, caller),
+            )
+            if key == "flying":
+                (flying,) = _claim(conn)
+        conn.execute(
+            "UPDATE outbox.operations SET status = 'reconciling', attempts = 1"
+            " WHERE operation_key = 'retried'"
+        )
+        conn.execute("SELECT outbox.retry_operation(3, 'test', 'carol', true)")
+        # An operation sharing its key with an older one (sql/0024's key_shared), by hand.
+        conn.execute("UPDATE outbox.operations SET key_shared = true WHERE id = 4")
+        conn.execute(
+            "INSERT INTO outbox.operations (tenant_id, operation_type, operation_key, fingerprint,"
+            " provider, action, payload, idempotency_key, key_shared) VALUES ('beta', 'charge',"
+            " 'shared-2', '\\x00', 'hook', 'paid', '{}', 'caller-3', true)"
+        )
+        before = conn.execute("SELECT * FROM outbox.operations ORDER BY id").fetchall()
+        migrations.migrate(conn)
+        assert conn.execute("SELECT * FROM outbox.operations ORDER BY id").fetchall() == before
+        assert conn.execute(KEYS).fetchall() == conn.execute(KEYS_FROM_OPERATIONS).fetchall()
+        derived = "SELECT idempotency_key FROM outbox.operations WHERE id = 1"
+        assert [r[5] for r in conn.execute(KEYS).fetchall()] == [
+            *conn.execute(derived).fetchall()[0],
+            "caller-1",
+            "caller-2:r2",
+            None,
+            None,
+        ]
+        again = conn.execute(
+            "SELECT outcome FROM outbox.enqueue('acme', 'charge', 'waiting', 'hook', 'paid',"
+            " '{}'::jsonb, idempotency_key => 'caller-1')"
+        ).fetchall()
+        assert again == [("duplicate",)]
+        for tenant in ("acme", "zeta"):
+            with pytest.raises(psycopg.DatabaseError, match="already names another") as refused:
+                conn.execute(
+                    "SELECT outbox.enqueue(%s, 'charge', 'new', 'hook', 'paid', '{}'::jsonb,"
+                    " idempotency_key => 'caller-1')",
+                    (tenant,),
+                )
+            assert refused.value.sqlstate == "OB001"
+        _record(conn, flying, "succeeded")
+        assert conn.execute("SELECT status FROM outbox.operations WHERE id = 1").fetchall() == [
+            ("succeeded",)
+        ]
+        assert conn.execute("SELECT count(*) FROM outbox.operation_keys").fetchall() == [(5,)]

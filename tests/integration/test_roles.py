@@ -344,6 +344,10 @@ def test_every_function_is_pinned_and_executable_only_by_its_roles(roles_db: str
         "outbox.rejoin_line()",
         "outbox.cancel_when_attempt_ends()",
         "outbox.inbox_outcome_before_commit()",
+        # The keys follow their operation (sql/0051): whoever may delete it, or move its key,
+        # moves or deletes its keys row, which no role is granted.
+        "outbox.operation_keys_follow_key()",
+        "outbox.operation_keys_follow_deletes()",
     }
 
 

@@ -68,7 +68,10 @@ RECORDER = "outbox/dispatch/recorder.py"
 POLICY = "outbox/core/policy.py"
 ISOLATION_TESTS = "tests/integration/test_provider_isolation.py"
 # The newest definitions of outbox.enqueue and of outbox.check_text.
-ENQUEUE = "sql/0041_derived_keys_hold_a_secret.sql"
+ENQUEUE = "sql/0051_keys_apart_from_the_operation.sql"
+# Each operation's identity and provider key, apart from its row (sql/0051, issue 41 step C).
+KEYS_SQL = ENQUEUE
+KEYS_TESTS = "tests/integration/test_operation_keys.py::"
 CHECK_TEXT = "sql/0028_identities_refuse_format_characters.sql"
 # The queue providers' tests against the real brokers (and moto, the Cloud Tasks emulator).
 NATS_TESTS = "tests/integration/test_queue_nats.py"
@@ -548,9 +551,59 @@ MUTANTS: tuple[Mutant, ...] = (
         "key-collision-reveals-tenant",
         "a key collision tells a producer another tenant's operation id",
         ENQUEUE,
-        "                      DETAIL = CASE WHEN v_holder.tenant_id = tenant_id\n",
+        "                      DETAIL = CASE WHEN v_holder_tenant = tenant_id\n",
         "                      DETAIL = CASE WHEN true\n",
         KEY_NAMESPACE_TESTS + "test_two_tenants_with_one_caller_key_are_told_at_enqueue",
+    ),
+    # --- the keys apart from the operation (sql/0051) ------------------------------------------
+    _one(
+        "keys-provider-key-per-operation",
+        "two operations of one provider take the same caller key: the provider answers the second "
+        "with the first's result, or refuses it",
+        KEYS_SQL,
+        "    ADD CONSTRAINT operation_keys_provider_key UNIQUE (provider, idempotency_key);\n",
+        "    ADD CONSTRAINT operation_keys_provider_key UNIQUE (provider, idempotency_key, "
+        "operation_id);\n",
+        KEY_NAMESPACE_TESTS + "test_two_tenants_with_one_caller_key_are_told_at_enqueue",
+        KEYS_TESTS + "test_producers_at_once_with_colliding_identities_and_keys",
+    ),
+    _one(
+        "keys-outlive-their-operation",
+        "a pruned or deleted operation keeps its identity and key: enqueuing it again is answered "
+        "'duplicate' of an operation that no longer exists",
+        KEYS_SQL,
+        "AND k.operation_key = g.operation_key AND k.operation_id = g.id;\n",
+        "AND k.operation_key = g.operation_key AND k.operation_id = -g.id;\n",
+        KEYS_TESTS + "test_retry_moves_the_key_and_prune_frees_the_identity",
+        KEYS_TESTS + "test_a_hand_delete_and_a_truncate_take_the_keys_along",
+    ),
+    _one(
+        "keys-stay-behind-on-retry",
+        "`reconcile retry`'s next key is not guarded: the keys still name the key given up",
+        KEYS_SQL,
+        "    SET idempotency_key = CASE WHEN NOT NEW.key_shared THEN NEW.idempotency_key END\n",
+        "    SET idempotency_key = CASE WHEN NOT NEW.key_shared THEN OLD.idempotency_key END\n",
+        KEYS_TESTS + "test_retry_moves_the_key_and_prune_frees_the_identity",
+    ),
+    _one(
+        "key-holder-hidden-by-isolation",
+        "under tenant isolation enqueue cannot see that another tenant holds the caller's key "
+        "(the holder read through outbox.operations, which FORCE filters)",
+        KEYS_SQL,
+        "        FROM outbox.operation_keys k\n        WHERE k.provider = provider",
+        "        FROM outbox.operation_keys k JOIN outbox.operations o ON o.id = k.operation_id\n"
+        "        WHERE k.provider = provider",
+        KEYS_TESTS + "test_another_tenants_key_is_refused_under_forced_isolation",
+    ),
+    _one(
+        "keys-migration-takes-shared-keys",
+        "a database whose operations share a key (sql/0024) cannot be migrated: the copy puts the "
+        "shared key into the unique index twice",
+        KEYS_SQL,
+        "       CASE WHEN NOT o.key_shared THEN o.idempotency_key END\n",
+        "       o.idempotency_key\n",
+        "tests/integration/test_migrations.py::"
+        "test_0051_moves_every_operations_keys_and_keeps_them_unique",
     ),
     _one(
         "identity-format-characters-fast-path",
