@@ -158,13 +158,16 @@ VARIANTS: dict[str, tuple[str, Variant]] = {
 # idle period's commits do not: what a NOTIFY per idle period costs under synchronous
 # replication is bench/sync_replication.py's to show.
 IDLE_VARIANTS = frozenset({"python_idle"})
-# Measured with operations_provider_key dropped (sql/0024), to show what the unique index of
-# provider keys costs each enqueue; it is made again (on empty tables) right after.
+# Measured with the unique index of provider keys dropped (sql/0024; in outbox.operation_keys
+# since sql/0051), to show what it costs each enqueue; it is made again (on empty tables) right
+# after.
 NO_KEY_INDEX_VARIANTS = frozenset({"sql_no_key_index"})
-DROP_KEY_INDEX = "DROP INDEX IF EXISTS outbox.operations_provider_key"
+DROP_KEY_INDEX = (
+    "ALTER TABLE outbox.operation_keys DROP CONSTRAINT IF EXISTS operation_keys_provider_key"
+)
 CREATE_KEY_INDEX = (
-    "CREATE UNIQUE INDEX IF NOT EXISTS operations_provider_key "
-    "ON outbox.operations (provider, idempotency_key) WHERE NOT key_shared"
+    "ALTER TABLE outbox.operation_keys "
+    "ADD CONSTRAINT operation_keys_provider_key UNIQUE (provider, idempotency_key)"
 )
 IDLE_WORKER = "bench-enqueue-idle"
 MARK_WAITING = (
@@ -227,7 +230,7 @@ def _has_waiting_table(db_url: str) -> bool:
 
 def _has_key_index(db_url: str) -> bool:
     with psycopg.connect(db_url, autocommit=True) as conn:
-        row = conn.execute("SELECT to_regclass('outbox.operations_provider_key')").fetchone()
+        row = conn.execute("SELECT to_regclass('outbox.operation_keys_provider_key')").fetchone()
     return row is not None and row[0] is not None
 
 
@@ -321,7 +324,7 @@ def run(findings: Findings) -> None:
             findings.heard_idle = notifications_per_commit(db_url, idle_dispatcher=True)
         else:
             findings.variants = [v for v in findings.variants if v not in IDLE_VARIANTS]
-        if not _has_key_index(db_url):  # a schema from before sql/0024
+        if not _has_key_index(db_url):  # a schema from before sql/0051
             findings.variants = [v for v in findings.variants if v not in NO_KEY_INDEX_VARIANTS]
         for producers in findings.counts:
             # Round-robin: a burst of other work on a shared machine hits every variant alike.
