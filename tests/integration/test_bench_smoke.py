@@ -78,6 +78,7 @@ def test_lifecycle_builds_and_drains_every_variant(pg_server: str) -> None:
         "keys apart",
         "keys apart, success inline",
         "live table",
+        "unfinished partition",
     )
     assert [c for c in cells if c[1:] == ["300"]] == [[v, "300"] for v in variants]
 
