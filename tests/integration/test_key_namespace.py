@@ -31,6 +31,7 @@ def enqueue(
     *,
     idempotency_key: str | None = None,
     provider: str = "hook",
+    payload: dict[str, Any] | None = None,
 ) -> Any:
     return outbox.enqueue(
         conn,
@@ -39,7 +40,7 @@ def enqueue(
         operation_key=key,
         provider=provider,
         action="ship",
-        payload={"order": key},
+        payload=payload if payload is not None else {"order": key},
         idempotency_key=idempotency_key,
     )
 

@@ -13,13 +13,13 @@ import random
 import threading
 from collections import Counter
 from datetime import timedelta
-from typing import Any
 
 import psycopg
 import pytest
 
 import outbox
 from outbox.oncall import prune
+from tests.integration.test_key_namespace import enqueue
 from tests.integration.test_rls import owned_db  # noqa: F401  (a fixture)
 from tests.integration.test_roles import APP, as_role
 from tests.support.dispatch import rows
@@ -44,26 +44,6 @@ def assert_keys_exact(url: str) -> None:
     provider_keys = Counter(row[4:] for row in expected if row[5] is not None)
     assert [i for i, n in identities.items() if n > 1] == []
     assert [k for k, n in provider_keys.items() if n > 1] == []
-
-
-def enqueue(
-    conn: psycopg.Connection[Any],
-    tenant: str,
-    key: str,
-    *,
-    idempotency_key: str | None = None,
-    payload: dict[str, Any] | None = None,
-) -> Any:
-    return outbox.enqueue(
-        conn,
-        tenant_id=tenant,
-        operation_type="order.ship",
-        operation_key=key,
-        provider="hook",
-        action="ship",
-        payload=payload if payload is not None else {"order": key},
-        idempotency_key=idempotency_key,
-    )
 
 
 def test_a_claim_and_a_record_touch_no_unique_index_of_the_operation(db_url: str) -> None:
