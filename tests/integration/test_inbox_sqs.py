@@ -66,12 +66,15 @@ async def run_consumers(
         asyncio.create_task(consume(client, queue, consumer, stop=stop, dead_letter_url=dead))
         for _ in range(2)
     ]
+    # A deadline, not a count of polls: moto answers slowly on a loaded machine (20 s once ran
+    # out there), and a settled queue returns at the first poll that sees it.
+    deadline = asyncio.get_running_loop().time() + 60
     try:
-        for _ in range(100):
+        while asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.2)
             if await settled():
                 return
-        raise AssertionError("not settled")
+        raise AssertionError("not settled within 60 s")
     finally:
         stop.set()
         await asyncio.gather(*tasks)
