@@ -20,10 +20,10 @@ from outbox.inbox.queues import Consumer
 from outbox.inbox.rabbitmq import consume, consumer_of
 from tests.support.inbox_queues import (
     COPIES,
-    FINAL,
     assert_copies_settled,
     create_invoice,
     failing,
+    final,
     pool,
 )
 from tests.support.invoice_worker import count
@@ -104,10 +104,10 @@ async def test_copies_conflicts_and_refusals_settle_once_each(
     consumer = consumer_of(Inbox(pool), "invoice.create", create_invoice, retry_after=0.2)
 
     async def settled() -> bool:
-        return await held(connection, dead) >= FINAL and await held(connection, name) == 0
+        return await held(connection, dead) >= final(db_url) and await held(connection, name) == 0
 
     await run_consumers(connection, name, consumer, settled)
-    assert (await held(connection, name), await held(connection, dead)) == (0, FINAL)
+    assert (await held(connection, name), await held(connection, dead)) == (0, final(db_url))
     assert_copies_settled(db_url)
 
 

@@ -21,10 +21,10 @@ from outbox.inbox.queues import Consumer
 from outbox.inbox.sqs import consume, consumer_of
 from tests.support.inbox_queues import (
     COPIES,
-    FINAL,
     assert_copies_settled,
     create_invoice,
     failing,
+    final,
     pool,
 )
 from tests.support.invoice_worker import count
@@ -89,10 +89,10 @@ async def test_copies_conflicts_and_refusals_settle_once_each(
     consumer = consumer_of(Inbox(pool), "invoice.create", create_invoice, retry_after=0.2)
 
     async def settled() -> bool:
-        return await held(client, queue) == 0 and await held(client, dead) >= FINAL
+        return await held(client, queue) == 0 and await held(client, dead) >= final(db_url)
 
     await run_consumers(client, queue, dead, consumer, settled)
-    assert (await held(client, queue), await held(client, dead)) == (0, FINAL)
+    assert (await held(client, queue), await held(client, dead)) == (0, final(db_url))
     assert_copies_settled(db_url)
 
 
