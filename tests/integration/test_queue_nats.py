@@ -296,7 +296,9 @@ def test_a_broker_killed_and_restarted_mid_run_loses_nothing_and_repeats_nothing
     duplicate tracking from the stored messages on restart) keeps one of each."""
     stream = run(_create(private_nats.url, 120))
     ids = enqueue_many(db_url, 300, provider=PROVIDER)
-    table = provider(stream)
+    # 60/s: 300 take 5 s, so the kill after 100 lands mid-run even on a fast machine (unthrottled,
+    # all 300 were sent between two polls of the count once, and the test proved nothing).
+    table = provider(stream, rate_limit="60/s")
     with outbox_run(db_url, tmp_path, {PROVIDER: table}) as process:
         wait_until(lambda: count(stream) >= 100, timeout=30, what="100 messages published")
         private_nats.kill()
