@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.queues import require_service
+from tests.support.tools import require_tool
 
 pytestmark = pytest.mark.slow
 
@@ -127,3 +128,14 @@ def test_inbox_bench_serves_each_variant_and_prints_its_figures(pg_server: str) 
     assert "with/without:" in out
     assert "p99 at 100/s" in out  # the paced phase ran and was read
     assert "CPU per request of the worker and PostgreSQL:" in out
+
+
+def test_the_instruction_bench_counts_every_variant(pg_server: str) -> None:
+    """bench/enqueue_instructions.py at a few calls: its private cluster migrates with today's
+    schema, and every variant runs under callgrind without an error."""
+    require_tool("valgrind")
+    out = run_bench(pg_server, "enqueue_instructions.py", "--calls", "2,5")
+    assert "### Enqueue in instructions (callgrind, per call: runs of 5 minus 2)" in out
+    for label in ("outbox.enqueue(...) SQL function", "plain INSERT, same shape "):
+        assert f"| {label}" in out
+    assert "the CHECK constraints of outbox.operations cost" in out

@@ -1,4 +1,5 @@
-"""External programs some tests drive (promtool, faketime, pgbouncer): found, or the test skips.
+"""External programs some tests drive (promtool, faketime, pgbouncer, valgrind): found, or the
+test skips.
 
 Under CI (``OUTBOX_TEST_REQUIRE_TOOLS=1``, set by ``.ci/run``, which installs them) a missing
 program fails the test instead, so a fault test never passes by not running.
