@@ -109,7 +109,10 @@ def _bindir() -> Path:
         bindir = Path(out.stdout.strip())
         if (bindir / "initdb").exists():
             return bindir
-    found = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"), key=lambda p: p.parts[-3])
+    found = sorted(
+        Path("/usr/lib/postgresql").glob("*/bin/initdb"),
+        key=lambda p: float(p.parts[-3]) if p.parts[-3].replace(".", "", 1).isdigit() else 0.0,
+    )
     if not found:
         raise SystemExit("no PostgreSQL server binaries (initdb) found")
     return found[-1].parent
