@@ -22,6 +22,7 @@ Each figure is the median of --repeat rounds, the variants taken round-robin. Se
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import multiprocessing
@@ -152,14 +153,13 @@ def _plain_params(key: str) -> tuple[Any, ...]:
     )
 
 
-def _plain_insert(conn: psycopg.Connection[Any], key: str) -> None:
+def _insert_row(statement: str, conn: psycopg.Connection[Any], key: str) -> None:
     with conn.transaction():
-        conn.execute(PLAIN_INSERT, _plain_params(key), prepare=True)
+        conn.execute(statement, _plain_params(key), prepare=True)
 
 
-def _unique_insert(conn: psycopg.Connection[Any], key: str) -> None:
-    with conn.transaction():
-        conn.execute(UNIQUE_INSERT, _plain_params(key), prepare=True)
+_plain_insert = functools.partial(_insert_row, PLAIN_INSERT)
+_unique_insert = functools.partial(_insert_row, UNIQUE_INSERT)
 
 
 def _plain_insert_notify(conn: psycopg.Connection[Any], key: str) -> None:

@@ -34,24 +34,22 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import LiteralString
 
 import psycopg
 from _support import fmt_ratio, print_machine, print_table, progress
+from enqueue import CREATE_PLAIN, CREATE_UNIQUE, PLAIN_TABLE, UNIQUE_TABLE
 
 from outbox.db import migrations
 
 PAYLOAD = """'{"amount": 1000, "currency": "usd", "customer": "cus_123"}'::jsonb"""
 FINGERPRINT = r"'\x00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff'::bytea"
-PLAIN_TABLES: dict[str, LiteralString] = {
-    "plain": "CREATE TABLE public.plain (LIKE outbox.operations INCLUDING ALL)",
-    "plain_unique": (
-        "CREATE TABLE public.plain_unique (LIKE outbox.operations INCLUDING ALL);"
-        "ALTER TABLE public.plain_unique ADD UNIQUE (tenant_id, operation_type, operation_key),"
-        " ADD UNIQUE (provider, idempotency_key)"
-    ),
-    "plain_no_checks": (
-        "CREATE TABLE public.plain_no_checks"
+# bench/enqueue.py's two baselines, and the first without its CHECK constraints.
+NO_CHECKS_TABLE = "public.plain_no_checks_operations"
+PLAIN_TABLES = {
+    PLAIN_TABLE: CREATE_PLAIN,
+    UNIQUE_TABLE: CREATE_UNIQUE,
+    NO_CHECKS_TABLE: (
+        f"CREATE TABLE {NO_CHECKS_TABLE}"
         " (LIKE outbox.operations INCLUDING ALL EXCLUDING CONSTRAINTS)"
     ),
 }
@@ -66,7 +64,7 @@ ENQUEUE = (
 # by the caller (here from the key, so that each row's is new).
 def _plain_insert(table: str) -> str:
     return (
-        f"INSERT INTO public.{table} (tenant_id, operation_type, operation_key, fingerprint,"  # noqa: S608 (constants)
+        f"INSERT INTO {table} (tenant_id, operation_type, operation_key, fingerprint,"  # noqa: S608 (constants)
         " provider, action, payload, idempotency_key, correlation_id) VALUES ('acme',"
         f" 'invoice.charge', $1, {FINGERPRINT}, 'stripe', 'payment_intents.create', {PAYLOAD},"
         " 'ob1_' || md5($1) || md5($1 || 'x'), $1) RETURNING id"
@@ -75,19 +73,17 @@ def _plain_insert(table: str) -> str:
 
 VARIANTS = {
     "enqueue": ("outbox.enqueue(...) SQL function", ENQUEUE),
-    "plain": ("plain INSERT, same shape", _plain_insert("plain")),
+    "plain": ("plain INSERT, same shape", _plain_insert(PLAIN_TABLE)),
     "plain_unique": (
         "plain INSERT, same shape + identity and key unique",
-        _plain_insert("plain_unique"),
+        _plain_insert(UNIQUE_TABLE),
     ),
     "plain_no_checks": (
         "plain INSERT, same shape without its CHECK constraints",
-        _plain_insert("plain_no_checks"),
+        _plain_insert(NO_CHECKS_TABLE),
     ),
 }
-TRUNCATE = "TRUNCATE outbox.operations, outbox.attempt_log, " + ", ".join(
-    f"public.{t}" for t in PLAIN_TABLES
-)
+TRUNCATE = "TRUNCATE outbox.operations, outbox.attempt_log, " + ", ".join(PLAIN_TABLES)
 RUN_AS = "postgres"  # when started as root: initdb and postgres refuse to run as root
 
 
@@ -216,9 +212,10 @@ def main() -> None:
         raise SystemExit("valgrind is not installed (apt-get install valgrind)")
     print_machine()
     with private_cluster() as cluster:
-        progress(f"private cluster of {cluster.bindir}, migrated")
         prepare_schema(cluster)
+        progress(f"private cluster of {cluster.bindir}, migrated")
         counts = {v: per_call(cluster, v, small, large) for v in VARIANTS}
+        bindir = cluster.bindir
     rows = [
         [
             label,
@@ -238,6 +235,7 @@ def main() -> None:
         rows,
         title=f"Enqueue in instructions (callgrind, per call: runs of {large} minus {small})",
     )
+    print(f"counted in a private cluster of {bindir} (fsync off), not the server above")
     checks = counts["plain"] - counts["plain_no_checks"]
     print(
         f"the CHECK constraints of outbox.operations cost {checks / 1000:,.0f} thousand "

@@ -136,6 +136,13 @@ def test_the_instruction_bench_counts_every_variant(pg_server: str) -> None:
     require_tool("valgrind")
     out = run_bench(pg_server, "enqueue_instructions.py", "--calls", "2,5")
     assert "### Enqueue in instructions (callgrind, per call: runs of 5 minus 2)" in out
-    for label in ("outbox.enqueue(...) SQL function", "plain INSERT, same shape "):
-        assert f"| {label}" in out
+    # Counts, not times: each variant's calls executed work (a statement that did nothing, or a
+    # subtraction of the wrong runs, would count zero or less).
+    counts = {
+        row.split("|")[1].strip(): int(row.split("|")[2].replace(",", ""))
+        for row in out.splitlines()
+        if row.startswith("| outbox.enqueue") or row.startswith("| plain INSERT")
+    }
+    assert len(counts) == 4, out
+    assert all(count > 0 for count in counts.values()), counts
     assert "the CHECK constraints of outbox.operations cost" in out
