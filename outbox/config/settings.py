@@ -137,7 +137,8 @@ class DispatcherSettings:
             Count(most=MAX_CONCURRENCY),
             "Provider calls in flight, per process: enough to hide provider latency (at ~100 ms a "
             "call, over 600 calls a second) while staying far below providers' rate limits and a "
-            "database pool's size.",
+            "database pool's size. A process leases at most twice as many operations: those "
+            "whose outcome is being written hold no call slot.",
         ),
     )
     batch_size: int = field(

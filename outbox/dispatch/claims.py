@@ -19,6 +19,8 @@ from outbox.dispatch.shared import Shared
 from outbox.observability import metrics
 from outbox.runtime import loops
 
+# Leases a process holds at most, per slot of `concurrency`: one row being sent, one recorded.
+LEASED_PER_SLOT: Final = 2
 # Claim loops per process at most: past two or three, claims only queue behind each other.
 MAX_CLAIMERS: Final = 3
 # An idle dispatcher renews its waiting mark this often (seconds); producers ignore marks older
@@ -91,7 +93,7 @@ class ClaimScheduler:
     async def run(self) -> None:
         """Several claim loops: one claim round trip at a time caps a process at a batch per
         round trip, however idle its slots. Slots are reserved before claiming, so the loops
-        together never lease more than `concurrency`."""
+        together never start more than `concurrency` calls, nor lease more than `free` allows."""
         await asyncio.gather(*[self._loop(primary=n == 0) for n in range(self.claimers())])
 
     async def unmark(self) -> None:
@@ -118,7 +120,7 @@ class ClaimScheduler:
         if not primary and not self._backlog.is_set():
             await self._backlog.wait()
             return 0.0
-        free = self._settings.concurrency - len(self._inflight) - self._reserved
+        free = self.free()
         if free < chunk and (self._inflight or self._reserved):
             self.slot_freed.clear()
             await self.slot_freed.wait()
@@ -150,6 +152,17 @@ class ClaimScheduler:
             if self._waiting_since is not None:
                 await self._unmark_waiting()  # a backlog: no wake-ups needed
         return 0.0
+
+    def free(self) -> int:
+        """Rows a claim may take now. `concurrency` counts provider calls: a row whose call is
+        over and whose outcome is being written holds no slot, so the next claim overlaps the
+        last batch's record instead of waiting for it (a claim, then a record, then a claim:
+        the dispatcher idled half the time at full load). Leases held stay within twice
+        `concurrency`: a database slow to record cannot make a process lease without bound."""
+        concurrency = self._settings.concurrency
+        leased = len(self._inflight) + self._reserved
+        calls = leased - self._shared.recording
+        return min(concurrency - calls, LEASED_PER_SLOT * concurrency - leased)
 
     async def idle(self, *, found: bool) -> None:
         """Wait for a wake-up or the poll interval. Notifications that keep finding nothing (a

@@ -75,6 +75,7 @@ class Dispatcher:
             meters=Meters(labels),
         )
         self._inflight = shared.inflight
+        shared.on_call_over = self._call_over
         # The alerts' counters exist at 0 from now: a first increase must show (issue 21).
         metrics.start_at_zero(labels.provider(name) for name in providers)
         self.claims = ClaimScheduler(shared, self._start)
@@ -193,14 +194,25 @@ class Dispatcher:
         flight.task = loop.create_task(self._pipeline.process(flight), name=f"outbox-op-{row.id}")
         flight.task.add_done_callback(lambda task: self._finished(flight, task))
 
+    def _call_over(self, flight: InFlight) -> None:
+        """A call slot is free: the flight only records from now on (Shared.call_over)."""
+        if self._shared.limits.call_over(flight.row):
+            self.claims.woken.set()  # a capped provider has room again
+        self.claims.slot_freed.set()
+
     def _finished(self, flight: InFlight, task: asyncio.Task[None]) -> None:
         # Only if it is this flight's: after an asynchronous failover the new primary may give
         # a lost row's id to another operation, claimed while the lost row's call still runs.
         if self._inflight.get(flight.row.id) is flight:
             del self._inflight[flight.row.id]
         metrics.IN_FLIGHT.dec()
+        room = False
+        if flight.phase is Phase.RECORDING:
+            self._shared.recording -= 1
+        else:  # ended before it could record (the send guard's refusal, a cancellation)
+            room = self._shared.limits.call_over(flight.row)
         self.claims.slot_freed.set()
-        if self._shared.limits.finished(flight.row):
+        if self._shared.limits.finished(flight.row) or room:
             # A capped provider has room again: claim now, not at the next poll.
             self.claims.woken.set()
         if not task.cancelled() and task.exception() is not None:

@@ -203,14 +203,18 @@ class Limits:
         """Empty the provider's shared bucket for ``pause`` (after ``observe`` asked for it)."""
         await self._throttle(provider, self._limits[provider], pause)
 
-    def finished(self, row: Claimed) -> bool:
-        """The row's task ended; True if a claim may now take more of its provider (a slot of
-        its max_in_flight is free, or its probe is over)."""
+    def call_over(self, row: Claimed) -> bool:
+        """The row's call ended (or it will not be sent): its slot of the provider's
+        max_in_flight is free; True if the provider has one (a claim may take more of it)."""
         self._in_flight[row.provider] -= 1
-        breaker = self._breakers.get(row.provider)
-        probe_released = breaker is not None and breaker.released(row.id)
         lim = self._limits.get(row.provider)
-        return probe_released or (lim is not None and lim.max_in_flight is not None)
+        return lim is not None and lim.max_in_flight is not None
+
+    def finished(self, row: Claimed) -> bool:
+        """The row's task ended, its outcome written; True if it was its provider's probe (a
+        claim may now take more of the provider)."""
+        breaker = self._breakers.get(row.provider)
+        return breaker is not None and breaker.released(row.id)
 
     # --- the shared buckets -------------------------------------------------------------------
 

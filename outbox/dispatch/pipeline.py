@@ -130,6 +130,7 @@ class Pipeline:
                 result = await self._traced_send(flight, provider, payload)
             else:
                 result = await self._send(flight, provider, payload)
+            del row, payload  # the payload is not held while recording (Shared.call_over)
             if failpoints.armed(failpoints.BEFORE_RECORD):
                 await failpoints.hit(failpoints.BEFORE_RECORD)
             await self._after_call(flight, result)
@@ -141,18 +142,18 @@ class Pipeline:
             await self._after_bug(flight, exc)
 
     async def _after_call(self, flight: InFlight, result: SendResult) -> None:
-        row = flight.row
-        pause = self._limits.observe(row, result)
+        # No local for the row: the recorder drops its payload (Shared.call_over).
+        pause = self._limits.observe(flight.row, result)
         if pause is not None:
-            await self._limits.throttle(row.provider, pause)
-        self._action_pauses.observe(row, result, self._meters.label_pair)
+            await self._limits.throttle(flight.row.provider, pause)
+        self._action_pauses.observe(flight.row, result, self._meters.label_pair)
         if isinstance(result, Failed) and result.pause:
             # Refused credentials say nothing about this operation: it keeps its attempt and
             # waits, with the rest of its provider's, behind the breaker.
             await self._recorder.unclaim(flight, Status.PENDING, None)
         elif isinstance(result, Failed) and result.pause_action:
             # Likewise for one action refused permission: it waits with its action's.
-            wait = self._action_pauses.wait(row)
+            wait = self._action_pauses.wait(flight.row)
             await self._recorder.unclaim(flight, Status.PENDING, None, delay=wait)
         else:
             await self._recorder.finish(flight, result)

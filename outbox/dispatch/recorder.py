@@ -18,7 +18,7 @@ from outbox.core.model import Status
 from outbox.core.policy import UNSPENT_FOR, Backoff, after_failure
 from outbox.db.group_record import GroupRecorder
 from outbox.db.store import Record
-from outbox.dispatch.flight import InFlight, Phase, api_version, log
+from outbox.dispatch.flight import InFlight, api_version, log
 from outbox.dispatch.shared import Shared
 from outbox.observability import metrics
 from outbox.providers.base import SendResult, Succeeded
@@ -185,7 +185,7 @@ class Recorder:
         None: the database could not be reached in time; the lease will expire and the row be
         rescued, and its retry carries the same idempotency key.
         """
-        flight.phase = Phase.RECORDING
+        self._shared.call_over(flight)
         try:
             written: bool | None = await write()
         except psycopg.OperationalError:

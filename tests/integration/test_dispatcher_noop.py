@@ -6,6 +6,7 @@ import asyncio
 from datetime import timedelta
 from typing import Any
 
+import psycopg
 from psycopg_pool import AsyncConnectionPool
 
 from outbox.providers.base import SendRequest, SendResult
@@ -55,7 +56,7 @@ class CountingProvider(NoopProvider):
             self.now -= 1
 
 
-async def test_several_claim_loops_never_lease_more_than_concurrency(
+async def test_several_claim_loops_never_call_more_than_concurrency(
     db_url: str, pool: AsyncConnectionPool[Any]
 ) -> None:
     enqueue_many(db_url, 400, provider="slow")
@@ -79,3 +80,46 @@ async def test_several_claim_loops_never_lease_more_than_concurrency(
     assert provider.calls == 400  # each sent once
     assert 5 < provider.peak <= 20  # parallel, and never beyond concurrency
     assert rows(db_url, "SELECT count(*), max(attempt) FROM outbox.attempts") == [(400, 1)]
+
+
+SLOW_RECORDS = """
+CREATE FUNCTION public.slow_record() RETURNS trigger LANGUAGE plpgsql AS
+$$ BEGIN PERFORM pg_sleep(0.01); RETURN NEW; END $$;
+CREATE TRIGGER slow_record BEFORE UPDATE ON outbox.operations FOR EACH ROW
+WHEN (OLD.status = 'in_flight' AND NEW.status <> 'in_flight') EXECUTE FUNCTION public.slow_record();
+"""
+
+
+async def test_a_claim_overlaps_the_last_batchs_record_within_twice_concurrency(
+    db_url: str, pool: AsyncConnectionPool[Any]
+) -> None:
+    """`concurrency` counts calls: rows whose call is over and whose outcome is being written
+    free their slots, so the next claim need not wait for the record (ClaimScheduler.free). The
+    leases a process holds stay within twice `concurrency` however slow the records are: here
+    each row's record takes 10 ms in the database, a call 10 ms in the provider."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute(SLOW_RECORDS)
+    enqueue_many(db_url, 300, provider="slow")
+    provider = CountingProvider()
+    d = dispatcher(pool, {"slow": provider}, concurrency=20, batch_size=20)
+    leased: list[int] = []
+    runner = asyncio.create_task(d.run())
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as watch:
+        for _ in range(1500):
+            cur = await watch.execute(
+                "SELECT count(*) FILTER (WHERE status = 'in_flight'), "
+                "count(*) FILTER (WHERE status = 'succeeded') FROM outbox.operations"
+            )
+            in_flight, done = await cur.fetchone() or (0, 0)
+            leased.append(in_flight)
+            if done == 300:
+                break
+            await asyncio.sleep(0.01)
+    d.request_stop()
+    await asyncio.wait_for(runner, timeout=30)
+    assert statuses(db_url) == {"succeeded": 300}
+    assert provider.calls == 300  # each sent once
+    assert 5 < provider.peak <= 20  # calls: never beyond concurrency
+    assert max(leased) <= 40  # leases: never beyond twice concurrency
+    # A claim went out while a batch was still being recorded.
+    assert max(leased) > 20

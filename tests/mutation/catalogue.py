@@ -1797,4 +1797,25 @@ MUTANTS: tuple[Mutant, ...] = (
         "        FROM recorded\n        WHERE false\n",
         LEDGER_TESTS + "test_a_success_after_a_failure_keeps_every_attempt_in_the_log",
     ),
+    # --- a claim overlaps the last batch's record (issue 41) -------------------------------------
+    _one(
+        "claims-wait-for-records",
+        "rows being recorded still hold their call slots: each claim waits for the last "
+        "batch's record, and the dispatcher idles between them",
+        "outbox/dispatch/claims.py",
+        "        calls = leased - self._shared.recording\n",
+        "        calls = leased\n",
+        "tests/integration/test_dispatcher_noop.py::"
+        "test_a_claim_overlaps_the_last_batchs_record_within_twice_concurrency",
+    ),
+    _one(
+        "leases-unbounded",
+        "a database slow to record lets a process lease without bound: rows pile up in its "
+        "memory, leased, while their records wait",
+        "outbox/dispatch/claims.py",
+        "        return min(concurrency - calls, LEASED_PER_SLOT * concurrency - leased)\n",
+        "        return concurrency - calls\n",
+        "tests/integration/test_dispatcher_noop.py::"
+        "test_a_claim_overlaps_the_last_batchs_record_within_twice_concurrency",
+    ),
 )
