@@ -25,6 +25,8 @@ SQLSTATE_INBOX_NO_OUTCOME: Final = "OB006"
 # outbox.inbox_begin and inbox_claim (sql/0046): the body does not match the fingerprint its
 # sender sent. The inbox answers it as a malformed delivery (400; a queue drops it).
 SQLSTATE_INBOX_BODY_ALTERED: Final = "OB007"
+# outbox.publish_contract (sql/0052): the version is published with other content.
+SQLSTATE_CONTRACT_CHANGED: Final = "OB008"
 # no_data_found, from outbox.lock_for_action (sql/0005): an operator function names no operation.
 SQLSTATE_NO_DATA_FOUND: Final = "P0002"
 # insufficient_privilege, from outbox.require_tenant (sql/0011): unbound, or another tenant.

@@ -251,3 +251,14 @@ GRANT EXECUTE ON FUNCTION
     outbox.inbox_gauges(),
     outbox.bind_tenant(text)
 TO outbox_consumer;
+
+-- Contracts (sql/0052): producers, dispatchers and workers read one published version through
+-- outbox.get_contract, never the table; operators read the table and publish, deprecate,
+-- retire or reactivate through the audited functions (`outbox contracts`).
+GRANT EXECUTE ON FUNCTION outbox.get_contract(text, integer)
+TO outbox_producer, outbox_dispatcher, outbox_operator, outbox_consumer;
+GRANT SELECT ON outbox.contracts TO outbox_operator;
+GRANT EXECUTE ON FUNCTION
+    outbox.publish_contract(text, integer, text, text, text),
+    outbox.set_contract_state(text, integer, text, text, text)
+TO outbox_operator;

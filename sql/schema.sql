@@ -1,5 +1,5 @@
 -- sql/schema.sql: the outbox schema as the migrations of sql/ leave it
--- (every migration up to 0051_keys_apart_from_the_operation).
+-- (every migration up to 0052_operation_contracts).
 --
 -- GENERATED FILE: DO NOT EDIT IT BY HAND. It is regenerated, after adding a migration, by
 --     python -m outbox.db.schema_dump --dsn postgresql://postgres@127.0.0.1:5432/postgres --output sql/schema.sql
@@ -123,6 +123,33 @@ CREATE INDEX audit_operation ON outbox.audit USING btree (operation_id, at);
 CREATE TRIGGER audit_append_only BEFORE UPDATE ON outbox.audit FOR EACH ROW EXECUTE FUNCTION outbox.audit_is_append_only();
 CREATE TRIGGER audit_no_delete BEFORE DELETE ON outbox.audit FOR EACH ROW EXECUTE FUNCTION outbox.audit_is_kept();
 CREATE TRIGGER audit_no_truncate BEFORE TRUNCATE ON outbox.audit FOR EACH STATEMENT EXECUTE FUNCTION outbox.audit_is_kept();
+
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- table outbox.contracts
+-- history: created by 0052_operation_contracts
+
+CREATE TABLE outbox.contracts (
+    operation_type   text NOT NULL,
+    version          integer NOT NULL,
+    canonical        text NOT NULL,
+    digest           text NOT NULL,
+    document         jsonb GENERATED ALWAYS AS ((canonical)::jsonb) STORED,
+    state            text DEFAULT 'active'::text NOT NULL,
+    published_at     timestamp with time zone DEFAULT now() NOT NULL,
+    published_by     text NOT NULL,
+    state_changed_at timestamp with time zone DEFAULT now() NOT NULL,
+    CONSTRAINT contracts_pkey PRIMARY KEY (operation_type, version),
+    CONSTRAINT contracts_digest_valid CHECK ((digest = encode(sha256(convert_to(canonical, 'UTF8'::name)), 'hex'::text))),
+    CONSTRAINT contracts_state_valid CHECK ((state = ANY (ARRAY['active'::text, 'deprecated'::text, 'retired'::text]))),
+    CONSTRAINT contracts_version_valid CHECK ((version >= 1))
+);
+
+COMMENT ON TABLE outbox.contracts IS 'Published operation contracts (issue 42): one JSON Schema per operation type and version, never changed once published; state active, deprecated or retired.';
+
+CREATE TRIGGER contracts_keep_published BEFORE DELETE OR UPDATE ON outbox.contracts FOR EACH ROW EXECUTE FUNCTION outbox.contracts_keep_published();
+CREATE TRIGGER contracts_no_truncate BEFORE TRUNCATE ON outbox.contracts FOR EACH STATEMENT EXECUTE FUNCTION outbox.contracts_keep_published();
 
 -- privileges: the owner's only
 
@@ -1324,6 +1351,38 @@ $function$;
 -- privileges: the owner's only
 
 -- =================================================================================================
+-- function outbox.contracts_keep_published()
+-- history: created by 0052_operation_contracts
+-- fired by trigger contracts_keep_published ON outbox.contracts
+-- fired by trigger contracts_no_truncate ON outbox.contracts
+
+CREATE OR REPLACE FUNCTION outbox.contracts_keep_published()
+ RETURNS trigger
+ LANGUAGE plpgsql
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+BEGIN
+    IF TG_OP = 'TRUNCATE' THEN
+        RAISE EXCEPTION 'published contracts are kept: retire them instead'
+            USING ERRCODE = 'OB005';
+    END IF;
+    IF TG_OP = 'DELETE' THEN
+        RAISE EXCEPTION 'a published contract is kept: retire it instead (%/v%)',
+            OLD.operation_type, OLD.version USING ERRCODE = 'OB005';
+    END IF;
+    IF (NEW.operation_type, NEW.version, NEW.canonical, NEW.digest, NEW.published_at,
+        NEW.published_by)
+       IS DISTINCT FROM (OLD.operation_type, OLD.version, OLD.canonical, OLD.digest,
+                         OLD.published_at, OLD.published_by) THEN
+        RAISE EXCEPTION 'a published contract never changes (%/v%): publish a new version',
+            OLD.operation_type, OLD.version USING ERRCODE = 'OB005';
+    END IF;
+    RETURN NEW;
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
 -- function outbox.defer_check(bigint,interval,interval)
 -- history: created by 0013_claim_checks; changed by 0040_the_dispatcher_writes_through_functions
 
@@ -1693,6 +1752,21 @@ BEGIN
       AND o.last_attempt_at < p_since
     RETURNING o.id;
 END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.get_contract(text,integer)
+-- history: created by 0052_operation_contracts
+
+CREATE OR REPLACE FUNCTION outbox.get_contract(operation_type text, version integer)
+ RETURNS TABLE(canonical text, digest text, state text)
+ LANGUAGE sql
+ STABLE SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+    SELECT c.canonical, c.digest, c.state FROM outbox.contracts c
+    WHERE c.operation_type = get_contract.operation_type AND c.version = get_contract.version
 $function$;
 -- privileges: the owner's only
 
@@ -2669,6 +2743,57 @@ $function$;
 -- privileges: the owner's only
 
 -- =================================================================================================
+-- function outbox.publish_contract(text,integer,text,text,text)
+-- history: created by 0052_operation_contracts
+
+CREATE OR REPLACE FUNCTION outbox.publish_contract(operation_type text, version integer, canonical text, actor text, reason text)
+ RETURNS text
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+DECLARE
+    v_digest text;
+    v_held text;
+BEGIN
+    PERFORM outbox.require_reason(actor, reason);
+    PERFORM outbox.check_text('operation_type', operation_type, 128);
+    IF version IS NULL OR version < 1 THEN
+        RAISE EXCEPTION 'a contract''s version is a whole number from 1'
+            USING ERRCODE = 'OB002', COLUMN = 'version';
+    END IF;
+    IF canonical IS NULL OR octet_length(canonical) > 65536
+       OR jsonb_typeof(canonical::jsonb) IS DISTINCT FROM 'object' THEN
+        RAISE EXCEPTION 'a contract''s schema is a JSON object of at most 65536 bytes'
+            USING ERRCODE = 'OB002', COLUMN = 'canonical';
+    END IF;
+    v_digest := encode(sha256(convert_to(canonical, 'UTF8')), 'hex');
+    INSERT INTO outbox.contracts AS c (operation_type, version, canonical, digest, published_by)
+    VALUES (publish_contract.operation_type, publish_contract.version, publish_contract.canonical,
+            v_digest, actor)
+    ON CONFLICT ON CONSTRAINT contracts_pkey DO NOTHING;
+    IF FOUND THEN
+        INSERT INTO outbox.audit (actor, action, reason, to_status, details)
+        VALUES (actor, 'contract_publish', reason, 'active',
+                jsonb_build_object('operation_type', operation_type, 'version', version,
+                                   'digest', v_digest));
+        RETURN 'published';
+    END IF;
+    SELECT c.digest INTO v_held FROM outbox.contracts c
+    WHERE c.operation_type = publish_contract.operation_type
+      AND c.version = publish_contract.version;
+    IF v_held = v_digest THEN
+        RETURN 'unchanged';
+    END IF;
+    RAISE EXCEPTION '%/v% is published with other content: publish the change as a new version',
+        operation_type, version
+        USING ERRCODE = 'OB008', COLUMN = 'canonical',
+              DETAIL = format('published %s, pushed %s', v_held, v_digest);
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
 -- function outbox.record_attempts(text,jsonb)
 -- history: created by 0040_the_dispatcher_writes_through_functions; changed by
 --     0050_a_success_writes_one_row
@@ -3445,6 +3570,46 @@ BEGIN
 END;
 $function$;
 COMMENT ON FUNCTION outbox.server_identity() IS 'Whether this server is in recovery, its system identifier and WAL timeline (NULL where they cannot be read), and its clock: what the readiness probe of outbox run asks every second.';
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.set_contract_state(text,integer,text,text,text)
+-- history: created by 0052_operation_contracts
+
+CREATE OR REPLACE FUNCTION outbox.set_contract_state(operation_type text, version integer, state text, actor text, reason text)
+ RETURNS text
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+DECLARE
+    v_was text;
+BEGIN
+    PERFORM outbox.require_reason(actor, reason);
+    IF state IS NULL OR state NOT IN ('active', 'deprecated', 'retired') THEN
+        RAISE EXCEPTION 'a contract''s state is active, deprecated or retired'
+            USING ERRCODE = 'OB002', COLUMN = 'state';
+    END IF;
+    SELECT c.state INTO v_was FROM outbox.contracts c
+    WHERE c.operation_type = set_contract_state.operation_type
+      AND c.version = set_contract_state.version
+    FOR UPDATE;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'no contract %/v% is published', operation_type, version
+            USING ERRCODE = 'P0002';
+    END IF;
+    IF v_was = state THEN
+        RETURN 'unchanged';
+    END IF;
+    UPDATE outbox.contracts c SET state = set_contract_state.state, state_changed_at = now()
+    WHERE c.operation_type = set_contract_state.operation_type
+      AND c.version = set_contract_state.version;
+    INSERT INTO outbox.audit (actor, action, reason, from_status, to_status, details)
+    VALUES (actor, 'contract_' || state, reason, v_was, state,
+            jsonb_build_object('operation_type', operation_type, 'version', version));
+    RETURN state;
+END;
+$function$;
 -- privileges: the owner's only
 
 -- =================================================================================================

@@ -146,3 +146,15 @@ def test_the_instruction_bench_counts_every_variant(pg_server: str) -> None:
     assert len(counts) == 4, out
     assert all(count > 0 for count in counts.values()), counts
     assert "the CHECK constraints of outbox.operations cost" in out
+
+
+def test_the_contracts_bench_measures_each_checker_and_each_worst_case(pg_server: str) -> None:
+    """bench/contracts.py --quick: each checker's time per check and each worst case's, as
+    figures (a case that raised would stop the script: its schema must stay within the bounds
+    it measures)."""
+    out = run_bench(pg_server, "contracts.py", "--quick")
+    checkers = [row for row in out.splitlines() if row.startswith(("| outbox", "| python-"))]
+    assert len(checkers) == 3, out
+    assert all(" us " in row for row in checkers), checkers
+    worst = [row for row in out.splitlines() if row.endswith(" ms |")]
+    assert len(worst) == 5, out

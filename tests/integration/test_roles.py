@@ -332,6 +332,13 @@ def test_every_function_is_pinned_and_executable_only_by_its_roles(roles_db: str
             True,
             ["outbox_dispatcher"],
         ),
+        # Contracts (sql/0052): every role reads a version; operators publish and retire.
+        "outbox.get_contract(text,integer)": (
+            True,
+            ["outbox_consumer", "outbox_dispatcher", "outbox_operator", "outbox_producer"],
+        ),
+        "outbox.publish_contract(text,integer,text,text,text)": (True, ["outbox_operator"]),
+        "outbox.set_contract_state(text,integer,text,text,text)": (True, ["outbox_operator"]),
     }
     # Only those entry points run as the owner, and the triggers: the wake-up and the ordering
     # key's turn fire at the producer's commit, after enqueue has returned (sql/0012, 0015);

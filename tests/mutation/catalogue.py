@@ -73,6 +73,9 @@ ENQUEUE = "sql/0051_keys_apart_from_the_operation.sql"
 KEYS_SQL = ENQUEUE
 KEYS_TESTS = "tests/integration/test_operation_keys.py::"
 CHECK_TEXT = "sql/0028_identities_refuse_format_characters.sql"
+# Operation contracts: published once, never changed (sql/0052, issue 42).
+CONTRACTS_SQL = "sql/0052_operation_contracts.sql"
+CONTRACTS_TESTS = "tests/integration/test_contracts.py::"
 # The queue providers' tests against the real brokers (and moto, the Cloud Tasks emulator).
 NATS_TESTS = "tests/integration/test_queue_nats.py"
 AMQP_TESTS = "tests/integration/test_queue_amqp.py"
@@ -1817,5 +1820,34 @@ MUTANTS: tuple[Mutant, ...] = (
         "        return concurrency - calls\n",
         "tests/integration/test_dispatcher_noop.py::"
         "test_a_claim_overlaps_the_last_batchs_record_within_twice_concurrency",
+    ),
+    # --- operation contracts (issue 42; sql/0052) ------------------------------------------
+    _one(
+        "contract-content-changes",
+        "a published contract's schema can be rewritten in place: operations checked against "
+        "one version and received against another",
+        CONTRACTS_SQL,
+        "    IF (NEW.operation_type, NEW.version, NEW.canonical, NEW.digest, NEW.published_at,\n",
+        "    IF (NEW.operation_type, NEW.version, OLD.canonical, NEW.digest, NEW.published_at,\n",
+        CONTRACTS_TESTS + "test_states_move_audited_and_a_published_row_never_changes",
+    ),
+    _one(
+        "contract-push-overwrites-quietly",
+        "a push of other content under a published version is taken as unchanged: the files "
+        "and the database disagree and nobody is told",
+        CONTRACTS_SQL,
+        "    IF v_held = v_digest THEN\n",
+        "    IF v_held IS NOT NULL THEN\n",
+        CONTRACTS_TESTS
+        + "test_other_content_under_a_published_version_is_refused_with_the_difference",
+    ),
+    _one(
+        "contract-work-unbounded",
+        "a schema whose references fan out is published: one payload can hold a process for "
+        "minutes",
+        "outbox/contracts/bounds.py",
+        "        if paths and _most_on_one_value(paths) > MAX_PER_LEVEL:\n",
+        "        if paths and _most_on_one_value(paths) > 10 * MAX_PER_LEVEL:\n",
+        "tests/unit/test_contracts_files.py::test_the_bound_counts_what_lands_on_one_value",
     ),
 )

@@ -1,0 +1,121 @@
+"""Published contracts (sql/0052): publishing, their states, and reading them back. Every
+statement the contracts component issues is here; the tables are written only through the
+functions of sql/0052, which keep a published version as it is and audit each change."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Final
+
+import psycopg
+from psycopg.rows import tuple_row
+
+from outbox.contracts import ContractFile
+from outbox.errors import SQLSTATE_CONTRACT_CHANGED
+
+PUBLISH: Final = "SELECT outbox.publish_contract(%s, %s, %s, %s, %s)"
+SET_STATE: Final = "SELECT outbox.set_contract_state(%s, %s, %s, %s, %s)"
+GET: Final = "SELECT canonical, digest, state FROM outbox.get_contract(%s, %s)"
+LIST: Final = """
+SELECT operation_type, version, state, digest, published_at, published_by, state_changed_at
+FROM outbox.contracts
+WHERE %(type)s::text IS NULL OR operation_type = %(type)s
+ORDER BY operation_type, version
+"""
+
+
+@dataclass(frozen=True)
+class Published:
+    """A published version as `outbox contracts list` shows it."""
+
+    operation_type: str
+    version: int
+    state: str
+    digest: str
+    published_at: datetime
+    published_by: str
+    state_changed_at: datetime
+
+    @property
+    def label(self) -> str:
+        return f"{self.operation_type}/v{self.version}"
+
+
+@dataclass(frozen=True)
+class Held:
+    """One version's schema as the database holds it."""
+
+    canonical: str
+    digest: str
+    state: str
+
+
+class ContractChanged(Exception):
+    """A version is published with other content; nothing of the push was published."""
+
+    def __init__(self, contract: ContractFile, published: str) -> None:
+        super().__init__(f"{contract.label} is published with other content")
+        self.contract = contract
+        self.published = published  # the canonical text held
+
+
+def publish(
+    conn: psycopg.Connection[Any], contracts: list[ContractFile], *, actor: str, reason: str
+) -> list[str]:
+    """Publish every contract in one transaction: all of them, or none (ContractChanged names
+    the first version whose content differs). Returns 'published' or 'unchanged' for each."""
+    results: list[str] = []
+    with conn.transaction(), conn.cursor(row_factory=tuple_row) as cur:
+        for contract in contracts:
+            try:
+                with conn.transaction():  # a savepoint: the refusal is read, then raised
+                    cur.execute(
+                        PUBLISH,
+                        (
+                            contract.operation_type,
+                            contract.version,
+                            contract.canonical,
+                            actor,
+                            reason,
+                        ),
+                    )
+                    row = cur.fetchone()
+            except psycopg.Error as exc:
+                if exc.sqlstate != SQLSTATE_CONTRACT_CHANGED:
+                    raise
+                held = get(conn, contract.operation_type, contract.version)
+                raise ContractChanged(contract, held.canonical if held else "") from None
+            results.append(str(row[0]) if row else "")
+    return results
+
+
+def set_state(
+    conn: psycopg.Connection[Any],
+    operation_type: str,
+    version: int,
+    state: str,
+    *,
+    actor: str,
+    reason: str,
+) -> str:
+    """Deprecate, retire or reactivate one version; 'unchanged' if it was so already."""
+    with conn.transaction(), conn.cursor(row_factory=tuple_row) as cur:
+        cur.execute(SET_STATE, (operation_type, version, state, actor, reason))
+        row = cur.fetchone()
+    return str(row[0]) if row else ""
+
+
+def get(conn: psycopg.Connection[Any], operation_type: str, version: int) -> Held | None:
+    with conn.cursor(row_factory=tuple_row) as cur:
+        cur.execute(GET, (operation_type, version))
+        row = cur.fetchone()
+    return None if row is None else Held(*row)
+
+
+def list_published(
+    conn: psycopg.Connection[Any], operation_type: str | None = None
+) -> list[Published]:
+    with conn.cursor(row_factory=tuple_row) as cur:
+        cur.execute(LIST, {"type": operation_type})
+        return [Published(*row) for row in cur.fetchall()]
