@@ -21,6 +21,7 @@ from outbox.cli.common import (
     json_option,
 )
 from outbox.contracts import ContractFile, InvalidContract, load_dir
+from outbox.contracts.codegen import Generator
 from outbox.core.safe_text import printable
 from outbox.db import contracts as store
 from outbox.oncall.text_tables import render_table
@@ -143,6 +144,31 @@ def show(dsn: str, operation_type: str, version: int, as_json: bool) -> None:
         return
     click.echo(f"{printable(operation_type)}/v{version}: {held.state}, sha256 {held.digest}")
     click.echo(json.dumps(schema, indent=2, ensure_ascii=False))
+
+
+@contracts.command("codegen")
+@dsn_option
+@click.option("--type", "operation_type", type=TEXT, help="Only this operation type's versions.")
+@click.option(
+    "--output", type=click.Path(dir_okay=False, path_type=Path),
+    help="Write the module here (default: stdout).",
+)  # fmt: skip
+def codegen(dsn: str, operation_type: str | None, output: Path | None) -> None:
+    """Typed Python classes (dataclasses) of every published version not retired, so that
+    a type checker finds a misspelt field before enqueue does."""
+    with connect(dsn) as conn:
+        found = store.schemas(conn, operation_type)
+    if not found:
+        raise BadInput("no published contract to write classes for")
+    generator = Generator()
+    for kind, version, canonical in found:
+        generator.add(kind, version, json.loads(canonical))
+    source = generator.source()
+    if output is None:
+        click.echo(source, nl=False)
+    else:
+        output.write_text(source, encoding="utf-8")
+        click.echo(f"wrote {len(found)} contract class(es) to {output}", err=True)
 
 
 def _state_command(name: str, state: str) -> None:

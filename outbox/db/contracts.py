@@ -17,6 +17,12 @@ from outbox.errors import SQLSTATE_CONTRACT_CHANGED
 PUBLISH: Final = "SELECT outbox.publish_contract(%s, %s, %s, %s, %s)"
 SET_STATE: Final = "SELECT outbox.set_contract_state(%s, %s, %s, %s, %s)"
 GET: Final = "SELECT canonical, digest, state FROM outbox.get_contract(%s, %s)"
+# The versions codegen writes classes for: every one not retired.
+SCHEMAS: Final = """
+SELECT operation_type, version, canonical FROM outbox.contracts
+WHERE state <> 'retired' AND (%(type)s::text IS NULL OR operation_type = %(type)s)
+ORDER BY operation_type, version
+"""
 LIST: Final = """
 SELECT operation_type, version, state, digest, published_at, published_by, state_changed_at
 FROM outbox.contracts
@@ -119,3 +125,12 @@ def list_published(
     with conn.cursor(row_factory=tuple_row) as cur:
         cur.execute(LIST, {"type": operation_type})
         return [Published(*row) for row in cur.fetchall()]
+
+
+def schemas(
+    conn: psycopg.Connection[Any], operation_type: str | None = None
+) -> list[tuple[str, int, str]]:
+    """Type, version and canonical text of every version not retired."""
+    with conn.cursor(row_factory=tuple_row) as cur:
+        cur.execute(SCHEMAS, {"type": operation_type})
+        return [(str(t), int(v), str(c)) for t, v, c in cur.fetchall()]

@@ -4,13 +4,18 @@ itself refuses whoever asks. Each test counts rows of outbox.contracts and of th
 
 from __future__ import annotations
 
+import importlib
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 
+from outbox.contracts import checker_for, parse_contract
 from tests.integration.test_roles import APP, OPERATOR, apply_roles, as_role, sqlstate_of
 from tests.support.cli import outbox_cli
 from tests.support.dispatch import rows
@@ -154,3 +159,100 @@ def test_a_file_that_is_not_a_contract_is_refused_before_anything_is_published(
     assert refused.returncode == 2
     assert "leaves the document" in refused.stderr
     assert published(db_url) == []
+
+
+ORDER: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "amount": {"type": "integer", "minimum": 1},
+        "currency": {"enum": ["eur", "usd"]},
+        "first-name": {"type": "string"},
+        "class": {"type": ["string", "null"]},
+        "lines": {"type": "array", "items": {"$ref": "#/$defs/line"}},
+        "note": {"anyOf": [{"type": "string"}, {"type": "integer"}]},
+    },
+    "required": ["amount", "currency", "lines"],
+    "additionalProperties": False,
+    "$defs": {
+        "line": {
+            "type": "object",
+            "properties": {"sku": {"type": "string"}, "qty": {"type": "integer"}},
+            "required": ["sku"],
+        }
+    },
+}
+
+USES = """
+from contracts_gen import ShopOrderV1, ShopOrderV1Line, ShopRefundV1
+
+order = ShopOrderV1(
+    amount=5, currency="eur", lines=[ShopOrderV1Line(sku="a", qty=2)], first_name="Ana",
+    class_=None,
+)
+payload: dict[str, object] = order.to_payload()
+kind, version = ShopOrderV1.CONTRACT
+refund = ShopRefundV1()
+"""
+
+
+def mypy_strict(folder: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", "--no-incremental", "--cache-dir", os.devnull,
+         "contracts_gen.py", "uses.py"],
+        cwd=folder, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+
+
+def test_codegen_writes_classes_a_type_checker_holds_producers_to(
+    db_url: str, operator_env: dict[str, str], tmp_path: Path
+) -> None:
+    """The generated module passes mypy --strict, so does code that uses it right; a misspelt
+    member, a missing one and a value outside an enum fail it; and what to_payload gives is a
+    payload the contract accepts, with members' JSON names."""
+    write(tmp_path / "c", "shop/order", 1, ORDER)
+    write(tmp_path / "c", "shop/refund", 1, {"type": "object"})
+    write(tmp_path / "c", "shop/old", 1, {"type": "object"})
+    assert outbox_cli(operator_env, "contracts", "push", str(tmp_path / "c")).returncode == 0
+    retire = ("contracts", "retire", "shop/old", "1", "--reason", "gone")
+    assert outbox_cli(operator_env, *retire).returncode == 0
+    project = tmp_path / "project"
+    project.mkdir()
+    module = project / "contracts_gen.py"
+    done = outbox_cli(operator_env, "contracts", "codegen", "--output", str(module))
+    assert done.returncode == 0, done.stderr
+    source = module.read_text()
+    assert "class ShopOrderV1:" in source and "class ShopRefundV1:" in source
+    assert "ShopOld" not in source  # retired: no class
+    (project / "uses.py").write_text(USES)
+    checked = mypy_strict(project)
+    assert checked.returncode == 0, checked.stdout
+    wrong = {
+        "ammount=5": 'Unexpected keyword argument "ammount"',
+        "currency='gbp'": 'Argument "currency" to "ShopOrderV1" has incompatible type',
+        "lines=None": 'Argument "lines" to "ShopOrderV1" has incompatible type "None"',
+    }
+    for typo, error in wrong.items():
+        (project / "uses.py").write_text(
+            f"from contracts_gen import ShopOrderV1\n"
+            f"ShopOrderV1(amount=5, currency='eur', lines=[], {typo})\n"
+            if "ammount" in typo
+            else f"from contracts_gen import ShopOrderV1\n"
+            f"ShopOrderV1(amount=5, {'currency' if 'lines' in typo else 'lines'}="
+            f"{'[]' if 'currency' in typo else repr('eur')}, {typo})\n"
+        )
+        refused = mypy_strict(project)
+        assert refused.returncode == 1 and error in refused.stdout, (typo, refused.stdout)
+    sys.path.insert(0, str(project))
+    try:
+        generated = importlib.import_module("contracts_gen")
+    finally:
+        sys.path.remove(str(project))
+    order = generated.ShopOrderV1(
+        amount=5, currency="usd", lines=[generated.ShopOrderV1Line(sku="a")], first_name="Bo"
+    )
+    payload = order.to_payload()
+    assert payload == {"amount": 5, "currency": "usd", "first-name": "Bo", "lines": [{"sku": "a"}]}
+    contract = parse_contract("shop/order", 1, json.dumps(ORDER))
+    assert (
+        checker_for(contract.label, contract.digest, contract.canonical).violation(payload) is None
+    )

@@ -1850,4 +1850,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "        if paths and _most_on_one_value(paths) > 10 * MAX_PER_LEVEL:\n",
         "tests/unit/test_contracts_files.py::test_the_bound_counts_what_lands_on_one_value",
     ),
+    _one(
+        "codegen-loses-enums",
+        "generated classes type an enum member as Any: a producer's value outside the contract "
+        "passes the type checker and is found only at enqueue",
+        "outbox/contracts/codegen.py",
+        "    return f\"Literal[{', '.join(repr(v) for v in usable)}]\"\n",
+        '    return "Any"\n',
+        CONTRACTS_TESTS + "test_codegen_writes_classes_a_type_checker_holds_producers_to",
+    ),
 )

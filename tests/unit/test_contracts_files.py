@@ -19,6 +19,7 @@ from outbox.contracts import (
     load_dir,
     parse_contract,
 )
+from outbox.contracts.codegen import Generator
 
 CHARGE: dict[str, Any] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
@@ -273,3 +274,42 @@ def test_any_document_is_a_contract_or_refused_with_a_reason(schema: object) -> 
         check.violation({"x": [1, "a", {"b": None}]})  # compiled, and checks without raising
         reason = "accepted"
     assert reason
+
+
+NAMES = st.one_of(
+    st.sampled_from(
+        ["class", "str", "CONTRACT", "to_payload", "Any", "1st", "a-b", "a b", "é", ""]
+    ),
+    st.text(max_size=8),
+)
+OBJECTS = st.recursive(
+    st.sampled_from([{"type": "string"}, {"enum": ["a'\"", 1, None, True]}, {"const": "\n"}, {}]),
+    lambda inner: st.one_of(
+        st.builds(
+            lambda props, req: {"type": "object", "properties": props, "required": req},
+            st.dictionaries(NAMES, inner, max_size=5),
+            st.lists(NAMES, max_size=3),
+        ),
+        st.builds(lambda item: {"type": "array", "items": item}, inner),
+        st.builds(lambda a, b: {"anyOf": [a, b]}, inner, inner),
+    ),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(props=st.dictionaries(NAMES, OBJECTS, max_size=6), names=st.lists(NAMES, max_size=3))
+def test_codegen_writes_a_module_that_runs_for_any_member_names(
+    props: dict[str, Any], names: list[str]
+) -> None:
+    """Whatever the members are called (keywords, the class's own names, no Python name at all,
+    names that clash once made Python names), the module compiles and defines every class."""
+    generator = Generator()
+    for version, operation_type in enumerate(["a/b", "a b", "a.b", *names], start=1):
+        schema = {"type": "object", "properties": props, "required": list(props)[:2]}
+        generator.add(operation_type or "x", version, schema)
+    source = generator.source()
+    namespace: dict[str, Any] = {}
+    exec(compile(source, "<generated>", "exec"), namespace)  # noqa: S102 (our own output)
+    classes = [v for v in namespace.values() if isinstance(v, type) and hasattr(v, "to_payload")]
+    assert len(classes) >= 3 + len(names)
