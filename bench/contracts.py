@@ -27,7 +27,7 @@ from _support import median, print_machine, print_table, progress
 from outbox.contracts import MAX_PER_LEVEL, Checker, parse_contract
 
 
-def _contract_20() -> dict[str, Any]:
+def contract_20() -> dict[str, Any]:
     props: dict[str, Any] = {}
     for i in range(20):
         if i % 4 == 0:
@@ -46,7 +46,7 @@ def _contract_20() -> dict[str, Any]:
     }
 
 
-def _payload_1kb() -> dict[str, Any]:
+def payload_1kb() -> dict[str, Any]:
     payload: dict[str, Any] = {}
     for i in range(20):
         if i % 4 == 0:
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     print_machine()
 
     progress("a 1 KB payload against a 20-property contract")
-    schema, payload = _contract_20(), _payload_1kb()
+    schema, payload = contract_20(), payload_1kb()
     text = json.dumps(payload, separators=(",", ":"))
     ours = checker("bench", schema)
     assert ours.violation(payload) is None

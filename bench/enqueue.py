@@ -16,6 +16,9 @@ followed by a pg_notify, to show what a notify per commit costs on its own. Enqu
 only the first time after a dispatcher went idle (sql/0012, 0029): the Python API is measured
 again with one registered as waiting. Whether enqueue notifies is measured with a bare LISTEN,
 not assumed.
+Contracts (issue 42): the Python API with a 1 KB payload, once for a type under a 20-property
+contract (checked before the row exists) and once for a type with none; the target is the first
+at 0.8 of the second or better.
 Each figure is the median of --repeat rounds, the variants taken round-robin. See bench/README.md.
 """
 
@@ -44,9 +47,12 @@ from _support import (
     print_table,
     progress,
 )
+from contracts import contract_20, payload_1kb
 from psycopg import sql
 
 import outbox
+from outbox.contracts import parse_contract
+from outbox.db import contracts as published
 
 DEFAULT_SECONDS = 10.0
 QUICK_SECONDS = 3.0
@@ -126,6 +132,34 @@ def _python_api(conn: psycopg.Connection[Any], key: str) -> None:
         )
 
 
+# Contracts (issue 42): the Python API with a 1 KB payload, under a 20-property contract and
+# under a type with none; the target is the first at 0.8 of the second or better.
+CONTRACT_TYPE = "bench.contracted"
+UNCHECKED_TYPE = "bench.unchecked"
+PAYLOAD_1KB = payload_1kb()
+
+
+def _python_1kb(conn: psycopg.Connection[Any], key: str, *, contracted: bool) -> None:
+    with conn.transaction():
+        outbox.enqueue(
+            conn,
+            tenant_id=TENANT,
+            operation_type=CONTRACT_TYPE if contracted else UNCHECKED_TYPE,
+            operation_key=key,
+            provider=PROVIDER,
+            action=ACTION,
+            payload=PAYLOAD_1KB,
+            correlation_id=key,
+            contract_version=1 if contracted else None,
+        )
+
+
+def _publish_contract(db_url: str) -> None:
+    contract = parse_contract(CONTRACT_TYPE, 1, json.dumps(contract_20()))
+    with psycopg.connect(db_url) as conn:
+        published.publish(conn, [contract], actor="bench", reason="bench/enqueue.py")
+
+
 def _sql_function(conn: psycopg.Connection[Any], key: str) -> None:
     with conn.transaction():
         conn.execute(
@@ -176,6 +210,14 @@ VARIANTS: dict[str, tuple[str, Variant]] = {
     "plain": ("plain INSERT, same shape, no trigger/notify", _plain_insert),
     "plain_unique": ("plain INSERT, same shape + identity and key unique", _unique_insert),
     "plain_notify": ("plain INSERT + pg_notify", _plain_insert_notify),
+    "python_1kb": (
+        "outbox.enqueue (Python API), 1 KB payload, no contract",
+        functools.partial(_python_1kb, contracted=False),
+    ),
+    "python_1kb_contract": (
+        "outbox.enqueue (Python API), 1 KB payload, 20-property contract",
+        functools.partial(_python_1kb, contracted=True),
+    ),
 }
 # Variants measured while a dispatcher is registered as waiting idle (outbox.waiting_dispatchers,
 # sql/0012). A row is written there instead of running `outbox run`, which would compete for the
@@ -251,6 +293,18 @@ def _has_waiting_table(db_url: str) -> bool:
     with psycopg.connect(db_url, autocommit=True) as conn:
         row = conn.execute("SELECT to_regclass('outbox.waiting_dispatchers')").fetchone()
     return row is not None and row[0] is not None
+
+
+CONTRACT_VARIANTS = frozenset({"python_1kb", "python_1kb_contract"})
+
+
+def _has_contracts(db_url: str) -> bool:
+    with psycopg.connect(db_url) as conn:
+        found = conn.execute(
+            "SELECT 1 FROM pg_attribute WHERE attrelid = 'outbox.operations'::regclass"
+            " AND attname = 'contract_version'"
+        ).fetchone()
+    return found is not None
 
 
 def _has_key_index(db_url: str) -> bool:
@@ -340,21 +394,30 @@ def copy_storage(conn: psycopg.Connection[Any]) -> None:
             )
 
 
+def prepare(findings: Findings, db_url: str) -> None:
+    """The baseline tables and the contract; what this schema has decides the variants."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute(CREATE_PLAIN)
+        conn.execute(CREATE_UNIQUE)
+        copy_storage(conn)
+    if _has_contracts(db_url):
+        _publish_contract(db_url)
+    else:  # a schema from before sql/0053
+        findings.variants = [v for v in findings.variants if v not in CONTRACT_VARIANTS]
+    findings.sources = notify_sources(db_url)
+    findings.heard = notifications_per_commit(db_url)
+    if _has_waiting_table(db_url):
+        findings.heard_idle = notifications_per_commit(db_url, idle_dispatcher=True)
+    else:
+        findings.variants = [v for v in findings.variants if v not in IDLE_VARIANTS]
+    if not _has_key_index(db_url):  # a schema from before sql/0051
+        findings.variants = [v for v in findings.variants if v not in NO_KEY_INDEX_VARIANTS]
+
+
 def run(findings: Findings) -> None:
     """Measure every variant at every producer count, round-robin, in one fresh database."""
     with fresh_database(prefix="enq_") as db_url:
-        with psycopg.connect(db_url, autocommit=True) as conn:
-            conn.execute(CREATE_PLAIN)
-            conn.execute(CREATE_UNIQUE)
-            copy_storage(conn)
-        findings.sources = notify_sources(db_url)
-        findings.heard = notifications_per_commit(db_url)
-        if _has_waiting_table(db_url):
-            findings.heard_idle = notifications_per_commit(db_url, idle_dispatcher=True)
-        else:
-            findings.variants = [v for v in findings.variants if v not in IDLE_VARIANTS]
-        if not _has_key_index(db_url):  # a schema from before sql/0051
-            findings.variants = [v for v in findings.variants if v not in NO_KEY_INDEX_VARIANTS]
+        prepare(findings, db_url)
         for producers in findings.counts:
             # Round-robin: a burst of other work on a shared machine hits every variant alike.
             for round_number in range(findings.rounds):
@@ -422,6 +485,16 @@ def report(findings: Findings) -> None:
             print(
                 f"the unique key index (sql/0024) at {producers} producer(s): the SQL function "
                 f"runs at {fmt_ratio(with_index / without)} x its rate without it"
+            )
+    for producers in findings.counts:
+        checked = rates.get(("python_1kb_contract", producers))
+        unchecked = rates.get(("python_1kb", producers))
+        if checked and unchecked:
+            ratio = checked / unchecked
+            met = "met" if ratio >= TARGET_RATIO else "missed"
+            print(
+                f"target {TARGET_RATIO} x enqueue without a contract, 1 KB payload, "
+                f"{producers} producer(s): with a 20-property contract {fmt_ratio(ratio)}, {met}"
             )
     for base in ("plain", "plain_unique"):
         baseline = rates.get((base, TARGET_PRODUCERS))

@@ -15,7 +15,7 @@ With tenant isolation on, bind the transaction to its tenant first: ``outbox.bin
 from importlib.metadata import version as _version
 
 from outbox.core.model import EnqueueOutcome, EnqueueResult, FailureClass, Operation, Status
-from outbox.errors import InvalidOperation, OperationConflict, OutboxError
+from outbox.errors import ContractViolation, InvalidOperation, OperationConflict, OutboxError
 from outbox.producer import (
     bind_tenant,
     bind_tenant_async,
@@ -28,6 +28,7 @@ from outbox.producer import (
 __version__ = _version("outbox")
 
 __all__ = [
+    "ContractViolation",
     "EnqueueOutcome",
     "EnqueueResult",
     "FailureClass",

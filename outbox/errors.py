@@ -27,6 +27,9 @@ SQLSTATE_INBOX_NO_OUTCOME: Final = "OB006"
 SQLSTATE_INBOX_BODY_ALTERED: Final = "OB007"
 # outbox.publish_contract (sql/0052): the version is published with other content.
 SQLSTATE_CONTRACT_CHANGED: Final = "OB008"
+# outbox.enqueue (sql/0053): a type with contracts without a version, a version not published
+# or retired. The Python API raises it too for a payload its contract refuses (ContractViolation).
+SQLSTATE_CONTRACT_VIOLATION: Final = "OB009"
 # no_data_found, from outbox.lock_for_action (sql/0005): an operator function names no operation.
 SQLSTATE_NO_DATA_FOUND: Final = "P0002"
 # insufficient_privilege, from outbox.require_tenant (sql/0011): unbound, or another tenant.
@@ -68,3 +71,17 @@ class InvalidOperation(OutboxError, ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(message)
         self.field = field
+
+
+class ContractViolation(InvalidOperation):
+    """The operation breaks its type's contract (issue 42): its payload (``path`` a JSON
+    pointer into it and ``rule`` the keyword it breaks, never the value), or its
+    ``contract_version`` (none named for a type that has contracts, not published, retired).
+    Nothing was written."""
+
+    def __init__(
+        self, field: str, message: str, *, path: str | None = None, rule: str | None = None
+    ) -> None:
+        super().__init__(field, message)
+        self.path = path
+        self.rule = rule

@@ -14,24 +14,36 @@ import re
 from collections.abc import Mapping
 from datetime import datetime
 from decimal import Decimal
-from typing import Any, NoReturn
+from typing import Any, ClassVar, Final, NoReturn, Protocol
 
 import psycopg
 from psycopg.pq import TransactionStatus
 from psycopg.rows import kwargs_row, tuple_row
 
+from outbox.contracts import Checker, checker_for
 from outbox.core import payloads
 from outbox.core.model import EnqueueOutcome, EnqueueResult, Operation
 from outbox.db import statements
 from outbox.errors import (
+    SQLSTATE_CONTRACT_VIOLATION,
     SQLSTATE_INVALID_OPERATION,
     SQLSTATE_OPERATION_CONFLICT,
+    ContractViolation,
     InvalidOperation,
     OperationConflict,
 )
 from outbox.observability import tracing
 
 Params = dict[str, Any]
+
+
+class Contracted(Protocol):
+    """A payload class written by `outbox contracts codegen`: its contract's type and version,
+    and the payload it stands for."""
+
+    CONTRACT: ClassVar[tuple[str, int]]
+
+    def to_payload(self) -> dict[str, Any]: ...
 
 
 def bind_tenant(conn: psycopg.Connection[Any], tenant_id: str) -> None:
@@ -78,13 +90,14 @@ def enqueue(
     operation_key: str,
     provider: str,
     action: str,
-    payload: Mapping[str, Any],
+    payload: Mapping[str, Any] | Contracted,
     correlation_id: str | None = None,
     idempotency_key: str | None = None,
     available_at: datetime | None = None,
     max_attempts: int | None = None,
     traceparent: str | None = None,
     ordering_key: str | None = None,
+    contract_version: int | None = None,
 ) -> EnqueueResult:
     """Record an operation inside the caller's open transaction.
 
@@ -99,7 +112,16 @@ def enqueue(
     params = _enqueue_params(locals())
     try:
         with conn.cursor(row_factory=tuple_row) as cur:
-            cur.execute(statements.ENQUEUE, params)
+            if params["contract_version"] is not None:
+                where = _database(conn.info)
+                checker = _CHECKERS.get(
+                    (where, params["operation_type"], params["contract_version"])
+                )
+                if checker is None:
+                    cur.execute(statements.GET_CONTRACT, _contract_of(params))
+                    checker = _checker(where, params, cur.fetchone())
+                _check_contract(checker, params)
+            cur.execute(_statement(params), params)
             row = cur.fetchone()
     except psycopg.Error as exc:
         _raise_translated(exc, params)
@@ -114,19 +136,29 @@ async def enqueue_async(
     operation_key: str,
     provider: str,
     action: str,
-    payload: Mapping[str, Any],
+    payload: Mapping[str, Any] | Contracted,
     correlation_id: str | None = None,
     idempotency_key: str | None = None,
     available_at: datetime | None = None,
     max_attempts: int | None = None,
     traceparent: str | None = None,
     ordering_key: str | None = None,
+    contract_version: int | None = None,
 ) -> EnqueueResult:
     """The asyncio twin of :func:`enqueue`, on a psycopg ``AsyncConnection``."""
     params = _enqueue_params(locals())
     try:
         async with conn.cursor(row_factory=tuple_row) as cur:
-            await cur.execute(statements.ENQUEUE, params)
+            if params["contract_version"] is not None:
+                where = _database(conn.info)
+                checker = _CHECKERS.get(
+                    (where, params["operation_type"], params["contract_version"])
+                )
+                if checker is None:
+                    await cur.execute(statements.GET_CONTRACT, _contract_of(params))
+                    checker = _checker(where, params, await cur.fetchone())
+                _check_contract(checker, params)
+            await cur.execute(_statement(params), params)
             row = await cur.fetchone()
     except psycopg.Error as exc:
         _raise_translated(exc, params)
@@ -180,6 +212,10 @@ _TEXT_FIELDS = (
 def _enqueue_params(arguments: Mapping[str, Any]) -> Params:
     """The bound parameters of ENQUEUE, after the checks SQL cannot make itself."""
     params = {name: value for name, value in arguments.items() if name != "conn"}
+    _from_generated(params)
+    version = params["contract_version"]
+    if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
+        raise InvalidOperation("contract_version", "contract_version must be a whole number")
     if params["traceparent"] is None:
         params["traceparent"] = tracing.current_traceparent()
     for field in _TEXT_FIELDS:
@@ -301,6 +337,83 @@ def _raise_translated(exc: psycopg.Error, params: Params) -> NoReturn:
             operation_key=params["operation_key"],
             field=exc.diag.column_name,
         ) from exc
+    if exc.sqlstate == SQLSTATE_CONTRACT_VIOLATION:
+        raise ContractViolation(exc.diag.column_name or "contract_version", message) from exc
     if exc.sqlstate == SQLSTATE_INVALID_OPERATION:
         raise InvalidOperation(exc.diag.column_name or "unknown", message) from exc
     raise exc
+
+
+# Compiled contracts this process has checked payloads against, by database, type and version:
+# a published version never changes (sql/0052), so one look-up per process is enough. Bounded:
+# a process that met more is emptied and starts again.
+_CHECKERS: dict[tuple[tuple[str, str, str], str, int], Checker] = {}
+MAX_CHECKERS: Final = 1024
+
+
+def _statement(params: Params) -> str:
+    """Without a contract's version, the statement every schema since 0051 takes."""
+    if params["contract_version"] is None:
+        return statements.ENQUEUE
+    return statements.ENQUEUE_UNDER_CONTRACT
+
+
+def _from_generated(params: Params) -> None:
+    """A payload of a generated class (``Contracted``) names its type and version itself."""
+    payload = params["payload"]
+    contract = getattr(type(payload), "CONTRACT", None)
+    if contract is None or not callable(getattr(payload, "to_payload", None)):
+        return
+    kind, version = contract
+    if params["operation_type"] != kind:
+        raise InvalidOperation(
+            "operation_type",
+            f"the payload is a {kind}/v{version} but operation_type is "
+            f"{params['operation_type']!r}",
+        )
+    if params["contract_version"] not in (None, version):
+        raise InvalidOperation(
+            "contract_version",
+            f"the payload is a {kind}/v{version} but contract_version is "
+            f"{params['contract_version']}",
+        )
+    params["contract_version"] = version
+    params["payload"] = payload.to_payload()
+
+
+def _database(info: Any) -> tuple[str, str, str]:
+    return (str(info.host), str(info.port), str(info.dbname))
+
+
+def _contract_of(params: Params) -> tuple[str, int]:
+    return params["operation_type"], params["contract_version"]
+
+
+def _checker(
+    where: tuple[str, str, str], params: Params, row: tuple[Any, ...] | None
+) -> Checker | None:
+    """The contract's compiled checker, kept; None when it is not published (enqueue says so)."""
+    if row is None:
+        return None
+    canonical, digest, _state = row
+    kind, version = _contract_of(params)
+    checker = checker_for(f"{kind}/v{version}", digest, canonical)
+    if len(_CHECKERS) >= MAX_CHECKERS:
+        _CHECKERS.clear()
+    _CHECKERS[where, kind, version] = checker
+    return checker
+
+
+def _check_contract(checker: Checker | None, params: Params) -> None:
+    """Raise ContractViolation if the payload breaks its contract; checked as stored (the JSON
+    text enqueue writes, numbers exact), as the dispatcher and the inbox will check it."""
+    if checker is None:
+        return  # not published: outbox.enqueue refuses the version itself (OB009)
+    found = checker.violation(payloads.decode(params["payload"]))
+    if found is not None:
+        raise ContractViolation(
+            "payload",
+            f"the payload breaks contract {checker.label} {found}",
+            path=found.path,
+            rule=found.rule,
+        )

@@ -129,7 +129,7 @@ GRANT USAGE ON SCHEMA outbox
 -- tenant under tenant isolation (0038).
 GRANT EXECUTE ON FUNCTION
     outbox.enqueue(text, text, text, text, text, jsonb, text, text, timestamptz, integer, text,
-                   text),
+                   text, integer),
     outbox.get_operation(text, text, text),
     outbox.bind_tenant(text)
 TO outbox_producer;
@@ -257,8 +257,10 @@ TO outbox_consumer;
 -- retire or reactivate through the audited functions (`outbox contracts`).
 GRANT EXECUTE ON FUNCTION outbox.get_contract(text, integer)
 TO outbox_producer, outbox_dispatcher, outbox_operator, outbox_consumer;
-GRANT SELECT ON outbox.contracts TO outbox_operator;
+GRANT SELECT ON outbox.contracts, outbox.contract_types TO outbox_operator;
 GRANT EXECUTE ON FUNCTION
-    outbox.publish_contract(text, integer, text, text, text),
-    outbox.set_contract_state(text, integer, text, text, text)
+    outbox.publish_contract(text, integer, text, text, text, boolean),
+    outbox.set_contract_state(text, integer, text, text, text),
+    -- Whether a type's producers must name a version (0053).
+    outbox.set_contract_requirement(text, boolean, text, text)
 TO outbox_operator;

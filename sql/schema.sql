@@ -1,5 +1,5 @@
 -- sql/schema.sql: the outbox schema as the migrations of sql/ leave it
--- (every migration up to 0052_operation_contracts).
+-- (every migration up to 0053_contracts_at_enqueue).
 --
 -- GENERATED FILE: DO NOT EDIT IT BY HAND. It is regenerated, after adding a migration, by
 --     python -m outbox.db.schema_dump --dsn postgresql://postgres@127.0.0.1:5432/postgres --output sql/schema.sql
@@ -123,6 +123,22 @@ CREATE INDEX audit_operation ON outbox.audit USING btree (operation_id, at);
 CREATE TRIGGER audit_append_only BEFORE UPDATE ON outbox.audit FOR EACH ROW EXECUTE FUNCTION outbox.audit_is_append_only();
 CREATE TRIGGER audit_no_delete BEFORE DELETE ON outbox.audit FOR EACH ROW EXECUTE FUNCTION outbox.audit_is_kept();
 CREATE TRIGGER audit_no_truncate BEFORE TRUNCATE ON outbox.audit FOR EACH STATEMENT EXECUTE FUNCTION outbox.audit_is_kept();
+
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- table outbox.contract_types
+-- history: created by 0053_contracts_at_enqueue
+
+CREATE TABLE outbox.contract_types (
+    operation_type    text NOT NULL,
+    versions_required boolean DEFAULT true NOT NULL,
+    changed_at        timestamp with time zone DEFAULT now() NOT NULL,
+    changed_by        text NOT NULL,
+    CONSTRAINT contract_types_pkey PRIMARY KEY (operation_type)
+);
+
+COMMENT ON TABLE outbox.contract_types IS 'Per operation type with contracts: whether enqueue requires a contract_version (sql/0053).';
 
 -- privileges: the owner's only
 
@@ -295,7 +311,7 @@ COMMENT ON COLUMN outbox.operation_keys.idempotency_key IS 'The key the operatio
 --     0015_ordering_keys, 0018_operations_fillfactor, 0019_limits_schedule_and_key_locks,
 --     0021_findings_carry_the_state, 0023_lookups_say_what_they_searched,
 --     0024_keys_name_one_operation, 0033_pending_failures, 0050_a_success_writes_one_row,
---     0051_keys_apart_from_the_operation
+--     0051_keys_apart_from_the_operation, 0053_contracts_at_enqueue
 
 CREATE TABLE outbox.operations (
     id                  bigint NOT NULL GENERATED ALWAYS AS IDENTITY,
@@ -344,6 +360,7 @@ CREATE TABLE outbox.operations (
     success_worker      text,
     success_http_status integer,
     success_request_id  text,
+    contract_version    integer,
     CONSTRAINT operations_pkey PRIMARY KEY (id),
     CONSTRAINT operations_attempt_base_valid CHECK (((attempt_base >= 0) AND (attempt_base <= attempts))),
     CONSTRAINT operations_attempts_valid CHECK ((attempts >= 0)),
@@ -360,6 +377,7 @@ CREATE TABLE outbox.operations (
 
 COMMENT ON TABLE outbox.operations IS 'Operations recorded by producers through outbox.enqueue and delivered by outbox run.';
 COMMENT ON COLUMN outbox.operations.success_worker IS 'The worker of a success at the first attempt, kept here instead of a row of attempt_log; set exactly for such a success (sql/0050).';
+COMMENT ON COLUMN outbox.operations.contract_version IS 'The version of its type''s contract (outbox.contracts) the operation was enqueued under; NULL for a type without contracts (sql/0053).';
 
 CREATE INDEX operations_attention ON outbox.operations USING btree (status, status_changed_at) WHERE (status = ANY (ARRAY['reconciling'::text, 'quarantined'::text]));
 CREATE INDEX operations_cancelled ON outbox.operations USING btree (status_changed_at) WHERE (status = 'cancelled'::text);
@@ -371,7 +389,7 @@ CREATE INDEX operations_pending_failed ON outbox.operations USING btree (provide
 CREATE INDEX operations_scheduled ON outbox.operations USING btree (available_at, id) INCLUDE (provider, first_sent_at, ordering_blocked) WHERE scheduled;
 CREATE TRIGGER operations_cancel_when_attempt_ends BEFORE UPDATE OF status ON outbox.operations FOR EACH ROW WHEN (((old.status = 'in_flight'::text) AND (old.cancel_requested_at IS NOT NULL) AND (new.status <> 'in_flight'::text))) EXECUTE FUNCTION outbox.cancel_when_attempt_ends();
 CREATE TRIGGER operations_forget_keys AFTER DELETE ON outbox.operations REFERENCING OLD TABLE AS gone FOR EACH STATEMENT EXECUTE FUNCTION outbox.operation_keys_follow_deletes();
-CREATE TRIGGER operations_immutable BEFORE UPDATE OF tenant_id, operation_type, operation_key, provider, action, payload, fingerprint, idempotency_key, key_generation, ordering_key ON outbox.operations FOR EACH ROW EXECUTE FUNCTION outbox.operations_keep_immutable();
+CREATE TRIGGER operations_immutable BEFORE UPDATE OF tenant_id, operation_type, operation_key, provider, action, payload, fingerprint, idempotency_key, key_generation, ordering_key, contract_version ON outbox.operations FOR EACH ROW EXECUTE FUNCTION outbox.operations_keep_immutable();
 CREATE TRIGGER operations_move_key AFTER UPDATE OF idempotency_key, key_shared ON outbox.operations FOR EACH ROW WHEN (((old.idempotency_key IS DISTINCT FROM new.idempotency_key) OR (old.key_shared IS DISTINCT FROM new.key_shared))) EXECUTE FUNCTION outbox.operation_keys_follow_key();
 CREATE TRIGGER operations_pass_turn AFTER UPDATE OF status ON outbox.operations FOR EACH ROW WHEN (((new.ordering_key IS NOT NULL) AND (old.status IS DISTINCT FROM new.status) AND (new.status = ANY (ARRAY['succeeded'::text, 'cancelled'::text, 'quarantined'::text, 'reconciling'::text])))) EXECUTE FUNCTION outbox.pass_turn();
 CREATE TRIGGER operations_rejoin_line BEFORE UPDATE OF status ON outbox.operations FOR EACH ROW WHEN (((new.ordering_key IS NOT NULL) AND (new.status = 'pending'::text) AND (old.status = ANY (ARRAY['quarantined'::text, 'reconciling'::text])))) EXECUTE FUNCTION outbox.rejoin_line();
@@ -1450,14 +1468,10 @@ $function$;
 -- privileges: the owner's only
 
 -- =================================================================================================
--- function outbox.enqueue(text,text,text,text,text,jsonb,text,text,timestamp with time zone,integer,text,text)
--- history: created by 0015_ordering_keys; changed by 0017_cheaper_enqueue,
---     0019_limits_schedule_and_key_locks, 0024_keys_name_one_operation, 0026_enqueue_allow_lists,
---     0028_identities_refuse_format_characters, 0036_identities_refuse_spaces_at_their_ends,
---     0037_payloads_bounded_in_values, 0038_bindings_end_with_their_transaction,
---     0041_derived_keys_hold_a_secret, 0051_keys_apart_from_the_operation
+-- function outbox.enqueue(text,text,text,text,text,jsonb,text,text,timestamp with time zone,integer,text,text,integer)
+-- history: created by 0053_contracts_at_enqueue
 
-CREATE OR REPLACE FUNCTION outbox.enqueue(tenant_id text, operation_type text, operation_key text, provider text, action text, payload jsonb, correlation_id text DEFAULT NULL::text, idempotency_key text DEFAULT NULL::text, available_at timestamp with time zone DEFAULT NULL::timestamp with time zone, max_attempts integer DEFAULT NULL::integer, traceparent text DEFAULT NULL::text, ordering_key text DEFAULT NULL::text)
+CREATE OR REPLACE FUNCTION outbox.enqueue(tenant_id text, operation_type text, operation_key text, provider text, action text, payload jsonb, correlation_id text DEFAULT NULL::text, idempotency_key text DEFAULT NULL::text, available_at timestamp with time zone DEFAULT NULL::timestamp with time zone, max_attempts integer DEFAULT NULL::integer, traceparent text DEFAULT NULL::text, ordering_key text DEFAULT NULL::text, contract_version integer DEFAULT NULL::integer)
  RETURNS TABLE(operation_id bigint, outcome text)
  LANGUAGE plpgsql
  SECURITY DEFINER
@@ -1474,6 +1488,8 @@ DECLARE
     v_fingerprint  bytea;
     v_id           bigint;
     v_existing     bytea;
+    v_existing_version integer;
+    v_contract     text;
     v_isolated     boolean;
     v_key          text;
     v_secret       bytea;
@@ -1646,9 +1662,33 @@ BEGIN
         PERFORM outbox.require_allowance(tenant_id, provider, action);
     END IF;
 
+    -- The contract (sql/0052, 0053): a type with contracts names a published version that is
+    -- not retired. The payload's check against the schema is the Python API's before the row
+    -- exists and the dispatcher's before the first send: this server has no JSON Schema.
+    IF contract_version IS NULL THEN
+        IF EXISTS (SELECT FROM outbox.contract_types t
+                   WHERE t.operation_type = operation_type AND t.versions_required) THEN
+            RAISE EXCEPTION 'operation type % has contracts: name its contract_version',
+                operation_type
+                USING ERRCODE = 'OB009', COLUMN = 'contract_version';
+        END IF;
+    ELSE
+        SELECT c.state INTO v_contract FROM outbox.contracts c
+        WHERE c.operation_type = operation_type AND c.version = contract_version;
+        IF v_contract IS NULL THEN
+            RAISE EXCEPTION 'no contract %/v% is published', operation_type, contract_version
+                USING ERRCODE = 'OB009', COLUMN = 'contract_version',
+                      HINT = 'publish it first: outbox contracts push DIR';
+        END IF;
+        IF v_contract = 'retired' THEN
+            RAISE EXCEPTION 'contract %/v% is retired: enqueue under an active version',
+                operation_type, contract_version
+                USING ERRCODE = 'OB009', COLUMN = 'contract_version';
+        END IF;
+    END IF;
+
     v_fingerprint := sha256(convert_to(provider || E'\n' || action || E'\n' || v_payload_text
                                        || coalesce(E'\n' || ordering_key, ''), 'UTF8'));
-
 
     -- The keys row first (sql/0051): its ON CONFLICT answers both rules, the identity and the
     -- provider's key (operation_keys_provider_key), before the operation exists. Bounded: a
@@ -1666,13 +1706,14 @@ BEGIN
             INSERT INTO outbox.operations AS o (
                 id, tenant_id, operation_type, operation_key, fingerprint, provider, action,
                 payload, idempotency_key, correlation_id, traceparent, max_attempts,
-                available_at, scheduled, payload_bytes, ordering_key, ordering_blocked
+                available_at, scheduled, payload_bytes, ordering_key, ordering_blocked,
+                contract_version
             ) OVERRIDING SYSTEM VALUE VALUES (
                 v_id, tenant_id, operation_type, operation_key, v_fingerprint, provider, action,
                 payload, v_key, correlation_id, traceparent, max_attempts, v_available_at,
                 -- Not due yet: out of the claim index until a dispatcher stages it.
                 v_available_at > now(), v_bytes,
-                ordering_key, ordering_key IS NOT NULL
+                ordering_key, ordering_key IS NOT NULL, contract_version
             );
             IF ordering_key IS NOT NULL THEN
                 -- Its turn is taken at COMMIT, with this transaction's other keys (take_turn).
@@ -1686,7 +1727,8 @@ BEGIN
         END IF;
 
         -- This identity's operation: the same tenant's, so visible under row-level security.
-        SELECT k.operation_id, o.fingerprint INTO v_id, v_existing
+        SELECT k.operation_id, o.fingerprint, o.contract_version
+        INTO v_id, v_existing, v_existing_version
         FROM outbox.operation_keys k
         JOIN outbox.operations o ON o.id = k.operation_id
         WHERE k.tenant_id = tenant_id
@@ -1700,6 +1742,14 @@ BEGIN
                     USING ERRCODE = 'OB001',
                           DETAIL = format('existing operation id: %s', v_id),
                           HINT = 'a different intent needs its own operation_key';
+            END IF;
+            IF v_existing_version IS DISTINCT FROM contract_version THEN
+                RAISE EXCEPTION 'operation %/%/% already exists under contract version %',
+                    tenant_id, operation_type, operation_key,
+                    coalesce(v_existing_version::text, 'none')
+                    USING ERRCODE = 'OB001', COLUMN = 'contract_version',
+                          DETAIL = format('existing operation id: %s', v_id),
+                          HINT = 'the same key under another version is another intent';
             END IF;
             operation_id := v_id;
             outcome := 'duplicate';
@@ -1729,7 +1779,6 @@ BEGIN
         USING ERRCODE = '40001', HINT = 'retry the transaction';
 END;
 $function$;
-COMMENT ON FUNCTION outbox.enqueue(text,text,text,text,text,jsonb,text,text,timestamp with time zone,integer,text,text) IS 'Records an operation in the caller''s transaction: accepted (new) or duplicate; SQLSTATE OB001 on conflict, OB002 on invalid input, 42501 for another tenant than the bound one. Operations with the same ordering_key (per tenant) are sent one at a time, in enqueue order.';
 -- privileges: the owner's only
 
 -- =================================================================================================
@@ -2583,7 +2632,7 @@ $function$;
 -- =================================================================================================
 -- function outbox.operations_keep_immutable()
 -- history: created by 0010_immutable_operations; changed by 0011_security_definer,
---     0015_ordering_keys
+--     0015_ordering_keys, 0053_contracts_at_enqueue
 -- fired by trigger operations_immutable ON outbox.operations
 
 CREATE OR REPLACE FUNCTION outbox.operations_keep_immutable()
@@ -2603,6 +2652,7 @@ BEGIN
         WHEN NEW.payload IS DISTINCT FROM OLD.payload THEN 'payload'
         WHEN NEW.fingerprint IS DISTINCT FROM OLD.fingerprint THEN 'fingerprint'
         WHEN NEW.ordering_key IS DISTINCT FROM OLD.ordering_key THEN 'ordering_key'
+        WHEN NEW.contract_version IS DISTINCT FROM OLD.contract_version THEN 'contract_version'
     END;
     IF changed IS NULL
        AND (NEW.idempotency_key IS DISTINCT FROM OLD.idempotency_key
@@ -2743,10 +2793,10 @@ $function$;
 -- privileges: the owner's only
 
 -- =================================================================================================
--- function outbox.publish_contract(text,integer,text,text,text)
--- history: created by 0052_operation_contracts
+-- function outbox.publish_contract(text,integer,text,text,text,boolean)
+-- history: created by 0053_contracts_at_enqueue
 
-CREATE OR REPLACE FUNCTION outbox.publish_contract(operation_type text, version integer, canonical text, actor text, reason text)
+CREATE OR REPLACE FUNCTION outbox.publish_contract(operation_type text, version integer, canonical text, actor text, reason text, require_version boolean DEFAULT true)
  RETURNS text
  LANGUAGE plpgsql
  SECURITY DEFINER
@@ -2773,6 +2823,9 @@ BEGIN
             v_digest, actor)
     ON CONFLICT ON CONSTRAINT contracts_pkey DO NOTHING;
     IF FOUND THEN
+        INSERT INTO outbox.contract_types AS t (operation_type, versions_required, changed_by)
+        VALUES (publish_contract.operation_type, coalesce(require_version, true), actor)
+        ON CONFLICT ON CONSTRAINT contract_types_pkey DO NOTHING;
         INSERT INTO outbox.audit (actor, action, reason, to_status, details)
         VALUES (actor, 'contract_publish', reason, 'active',
                 jsonb_build_object('operation_type', operation_type, 'version', version,
@@ -3570,6 +3623,43 @@ BEGIN
 END;
 $function$;
 COMMENT ON FUNCTION outbox.server_identity() IS 'Whether this server is in recovery, its system identifier and WAL timeline (NULL where they cannot be read), and its clock: what the readiness probe of outbox run asks every second.';
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.set_contract_requirement(text,boolean,text,text)
+-- history: created by 0053_contracts_at_enqueue
+
+CREATE OR REPLACE FUNCTION outbox.set_contract_requirement(operation_type text, required boolean, actor text, reason text)
+ RETURNS text
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+DECLARE
+    v_was boolean;
+BEGIN
+    PERFORM outbox.require_reason(actor, reason);
+    IF required IS NULL THEN
+        RAISE EXCEPTION 'required is true or false' USING ERRCODE = 'OB002', COLUMN = 'required';
+    END IF;
+    SELECT t.versions_required INTO v_was FROM outbox.contract_types t
+    WHERE t.operation_type = set_contract_requirement.operation_type FOR UPDATE;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'operation type % has no published contract', operation_type
+            USING ERRCODE = 'P0002';
+    END IF;
+    IF v_was = required THEN
+        RETURN 'unchanged';
+    END IF;
+    UPDATE outbox.contract_types t
+    SET versions_required = required, changed_at = now(), changed_by = actor
+    WHERE t.operation_type = set_contract_requirement.operation_type;
+    INSERT INTO outbox.audit (actor, action, reason, details)
+    VALUES (actor, CASE WHEN required THEN 'contract_require' ELSE 'contract_allow_unversioned' END,
+            reason, jsonb_build_object('operation_type', operation_type));
+    RETURN CASE WHEN required THEN 'required' ELSE 'not required' END;
+END;
+$function$;
 -- privileges: the owner's only
 
 -- =================================================================================================

@@ -172,6 +172,11 @@ def _show_warning(diagnostic: psycopg.errors.Diagnostic) -> None:
     type=TEXT,
     help="Send after the tenant's earlier operations with this key, in order.",
 )
+@click.option(
+    "--contract-version",
+    type=click.IntRange(min=1),
+    help="The version of the operation type's contract the payload is written to.",
+)
 @config_option("outbox run's settings: warn when the provider is not among them.")
 @json_option
 def enqueue(

@@ -51,14 +51,24 @@ def _read(directory: Path) -> list[ContractFile]:
     show_default=True,
     help="Recorded in the audit with each version published.",
 )
+@click.option(
+    "--allow-unversioned", is_flag=True,
+    help="A type published for the first time does not require producers to name a version "
+    "yet (for a type producers already enqueue; `outbox contracts require` later).",
+)  # fmt: skip
 @actor_option
 @json_option
-def push(dsn: str, directory: Path, reason: str, actor: str, as_json: bool) -> None:
-    """Publish every contract under DIRECTORY, all or none."""
+def push(
+    dsn: str, directory: Path, reason: str, allow_unversioned: bool, actor: str, as_json: bool
+) -> None:
+    """Publish every contract under DIRECTORY, all or none. A type's first publish makes
+    enqueue require producers to name a version, unless --allow-unversioned."""
     found = _read(directory)
     with connect(dsn) as conn:
         try:
-            results = store.publish(conn, found, actor=actor, reason=reason)
+            results = store.publish(
+                conn, found, actor=actor, reason=reason, require_version=not allow_unversioned
+            )
         except store.ContractChanged as exc:
             click.echo(_difference(exc.published, exc.contract), err=True)
             raise Conflict(
@@ -120,11 +130,13 @@ def list_(dsn: str, operation_type: str | None, as_json: bool) -> None:
         click.echo(json.dumps([_jsonable(r) for r in rows]))
         return
     lines = [
-        (printable(r.operation_type), str(r.version), r.state, r.digest[:12],
+        (printable(r.operation_type), str(r.version), r.state,
+         "yes" if r.versions_required else "no", r.digest[:12],
          f"{r.published_at:%Y-%m-%d %H:%M}", printable(r.published_by))
         for r in rows
     ]  # fmt: skip
-    click.echo(render_table(("type", "version", "state", "digest", "published", "by"), lines))
+    headers = ("type", "version", "state", "version required", "digest", "published", "by")
+    click.echo(render_table(headers, lines))
 
 
 @contracts.command("show")
@@ -169,6 +181,28 @@ def codegen(dsn: str, operation_type: str | None, output: Path | None) -> None:
     else:
         output.write_text(source, encoding="utf-8")
         click.echo(f"wrote {len(found)} contract class(es) to {output}", err=True)
+
+
+def _requirement_command(name: str, required: bool, what: str) -> None:
+    @contracts.command(name, help=what)
+    @dsn_option
+    @click.argument("operation_type", type=TEXT)
+    @click.option("--reason", type=TEXT, required=True, help="Why; recorded in the audit.")
+    @actor_option
+    def command(dsn: str, operation_type: str, reason: str, actor: str) -> None:
+        with connect(dsn) as conn:
+            result = store.set_requirement(
+                conn, operation_type, required, actor=actor, reason=reason
+            )
+        click.echo(f"{printable(operation_type)}: a contract version is {result}")
+
+
+_requirement_command(
+    "require", True, "Enqueue refuses the type's operations that name no contract version."
+)
+_requirement_command(
+    "allow-unversioned", False, "Enqueue takes the type's operations that name no version."
+)
 
 
 def _state_command(name: str, state: str) -> None:
@@ -217,4 +251,5 @@ def _jsonable(row: store.Published) -> dict[str, Any]:
         "published_at": row.published_at.isoformat(),
         "published_by": row.published_by,
         "state_changed_at": row.state_changed_at.isoformat(),
+        "versions_required": row.versions_required,
     }

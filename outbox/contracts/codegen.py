@@ -172,9 +172,11 @@ def _class_name(text: str) -> str:
 
 
 def _field_name(member: str, taken: set[str]) -> str:
-    name = re.sub(r"[^0-9A-Za-z_]", "_", member) or "_"  # ASCII: "²" is \w, not a name
-    if name[0].isdigit():
-        name = f"_{name}"
+    # ASCII ("²" is \w, not a name), and no leading underscore: "__dict__" would break the
+    # dataclass, "__x" would be mangled in the class body.
+    name = re.sub(r"[^0-9A-Za-z_]", "_", member).lstrip("_")
+    if not name or name[0].isdigit():
+        name = f"f_{name}"
     if keyword.iskeyword(name) or name in RESERVED:
         name = f"{name}_"
     candidate, n = name, 2

@@ -14,7 +14,8 @@ from psycopg.rows import tuple_row
 from outbox.contracts import ContractFile
 from outbox.errors import SQLSTATE_CONTRACT_CHANGED
 
-PUBLISH: Final = "SELECT outbox.publish_contract(%s, %s, %s, %s, %s)"
+PUBLISH: Final = "SELECT outbox.publish_contract(%s, %s, %s, %s, %s, %s)"
+SET_REQUIREMENT: Final = "SELECT outbox.set_contract_requirement(%s, %s, %s, %s)"
 SET_STATE: Final = "SELECT outbox.set_contract_state(%s, %s, %s, %s, %s)"
 GET: Final = "SELECT canonical, digest, state FROM outbox.get_contract(%s, %s)"
 # The versions codegen writes classes for: every one not retired.
@@ -24,10 +25,12 @@ WHERE state <> 'retired' AND (%(type)s::text IS NULL OR operation_type = %(type)
 ORDER BY operation_type, version
 """
 LIST: Final = """
-SELECT operation_type, version, state, digest, published_at, published_by, state_changed_at
-FROM outbox.contracts
-WHERE %(type)s::text IS NULL OR operation_type = %(type)s
-ORDER BY operation_type, version
+SELECT c.operation_type, c.version, c.state, c.digest, c.published_at, c.published_by,
+       c.state_changed_at, coalesce(t.versions_required, true)
+FROM outbox.contracts c
+LEFT JOIN outbox.contract_types t ON t.operation_type = c.operation_type
+WHERE %(type)s::text IS NULL OR c.operation_type = %(type)s
+ORDER BY c.operation_type, c.version
 """
 
 
@@ -42,6 +45,7 @@ class Published:
     published_at: datetime
     published_by: str
     state_changed_at: datetime
+    versions_required: bool  # the type's: enqueue refuses it without a contract_version
 
     @property
     def label(self) -> str:
@@ -67,7 +71,12 @@ class ContractChanged(Exception):
 
 
 def publish(
-    conn: psycopg.Connection[Any], contracts: list[ContractFile], *, actor: str, reason: str
+    conn: psycopg.Connection[Any],
+    contracts: list[ContractFile],
+    *,
+    actor: str,
+    reason: str,
+    require_version: bool = True,
 ) -> list[str]:
     """Publish every contract in one transaction: all of them, or none (ContractChanged names
     the first version whose content differs). Returns 'published' or 'unchanged' for each."""
@@ -84,6 +93,7 @@ def publish(
                             contract.canonical,
                             actor,
                             reason,
+                            require_version,
                         ),
                     )
                     row = cur.fetchone()
@@ -134,3 +144,13 @@ def schemas(
     with conn.cursor(row_factory=tuple_row) as cur:
         cur.execute(SCHEMAS, {"type": operation_type})
         return [(str(t), int(v), str(c)) for t, v, c in cur.fetchall()]
+
+
+def set_requirement(
+    conn: psycopg.Connection[Any], operation_type: str, required: bool, *, actor: str, reason: str
+) -> str:
+    """Require producers of the type to name a version, or stop requiring it."""
+    with conn.transaction(), conn.cursor(row_factory=tuple_row) as cur:
+        cur.execute(SET_REQUIREMENT, (operation_type, required, actor, reason))
+        row = cur.fetchone()
+    return str(row[0]) if row else ""

@@ -42,6 +42,27 @@ SELECT operation_id, outcome FROM outbox.enqueue(
     ordering_key    => %(ordering_key)s::text
 )
 """
+# With a contract's version (sql/0053): apart, so that a producer that names none runs on a
+# schema from before it too.
+ENQUEUE_UNDER_CONTRACT: Final = """
+SELECT operation_id, outcome FROM outbox.enqueue(
+    tenant_id       => %(tenant_id)s::text,
+    operation_type  => %(operation_type)s::text,
+    operation_key   => %(operation_key)s::text,
+    provider        => %(provider)s::text,
+    action          => %(action)s::text,
+    payload         => %(payload)s::jsonb,
+    correlation_id  => %(correlation_id)s::text,
+    idempotency_key => %(idempotency_key)s::text,
+    available_at    => %(available_at)s::timestamptz,
+    max_attempts    => %(max_attempts)s::integer,
+    traceparent     => %(traceparent)s::text,
+    ordering_key    => %(ordering_key)s::text,
+    contract_version => %(contract_version)s::integer
+)
+"""
+# One published contract (sql/0052), for the producer's check of a payload before enqueue.
+GET_CONTRACT: Final = "SELECT canonical, digest, state FROM outbox.get_contract(%s, %s)"
 
 # Bind this transaction to a tenant: set_config's third argument (true) makes the setting end
 # with the transaction, so a pooled connection never carries it into the next one. Beside it,

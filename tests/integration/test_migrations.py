@@ -349,7 +349,7 @@ def test_0051_moves_every_operations_keys_and_keeps_them_unique(empty_db_url: st
             " 'shared-2', '\\x00', 'hook', 'paid', '{}', 'caller-3', true)"
         )
         before = conn.execute("SELECT * FROM outbox.operations ORDER BY id").fetchall()
-        migrations.migrate(conn)
+        migrations.migrate(conn, target=51)
         assert conn.execute("SELECT * FROM outbox.operations ORDER BY id").fetchall() == before
         assert conn.execute(KEYS).fetchall() == conn.execute(KEYS_FROM_OPERATIONS).fetchall()
         derived = "SELECT idempotency_key FROM outbox.operations WHERE id = 1"
@@ -378,3 +378,36 @@ def test_0051_moves_every_operations_keys_and_keeps_them_unique(empty_db_url: st
             ("succeeded",)
         ]
         assert conn.execute("SELECT count(*) FROM outbox.operation_keys").fetchall() == [(5,)]
+
+
+def test_0053_keeps_every_operation_and_the_twelve_argument_call(empty_db_url: str) -> None:
+    """Migrating a populated database to contracts at enqueue: every operation is kept as it
+    was, with no contract version; a producer of before (twelve arguments by name) enqueues and
+    re-enqueues as before; the operation in flight records."""
+    with psycopg.connect(empty_db_url, autocommit=True) as conn:
+        migrations.migrate(conn, target=52)
+        for key in ("flying", "waiting"):
+            conn.execute(
+                "SELECT outbox.enqueue('acme', 'charge', %s, 'hook', 'paid', '{\"a\": 1}'::jsonb,"
+                " correlation_id => 'c', idempotency_key => NULL, available_at => NULL,"
+                " max_attempts => 3, traceparent => NULL, ordering_key => NULL)",
+                (key,),
+            )
+        flying = _claim(conn)[0]  # both are due: the first is in flight across the upgrade
+        before = conn.execute("SELECT * FROM outbox.operations ORDER BY id").fetchall()
+        migrations.migrate(conn)
+        after = conn.execute("SELECT * FROM outbox.operations ORDER BY id").fetchall()
+        assert [row[:-1] for row in after] == before
+        assert [row[-1] for row in after] == [None, None]  # contract_version
+        twelve = (
+            "SELECT outcome FROM outbox.enqueue(tenant_id => 'acme', operation_type => 'charge',"
+            " operation_key => %s, provider => 'hook', action => 'paid',"
+            " payload => '{\"a\": 1}'::jsonb, correlation_id => 'c', idempotency_key => NULL,"
+            " available_at => NULL, max_attempts => 3, traceparent => NULL,"
+            " ordering_key => NULL)"
+        )
+        assert conn.execute(twelve, ("waiting",)).fetchall() == [("duplicate",)]
+        assert conn.execute(twelve, ("new",)).fetchall() == [("accepted",)]
+        _record(conn, flying, "succeeded")
+        statuses = conn.execute("SELECT status FROM outbox.operations ORDER BY id").fetchall()
+        assert statuses == [("succeeded",), ("in_flight",), ("pending",)]

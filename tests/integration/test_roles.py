@@ -243,7 +243,7 @@ def test_every_function_is_pinned_and_executable_only_by_its_roles(roles_db: str
     dispatcher_and_operator = ["outbox_dispatcher", "outbox_operator"]
     assert granted == {
         "outbox.enqueue(text,text,text,text,text,jsonb,text,text,timestamp with time zone,"
-        "integer,text,text)": (True, ["outbox_producer"]),
+        "integer,text,text,integer)": (True, ["outbox_producer"]),
         "outbox.get_operation(text,text,text)": (True, ["outbox_producer"]),
         "outbox.bind_tenant(text)": (False, ["outbox_consumer", "outbox_producer"]),
         # A worker's deliveries, recorded in its own transactions (sql/0042).
@@ -337,7 +337,11 @@ def test_every_function_is_pinned_and_executable_only_by_its_roles(roles_db: str
             True,
             ["outbox_consumer", "outbox_dispatcher", "outbox_operator", "outbox_producer"],
         ),
-        "outbox.publish_contract(text,integer,text,text,text)": (True, ["outbox_operator"]),
+        "outbox.publish_contract(text,integer,text,text,text,boolean)": (
+            True,
+            ["outbox_operator"],
+        ),
+        "outbox.set_contract_requirement(text,boolean,text,text)": (True, ["outbox_operator"]),
         "outbox.set_contract_state(text,integer,text,text,text)": (True, ["outbox_operator"]),
     }
     # Only those entry points run as the owner, and the triggers: the wake-up and the ordering

@@ -68,13 +68,16 @@ RECORDER = "outbox/dispatch/recorder.py"
 POLICY = "outbox/core/policy.py"
 ISOLATION_TESTS = "tests/integration/test_provider_isolation.py"
 # The newest definitions of outbox.enqueue and of outbox.check_text.
-ENQUEUE = "sql/0051_keys_apart_from_the_operation.sql"
-# Each operation's identity and provider key, apart from its row (sql/0051, issue 41 step C).
-KEYS_SQL = ENQUEUE
+ENQUEUE = "sql/0053_contracts_at_enqueue.sql"
+# Each operation's identity and provider key, apart from its row (sql/0051, issue 41 step C):
+# the keys' table and triggers; enqueue's part of it is in ENQUEUE.
+KEYS_SQL = "sql/0051_keys_apart_from_the_operation.sql"
 KEYS_TESTS = "tests/integration/test_operation_keys.py::"
 CHECK_TEXT = "sql/0028_identities_refuse_format_characters.sql"
-# Operation contracts: published once, never changed (sql/0052, issue 42).
+# Operation contracts: published once, never changed (sql/0052, issue 42); publish_contract's
+# newest definition, with the type's requirement (0053).
 CONTRACTS_SQL = "sql/0052_operation_contracts.sql"
+PUBLISH_SQL = ENQUEUE
 CONTRACTS_TESTS = "tests/integration/test_contracts.py::"
 # The queue providers' tests against the real brokers (and moto, the Cloud Tasks emulator).
 NATS_TESTS = "tests/integration/test_queue_nats.py"
@@ -592,7 +595,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "key-holder-hidden-by-isolation",
         "under tenant isolation enqueue cannot see that another tenant holds the caller's key "
         "(the holder read through outbox.operations, which FORCE filters)",
-        KEYS_SQL,
+        ENQUEUE,
         "        FROM outbox.operation_keys k\n        WHERE k.provider = provider",
         "        FROM outbox.operation_keys k JOIN outbox.operations o ON o.id = k.operation_id\n"
         "        WHERE k.provider = provider",
@@ -1835,7 +1838,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "contract-push-overwrites-quietly",
         "a push of other content under a published version is taken as unchanged: the files "
         "and the database disagree and nobody is told",
-        CONTRACTS_SQL,
+        PUBLISH_SQL,
         "    IF v_held = v_digest THEN\n",
         "    IF v_held IS NOT NULL THEN\n",
         CONTRACTS_TESTS
@@ -1858,5 +1861,25 @@ MUTANTS: tuple[Mutant, ...] = (
         "    return f\"Literal[{', '.join(repr(v) for v in usable)}]\"\n",
         '    return "Any"\n',
         CONTRACTS_TESTS + "test_codegen_writes_classes_a_type_checker_holds_producers_to",
+    ),
+    _one(
+        "enqueue-skips-contract-check",
+        "a payload that breaks its contract is written: the typo reaches the provider or the "
+        "worker hours later, after the business transaction committed",
+        "outbox/producer.py",
+        "    if checker is None:\n        return  # not published",
+        "    if checker is not None:\n        return  # not published",
+        "tests/integration/test_contracts_enqueue.py::"
+        "test_a_violation_is_refused_before_the_row_exists_naming_path_and_rule",
+    ),
+    _one(
+        "enqueue-takes-any-version",
+        "enqueue takes a version never published, or none for a type that requires one: "
+        "nothing can check the operation against the contract its producer meant",
+        "sql/0053_contracts_at_enqueue.sql",
+        "        IF v_contract IS NULL THEN\n",
+        "        IF false THEN\n",
+        "tests/integration/test_contracts_enqueue.py::"
+        "test_versions_are_checked_by_the_database_whoever_enqueues",
     ),
 )
