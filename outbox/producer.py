@@ -214,8 +214,12 @@ def _enqueue_params(arguments: Mapping[str, Any]) -> Params:
     params = {name: value for name, value in arguments.items() if name != "conn"}
     _from_generated(params)
     version = params["contract_version"]
-    if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
-        raise InvalidOperation("contract_version", "contract_version must be a whole number")
+    if version is not None and (
+        not isinstance(version, int) or isinstance(version, bool) or not 1 <= version < 2**31
+    ):
+        raise InvalidOperation(
+            "contract_version", "contract_version must be a whole number from 1 (an integer)"
+        )
     if params["traceparent"] is None:
         params["traceparent"] = tracing.current_traceparent()
     for field in _TEXT_FIELDS:

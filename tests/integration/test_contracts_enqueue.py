@@ -135,6 +135,17 @@ def test_versions_are_checked_by_the_database_whoever_enqueues(charge_v1: str) -
     assert written(charge_v1) == [("deprecated", 1)]
 
 
+@pytest.mark.parametrize("version", [0, -1, 2**31, True, "1", 1.0])
+def test_a_version_that_is_no_version_is_refused_before_anything_is_sent(
+    charge_v1: str, version: Any
+) -> None:
+    with pytest.raises(outbox.InvalidOperation) as caught:
+        enqueue(charge_v1, "odd", {"amount": 5, "currency": "eur"}, contract_version=version)
+    assert caught.value.field == "contract_version"
+    assert not isinstance(caught.value, ContractViolation)
+    assert written(charge_v1) == []
+
+
 def test_the_same_identity_under_another_version_is_a_conflict(charge_v1: str) -> None:
     publish(charge_v1, "charge", 2, {**CHARGE, "required": ["amount"]})
     ok = {"amount": 5, "currency": "eur"}
