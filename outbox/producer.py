@@ -20,7 +20,7 @@ import psycopg
 from psycopg.pq import TransactionStatus
 from psycopg.rows import kwargs_row, tuple_row
 
-from outbox.contracts import Checker, checker_for
+from outbox.contracts import Checker, InvalidContract, checker_for
 from outbox.core import payloads
 from outbox.core.model import EnqueueOutcome, EnqueueResult, Operation
 from outbox.db import statements
@@ -401,7 +401,12 @@ def _checker(
         return None
     canonical, digest, _state = row
     kind, version = _contract_of(params)
-    checker = checker_for(f"{kind}/v{version}", digest, canonical)
+    try:
+        checker = checker_for(f"{kind}/v{version}", digest, canonical)
+    except InvalidContract as exc:
+        # Published past the bounds (by the SQL function: `outbox contracts push` bounds what
+        # it publishes): no payload can be checked against it within the budget.
+        raise ContractViolation("contract_version", f"contract {exc}") from None
     if len(_CHECKERS) >= MAX_CHECKERS:
         _CHECKERS.clear()
     _CHECKERS[where, kind, version] = checker

@@ -1,5 +1,5 @@
 -- sql/schema.sql: the outbox schema as the migrations of sql/ leave it
--- (every migration up to 0053_contracts_at_enqueue).
+-- (every migration up to 0054_the_dispatcher_checks_contracts).
 --
 -- GENERATED FILE: DO NOT EDIT IT BY HAND. It is regenerated, after adding a migration, by
 --     python -m outbox.db.schema_dump --dsn postgresql://postgres@127.0.0.1:5432/postgres --output sql/schema.sql
@@ -1171,6 +1171,35 @@ $function$;
 -- privileges: the owner's only
 
 -- =================================================================================================
+-- function outbox.claim_fair_v3(text,interval,integer,text[],integer[],text,text,integer)
+-- history: created by 0054_the_dispatcher_checks_contracts
+
+CREATE OR REPLACE FUNCTION outbox.claim_fair_v3(p_worker text, p_lease interval, p_limit integer, p_cap_providers text[], p_caps integer[], p_after_provider text, p_after_tenant text, p_max_groups integer)
+ RETURNS TABLE(id bigint, tenant_id text, operation_type text, operation_key text, provider text, action text, payload text, payload_bytes integer, payload_limit integer, idempotency_key text, correlation_id text, traceparent text, attempts integer, attempt_base integer, max_attempts integer, lease_token uuid, first_sent_at timestamp with time zone, created_at timestamp with time zone, claimed_at timestamp with time zone, api_version text, ordering_key text, fingerprint bytea, origin uuid, contract_version integer)
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+#variable_conflict use_column
+DECLARE
+    v_rows outbox.claimed_row[];
+BEGIN
+    SELECT array_agg((c.id, c.tenant_id, c.operation_type, c.operation_key, c.provider, c.action,
+                      c.payload, c.payload_bytes, c.payload_limit, c.idempotency_key,
+                      c.correlation_id, c.traceparent, c.attempts, c.attempt_base,
+                      c.max_attempts, c.lease_token, c.first_sent_at, c.created_at, c.claimed_at,
+                      c.api_version)::outbox.claimed_row ORDER BY c.n) INTO v_rows
+    FROM outbox.claim_fair(p_worker, p_lease, p_limit, p_cap_providers, p_caps,
+                           p_after_provider, p_after_tenant, p_max_groups) WITH ORDINALITY AS c (
+        id, tenant_id, operation_type, operation_key, provider, action, payload, payload_bytes,
+        payload_limit, idempotency_key, correlation_id, traceparent, attempts, attempt_base,
+        max_attempts, lease_token, first_sent_at, created_at, claimed_at, api_version, n);
+    RETURN QUERY SELECT * FROM outbox.with_intent_v3(v_rows);
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
 -- function outbox.claim_one_group(text,interval,integer,text[],integer[])
 -- history: created by 0040_the_dispatcher_writes_through_functions
 
@@ -1244,6 +1273,34 @@ BEGIN
         payload_limit, idempotency_key, correlation_id, traceparent, attempts, attempt_base,
         max_attempts, lease_token, first_sent_at, created_at, claimed_at, api_version, n);
     RETURN QUERY SELECT * FROM outbox.with_intent(v_rows);
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.claim_one_group_v3(text,interval,integer,text[],integer[])
+-- history: created by 0054_the_dispatcher_checks_contracts
+
+CREATE OR REPLACE FUNCTION outbox.claim_one_group_v3(p_worker text, p_lease interval, p_limit integer, p_cap_providers text[], p_caps integer[])
+ RETURNS TABLE(id bigint, tenant_id text, operation_type text, operation_key text, provider text, action text, payload text, payload_bytes integer, payload_limit integer, idempotency_key text, correlation_id text, traceparent text, attempts integer, attempt_base integer, max_attempts integer, lease_token uuid, first_sent_at timestamp with time zone, created_at timestamp with time zone, claimed_at timestamp with time zone, api_version text, ordering_key text, fingerprint bytea, origin uuid, contract_version integer)
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+#variable_conflict use_column
+DECLARE
+    v_rows outbox.claimed_row[];
+BEGIN
+    SELECT array_agg((c.id, c.tenant_id, c.operation_type, c.operation_key, c.provider, c.action,
+                      c.payload, c.payload_bytes, c.payload_limit, c.idempotency_key,
+                      c.correlation_id, c.traceparent, c.attempts, c.attempt_base,
+                      c.max_attempts, c.lease_token, c.first_sent_at, c.created_at, c.claimed_at,
+                      c.api_version)::outbox.claimed_row ORDER BY c.n) INTO v_rows
+    FROM outbox.claim_one_group(p_worker, p_lease, p_limit, p_cap_providers, p_caps) WITH ORDINALITY AS c (
+        id, tenant_id, operation_type, operation_key, provider, action, payload, payload_bytes,
+        payload_limit, idempotency_key, correlation_id, traceparent, attempts, attempt_base,
+        max_attempts, lease_token, first_sent_at, created_at, claimed_at, api_version, n);
+    RETURN QUERY SELECT * FROM outbox.with_intent_v3(v_rows);
 END;
 $function$;
 -- privileges: the owner's only
@@ -1364,6 +1421,34 @@ BEGIN
         payload_limit, idempotency_key, correlation_id, traceparent, attempts, attempt_base,
         max_attempts, lease_token, first_sent_at, created_at, claimed_at, api_version, n);
     RETURN QUERY SELECT * FROM outbox.with_intent(v_rows);
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.claim_probe_v3(text,text,interval,text)
+-- history: created by 0054_the_dispatcher_checks_contracts
+
+CREATE OR REPLACE FUNCTION outbox.claim_probe_v3(p_worker text, p_provider text, p_lease interval, p_after_tenant text)
+ RETURNS TABLE(id bigint, tenant_id text, operation_type text, operation_key text, provider text, action text, payload text, payload_bytes integer, payload_limit integer, idempotency_key text, correlation_id text, traceparent text, attempts integer, attempt_base integer, max_attempts integer, lease_token uuid, first_sent_at timestamp with time zone, created_at timestamp with time zone, claimed_at timestamp with time zone, api_version text, ordering_key text, fingerprint bytea, origin uuid, contract_version integer)
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+#variable_conflict use_column
+DECLARE
+    v_rows outbox.claimed_row[];
+BEGIN
+    SELECT array_agg((c.id, c.tenant_id, c.operation_type, c.operation_key, c.provider, c.action,
+                      c.payload, c.payload_bytes, c.payload_limit, c.idempotency_key,
+                      c.correlation_id, c.traceparent, c.attempts, c.attempt_base,
+                      c.max_attempts, c.lease_token, c.first_sent_at, c.created_at, c.claimed_at,
+                      c.api_version)::outbox.claimed_row ORDER BY c.n) INTO v_rows
+    FROM outbox.claim_probe(p_worker, p_provider, p_lease, p_after_tenant) WITH ORDINALITY AS c (
+        id, tenant_id, operation_type, operation_key, provider, action, payload, payload_bytes,
+        payload_limit, idempotency_key, correlation_id, traceparent, attempts, attempt_base,
+        max_attempts, lease_token, first_sent_at, created_at, claimed_at, api_version, n);
+    RETURN QUERY SELECT * FROM outbox.with_intent_v3(v_rows);
 END;
 $function$;
 -- privileges: the owner's only
@@ -4125,6 +4210,28 @@ AS $function$
            r.attempts, r.attempt_base, r.max_attempts, r.lease_token, r.first_sent_at,
            r.created_at, r.claimed_at, r.api_version,
            o.ordering_key, o.fingerprint, (SELECT i.origin FROM outbox.installation i)
+    FROM unnest(p_rows) WITH ORDINALITY AS r
+    JOIN outbox.operations o ON o.id = r.id
+    ORDER BY r.ordinality
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.with_intent_v3(outbox.claimed_row[])
+-- history: created by 0054_the_dispatcher_checks_contracts
+
+CREATE OR REPLACE FUNCTION outbox.with_intent_v3(p_rows outbox.claimed_row[])
+ RETURNS TABLE(id bigint, tenant_id text, operation_type text, operation_key text, provider text, action text, payload text, payload_bytes integer, payload_limit integer, idempotency_key text, correlation_id text, traceparent text, attempts integer, attempt_base integer, max_attempts integer, lease_token uuid, first_sent_at timestamp with time zone, created_at timestamp with time zone, claimed_at timestamp with time zone, api_version text, ordering_key text, fingerprint bytea, origin uuid, contract_version integer)
+ LANGUAGE sql
+ STABLE
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+    SELECT r.id, r.tenant_id, r.operation_type, r.operation_key, r.provider, r.action, r.payload,
+           r.payload_bytes, r.payload_limit, r.idempotency_key, r.correlation_id, r.traceparent,
+           r.attempts, r.attempt_base, r.max_attempts, r.lease_token, r.first_sent_at,
+           r.created_at, r.claimed_at, r.api_version,
+           o.ordering_key, o.fingerprint, (SELECT i.origin FROM outbox.installation i),
+           o.contract_version
     FROM unnest(p_rows) WITH ORDINALITY AS r
     JOIN outbox.operations o ON o.id = r.id
     ORDER BY r.ordinality

@@ -13,7 +13,7 @@ from typing import Any, Final
 
 import jsonschema_rs
 
-from outbox.contracts.bounds import InvalidContract
+from outbox.contracts.bounds import InvalidContract, check_bounds
 
 # Compiled schemas kept per process: a deploy's contracts, many times over.
 CACHED: Final = 1024
@@ -46,10 +46,12 @@ class Checker:
         self._validator = compile_schema(label, schema)
 
     def violation(self, payload: object) -> Violation | None:
-        """The payload's first violation of the contract, or None."""
+        """The payload's first violation of the contract, or None. The first in the order
+        PostgreSQL keeps an object's members: the producer (members in the order it wrote them),
+        the dispatcher (the stored jsonb's order) and the inbox name the same one."""
         if self._validator.is_valid(payload):  # the common case: no error objects built
             return None
-        for error in self._validator.iter_errors(payload):
+        for error in self._validator.iter_errors(_jsonb_order(payload)):
             return _violation(self._schema, error)
         return None  # pragma: no cover (is_valid said there is one)
 
@@ -71,12 +73,21 @@ def compile_schema(where: str, schema: Mapping[str, Any]) -> jsonschema_rs.Valid
 
 @functools.lru_cache(maxsize=CACHED)
 def _cached(label: str, digest: str, canonical: str) -> Checker:
-    return Checker(label, json.loads(canonical))
+    try:
+        schema = json.loads(canonical)
+    except (ValueError, RecursionError):
+        raise InvalidContract(label, "the published schema is not JSON outbox can read") from None
+    # Bounded again where it is used: `outbox contracts push` bounds what it publishes, but the
+    # SQL function (an operator's grant) checks only the size, and a schema past the bounds may
+    # cost any check seconds (outbox.contracts.bounds).
+    check_bounds(label, schema)
+    return Checker(label, schema)
 
 
 def checker_for(label: str, digest: str, canonical: str) -> Checker:
     """The compiled checker of a published schema, by its digest: a published version never
-    changes, so a compiled one is good for the life of the process."""
+    changes, so a compiled one is good for the life of the process. Raises InvalidContract if
+    the schema is past outbox's bounds or does not compile."""
     return _cached(label, digest, canonical)
 
 
@@ -93,6 +104,18 @@ def _violation(schema: Mapping[str, Any], error: jsonschema_rs.ValidationError) 
         names = ", ".join(_short(n) for n in list(detail.get("unexpected", ()))[:5])
         return Violation(path, rule, schema_path, f"false, found {names}")
     return Violation(path, rule, schema_path, _short(_at(schema, error.schema_path)))
+
+
+def _jsonb_order(value: object) -> object:
+    """``value`` with every object's members in jsonb's order: the shorter name first, names
+    of one length by their UTF-8 bytes. The error jsonschema-rs finds first follows the
+    members' order."""
+    if isinstance(value, Mapping):
+        names = sorted(value, key=lambda name: (len(name.encode()), name.encode()))
+        return {name: _jsonb_order(value[name]) for name in names}
+    if isinstance(value, list):
+        return [_jsonb_order(item) for item in value]
+    return value
 
 
 def _at(schema: object, path: Sequence[str | int]) -> object:

@@ -67,6 +67,10 @@ class Decoded(Mapping[str, Any]):
         decoded payload of up to ~13 MB (bench/payload_decode.py)."""
         self._value = None
 
+    def value(self) -> dict[str, Any]:
+        """The decoded object itself (a contract's check reads it whole)."""
+        return self._object()
+
     def _object(self) -> dict[str, Any]:
         if self._value is None:
             self._value = _scan(_EXACT, self._text)  # an object: carried's verdict

@@ -78,6 +78,9 @@ REASON_INTERNAL_ERROR = "internal_error"
 # The provider could not build the row's request (a key or header value HTTP cannot carry, a
 # payload its encoding cannot hold): nothing was sent (outbox.providers.building).
 REASON_UNENCODABLE_REQUEST = "unencodable_request"
+# The payload breaks the contract its row names (a row enqueued past the Python API's check):
+# nothing was sent (outbox.dispatch.contracts).
+REASON_CONTRACT_VIOLATION = "contract_violation"
 
 
 def after_failure(

@@ -61,7 +61,8 @@ SELECT operation_id, outcome FROM outbox.enqueue(
     contract_version => %(contract_version)s::integer
 )
 """
-# One published contract (sql/0052), for the producer's check of a payload before enqueue.
+# One published contract (sql/0052), for the producer's check of a payload before enqueue and the
+# dispatcher's before the first send (outbox.dispatch.contracts).
 GET_CONTRACT: Final = "SELECT canonical, digest, state FROM outbox.get_contract(%s, %s)"
 
 # Bind this transaction to a tenant: set_config's third argument (true) makes the setting end
@@ -132,8 +133,10 @@ RECORD_MIGRATION: Final = (
 # Every write of the dispatcher's to operations and attempts is a SECURITY DEFINER function of
 # sql/0040, which enforces the lifecycle's transitions, the lease fence and bounded arguments
 # (outbox_dispatcher holds no INSERT, UPDATE or DELETE on either table): the statements below
-# call them, and the comments say what each does. The claims are 0045's _v2, which add to each
-# row what a delivery carries for its receiver (ordering key, fingerprint, origin).
+# call them, and the comments say what each does. The claims are 0054's _v3, which add to each
+# row what a delivery carries for its receiver (ordering key, fingerprint, origin: 0045's _v2)
+# and the version of its contract, which the dispatcher checks the payload against before the
+# first send.
 
 # While a single (provider, tenant) group has claimable rows, a fair claim has nothing to share
 # out: lease its oldest due rows, up to the limit and its provider's cap, without CLAIM's steps
@@ -141,7 +144,7 @@ RECORD_MIGRATION: Final = (
 # 2.8 ms). Takes nothing when the first and the last entry of operations_claim_group belong to
 # different groups: then CLAIM must run (outbox.db.store.Store.claim).
 CLAIM_ONE_GROUP: Final = """
-SELECT * FROM outbox.claim_one_group_v2(%(worker)s::text, %(lease)s::interval, %(limit)s::integer,
+SELECT * FROM outbox.claim_one_group_v3(%(worker)s::text, %(lease)s::interval, %(limit)s::integer,
                                         %(cap_providers)s::text[], %(caps)s::integer[])
 """
 
@@ -155,7 +158,7 @@ SELECT * FROM outbox.claim_one_group_v2(%(worker)s::text, %(lease)s::interval, %
 # payloads queued ahead of good ones is not every probe (issue 37). Every scan reads the claim
 # index, forwards or backwards; SKIP LOCKED as in CLAIM.
 CLAIM_PROBE: Final = """
-SELECT * FROM outbox.claim_probe_v2(%(worker)s::text, %(provider)s::text, %(lease)s::interval,
+SELECT * FROM outbox.claim_probe_v3(%(worker)s::text, %(provider)s::text, %(lease)s::interval,
                                     %(after_tenant)s::text)
 """
 
@@ -234,7 +237,7 @@ LAST_PROVIDER_ACTION: Final = "SELECT coalesce(max(id), 0) FROM outbox.provider_
 # open, no rate tokens) cost nothing. SKIP LOCKED: concurrent dispatchers take other
 # rows instead of queueing behind these.
 CLAIM: Final = """
-SELECT * FROM outbox.claim_fair_v2(%(worker)s::text, %(lease)s::interval, %(limit)s::integer,
+SELECT * FROM outbox.claim_fair_v3(%(worker)s::text, %(lease)s::interval, %(limit)s::integer,
                                    %(cap_providers)s::text[], %(caps)s::integer[],
                                    %(after_provider)s::text, %(after_tenant)s::text,
                                    %(max_groups)s::integer)

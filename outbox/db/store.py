@@ -101,6 +101,9 @@ class Claimed(NamedTuple):
     ordering_key: str | None = None
     fingerprint: bytes | None = None
     origin: uuid.UUID | None = None
+    # The version of its type's contract it was enqueued under (sql/0053), which the payload is
+    # checked against before the first send (sql/0054); None for a type without contracts.
+    contract_version: int | None = None
 
 
 _CLAIMED_ROW: Final = args_row(Claimed)
@@ -310,6 +313,16 @@ class Store:
         """Whether this operation (not merely its id, which a failover may reuse) exists."""
         params = {"id": operation_id, "idempotency_key": idempotency_key}
         return await self._one(statements.OPERATION_EXISTS, params)
+
+    async def get_contract(self, operation_type: str, version: int) -> tuple[str, str] | None:
+        """A published contract's canonical schema text and digest (sql/0052), whatever its
+        state; None if this type has no such version."""
+        async with self._connection() as conn:
+            cur = conn.cursor(row_factory=tuple_row)
+            row = await (
+                await cur.execute(statements.GET_CONTRACT, (operation_type, version))
+            ).fetchone()
+        return None if row is None else (str(row[0]), str(row[1]))
 
     async def heartbeat(self, held: Sequence[Claimed], lease: timedelta) -> set[int]:
         """Renew these leases; returns the ids still held (the others were lost)."""

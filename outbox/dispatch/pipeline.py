@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, Final
 
+from outbox.contracts import Checker
 from outbox.core import payloads
 from outbox.core.durations import format_duration
 from outbox.core.model import Status
@@ -21,6 +22,7 @@ from outbox.core.policy import (
     REASON_KEY_WINDOW,
 )
 from outbox.db.store import Claimed, ConnectionHeldAcrossSend, assert_no_connection_held
+from outbox.dispatch.contracts import Contracts, verdict
 from outbox.dispatch.flight import Aside, InFlight, Phase, api_version, release
 from outbox.dispatch.leases import LeaseKeeper
 from outbox.dispatch.recorder import Recorder
@@ -98,6 +100,7 @@ class Pipeline:
         self._unknown_told: set[str] = set()  # providers named by rows but not configured here
         self._spans = tracing.Spans()
         self._turns = Turns(shared.running_loop, TURN_BYTES)
+        self._contracts = Contracts(shared.store)
 
     async def process(self, flight: InFlight) -> None:
         # One coroutine for the whole way of every operation, with plain calls where it can:
@@ -116,7 +119,10 @@ class Pipeline:
             cost = len(row.payload or "")
             if not self._turns.take(cost):
                 await self._turns.wait(cost)
-            payload = self._to_send(flight, provider)
+            contract = None
+            if self._contracts.needs_check(row):  # a contract's version, never sent
+                contract = await self._contracts.checker(row)
+            payload = self._to_send(flight, provider, contract)
             if isinstance(payload, Aside):
                 await self._set_aside(flight, payload)
                 return
@@ -185,8 +191,11 @@ class Pipeline:
                 span.set_attribute("outbox.outcome", _outcome(result))
         return result
 
-    def _to_send(self, flight: InFlight, provider: Provider) -> Mapping[str, Any] | Aside:
-        """The payload to send, or where the row goes instead of the provider."""
+    def _to_send(
+        self, flight: InFlight, provider: Provider, contract: Checker | Aside | None
+    ) -> Mapping[str, Any] | Aside:
+        """The payload to send, or where the row goes instead of the provider. ``contract``:
+        what the payload is checked against before its first send (Contracts.checker)."""
         row = flight.row
         # Never sent before (the common case): no window to close, no clock to read.
         window = self._rules.window(row.provider, row.action)
@@ -200,6 +209,10 @@ class Pipeline:
         if payload is None:
             failure = permanent("invalid_payload", problem or "the payload cannot be read")
             return Aside(Status.QUARANTINED, REASON_INVALID_PAYLOAD, failure)
+        if contract is not None:
+            refused = contract if isinstance(contract, Aside) else verdict(contract, payload)
+            if refused is not None:
+                return refused
         problem = _check(provider, row.action, payload, row.idempotency_key)
         if problem is not None:
             return Aside(Status.QUARANTINED, None, permanent("invalid_request", problem))

@@ -161,6 +161,7 @@ QUARANTINE_REASONS: Final = (
     "internal_error",
     "provider_declined",
     "unencodable_request",
+    "contract_violation",
     # The queues' (issue 25): no stream, queue or route takes the message; a message over the
     # queue's size limit; a message id another producer holds (JetStream).
     "unroutable",

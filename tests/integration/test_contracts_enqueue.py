@@ -20,6 +20,7 @@ from outbox.contracts import checker_for, parse_contract
 from outbox.contracts.codegen import Generator
 from outbox.core import payloads
 from outbox.db import contracts as store
+from outbox.dispatch.contracts import verdict as dispatcher_verdict
 from tests.support.cli import outbox_cli
 from tests.support.dispatch import rows
 
@@ -256,34 +257,42 @@ VALUES = st.recursive(
         },
     ),
 )
-def test_the_producers_check_and_a_check_of_the_stored_row_always_agree(
+def test_the_producers_check_and_the_dispatchers_check_always_agree(
     charge_v1: str, valid: bool, extra: dict[str, Any]
 ) -> None:
-    """The verdict at enqueue is the verdict on what was stored: a payload the check lets in is
-    one the check of its stored row (as the dispatcher reads it) accepts, and a payload refused
-    is one it refuses, at the same path."""
+    """The verdict at enqueue is the dispatcher's verdict on what was stored: a payload the
+    producer lets in is one the dispatcher's check of its stored row accepts; a payload it
+    refuses, written through the SQL function instead (which checks no schema), is one the
+    dispatcher refuses, at the same path and by the same rule."""
     payload = {**({"amount": 5, "currency": "eur"} if valid else {}), **extra}
     contract = parse_contract("charge", 1, json.dumps(CHARGE))
     check = checker_for(contract.label, contract.digest, contract.canonical)
     try:
-        result = enqueue(charge_v1, "h", payload, contract_version=1)
+        enqueue(charge_v1, "h", payload, contract_version=1)
     except ContractViolation as exc:
-        verdict: str | None = exc.path
+        verdict: tuple[str | None, str | None] | None = (exc.path, exc.rule)
     except outbox.InvalidOperation:
         event("not a payload enqueue takes")
         return  # not a payload enqueue takes at all (a NaN, 1e100): no contract question
     else:
         verdict = None
     event("accepted" if verdict is None else "refused")
-    stored = rows(
-        charge_v1, "SELECT payload::text FROM outbox.operations WHERE operation_key = 'h'"
-    )
+    with psycopg.connect(charge_v1, autocommit=True) as conn:
+        if verdict is not None:
+            assert written(charge_v1) == []
+            conn.execute(
+                "SELECT outbox.enqueue(tenant_id => 'acme', operation_type => 'charge', "
+                "operation_key => 'h', provider => 'stripe', action => 'payment_intents.create', "
+                "payload => %s::jsonb, contract_version => 1)",
+                (payloads.encode(payload),),
+            )
+        ((stored,),) = conn.execute(
+            "DELETE FROM outbox.operations WHERE operation_key = 'h' RETURNING payload::text"
+        ).fetchall()
+    refused = dispatcher_verdict(check, payloads.carried(stored))
     if verdict is None:
-        found = check.violation(payloads.decode(stored[0][0]))
-        assert found is None, (payload, found)
-        with psycopg.connect(charge_v1, autocommit=True) as conn:
-            conn.execute("DELETE FROM outbox.operations WHERE id = %s", (result.operation_id,))
+        assert refused is None, (payload, refused)
     else:
-        assert stored == []
-        found = check.violation(payloads.decode(payloads.encode(payload)))
-        assert found is not None and found.path == verdict
+        assert refused is not None and refused.failure is not None, payload
+        path, rule = verdict
+        assert f"charge/v1 at {path or '/'}: {rule}" in refused.failure.message, (verdict, refused)

@@ -322,6 +322,16 @@ def test_every_function_is_pinned_and_executable_only_by_its_roles(roles_db: str
             ["outbox_dispatcher"],
         ),
         "outbox.claim_probe_v2(text,text,interval,text)": (True, ["outbox_dispatcher"]),
+        # ... and each row's contract version (sql/0054).
+        "outbox.claim_fair_v3(text,interval,integer,text[],integer[],text,text,integer)": (
+            True,
+            ["outbox_dispatcher"],
+        ),
+        "outbox.claim_one_group_v3(text,interval,integer,text[],integer[])": (
+            True,
+            ["outbox_dispatcher"],
+        ),
+        "outbox.claim_probe_v3(text,text,interval,text)": (True, ["outbox_dispatcher"]),
         "outbox.origin()": (True, ["outbox_operator"]),
         "outbox.record_attempts(text,jsonb)": (True, ["outbox_dispatcher"]),
         "outbox.unclaim(bigint,uuid,text,text,interval)": (True, ["outbox_dispatcher"]),
@@ -670,6 +680,7 @@ async def test_the_real_dispatcher_works_fully_as_the_dispatcher_role(
             "SELECT count(*), count(DISTINCT operation_id) FROM "
             "outbox.attempts WHERE outcome = 'succeeded'",
         ) == [(20, 20)]
+        await _contract_check(pool, roles_db, app, hook)
         await _lease_statements(pool, roles_db, app, d)
         await _reconciler_and_gauges(pool, roles_db, hook)
         await _token_buckets(pool)
@@ -761,6 +772,28 @@ async def _token_buckets(pool: AsyncConnectionPool[Any]) -> None:
     assert (await store.take_tokens([take]))["hook"].granted == 0  # a new bucket starts empty
     assert await store.throttle_bucket("hook", 10.0, 5, timedelta(seconds=2)) == -20.0
     assert (await store.take_tokens([take]))["hook"].granted == 0  # in debt
+
+
+async def _contract_check(
+    pool: AsyncConnectionPool[Any], url: str, app: str, hook: Provider
+) -> None:
+    """The claim's contract version and the contract's look-up (sql/0054, 0052), as the
+    dispatcher role: a row of the producer's that breaks its contract is quarantined unsent."""
+    schema = '{"type": "object", "required": ["amount"]}'
+    with psycopg.connect(url) as conn:
+        conn.execute("SELECT outbox.publish_contract('charge', 1, %s, 'test', 'test')", (schema,))
+    with psycopg.connect(app) as conn:
+        ((op,),) = conn.execute(
+            "SELECT operation_id FROM outbox.enqueue(tenant_id => 'acme', operation_type => "
+            "'charge', operation_key => 'c1', provider => 'hook', action => 'a', "
+            "payload => '{\"n\": 1}', contract_version => 1)"
+        ).fetchall()
+    await dispatcher(pool, {"hook": hook}).run_once()
+    assert rows(
+        url,
+        "SELECT status, status_reason, first_sent_at FROM outbox.operations WHERE id = %s",
+        (op,),
+    ) == [("quarantined", "contract_violation", None)]
 
 
 def test_outbox_run_dispatches_when_it_logs_in_as_the_dispatcher_role(

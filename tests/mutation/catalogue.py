@@ -79,6 +79,7 @@ CHECK_TEXT = "sql/0028_identities_refuse_format_characters.sql"
 CONTRACTS_SQL = "sql/0052_operation_contracts.sql"
 PUBLISH_SQL = ENQUEUE
 CONTRACTS_TESTS = "tests/integration/test_contracts.py::"
+CONTRACT_DISPATCH_TESTS = "tests/integration/test_contracts_dispatch.py::"
 # The queue providers' tests against the real brokers (and moto, the Cloud Tasks emulator).
 NATS_TESTS = "tests/integration/test_queue_nats.py"
 AMQP_TESTS = "tests/integration/test_queue_amqp.py"
@@ -1881,5 +1882,44 @@ MUTANTS: tuple[Mutant, ...] = (
         "        IF false THEN\n",
         "tests/integration/test_contracts_enqueue.py::"
         "test_versions_are_checked_by_the_database_whoever_enqueues",
+    ),
+    _one(
+        "dispatcher-skips-contract-check",
+        "a row written past enqueue's check (the SQL function, a hand INSERT) that breaks its "
+        "contract is sent: the typo reaches the provider",
+        "outbox/dispatch/pipeline.py",
+        "            if self._contracts.needs_check(row):",
+        "            if False:",
+        CONTRACT_DISPATCH_TESTS
+        + "test_a_row_forced_past_enqueues_check_is_quarantined_unsent_naming_path_and_rule",
+    ),
+    _one(
+        "claims-lose-the-contract-version",
+        "the claim hands the dispatcher no contract version: nothing is checked before the send",
+        "sql/0054_the_dispatcher_checks_contracts.sql",
+        "           o.contract_version\n",
+        "           NULL::integer\n",
+        CONTRACT_DISPATCH_TESTS
+        + "test_a_row_forced_past_enqueues_check_is_quarantined_unsent_naming_path_and_rule",
+    ),
+    _one(
+        "contract-violation-follows-member-order",
+        "the producer and the dispatcher name different violations of one payload (the first "
+        "in the members' order, which jsonb changes): an operator chases two causes",
+        "outbox/contracts/checks.py",
+        "iter_errors(_jsonb_order(payload))",
+        "iter_errors(payload)",
+        "tests/integration/test_contracts_enqueue.py::"
+        "test_the_producers_check_and_the_dispatchers_check_always_agree",
+    ),
+    _one(
+        "contract-check-after-a-send",
+        "a row that may have reached the provider is quarantined as a contract violation "
+        "recorded not sent: the history lies, and no key window guards what was sent",
+        "outbox/dispatch/contracts.py",
+        "return row.contract_version is not None and row.first_sent_at is None",
+        "return row.contract_version is not None",
+        CONTRACT_DISPATCH_TESTS
+        + "test_a_row_that_may_have_reached_the_provider_is_not_checked_again",
     ),
 )
