@@ -373,4 +373,7 @@ def _intent(row: Claimed) -> Intent | None:
     older schema's shape, which has neither."""
     if row.fingerprint is None or row.origin is None:
         return None
-    return Intent(str(row.origin), row.fingerprint, row.provider, row.ordering_key)
+    contract = None
+    if row.contract_version is not None:
+        contract = f"{row.operation_type}/v{row.contract_version}"
+    return Intent(str(row.origin), row.fingerprint, row.provider, row.ordering_key, contract)

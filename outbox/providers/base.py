@@ -61,6 +61,9 @@ class Intent:
     fingerprint: bytes
     provider: str
     ordering_key: str | None
+    # The contract the payload was enqueued under, "<type>/v<N>" (sql/0053), which a receiver
+    # checks the body against; None for a type without contracts.
+    contract: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

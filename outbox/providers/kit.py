@@ -176,13 +176,15 @@ def header_safe(value: str) -> str:
 # What a delivery carries for its receiver to check (providers.base.Intent; sql/0045).
 ORIGIN: Final = "Outbox-Origin"
 FINGERPRINT: Final = "Outbox-Fingerprint"
+CONTRACT: Final = "Outbox-Contract"
 
 
 def intent_headers(intent: Intent | None, *, body_is_payload: bool) -> dict[str, str]:
-    """The origin of a delivery, and enqueue's fingerprint where the body is the payload as
-    stored (a receiver recomputes it from the body; a body built from a part of the payload
-    would never match). The fingerprint is an RFC 8941 item, a byte sequence with the provider
-    and the ordering key as string parameters, header-safe and escaped:
+    """The origin of a delivery, and, where the body is the payload as stored, enqueue's
+    fingerprint (a receiver recomputes it from the body; a body built from a part of the payload
+    would never match) and the contract the payload was enqueued under (``charge/v1``, which a
+    receiver checks the body against). The fingerprint is an RFC 8941 item, a byte sequence with
+    the provider and the ordering key as string parameters, header-safe and escaped:
     ``:<base64>:;provider="billing";ordering-key="acct%201"``."""
     if intent is None:
         return {}
@@ -192,6 +194,8 @@ def intent_headers(intent: Intent | None, *, body_is_payload: bool) -> dict[str,
         if intent.ordering_key is not None:
             item += f";ordering-key={_sf(intent.ordering_key)}"
         headers[FINGERPRINT] = item
+        if intent.contract is not None:
+            headers[CONTRACT] = header_safe(intent.contract)
     return headers
 
 

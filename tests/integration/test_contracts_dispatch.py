@@ -116,6 +116,8 @@ async def test_a_row_forced_past_enqueues_check_is_quarantined_unsent_naming_pat
     assert statuses(db_url) == {"quarantined": len(BROKEN), "succeeded": len(GOOD)}
     assert receiver.effect_count() == len(GOOD)
     assert sorted(r.body["amount"] for r in receiver.received) == [1, 2, 3]
+    # Each carries the contract it was enqueued under, for the receiver to check the body.
+    assert {r.headers["outbox-contract"] for r in receiver.received} == {"charge/v1"}
     ids = [b[0] for b in broken.values()]
     errors = assert_quarantined_unsent(db_url, ids)
     for (name, (_, path, rule)), error in zip(broken.items(), errors, strict=True):

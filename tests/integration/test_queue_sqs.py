@@ -14,6 +14,7 @@ queue holds and delete only after the dispatcher settled.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import threading
 import time
@@ -30,7 +31,7 @@ import pytest
 import outbox
 from outbox.config.settings import ProviderSettings
 from outbox.core.model import FailureClass
-from outbox.providers.base import SendRequest, Succeeded
+from outbox.providers.base import Intent, SendRequest, Succeeded
 from outbox.providers.sqs.provider import SqsProvider, build
 from tests.support.daemon import wait_until
 from tests.support.dispatch import enqueue_many, rows, statuses
@@ -437,3 +438,29 @@ async def test_nothing_listening_is_transient_and_a_silent_endpoint_unknown(
     assert lost.failure is FailureClass.UNKNOWN
     await asyncio.sleep(0)
     assert held(moto, url) == 2  # the second was stored: unknown was the right answer
+
+
+async def test_a_message_with_every_attribute_outbox_sends_stays_within_sqss_ten(
+    moto: MotoServer,
+) -> None:
+    """SQS takes at most 10 message attributes (AWS's quota; moto takes more, so they are
+    counted here). A message with all of outbox's (a correlation id, a traceparent, the key,
+    the origin, the fingerprint and the contract among them) has 10, and the consumer reads the
+    contract the payload was enqueued under."""
+    url = new_queue(moto)
+    provider = direct(moto.url, url)
+    full = dataclasses.replace(
+        request(3),
+        correlation_id="req-3",
+        traceparent="00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        intent=Intent(str(uuid.uuid4()), b"\x01" * 32, "sqs", "acct 1", "payments/charge/v2"),
+    )
+    try:
+        result = await provider.send(full)
+    finally:
+        await provider.aclose()
+    assert isinstance(result, Succeeded), result
+    got = drain(moto, url, 1)
+    attributes = got.messages[3]["MessageAttributes"]
+    assert len(attributes) == 10
+    assert attributes["Outbox-Contract"]["StringValue"] == "payments/charge/v2"

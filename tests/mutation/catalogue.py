@@ -1922,4 +1922,16 @@ MUTANTS: tuple[Mutant, ...] = (
         CONTRACT_DISPATCH_TESTS
         + "test_a_row_that_may_have_reached_the_provider_is_not_checked_again",
     ),
+    _one(
+        "deliveries-lose-their-contract",
+        "a delivery does not say which contract its payload was written to: the receiver "
+        "cannot check the body against the version its producer meant",
+        "outbox/providers/kit.py",
+        "        if intent.contract is not None:\n",
+        "        if False:\n",
+        CONTRACT_DISPATCH_TESTS
+        + "test_a_row_forced_past_enqueues_check_is_quarantined_unsent_naming_path_and_rule",
+        "tests/integration/test_queue_sqs.py::"
+        "test_a_message_with_every_attribute_outbox_sends_stays_within_sqss_ten",
+    ),
 )

@@ -39,9 +39,24 @@ def expected_intent(db_url: str, operation_id: int) -> tuple[str, bytes, dict[st
     return origin, bytes(fingerprint), params
 
 
+def expected_contract(db_url: str, operation_id: int) -> str | None:
+    """The Outbox-Contract the operation's delivery must carry: its type and version."""
+    ((contract,),) = rows(
+        db_url,
+        "SELECT operation_type || '/v' || contract_version FROM outbox.operations WHERE id = %s",
+        (operation_id,),
+    )
+    return None if contract is None else str(contract)
+
+
 def assert_carries_intent(db_url: str, operation_id: int, headers: dict[str, str]) -> None:
-    """``headers`` (any case) carry exactly the operation's origin and fingerprint."""
+    """``headers`` (any case) carry exactly the operation's origin and fingerprint, and its
+    contract where it was enqueued under one (and none where it was not)."""
     lower = {name.lower(): value for name, value in headers.items()}
     origin, fingerprint, params = expected_intent(db_url, operation_id)
     assert lower["outbox-origin"] == origin
     assert parse_fingerprint(lower["outbox-fingerprint"]) == (fingerprint, params)
+    contract = lower.get("outbox-contract")
+    assert (None if contract is None else urllib.parse.unquote(contract)) == expected_contract(
+        db_url, operation_id
+    )

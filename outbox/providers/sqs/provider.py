@@ -39,6 +39,9 @@ log = structlog.get_logger("outbox.providers.sqs")
 _REFUSED_CHARACTER: Final = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
 # A String attribute's data type, counted in the message's size as SQS counts it.
 _STRING: Final = "String"
+# SQS takes at most 10 message attributes (moto takes more); outbox's come to 10 at most, with
+# a correlation id, a traceparent and a contract (tests/integration/test_queue_sqs.py).
+MAX_ATTRIBUTES: Final = 10
 # Past the call's own timeouts (connect, then each read), the most one send may take.
 _GUARD: Final = timedelta(seconds=1)
 
@@ -171,6 +174,10 @@ class SqsProvider:
             for name, value in queue_kit.message_headers(request, wire_key=wire).items()
             if value  # SQS refuses an empty attribute value
         }
+        if len(attributes) > MAX_ATTRIBUTES:  # a header added to queue_kit without counting
+            raise InvalidRequest(
+                f"{len(attributes)} message attributes; SQS takes {MAX_ATTRIBUTES}"
+            )
         problem = _body_problem(body) or self._size_problem(target, body, attributes)
         if problem is not None:
             raise InvalidRequest(problem)
