@@ -579,6 +579,12 @@ def _searched(details: Mapping[str, Any] | None) -> list[str]:
     return [line] + ([f"incomplete   {details['reason']}"] if details.get("reason") else [])
 
 
+def _contract(op: Mapping[str, Any]) -> list[str]:
+    """The contract its payload was enqueued under, which deliveries name (Outbox-Contract)."""
+    version = op.get("contract_version")
+    return [] if version is None else [f"contract     {op['operation_type']}/v{version}"]
+
+
 def _describe(op: dict[str, Any]) -> str:
     age = format_duration(timedelta(seconds=op["age_seconds"]))
     reason = f" ({op['status_reason']})" if op["status_reason"] else ""
@@ -589,6 +595,7 @@ def _describe(op: dict[str, Any]) -> str:
         f"key          {op['idempotency_key']} (generation {op['key_generation']})",
         # What a receiving inbox records of it too (`outbox inbox show`): the same intent.
         f"fingerprint  {op['fingerprint']}",
+        *_contract(op),
         f"attempts     {op['attempts']}"
         + (
             f" ({op['attempt_base']} not counted: before the "

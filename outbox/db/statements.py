@@ -450,7 +450,7 @@ SELECT id, tenant_id, operation_type, operation_key, provider, action, status, s
        attempts, attempt_base, max_attempts, idempotency_key, key_generation, correlation_id,
        available_at, first_sent_at, last_attempt_at, provider_ref, result, last_error,
        last_error_class, checked_at, check_finding, check_state, check_details, created_at,
-       updated_at, finished_at, encode(fingerprint, 'hex') AS fingerprint,
+       updated_at, finished_at, encode(fingerprint, 'hex') AS fingerprint, contract_version,
        extract(epoch FROM now() - status_changed_at)::float8 AS age_seconds,
        CASE WHEN %(with_payload)s::boolean THEN payload::text END AS payload
 FROM outbox.operations

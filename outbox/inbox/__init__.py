@@ -5,7 +5,8 @@ A worker that outbox (or any at-least-once sender) feeds wraps its routes in
 transaction; a repeat gets the recorded outcome, byte for byte, marked
 ``Idempotent-Replayed: true``; a delivery still in its first transaction is "in progress"
 (409, ``Retry-After``), never complete; the same key with another body is a conflict (422),
-never run (docs/design.md, "The inbox")::
+never run; a body that breaks the contract its sender names (``Outbox-Contract``) is refused
+before anything is decided (422), never run (docs/design.md, "The inbox", "Contracts")::
 
     inbox = Inbox(pool)
     app = InboxMiddleware(starlette_app, inbox=inbox, routes={"POST /invoices": "invoice.create"})
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 from outbox.inbox.adapter import External
 from outbox.inbox.asgi import InboxMiddleware, claimed, delivery
+from outbox.inbox.contracts import ContractBreach, ContractUnknown
 from outbox.inbox.core import (
     Decision,
     Delivery,
@@ -49,6 +51,8 @@ __all__ = [
     "Claim",
     "Claiming",
     "Consumer",
+    "ContractBreach",
+    "ContractUnknown",
     "Decision",
     "Delivery",
     "External",

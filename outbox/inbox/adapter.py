@@ -18,6 +18,7 @@ import psycopg
 import structlog
 
 from outbox.inbox import meters
+from outbox.inbox.contracts import ContractBreach, ContractUnknown
 from outbox.inbox.core import (
     UNAVAILABLE,
     BaseDelivery,
@@ -45,7 +46,12 @@ DELIVERY: Final = "outbox.inbox.delivery"
 # How answers are given: as an HTTP API answers a client, or as a Cloud Tasks target must.
 TRANSPORTS: Final = ("http", "cloudtasks")
 # Decisions whose answer never changes, however often the delivery comes again.
-FINAL: Final = frozenset({"new", "reclaimed", "replayed", "conflict", "invalid"})
+FINAL: Final = frozenset(
+    {"new", "reclaimed", "replayed", "conflict", "invalid", "contract_violation"}
+)
+# How soon a delivery whose contract this database has not published may come again (seconds):
+# the receiving service's contracts are pushed by its own deploy.
+CONTRACT_RETRY_AFTER: Final = 30
 # What the app may answer in all when the inbox will not record it (a 5xx, an unlisted 4xx,
 # passed on as the app gave it): a response is buffered before COMMIT.
 RESPONSE_CAP: Final = 16 * 1024 * 1024
@@ -73,7 +79,14 @@ class BodyTooLarge(Exception):
 # What is answered before the app, with nothing decided: the body or the identity.
 REFUSED: Final = (CutShort, BodyTooLarge, MissingIdentity, UnicodeDecodeError)
 # What ends a delivery without the app's answer: each is answered by ``HTTPAdapter.failed``.
-FAILED: Final = (InvalidDelivery, HandlerFailed, *UNAVAILABLE, psycopg.Error)
+FAILED: Final = (
+    InvalidDelivery,
+    ContractBreach,
+    ContractUnknown,
+    HandlerFailed,
+    *UNAVAILABLE,
+    psycopg.Error,
+)
 
 
 @dataclass(frozen=True)
@@ -257,6 +270,8 @@ class HTTPAdapter(Generic[AppT, InboxT]):
 
     def failed(self, exc: Exception, handler: str, span: Any) -> tuple[Outcome, str]:
         """The answer to a delivery that ended in one of FAILED: nothing was recorded."""
+        if isinstance(exc, ContractBreach | ContractUnknown):
+            return self._off_contract(exc, handler)
         if not isinstance(exc, InvalidDelivery):
             cause = exc.__cause__ if isinstance(exc, HandlerFailed) else exc
             tracing.failed(span, type(cause).__name__)
@@ -276,6 +291,22 @@ class HTTPAdapter(Generic[AppT, InboxT]):
         sqlstate = exc.sqlstate if isinstance(exc, psycopg.Error) else None
         log.error("inbox delivery failed", handler=handler, sqlstate=sqlstate)
         return problem(500, "not recorded", "the transaction failed", "failed"), "failed"
+
+    def _off_contract(
+        self, exc: ContractBreach | ContractUnknown, handler: str
+    ) -> tuple[Outcome, str]:
+        """A body that breaks the contract its sender names: a conflict of input (422), never
+        run, never retried. One this database cannot check: later (503), never taken unchecked.
+        Nothing recorded either way; the reason names the contract, a path and a rule."""
+        if isinstance(exc, ContractBreach):
+            log.warning("inbox contract violation", handler=handler, reason=str(exc))
+            answer = problem(422, "contract violation", str(exc), "contract_violation")
+            return answer, "contract_violation"
+        log.warning("inbox contract unknown", handler=handler, reason=str(exc))
+        retry = max(self.retry_after, CONTRACT_RETRY_AFTER)
+        return problem(503, "contract unknown", str(exc), "contract_unknown", retry), (
+            "contract_unknown"
+        )
 
     def answered(
         self, handler: str, answer: Outcome, decision: str, started: float, span: Any

@@ -25,6 +25,7 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from outbox.inbox import statements
+from outbox.inbox.contracts import Contracts
 
 if TYPE_CHECKING:
     from outbox.inbox.external import Claim
@@ -70,6 +71,9 @@ class Identity:
     # What the sender says the body is (outbox's Outbox-Fingerprint), checked by the database:
     # not part of who the delivery is, so two copies of it are one identity whatever they say.
     sent: Fingerprint | None = field(default=None, compare=False)
+    # The contract the body was written to (Outbox-Contract: type and version), which the body
+    # is checked against before the decision (outbox.inbox.contracts). Not part of who it is.
+    contract: tuple[str, int] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -162,6 +166,7 @@ class Inbox:
         # Deliveries under way in this process, by identity: a duplicate waits here on the first
         # instead of holding a pooled connection while it waits in PostgreSQL.
         self._flights: dict[Identity, asyncio.Event] = {}
+        self.contracts = Contracts()
 
     @asynccontextmanager
     async def deliver(
@@ -170,8 +175,11 @@ class Inbox:
         """Decide the delivery of ``body`` under ``identity`` and, when it is new, keep its
         transaction open for the handler until the block ends: then COMMIT if an outcome was
         recorded, ROLLBACK if ``roll_back`` was asked or the block raised. Raises
-        ``InvalidDelivery`` for a malformed identity or body, ``NoOutcome`` for a new delivery
-        that ended with neither."""
+        ``InvalidDelivery`` for a malformed identity or body, ``ContractBreach`` for a body that
+        breaks the contract the identity names and ``ContractUnknown`` for one this database
+        cannot check (before anything is decided), ``NoOutcome`` for a new delivery that ended
+        with neither."""
+        await self.contracts.check(self.pool, identity.contract, body, is_json)
         async with (
             self._flight(identity) as left,
             self.pool.connection() as conn,
@@ -206,6 +214,7 @@ class Inbox:
             lease=lease,
             max_claims=max_claims,
             retention=self.retention,
+            contracts=self.contracts,
         )
 
     @asynccontextmanager

@@ -27,6 +27,7 @@ import psycopg
 from psycopg_pool import AsyncConnectionPool
 
 from outbox.inbox import statements
+from outbox.inbox.contracts import Contracts
 from outbox.inbox.core import (
     Decision,
     Identity,
@@ -206,10 +207,14 @@ async def claim(
     lease: timedelta,
     max_claims: int,
     retention: timedelta,
+    contracts: Contracts | None = None,
 ) -> AsyncIterator[Claim]:
     """Claim the delivery (committed at once); while the block runs a heartbeat renews the
     lease every third of it. A block that raises, or ends without completing, ends the lease
-    now: the next delivery reclaims at once, with the same downstream key."""
+    now: the next delivery reclaims at once, with the same downstream key. The body is checked
+    against the contract the identity names first (``contracts``; Inbox.deliver says how)."""
+    if contracts is not None:
+        await contracts.check(pool, identity.contract, body, is_json)
     params = claim_params(
         identity, body, is_json=is_json, lease=lease, max_claims=max_claims, retention=retention
     )

@@ -72,6 +72,10 @@ _UNNAMED: Final = "00000000-0000-0000-0000-000000000000"
 _PARAM_TEXT: Final = r';([a-z*][a-z0-9_.*-]*)="((?:[^"\\]|\\["\\])*)"'
 _PARAM: Final = re.compile(_PARAM_TEXT)
 _FINGERPRINT: Final = re.compile(r":([A-Za-z0-9+/=]{1,88}):((?:" + _PARAM_TEXT + ")*)")
+# Outbox-Contract, percent-decoded: "<type>/v<N>", a type of 1 to 128 characters
+# (outbox.contracts.files), a version of 1 to 2^31-1.
+_CONTRACT: Final = re.compile(r"(.{1,128})/v([1-9][0-9]{0,9})", re.DOTALL)
+_MAX_VERSION: Final = 2**31 - 1
 _SF_ESCAPE: Final = re.compile(r"\\([\\\"])")
 _SHA256_BYTES: Final = 32
 # outbox.inbox_admit's bound on a key (sql/0042). A key read from a body is held to it here, so
@@ -186,9 +190,29 @@ class TenantFrom:
 
 def identity_of(tenant_id: str, handler: str, key: str, headers: Headers) -> Identity:
     """The identity of a delivery: for an operation's key (``op:``), the database that sent it
-    (``Outbox-Origin``), and what its sender says the body is (``Outbox-Fingerprint``)."""
+    (``Outbox-Origin``), and what its sender says the body is (``Outbox-Fingerprint``) and
+    which contract it was written to (``Outbox-Contract``)."""
     origin = origin_of(headers) if key.startswith("op:") else None
-    return Identity(tenant_id, handler, key, origin, fingerprint_of(headers))
+    return Identity(tenant_id, handler, key, origin, fingerprint_of(headers), contract_of(headers))
+
+
+def contract_of(headers: Headers) -> tuple[str, int] | None:
+    """The contract a delivery's body was written to (``Outbox-Contract: <type>/v<N>``,
+    percent-encoded where a header cannot carry the type as it is), or None. MissingIdentity
+    for one that cannot be read: a body its sender meant to be checked is not taken unchecked."""
+    value = headers.get("outbox-contract")
+    if value is None:
+        return None
+    try:
+        text = urllib.parse.unquote(value.strip(), errors="strict")
+    except UnicodeDecodeError:
+        raise MissingIdentity("Outbox-Contract is not percent-encoded UTF-8") from None
+    found = _CONTRACT.fullmatch(text)
+    if found is None or int(found.group(2)) > _MAX_VERSION or not found.group(1).strip():
+        raise MissingIdentity("Outbox-Contract is not <operation type>/v<version>")
+    if any(ord(c) < 32 or ord(c) == 127 for c in found.group(1)):
+        raise MissingIdentity("Outbox-Contract names a type with control characters")
+    return found.group(1), int(found.group(2))
 
 
 def origin_of(headers: Headers) -> str | None:

@@ -10,7 +10,8 @@ from prometheus_client import Counter, Gauge, Histogram
 DELIVERIES: Final = Counter(
     "outbox_inbox_deliveries",
     "Deliveries by handler and decision: new, replayed, conflict, in_progress, and the ones "
-    "nothing was recorded for (invalid, failed, unavailable).",
+    "nothing was recorded for (invalid, contract_violation, contract_unknown, failed, "
+    "unavailable).",
     ["handler", "decision"],
 )
 HANDLER_SECONDS: Final = Histogram(

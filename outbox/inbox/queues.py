@@ -18,6 +18,7 @@ from typing import Any, Final, TypedDict, Unpack, cast
 import structlog
 
 from outbox.inbox import meters
+from outbox.inbox.contracts import ContractBreach, ContractUnknown
 from outbox.inbox.core import (
     UNAVAILABLE,
     Decision,
@@ -35,6 +36,8 @@ from outbox.observability import tracing
 ACCEPTED: Final = Outcome(200, (), b"")
 REFUSED_STATUS: Final = 422
 ABANDONED_RETRY: Final = 300.0  # seconds: an abandoned record waits for a person
+# Seconds: a contract this database has not published yet comes with the receiver's deploy.
+CONTRACT_RETRY: Final = 30.0
 log = structlog.get_logger("outbox.inbox")
 
 Handle = Callable[[Delivery, bytes], Awaitable[None]]
@@ -124,6 +127,15 @@ class Consumer:
             identity = identity_of(self.tenant.read(headers), self.handler, key, headers)
             tracing.annotate(span, traced(identity))
             return await self._decide(identity, body)
+        except ContractBreach as exc:
+            # A conflict of input: no copy of it will ever keep the contract. Dropped, and said
+            # where and by which rule (never the value).
+            log.warning("inbox contract violation", handler=self.handler, reason=str(exc))
+            return Settled(Verdict.DROP, "contract_violation", reason=str(exc))
+        except ContractUnknown as exc:  # never taken unchecked, never dropped: later
+            log.warning("inbox contract unknown", handler=self.handler, reason=str(exc))
+            delay = max(self.retry_after, CONTRACT_RETRY)
+            return Settled(Verdict.RETRY, "contract_unknown", delay, reason=str(exc))
         except (MissingIdentity, InvalidDelivery) as exc:
             # No copy of it can ever be taken: dropped, and said why (the reasons name fields
             # and pointers, never the message's content).

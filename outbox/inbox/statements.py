@@ -15,6 +15,10 @@ BEGIN: Final = (
     " %(action)s, %(ordering_key)s)"
 )
 
+# One published contract (sql/0052), which a delivery's body is checked against before the
+# decision (outbox.inbox.contracts); outside the delivery's transaction, once per version.
+GET_CONTRACT: Final = "SELECT canonical, digest FROM outbox.get_contract(%s, %s)"
+
 # The outcome, fenced by the record's token. Relies on: outbox.inbox_complete().
 COMPLETE: Final = (
     "SELECT outbox.inbox_complete(%(inbox_id)s, %(token)s, %(status)s, %(headers)s, %(body)s)"

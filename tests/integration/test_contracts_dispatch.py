@@ -18,6 +18,7 @@ from outbox.contracts.files import canonical_json
 from outbox.providers.base import Provider
 from outbox.testing.webhook import FakeWebhookReceiver
 from tests.integration.test_contracts_enqueue import CHARGE, publish
+from tests.support.cli import outbox_cli
 from tests.support.dispatch import dispatcher, rows, statuses
 
 MARKER = "4242-MARKER-VALUE"  # in refused payloads: must never appear in what outbox wrote
@@ -93,7 +94,11 @@ async def run(pool: AsyncConnectionPool[Any], hook: Provider) -> None:
 
 
 async def test_a_row_forced_past_enqueues_check_is_quarantined_unsent_naming_path_and_rule(
-    db_url: str, pool: AsyncConnectionPool[Any], receiver: FakeWebhookReceiver, hook: Provider
+    db_url: str,
+    pool: AsyncConnectionPool[Any],
+    receiver: FakeWebhookReceiver,
+    hook: Provider,
+    cli_env: dict[str, str],
 ) -> None:
     publish(db_url, "charge", 1, CHARGE)
     with psycopg.connect(db_url) as conn:
@@ -125,6 +130,11 @@ async def test_a_row_forced_past_enqueues_check_is_quarantined_unsent_naming_pat
         assert MARKER not in error, name
     for table in ("outbox.audit", "outbox.attempts"):  # the value is in the payload alone
         assert not rows(db_url, f"SELECT FROM {table} t WHERE t::text LIKE %s", (f"%{MARKER}%",))
+    # What the person on call reads of one.
+    shown = outbox_cli(cli_env, "quarantine", "show", str(ids[0]))
+    assert shown.returncode == 0, shown.stderr
+    assert "contract     charge/v1\n" in shown.stdout
+    assert "contract_violation" in shown.stdout and MARKER not in shown.stdout
 
 
 async def test_a_hand_written_row_naming_an_unpublished_version_is_quarantined_unsent(

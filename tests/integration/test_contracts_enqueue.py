@@ -21,6 +21,7 @@ from outbox.contracts.codegen import Generator
 from outbox.core import payloads
 from outbox.db import contracts as store
 from outbox.dispatch.contracts import verdict as dispatcher_verdict
+from outbox.inbox.contracts import ContractBreach, check_body
 from tests.support.cli import outbox_cli
 from tests.support.dispatch import rows
 
@@ -260,10 +261,11 @@ VALUES = st.recursive(
 def test_the_producers_check_and_the_dispatchers_check_always_agree(
     charge_v1: str, valid: bool, extra: dict[str, Any]
 ) -> None:
-    """The verdict at enqueue is the dispatcher's verdict on what was stored: a payload the
-    producer lets in is one the dispatcher's check of its stored row accepts; a payload it
-    refuses, written through the SQL function instead (which checks no schema), is one the
-    dispatcher refuses, at the same path and by the same rule."""
+    """The verdict at enqueue is the dispatcher's and the inbox's verdict on what was stored: a
+    payload the producer lets in is one the dispatcher's check of its stored row and the
+    inbox's check of the body sent accept; a payload it refuses, written through the SQL
+    function instead (which checks no schema), is one both refuse, at the same path and by the
+    same rule."""
     payload = {**({"amount": 5, "currency": "eur"} if valid else {}), **extra}
     contract = parse_contract("charge", 1, json.dumps(CHARGE))
     check = checker_for(contract.label, contract.digest, contract.canonical)
@@ -290,6 +292,13 @@ def test_the_producers_check_and_the_dispatchers_check_always_agree(
             "DELETE FROM outbox.operations WHERE operation_key = 'h' RETURNING payload::text"
         ).fetchall()
     refused = dispatcher_verdict(check, payloads.carried(stored))
+    try:  # and the inbox's, on the body a provider sends: the stored text
+        check_body(check, stored.encode(), is_json=True)
+    except ContractBreach as breach:
+        received: tuple[str | None, str | None] | None = (breach.path, breach.rule)
+    else:
+        received = None
+    assert received == verdict, (payload, received, verdict)
     if verdict is None:
         assert refused is None, (payload, refused)
     else:

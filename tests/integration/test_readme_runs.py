@@ -87,3 +87,12 @@ def test_every_block_of_the_readme_runs_as_written_in_order(
             )
         }
     assert stored == keys
+    # "Contracts": the typo written from SQL was quarantined unsent by the dispatcher, and the
+    # listing the README shows names the violation.
+    with psycopg.connect(empty_db_url) as conn:
+        forced = conn.execute(
+            "SELECT status, status_reason, first_sent_at FROM outbox.operations"
+            " WHERE operation_key = 'invoice-44-refund'"
+        ).fetchall()
+    assert forced == [("quarantined", "contract_violation", None)]
+    assert any("breaks contract invoice.refund/v1" in out for out in printed), printed

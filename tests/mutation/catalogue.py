@@ -80,6 +80,7 @@ CONTRACTS_SQL = "sql/0052_operation_contracts.sql"
 PUBLISH_SQL = ENQUEUE
 CONTRACTS_TESTS = "tests/integration/test_contracts.py::"
 CONTRACT_DISPATCH_TESTS = "tests/integration/test_contracts_dispatch.py::"
+INBOX_CONTRACT_TESTS = "tests/integration/test_inbox_contracts.py::"
 # The queue providers' tests against the real brokers (and moto, the Cloud Tasks emulator).
 NATS_TESTS = "tests/integration/test_queue_nats.py"
 AMQP_TESTS = "tests/integration/test_queue_amqp.py"
@@ -1933,5 +1934,34 @@ MUTANTS: tuple[Mutant, ...] = (
         + "test_a_row_forced_past_enqueues_check_is_quarantined_unsent_naming_path_and_rule",
         "tests/integration/test_queue_sqs.py::"
         "test_a_message_with_every_attribute_outbox_sends_stays_within_sqss_ten",
+    ),
+    _one(
+        "inbox-ignores-the-contract",
+        "the inbox runs a handler on a body that breaks the contract its sender names: the "
+        "typo reaches the worker's business write",
+        "outbox/inbox/http.py",
+        "fingerprint_of(headers), contract_of(headers))",
+        "fingerprint_of(headers))",
+        INBOX_CONTRACT_TESTS
+        + "test_a_body_that_breaks_its_contract_is_refused_before_anything_is_decided",
+    ),
+    _one(
+        "inbox-claims-skip-the-contract",
+        "an External route claims a body that breaks its contract and calls out with it",
+        "outbox/inbox/core.py",
+        "            contracts=self.contracts,\n",
+        "",
+        INBOX_CONTRACT_TESTS
+        + "test_a_body_that_breaks_its_contract_is_refused_before_anything_is_decided",
+    ),
+    _one(
+        "inbox-drops-unknown-contracts",
+        "a delivery whose contract the receiver has not published yet is refused for good "
+        "(422, dropped from its queue): the receiver's deploy order loses work",
+        "outbox/inbox/adapter.py",
+        "        if isinstance(exc, ContractBreach):\n",
+        "        if True:\n",
+        INBOX_CONTRACT_TESTS
+        + "test_a_contract_the_receivers_database_has_not_published_is_tried_later",
     ),
 )
