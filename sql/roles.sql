@@ -260,10 +260,12 @@ TO outbox_consumer;
 -- retire or reactivate through the audited functions (`outbox contracts`).
 GRANT EXECUTE ON FUNCTION outbox.get_contract(text, integer)
 TO outbox_producer, outbox_dispatcher, outbox_operator, outbox_consumer;
-GRANT SELECT ON outbox.contracts, outbox.contract_types TO outbox_operator;
+GRANT SELECT ON outbox.contracts, outbox.contract_types, outbox.contract_aliases
+    TO outbox_operator;
 GRANT EXECUTE ON FUNCTION
     outbox.publish_contract(text, integer, text, text, text, boolean),
     outbox.set_contract_state(text, integer, text, text, text),
     -- Whether a type's producers must name a version (0053).
-    outbox.set_contract_requirement(text, boolean, text, text)
+    outbox.set_contract_requirement(text, boolean, text, text),
+    outbox.set_contract_alias(text, text, text, text)
 TO outbox_operator;

@@ -1,5 +1,5 @@
 -- sql/schema.sql: the outbox schema as the migrations of sql/ leave it
--- (every migration up to 0054_the_dispatcher_checks_contracts).
+-- (every migration up to 0055_contract_aliases).
 --
 -- GENERATED FILE: DO NOT EDIT IT BY HAND. It is regenerated, after adding a migration, by
 --     python -m outbox.db.schema_dump --dsn postgresql://postgres@127.0.0.1:5432/postgres --output sql/schema.sql
@@ -123,6 +123,26 @@ CREATE INDEX audit_operation ON outbox.audit USING btree (operation_id, at);
 CREATE TRIGGER audit_append_only BEFORE UPDATE ON outbox.audit FOR EACH ROW EXECUTE FUNCTION outbox.audit_is_append_only();
 CREATE TRIGGER audit_no_delete BEFORE DELETE ON outbox.audit FOR EACH ROW EXECUTE FUNCTION outbox.audit_is_kept();
 CREATE TRIGGER audit_no_truncate BEFORE TRUNCATE ON outbox.audit FOR EACH STATEMENT EXECUTE FUNCTION outbox.audit_is_kept();
+
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- table outbox.contract_aliases
+-- history: created by 0055_contract_aliases
+
+CREATE TABLE outbox.contract_aliases (
+    alias          text NOT NULL,
+    operation_type text NOT NULL,
+    created_at     timestamp with time zone DEFAULT now() NOT NULL,
+    created_by     text NOT NULL,
+    CONSTRAINT contract_aliases_pkey PRIMARY KEY (alias),
+    CONSTRAINT contract_aliases_not_itself CHECK ((alias <> operation_type))
+);
+
+COMMENT ON TABLE outbox.contract_aliases IS 'A renamed operation type''s old name (alias), whose contract look-ups read the new name''s (sql/0055). Kept for ever.';
+
+CREATE TRIGGER contract_aliases_kept BEFORE DELETE OR UPDATE ON outbox.contract_aliases FOR EACH ROW EXECUTE FUNCTION outbox.contract_aliases_kept();
+CREATE TRIGGER contract_aliases_no_truncate BEFORE TRUNCATE ON outbox.contract_aliases FOR EACH STATEMENT EXECUTE FUNCTION outbox.contract_aliases_kept();
 
 -- privileges: the owner's only
 
@@ -1454,6 +1474,40 @@ $function$;
 -- privileges: the owner's only
 
 -- =================================================================================================
+-- function outbox.contract_aliases_kept()
+-- history: created by 0055_contract_aliases
+-- fired by trigger contract_aliases_kept ON outbox.contract_aliases
+-- fired by trigger contract_aliases_no_truncate ON outbox.contract_aliases
+
+CREATE OR REPLACE FUNCTION outbox.contract_aliases_kept()
+ RETURNS trigger
+ LANGUAGE plpgsql
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+BEGIN
+    RAISE EXCEPTION 'a contract alias is kept: the operations enqueued under it read its contracts'
+        USING ERRCODE = 'OB005';
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
+-- function outbox.contract_type_of(text)
+-- history: created by 0055_contract_aliases
+
+CREATE OR REPLACE FUNCTION outbox.contract_type_of(operation_type text)
+ RETURNS text
+ LANGUAGE sql
+ STABLE
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+    SELECT coalesce((SELECT a.operation_type FROM outbox.contract_aliases a
+                     WHERE a.alias = contract_type_of.operation_type),
+                    contract_type_of.operation_type)
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
 -- function outbox.contracts_keep_published()
 -- history: created by 0052_operation_contracts
 -- fired by trigger contracts_keep_published ON outbox.contracts
@@ -1554,7 +1608,7 @@ $function$;
 
 -- =================================================================================================
 -- function outbox.enqueue(text,text,text,text,text,jsonb,text,text,timestamp with time zone,integer,text,text,integer)
--- history: created by 0053_contracts_at_enqueue
+-- history: created by 0053_contracts_at_enqueue; changed by 0055_contract_aliases
 
 CREATE OR REPLACE FUNCTION outbox.enqueue(tenant_id text, operation_type text, operation_key text, provider text, action text, payload jsonb, correlation_id text DEFAULT NULL::text, idempotency_key text DEFAULT NULL::text, available_at timestamp with time zone DEFAULT NULL::timestamp with time zone, max_attempts integer DEFAULT NULL::integer, traceparent text DEFAULT NULL::text, ordering_key text DEFAULT NULL::text, contract_version integer DEFAULT NULL::integer)
  RETURNS TABLE(operation_id bigint, outcome text)
@@ -1575,6 +1629,7 @@ DECLARE
     v_existing     bytea;
     v_existing_version integer;
     v_contract     text;
+    v_contract_type text;
     v_isolated     boolean;
     v_key          text;
     v_secret       bytea;
@@ -1749,17 +1804,20 @@ BEGIN
 
     -- The contract (sql/0052, 0053): a type with contracts names a published version that is
     -- not retired. The payload's check against the schema is the Python API's before the row
-    -- exists and the dispatcher's before the first send: this server has no JSON Schema.
+    -- exists and the dispatcher's before the first send: this server has no JSON Schema. A
+    -- renamed type's old name reads the new name's contracts (contract_aliases, 0055).
+    v_contract_type := coalesce((SELECT a.operation_type FROM outbox.contract_aliases a
+                                 WHERE a.alias = operation_type), operation_type);
     IF contract_version IS NULL THEN
         IF EXISTS (SELECT FROM outbox.contract_types t
-                   WHERE t.operation_type = operation_type AND t.versions_required) THEN
+                   WHERE t.operation_type = v_contract_type AND t.versions_required) THEN
             RAISE EXCEPTION 'operation type % has contracts: name its contract_version',
                 operation_type
                 USING ERRCODE = 'OB009', COLUMN = 'contract_version';
         END IF;
     ELSE
         SELECT c.state INTO v_contract FROM outbox.contracts c
-        WHERE c.operation_type = operation_type AND c.version = contract_version;
+        WHERE c.operation_type = v_contract_type AND c.version = contract_version;
         IF v_contract IS NULL THEN
             RAISE EXCEPTION 'no contract %/v% is published', operation_type, contract_version
                 USING ERRCODE = 'OB009', COLUMN = 'contract_version',
@@ -1891,7 +1949,7 @@ $function$;
 
 -- =================================================================================================
 -- function outbox.get_contract(text,integer)
--- history: created by 0052_operation_contracts
+-- history: created by 0052_operation_contracts; changed by 0055_contract_aliases
 
 CREATE OR REPLACE FUNCTION outbox.get_contract(operation_type text, version integer)
  RETURNS TABLE(canonical text, digest text, state text)
@@ -1900,17 +1958,18 @@ CREATE OR REPLACE FUNCTION outbox.get_contract(operation_type text, version inte
  SET search_path TO 'pg_catalog', 'pg_temp'
 AS $function$
     SELECT c.canonical, c.digest, c.state FROM outbox.contracts c
-    WHERE c.operation_type = get_contract.operation_type AND c.version = get_contract.version
+    WHERE c.operation_type = outbox.contract_type_of(get_contract.operation_type)
+      AND c.version = get_contract.version
 $function$;
 -- privileges: the owner's only
 
 -- =================================================================================================
 -- function outbox.get_operation(text,text,text)
 -- history: created by 0004_enqueue; changed by 0011_security_definer,
---     0051_keys_apart_from_the_operation
+--     0051_keys_apart_from_the_operation, 0055_contract_aliases
 
 CREATE OR REPLACE FUNCTION outbox.get_operation(tenant_id text, operation_type text, operation_key text)
- RETURNS TABLE(operation_id bigint, tenant_id text, operation_type text, operation_key text, provider text, action text, status text, status_reason text, attempts integer, provider_ref text, result jsonb, last_error text, last_error_class text, idempotency_key text, correlation_id text, created_at timestamp with time zone, updated_at timestamp with time zone, available_at timestamp with time zone, finished_at timestamp with time zone)
+ RETURNS TABLE(operation_id bigint, tenant_id text, operation_type text, operation_key text, provider text, action text, status text, status_reason text, attempts integer, provider_ref text, result jsonb, last_error text, last_error_class text, idempotency_key text, correlation_id text, created_at timestamp with time zone, updated_at timestamp with time zone, available_at timestamp with time zone, finished_at timestamp with time zone, contract_version integer)
  LANGUAGE sql
  STABLE SECURITY DEFINER
  SET search_path TO 'pg_catalog', 'pg_temp'
@@ -1919,7 +1978,7 @@ AS $function$
     SELECT o.id, o.tenant_id, o.operation_type, o.operation_key, o.provider, o.action, o.status,
            o.status_reason, o.attempts, o.provider_ref, o.result, o.last_error, o.last_error_class,
            o.idempotency_key, o.correlation_id, o.created_at, o.updated_at, o.available_at,
-           o.finished_at
+           o.finished_at, o.contract_version
     FROM outbox.operation_keys k
     JOIN outbox.operations o ON o.id = k.operation_id
     WHERE k.tenant_id = get_operation.tenant_id
@@ -2879,7 +2938,7 @@ $function$;
 
 -- =================================================================================================
 -- function outbox.publish_contract(text,integer,text,text,text,boolean)
--- history: created by 0053_contracts_at_enqueue
+-- history: created by 0053_contracts_at_enqueue; changed by 0055_contract_aliases
 
 CREATE OR REPLACE FUNCTION outbox.publish_contract(operation_type text, version integer, canonical text, actor text, reason text, require_version boolean DEFAULT true)
  RETURNS text
@@ -2903,6 +2962,19 @@ BEGIN
             USING ERRCODE = 'OB002', COLUMN = 'canonical';
     END IF;
     v_digest := encode(sha256(convert_to(canonical, 'UTF8')), 'hex');
+    IF EXISTS (SELECT FROM outbox.contract_aliases a
+               WHERE a.alias = publish_contract.operation_type) THEN
+        -- Never read under this name again: the same content is 'unchanged', as before.
+        SELECT c.digest INTO v_held FROM outbox.contracts c
+        WHERE c.operation_type = publish_contract.operation_type
+          AND c.version = publish_contract.version;
+        IF v_held = v_digest THEN
+            RETURN 'unchanged';
+        END IF;
+        RAISE EXCEPTION '% is an alias of %: publish under that name',
+            operation_type, outbox.contract_type_of(operation_type)
+            USING ERRCODE = 'OB002', COLUMN = 'operation_type';
+    END IF;
     INSERT INTO outbox.contracts AS c (operation_type, version, canonical, digest, published_by)
     VALUES (publish_contract.operation_type, publish_contract.version, publish_contract.canonical,
             v_digest, actor)
@@ -3711,8 +3783,72 @@ COMMENT ON FUNCTION outbox.server_identity() IS 'Whether this server is in recov
 -- privileges: the owner's only
 
 -- =================================================================================================
+-- function outbox.set_contract_alias(text,text,text,text)
+-- history: created by 0055_contract_aliases
+
+CREATE OR REPLACE FUNCTION outbox.set_contract_alias(alias text, operation_type text, actor text, reason text)
+ RETURNS text
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+DECLARE
+    v_held text;
+    v_differs text;
+BEGIN
+    PERFORM outbox.require_reason(actor, reason);
+    PERFORM outbox.check_text('alias', alias, 128);
+    PERFORM outbox.check_text('operation_type', operation_type, 128);
+    -- One alias at a time, so that two cannot form a chain or a cycle between their checks.
+    LOCK TABLE outbox.contract_aliases IN SHARE ROW EXCLUSIVE MODE;
+    SELECT a.operation_type INTO v_held FROM outbox.contract_aliases a
+    WHERE a.alias = set_contract_alias.alias;
+    IF v_held = operation_type THEN
+        RETURN 'unchanged';
+    END IF;
+    IF v_held IS NOT NULL THEN
+        RAISE EXCEPTION '% is already an alias of %', alias, v_held
+            USING ERRCODE = 'OB005', COLUMN = 'alias';
+    END IF;
+    IF alias = operation_type THEN
+        RAISE EXCEPTION 'a type is no alias of itself' USING ERRCODE = 'OB002', COLUMN = 'alias';
+    END IF;
+    IF NOT EXISTS (SELECT FROM outbox.contracts c
+                   WHERE c.operation_type = set_contract_alias.operation_type) THEN
+        RAISE EXCEPTION 'operation type % has no published contract', operation_type
+            USING ERRCODE = 'P0002', COLUMN = 'operation_type',
+                  HINT = 'publish its versions first: outbox contracts push DIR';
+    END IF;
+    IF EXISTS (SELECT FROM outbox.contract_aliases a
+               WHERE a.alias = set_contract_alias.operation_type
+                  OR a.operation_type = set_contract_alias.alias) THEN
+        RAISE EXCEPTION 'no chains of aliases: % or % is one end of another', alias,
+            operation_type USING ERRCODE = 'OB002', COLUMN = 'alias';
+    END IF;
+    SELECT string_agg(format('v%s', o.version), ', ' ORDER BY o.version) INTO v_differs
+    FROM outbox.contracts o
+    LEFT JOIN outbox.contracts n
+           ON n.operation_type = set_contract_alias.operation_type AND n.version = o.version
+    WHERE o.operation_type = set_contract_alias.alias AND n.digest IS DISTINCT FROM o.digest;
+    IF v_differs IS NOT NULL THEN
+        RAISE EXCEPTION '% has versions % has not, or with other content: %', alias,
+            operation_type, v_differs
+            USING ERRCODE = 'OB008', COLUMN = 'alias',
+                  HINT = 'publish each of them under the new name with the same content first';
+    END IF;
+    INSERT INTO outbox.contract_aliases (alias, operation_type, created_by)
+    VALUES (alias, operation_type, actor);
+    INSERT INTO outbox.audit (actor, action, reason, details)
+    VALUES (actor, 'contract_alias', reason,
+            jsonb_build_object('alias', alias, 'operation_type', operation_type));
+    RETURN 'aliased';
+END;
+$function$;
+-- privileges: the owner's only
+
+-- =================================================================================================
 -- function outbox.set_contract_requirement(text,boolean,text,text)
--- history: created by 0053_contracts_at_enqueue
+-- history: created by 0053_contracts_at_enqueue; changed by 0055_contract_aliases
 
 CREATE OR REPLACE FUNCTION outbox.set_contract_requirement(operation_type text, required boolean, actor text, reason text)
  RETURNS text
@@ -3726,6 +3862,12 @@ BEGIN
     PERFORM outbox.require_reason(actor, reason);
     IF required IS NULL THEN
         RAISE EXCEPTION 'required is true or false' USING ERRCODE = 'OB002', COLUMN = 'required';
+    END IF;
+    IF EXISTS (SELECT FROM outbox.contract_aliases a
+               WHERE a.alias = set_contract_requirement.operation_type) THEN
+        RAISE EXCEPTION '% is an alias of %: that type''s requirement holds for both',
+            operation_type, outbox.contract_type_of(operation_type)
+            USING ERRCODE = 'OB002', COLUMN = 'operation_type';
     END IF;
     SELECT t.versions_required INTO v_was FROM outbox.contract_types t
     WHERE t.operation_type = set_contract_requirement.operation_type FOR UPDATE;
@@ -3749,7 +3891,7 @@ $function$;
 
 -- =================================================================================================
 -- function outbox.set_contract_state(text,integer,text,text,text)
--- history: created by 0052_operation_contracts
+-- history: created by 0052_operation_contracts; changed by 0055_contract_aliases
 
 CREATE OR REPLACE FUNCTION outbox.set_contract_state(operation_type text, version integer, state text, actor text, reason text)
  RETURNS text
@@ -3772,6 +3914,12 @@ BEGIN
     IF NOT FOUND THEN
         RAISE EXCEPTION 'no contract %/v% is published', operation_type, version
             USING ERRCODE = 'P0002';
+    END IF;
+    IF EXISTS (SELECT FROM outbox.contract_aliases a
+               WHERE a.alias = set_contract_state.operation_type) THEN
+        RAISE EXCEPTION '% is an alias of %: its versions'' states are that type''s',
+            operation_type, outbox.contract_type_of(operation_type)
+            USING ERRCODE = 'OB002', COLUMN = 'operation_type';
     END IF;
     IF v_was = state THEN
         RETURN 'unchanged';

@@ -126,6 +126,7 @@ def list_(dsn: str, operation_type: str | None, as_json: bool) -> None:
     """Published versions, by type and version."""
     with connect(dsn) as conn:
         rows = store.list_published(conn, operation_type)
+        named = store.aliases(conn, operation_type)
     if as_json:
         click.echo(json.dumps([_jsonable(r) for r in rows]))
         return
@@ -137,6 +138,8 @@ def list_(dsn: str, operation_type: str | None, as_json: bool) -> None:
     ]  # fmt: skip
     headers = ("type", "version", "state", "version required", "digest", "published", "by")
     click.echo(render_table(headers, lines))
+    for alias, target, _at, _by in named:
+        click.echo(f"alias {printable(alias)} reads the contracts of {printable(target)}")
 
 
 @contracts.command("show")
@@ -203,6 +206,20 @@ _requirement_command(
 _requirement_command(
     "allow-unversioned", False, "Enqueue takes the type's operations that name no version."
 )
+
+
+@contracts.command("alias")
+@dsn_option
+@click.argument("alias", type=TEXT)
+@click.argument("operation_type", type=TEXT)
+@click.option("--reason", type=TEXT, required=True, help="Why; recorded in the audit.")
+@actor_option
+def alias(dsn: str, alias: str, operation_type: str, reason: str, actor: str) -> None:
+    """Make ALIAS, a renamed type's old name, read OPERATION_TYPE's contracts, for ever: push
+    ALIAS's versions under OPERATION_TYPE with the same content first. Audited."""
+    with connect(dsn) as conn:
+        result = store.set_alias(conn, alias, operation_type, actor=actor, reason=reason)
+    click.echo(f"{printable(alias)} -> {printable(operation_type)}: {result}")
 
 
 def _state_command(name: str, state: str) -> None:

@@ -88,6 +88,8 @@ class Operation:
     updated_at: datetime
     available_at: datetime
     finished_at: datetime | None
+    # The version of its type's contract it was enqueued under (sql/0053); None without one.
+    contract_version: int | None = None
 
     @classmethod
     def from_row(cls, **row: Any) -> Operation:

@@ -1,4 +1,5 @@
-"""Published contracts (sql/0052): publishing, their states, and reading them back. Every
+"""Published contracts (sql/0052): publishing, their states, the aliases of renamed types
+(sql/0055), and reading them back. Every
 statement the contracts component issues is here; the tables are written only through the
 functions of sql/0052, which keep a published version as it is and audit each change."""
 
@@ -18,6 +19,12 @@ PUBLISH: Final = "SELECT outbox.publish_contract(%s, %s, %s, %s, %s, %s)"
 SET_REQUIREMENT: Final = "SELECT outbox.set_contract_requirement(%s, %s, %s, %s)"
 SET_STATE: Final = "SELECT outbox.set_contract_state(%s, %s, %s, %s, %s)"
 GET: Final = "SELECT canonical, digest, state FROM outbox.get_contract(%s, %s)"
+SET_ALIAS: Final = "SELECT outbox.set_contract_alias(%s, %s, %s, %s)"
+ALIASES: Final = """
+SELECT alias, operation_type, created_at, created_by FROM outbox.contract_aliases
+WHERE %(type)s::text IS NULL OR alias = %(type)s OR operation_type = %(type)s
+ORDER BY alias
+"""
 # The versions codegen writes classes for: every one not retired.
 SCHEMAS: Final = """
 SELECT operation_type, version, canonical FROM outbox.contracts
@@ -154,3 +161,23 @@ def set_requirement(
         cur.execute(SET_REQUIREMENT, (operation_type, required, actor, reason))
         row = cur.fetchone()
     return str(row[0]) if row else ""
+
+
+def set_alias(
+    conn: psycopg.Connection[Any], alias: str, operation_type: str, *, actor: str, reason: str
+) -> str:
+    """Make ``alias`` (a renamed type's old name) read ``operation_type``'s contracts, for ever:
+    'aliased', or 'unchanged' when it does already."""
+    with conn.transaction(), conn.cursor(row_factory=tuple_row) as cur:
+        cur.execute(SET_ALIAS, (alias, operation_type, actor, reason))
+        row = cur.fetchone()
+    return str(row[0]) if row else ""
+
+
+def aliases(
+    conn: psycopg.Connection[Any], operation_type: str | None = None
+) -> list[tuple[str, str, datetime, str]]:
+    """(alias, the type it reads, when, by whom), of ``operation_type`` at either end."""
+    with conn.cursor(row_factory=tuple_row) as cur:
+        cur.execute(ALIASES, {"type": operation_type})
+        return [(str(a), str(o), at, str(by)) for a, o, at, by in cur.fetchall()]

@@ -82,7 +82,8 @@ SELECT pg_catalog.set_config('outbox.tenant_id', %s::text, true),
 GET_OPERATION: Final = """
 SELECT operation_id, tenant_id, operation_type, operation_key, provider, action, status,
        status_reason, attempts, provider_ref, result, last_error, last_error_class,
-       idempotency_key, correlation_id, created_at, updated_at, available_at, finished_at
+       idempotency_key, correlation_id, created_at, updated_at, available_at, finished_at,
+       contract_version
 FROM outbox.get_operation(%(tenant_id)s::text, %(operation_type)s::text, %(operation_key)s::text)
 """
 

@@ -67,15 +67,15 @@ PIPELINE = "outbox/dispatch/pipeline.py"
 RECORDER = "outbox/dispatch/recorder.py"
 POLICY = "outbox/core/policy.py"
 ISOLATION_TESTS = "tests/integration/test_provider_isolation.py"
-# The newest definitions of outbox.enqueue and of outbox.check_text.
-ENQUEUE = "sql/0053_contracts_at_enqueue.sql"
+# The newest definition of outbox.enqueue (and of publish_contract, PUBLISH_SQL).
+ENQUEUE = "sql/0055_contract_aliases.sql"
 # Each operation's identity and provider key, apart from its row (sql/0051, issue 41 step C):
 # the keys' table and triggers; enqueue's part of it is in ENQUEUE.
 KEYS_SQL = "sql/0051_keys_apart_from_the_operation.sql"
 KEYS_TESTS = "tests/integration/test_operation_keys.py::"
 CHECK_TEXT = "sql/0028_identities_refuse_format_characters.sql"
 # Operation contracts: published once, never changed (sql/0052, issue 42); publish_contract's
-# newest definition, with the type's requirement (0053).
+# newest definition, with the type's requirement (0053) and aliases (0055).
 CONTRACTS_SQL = "sql/0052_operation_contracts.sql"
 PUBLISH_SQL = ENQUEUE
 CONTRACTS_TESTS = "tests/integration/test_contracts.py::"
@@ -1841,8 +1841,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "a push of other content under a published version is taken as unchanged: the files "
         "and the database disagree and nobody is told",
         PUBLISH_SQL,
-        "    IF v_held = v_digest THEN\n",
-        "    IF v_held IS NOT NULL THEN\n",
+        "publish_contract.version;\n    IF v_held = v_digest THEN\n",
+        "publish_contract.version;\n    IF v_held IS NOT NULL THEN\n",
         CONTRACTS_TESTS
         + "test_other_content_under_a_published_version_is_refused_with_the_difference",
     ),
@@ -1878,7 +1878,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "enqueue-takes-any-version",
         "enqueue takes a version never published, or none for a type that requires one: "
         "nothing can check the operation against the contract its producer meant",
-        "sql/0053_contracts_at_enqueue.sql",
+        ENQUEUE,
         "        IF v_contract IS NULL THEN\n",
         "        IF false THEN\n",
         "tests/integration/test_contracts_enqueue.py::"
@@ -1963,5 +1963,26 @@ MUTANTS: tuple[Mutant, ...] = (
         "        if True:\n",
         INBOX_CONTRACT_TESTS
         + "test_a_contract_the_receivers_database_has_not_published_is_tried_later",
+    ),
+    _one(
+        "alias-rewrites-history",
+        "a type is aliased to one whose versions say something else: operations enqueued under "
+        "the old name are checked against schemas they were never written to",
+        ENQUEUE,
+        "    IF v_differs IS NOT NULL THEN\n",
+        "    IF false THEN\n",
+        "tests/integration/test_contract_aliases.py::"
+        "test_an_alias_is_refused_while_the_histories_differ_and_is_kept_for_ever",
+    ),
+    _one(
+        "enqueue-ignores-aliases",
+        "a renamed type's old name is refused the versions its new name publishes, or escapes "
+        "their requirement",
+        ENQUEUE,
+        "    v_contract_type := coalesce((SELECT a.operation_type FROM outbox.contract_aliases a\n"
+        "                                 WHERE a.alias = operation_type), operation_type);\n",
+        "    v_contract_type := operation_type;\n",
+        "tests/integration/test_contract_aliases.py::"
+        "test_the_old_name_reads_the_new_names_contracts_everywhere_at_enqueue",
     ),
 )
