@@ -7,6 +7,7 @@ delivered. Every test runs the real dispatcher against the fake webhook receiver
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 from typing import Any
 
 import psycopg
@@ -14,7 +15,12 @@ import pytest
 from psycopg_pool import AsyncConnectionPool
 
 import outbox
+from outbox.contracts import Checker
 from outbox.contracts.files import canonical_json
+from outbox.core.model import Status
+from outbox.db.store import Store
+from outbox.dispatch.contracts import Contracts
+from outbox.dispatch.flight import Aside
 from outbox.providers.base import Provider
 from outbox.testing.webhook import FakeWebhookReceiver
 from tests.integration.test_contracts_enqueue import CHARGE, publish
@@ -219,3 +225,35 @@ async def test_a_row_that_may_have_reached_the_provider_is_not_checked_again(
         ("succeeded", 2)
     ]
     assert receiver.effect_count() == 1
+
+
+async def test_a_contract_the_database_does_not_answer_for_hands_the_row_back_unsent(
+    db_url: str, pool: AsyncConnectionPool[Any]
+) -> None:
+    """Nothing is known of the payload: the row goes back to pending, its attempt unspent, and
+    the failure is not kept (the next row asks again, and gets the contract once it answers)."""
+    publish(db_url, "charge", 1, CHARGE)
+    with psycopg.connect(db_url) as conn:
+        op = sql_enqueue(conn, "k", GOOD[0], 1)
+    (row,) = await Store(pool).claim("w", 1, timedelta(seconds=30))
+    assert row.id == op
+    down: AsyncConnectionPool[Any] = AsyncConnectionPool(
+        "host=127.0.0.1 port=1 user=postgres connect_timeout=1", min_size=0, max_size=1,
+        timeout=1.0,
+        open=False,
+    )  # fmt: skip
+    await down.open(wait=False)
+    try:
+        contracts = Contracts(Store(down))
+        assert contracts.needs_check(row)
+        for _ in range(2):
+            aside = await contracts.checker(row)
+            assert isinstance(aside, Aside)
+            assert (aside.status, aside.failure, aside.delay) == (
+                Status.PENDING,
+                None,
+                timedelta(seconds=30),
+            )
+    finally:
+        await down.close()
+    assert isinstance(await Contracts(Store(pool)).checker(row), Checker)

@@ -305,3 +305,81 @@ def test_the_producers_check_and_the_dispatchers_check_always_agree(
         assert refused is not None and refused.failure is not None, payload
         path, rule = verdict
         assert f"charge/v1 at {path or '/'}: {rule}" in refused.failure.message, (verdict, refused)
+
+
+NAMES_ = st.sampled_from(["a", "b", "amount", "ammount", "é", "a b", "x/y", "~0"])
+LEAF_SCHEMAS = st.one_of(
+    st.just({}),
+    st.builds(lambda m: {"type": "integer", "minimum": m}, st.integers(-3, 3)),
+    st.builds(lambda m: {"type": "number", "maximum": m}, st.sampled_from([0, 1.5, 1000])),
+    st.builds(lambda n: {"type": "string", "minLength": n}, st.integers(0, 2)),
+    st.just({"type": "string", "pattern": "^[a-z]+$"}),
+    st.just({"enum": ["eur", "usd", 1, None]}),
+    st.just({"type": ["boolean", "null"]}),
+    st.just({"const": 1}),
+)
+CONTRACT_SCHEMAS = st.recursive(
+    LEAF_SCHEMAS,
+    lambda inner: st.one_of(
+        st.builds(
+            lambda props, required, closed: {
+                "type": "object",
+                "properties": props,
+                "required": sorted(set(required) & set(props)),
+                "additionalProperties": not closed,
+            },
+            st.dictionaries(NAMES_, inner, max_size=4),
+            st.lists(NAMES_, max_size=3),
+            st.booleans(),
+        ),
+        st.builds(lambda item: {"type": "array", "items": item, "maxItems": 3}, inner),
+        st.builds(lambda a, b: {"anyOf": [a, b]}, inner, inner),
+    ),
+    max_leaves=10,
+)
+PAYLOAD_VALUES = st.recursive(
+    st.one_of(
+        st.none(), st.booleans(), st.integers(-5, 5), st.sampled_from(["eur", "usd", "", "A1"]),
+        st.decimals(allow_nan=False, allow_infinity=False, places=1, min_value=-2, max_value=2000),
+    ),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4), st.dictionaries(NAMES_, inner, max_size=4)
+    ),
+    max_leaves=15,
+)  # fmt: skip
+
+
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    schema=CONTRACT_SCHEMAS.map(lambda s: {"type": "object", "properties": {"p": s}}),
+    payload=st.dictionaries(NAMES_ | st.just("p"), PAYLOAD_VALUES, max_size=4),
+)
+def test_over_schemas_and_payloads_the_three_checks_name_the_same_violation(
+    db_url: str, schema: dict[str, Any], payload: dict[str, Any]
+) -> None:
+    """Generated contracts and payloads: the producer's check (of the JSON text it writes), the
+    dispatcher's (of the stored row as PostgreSQL returns it) and the inbox's (of the body a
+    provider sends, that same text) accept the same payloads and name the same path and rule."""
+    contract = parse_contract("fuzz", 1, json.dumps(schema))
+    check = checker_for(contract.label, contract.digest, contract.canonical)
+    text = payloads.encode(payload)
+    found = check.violation(payloads.decode(text))  # the producer's (_check_contract)
+    producer = None if found is None else (found.path, found.rule)
+    with psycopg.connect(db_url) as conn:
+        ((stored,),) = conn.execute("SELECT %s::jsonb::text", (text,)).fetchall()
+    refused = dispatcher_verdict(check, payloads.carried(stored))
+    try:
+        check_body(check, stored.encode(), is_json=True)
+    except ContractBreach as breach:
+        received: tuple[str, str] | None = (breach.path, breach.rule)
+    else:
+        received = None
+    event("accepted" if producer is None else "refused")
+    assert received == producer, (schema, payload)
+    if producer is None:
+        assert refused is None
+    else:
+        assert refused is not None and refused.failure is not None
+        assert f"fuzz/v1 at {producer[0] or '/'}: {producer[1]}" in refused.failure.message

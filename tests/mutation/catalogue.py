@@ -1912,6 +1912,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "iter_errors(payload)",
         "tests/integration/test_contracts_enqueue.py::"
         "test_the_producers_check_and_the_dispatchers_check_always_agree",
+        "tests/integration/test_contracts_enqueue.py::"
+        "test_over_schemas_and_payloads_the_three_checks_name_the_same_violation",
     ),
     _one(
         "contract-check-after-a-send",
@@ -1984,5 +1986,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "    v_contract_type := operation_type;\n",
         "tests/integration/test_contract_aliases.py::"
         "test_the_old_name_reads_the_new_names_contracts_everywhere_at_enqueue",
+    ),
+    _one(
+        "contract-lookup-failure-quarantines",
+        "a database that does not answer for a contract quarantines the row: a blip sets good "
+        "work aside for an operator",
+        "outbox/dispatch/contracts.py",
+        "            return Aside(Status.PENDING, None, delay=LOOKUP_RETRY)\n",
+        '            return _refused(f"contract {label} could not be read")\n',
+        CONTRACT_DISPATCH_TESTS
+        + "test_a_contract_the_database_does_not_answer_for_hands_the_row_back_unsent",
     ),
 )
