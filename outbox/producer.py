@@ -17,6 +17,7 @@ from decimal import Decimal
 from typing import Any, ClassVar, Final, NoReturn, Protocol
 
 import psycopg
+import structlog
 from psycopg.pq import TransactionStatus
 from psycopg.rows import kwargs_row, tuple_row
 
@@ -351,6 +352,7 @@ def _raise_translated(exc: psycopg.Error, params: Params) -> NoReturn:
 # Compiled contracts this process has checked payloads against, by database, type and version:
 # a published version never changes (sql/0052), so one look-up per process is enough. Bounded:
 # a process that met more is emptied and starts again.
+log = structlog.get_logger("outbox.producer")
 _CHECKERS: dict[tuple[tuple[str, str, str], str, int], Checker] = {}
 MAX_CHECKERS: Final = 1024
 
@@ -399,8 +401,14 @@ def _checker(
     """The contract's compiled checker, kept; None when it is not published (enqueue says so)."""
     if row is None:
         return None
-    canonical, digest, _state = row
+    canonical, digest, state = row
     kind, version = _contract_of(params)
+    if state == "deprecated":  # once per process and version: the checker is kept
+        log.warning(
+            "enqueue under a deprecated contract version: move to a newer one before it is "
+            "retired (then refused)",
+            contract=f"{kind}/v{version}",
+        )
     try:
         checker = checker_for(f"{kind}/v{version}", digest, canonical)
     except InvalidContract as exc:

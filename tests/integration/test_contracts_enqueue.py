@@ -11,6 +11,7 @@ from typing import Any
 
 import psycopg
 import pytest
+import structlog
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -135,6 +136,17 @@ def test_versions_are_checked_by_the_database_whoever_enqueues(charge_v1: str) -
         store.set_state(conn, *store_deprecated, actor="t", reason="t")
     assert enqueue(charge_v1, "deprecated", ok, contract_version=1).accepted  # still taken
     assert written(charge_v1) == [("deprecated", 1)]
+
+
+def test_a_deprecated_version_is_taken_and_its_producer_warned_once(charge_v1: str) -> None:
+    with psycopg.connect(charge_v1) as conn:
+        store.set_state(conn, "charge", 1, "deprecated", actor="t", reason="v2 is out")
+    ok = {"amount": 5, "currency": "eur"}
+    with structlog.testing.capture_logs() as logs:
+        for key in ("d1", "d2"):
+            assert enqueue(charge_v1, key, ok, contract_version=1).accepted
+    warned = [e for e in logs if "deprecated contract version" in e["event"]]
+    assert [(e["log_level"], e["contract"]) for e in warned] == [("warning", "charge/v1")]
 
 
 @pytest.mark.parametrize("version", [0, -1, 2**31, True, "1", 1.0])
