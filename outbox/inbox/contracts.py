@@ -15,6 +15,7 @@ tried again later, never taken unchecked and never dropped.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
@@ -47,23 +48,36 @@ class ContractUnknown(RuntimeError):
     there, or published past outbox's bounds): try again later; nothing was decided."""
 
 
+Required = Mapping[str, str | Iterable[str]]
+
+
 class Contracts:
     """The contracts one inbox has checked deliveries against, by type and version: a
-    published version never changes (sql/0052), so one look-up per process is enough."""
+    published version never changes (sql/0052), so one look-up per process is enough.
+    ``required`` maps a handler to the operation type (or types: a renamed type's old and new
+    names) its deliveries must name: one that names none, or another, is a breach, so that a
+    sender cannot pass a body unchecked by leaving the header out."""
 
-    def __init__(self) -> None:
+    def __init__(self, required: Required | None = None) -> None:
         self._kept: dict[tuple[str, int], Checker] = {}
+        self._required = {
+            handler: frozenset([types] if isinstance(types, str) else types)
+            for handler, types in (required or {}).items()
+        }
 
     async def check(
         self,
         pool: AsyncConnectionPool[Any],
+        handler: str,
         contract: tuple[str, int] | None,
         body: bytes,
         is_json: bool,
     ) -> None:
         """Raise ContractBreach if the body breaks ``contract`` (the type and version a
-        delivery names, Identity.contract), ContractUnknown if the database cannot check it;
-        nothing when it names none. A look-up the database fails raises its error."""
+        delivery names, Identity.contract) or the handler requires another, ContractUnknown if
+        the database cannot check it; nothing when it names none and none is required. A
+        look-up the database fails raises its error."""
+        self._require(handler, contract)
         if contract is None:
             return
         checker = self._kept.get(contract)
@@ -79,11 +93,13 @@ class Contracts:
     def check_sync(
         self,
         pool: ConnectionPool[Any],
+        handler: str,
         contract: tuple[str, int] | None,
         body: bytes,
         is_json: bool,
     ) -> None:
         """``check`` on a thread's pool (SyncInbox)."""
+        self._require(handler, contract)
         if contract is None:
             return
         checker = self._kept.get(contract)
@@ -92,6 +108,18 @@ class Contracts:
                 row = conn.execute(statements.GET_CONTRACT, contract).fetchone()
             checker = self._keep(contract, row)
         check_body(checker, body, is_json)
+
+    def _require(self, handler: str, contract: tuple[str, int] | None) -> None:
+        required = self._required.get(handler)
+        if required is None or (contract is not None and contract[0] in required):
+            return
+        takes = " or ".join(sorted(required))
+        named = "none" if contract is None else f"{contract[0]}/v{contract[1]}"
+        label = "" if contract is None else f"{contract[0]}/v{contract[1]}"
+        message = (
+            f"handler {handler} takes deliveries under contract {takes}; this one names {named}"
+        )
+        raise ContractBreach(label, message, "", "contract")
 
     def _keep(self, contract: tuple[str, int], row: Any) -> Checker:
         label = f"{contract[0]}/v{contract[1]}"

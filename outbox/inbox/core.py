@@ -25,7 +25,7 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from outbox.inbox import statements
-from outbox.inbox.contracts import Contracts
+from outbox.inbox.contracts import Contracts, Required
 
 if TYPE_CHECKING:
     from outbox.inbox.external import Claim
@@ -151,7 +151,10 @@ class Delivery(BaseDelivery[psycopg.AsyncConnection[Any]]):
 
 
 class Inbox:
-    """Deliveries decided and recorded on ``pool``'s connections (transaction mode)."""
+    """Deliveries decided and recorded on ``pool``'s connections (transaction mode).
+    ``contracts`` maps a handler to the operation type (or types) whose contract its deliveries
+    must name (``Outbox-Contract``); without it, a delivery is checked against the contract it
+    names, if any (outbox.inbox.contracts)."""
 
     def __init__(
         self,
@@ -159,6 +162,7 @@ class Inbox:
         *,
         retention: timedelta = timedelta(days=7),
         wait: timedelta = timedelta(seconds=2),
+        contracts: Required | None = None,
     ) -> None:
         self.pool = pool
         self.retention = retention
@@ -166,7 +170,7 @@ class Inbox:
         # Deliveries under way in this process, by identity: a duplicate waits here on the first
         # instead of holding a pooled connection while it waits in PostgreSQL.
         self._flights: dict[Identity, asyncio.Event] = {}
-        self.contracts = Contracts()
+        self.contracts = Contracts(contracts)
 
     @asynccontextmanager
     async def deliver(
@@ -179,7 +183,7 @@ class Inbox:
         breaks the contract the identity names and ``ContractUnknown`` for one this database
         cannot check (before anything is decided), ``NoOutcome`` for a new delivery that ended
         with neither."""
-        await self.contracts.check(self.pool, identity.contract, body, is_json)
+        await self.contracts.check(self.pool, identity.handler, identity.contract, body, is_json)
         async with (
             self._flight(identity) as left,
             self.pool.connection() as conn,

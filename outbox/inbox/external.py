@@ -214,7 +214,7 @@ async def claim(
     now: the next delivery reclaims at once, with the same downstream key. The body is checked
     against the contract the identity names first (``contracts``; Inbox.deliver says how)."""
     if contracts is not None:
-        await contracts.check(pool, identity.contract, body, is_json)
+        await contracts.check(pool, identity.handler, identity.contract, body, is_json)
     params = claim_params(
         identity, body, is_json=is_json, lease=lease, max_claims=max_claims, retention=retention
     )

@@ -26,7 +26,7 @@ from psycopg.pq import TransactionStatus
 from psycopg_pool import ConnectionPool
 
 from outbox.inbox import statements
-from outbox.inbox.contracts import Contracts
+from outbox.inbox.contracts import Contracts, Required
 from outbox.inbox.core import (
     BaseDelivery,
     Decision,
@@ -63,6 +63,7 @@ class SyncInbox:
         *,
         retention: timedelta = timedelta(days=7),
         wait: timedelta = timedelta(seconds=2),
+        contracts: Required | None = None,
     ) -> None:
         self.pool = pool
         self.retention = retention
@@ -71,7 +72,7 @@ class SyncInbox:
         # instead of holding a pooled connection while it waits in PostgreSQL.
         self._flights: dict[Identity, threading.Event] = {}
         self._flights_lock = threading.Lock()
-        self.contracts = Contracts()
+        self.contracts = Contracts(contracts)
 
     @contextmanager
     def deliver(self, identity: Identity, body: bytes, *, is_json: bool) -> Iterator[SyncDelivery]:
@@ -79,7 +80,7 @@ class SyncInbox:
         transaction open for the handler until the block ends: then COMMIT if an outcome was
         recorded, ROLLBACK if ``roll_back`` was asked or the block raised. Raises as
         ``Inbox.deliver`` does (ContractBreach, ContractUnknown before anything is decided)."""
-        self.contracts.check_sync(self.pool, identity.contract, body, is_json)
+        self.contracts.check_sync(self.pool, identity.handler, identity.contract, body, is_json)
         with (
             self._flight(identity) as left,
             self.pool.connection() as conn,
@@ -106,7 +107,7 @@ class SyncInbox:
         """External-effect mode on threads, as ``Inbox.claim``: a claim committed at once, a
         heartbeat thread renewing its lease every third of it while the block runs; a block
         that raises, or ends without an outcome, ends the lease now."""
-        self.contracts.check_sync(self.pool, identity.contract, body, is_json)
+        self.contracts.check_sync(self.pool, identity.handler, identity.contract, body, is_json)
         params = claim_params(
             identity,
             body,

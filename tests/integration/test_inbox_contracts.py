@@ -184,3 +184,30 @@ def test_the_sync_inbox_checks_the_same(db_url: str) -> None:
         ):
             raise AssertionError("the handler ran")
     assert count(db_url, RECORDS) == 0
+
+
+@MODES
+async def test_a_handler_that_requires_a_contract_refuses_deliveries_naming_none_or_another(
+    db_url: str, pool: AsyncConnectionPool[Any], external: bool
+) -> None:
+    """Left to the header alone, a sender could pass any body unchecked by leaving it out. A
+    handler that requires a type's contract refuses a delivery naming none, or another type's,
+    as a breach (422); one naming it is checked and runs."""
+    publish(db_url, "refund", 1, CHARGE)
+    inbox = Inbox(pool, contracts={"work": ("charge", "payments.charge")})
+    body, headers = sent(db_url, GOOD)
+    async with client(app_with(inbox, created, external=external)) as c:
+        unnamed = {k: v for k, v in headers.items() if k != "Outbox-Contract"}
+        other = {**headers, "Outbox-Contract": "refund/v1"}
+        for sent_headers, named in ((unnamed, "none"), (other, "refund/v1")):
+            answer = await c.post("/work", content=body, headers=sent_headers)
+            assert answer.status_code == 422, answer.text
+            assert answer.headers["Outbox-Inbox-Decision"] == "contract_violation"
+            detail = answer.json()["detail"]
+            assert (
+                f"takes deliveries under contract charge or payments.charge; this one names {named}"
+                in detail
+            )
+        ok = await c.post("/work", content=body, headers=headers)
+        assert (ok.status_code, ok.headers["Outbox-Inbox-Decision"]) == (201, "new")
+    assert (count(db_url, EFFECTS), count(db_url, RECORDS)) == (1, 1)

@@ -1997,4 +1997,14 @@ MUTANTS: tuple[Mutant, ...] = (
         CONTRACT_DISPATCH_TESTS
         + "test_a_contract_the_database_does_not_answer_for_hands_the_row_back_unsent",
     ),
+    _one(
+        "inbox-requirement-ignored",
+        "a handler that requires a contract runs a delivery that names none: a sender passes any "
+        "body unchecked by leaving the header out",
+        "outbox/inbox/contracts.py",
+        "        if required is None or (contract is not None and contract[0] in required):\n",
+        "        if True:\n",
+        INBOX_CONTRACT_TESTS
+        + "test_a_handler_that_requires_a_contract_refuses_deliveries_naming_none_or_another",
+    ),
 )
