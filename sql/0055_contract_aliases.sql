@@ -8,7 +8,9 @@
 -- inbox check OLD's operations against NEW's schemas, and operations enqueued under OLD keep their
 -- type (their identity) and their history. The alias is refused unless every version published
 -- under OLD is published under NEW with the same content (nothing an old operation was checked
--- against changes meaning), and NEW is no alias itself (no chains). An alias is kept for ever,
+-- against changes meaning), and NEW is no alias itself (no chains). OLD's row of contract_types
+-- mirrors NEW's requirement from then on (set_contract_requirement updates both), so that an
+-- enqueue naming no version still reads one row. An alias is kept for ever,
 -- as published contracts are: removing it would leave OLD's operations with no contract.
 -- Publishing a version under OLD afterwards is refused (it would never be read), but the same
 -- content again is 'unchanged', as before; deprecating or retiring is done under NEW.
@@ -117,6 +119,14 @@ BEGIN
     END IF;
     INSERT INTO outbox.contract_aliases (alias, operation_type, created_by)
     VALUES (alias, operation_type, actor);
+    -- The requirement, mirrored under the alias (set_contract_requirement keeps it so): an
+    -- enqueue that names no version reads one row of contract_types, as before aliases.
+    INSERT INTO outbox.contract_types AS t (operation_type, versions_required, changed_by)
+    SELECT set_contract_alias.alias, n.versions_required, actor
+    FROM outbox.contract_types n WHERE n.operation_type = set_contract_alias.operation_type
+    ON CONFLICT ON CONSTRAINT contract_types_pkey
+    DO UPDATE SET versions_required = excluded.versions_required, changed_at = now(),
+                  changed_by = excluded.changed_by;
     INSERT INTO outbox.audit (actor, action, reason, details)
     VALUES (actor, 'contract_alias', reason,
             jsonb_build_object('alias', alias, 'operation_type', operation_type));
@@ -256,9 +266,13 @@ BEGIN
     IF v_was = required THEN
         RETURN 'unchanged';
     END IF;
+    -- The type's aliases keep rows of their own that say the same (set_contract_alias): enqueue
+    -- then reads one row for an operation that names no version, whatever its type's name.
     UPDATE outbox.contract_types t
     SET versions_required = required, changed_at = now(), changed_by = actor
-    WHERE t.operation_type = set_contract_requirement.operation_type;
+    WHERE t.operation_type = set_contract_requirement.operation_type
+       OR t.operation_type IN (SELECT a.alias FROM outbox.contract_aliases a
+                               WHERE a.operation_type = set_contract_requirement.operation_type);
     INSERT INTO outbox.audit (actor, action, reason, details)
     VALUES (actor, CASE WHEN required THEN 'contract_require' ELSE 'contract_allow_unversioned' END,
             reason, jsonb_build_object('operation_type', operation_type));
@@ -459,17 +473,19 @@ BEGIN
     -- The contract (sql/0052, 0053): a type with contracts names a published version that is
     -- not retired. The payload's check against the schema is the Python API's before the row
     -- exists and the dispatcher's before the first send: this server has no JSON Schema. A
-    -- renamed type's old name reads the new name's contracts (contract_aliases, 0055).
-    v_contract_type := coalesce((SELECT a.operation_type FROM outbox.contract_aliases a
-                                 WHERE a.alias = operation_type), operation_type);
+    -- renamed type's old name reads the new name's contracts (contract_aliases, 0055); its
+    -- requirement is mirrored under its own name, so an enqueue without a version reads one
+    -- row, as before aliases.
     IF contract_version IS NULL THEN
         IF EXISTS (SELECT FROM outbox.contract_types t
-                   WHERE t.operation_type = v_contract_type AND t.versions_required) THEN
+                   WHERE t.operation_type = operation_type AND t.versions_required) THEN
             RAISE EXCEPTION 'operation type % has contracts: name its contract_version',
                 operation_type
                 USING ERRCODE = 'OB009', COLUMN = 'contract_version';
         END IF;
     ELSE
+        v_contract_type := coalesce((SELECT a.operation_type FROM outbox.contract_aliases a
+                                     WHERE a.alias = operation_type), operation_type);
         SELECT c.state INTO v_contract FROM outbox.contracts c
         WHERE c.operation_type = v_contract_type AND c.version = contract_version;
         IF v_contract IS NULL THEN

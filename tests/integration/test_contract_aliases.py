@@ -81,6 +81,13 @@ def test_the_old_name_reads_the_new_names_contracts_everywhere_at_enqueue(rename
     assert sql_enqueue(renamed, "charge", "k3", ok, 2) == "accepted"
     assert sql_enqueue(renamed, "charge", "k4", ok, 3) == "OB009"
     assert sql_enqueue(renamed, "charge", "k5", ok, None) == "OB009"
+    # The requirement follows the new name, both ways.
+    with psycopg.connect(renamed) as conn:
+        store.set_requirement(conn, "payments.charge", False, actor="test", reason="migrating")
+    assert sql_enqueue(renamed, "charge", "k5", ok, None) == "accepted"
+    with psycopg.connect(renamed) as conn:
+        store.set_requirement(conn, "payments.charge", True, actor="test", reason="done")
+    assert sql_enqueue(renamed, "charge", "k5b", ok, None) == "OB009"
     with psycopg.connect(renamed) as conn:
         store.set_state(conn, "payments.charge", 1, "retired", actor="test", reason="old")
     assert sql_enqueue(renamed, "charge", "k6", {"amount": 5, "currency": "eur"}, 1) == "OB009"

@@ -1981,9 +1981,10 @@ MUTANTS: tuple[Mutant, ...] = (
         "a renamed type's old name is refused the versions its new name publishes, or escapes "
         "their requirement",
         ENQUEUE,
-        "    v_contract_type := coalesce((SELECT a.operation_type FROM outbox.contract_aliases a\n"
-        "                                 WHERE a.alias = operation_type), operation_type);\n",
-        "    v_contract_type := operation_type;\n",
+        "        v_contract_type := coalesce((SELECT a.operation_type"
+        " FROM outbox.contract_aliases a\n"
+        "                                     WHERE a.alias = operation_type), operation_type);\n",
+        "        v_contract_type := operation_type;\n",
         "tests/integration/test_contract_aliases.py::"
         "test_the_old_name_reads_the_new_names_contracts_everywhere_at_enqueue",
     ),
@@ -2006,5 +2007,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "        if True:\n",
         INBOX_CONTRACT_TESTS
         + "test_a_handler_that_requires_a_contract_refuses_deliveries_naming_none_or_another",
+    ),
+    _one(
+        "alias-requirement-not-mirrored",
+        "a renamed type's old name escapes its new name's requirement: producers still naming it "
+        "enqueue without a version, unchecked",
+        ENQUEUE,
+        "       OR t.operation_type IN (SELECT a.alias FROM outbox.contract_aliases a\n",
+        "       OR false AND t.operation_type IN (SELECT a.alias FROM outbox.contract_aliases a\n",
+        "tests/integration/test_contract_aliases.py::"
+        "test_the_old_name_reads_the_new_names_contracts_everywhere_at_enqueue",
     ),
 )
