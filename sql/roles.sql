@@ -242,12 +242,12 @@ TO outbox_operator;
 -- credential cannot delete a record (the next delivery would run again) nor write another's.
 GRANT EXECUTE ON FUNCTION
     outbox.inbox_begin(text, text, text, text, bytea, interval, interval, uuid, bytea, text, text,
-                       text),
+                       text, text),
     outbox.inbox_complete(bigint, uuid, integer, jsonb, bytea),
     outbox.inbox_prune(integer),
     -- External mode: the claim, its heartbeat and its failure.
     outbox.inbox_claim(text, text, text, text, bytea, interval, integer, interval, uuid, bytea,
-                       text, text, text),
+                       text, text, text, text),
     outbox.inbox_renew(bigint, uuid, interval),
     outbox.inbox_fail(bigint, uuid, text),
     -- Its gauges (outbox/inbox/gauges.py).

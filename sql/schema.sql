@@ -1,5 +1,5 @@
 -- sql/schema.sql: the outbox schema as the migrations of sql/ leave it
--- (every migration up to 0055_contract_aliases).
+-- (every migration up to 0056_the_inbox_compares_contracts).
 --
 -- GENERATED FILE: DO NOT EDIT IT BY HAND. It is regenerated, after adding a migration, by
 --     python -m outbox.db.schema_dump --dsn postgresql://postgres@127.0.0.1:5432/postgres --output sql/schema.sql
@@ -211,7 +211,8 @@ COMMENT ON TABLE outbox.enqueue_allowances IS 'What each tenant may enqueue: ten
 -- =================================================================================================
 -- table outbox.inbox
 -- history: created by 0042_inbox; changed by 0046_the_inbox_checks_the_senders_fingerprint,
---     0048_the_origin_is_part_of_the_identity, 0049_a_delivery_costs_less
+--     0048_the_origin_is_part_of_the_identity, 0049_a_delivery_costs_less,
+--     0056_the_inbox_compares_contracts
 
 CREATE TABLE outbox.inbox (
     id               bigint NOT NULL GENERATED ALWAYS AS IDENTITY,
@@ -234,12 +235,14 @@ CREATE TABLE outbox.inbox (
     expires_at       timestamp with time zone NOT NULL,
     fingerprint      bytea,
     origin           uuid DEFAULT '00000000-0000-0000-0000-000000000000'::uuid NOT NULL,
+    contract         text,
     CONSTRAINT inbox_pkey PRIMARY KEY (id),
     CONSTRAINT inbox_identity UNIQUE (tenant_id, handler, key, origin),
     CONSTRAINT inbox_never_5xx CHECK (((response_status >= 200) AND (response_status <= 499)))
 ) WITH (fillfactor=80);
 
 COMMENT ON TABLE outbox.inbox IS 'One record per delivery identity a worker handled, committed with its business writes (sql/0042).';
+COMMENT ON COLUMN outbox.inbox.contract IS 'The contract the delivery named (Outbox-Contract, "<type>/v<N>"); NULL: none (sql/0056).';
 
 CREATE INDEX inbox_abandoned ON outbox.inbox USING btree (abandoned_at) WHERE (abandoned_at IS NOT NULL);
 CREATE INDEX inbox_expiry ON outbox.inbox USING btree (expires_at);
@@ -2026,11 +2029,10 @@ $function$;
 -- privileges: the owner's only
 
 -- =================================================================================================
--- function outbox.inbox_begin(text,text,text,text,bytea,interval,interval,uuid,bytea,text,text,text)
--- history: created by 0048_the_origin_is_part_of_the_identity; changed by
---     0049_a_delivery_costs_less
+-- function outbox.inbox_begin(text,text,text,text,bytea,interval,interval,uuid,bytea,text,text,text,text)
+-- history: created by 0056_the_inbox_compares_contracts
 
-CREATE OR REPLACE FUNCTION outbox.inbox_begin(tenant_id text, handler text, key text, body_json text, body_raw bytea, wait interval, retention interval, origin uuid DEFAULT NULL::uuid, fingerprint bytea DEFAULT NULL::bytea, provider text DEFAULT NULL::text, action text DEFAULT NULL::text, ordering_key text DEFAULT NULL::text, OUT decision text, OUT inbox_id bigint, OUT token uuid, OUT response_status integer, OUT response_headers jsonb, OUT response_body bytea)
+CREATE OR REPLACE FUNCTION outbox.inbox_begin(tenant_id text, handler text, key text, body_json text, body_raw bytea, wait interval, retention interval, origin uuid DEFAULT NULL::uuid, fingerprint bytea DEFAULT NULL::bytea, provider text DEFAULT NULL::text, action text DEFAULT NULL::text, ordering_key text DEFAULT NULL::text, contract text DEFAULT NULL::text, OUT decision text, OUT inbox_id bigint, OUT token uuid, OUT response_status integer, OUT response_headers jsonb, OUT response_body bytea)
  RETURNS record
  LANGUAGE plpgsql
  SECURITY DEFINER
@@ -2071,6 +2073,9 @@ BEGIN
                                      interval '400 days');
         v_digest := outbox.inbox_admit(tenant_id, handler, key, body_json, body_raw);
     END IF;
+    IF contract IS NOT NULL THEN  -- "<type>/v<N>", as outbox.inbox.http reads Outbox-Contract
+        PERFORM outbox.check_text('contract', contract, 160);
+    END IF;
     IF fingerprint IS NOT NULL THEN  -- no call at all for a delivery that brings none
         v_fingerprint := outbox.inbox_fingerprint(body_json, fingerprint, provider, action,
                                                   ordering_key, body_raw);
@@ -2094,9 +2099,9 @@ BEGIN
         END IF;
         IF r.id IS NULL THEN
             INSERT INTO outbox.inbox AS i (tenant_id, handler, key, origin, state, body_digest,
-                                           fingerprint, token, expires_at)
+                                           fingerprint, contract, token, expires_at)
             VALUES (tenant_id, handler, key, v_origin, 'in_progress', v_digest, v_fingerprint,
-                    gen_random_uuid(), now() + retention)
+                    contract, gen_random_uuid(), now() + retention)
             ON CONFLICT ON CONSTRAINT inbox_identity DO NOTHING
             RETURNING i.id, i.token INTO inbox_id, token;
             IF inbox_id IS NOT NULL THEN
@@ -2109,7 +2114,9 @@ BEGIN
             CONTINUE WHEN NOT FOUND;
         END IF;
         inbox_id := r.id;
-        IF r.body_digest <> v_digest OR r.fingerprint <> v_fingerprint THEN
+        -- Another contract is another intent, where both name one (as with fingerprints).
+        IF r.body_digest <> v_digest OR r.fingerprint <> v_fingerprint
+           OR r.contract <> inbox_begin.contract THEN
             PERFORM outbox.inbox_count_conflict(r.id, v_digest);
             decision := 'conflict';
             RETURN;
@@ -2131,10 +2138,10 @@ $function$;
 -- privileges: the owner's only
 
 -- =================================================================================================
--- function outbox.inbox_claim(text,text,text,text,bytea,interval,integer,interval,uuid,bytea,text,text,text)
--- history: created by 0048_the_origin_is_part_of_the_identity
+-- function outbox.inbox_claim(text,text,text,text,bytea,interval,integer,interval,uuid,bytea,text,text,text,text)
+-- history: created by 0056_the_inbox_compares_contracts
 
-CREATE OR REPLACE FUNCTION outbox.inbox_claim(tenant_id text, handler text, key text, body_json text, body_raw bytea, lease interval, max_claims integer, retention interval, origin uuid DEFAULT NULL::uuid, fingerprint bytea DEFAULT NULL::bytea, provider text DEFAULT NULL::text, action text DEFAULT NULL::text, ordering_key text DEFAULT NULL::text, OUT decision text, OUT inbox_id bigint, OUT token uuid, OUT claims integer, OUT downstream_key text, OUT retry_after interval, OUT response_status integer, OUT response_headers jsonb, OUT response_body bytea)
+CREATE OR REPLACE FUNCTION outbox.inbox_claim(tenant_id text, handler text, key text, body_json text, body_raw bytea, lease interval, max_claims integer, retention interval, origin uuid DEFAULT NULL::uuid, fingerprint bytea DEFAULT NULL::bytea, provider text DEFAULT NULL::text, action text DEFAULT NULL::text, ordering_key text DEFAULT NULL::text, contract text DEFAULT NULL::text, OUT decision text, OUT inbox_id bigint, OUT token uuid, OUT claims integer, OUT downstream_key text, OUT retry_after interval, OUT response_status integer, OUT response_headers jsonb, OUT response_body bytea)
  RETURNS record
  LANGUAGE plpgsql
  SECURITY DEFINER
@@ -2151,6 +2158,9 @@ BEGIN
     PERFORM outbox.check_count('max_claims', max_claims, 1, 100);
     PERFORM outbox.check_between('retention', retention, interval '1 hour', interval '400 days');
     v_digest := outbox.inbox_admit(tenant_id, handler, key, body_json, body_raw);
+    IF contract IS NOT NULL THEN  -- "<type>/v<N>", as outbox.inbox.http reads Outbox-Contract
+        PERFORM outbox.check_text('contract', contract, 160);
+    END IF;
     IF fingerprint IS NOT NULL THEN  -- no call at all for a delivery that brings none
         v_fingerprint := outbox.inbox_fingerprint(body_json, fingerprint, provider, action,
                                                   ordering_key, body_raw);
@@ -2169,10 +2179,10 @@ BEGIN
         r := outbox.inbox_of_operation(tenant_id, handler, key, v_origin, v_digest, true);
         IF r.id IS NULL THEN
             INSERT INTO outbox.inbox AS i (tenant_id, handler, key, origin, mode, state,
-                                           body_digest, fingerprint, token, lease_expires_at,
-                                           expires_at)
+                                           body_digest, fingerprint, contract, token,
+                                           lease_expires_at, expires_at)
             VALUES (tenant_id, handler, key, v_origin, 'external', 'in_progress', v_digest,
-                    v_fingerprint, gen_random_uuid(), now() + lease, now() + retention)
+                    v_fingerprint, contract, gen_random_uuid(), now() + lease, now() + retention)
             ON CONFLICT ON CONSTRAINT inbox_identity DO NOTHING
             RETURNING i.id, i.token, i.claims INTO inbox_id, token, claims;
             IF inbox_id IS NOT NULL THEN
@@ -2189,7 +2199,9 @@ BEGIN
         inbox_id := r.id;
         claims := r.claims;
         downstream_key := outbox.inbox_downstream_key(r.tenant_id, r.handler, r.key, r.origin);
-        IF r.body_digest <> v_digest OR r.fingerprint <> v_fingerprint THEN
+        -- Another contract is another intent, where both name one (as with fingerprints).
+        IF r.body_digest <> v_digest OR r.fingerprint <> v_fingerprint
+           OR r.contract <> inbox_claim.contract THEN
             PERFORM outbox.inbox_count_conflict(r.id, v_digest);
             decision := 'conflict';
             RETURN;

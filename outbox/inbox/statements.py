@@ -7,12 +7,13 @@ from typing import Final
 
 # The first statement of a delivery: decides new, replayed, conflict or in progress, binding
 # the transaction to the delivery's tenant; checks the body against the sender's fingerprint
-# and finds the record of the sender's database (sql/0046, 0048). Relies on: outbox.inbox_begin().
+# and finds the record of the sender's database (sql/0046, 0048); another contract than the
+# record's is a conflict (sql/0056). Relies on: outbox.inbox_begin().
 BEGIN: Final = (
     "SELECT decision, inbox_id, token, response_status, response_headers, response_body"
     " FROM outbox.inbox_begin(%(tenant_id)s, %(handler)s, %(key)s, %(body_json)s,"
     " %(body_raw)s, %(wait)s, %(retention)s, %(origin)s, %(fingerprint)s, %(provider)s,"
-    " %(action)s, %(ordering_key)s)"
+    " %(action)s, %(ordering_key)s, %(contract)s)"
 )
 
 # One published contract (sql/0052), which a delivery's body is checked against before the
@@ -104,7 +105,8 @@ CLAIM: Final = (
     "SELECT decision, inbox_id, token, claims, downstream_key, retry_after, response_status,"
     " response_headers, response_body FROM outbox.inbox_claim(%(tenant_id)s, %(handler)s,"
     " %(key)s, %(body_json)s, %(body_raw)s, %(lease)s, %(max_claims)s, %(retention)s,"
-    " %(origin)s, %(fingerprint)s, %(provider)s, %(action)s, %(ordering_key)s)"
+    " %(origin)s, %(fingerprint)s, %(provider)s, %(action)s, %(ordering_key)s,"
+    " %(contract)s)"
 )
 # Relies on: outbox.inbox_renew(), outbox.inbox_fail(), outbox.bind_tenant().
 RENEW: Final = "SELECT outbox.inbox_renew(%(inbox_id)s, %(token)s, %(lease)s)"

@@ -28,6 +28,7 @@ from outbox.providers.kit import intent_headers
 from tests.integration.test_contracts_enqueue import CHARGE, publish
 from tests.integration.test_inbox import EFFECTS, app_with, client, created, setup_effects
 from tests.integration.test_inbox_origin import operation_headers
+from tests.support.dispatch import rows as rows_of
 from tests.support.invoice_worker import count
 
 RECORDS = "SELECT count(*) FROM outbox.inbox"
@@ -211,3 +212,32 @@ async def test_a_handler_that_requires_a_contract_refuses_deliveries_naming_none
         ok = await c.post("/work", content=body, headers=headers)
         assert (ok.status_code, ok.headers["Outbox-Inbox-Decision"]) == (201, "new")
     assert (count(db_url, EFFECTS), count(db_url, RECORDS)) == (1, 1)
+
+
+@MODES
+async def test_one_key_under_another_contract_version_is_a_conflict(
+    db_url: str, pool: AsyncConnectionPool[Any], external: bool
+) -> None:
+    """The same key and body under charge/v1, then under charge/v2: another intent, a conflict
+    (422), never a replay of v1's answer; a copy that names no contract (a sender from before
+    contracts) replays, as a record without a fingerprint does (sql/0056)."""
+    publish(db_url, "charge", 2, CHARGE)
+    body = json.dumps(GOOD)
+    headers = {
+        "Content-Type": "application/json",
+        "Idempotency-Key": "same-key",
+        "Outbox-Tenant-Id": "acme",
+        "Outbox-Contract": "charge/v1",
+    }
+    async with client(app_with(Inbox(pool), created, external=external)) as c:
+        first = await c.post("/work", content=body, headers=headers)
+        other = await c.post(
+            "/work", content=body, headers={**headers, "Outbox-Contract": "charge/v2"}
+        )
+        unnamed = {k: v for k, v in headers.items() if k != "Outbox-Contract"}
+        again = await c.post("/work", content=body, headers=unnamed)
+    decisions = [a.headers["Outbox-Inbox-Decision"] for a in (first, other, again)]
+    assert decisions == ["new", "conflict", "replayed"]
+    assert [first.status_code, other.status_code, again.status_code] == [201, 422, 201]
+    assert (count(db_url, EFFECTS), count(db_url, RECORDS)) == (1, 1)
+    assert rows_of(db_url, "SELECT contract FROM outbox.inbox") == [("charge/v1",)]

@@ -248,7 +248,7 @@ def test_every_function_is_pinned_and_executable_only_by_its_roles(roles_db: str
         "outbox.bind_tenant(text)": (False, ["outbox_consumer", "outbox_producer"]),
         # A worker's deliveries, recorded in its own transactions (sql/0042).
         "outbox.inbox_begin(text,text,text,text,bytea,interval,interval,"
-        "uuid,bytea,text,text,text)": (
+        "uuid,bytea,text,text,text,text)": (
             True,
             ["outbox_consumer"],
         ),
@@ -257,7 +257,7 @@ def test_every_function_is_pinned_and_executable_only_by_its_roles(roles_db: str
         "outbox.inbox_forget(bigint,text,text,boolean)": (True, ["outbox_operator"]),
         "outbox.inbox_release(bigint,text,text)": (True, ["outbox_operator"]),
         "outbox.inbox_claim(text,text,text,text,bytea,interval,integer,interval,"
-        "uuid,bytea,text,text,text)": (
+        "uuid,bytea,text,text,text,text)": (
             True,
             ["outbox_consumer"],
         ),

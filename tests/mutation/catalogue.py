@@ -100,6 +100,9 @@ INBOX_ORIGIN = "sql/0046_the_inbox_checks_the_senders_fingerprint.sql"
 INBOX_IDENTITY = "sql/0048_the_origin_is_part_of_the_identity.sql"
 # 0049 creates inbox_begin (its admission one test) and inbox_of_operation again.
 INBOX_ADMISSION = "sql/0049_a_delivery_costs_less.sql"
+# 0056 creates inbox_begin and inbox_claim again, with the contract compared: their mutants
+# live there now.
+INBOX_CONTRACT = "sql/0056_the_inbox_compares_contracts.sql"
 ADMISSION_TESTS = "tests/integration/test_inbox_admission.py::"
 ORIGIN_TESTS = "tests/integration/test_inbox_origin.py::"
 INBOX_TESTS = "tests/integration/test_inbox.py"
@@ -1328,7 +1331,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "inbox-fast-path-unlocked",
         "a delivery skips the identity's advisory lock, so a duplicate's INSERT waits on the "
         "first one's uncommitted record with no bound",
-        INBOX_ADMISSION,
+        INBOX_CONTRACT,
         "    IF NOT pg_try_advisory_xact_lock(2828, v_lock) THEN  -- 2828 = 0x0B0C\n",
         "    IF false THEN\n",
         INBOX_TESTS + "::test_a_duplicate_waits_at_most_wait_then_hears_in_progress",
@@ -1336,9 +1339,10 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "inbox-no-conflict-check",
         "the same identity with another body replays the first outcome instead of a conflict",
-        INBOX_ADMISSION,
-        "        inbox_id := r.id;\n        IF r.body_digest <> v_digest OR r.fingerprint <> v_",
-        "        inbox_id := r.id;\n        IF false AND r.fingerprint <> v_",
+        INBOX_CONTRACT,
+        "        IF r.body_digest <> v_digest OR r.fingerprint <> v_fingerprint\n"
+        "           OR r.contract <> inbox_begin.contract THEN\n",
+        "        IF false THEN\n",
         INBOX_TESTS + "::test_any_spelling_of_the_same_json_replays_and_any_change_conflicts",
         WORKER_TESTS
         + "::test_the_same_key_with_other_input_is_a_conflict_and_the_first_invoice_stays",
@@ -1372,7 +1376,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "inbox-fast-path-skips-tenant",
         "a delivery admitted by inbox_begin's one test leaves its transaction unbound, so under "
         "row-level security its record cannot be completed and its handler sees no tenant",
-        INBOX_ADMISSION,
+        INBOX_CONTRACT,
         "        PERFORM set_config('outbox.tenant_id', tenant_id, true),\n"
         "                set_config('outbox.tenant_bound_at', v_stamp, true);\n",
         "        NULL;\n",
@@ -1382,7 +1386,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "inbox-fast-path-admits-a-bad-handler",
         "inbox_begin's one test admits a handler name the helpers refuse (one that starts with "
         "a dot or a dash), which then names metrics, logs and records",
-        INBOX_ADMISSION,
+        INBOX_CONTRACT,
         "AND handler ~ '^[a-z0-9][a-z0-9._-]*$'",
         "AND handler ~ '^[a-z0-9._-]*$'",
         ADMISSION_TESTS
@@ -1392,7 +1396,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "inbox-fast-path-admits-a-control-character",
         "inbox_begin's one test looks for control and format characters in the key only: a "
         "tenant with a bidi override reaches operators' terminals",
-        INBOX_ADMISSION,
+        INBOX_CONTRACT,
         "AND (tenant_id || key) !~ ",
         "AND key !~ ",
         ADMISSION_TESTS
@@ -1401,7 +1405,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "inbox-fast-path-unbounded-body",
         "inbox_begin's one test admits a body past 16 MiB that the helpers refuse",
-        INBOX_ADMISSION,
+        INBOX_CONTRACT,
         "coalesce(octet_length(body_json), octet_length(body_raw)) <= 16777216",
         "true",
         ADMISSION_TESTS + "test_the_fast_admission_bounds_the_body_as_the_helpers_do",
@@ -1506,7 +1510,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "inbox-reclaims-live-lease",
         "a claim whose lease still runs is taken by a second delivery: the handler runs twice",
-        INBOX_IDENTITY,
+        INBOX_CONTRACT,
         "        IF r.lease_expires_at > now() THEN\n",
         "        IF false THEN\n",
         EXTERNAL_TESTS + "::test_claims_at_once_run_the_handler_once",
@@ -1514,7 +1518,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _one(
         "inbox-no-abandon",
         "a delivery whose workers keep dying is claimed for ever, never shown to a person",
-        INBOX_IDENTITY,
+        INBOX_CONTRACT,
         "        IF r.lease_expires_at IS NOT NULL AND r.claims >= max_claims THEN\n",
         "        IF false THEN\n",
         EXTERNAL_TESTS + "::test_a_claim_taken_too_often_is_abandoned_until_released",
@@ -1740,7 +1744,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "inbox-lock-per-origin",
         "a delivery that names its origin locks its own origin's identity, not the key's: it "
         "misses an older sender's delivery still in its transaction and runs a second time",
-        INBOX_ADMISSION,
+        INBOX_CONTRACT,
         "    v_lock := hashtext(tenant_id || E'\\n' || handler || E'\\n' || key);\n    -- Nested",
         "    v_lock := hashtext(tenant_id || E'\\n' || handler || E'\\n' || key || v_origin);\n"
         "    -- Nested",
@@ -1769,7 +1773,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "inbox-reclaim-hands-the-deliverys-downstream-key",
         "a claim of a record from before the upgrade hands the key of the delivery's origin, "
         "not the record's: the call retried downstream is a second effect",
-        INBOX_IDENTITY,
+        INBOX_CONTRACT,
         "        downstream_key := outbox.inbox_downstream_key(r.tenant_id, r.handler, r.key, "
         "r.origin);\n",
         "        downstream_key := outbox.inbox_downstream_key(r.tenant_id, r.handler, r.key, "
@@ -2017,5 +2021,24 @@ MUTANTS: tuple[Mutant, ...] = (
         "       OR false AND t.operation_type IN (SELECT a.alias FROM outbox.contract_aliases a\n",
         "tests/integration/test_contract_aliases.py::"
         "test_the_old_name_reads_the_new_names_contracts_everywhere_at_enqueue",
+    ),
+    _one(
+        "inbox-contract-not-compared",
+        "one key delivered under two contract versions replays the first version's answer: the "
+        "second intent is never run nor reported",
+        INBOX_CONTRACT,
+        "           OR r.contract <> inbox_begin.contract THEN\n",
+        "           THEN\n",
+        INBOX_CONTRACT_TESTS
+        + "test_one_key_under_another_contract_version_is_a_conflict[transaction]",
+    ),
+    _one(
+        "inbox-claim-contract-not-compared",
+        "an External route claims one key under a second contract version as a replay",
+        INBOX_CONTRACT,
+        "           OR r.contract <> inbox_claim.contract THEN\n",
+        "           THEN\n",
+        INBOX_CONTRACT_TESTS
+        + "test_one_key_under_another_contract_version_is_a_conflict[external]",
     ),
 )
