@@ -21,7 +21,7 @@ import structlog
 from psycopg.pq import TransactionStatus
 from psycopg.rows import kwargs_row, tuple_row
 
-from outbox.contracts import Checker, InvalidContract, checker_for
+from outbox.contracts import Checker, InvalidContract, checker_for, label
 from outbox.core import payloads
 from outbox.core.model import EnqueueOutcome, EnqueueResult, Operation
 from outbox.db import statements
@@ -407,10 +407,10 @@ def _checker(
         log.warning(
             "enqueue under a deprecated contract version: move to a newer one before it is "
             "retired (then refused)",
-            contract=f"{kind}/v{version}",
+            contract=label(kind, version),
         )
     try:
-        checker = checker_for(f"{kind}/v{version}", digest, canonical)
+        checker = checker_for(label(kind, version), digest, canonical)
     except InvalidContract as exc:
         # Published past the bounds (by the SQL function: `outbox contracts push` bounds what
         # it publishes): no payload can be checked against it within the budget.

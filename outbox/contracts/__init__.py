@@ -14,7 +14,7 @@ from outbox.contracts.bounds import (
     InvalidContract,
 )
 from outbox.contracts.checks import Checker, Violation, checker_for
-from outbox.contracts.files import ContractFile, load_dir, parse_contract
+from outbox.contracts.files import ContractFile, label, load_dir, parse_contract
 
 __all__ = [
     "MAX_PER_LEVEL",
@@ -25,6 +25,7 @@ __all__ = [
     "InvalidContract",
     "Violation",
     "checker_for",
+    "label",
     "load_dir",
     "parse_contract",
 ]

@@ -34,12 +34,18 @@ class ContractFile:
     @property
     def label(self) -> str:
         """``<type>/v<N>``, as the Outbox-Contract header carries it."""
-        return f"{self.operation_type}/v{self.version}"
+        return label(self.operation_type, self.version)
+
+
+def label(operation_type: str, version: int) -> str:
+    """How a contract version is named everywhere: "<type>/v<N>" (the Outbox-Contract header,
+    messages, the file's place under the contracts folder)."""
+    return f"{operation_type}/v{version}"
 
 
 def parse_contract(operation_type: str, version: int, text: str, where: str = "") -> ContractFile:
     """Read one contract's schema text; raises InvalidContract naming the problem."""
-    where = where or f"{operation_type}/v{version}"
+    where = where or label(operation_type, version)
     _check_type(where, operation_type)
     if not 1 <= version <= 999_999_999:
         raise InvalidContract(where, "a contract's version is a whole number from 1")

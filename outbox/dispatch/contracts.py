@@ -19,7 +19,7 @@ from typing import Any, Final
 
 import psycopg
 
-from outbox.contracts import Checker, InvalidContract, checker_for
+from outbox.contracts import Checker, InvalidContract, checker_for, label
 from outbox.core import payloads
 from outbox.core.model import Status
 from outbox.core.policy import REASON_CONTRACT_VIOLATION
@@ -61,24 +61,24 @@ class Contracts:
         return await asyncio.shield(loading)
 
     async def _load(self, operation_type: str, version: int) -> Checker | Aside:
-        label = f"{operation_type}/v{version}"
+        named = label(operation_type, version)
         try:
             found = await self._store.get_contract(operation_type, version)
         except psycopg.Error as exc:
             # Nothing known about the payload: back unsent, its attempt unspent (not kept).
             log.warning(
                 "reading a contract failed; its rows go back unsent",
-                contract=label,
+                contract=named,
                 error=type(exc).__name__,
             )
             return Aside(Status.PENDING, None, delay=LOOKUP_RETRY)
         if found is None:
             # A row written by hand past enqueue's check. Not kept: the version may be published
             # later, and the next row that names it must then be checked, not refused.
-            return _refused(f"no contract {label} is published")
+            return _refused(f"no contract {named} is published")
         canonical, digest = found
         try:
-            checker = checker_for(label, digest, canonical)
+            checker = checker_for(named, digest, canonical)
         except InvalidContract as exc:
             return self._keep(operation_type, version, _refused(f"contract {exc}"))
         return self._keep(operation_type, version, checker)

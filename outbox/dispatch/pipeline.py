@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, Final
 
+from outbox import contracts
 from outbox.contracts import Checker
 from outbox.core import payloads
 from outbox.core.durations import format_duration
@@ -375,5 +376,5 @@ def _intent(row: Claimed) -> Intent | None:
         return None
     contract = None
     if row.contract_version is not None:
-        contract = f"{row.operation_type}/v{row.contract_version}"
+        contract = contracts.label(row.operation_type, row.contract_version)
     return Intent(str(row.origin), row.fingerprint, row.provider, row.ordering_key, contract)

@@ -20,7 +20,7 @@ from typing import Any, Final
 
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
-from outbox.contracts import Checker, InvalidContract, checker_for
+from outbox.contracts import Checker, InvalidContract, checker_for, label
 from outbox.core import payloads
 from outbox.inbox import statements
 
@@ -114,20 +114,17 @@ class Contracts:
         if required is None or (contract is not None and contract[0] in required):
             return
         takes = " or ".join(sorted(required))
-        named = "none" if contract is None else f"{contract[0]}/v{contract[1]}"
-        label = "" if contract is None else f"{contract[0]}/v{contract[1]}"
-        message = (
-            f"handler {handler} takes deliveries under contract {takes}; this one names {named}"
-        )
-        raise ContractBreach(label, message, "", "contract")
+        named = "" if contract is None else label(*contract)
+        message = f"handler {handler} takes deliveries under contract {takes}; this one names "
+        raise ContractBreach(named, message + (named or "none"), "", "contract")
 
     def _keep(self, contract: tuple[str, int], row: Any) -> Checker:
-        label = f"{contract[0]}/v{contract[1]}"
+        named = label(*contract)
         if row is None:  # not kept: the receiver's push may come any moment
-            raise ContractUnknown(f"contract {label} is not published in this database")
+            raise ContractUnknown(f"contract {named} is not published in this database")
         canonical, digest = row
         try:
-            checker = checker_for(label, digest, canonical)
+            checker = checker_for(named, digest, canonical)
         except InvalidContract as exc:
             raise ContractUnknown(f"contract {exc}") from None
         if len(self._kept) >= MAX_KEPT:
@@ -139,16 +136,16 @@ class Contracts:
 def check_body(checker: Checker, body: bytes, is_json: bool) -> None:
     """Raise ContractBreach unless ``body`` (the delivery's bytes) keeps ``checker``'s contract:
     decoded as the producer and the dispatcher decode a payload (outbox.core.payloads)."""
-    label = checker.label
+    named = checker.label
     if not is_json:
-        raise ContractBreach(label, f"contract {label}: the body is not JSON")
+        raise ContractBreach(named, f"contract {named}: the body is not JSON")
     try:
         value = payloads.decode(body.decode("utf-8"))
     except (UnicodeDecodeError, payloads.InvalidPayload) as exc:
         # The reason names the kind, depth or position; never the content.
         reason = "the body is not UTF-8" if isinstance(exc, UnicodeDecodeError) else str(exc)
-        raise ContractBreach(label, f"contract {label}: {reason}") from None
+        raise ContractBreach(named, f"contract {named}: {reason}") from None
     found = checker.violation(value)
     if found is not None:
-        message = f"the body breaks contract {label} {found}"
-        raise ContractBreach(label, message, found.path, found.rule)
+        message = f"the body breaks contract {named} {found}"
+        raise ContractBreach(named, message, found.path, found.rule)

@@ -24,6 +24,7 @@ from psycopg.pq import TransactionStatus
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
+from outbox.contracts import label
 from outbox.inbox import statements
 from outbox.inbox.contracts import Contracts, Required
 
@@ -313,12 +314,8 @@ def body_params(identity: Identity, body: bytes, is_json: bool) -> dict[str, Any
         "action": None if sent is None else sent.action,
         "ordering_key": None if sent is None else sent.ordering_key,
         # Another contract under one identity is a conflict, where both name one (sql/0056).
-        "contract": _label(identity.contract),
+        "contract": None if identity.contract is None else label(*identity.contract),
     }
-
-
-def _label(contract: tuple[str, int] | None) -> str | None:
-    return None if contract is None else f"{contract[0]}/v{contract[1]}"
 
 
 def outcome_params(inbox_id: int | None, token: Any, outcome: Outcome) -> dict[str, Any]:

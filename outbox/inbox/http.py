@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Final
 
+from outbox.contracts.files import MAX_TYPE_LENGTH
 from outbox.core.json_pointer import MISSING, Pointer
 from outbox.inbox.core import Fingerprint, Identity, Outcome
 
@@ -74,7 +75,7 @@ _PARAM: Final = re.compile(_PARAM_TEXT)
 _FINGERPRINT: Final = re.compile(r":([A-Za-z0-9+/=]{1,88}):((?:" + _PARAM_TEXT + ")*)")
 # Outbox-Contract, percent-decoded: "<type>/v<N>", a type of 1 to 128 characters
 # (outbox.contracts.files), a version of 1 to 2^31-1.
-_CONTRACT: Final = re.compile(r"(.{1,128})/v([1-9][0-9]{0,9})", re.DOTALL)
+_CONTRACT: Final = re.compile(rf"(.{{1,{MAX_TYPE_LENGTH}}})/v([1-9][0-9]{{0,9}})", re.DOTALL)
 _MAX_VERSION: Final = 2**31 - 1
 _SF_ESCAPE: Final = re.compile(r"\\([\\\"])")
 _SHA256_BYTES: Final = 32

@@ -1998,7 +1998,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "work aside for an operator",
         "outbox/dispatch/contracts.py",
         "            return Aside(Status.PENDING, None, delay=LOOKUP_RETRY)\n",
-        '            return _refused(f"contract {label} could not be read")\n',
+        '            return _refused(f"contract {named} could not be read")\n',
         CONTRACT_DISPATCH_TESTS
         + "test_a_contract_the_database_does_not_answer_for_hands_the_row_back_unsent",
     ),
