@@ -21,7 +21,7 @@ import click
 import psycopg
 
 from outbox import producer
-from outbox.cli import contracts, inbox, operator, ordering, pending, providers, status
+from outbox.cli import contracts, inbox, operator, ordering, pending, providers, status, web
 from outbox.cli.common import (
     TEXT,
     BadInput,
@@ -354,6 +354,7 @@ main.add_command(ordering.ordering)
 main.add_command(providers.providers)
 main.add_command(inbox.inbox)
 main.add_command(contracts.contracts)
+main.add_command(web.web)
 
 
 if __name__ == "__main__":  # pragma: no cover

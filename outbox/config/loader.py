@@ -29,6 +29,7 @@ from outbox.config.settings import (
     DispatcherSettings,
     ProviderSettings,
     Settings,
+    WebSettings,
     _dotted,
     _provider_name,
 )
@@ -95,6 +96,7 @@ def settings_from_mapping(
         providers={name: _provider_settings(name, table) for name, table in raw.providers.items()},
         **_read_table(Settings, raw.top),
         database=DatabaseSettings(**_read_table(DatabaseSettings, raw.tables["database"], env)),
+        web=WebSettings(**_read_table(WebSettings, raw.tables["web"], env)),
     )
 
 

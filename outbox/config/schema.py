@@ -325,6 +325,20 @@ class FileName(Kind[str]):
 
 
 @dataclass(frozen=True, slots=True)
+class HeaderName(Kind[str]):
+    """An HTTP header's name (a token of RFC 9110: letters, digits and a few marks)."""
+
+    describe: ClassVar[str] = "HTTP header name"
+
+    def read(self, value: object, where: Where) -> str:
+        if isinstance(value, str) and re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,64}", value):
+            return value
+        raise where.error(
+            f"must be an HTTP header's name, such as X-Forwarded-User, not {show(value)}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class ProviderType(Kind[str]):
     """A provider type: a built-in one or the name of a third-party entry point."""
 

@@ -43,6 +43,8 @@ from outbox.config.schema import (
     ConfigError,
     Count,
     Duration,
+    FileName,
+    HeaderName,
     ProviderType,
     Rate,
     Secret,
@@ -83,6 +85,7 @@ __all__ = [
     "ProviderLimits",
     "ProviderSettings",
     "Settings",
+    "WebSettings",
     "default_burst",
     "format_rate",
 ]
@@ -349,6 +352,61 @@ class DatabaseSettings:
         return f"DatabaseSettings({shown_fields(self)})"
 
 
+@dataclass(frozen=True, slots=True, repr=False)
+class WebSettings:
+    """``[web]``: who may use ``outbox web``, the operator console, and how they sign in."""
+
+    credentials_file: str | None = field(
+        default=None,
+        metadata=setting(
+            FileName(),
+            "The console's sign-in: one line per person, `name role hash` (role viewer or "
+            "operator; the hash from `outbox web --hash-password`), read with HTTP basic "
+            "credentials. Without it and without proxy_user_header, everyone is a viewer.",
+            default_doc="none",
+        ),
+    )
+    proxy_user_header: str | None = field(
+        default=None,
+        metadata=setting(
+            HeaderName(),
+            "Sign-in by a trusted reverse proxy instead: the header that names the person. Only "
+            "behind a proxy that sets it on every request and strips it from the client's; the "
+            "console listens on loopback unless told otherwise.",
+            default_doc="none",
+        ),
+    )
+    proxy_role_header: str | None = field(
+        default=None,
+        metadata=setting(
+            HeaderName(),
+            "With proxy_user_header: the header the proxy puts the person's role in (viewer or "
+            "operator); without it, or without a role, the person is a viewer.",
+            default_doc="none",
+        ),
+    )
+    read_only: bool = field(
+        default=False,
+        metadata=setting(
+            Boolean(),
+            "The console changes nothing, whoever signs in: every action is refused and none is "
+            "offered.",
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self, "web")
+        if self.proxy_role_header is not None and self.proxy_user_header is None:
+            raise ConfigError(
+                "web.proxy_role_header needs web.proxy_user_header: a role without a name "
+                "signs no one in",
+                key="web.proxy_role_header",
+            )
+
+    def __repr__(self) -> str:
+        return f"WebSettings({shown_fields(self)})"
+
+
 def _no_options() -> Mapping[str, Any]:
     return MappingProxyType({})
 
@@ -548,6 +606,7 @@ class Settings:
         metadata=setting(Choice(LOG_LEVELS), "How much the daemon logs (a top-level key)."),
     )
     database: DatabaseSettings = field(default_factory=DatabaseSettings)
+    web: WebSettings = field(default_factory=WebSettings)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "providers", MappingProxyType(dict(self.providers)))
@@ -591,7 +650,7 @@ class Settings:
 
 # The tables of the file, and the dataclass each is read into.
 TABLES: Final[Mapping[str, type]] = MappingProxyType(
-    {"dispatcher": DispatcherSettings, "database": DatabaseSettings}
+    {"dispatcher": DispatcherSettings, "database": DatabaseSettings, "web": WebSettings}
 )
 # The keys every [providers.<name>] table may have, and among them those of its share of the
 # dispatcher; a provider's other keys are its options.

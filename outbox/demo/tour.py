@@ -272,6 +272,7 @@ def _next_steps(dsn: str, kept: str | None, say: Say) -> None:
         say("the database is still running; look deeper with:")
         say(f"  export OUTBOX_DATABASE_URL='{dsn}'")
         say("  outbox status; outbox quarantine list; outbox reconcile show <id>")
+        say(f"  outbox web --config {_console_config(kept)}   # the console, in a browser")
         say("then stop it and delete its directory with:")
         say(f"  outbox demo --stop {kept}")
     else:
@@ -279,6 +280,18 @@ def _next_steps(dsn: str, kept: str | None, say: Say) -> None:
             "look deeper next time with `outbox demo --keep`, then `outbox quarantine list`, "
             "`outbox quarantine show <id>`, `outbox status`"
         )
+
+
+def _console_config(kept: str) -> Path:
+    """A config file for `outbox web` beside the kept database: the demo's providers were test
+    servers of this process, gone with it, so it configures none (no key window to show)."""
+    path = Path(kept) / "outbox.toml"
+    path.write_text(
+        "# Written by `outbox demo --keep` for `outbox web --config` (docs/console.md).\n"
+        "# The demo's providers ended with it: none is configured here.\n"
+        "[web]\nread_only = false\n"
+    )
+    return path
 
 
 def stop(directory: Path) -> None:

@@ -32,10 +32,11 @@ ERRORS = ("http_422", "unknown_provider")
 
 
 def quarantine_population(
-    db_url: str, rng: random.Random, count: int, status: str = "quarantined"
+    db_url: str, rng: random.Random, count: int, status: str = "quarantined", prefix: str = "k-"
 ) -> list[dict[str, Any]]:
     """``count`` operations in ``status`` with random provider, tenant, reason, error and the
-    time they entered it (0 to 48 hours ago); returns each one's attributes."""
+    time they entered it (0 to 48 hours ago), keyed ``prefix`` and a number; returns each one's
+    attributes."""
     population = []
     with psycopg.connect(db_url) as conn:
         for i in range(count):
@@ -49,7 +50,7 @@ def quarantine_population(
             row = conn.execute(
                 "SELECT operation_id FROM outbox.enqueue(%s, 'invoice.charge', %s, %s, "
                 "'invoice.paid', '{}'::jsonb)",
-                (one["tenant"], f"k-{i}", one["provider"]),
+                (one["tenant"], f"{prefix}{i}", one["provider"]),
             ).fetchone()
             assert row is not None
             op = row[0]

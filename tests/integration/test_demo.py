@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -14,6 +15,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.support.cluster import free_port
@@ -90,6 +92,36 @@ def test_a_kept_demo_says_how_to_stop_it_and_that_stops_it(short_tmp: Path) -> N
         check=False,
     )
     assert status.returncode == 0, status.stderr  # still running, as it said
+    # The console, as the demo says to start it, shows the demo's operations.
+    said = re.search(r"outbox web --config (\S+)", done.stdout)
+    assert said is not None
+    port = free_port()
+    console = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "outbox",
+            "web",
+            "--config",
+            said[1],
+            "--listen",
+            f"127.0.0.1:{port}",
+        ],
+        env={**env, "OUTBOX_DATABASE_URL": dsn[1]},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        page = ""
+        for _ in range(200):
+            with contextlib.suppress(httpx.HTTPError):
+                page = httpx.get(f"http://127.0.0.1:{port}/operations", timeout=2).text
+                break
+            time.sleep(0.05)
+    finally:
+        console.terminate()
+        console.wait(10)
+    assert "invoice-6-charge" in page and "invoice-7-charge" in page and "quarantined" in page
 
     # A directory the demo did not make is refused, and left whole.
     other = short_tmp / "pgdata"

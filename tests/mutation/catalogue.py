@@ -35,6 +35,8 @@ RLS_TESTS = "tests/integration/test_rls.py::"
 HEALTH_TESTS = "tests/integration/test_provider_health.py::"
 WITHOUT_CONFIG_TESTS = "tests/integration/test_reconcile_without_config.py::"
 HTTP_LOOKUP_TESTS = "tests/integration/test_http_lookups.py::"
+WEB_APP = "outbox/web/app.py"
+WEB_TESTS = "tests/integration/test_web_console.py::"
 
 
 @dataclass(frozen=True)
@@ -2040,5 +2042,50 @@ MUTANTS: tuple[Mutant, ...] = (
         "           THEN\n",
         INBOX_CONTRACT_TESTS
         + "test_one_key_under_another_contract_version_is_a_conflict[external]",
+    ),
+    # --- the console (issue 43): every POST is the operator's own, from the console's form ---
+    _one(
+        "console-viewer-acts",
+        "a viewer changes operations: the console's role check is gone",
+        WEB_APP,
+        "        if not user.may_act:\n",
+        "        if False:\n",
+        WEB_TESTS + "test_a_viewers_forged_post_changes_nothing",
+    ),
+    _one(
+        "console-no-form-token",
+        "a POST without the form's token acts: any page of another site can act as the operator",
+        WEB_APP,
+        "        if not self.tokens.valid(user, token if isinstance(token, str) else None):\n",
+        "        if False:\n",
+        WEB_TESTS + "test_a_post_without_the_operators_own_token_or_from_another_site_is_refused",
+    ),
+    _one(
+        "console-read-only-acts",
+        "a read-only console changes operations",
+        WEB_APP,
+        "        if self.options.read_only:\n",
+        "        if False:\n",
+        WEB_TESTS + "test_a_read_only_console_refuses_an_operator_and_offers_nothing",
+    ),
+    _one(
+        "console-bulk-selects-again",
+        "a bulk action acts on what its filters select at confirmation, not on what the person "
+        "saw counted",
+        "outbox/web/pages.py",
+        "    job = console.jobs.start(name, selection.ids, action, started_by=user.name)\n",
+        "    def again(conn: psycopg.Connection[Any]) -> list[int]:\n"
+        "        return operators.select_ids(conn, selection.status, selection.filters)\n\n"
+        "    ids = await console.db(again)\n"
+        "    job = console.jobs.start(name, ids, action, started_by=user.name)\n",
+        WEB_TESTS + "test_a_bulk_action_acts_on_what_the_dry_run_counted_and_skips_what_left",
+    ),
+    _one(
+        "console-payload-unmasked",
+        "the console shows a payload's secrets: the logs' masking is skipped",
+        "outbox/web/reads.py",
+        'json.dumps(redaction.redact(value, marker="[redacted]"), indent=2',
+        "json.dumps(value, indent=2",
+        WEB_TESTS + "test_the_payload_is_hidden_until_asked_for_and_its_secrets_stay_masked",
     ),
 )

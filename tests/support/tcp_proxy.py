@@ -106,7 +106,15 @@ class TcpProxy:
                 for sock in (client, server):
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
-                self._sockets.update((client, server))
+                live = self._listener is listener
+                if live:
+                    self._sockets.update((client, server))
+            if not live:
+                # Cut while this one was connecting: cut() no longer knows these two sockets, so
+                # close them here, or they leak (pytest fails the test on the ResourceWarning).
+                client.close()
+                server.close()
+                return
             for a, b, direction in ((client, server, "up"), (server, client, "down")):
                 args = (a, b, self._muted[direction])
                 threading.Thread(target=self._pipe, args=args, daemon=True).start()

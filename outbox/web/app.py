@@ -1,0 +1,195 @@
+"""`outbox web`'s ASGI application: server-rendered pages (Starlette and Jinja2, no build step)
+over a small pool of connections, each action through the same SQL function as the CLI's.
+
+Every request is signed in first (outbox/web/auth.py); every POST also proves that it came from
+one of the console's own forms and that its sender may act. Database work runs on a worker
+thread, with a statement timeout, so a slow query never stalls the event loop nor holds a
+connection for long.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Final, TypeVar
+
+import psycopg
+from psycopg_pool import ConnectionPool
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import FormData
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, RedirectResponse, Response
+from starlette.templating import Jinja2Templates
+
+from outbox.config.settings import Settings
+from outbox.core.durations import format_duration
+from outbox.core.model import Status
+from outbox.db.connect import pin_search_path
+from outbox.db.dsn import scrub
+from outbox.web import bulk
+from outbox.web.auth import ANONYMOUS, Credentials, FormTokens, Role, User, basic_credentials
+from outbox.web.auth import proxy_user as user_from_proxy
+from outbox.web.statements import SESSION_TIMEOUT
+
+T = TypeVar("T")
+HERE: Final = Path(__file__).parent
+STATEMENT_TIMEOUT_MS: Final = 5_000  # a page's query that reads further is stopped, and says so
+REFRESH_SECONDS: Final = 2  # how often a page's live parts are read again
+REALM: Final = 'Basic realm="outbox", charset="UTF-8"'
+
+# The actions of one operation, by its status: the name a form posts and what it calls.
+ACTIONS: Final[Mapping[Status, tuple[str, ...]]] = {
+    Status.QUARANTINED: ("replay", "reconcile", "cancel"),
+    Status.RECONCILING: ("retry", "no-effect", "resolve", "cancel"),
+    Status.PENDING: ("request-cancel",),
+    Status.IN_FLIGHT: ("request-cancel",),
+}
+# Bulk actions by status, as `outbox quarantine|reconcile ACTION --all` offers them.
+BULK_ACTIONS: Final[Mapping[Status, tuple[str, ...]]] = {
+    Status.QUARANTINED: ("replay", "cancel"),
+    Status.RECONCILING: ("retry", "cancel"),
+}
+
+
+@dataclass(frozen=True)
+class Options:
+    """How this console runs: what its settings and command line said."""
+
+    read_only: bool = False
+    credentials: Credentials | None = None
+    proxy_user_header: str | None = None
+    proxy_role_header: str | None = None
+
+    @property
+    def anonymous(self) -> bool:
+        return self.credentials is None and self.proxy_user_header is None
+
+
+def key_windows(settings: Settings) -> dict[str, timedelta]:
+    """Per configured provider, how long after its first send its key window closes."""
+    return {
+        name: ps.key_retention - settings.margin_of(ps) for name, ps in settings.providers.items()
+    }
+
+
+def open_pool(dsn: str, *, size: int = 4, timeout: float = 10.0) -> ConnectionPool[Any]:
+    """The console's connections: read committed (as the CLI's, sql/0019), pinned search_path,
+    a statement timeout; opened lazily, so the console starts while the database is down."""
+
+    def configure(conn: psycopg.Connection[Any]) -> None:
+        conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
+        conn.autocommit = True
+        pin_search_path(conn)
+        conn.execute(SESSION_TIMEOUT.replace("%(timeout_ms)s", str(STATEMENT_TIMEOUT_MS)))
+        conn.autocommit = False
+
+    kwargs = {"application_name": "outbox-web", "prepare_threshold": None, "connect_timeout": 5}
+    return ConnectionPool(
+        dsn,
+        min_size=1,
+        max_size=size,
+        kwargs=kwargs,
+        configure=configure,
+        open=False,
+        timeout=timeout,
+    )
+
+
+class Console:
+    """The pages and actions, around one pool, the settings and the sign-in."""
+
+    def __init__(
+        self, pool: ConnectionPool[Any], settings: Settings, options: Options, dsn: str = ""
+    ) -> None:
+        self.pool = pool
+        self.windows = key_windows(settings)
+        self.options = options
+        self.tokens = FormTokens()
+        self.jobs = bulk.Jobs(pool)
+        self._dsn = dsn
+        self.templates = Jinja2Templates(directory=str(HERE / "templates"))
+        self.templates.env.filters["age"] = _age
+        self.templates.env.globals["refresh_seconds"] = REFRESH_SECONDS
+
+    # --- plumbing -------------------------------------------------------------------------
+
+    def user(self, request: Request) -> User:
+        """The person signed in, or a 401 asking for credentials (403 for a bad proxy header)."""
+        options = self.options
+        if options.proxy_user_header is not None:
+            role_header = options.proxy_role_header
+            role = request.headers.get(role_header) if role_header else None
+            found = user_from_proxy(request.headers.get(options.proxy_user_header), role)
+            if found is None:
+                raise HTTPException(403, "the proxy named no one")
+            return found
+        if options.credentials is not None:
+            sent = basic_credentials(request.headers.get("authorization"))
+            found = options.credentials.check(*sent) if sent else None
+            if found is None:
+                raise HTTPException(401, "sign in", headers={"WWW-Authenticate": REALM})
+            return found
+        return User(ANONYMOUS, Role.VIEWER)
+
+    async def db(self, work: Callable[[psycopg.Connection[Any]], T]) -> T:
+        """``work`` on a pooled connection, on a worker thread."""
+
+        def run() -> T:
+            with self.pool.connection() as conn:
+                return work(conn)
+
+        try:
+            return await run_in_threadpool(run)
+        except psycopg.errors.QueryCanceled:
+            raise HTTPException(
+                503, "the database took too long: narrow the filters and ask again"
+            ) from None
+        except (psycopg.OperationalError, psycopg.errors.AdminShutdown) as exc:
+            raise HTTPException(503, "the database does not answer: " + self._scrub(exc)) from None
+        except (psycopg.errors.UndefinedFunction, psycopg.errors.UndefinedTable):
+            raise HTTPException(
+                503, "the outbox schema is missing or out of date: run `outbox migrate`"
+            ) from None
+
+    def _scrub(self, exc: BaseException) -> str:
+        return scrub(str(exc).strip().splitlines()[0] if str(exc).strip() else "", self._dsn)
+
+    def page(self, request: Request, name: str, user: User, **context: Any) -> HTMLResponse:
+        context.update(
+            user=user,
+            may_act=user.may_act and not self.options.read_only,
+            read_only=self.options.read_only,
+            anonymous=self.options.anonymous,
+            csrf=self.tokens.issue(user),
+        )
+        return self.templates.TemplateResponse(request, name, context)
+
+    async def acting(self, request: Request) -> tuple[User, FormData]:
+        """The person behind a POST and its form, once it is shown to come from the console's
+        own form and its sender may act: else 403, before anything is read or changed."""
+        user = self.user(request)
+        # A browser says where a request came from; a cross-site one is never ours.
+        if request.headers.get("sec-fetch-site", "same-origin") not in ("same-origin", "none"):
+            raise HTTPException(403, "a request from another site is refused")
+        form = await request.form(max_files=0, max_fields=16)
+        token = form.get("csrf")
+        if not self.tokens.valid(user, token if isinstance(token, str) else None):
+            raise HTTPException(403, "the form's token is missing or not yours: reload the page")
+        if self.options.read_only:
+            raise HTTPException(403, "this console is read-only")
+        if not user.may_act:
+            raise HTTPException(403, f"{user.name} is a viewer: viewers change nothing")
+        return user, form
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return format_duration(timedelta(seconds=max(0, round(seconds))))
+
+
+def redirect(url: str) -> Response:
+    return RedirectResponse(url, status_code=303)
