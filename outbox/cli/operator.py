@@ -37,7 +37,6 @@ from outbox.core.safe_text import printable
 from outbox.oncall import operators, reconciler
 from outbox.oncall.text_tables import render_table
 from outbox.providers.base import Provider
-from outbox.providers.registry import build_providers, may_look_up
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -384,18 +383,10 @@ def add_reconcile_check(group: click.Group) -> None:
 def _providers_to_ask(
     configured: Mapping[str, ProviderSettings], wanted: set[str]
 ) -> tuple[dict[str, Provider], set[str]]:
-    """The providers of the operations a check takes, built; and those of them whose settings
-    show no lookup, not built: no secret of a provider not asked is read, so a laptop needs only
-    the secrets of the providers it checks."""
-    chosen = {name: ps for name, ps in configured.items() if name in wanted}
-    without_lookup = {name for name, ps in chosen.items() if not may_look_up(ps)}
     try:
-        built = build_providers(
-            {name: ps for name, ps in chosen.items() if name not in without_lookup}
-        )
+        return reconciler.providers_to_ask(configured, wanted)
     except ConfigError as exc:
         raise BadInput(str(exc)) from None
-    return built, without_lookup
 
 
 def _check_note(result: reconciler.CheckResult, dry_run: bool) -> str:

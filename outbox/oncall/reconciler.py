@@ -23,7 +23,7 @@ import structlog
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
-from outbox.config.settings import ProviderLimits
+from outbox.config.settings import ProviderLimits, ProviderSettings
 from outbox.core import payloads
 from outbox.db import statements
 from outbox.db.connect import connection_options, pin_search_path_async
@@ -32,6 +32,7 @@ from outbox.dispatch.pauses import LookupPacer
 from outbox.errors import SQLSTATE_OPERATOR_REFUSED
 from outbox.observability import metrics
 from outbox.providers.base import Lookup, LookupRequest, NotFound, Provider, Verdict, asks
+from outbox.providers.registry import build_providers, may_look_up
 from outbox.runtime import loops
 
 ACTOR: Final = "outbox-reconciler"
@@ -361,10 +362,12 @@ async def run_checks(
     on_result: Callable[[CheckResult], None],
     limits: Mapping[str, ProviderLimits] | None = None,
     without_lookup: Collection[str] = (),
+    actor: str = f"{ACTOR} (manual)",
 ) -> list[CheckResult]:
     """Check one operation, those of ``ids``, or (with neither) every reconciling one, for
-    `outbox reconcile check`. ``without_lookup``: providers configured but not built, since
-    they have no lookup: their operations are answered no_lookup."""
+    `outbox reconcile check` and the console (``actor``: who asked, for the audit).
+    ``without_lookup``: providers configured but not built, since they have no lookup: their
+    operations are answered no_lookup."""
     # prepare_threshold None: `reconcile check --all` may run through a transaction pooler.
     options = {
         "autocommit": True,
@@ -377,7 +380,7 @@ async def run_checks(
         reconciler = Reconciler(
             pool,
             providers,
-            actor=f"{ACTOR} (manual)",
+            actor=actor,
             limits=limits,
             without_lookup=without_lookup,
         )
@@ -401,3 +404,16 @@ async def run_checks(
     for provider in providers.values():
         await provider.aclose()
     return [results[n] for n in range(len(rows))]
+
+
+def providers_to_ask(
+    configured: Mapping[str, ProviderSettings], wanted: Collection[str]
+) -> tuple[dict[str, Provider], set[str]]:
+    """The providers of the operations a check takes, built; and those of them whose settings
+    show no lookup, not built: no secret of a provider not asked is read, so a laptop needs only
+    the secrets of the providers it checks. Raises ConfigError for a provider that cannot be
+    built."""
+    chosen = {name: ps for name, ps in configured.items() if name in wanted}
+    without_lookup = {name for name, ps in chosen.items() if not may_look_up(ps)}
+    built = build_providers({name: ps for name, ps in chosen.items() if name not in without_lookup})
+    return built, without_lookup

@@ -43,7 +43,7 @@ REALM: Final = 'Basic realm="outbox", charset="UTF-8"'
 # The actions of one operation, by its status: the name a form posts and what it calls.
 ACTIONS: Final[Mapping[Status, tuple[str, ...]]] = {
     Status.QUARANTINED: ("replay", "reconcile", "cancel"),
-    Status.RECONCILING: ("retry", "no-effect", "resolve", "cancel"),
+    Status.RECONCILING: ("check", "retry", "no-effect", "resolve", "cancel"),
     Status.PENDING: ("request-cancel",),
     Status.IN_FLIGHT: ("request-cancel",),
 }
@@ -105,12 +105,15 @@ class Console:
         self, pool: ConnectionPool[Any], settings: Settings, options: Options, dsn: str = ""
     ) -> None:
         self.pool = pool
+        self.settings = settings
         self.windows = key_windows(settings)
         self.options = options
         self.tokens = FormTokens()
         self.jobs = bulk.Jobs(pool)
-        self._dsn = dsn
+        self.dsn = dsn
         self.templates = Jinja2Templates(directory=str(HERE / "templates"))
+        # Said, not assumed: a provider's error text or a producer's id is never markup here.
+        self.templates.env.autoescape = True
         self.templates.env.filters["age"] = _age
         self.templates.env.globals["refresh_seconds"] = REFRESH_SECONDS
 
@@ -155,7 +158,7 @@ class Console:
             ) from None
 
     def _scrub(self, exc: BaseException) -> str:
-        return scrub(str(exc).strip().splitlines()[0] if str(exc).strip() else "", self._dsn)
+        return scrub(str(exc).strip().splitlines()[0] if str(exc).strip() else "", self.dsn)
 
     def page(self, request: Request, name: str, user: User, **context: Any) -> HTMLResponse:
         context.update(

@@ -13,21 +13,28 @@ import psycopg
 from starlette.applications import Starlette
 from starlette.datastructures import FormData, QueryParams
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from outbox.config.settings import ConfigError
 from outbox.core.durations import DurationTooLong, parse_duration
 from outbox.core.model import Status
 from outbox.core.safe_text import printable
-from outbox.oncall import operators
+from outbox.oncall import operators, reconciler
 from outbox.web import bulk, reads
 from outbox.web.app import ACTIONS, BULK_ACTIONS, HERE, Console, redirect
 from outbox.web.auth import User
 
 MAX_REASON: Final = 500  # the audit's why: a sentence, not a document
 MAX_FIELD: Final = 200  # a filter's or a reference's length
+# What a bulk action selects by: `outbox quarantine|reconcile ACTION`'s filters.
+_BULK_FILTERS: Final = frozenset(
+    {"status", "provider", "status_reason", "error", "tenant", "since"}
+)
 
 
 def create_app(console: Console) -> Starlette:
@@ -45,9 +52,48 @@ def create_app(console: Console) -> Starlette:
         *routes(console),
         Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),
     ]
-    app = Starlette(routes=served, lifespan=lifespan, exception_handlers=errors(console))
+    app = Starlette(
+        routes=served,
+        lifespan=lifespan,
+        exception_handlers=errors(console),
+        middleware=[Middleware(SecurityHeaders)],
+    )
     app.state.console = console
     return app
+
+
+# Every answer: scripts, styles and forms of the console's own origin only, never in a frame of
+# another site's (clickjacking an operator into an action), never cached (a payload shown once
+# stays on no disk), no address of a page sent elsewhere.
+_HEADERS: Final = [
+    (
+        b"content-security-policy",
+        b"default-src 'self'; frame-ancestors 'none'; form-action 'self'; base-uri 'none'",
+    ),
+    (b"x-frame-options", b"DENY"),
+    (b"x-content-type-options", b"nosniff"),
+    (b"referrer-policy", b"same-origin"),
+    (b"cache-control", b"no-store"),
+]
+
+
+class SecurityHeaders:
+    """Adds _HEADERS to every HTTP answer (pure ASGI: no buffering of the body)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), *_HEADERS]
+            await send(message)
+
+        await self.app(scope, receive, with_headers)
 
 
 def routes(console: Console) -> list[Route]:
@@ -126,7 +172,9 @@ async def operation(console: Console, request: Request) -> Response:
     with_payload = request.query_params.get("payload") == "1"
 
     def read(conn: psycopg.Connection[Any]) -> dict[str, Any]:
-        return operators.show(conn, operation_id, with_payload=with_payload)
+        op = operators.show(conn, operation_id, with_payload=with_payload)
+        op["key_window"] = reads.key_window(conn, op, console.windows)
+        return op
 
     try:
         op = await console.db(read)
@@ -168,6 +216,8 @@ async def act(console: Console, request: Request) -> Response:
     user, form = await console.acting(request)
     operation_id = int(request.path_params["id"])
     name = _form_text(form, "action")
+    if name == "check":
+        return await _check(console, request, operation_id, user)
     call = _single_action(name, form, user)
     try:
         status = await console.db(lambda c: call(c, operation_id))
@@ -175,6 +225,38 @@ async def act(console: Console, request: Request) -> Response:
         raise HTTPException(409, str(exc)) from None
     url = request.url_for("operation", id=operation_id)
     return redirect(f"{url}?" + urlencode({"done": f"{name}: now {status.value}"}))
+
+
+async def _check(console: Console, request: Request, operation_id: int, user: User) -> Response:
+    """Ask the provider, as `outbox reconcile check ID` does: found makes it succeeded, not found
+    is recorded; nothing changes at the provider, so no reason is asked for. The audit names the
+    person."""
+
+    def providers(conn: psycopg.Connection[Any]) -> set[str]:
+        return operators.reconciling_providers(conn, operation_id, None)
+
+    wanted = await console.db(providers)
+    if not wanted:
+        raise HTTPException(409, f"operation {operation_id} is not reconciling: nothing to check")
+    configured = console.settings.providers
+    try:
+        built, without_lookup = reconciler.providers_to_ask(configured, wanted)
+    except ConfigError as exc:
+        raise HTTPException(409, f"cannot ask the provider: {exc}") from None
+    (result,) = await reconciler.run_checks(
+        console.dsn,
+        built,
+        operation_id,
+        dry_run=False,
+        on_total=lambda _: None,
+        on_result=lambda _: None,
+        limits={name: ps.limits for name, ps in configured.items()},
+        without_lookup=without_lookup,
+        actor=user.name,
+    )
+    said = f"check: {result.finding}" + (f", state {result.state}" if result.state else "")
+    url = request.url_for("operation", id=operation_id)
+    return redirect(f"{url}?" + urlencode({"done": said}))
 
 
 def _single_action(
@@ -214,6 +296,13 @@ async def bulk_preview(console: Console, request: Request) -> Response:
     """The dry run: the ids the filters select now, counted, the first shown; nothing changes."""
     user = console.user(request)
     query = request.query_params
+    # A filter the bulk action would not apply must not be silently dropped: the person would
+    # act on more than the list they looked at showed.
+    unknown = sorted(k for k, v in query.items() if v and k not in _BULK_FILTERS)
+    if unknown:
+        raise HTTPException(
+            400, "a bulk action does not filter by " + ", ".join(printable(k) for k in unknown)
+        )
     status = _bulk_status(_text(query, "status"))
     filters = _cli_filters(query)
 

@@ -29,6 +29,7 @@ CLOSING_HORIZON: Final = timedelta(hours=1)  # "closes soon": within the hour, a
 # A search by a provider's reference or a correlation id reads this many of the newest
 # operations at most (neither has an index).
 REFERENCE_WINDOW: Final = 1_000_000
+CONFLICTS_SHOWN: Final = 10_000  # past this, the overview says "more than"
 _IDENTITY: Final = re.compile(r"([^/]+)/([^/]+)/(.+)")
 
 
@@ -91,6 +92,10 @@ def overview(
         ),
         "breakers": _all(conn, statements.BREAKERS, {}),
         "inbox": _inbox(conn),
+        "inbox_conflicts": _one(
+            conn, statements.INBOX_CONFLICTS_TODAY, {"limit": CONFLICTS_SHOWN + 1}
+        )["conflicts"],
+        "conflicts_shown": CONFLICTS_SHOWN,
     }
 
 
@@ -129,6 +134,18 @@ def search(conn: psycopg.Connection[Any], text: str) -> list[int]:
 
 def failure_groups(conn: psycopg.Connection[Any], *, limit: int = 200) -> list[Row]:
     return _all(conn, statements.FAILURE_GROUPS, {"limit": limit})
+
+
+def key_window(conn: psycopg.Connection[Any], op: Row, windows: dict[str, timedelta]) -> Row | None:
+    """Until when the provider honours the operation's key, by the database's clock: None when
+    it was never sent or its provider is not configured here (its window is unknown)."""
+    window = windows.get(op["provider"])
+    if op.get("first_sent_at") is None or window is None:
+        return None
+    row = conn.execute(statements.DB_NOW).fetchone()
+    assert row is not None  # noqa: S101 (a SELECT of a scalar returns one row)
+    closes_at = op["first_sent_at"] + window
+    return {"closes_at": closes_at, "seconds_left": (closes_at - row[0]).total_seconds()}
 
 
 def shown_payload(text: str | None) -> str | None:

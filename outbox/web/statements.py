@@ -67,6 +67,17 @@ GROUP BY provider, state
 ORDER BY provider
 """
 
+# The inbox's conflicts seen in the last day (a delivery under a recorded identity with another
+# body, or another contract): a small table, read at most CONFLICTS_SHOWN + 1 rows, since a
+# hostile sender could fill it.
+INBOX_CONFLICTS_TODAY: Final = """
+SELECT count(*) AS conflicts FROM (
+    SELECT 1 FROM outbox.inbox_conflicts
+    WHERE last_seen_at > now() - interval '24 hours'
+    LIMIT %(limit)s::integer
+) AS c
+"""
+
 # The console's own list: every status, newest first, paged by id. The CLI's lists (oldest in
 # the status first) cover reconciling and quarantined with their own index; this one answers
 # "what happened lately" and a search. A filter that matches few of many rows reads far: each
@@ -137,6 +148,9 @@ GROUP BY status, provider, error, status_reason
 ORDER BY count(*) DESC, status, provider, error, status_reason
 LIMIT %(limit)s::integer
 """
+
+# The database's clock, which every key window is measured on (a page never trusts its own).
+DB_NOW: Final = "SELECT now()"
 
 # The console's session: a statement that reads too far is stopped, not left to hold a
 # connection; actions set their own (SET LOCAL) through the functions they call.

@@ -10,24 +10,31 @@ import random
 import re
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import httpx
 import psycopg
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from psycopg_pool import AsyncConnectionPool
 
 from outbox.config.loader import settings_from_mapping
 from outbox.core.model import Status
+from outbox.providers.base import Provider
+from outbox.testing.stripe import FakeStripe, StripeFault
 from outbox.web import bulk
 from outbox.web.app import Console, Options, open_pool
 from outbox.web.auth import Credentials, Role, User, hash_password, read_credentials
 from outbox.web.pages import create_app
 from tests.integration.test_bulk_actions import quarantine_population
+from tests.integration.test_inbox_cli import record
+from tests.integration.test_reconcile import unknown_then_past_the_window
 from tests.integration.test_roles import OPERATOR, apply_roles, as_role
+from tests.support.dispatch import stripe_provider
 from tests.support.web import served
 
 PASSWORD = "correct horse battery staple"  # noqa: S105 (the tests' own)
@@ -464,3 +471,162 @@ def test_a_database_that_does_not_answer_is_said_not_hung_on(tmp_path: Path) -> 
         answer = client.get("/")
     assert answer.status_code == 503
     assert "does not answer" in answer.text and "secret-pw" not in answer.text
+
+
+@pytest.fixture
+async def impatient(fake: FakeStripe) -> AsyncIterator[Provider]:
+    """Stripe at the fake, giving up on an answer after 0.3 s: an unknown outcome."""
+    p = stripe_provider("stripe", fake.url, timeout=0.3)
+    yield p
+    await p.aclose()
+
+
+async def test_a_check_from_the_console_finds_the_effect_and_names_the_operator(
+    db_url: str,
+    pool: AsyncConnectionPool[Any],
+    fake: FakeStripe,
+    impatient: Provider,
+    credentials_file: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake.inject(StripeFault.delay_after_apply(1.0))  # applied, but the answer comes too late
+    op = await unknown_then_past_the_window(db_url, pool, fake, impatient)
+    monkeypatch.setenv("TEST_STRIPE_KEY", "sk_test_fake")
+    settings = settings_from_mapping(
+        {
+            "providers": {
+                "stripe": {"type": "stripe", "api_key_env": "TEST_STRIPE_KEY", "api_base": fake.url}
+            }
+        },
+        environ={},
+    )
+    checking = Console(
+        open_pool(db_url, size=2),
+        settings,
+        Options(credentials=Credentials.load(credentials_file)),
+        dsn=db_url,
+    )
+    otto = ("otto", PASSWORD)
+    with served(create_app(checking)) as client:
+        page = client.get(f"/operations/{op}", auth=otto)
+        assert 'value="check"' in page.text
+        form = {"csrf": token_of(page.text), "action": "check"}
+        done = client.post(f"/operations/{op}/act", data=form, auth=otto)
+    assert done.status_code == 200 and "check: found" in done.text
+    (obj,) = fake.objects()
+    with psycopg.connect(db_url) as conn:
+        found = conn.execute("SELECT status, provider_ref FROM outbox.operations").fetchone()
+        audit = conn.execute("SELECT actor, action, to_status FROM outbox.audit").fetchall()
+    assert found == ("succeeded", obj["id"]) and fake.object_count() == 1
+    assert audit == [("otto", "check", "succeeded")]
+
+
+HOSTILE = '"><xss-marker onerror=alert(1)>'
+
+
+def test_what_a_hostile_provider_or_producer_wrote_is_shown_as_text_never_as_markup(
+    db_url: str,
+) -> None:
+    """A provider controls its error messages, request ids and the state a check finds; a
+    producer its correlation id and payload. None of it becomes markup on any page."""
+    (op,) = quarantine_population(db_url, random.Random(15), 1)
+    (doubt,) = quarantine_population(db_url, random.Random(16), 1, "reconciling", prefix="d-")
+    with psycopg.connect(db_url) as conn:
+        conn.execute(
+            "UPDATE outbox.attempt_log SET provider_request_id = %(h)s, error_message = %(h)s, "
+            "error_class = %(h)s",
+            {"h": HOSTILE},
+        )
+        conn.execute(
+            "UPDATE outbox.operations SET correlation_id = %(h)s, last_error = %(h)s, "
+            "check_state = %(h)s, check_finding = 'not_found', checked_at = now(), "
+            "check_details = jsonb_build_object(%(h)s::text, %(h)s::text)",
+            {"h": HOSTILE},
+        )
+    paths = [
+        "/",
+        "/operations",
+        f"/operations/{op['id']}?payload=1",
+        f"/operations/{doubt['id']}",
+        "/failures",
+        "/reconcile",
+        "/bulk?status=quarantined",
+        "/operations?" + urlencode({"q": HOSTILE}),
+        "/operations?" + urlencode({"provider": HOSTILE, "error": HOSTILE}),
+        "/bulk?" + urlencode({"status": "reconciling", "error": HOSTILE}),
+    ]
+    with served(create_app(console(db_url))) as client:
+        for path in paths:
+            answer = client.get(path)
+            assert answer.status_code == 200, path
+            assert "<xss-marker" not in answer.text, path
+            assert "frame-ancestors 'none'" in answer.headers["content-security-policy"]
+        shown = client.get(f"/operations/{op['id']}").text
+    assert "&lt;xss-marker" in shown  # shown, as text
+
+
+def test_the_overview_shows_the_inbox_claims_and_conflicts(db_url: str) -> None:
+    with psycopg.connect(db_url) as conn:
+        record(conn, "key:ok", 201)
+        # The same key with another body: a conflict, recorded for operators.
+        conn.execute(
+            "SELECT outbox.inbox_begin('acme', 'invoice.create', 'key:ok', '{\"a\": 2}', NULL,"
+            " '1 s', '1 day')"
+        )
+        # An external claim in progress (a lease of a minute), on another handler.
+        conn.execute(
+            "SELECT outbox.inbox_claim('acme', 'invoice.mail', 'key:m', '{}', NULL, '1 minute',"
+            " 3, '1 day')"
+        )
+        conn.commit()
+    with served(create_app(console(db_url))) as client:
+        page = client.get("/live/overview").text
+    assert re.search(r"<td>invoice\.mail</td><td class=\"num\">1</td>", page), page
+    assert re.search(r'id="inbox-conflicts">1\s+conflict seen', page), page
+
+
+def test_a_bulk_action_refuses_a_filter_it_would_not_apply(db_url: str) -> None:
+    """The list filters by operation type; a bulk action cannot: it says so rather than act on
+    every type."""
+    quarantine_population(db_url, random.Random(17), 5)
+    with served(create_app(console(db_url))) as client:
+        listed = client.get("/operations", params={"status": "quarantined", "tenant": "acme"})
+        link = re.search(r'href="[^"]*/bulk\?([^"]+)"', listed.text)
+        assert link is not None  # offered, with exactly the list's filters
+        dry = client.get("/bulk?" + link.group(1).replace("&amp;", "&"))
+        assert dry.status_code == 200
+        typed = client.get(
+            "/operations", params={"status": "quarantined", "operation_type": "invoice.charge"}
+        )
+        assert "/bulk?" not in typed.text  # not offered
+        refused = client.get(
+            "/bulk", params={"status": "quarantined", "operation_type": "invoice.charge"}
+        )
+    assert refused.status_code == 400 and "operation_type" in refused.text
+
+
+def test_the_operation_page_says_how_long_the_key_is_honoured_on_the_database_clock(
+    db_url: str,
+) -> None:
+    """Each provider's window is its key_retention less the margin, measured from the first
+    send on the database's clock: one sent half a window ago, one two windows ago, one never."""
+    ops = quarantine_population(db_url, random.Random(18), 3)
+    shown = console(db_url)
+    windows = [shown.windows[op["provider"]] for op in ops]
+    sent = [windows[0] / 2, windows[1] * 2, None]
+    with psycopg.connect(db_url) as conn:
+        for op, ago in zip(ops, sent, strict=True):
+            conn.execute(
+                "UPDATE outbox.operations SET first_sent_at = now() - %s::interval WHERE id = %s",
+                (ago, op["id"]),
+            )
+    with served(create_app(shown)) as client:
+        pages = [client.get(f"/operations/{op['id']}").text for op in ops]
+    said = []
+    for page in pages:
+        found = re.search(r'id="key-window">([^<]+)</dd>', page)
+        assert found is not None
+        said.append(found.group(1))
+    assert said[0].startswith("until ") and "left" in said[0], said[0]
+    assert said[1].startswith("no longer: the window closed"), said[1]
+    assert said[2] == "not sent yet", said[2]

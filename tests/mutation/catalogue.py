@@ -2081,6 +2081,15 @@ MUTANTS: tuple[Mutant, ...] = (
         WEB_TESTS + "test_a_bulk_action_acts_on_what_the_dry_run_counted_and_skips_what_left",
     ),
     _one(
+        "console-markup-unescaped",
+        "what a provider or a producer wrote becomes markup in the operator's browser",
+        WEB_APP,
+        "        self.templates.env.autoescape = True\n",
+        "        self.templates.env.autoescape = False\n",
+        WEB_TESTS
+        + "test_what_a_hostile_provider_or_producer_wrote_is_shown_as_text_never_as_markup",
+    ),
+    _one(
         "console-payload-unmasked",
         "the console shows a payload's secrets: the logs' masking is skipped",
         "outbox/web/reads.py",
