@@ -32,7 +32,7 @@ from outbox.db.dsn import scrub
 from outbox.web import bulk
 from outbox.web.auth import ANONYMOUS, Credentials, FormTokens, Role, User, basic_credentials
 from outbox.web.auth import proxy_user as user_from_proxy
-from outbox.web.statements import SESSION_TIMEOUT
+from outbox.web.statements import SESSION_TIMEOUT, TOO_PRIVILEGED
 
 T = TypeVar("T")
 HERE: Final = Path(__file__).parent
@@ -111,6 +111,10 @@ class Console:
         self.tokens = FormTokens()
         self.jobs = bulk.Jobs(pool)
         self.dsn = dsn
+        # The role the console connects as, when it can do more than outbox_operator: every page
+        # says so (docs/console.md). Learned at the first answer of the database.
+        self.overprivileged_role: str | None = None
+        self._role_known = False
         self.templates = Jinja2Templates(directory=str(HERE / "templates"))
         # Said, not assumed: a provider's error text or a producer's id is never markup here.
         self.templates.env.autoescape = True
@@ -141,6 +145,8 @@ class Console:
         """``work`` on a pooled connection, on a worker thread."""
 
         def run() -> T:
+            if not self._role_known:
+                self.learn_role()
             with self.pool.connection() as conn:
                 return work(conn)
 
@@ -160,8 +166,21 @@ class Console:
     def _scrub(self, exc: BaseException) -> str:
         return scrub(str(exc).strip().splitlines()[0] if str(exc).strip() else "", self.dsn)
 
+    def learn_role(self) -> None:
+        """Read once whether the role can change outbox's tables directly; a database that
+        does not answer yet is asked again at the next page."""
+        try:
+            with self.pool.connection(timeout=2) as conn:
+                row = conn.execute(TOO_PRIVILEGED).fetchone()
+        except psycopg.Error:
+            return
+        self._role_known = True
+        if row is not None and row[1]:
+            self.overprivileged_role = str(row[0])
+
     def page(self, request: Request, name: str, user: User, **context: Any) -> HTMLResponse:
         context.update(
+            overprivileged_role=self.overprivileged_role,
             user=user,
             may_act=user.may_act and not self.options.read_only,
             read_only=self.options.read_only,

@@ -152,6 +152,15 @@ LIMIT %(limit)s::integer
 # The database's clock, which every key window is measured on (a page never trusts its own).
 DB_NOW: Final = "SELECT now()"
 
+# Whether the console's role could change outbox's tables without the audited functions: it
+# needs no more than outbox_operator, which changes operations only through them.
+TOO_PRIVILEGED: Final = """
+SELECT current_user AS role,
+       r.rolsuper OR has_table_privilege('outbox.operations', 'UPDATE')
+           OR has_table_privilege('outbox.audit', 'DELETE') AS too_privileged
+FROM pg_roles r WHERE r.rolname = current_user
+"""
+
 # The console's session: a statement that reads too far is stopped, not left to hold a
 # connection; actions set their own (SET LOCAL) through the functions they call.
 SESSION_TIMEOUT: Final = "SET statement_timeout = %(timeout_ms)s"

@@ -406,11 +406,20 @@ def test_the_console_works_with_no_more_than_the_operator_role(pg_server: str, d
         ):
             assert client.get(path, headers=who).status_code == 200, path
         page = client.get(f"/operations/{population[0]['id']}", headers=who).text
+        assert 'id="overprivileged"' not in page  # the role is what the console asks for
         form = {"csrf": token_of(page), "action": "replay", "reason": "as the role"}
         done = client.post(
             f"/operations/{population[0]['id']}/act", data=form, headers=who, follow_redirects=False
         )
     assert done.status_code == 303 and status_of(db_url, population[0]["id"]) == "pending"
+
+
+def test_a_console_connected_as_a_superuser_says_so_on_every_page(db_url: str) -> None:
+    with served(create_app(console(db_url))) as client:
+        pages = [client.get(path).text for path in ("/", "/operations", "/failures")]
+    for page in pages:
+        said = re.search(r'id="overprivileged">The console connects as (\w+)', page)
+        assert said is not None and said.group(1) == "postgres"
 
 
 # --- hostile input --------------------------------------------------------------------------
