@@ -9,6 +9,7 @@ connection for long.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -36,7 +37,6 @@ from outbox.web.statements import SESSION_TIMEOUT, TOO_PRIVILEGED
 
 T = TypeVar("T")
 HERE: Final = Path(__file__).parent
-STATEMENT_TIMEOUT_MS: Final = 5_000  # a page's query that reads further is stopped, and says so
 REFRESH_SECONDS: Final = 2  # how often a page's live parts are read again
 REALM: Final = 'Basic realm="outbox", charset="UTF-8"'
 
@@ -49,7 +49,7 @@ ACTIONS: Final[Mapping[Status, tuple[str, ...]]] = {
 }
 # Bulk actions by status, as `outbox quarantine|reconcile ACTION --all` offers them.
 BULK_ACTIONS: Final[Mapping[Status, tuple[str, ...]]] = {
-    Status.QUARANTINED: ("replay", "cancel"),
+    Status.QUARANTINED: ("replay", "reconcile", "cancel"),
     Status.RECONCILING: ("retry", "cancel"),
 }
 
@@ -75,16 +75,19 @@ def key_windows(settings: Settings) -> dict[str, timedelta]:
     }
 
 
-def open_pool(dsn: str, *, size: int = 4, timeout: float = 10.0) -> ConnectionPool[Any]:
+def open_pool(
+    dsn: str, *, size: int = 4, timeout: float = 10.0, session_settings: bool = True
+) -> ConnectionPool[Any]:
     """The console's connections: read committed (as the CLI's, sql/0019), pinned search_path,
     a statement timeout; opened lazily, so the console starts while the database is down."""
 
     def configure(conn: psycopg.Connection[Any]) -> None:
+        # Autocommit: a page's reads hold no transaction open between its statements nor hand
+        # the pool a connection mid-transaction; each action opens its own (operators._act).
         conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
         conn.autocommit = True
-        pin_search_path(conn)
-        conn.execute(SESSION_TIMEOUT.replace("%(timeout_ms)s", str(STATEMENT_TIMEOUT_MS)))
-        conn.autocommit = False
+        if pin_search_path(conn) and session_settings:
+            conn.execute(SESSION_TIMEOUT)
 
     kwargs = {"application_name": "outbox-web", "prepare_threshold": None, "connect_timeout": 5}
     return ConnectionPool(
@@ -115,6 +118,7 @@ class Console:
         # says so (docs/console.md). Learned at the first answer of the database.
         self.overprivileged_role: str | None = None
         self._role_known = False
+        self._scrypt_slots = asyncio.Semaphore(2)
         self.templates = Jinja2Templates(directory=str(HERE / "templates"))
         # Said, not assumed: a provider's error text or a producer's id is never markup here.
         self.templates.env.autoescape = True
@@ -123,7 +127,7 @@ class Console:
 
     # --- plumbing -------------------------------------------------------------------------
 
-    def user(self, request: Request) -> User:
+    async def user(self, request: Request) -> User:
         """The person signed in, or a 401 asking for credentials (403 for a bad proxy header)."""
         options = self.options
         if options.proxy_user_header is not None:
@@ -135,11 +139,21 @@ class Console:
             return found
         if options.credentials is not None:
             sent = basic_credentials(request.headers.get("authorization"))
-            found = options.credentials.check(*sent) if sent else None
+            found = await self._check(options.credentials, *sent) if sent else None
             if found is None:
                 raise HTTPException(401, "sign in", headers={"WWW-Authenticate": REALM})
             return found
         return User(ANONYMOUS, Role.VIEWER)
+
+    async def _check(self, credentials: Credentials, name: str, password: str) -> User | None:
+        """A password check: remembered ones at once; a new one (scrypt: 50 ms of CPU and 16 MiB)
+        on a worker thread, at most two at a time, so that a flood of wrong passwords slows
+        sign-ins, never the pages of people already signed in."""
+        known = credentials.remembered(name, password)
+        if known is not None:
+            return known
+        async with self._scrypt_slots:
+            return await run_in_threadpool(credentials.check, name, password)
 
     async def db(self, work: Callable[[psycopg.Connection[Any]], T]) -> T:
         """``work`` on a pooled connection, on a worker thread."""
@@ -192,7 +206,7 @@ class Console:
     async def acting(self, request: Request) -> tuple[User, FormData]:
         """The person behind a POST and its form, once it is shown to come from the console's
         own form and its sender may act: else 403, before anything is read or changed."""
-        user = self.user(request)
+        user = await self.user(request)
         # A browser says where a request came from; a cross-site one is never ours.
         if request.headers.get("sec-fetch-site", "same-origin") not in ("same-origin", "none"):
             raise HTTPException(403, "a request from another site is refused")

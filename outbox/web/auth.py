@@ -145,9 +145,13 @@ class Credentials:
     def __len__(self) -> int:
         return len(self._people)
 
+    def remembered(self, name: str, password: str) -> User | None:
+        """The person, if this name and password passed a check before; else None."""
+        return self._passed.get(_seen(name, password))
+
     def check(self, name: str, password: str) -> User | None:
         """The person, if ``password`` is theirs; else None (a wrong name costs as much time)."""
-        seen = hashlib.sha256(f"{name}\0{password}".encode()).digest()
+        seen = _seen(name, password)
         if (user := self._passed.get(seen)) is not None:
             return user
         entry = self._people.get(name)
@@ -161,6 +165,10 @@ class Credentials:
             self._passed.clear()
         self._passed[seen] = user
         return user
+
+
+def _seen(name: str, password: str) -> bytes:
+    return hashlib.sha256(f"{name}\0{password}".encode()).digest()
 
 
 def basic_credentials(header: str | None) -> tuple[str, str] | None:

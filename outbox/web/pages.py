@@ -130,20 +130,20 @@ def errors(console: Console) -> Mapping[Any, Callable[..., Any]]:
 
 
 async def overview(console: Console, request: Request) -> Response:
-    user = console.user(request)
+    user = await console.user(request)
     data = await console.db(lambda c: reads.overview(c, console.windows))
     return console.page(request, "overview.html", user, o=data)
 
 
 async def overview_live(console: Console, request: Request) -> Response:
     """The overview's live part alone: what the page's script swaps in every few seconds."""
-    user = console.user(request)
+    user = await console.user(request)
     data = await console.db(lambda c: reads.overview(c, console.windows))
     return console.page(request, "overview_live.html", user, o=data)
 
 
 async def operations(console: Console, request: Request) -> Response:
-    user = console.user(request)
+    user = await console.user(request)
     query = request.query_params
     text = _text(query, "q")
     if text:
@@ -167,7 +167,7 @@ async def operations(console: Console, request: Request) -> Response:
 
 
 async def operation(console: Console, request: Request) -> Response:
-    user = console.user(request)
+    user = await console.user(request)
     operation_id = int(request.path_params["id"])
     with_payload = request.query_params.get("payload") == "1"
 
@@ -193,13 +193,13 @@ async def operation(console: Console, request: Request) -> Response:
 
 
 async def failures(console: Console, request: Request) -> Response:
-    user = console.user(request)
+    user = await console.user(request)
     groups = await console.db(reads.failure_groups)
     return console.page(request, "failures.html", user, groups=groups)
 
 
 async def reconcile(console: Console, request: Request) -> Response:
-    user = console.user(request)
+    user = await console.user(request)
     filters = _cli_filters(request.query_params)
 
     def read(conn: psycopg.Connection[Any]) -> list[dict[str, Any]]:
@@ -294,7 +294,7 @@ def _call(function: Callable[..., Status], conn: Any, operation_id: int, **kw: A
 
 async def bulk_preview(console: Console, request: Request) -> Response:
     """The dry run: the ids the filters select now, counted, the first shown; nothing changes."""
-    user = console.user(request)
+    user = await console.user(request)
     query = request.query_params
     # A filter the bulk action would not apply must not be silently dropped: the person would
     # act on more than the list they looked at showed.
@@ -306,11 +306,13 @@ async def bulk_preview(console: Console, request: Request) -> Response:
     status = _bulk_status(_text(query, "status"))
     filters = _cli_filters(query)
 
-    def select(conn: psycopg.Connection[Any]) -> tuple[list[int], list[dict[str, Any]]]:
+    def select(conn: psycopg.Connection[Any]) -> tuple[list[int], list[dict[str, Any]], int]:
         ids = operators.select_ids(conn, status, filters)
-        return ids, operators.list_ids(conn, ids[:20])
+        # A retry without force takes only those a check (or a person) found no effect for.
+        retryable = len(operators.retryable_ids(conn, ids)) if status is Status.RECONCILING else 0
+        return ids, operators.list_ids(conn, ids[:20]), retryable
 
-    ids, preview = await console.db(select)
+    ids, preview, retryable = await console.db(select)
     selection = console.jobs.keep(bulk.Selection(status, filters, ids, made_by=user.name))
     return console.page(
         request,
@@ -320,6 +322,7 @@ async def bulk_preview(console: Console, request: Request) -> Response:
         preview=preview,
         actions=BULK_ACTIONS[status],
         described=filters.describe(),
+        retryable=retryable,
     )
 
 
@@ -337,7 +340,7 @@ async def bulk_start(console: Console, request: Request) -> Response:
 
 
 async def job_page(console: Console, request: Request) -> Response:
-    user = console.user(request)
+    user = await console.user(request)
     job = console.jobs.job(request.path_params["token"])
     if job is None:
         raise HTTPException(404, "no such job in this console (it may have restarted)")
@@ -358,28 +361,29 @@ async def job_stop(console: Console, request: Request) -> Response:
 
 
 def _text(query: QueryParams, name: str) -> str:
-    value = query.get(name, "").strip()
-    if len(value) > MAX_FIELD:
-        raise HTTPException(400, f"{name} is longer than {MAX_FIELD} characters")
-    return value
+    return _held(name, query.get(name, "").strip(), MAX_FIELD)
 
 
 def _form_text(form: FormData, name: str) -> str:
     value = form.get(name)
-    text = value.strip() if isinstance(value, str) else ""
-    if len(text) > MAX_FIELD:
-        raise HTTPException(400, f"{name} is longer than {MAX_FIELD} characters")
-    return text
+    return _held(name, value.strip() if isinstance(value, str) else "", MAX_FIELD)
 
 
 def _reason(form: FormData) -> str:
     value = form.get("reason")
-    reason = value.strip() if isinstance(value, str) else ""
+    reason = _held("reason", value.strip() if isinstance(value, str) else "", MAX_REASON)
     if not reason:
         raise HTTPException(400, "say why: every action is audited with its reason")
-    if len(reason) > MAX_REASON:
-        raise HTTPException(400, f"a reason is at most {MAX_REASON} characters")
     return reason
+
+
+def _held(name: str, text: str, most: int) -> str:
+    """``text``, if a database text can hold it and it is not too long: else 400, naming it."""
+    if len(text) > most:
+        raise HTTPException(400, f"{name} is longer than {most} characters")
+    if "\x00" in text:  # PostgreSQL's text holds no NUL: refused here, not as a 500 later
+        raise HTTPException(400, f"{name} holds a NUL character")
+    return text
 
 
 def _int(query: QueryParams, name: str) -> int | None:

@@ -44,5 +44,6 @@ def describe(chosen: Options) -> str:
 
 
 def serve(dsn: str, settings: Settings, chosen: Options, host: str, port: int) -> None:
-    console = Console(open_pool(dsn), settings, chosen, dsn=dsn)
+    pooled = settings.database.transaction_pooling
+    console = Console(open_pool(dsn, session_settings=not pooled), settings, chosen, dsn=dsn)
     uvicorn.run(create_app(console), host=host, port=port, log_level="warning", access_log=False)

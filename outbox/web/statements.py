@@ -161,6 +161,7 @@ SELECT current_user AS role,
 FROM pg_roles r WHERE r.rolname = current_user
 """
 
-# The console's session: a statement that reads too far is stopped, not left to hold a
-# connection; actions set their own (SET LOCAL) through the functions they call.
-SESSION_TIMEOUT: Final = "SET statement_timeout = %(timeout_ms)s"
+# The console's session: a statement that reads too far is stopped after 5 s, not left to hold
+# a connection. Not through a transaction pooler, where a session setting would reach other
+# clients (docs/pgbouncer.md): there the role's own setting rules.
+SESSION_TIMEOUT: Final = "SET statement_timeout = '5s'"

@@ -44,6 +44,8 @@ def test_the_wheel_holds_every_migration_and_the_type_marker(wheel: Path) -> Non
     expected = {f"outbox/sql/{m.label}.sql" for m in load_migrations()}
     assert expected <= names
     assert "outbox/py.typed" in names
+    # The console's pages, style and script travel in the wheel, beside its code.
+    assert {"outbox/web/templates/base.html", "outbox/web/static/console.js"} <= names
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert "outbox = outbox.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 

@@ -639,3 +639,101 @@ def test_the_operation_page_says_how_long_the_key_is_honoured_on_the_database_cl
     assert said[0].startswith("until ") and "left" in said[0], said[0]
     assert said[1].startswith("no longer: the window closed"), said[1]
     assert said[2] == "not sent yet", said[2]
+
+
+_FORMS = st.fixed_dictionaries(
+    {},
+    optional={
+        "action": st.sampled_from(
+            [
+                "replay",
+                "reconcile",
+                "cancel",
+                "request-cancel",
+                "retry",
+                "no-effect",
+                "resolve",
+                "check",
+                "nonsense",
+                "",
+            ]
+        )
+        | _TEXT,
+        "reason": _TEXT,
+        "provider_ref": _TEXT,
+        "force": st.sampled_from(["1", "0", ""]) | _TEXT,
+        "selection": _TEXT,
+    },
+)
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(target=st.sampled_from(["/operations/1/act", "/operations/999/act", "/bulk"]), form=_FORMS)
+def test_no_form_an_operator_can_post_makes_an_action_fail(
+    signed: httpx.Client, signed_console: Console, db_url: str, target: str, form: dict[str, str]
+) -> None:
+    """Every POST with the operator's own token answers as an action does (done, refused,
+    conflict, not found), never with a 500, whatever its fields hold: on an operation that
+    exists (first quarantined, then wherever the examples moved it) and on one that does not."""
+    with psycopg.connect(db_url) as conn:
+        empty = conn.execute("SELECT NOT EXISTS (SELECT FROM outbox.operations)").fetchone()
+    if empty == (True,):
+        quarantine_population(db_url, random.Random(19), 1)
+    token = signed_console.tokens.issue(User("otto", Role.OPERATOR))
+    answer = signed.post(
+        target, data={**form, "csrf": token}, auth=("otto", PASSWORD), follow_redirects=False
+    )
+    assert answer.status_code in (303, 400, 404, 409), (target, form, answer.text[:300])
+
+
+def test_a_nul_anywhere_is_refused_by_name(signed: httpx.Client, signed_console: Console) -> None:
+    op = 1
+    token = signed_console.tokens.issue(User("otto", Role.OPERATOR))
+    otto = ("otto", PASSWORD)
+    for path, params in [
+        ("/operations", {"q": "a\x00b"}),
+        ("/operations", {"tenant": "\x00"}),
+        ("/bulk", {"status": "quarantined", "provider": "x\x00"}),
+    ]:
+        answer = signed.get(path, params=params, auth=otto)
+        assert answer.status_code == 400 and "NUL" in answer.text, (path, params)
+    posted = signed.post(
+        f"/operations/{op}/act",
+        data={"csrf": token, "action": "cancel", "reason": "why\x00"},
+        auth=otto,
+    )
+    assert posted.status_code == 400 and "NUL" in posted.text
+
+
+def test_a_bulk_retry_says_and_takes_only_those_found_without_effect(
+    signed: httpx.Client, db_url: str
+) -> None:
+    doubt = quarantine_population(db_url, random.Random(20), 5, "reconciling", prefix="d-")
+    found_nothing = [d["id"] for d in doubt[:2]]
+    with psycopg.connect(db_url) as conn:
+        conn.execute(
+            "UPDATE outbox.operations SET check_finding = 'not_found', checked_at = now() "
+            "WHERE id = ANY(%s)",
+            (found_nothing,),
+        )
+    otto = ("otto", PASSWORD)
+    dry = signed.get("/bulk", params={"status": "reconciling"}, auth=otto)
+    said = re.search(r'id="retryable">(\d+) of them', dry.text)
+    assert said is not None and int(said.group(1)) == 2
+    selection = re.search(r'name="selection" value="([^"]+)"', dry.text)
+    assert selection is not None
+    form = {"csrf": token_of(dry.text), "selection": selection.group(1), "reason": "no charge"}
+    job = signed.post("/bulk", data={**form, "action": "retry"}, auth=otto)
+    for _ in range(200):
+        state = signed.get(str(job.url) + "?live=1", auth=otto).text
+        if 'data-state="finished"' in state:
+            break
+        threading.Event().wait(0.05)
+    assert '<span id="job-done">2</span> done, 3 skipped' in state
+    with psycopg.connect(db_url) as conn:
+        pending = conn.execute(
+            "SELECT id, key_generation FROM outbox.operations WHERE status = 'pending' ORDER BY id"
+        ).fetchall()
+    assert pending == [(i, 2) for i in sorted(found_nothing)]  # each under a new key generation

@@ -106,7 +106,8 @@ def test_the_containerfile_is_multi_stage_non_root_and_runs_the_installed_wheel(
     final = text[text.rindex("\nFROM ") :]
     assert "COPY --from=build /wheels" in final
     assert not re.search(r"^COPY\s+(outbox|sql|\.)\b", final, re.MULTILINE)  # no source tree
-    assert re.search(r"pip install .*--no-index --find-links /wheels outbox", final)
+    # With the console's extra: `outbox web` runs from the same image (docs/console.md).
+    assert re.search(r"pip install .*--no-index --find-links /wheels 'outbox\[web\]'", final)
     user = re.findall(r"^USER\s+(\S+)", final, re.MULTILINE)
     assert user and user[-1] not in ("root", "0")
     assert "HEALTHCHECK" in final and "/healthz" in final
