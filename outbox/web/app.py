@@ -47,6 +47,16 @@ ACTIONS: Final[Mapping[Status, tuple[str, ...]]] = {
     Status.PENDING: ("request-cancel",),
     Status.IN_FLIGHT: ("request-cancel",),
 }
+# What each action's button says: what it does, in the words of the CLI's help.
+LABELS: Final[Mapping[str, str]] = {
+    "replay": "replay (same key)",
+    "reconcile": "send to reconciliation",
+    "cancel": "cancel",
+    "request-cancel": "cancel",
+    "retry": "retry under a new key",
+    "no-effect": "found no effect: retry",
+    "resolve": "resolve with the reference",
+}
 # Bulk actions by status, as `outbox quarantine|reconcile ACTION --all` offers them.
 BULK_ACTIONS: Final[Mapping[Status, tuple[str, ...]]] = {
     Status.QUARANTINED: ("replay", "reconcile", "cancel"),
@@ -124,6 +134,7 @@ class Console:
         self.templates.env.autoescape = True
         self.templates.env.filters["age"] = _age
         self.templates.env.globals["refresh_seconds"] = REFRESH_SECONDS
+        self.templates.env.globals["labels"] = LABELS
 
     # --- plumbing -------------------------------------------------------------------------
 

@@ -152,9 +152,9 @@ def test_an_operator_finds_replays_and_watches_an_operation_succeed_without_a_re
     page.evaluate("window.__notReloaded = true")
     dispatcher = OutboxProcess(db_url, config, tmp_path / "run.log")
     try:
-        page.wait_for_function(
-            "document.querySelector('[data-status=\"succeeded\"] .n').textContent.trim() === '1'",
-            timeout=30_000,
+        # Playwright's own wait, which evaluates no string: the console's CSP forbids eval.
+        playwright_api.expect(page.locator('[data-status="succeeded"] .n')).to_have_text(
+            "1", timeout=30_000
         )
     finally:
         dispatcher.stop()

@@ -979,7 +979,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "check-builds-every-provider",
         "`reconcile check` builds every configured provider: a laptop needs every secret to check "
         "one provider's operations",
-        "outbox/cli/operator.py",
+        "outbox/oncall/reconciler.py",
         "    chosen = {name: ps for name, ps in configured.items() if name in wanted}\n",
         "    chosen = dict(configured)\n",
         WITHOUT_CONFIG_TESTS + "test_a_check_builds_only_the_providers_of_what_it_checks",
