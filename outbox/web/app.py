@@ -10,6 +10,7 @@ connection for long.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -30,7 +31,7 @@ from outbox.core.durations import format_duration
 from outbox.core.model import Status
 from outbox.db.connect import pin_search_path
 from outbox.db.dsn import scrub
-from outbox.web import bulk
+from outbox.web import bulk, reads
 from outbox.web.auth import ANONYMOUS, Credentials, FormTokens, Role, User, basic_credentials
 from outbox.web.auth import proxy_user as user_from_proxy
 from outbox.web.statements import SESSION_TIMEOUT, TOO_PRIVILEGED
@@ -129,6 +130,8 @@ class Console:
         self.overprivileged_role: str | None = None
         self._role_known = False
         self._scrypt_slots = asyncio.Semaphore(2)
+        self._overview: tuple[float, dict[str, Any]] | None = None
+        self._overview_lock = asyncio.Lock()
         self.templates = Jinja2Templates(directory=str(HERE / "templates"))
         # Said, not assumed: a provider's error text or a producer's id is never markup here.
         self.templates.env.autoescape = True
@@ -165,6 +168,16 @@ class Console:
             return known
         async with self._scrypt_slots:
             return await run_in_threadpool(credentials.check, name, password)
+
+    async def overview(self) -> dict[str, Any]:
+        """The overview's figures, read at most once per REFRESH_SECONDS however many tabs show
+        them: a dozen people watching an incident must not multiply its load on the database."""
+        async with self._overview_lock:
+            kept = self._overview
+            if kept is None or time.monotonic() - kept[0] >= REFRESH_SECONDS:
+                data = await self.db(lambda c: reads.overview(c, self.windows))
+                kept = self._overview = (time.monotonic(), data)
+            return kept[1]
 
     async def db(self, work: Callable[[psycopg.Connection[Any]], T]) -> T:
         """``work`` on a pooled connection, on a worker thread."""

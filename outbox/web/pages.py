@@ -131,15 +131,13 @@ def errors(console: Console) -> Mapping[Any, Callable[..., Any]]:
 
 async def overview(console: Console, request: Request) -> Response:
     user = await console.user(request)
-    data = await console.db(lambda c: reads.overview(c, console.windows))
-    return console.page(request, "overview.html", user, o=data)
+    return console.page(request, "overview.html", user, o=await console.overview())
 
 
 async def overview_live(console: Console, request: Request) -> Response:
     """The overview's live part alone: what the page's script swaps in every few seconds."""
     user = await console.user(request)
-    data = await console.db(lambda c: reads.overview(c, console.windows))
-    return console.page(request, "overview_live.html", user, o=data)
+    return console.page(request, "overview_live.html", user, o=await console.overview())
 
 
 async def operations(console: Console, request: Request) -> Response:

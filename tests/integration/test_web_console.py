@@ -11,6 +11,7 @@ import re
 import socket
 import threading
 from collections.abc import AsyncIterator, Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
@@ -30,7 +31,7 @@ from outbox.web import bulk
 from outbox.web.app import Console, Options, open_pool
 from outbox.web.auth import Credentials, Role, User, hash_password, read_credentials
 from outbox.web.pages import create_app
-from tests.integration.test_bulk_actions import quarantine_population
+from tests.integration.test_bulk_actions import quarantine_population, random_filters
 from tests.integration.test_inbox_cli import record
 from tests.integration.test_reconcile import unknown_then_past_the_window
 from tests.integration.test_roles import OPERATOR, apply_roles, as_role
@@ -737,3 +738,78 @@ def test_a_bulk_retry_says_and_takes_only_those_found_without_effect(
             "SELECT id, key_generation FROM outbox.operations WHERE status = 'pending' ORDER BY id"
         ).fetchall()
     assert pending == [(i, 2) for i in sorted(found_nothing)]  # each under a new key generation
+
+
+_LIST_KEYS = {
+    "--provider": "provider",
+    "--tenant": "tenant",
+    "--status-reason": "status_reason",
+    "--error": "error",
+}
+
+
+def test_every_filter_of_the_list_selects_what_the_cli_would(db_url: str) -> None:
+    """Seeded random filter sets over a random population: the console's list (every page)
+    shows exactly the operations the predicate selects, and its bulk dry run counts as many."""
+    rng = random.Random(21)
+    population = quarantine_population(db_url, rng, 90)
+    with served(create_app(console(db_url))) as client:
+        for _ in range(12):
+            args, selects = random_filters(rng)
+            params = {"status": "quarantined"}
+            for option, value in zip(args[::2], args[1::2], strict=True):
+                params[_LIST_KEYS.get(option, option.removeprefix("--"))] = value
+            wanted = sorted((p["id"] for p in population if selects(p)), reverse=True)
+            seen: list[int] = []
+            url = "/operations?" + urlencode(params)
+            while url:
+                page = client.get(url).text
+                seen += [int(i) for i in re.findall(r'<tr data-id="(\d+)">', page)]
+                more = re.search(r'<a href="\?([^"]+)" rel="next">', page)
+                url = "/operations?" + more.group(1).replace("&amp;", "&") if more else ""
+            assert seen == wanted, params
+            dry = client.get("/bulk", params=params).text
+            counted = re.search(r'<strong id="count">(\d+)</strong>', dry)
+            assert counted is not None and int(counted.group(1)) == len(wanted), params
+
+
+def test_the_overview_counts_the_waiting_by_reason_and_the_key_windows_closing(
+    db_url: str,
+) -> None:
+    rng = random.Random(22)
+    population = quarantine_population(db_url, rng, 25)
+    shown = console(db_url)
+    with psycopg.connect(db_url) as conn:
+        # Pending after a failed send, their windows closing in 30 min, in 2 h, and closed.
+        closing = []
+        for n, left in enumerate((timedelta(minutes=30), timedelta(hours=2), -timedelta(1))):
+            row = conn.execute(
+                "SELECT operation_id FROM outbox.enqueue('t', 'charge', %s, 'hook', 'x', '{}')",
+                (f"w-{n}",),
+            ).fetchone()
+            assert row is not None
+            conn.execute(
+                "UPDATE outbox.operations SET first_sent_at = now() - %s + %s, attempts = 1, "
+                "last_error_class = 'transient' WHERE id = %s",
+                (shown.windows["hook"], left, row[0]),
+            )
+            closing.append(row[0])
+        conn.execute(
+            "INSERT INTO outbox.provider_health (provider, worker, state, reason, opened_at) "
+            "VALUES ('hook2', 'w1', 'open', 'http_503', now()), "
+            "('hook2', 'w2', 'open', 'http_503', now()), ('hook', 'w1', 'closed', NULL, NULL)"
+        )
+    with served(create_app(shown)) as client:
+        page = client.get("/live/overview").text
+    by_reason = {
+        r: sum(1 for p in population if p["reason"] == r) for r in {p["reason"] for p in population}
+    }
+    for reason, count in by_reason.items():
+        shown_count = re.search(
+            rf"<tr><td>quarantined</td><td>{reason}</td><td class=\"num\">(\d+)</td>", page
+        )
+        assert shown_count is not None and int(shown_count.group(1)) == count, reason
+    listed = re.findall(r'href="[^"]*/operations/(\d+)">\d+</a></td><td>t/charge/w-', page)
+    assert [int(i) for i in listed] == [closing[2], closing[0]]  # closed first, then 30 min
+    assert re.search(r"<tr><td>hook2</td><td>open</td><td class=\"num\">2</td>", page)
+    assert "<tr><td>hook</td>" not in page.split("Breakers not closed")[1]
