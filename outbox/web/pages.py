@@ -192,8 +192,10 @@ async def operation(console: Console, request: Request) -> Response:
 
 async def failures(console: Console, request: Request) -> Response:
     user = await console.user(request)
-    groups = await console.db(reads.failure_groups)
-    return console.page(request, "failures.html", user, groups=groups)
+    groups, waiting = await console.db(reads.failure_groups)
+    return console.page(
+        request, "failures.html", user, groups=groups, waiting=waiting, grouped=reads.GROUPED
+    )
 
 
 async def reconcile(console: Console, request: Request) -> Response:

@@ -29,6 +29,8 @@ CLOSING_HORIZON: Final = timedelta(hours=1)  # "closes soon": within the hour, a
 # A search by a provider's reference or a correlation id reads this many of the newest
 # operations at most (neither has an index).
 REFERENCE_WINDOW: Final = 1_000_000
+# The failure groups are made of the oldest this many of each status: past it, the page says so.
+GROUPED: Final = 10_000
 CONFLICTS_SHOWN: Final = 10_000  # past this, the overview says "more than"
 _IDENTITY: Final = re.compile(r"([^/]+)/([^/]+)/(.+)")
 
@@ -78,7 +80,11 @@ def overview(
             ((p, float(age)) for p, age in oldest.items() if age is not None),
             key=lambda pa: -pa[1],
         ),
-        "attention": _all(conn, statements.ATTENTION_BY_REASON, {}),
+        "attention": _all(conn, statements.ATTENTION_BY_REASON, {"examine": GROUPED}),
+        "waiting": {
+            r["status"]: r["operations"] for r in _all(conn, statements.WAITING_BY_STATUS, {})
+        },
+        "grouped": GROUPED,
         "in_doubt": operators.list_attention(conn, Status.RECONCILING, limit=10),
         "closing": _all(
             conn,
@@ -132,8 +138,14 @@ def search(conn: psycopg.Connection[Any], text: str) -> list[int]:
     return list(dict.fromkeys(found))
 
 
-def failure_groups(conn: psycopg.Connection[Any], *, limit: int = 200) -> list[Row]:
-    return _all(conn, statements.FAILURE_GROUPS, {"limit": limit})
+def failure_groups(
+    conn: psycopg.Connection[Any], *, limit: int = 200, examine: int = GROUPED
+) -> tuple[list[Row], dict[str, int]]:
+    """The failure groups of the oldest ``examine`` waiting operations of each status, and how
+    many wait in all, by status (a group's bulk dry run counts it exactly)."""
+    groups = _all(conn, statements.FAILURE_GROUPS, {"limit": limit, "examine": examine})
+    waiting = {r["status"]: r["operations"] for r in _all(conn, statements.WAITING_BY_STATUS, {})}
+    return groups, waiting
 
 
 def key_window(conn: psycopg.Connection[Any], op: Row, windows: dict[str, timedelta]) -> Row | None:

@@ -27,7 +27,7 @@ from outbox.config.loader import settings_from_mapping
 from outbox.core.model import Status
 from outbox.providers.base import Provider
 from outbox.testing.stripe import FakeStripe, StripeFault
-from outbox.web import bulk
+from outbox.web import bulk, reads
 from outbox.web.app import Console, Options, open_pool
 from outbox.web.auth import Credentials, Role, User, hash_password, read_credentials
 from outbox.web.pages import create_app
@@ -813,3 +813,19 @@ def test_the_overview_counts_the_waiting_by_reason_and_the_key_windows_closing(
     assert [int(i) for i in listed] == [closing[2], closing[0]]  # closed first, then 30 min
     assert re.search(r"<tr><td>hook2</td><td>open</td><td class=\"num\">2</td>", page)
     assert "<tr><td>hook</td>" not in page.split("Breakers not closed")[1]
+
+
+def test_failure_groups_of_a_huge_incident_are_made_of_the_oldest_and_say_so(
+    db_url: str,
+) -> None:
+    population = quarantine_population(db_url, random.Random(23), 30)
+    oldest = sorted(population, key=lambda p: -p["hours_ago"])[:7]
+    with psycopg.connect(db_url) as conn:
+        groups, waiting = reads.failure_groups(conn, examine=7)
+    assert waiting == {"quarantined": 30}
+    assert sum(g["operations"] for g in groups) == 7
+    expected: dict[tuple[str, str, str], int] = {}
+    for p in oldest:
+        key = (p["provider"], p["error"], p["reason"])
+        expected[key] = expected.get(key, 0) + 1
+    assert {(g["provider"], g["error"], g["reason"]): g["operations"] for g in groups} == expected
