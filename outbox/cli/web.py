@@ -11,6 +11,7 @@ import click
 from outbox.cli.common import TEXT, BadInput, config_option, dsn_option
 from outbox.config.loader import load_settings
 from outbox.config.settings import ConfigError, Settings
+from outbox.daemon import service as daemon
 from outbox.web import auth
 
 DEFAULT_LISTEN: Final = "127.0.0.1:8086"
@@ -72,7 +73,10 @@ def _settings(config_path: Path | None) -> Settings:
 
 
 def _address(listen: str) -> tuple[str, int]:
-    host, sep, port = listen.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise click.BadParameter(f"{listen!r}: write HOST:PORT", param_hint="--listen")
-    return host.strip("[]") or "127.0.0.1", int(port)
+    try:
+        found = daemon.parse_addr(listen)  # HOST:PORT as `run --metrics-addr` reads it
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--listen") from None
+    if found is None:  # "off": a console must listen somewhere
+        raise click.BadParameter("the console needs an address: HOST:PORT", param_hint="--listen")
+    return found

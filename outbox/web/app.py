@@ -29,12 +29,12 @@ from starlette.templating import Jinja2Templates
 from outbox.config.settings import Settings
 from outbox.core.durations import format_duration
 from outbox.core.model import Status
-from outbox.db.connect import pin_search_path
+from outbox.db.connect import connection_options, pin_search_path
 from outbox.db.dsn import scrub
 from outbox.web import bulk, reads
 from outbox.web.auth import ANONYMOUS, Credentials, FormTokens, Role, User, basic_credentials
 from outbox.web.auth import proxy_user as user_from_proxy
-from outbox.web.statements import SESSION_TIMEOUT, TOO_PRIVILEGED
+from outbox.web.statements import SESSION_SETTINGS, TOO_PRIVILEGED
 
 T = TypeVar("T")
 HERE: Final = Path(__file__).parent
@@ -99,9 +99,10 @@ def open_pool(
         conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
         conn.autocommit = True
         if pin_search_path(conn) and session_settings:
-            conn.execute(SESSION_TIMEOUT)
+            conn.execute(SESSION_SETTINGS)
 
-    kwargs = {"application_name": "outbox-web", "prepare_threshold": None, "connect_timeout": 5}
+    # The network defaults of every outbox connection; what the DSN sets itself wins.
+    kwargs = {**connection_options(dsn, "outbox-web"), "prepare_threshold": None}
     return ConnectionPool(
         dsn,
         min_size=1,

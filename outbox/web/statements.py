@@ -184,6 +184,8 @@ FROM pg_roles r WHERE r.rolname = current_user
 """
 
 # The console's session: a statement that reads too far is stopped after 5 s, not left to hold
-# a connection. Not through a transaction pooler, where a session setting would reach other
-# clients (docs/pgbouncer.md): there the role's own setting rules.
-SESSION_TIMEOUT: Final = "SET statement_timeout = '5s'"
+# a connection; no JIT, which compiled the gauges' query afresh on every read at ten million rows
+# (outbox.db.connect.SESSION_LIMITS says so for the daemon). Not through a transaction pooler,
+# where a session setting would reach other clients (docs/pgbouncer.md): there the role's own
+# settings rule.
+SESSION_SETTINGS: Final = "SET statement_timeout = '5s'; SET jit = off"
